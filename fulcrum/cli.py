@@ -1,0 +1,45 @@
+"""The `fulcrum` command: one sub-command per job, each implemented by a module's `main(argv) -> int`.
+
+Modules are imported only when their sub-command runs, so `fulcrum --help` stays fast and one broken
+optional piece never stops the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# sub-command -> (module, one-line help). The module defines `main(argv: list[str]) -> int`.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("fulcrum.trainer.main_ppo", "run PPO/GRPO training (no arguments: the built-in demo)"),
+    "sft": ("fulcrum.trainer.sft", "supervised fine-tuning on prompt/response parquet data"),
+    "data": ("fulcrum.data.cli", "prepare data sets: `fulcrum data gsm8k --src SRC --out DIR`"),
+    "doctor": ("fulcrum.tools.doctor", "check a configuration before spending GPU time"),
+    "report": ("fulcrum.tools.report", "write RUN_DIR/report.html with plots and a diagnosis"),
+    "export": ("fulcrum.tools.export", "a checkpoint's actor or critic as a Hugging Face folder"),
+    "tiny-model": ("fulcrum.models.tiny", "write a small random-initialised model with a tokenizer"),
+}
+
+
+def usage() -> str:
+    width = max(len(c) for c in COMMANDS)
+    lines = ["usage: fulcrum COMMAND [ARGS ...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"fulcrum: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs fulcrum with its test tools into a virtual environment and runs the test suite.
+# torch==2.13.0 first: on these machines pip takes a CPU build from local disk, so no CUDA build is pulled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${FULCRUM_VENV:-.venv}
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+"$VENV/bin/python" -m pip install -q torch==2.13.0
+"$VENV/bin/python" -m pip install -q -e ".[dev]"
+"$VENV/bin/ruff" check fulcrum tests bench
+exec "$VENV/bin/python" -m pytest -q "$@"
