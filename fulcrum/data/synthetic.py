@@ -68,7 +68,8 @@ class ArithmeticTask:
     max_operand: int = 20
     operations: tuple[str, ...] = ("+", "-")  # any of "+", "-"
     num_operations: int = 1  # operations per problem: 1 gives "a + b", 2 gives "a + b - c", ...
-    instruction: str | None = GSM8K_INSTRUCTION  # appended to the question, as verl's gsm8k prompt; None: none
+    # Appended to the question, as in verl's gsm8k prompt; None: no instruction.
+    instruction: str | None = GSM8K_INSTRUCTION
     data_source: str = DATA_SOURCE
 
     def __post_init__(self) -> None:
@@ -111,7 +112,9 @@ def make_problem(rng: random.Random, task: ArithmeticTask) -> Problem:
         # Subtracting from a value below min_operand would force a negative result: add instead.
         ops = [op for op in task.operations if op == "+" or value >= task.min_operand]
         op = rng.choice(ops or ["+"])
-        operand = rng.randint(task.min_operand, task.max_operand if op == "+" else min(value, task.max_operand))
+        operand = rng.randint(
+            task.min_operand, task.max_operand if op == "+" else min(value, task.max_operand)
+        )
         result = value + operand if op == "+" else value - operand
         templates = context[op]
         assert isinstance(templates, list)
