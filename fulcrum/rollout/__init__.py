@@ -1,0 +1,84 @@
+"""Rollout backends behind one protocol (`fulcrum.rollout.base`): `native` (ours) and `hf` (reference).
+
+`build_rollout(cfg.actor_rollout_ref.rollout, actor_module, tokenizer, device)` picks the backend:
+`name=hf` always gives `hf`; `name=native` gives the native engine (any device); verl's engine names
+(`vllm`, `sglang`) and `auto` mean "the fast one": `native` on CUDA, `hf` on the CPU. An
+architecture the native engine does not implement falls back to `hf` with one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from fulcrum.rollout.base import FinishReason, RolloutEngine, RolloutOutput, SamplingParams
+from fulcrum.rollout.hf import HFRollout
+from fulcrum.rollout.metrics import logprob_diff
+
+__all__ = [
+    "FinishReason",
+    "HFRollout",
+    "RolloutEngine",
+    "RolloutOutput",
+    "SamplingParams",
+    "build_rollout",
+    "eos_token_ids_of",
+    "logprob_diff",
+]
+
+logger = logging.getLogger(__name__)
+
+FAST_ENGINE_NAMES = ("native", "vllm", "sglang", "auto")
+
+
+def eos_token_ids_of(model: nn.Module, tokenizer: Any) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS plus the model's generation_config EOS ids."""
+    ids: list[int] = []
+    candidates: list[Any] = [getattr(tokenizer, "eos_token_id", None)]
+    generation_config = getattr(model, "generation_config", None)
+    candidates.append(getattr(generation_config, "eos_token_id", None))
+    for value in candidates:
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    if not ids:
+        raise ValueError("the tokenizer and the model's generation_config name no eos_token_id")
+    return ids
+
+
+def pad_token_id_of(tokenizer: Any, eos_ids: list[int]) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return int(pad) if pad is not None else eos_ids[0]
+
+
+def build_rollout(rollout_cfg: Any, model: nn.Module, tokenizer: Any, device: torch.device) -> RolloutEngine:
+    """The rollout engine that `rollout_cfg` (`cfg.actor_rollout_ref.rollout`) asks for on `device`."""
+    device = torch.device(device)
+    name = str(getattr(rollout_cfg, "name", "auto"))
+    if name != "hf" and name not in FAST_ENGINE_NAMES:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.name={name!r} is not a rollout backend; choose 'native' or 'hf'"
+        )
+    eos_ids = eos_token_ids_of(model, tokenizer)
+    pad_id = pad_token_id_of(tokenizer, eos_ids)
+    max_num_seqs = int(getattr(rollout_cfg, "max_num_seqs", 256) or 256)
+    use_native = name == "native" or (name in FAST_ENGINE_NAMES and device.type == "cuda")
+    if use_native:
+        from fulcrum.rollout.native import NATIVE_ARCHITECTURES, build_native_engine
+
+        arch = getattr(getattr(model, "config", None), "model_type", None)
+        if arch in NATIVE_ARCHITECTURES:
+            return build_native_engine(rollout_cfg, model, eos_ids, pad_id, device)
+        logger.warning(
+            "rollout: the native engine does not implement model_type=%r (it has %s); using the hf backend",
+            arch,
+            ", ".join(sorted(NATIVE_ARCHITECTURES)),
+        )
+    elif name != "hf":
+        logger.info(
+            "rollout: name=%s on %s: using the hf backend (the native engine is for CUDA)", name, device
+        )
+    return HFRollout(model, eos_ids, pad_id, device, max_num_seqs=max_num_seqs)
