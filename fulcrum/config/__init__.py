@@ -1,0 +1,45 @@
+"""fulcrum's configuration: verl's key tree as typed dataclasses, verl-style overrides, validation.
+
+from fulcrum.config import load_config, save_config, validate
+cfg = load_config(["data.train_batch_size=256", "actor_rollout_ref.rollout.n=4"])
+problems = validate(cfg, n_devices=1)   # [] when the configuration can run
+save_config(cfg, run_dir / "config.yaml")
+"""
+
+from fulcrum.config.coerce import ConfigError
+from fulcrum.config.compat import NO_EFFECT_KEYS, UNSUPPORTED, is_no_effect
+from fulcrum.config.loader import (
+    DERIVED,
+    KeyInfo,
+    apply_override,
+    describe,
+    format_keys,
+    from_dict,
+    load_config,
+    load_config_file,
+    load_yaml,
+    resolve,
+    save_config,
+    to_dict,
+)
+from fulcrum.config.schema import FulcrumConfig
+
+__all__ = [
+    "DERIVED",
+    "NO_EFFECT_KEYS",
+    "UNSUPPORTED",
+    "ConfigError",
+    "FulcrumConfig",
+    "KeyInfo",
+    "apply_override",
+    "describe",
+    "format_keys",
+    "from_dict",
+    "is_no_effect",
+    "load_config",
+    "load_config_file",
+    "load_yaml",
+    "resolve",
+    "save_config",
+    "to_dict",
+]

@@ -1,0 +1,481 @@
+# ruff: noqa: RUF009  -- `opt`/`sub` return dataclasses.field(...) objects, not shared default values
+"""The key tree of a fulcrum run: typed dataclasses whose attribute paths are verl's keys.
+
+One place defines each key: the dataclass field, its default (verl's `ppo_trainer.yaml` unless the
+comment says otherwise) and a one-line `help` that `describe()` and `fulcrum doctor --keys` print.
+A default of `None` on a key that "follows" another key is filled in by `resolve()` (see
+`DERIVED` in `fulcrum.config.loader`), the way verl's yaml uses `${oc.select:...}` interpolation.
+
+Fields typed `dict[str, Any]` are free-form: any sub-key may be set (`+reward_model.reward_kwargs.x=1`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+def opt(default: Any, help: str) -> Any:
+    """A config field with its default and one-line help (mutable defaults are copied per instance)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def sub(cls: type, help: str) -> Any:
+    """A nested group of keys."""
+    return field(default_factory=cls, metadata={"help": help})
+
+
+# ----------------------------------------------------------------------------------------- data
+@dataclass
+class CustomClsConfig:
+    path: str | None = opt(None, "python file defining a custom dataset class")
+    name: str | None = opt(None, "name of the dataset class in that file")
+
+
+@dataclass
+class SamplerConfig:
+    class_path: str | None = opt(None, "python file defining a custom sampler (curriculum)")
+    class_name: str | None = opt(None, "name of the sampler class")
+
+
+@dataclass
+class DatagenConfig:
+    path: str | None = opt(None, "python file defining a dynamic data generator")
+    name: str | None = opt(None, "name of the generator class")
+
+
+@dataclass
+class DataConfig:
+    tokenizer: str | None = opt(None, "tokenizer path; null uses actor_rollout_ref.model.path")
+    use_shm: bool = opt(False, "copy the model to shared memory before loading (verl; no effect)")
+    train_files: str | list[str] = opt("~/data/rlhf/gsm8k/train.parquet", "training parquet file(s)")
+    val_files: str | list[str] = opt("~/data/rlhf/gsm8k/test.parquet", "validation parquet file(s)")
+    prompt_key: str = opt("prompt", "parquet column holding the chat-message prompt")
+    reward_fn_key: str = opt("data_source", "column used to pick the reward function")
+    max_prompt_length: int = opt(512, "longest prompt in tokens (after the chat template)")
+    max_response_length: int = opt(512, "longest generated response in tokens")
+    train_batch_size: int = opt(1024, "prompts per training step (responses = this x rollout.n)")
+    val_batch_size: int | None = opt(None, "deprecated in verl: validation uses the whole set at once")
+    return_raw_input_ids: bool = opt(False, "also return prompt ids without chat template (verl)")
+    return_raw_chat: bool = opt(False, "also return the raw chat messages")
+    return_full_prompt: bool = opt(False, "also return the templated prompt text")
+    shuffle: bool = opt(True, "shuffle training prompts each epoch")
+    seed: int | None = opt(None, "shuffle seed; null uses trainer.seed (verl: 1)")
+    dataloader_num_workers: int = opt(
+        8, "data loader worker processes (no effect: prompts are pre-tokenised)"
+    )
+    validation_shuffle: bool = opt(False, "shuffle validation prompts")
+    filter_overlong_prompts: bool = opt(False, "drop prompts longer than max_prompt_length")
+    filter_overlong_prompts_workers: int = opt(1, "processes used for filtering (no effect)")
+    truncation: Literal["error", "left", "right", "middle"] = opt(
+        "error", "what to do with a prompt over max_prompt_length"
+    )
+    image_key: str = opt("images", "column with images (multi-modal; not supported)")
+    video_key: str = opt("videos", "column with videos (multi-modal; not supported)")
+    trust_remote_code: bool = opt(False, "allow the tokenizer's remote code")
+    custom_cls: CustomClsConfig = sub(CustomClsConfig, "custom dataset class")
+    return_multi_modal_inputs: bool = opt(True, "multi-modal inputs (not supported)")
+    sampler: SamplerConfig = sub(SamplerConfig, "custom sampler")
+    datagen: DatagenConfig = sub(DatagenConfig, "dynamic data generator")
+    apply_chat_template_kwargs: dict[str, Any] = opt({}, "extra kwargs for tokenizer.apply_chat_template")
+
+
+# ---------------------------------------------------------------------------- actor_rollout_ref
+@dataclass
+class ModelConfig:
+    path: str = opt("~/models/deepseek-llm-7b-chat", "Hugging Face model folder or hub name of the policy")
+    custom_chat_template: str | None = opt(None, "jinja chat template replacing the tokenizer's")
+    use_shm: bool = opt(False, "copy the model to shared memory before loading (no effect)")
+    external_lib: str | None = opt(None, "python module to import before loading (registers custom models)")
+    override_config: dict[str, Any] = opt({}, "overrides applied to the model's config.json")
+    enable_gradient_checkpointing: bool = opt(True, "recompute activations in backward to save memory")
+    enable_activation_offload: bool = opt(False, "offload activations to CPU (no effect)")
+    use_remove_padding: bool = opt(False, "pack sequences without padding for the forward passes")
+    lora_rank: int = opt(0, "LoRA rank; 0 trains all weights (LoRA not supported yet)")
+    lora_alpha: int = opt(16, "LoRA alpha")
+    target_modules: str | list[str] = opt("all-linear", "LoRA target modules")
+    exclude_modules: str | None = opt(None, "LoRA excluded modules")
+    use_liger: bool = opt(False, "use Liger kernels (no effect)")
+    use_fused_kernels: bool = opt(False, "use fused log-prob kernels")
+    fused_kernel_options: dict[str, Any] = opt({"impl_backend": "torch"}, "options for fused kernels")
+    trust_remote_code: bool = opt(False, "allow the model's remote code")
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: Literal["vanilla", "gspo", "clip-cov", "kl-cov", "gpg"] = opt(
+        "vanilla", "policy loss: vanilla (PPO clip) or gspo (sequence-level ratio)"
+    )
+    clip_cov_ratio: float = opt(0.0002, "fraction of tokens clipped by clip-cov")
+    clip_cov_lb: float = opt(1.0, "lower bound for clip-cov")
+    clip_cov_ub: float = opt(5.0, "upper bound for clip-cov")
+    kl_cov_ratio: float = opt(0.0002, "fraction of tokens given a KL penalty by kl-cov")
+    ppo_kl_coef: float = opt(0.1, "KL coefficient of kl-cov")
+
+
+@dataclass
+class CheckpointConfig:
+    save_contents: list[str] = opt(["model", "optimizer", "extra"], "what a checkpoint holds")
+    load_contents: list[str] | None = opt(None, "what resume loads; null follows save_contents")
+    async_save: bool = opt(False, "save in the background (no effect)")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = opt(1e-6, "peak learning rate")
+    lr_warmup_steps_ratio: float = opt(
+        0.0, "warm-up steps as a fraction of total steps (if lr_warmup_steps<=0)"
+    )
+    total_training_steps: int = opt(-1, "steps for the LR schedule; -1 is filled in by the trainer")
+    weight_decay: float = opt(0.01, "AdamW weight decay")
+    lr_warmup_steps: int | None = opt(-1, "warm-up steps; null, 0 or negative use lr_warmup_steps_ratio")
+    lr_scheduler_type: Literal["constant", "cosine"] = opt("constant", "LR schedule after warm-up")
+    warmup_style: Literal["constant", "cosine"] | None = opt(
+        None, "older verl name of lr_scheduler_type; when set it wins"
+    )
+    min_lr_ratio: float | None = opt(0.0, "cosine schedule floor as a fraction of lr")
+    num_cycles: float = opt(0.5, "cosine cycles over the schedule")
+    betas: list[float] = opt([0.9, 0.999], "AdamW betas")
+    clip_grad: float | None = opt(None, "older name of the role's grad_clip; when set it wins")
+    optimizer: str = opt("AdamW", "optimizer class name (AdamW only)")
+    optimizer_impl: str = opt("torch.optim", "module holding the optimizer class")
+    override_optimizer_config: dict[str, Any] | None = opt(None, "extra optimizer kwargs")
+
+
+@dataclass
+class FSDPConfig:
+    wrap_policy: dict[str, Any] = opt({"min_num_params": 0}, "FSDP wrap policy (no effect)")
+    param_offload: bool = opt(False, "offload parameters to CPU (no effect on one device)")
+    optimizer_offload: bool = opt(False, "offload optimizer state to CPU (no effect on one device)")
+    offload_policy: bool = opt(False, "FSDP2 CPU offload policy (no effect)")
+    reshard_after_forward: bool = opt(True, "FSDP reshard after forward (no effect)")
+    fsdp_size: int = opt(-1, "FSDP group size; -1 all devices (no effect)")
+    forward_prefetch: bool = opt(False, "FSDP forward prefetch (no effect)")
+    model_dtype: str | None = opt(
+        None, "dtype the trained weights are kept in; null: fp32 (verl: fp32 actor)"
+    )
+
+
+@dataclass
+class ActorConfig:
+    strategy: Literal["fsdp", "fsdp2"] = opt(
+        "fsdp", "data-parallel strategy (fsdp and fsdp2 mean the same here)"
+    )
+    ppo_mini_batch_size: int = opt(256, "prompts per optimiser step (x rollout.n responses)")
+    ppo_micro_batch_size: int | None = opt(
+        None, "deprecated global micro batch; use ppo_micro_batch_size_per_gpu"
+    )
+    ppo_micro_batch_size_per_gpu: int | None = opt(None, "responses per forward/backward per device")
+    use_dynamic_bsz: bool = opt(False, "pack micro-batches by token count instead of a fixed size")
+    ppo_max_token_len_per_gpu: int = opt(16384, "token budget per micro-batch with use_dynamic_bsz")
+    clip_ratio: float = opt(0.2, "PPO clip epsilon")
+    clip_ratio_low: float | None = opt(0.2, "lower clip epsilon; null follows clip_ratio")
+    clip_ratio_high: float | None = opt(0.2, "upper clip epsilon; null follows clip_ratio")
+    policy_loss: PolicyLossConfig = sub(PolicyLossConfig, "policy loss variant")
+    clip_ratio_c: float = opt(3.0, "dual-clip constant C (clips when advantage < 0)")
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = opt("token-mean", "how token losses are averaged")
+    entropy_coeff: float = opt(0.0, "entropy bonus coefficient")
+    use_kl_loss: bool = opt(False, "add KL(actor||ref) to the loss (GRPO style)")
+    use_torch_compile: bool = opt(True, "torch.compile hot functions (no effect)")
+    kl_loss_coef: float = opt(0.001, "coefficient of the KL loss")
+    kl_loss_type: str = opt("low_var_kl", "KL estimator of the loss: kl, abs, mse, low_var_kl, full")
+    ppo_epochs: int = opt(1, "passes over each batch")
+    shuffle: bool = opt(False, "shuffle mini-batches across PPO epochs")
+    checkpoint: CheckpointConfig = sub(CheckpointConfig, "checkpoint contents")
+    optim: OptimConfig = sub(OptimConfig, "optimiser and LR schedule")
+    grad_clip: float = opt(1.0, "max global gradient norm")
+    ulysses_sequence_parallel_size: int = opt(1, "sequence parallel size (only 1 supported)")
+    entropy_from_logits_with_chunking: bool = opt(False, "compute entropy in chunks to save memory")
+    entropy_checkpointing: bool = opt(False, "recompute entropy in backward")
+    fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP settings")
+    use_remove_padding: bool | None = opt(None, "null follows actor_rollout_ref.model.use_remove_padding")
+    use_fused_kernels: bool | None = opt(None, "null follows actor_rollout_ref.model.use_fused_kernels")
+    profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
+
+
+@dataclass
+class RefConfig:
+    strategy: str | None = opt(None, "null follows actor.strategy")
+    use_torch_compile: bool | None = opt(None, "null follows actor.use_torch_compile")
+    log_prob_micro_batch_size: int | None = opt(None, "deprecated; use log_prob_micro_batch_size_per_gpu")
+    log_prob_micro_batch_size_per_gpu: int | None = opt(None, "responses per reference forward per device")
+    log_prob_use_dynamic_bsz: bool | None = opt(None, "null follows actor.use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: int | None = opt(None, "null follows actor.ppo_max_token_len_per_gpu")
+    fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP settings")
+    ulysses_sequence_parallel_size: int | None = opt(
+        None, "null follows actor.ulysses_sequence_parallel_size"
+    )
+    entropy_from_logits_with_chunking: bool = opt(False, "compute entropy in chunks")
+    entropy_checkpointing: bool = opt(False, "recompute entropy in backward")
+    model: dict[str, Any] | None = opt(
+        None, "a different reference model (null: the actor's initial weights)"
+    )
+    profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
+
+
+@dataclass
+class SamplingConfig:
+    n: int = opt(1, "responses per validation prompt")
+    do_sample: bool = opt(False, "sample (true) or greedy (false) at validation")
+    temperature: float = opt(0.0, "validation temperature")
+    top_p: float = opt(1.0, "validation nucleus sampling")
+    top_k: int = opt(-1, "validation top-k; -1 off")
+
+
+@dataclass
+class MultiTurnConfig:
+    enable: bool = opt(False, "multi-turn rollouts with tools (not supported)")
+    max_assistant_turns: int | None = opt(None, "multi-turn limit")
+    tool_config_path: str | None = opt(None, "tool config")
+    max_user_turns: int | None = opt(None, "multi-turn limit")
+    max_parallel_calls: int = opt(1, "parallel tool calls")
+    max_tool_response_length: int = opt(256, "tool response limit")
+    tool_response_truncate_side: str = opt("middle", "tool response truncation")
+    interaction_config_path: str | None = opt(None, "interaction config")
+    use_inference_chat_template: bool = opt(False, "chat template at inference")
+    tokenization_sanity_check_mode: str = opt("strict", "tokenisation check")
+    format: str = opt("hermes", "tool-call format")
+
+
+@dataclass
+class RolloutConfig:
+    name: Literal["native", "hf"] = opt(
+        "native", "generation backend: native (ours) or hf; vllm/sglang are mapped to native (verl: vllm)"
+    )
+    mode: str = opt("async", "verl's sync/async rollout mode (no effect)")
+    temperature: float = opt(1.0, "sampling temperature; 0 is greedy")
+    top_k: int = opt(-1, "top-k sampling; -1 off")
+    top_p: float = opt(1.0, "nucleus sampling")
+    prompt_length: int | None = opt(None, "null follows data.max_prompt_length")
+    response_length: int | None = opt(None, "null follows data.max_response_length")
+    dtype: str = opt("bfloat16", "rollout weights dtype")
+    gpu_memory_utilization: float = opt(
+        0.5, "fraction of device memory the engine may use (weights + KV cache)"
+    )
+    ignore_eos: bool = opt(False, "keep generating past EOS")
+    enforce_eager: bool = opt(False, "no CUDA graphs for decode")
+    cudagraph_capture_sizes: list[int] | None = opt(None, "batch sizes captured as CUDA graphs")
+    free_cache_engine: bool = opt(True, "release the KV cache while training")
+    load_format: str = opt("dummy_dtensor", "how the engine first gets weights (no effect: shared in place)")
+    layered_summon: bool = opt(False, "FSDP layered summon (no effect)")
+    tensor_model_parallel_size: int = opt(2, "tensor-parallel size of the engine")
+    max_num_batched_tokens: int = opt(8192, "token budget per engine step")
+    max_model_len: int | None = opt(None, "engine's longest sequence; null: prompt_length + response_length")
+    max_num_seqs: int = opt(1024, "sequences scheduled at once")
+    log_prob_micro_batch_size: int | None = opt(None, "deprecated; use log_prob_micro_batch_size_per_gpu")
+    log_prob_micro_batch_size_per_gpu: int | None = opt(None, "responses per old-log-prob forward per device")
+    log_prob_use_dynamic_bsz: bool | None = opt(None, "null follows actor.use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: int | None = opt(None, "null follows actor.ppo_max_token_len_per_gpu")
+    disable_log_stats: bool = opt(True, "silence engine statistics")
+    enable_chunked_prefill: bool = opt(True, "split long prefills across engine steps")
+    do_sample: bool = opt(True, "sample (true) or greedy (false) in training rollouts")
+    n: int = opt(1, "responses per prompt (GRPO/RLOO need > 1)")
+    over_sample_rate: float = opt(0.0, "over-sampling for partial rollouts (no effect)")
+    multi_stage_wake_up: bool = opt(False, "wake weights and KV cache in stages (no effect)")
+    calculate_log_probs: bool = opt(False, "return the engine's log-probs for diagnostics")
+    update_weights_bucket_megabytes: int = opt(512, "weight-sync bucket size (no effect)")
+    skip_rollout: bool = opt(False, "reuse dumped rollouts (no effect)")
+    skip_dump_dir: str = opt("/tmp/rollout_dump", "where skipped rollouts live (no effect)")
+    engine_kwargs: dict[str, Any] = opt({"vllm": {}, "sglang": {}}, "backend-specific kwargs (no effect)")
+    val_kwargs: SamplingConfig = sub(SamplingConfig, "sampling at validation")
+    multi_turn: MultiTurnConfig = sub(MultiTurnConfig, "multi-turn rollouts (not supported)")
+    agent: dict[str, Any] = opt({}, "agent loop settings (no effect)")
+    trace: dict[str, Any] = opt({}, "rollout tracing (no effect)")
+    profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
+    seed: int | None = opt(None, "sampling seed; null derives it from trainer.seed (ours)")
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = opt(True, "actor, reference and rollout share devices (always true here)")
+    nccl_timeout: int = opt(600, "collective timeout in seconds")
+    model: ModelConfig = sub(ModelConfig, "the policy model")
+    actor: ActorConfig = sub(ActorConfig, "policy training")
+    ref: RefConfig = sub(RefConfig, "reference policy")
+    rollout: RolloutConfig = sub(RolloutConfig, "generation")
+
+
+# -------------------------------------------------------------------------------------- critic
+@dataclass
+class CriticModelConfig:
+    path: str = opt("~/models/deepseek-llm-7b-chat", "critic's initial model (a value head is added)")
+    tokenizer_path: str | None = opt(None, "null follows actor_rollout_ref.model.path")
+    override_config: dict[str, Any] = opt({}, "overrides applied to the model's config.json")
+    external_lib: str | None = opt(None, "null follows actor_rollout_ref.model.external_lib")
+    trust_remote_code: bool | None = opt(None, "null follows actor_rollout_ref.model.trust_remote_code")
+    use_shm: bool = opt(False, "shared-memory loading (no effect)")
+    enable_gradient_checkpointing: bool = opt(True, "recompute activations in backward")
+    enable_activation_offload: bool = opt(False, "offload activations (no effect)")
+    use_remove_padding: bool = opt(False, "pack sequences without padding")
+    fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP settings")
+    lora_rank: int = opt(0, "LoRA rank (not supported)")
+    lora_alpha: int = opt(16, "LoRA alpha")
+    target_modules: str | list[str] = opt("all-linear", "LoRA target modules")
+
+
+def _critic_optim() -> OptimConfig:
+    return OptimConfig(lr=1e-5)
+
+
+@dataclass
+class CriticConfig:
+    enable: bool | None = opt(None, "null: use a critic when algorithm.adv_estimator is gae")
+    strategy: Literal["fsdp", "fsdp2"] = opt("fsdp", "data-parallel strategy")
+    rollout_n: int | None = opt(None, "null follows actor_rollout_ref.rollout.n")
+    optim: OptimConfig = field(default_factory=_critic_optim, metadata={"help": "critic optimiser (lr 1e-5)"})
+    model: CriticModelConfig = sub(CriticModelConfig, "critic model")
+    ppo_mini_batch_size: int | None = opt(None, "null follows actor.ppo_mini_batch_size")
+    ppo_micro_batch_size: int | None = opt(None, "deprecated; use ppo_micro_batch_size_per_gpu")
+    ppo_micro_batch_size_per_gpu: int | None = opt(None, "responses per critic forward/backward per device")
+    forward_micro_batch_size: int | None = opt(None, "deprecated; use forward_micro_batch_size_per_gpu")
+    forward_micro_batch_size_per_gpu: int | None = opt(None, "null follows ppo_micro_batch_size_per_gpu")
+    use_dynamic_bsz: bool | None = opt(None, "null follows actor.use_dynamic_bsz")
+    ppo_max_token_len_per_gpu: int = opt(32768, "token budget per micro-batch with use_dynamic_bsz")
+    forward_max_token_len_per_gpu: int | None = opt(None, "null follows ppo_max_token_len_per_gpu")
+    ppo_epochs: int | None = opt(None, "null follows actor.ppo_epochs")
+    shuffle: bool | None = opt(None, "null follows actor.shuffle")
+    grad_clip: float = opt(1.0, "max global gradient norm")
+    cliprange_value: float = opt(0.5, "value clipping range")
+    loss_agg_mode: str | None = opt(None, "null follows actor.loss_agg_mode")
+    ulysses_sequence_parallel_size: int = opt(1, "sequence parallel size (only 1 supported)")
+    checkpoint: CheckpointConfig = sub(CheckpointConfig, "checkpoint contents")
+    profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
+
+
+# -------------------------------------------------------------------------------- reward_model
+@dataclass
+class RewardModelModelConfig:
+    input_tokenizer: str | None = opt(None, "null follows actor_rollout_ref.model.path")
+    path: str = opt("~/models/FsfairX-LLaMA3-RM-v0.1", "reward model (model-based rewards not supported yet)")
+    external_lib: str | None = opt(None, "python module to import first")
+    trust_remote_code: bool = opt(False, "allow remote code")
+    use_shm: bool = opt(False, "shared-memory loading (no effect)")
+    use_remove_padding: bool = opt(False, "pack sequences")
+    use_fused_kernels: bool = opt(False, "fused kernels")
+    fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP settings")
+
+
+@dataclass
+class SandboxFusionConfig:
+    url: str | None = opt(None, "sandbox URL for code rewards (not supported)")
+    max_concurrent: int = opt(64, "concurrent sandbox requests")
+    memory_limit_mb: int = opt(1024, "sandbox memory limit")
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = opt(False, "use a model-based reward (not supported yet; rule-based rewards are used)")
+    strategy: str = opt("fsdp", "strategy of the reward model")
+    model: RewardModelModelConfig = sub(RewardModelModelConfig, "reward model")
+    micro_batch_size: int | None = opt(None, "deprecated; use micro_batch_size_per_gpu")
+    micro_batch_size_per_gpu: int | None = opt(None, "reward model forward micro-batch")
+    max_length: int | None = opt(None, "reward model max length")
+    use_dynamic_bsz: bool | None = opt(None, "null follows critic.use_dynamic_bsz")
+    forward_max_token_len_per_gpu: int | None = opt(None, "null follows critic.forward_max_token_len_per_gpu")
+    reward_manager: Literal["naive", "prime", "batch", "dapo"] = opt(
+        "naive", "how scores are computed: naive (one call per response)"
+    )
+    launch_reward_fn_async: bool = opt(False, "score in a background process (no effect)")
+    sandbox_fusion: SandboxFusionConfig = sub(SandboxFusionConfig, "code sandbox")
+    reward_kwargs: dict[str, Any] = opt({}, "extra kwargs passed to the reward function")
+    ulysses_sequence_parallel_size: int = opt(1, "sequence parallel size")
+    profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: str | None = opt(None, "python file with a custom reward function")
+    name: str = opt("compute_score", "function name in that file")
+    reward_kwargs: dict[str, Any] = opt({}, "extra kwargs passed to the custom function")
+
+
+# ----------------------------------------------------------------------------------- algorithm
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = opt("fixed", "KL coefficient controller")
+    kl_coef: float = opt(0.001, "(initial) KL coefficient of the in-reward penalty")
+    horizon: int = opt(10000, "adaptive controller horizon")
+    target_kl: float = opt(0.1, "adaptive controller target KL")
+
+
+@dataclass
+class PFPPOConfig:
+    reweight_method: Literal["pow", "max_min", "max_random"] = opt("pow", "PF-PPO reweighting")
+    weight_pow: float = opt(2.0, "PF-PPO power")
+
+
+@dataclass
+class AlgorithmConfig:
+    gamma: float = opt(1.0, "discount factor")
+    lam: float = opt(1.0, "GAE lambda")
+    adv_estimator: str = opt("gae", "advantage estimator: gae, grpo, rloo, reinforce_plus_plus, remax, ...")
+    norm_adv_by_std_in_grpo: bool = opt(True, "divide GRPO advantages by the group std (false: Dr. GRPO)")
+    use_kl_in_reward: bool = opt(False, "subtract a KL penalty from the reward")
+    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "full"] = opt(
+        "kl", "KL estimator of the in-reward penalty"
+    )
+    kl_ctrl: KLControlConfig = sub(KLControlConfig, "KL coefficient controller")
+    use_pf_ppo: bool = opt(False, "preference-feedback PPO reweighting")
+    pf_ppo: PFPPOConfig = sub(PFPPOConfig, "PF-PPO settings")
+    filter_groups: dict[str, Any] = opt({}, "DAPO dynamic sampling (not supported)")
+
+
+# ------------------------------------------------------------------------------------- trainer
+@dataclass
+class TrainerConfig:
+    balance_batch: bool = opt(True, "reorder responses so devices get equal token counts")
+    total_epochs: int = opt(30, "passes over the training data")
+    total_training_steps: int | None = opt(None, "stop after this many steps (null: epochs decide)")
+    project_name: str = opt("verl_examples", "project name (loggers, run directory)")
+    experiment_name: str = opt("gsm8k", "experiment name (loggers, run directory)")
+    logger: list[str] = opt(
+        ["console"], "loggers: console, tensorboard, wandb, jsonl (verl: [console, wandb])"
+    )
+    log_val_generations: int = opt(0, "validation generations to log per validation")
+    rollout_data_dir: str | None = opt(None, "dump training rollouts as jsonl here")
+    validation_data_dir: str | None = opt(None, "dump validation generations as jsonl here")
+    nnodes: int = opt(1, "machines (only 1 supported)")
+    n_gpus_per_node: int = opt(8, "devices per machine")
+    save_freq: int = opt(-1, "checkpoint every N steps; -1 never (except the last step)")
+    esi_redundant_time: int = opt(0, "expiry margin for elastic instances (no effect)")
+    resume_mode: Literal["auto", "disable", "resume_path"] = opt("auto", "auto, disable or resume_path")
+    resume_from_path: str | None = opt(None, "checkpoint folder for resume_mode=resume_path")
+    val_before_train: bool = opt(True, "validate before the first step")
+    val_only: bool = opt(False, "validate and exit")
+    test_freq: int = opt(-1, "validate every N steps; -1 never")
+    critic_warmup: int = opt(0, "steps that train only the critic")
+    default_hdfs_dir: str | None = opt(None, "HDFS copy of checkpoints (no effect)")
+    del_local_ckpt_after_load: bool = opt(False, "delete local checkpoint after loading (no effect)")
+    default_local_dir: str | None = opt(
+        None, "run directory; null: checkpoints/{project_name}/{experiment_name}"
+    )
+    max_actor_ckpt_to_keep: int | None = opt(None, "keep only the newest N actor checkpoints")
+    max_critic_ckpt_to_keep: int | None = opt(None, "keep only the newest N critic checkpoints")
+    ray_wait_register_center_timeout: int = opt(300, "ray timeout (no effect: no ray)")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto (cuda if available), cpu or cuda (verl: cuda)")
+    use_legacy_worker_impl: str = opt("auto", "verl worker implementation switch (no effect)")
+    seed: int = opt(1, "seed for model init, sampling and data order (ours)")
+    save_on_interrupt: bool = opt(True, "write a checkpoint on Ctrl-C / SIGTERM (ours)")
+    max_nan_steps: int = opt(3, "stop after this many consecutive steps with a NaN/inf loss (ours)")
+
+
+# ------------------------------------------------------------------------------------------ root
+@dataclass
+class FulcrumConfig:
+    data: DataConfig = sub(DataConfig, "prompt data")
+    actor_rollout_ref: ActorRolloutRefConfig = sub(ActorRolloutRefConfig, "policy, reference and rollout")
+    critic: CriticConfig = sub(CriticConfig, "value model")
+    reward_model: RewardModelConfig = sub(RewardModelConfig, "reward")
+    custom_reward_function: CustomRewardFunctionConfig = sub(
+        CustomRewardFunctionConfig, "custom reward function"
+    )
+    algorithm: AlgorithmConfig = sub(AlgorithmConfig, "advantage estimation and KL")
+    trainer: TrainerConfig = sub(TrainerConfig, "the training loop")
+    global_profiler: dict[str, Any] = opt({}, "verl's profiler settings (no effect)")
+    ray_kwargs: dict[str, Any] = opt({}, "verl's ray settings (no effect: no ray)")
+    ray_init: dict[str, Any] = opt({}, "older verl's ray settings (no effect: no ray)")

@@ -1,0 +1,84 @@
+"""Walking the dataclass key tree: field types, all key paths, get/set by dotted path, suggestions."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import typing
+from typing import Any
+
+from fulcrum.config.coerce import ConfigError
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """Field name -> resolved type of a config dataclass (string annotations evaluated once)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def is_group(tp: Any) -> bool:
+    """True for a nested dataclass group of keys."""
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def is_free_dict(tp: Any) -> bool:
+    """True for a free-form mapping field (`dict[str, Any]`, optionally `| None`)."""
+    if typing.get_origin(tp) is dict:
+        return True
+    args = typing.get_args(tp)
+    return bool(args) and any(typing.get_origin(a) is dict for a in args)
+
+
+@functools.cache
+def all_keys(cls: type, prefix: str = "") -> tuple[str, ...]:
+    """Every dotted key path under `cls`, groups included (depth-first, declaration order)."""
+    keys: list[str] = []
+    for name, tp in field_types(cls).items():
+        path = f"{prefix}{name}"
+        keys.append(path)
+        if is_group(tp):
+            keys.extend(all_keys(tp, path + "."))
+    return tuple(keys)
+
+
+def suggest(key: str, root_cls: type) -> str | None:
+    """The known key closest to an unknown `key`, by full path, else by its last segment."""
+    known = all_keys(root_cls)
+    # A path missing its leading groups (`actor.ppo_epochs`) matches a known path's tail exactly.
+    tails = [k for k in known if k.endswith("." + key)]
+    if len(tails) == 1:
+        return tails[0]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    leaf = key.rpartition(".")[2]
+    leaves = {k.rpartition(".")[2] for k in known}
+    near = difflib.get_close_matches(leaf, sorted(leaves), n=1, cutoff=0.75)
+    if near:
+        by_leaf = [k for k in known if k.rpartition(".")[2] == near[0]]
+        by_leaf.sort(key=lambda k: -difflib.SequenceMatcher(None, k, key).ratio())
+        return by_leaf[0]
+    return None
+
+
+def unknown_key_error(key: str, root_cls: type, hint: str = "") -> ConfigError:
+    guess = suggest(key, root_cls)
+    message = f"{key}: unknown key"
+    if guess:
+        message += f"; did you mean {guess}?"
+    return ConfigError(message + hint, key)
+
+
+def get_path(cfg: Any, key: str) -> Any:
+    """cfg.a.b.c for key 'a.b.c' (mappings included); raises ConfigError for an unknown key."""
+    node = cfg
+    for part in key.split("."):
+        if dataclasses.is_dataclass(node) and part in field_types(type(node)):
+            node = getattr(node, part)
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            raise unknown_key_error(key, type(cfg))
+    return node
