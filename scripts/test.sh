@@ -8,5 +8,5 @@ VENV=${FULCRUM_VENV:-.venv}
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 "$VENV/bin/python" -m pip install -q torch==2.13.0
 "$VENV/bin/python" -m pip install -q -e ".[dev]"
-"$VENV/bin/ruff" check fulcrum tests bench
+"$VENV/bin/ruff" check --quiet .
 exec "$VENV/bin/python" -m pytest -q "$@"
