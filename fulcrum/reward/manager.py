@@ -1,0 +1,86 @@
+"""Score a batch of decoded responses, one call of the reward function per sample (verl's naive manager).
+
+The trainer decodes the responses, calls `NaiveRewardManager.score(...)`, and puts each score on
+the last response token. A scorer that raises either stops the run with an error naming the sample
+(`on_error="raise"`, the default) or scores that sample 0 and counts it (`on_error="zero"`), so one
+malformed row does not end a long run unnoticed: the count is in `RewardResult.num_errors`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fulcrum.reward import RewardFn, default_compute_score
+
+
+class RewardError(RuntimeError):
+    """A reward function raised on one sample; the message names the sample, data_source and exception."""
+
+
+@dataclass
+class RewardResult:
+    """Per-sample scores (len B) and, when the function returned dicts, their other keys per sample."""
+
+    scores: list[float]
+    extra: dict[str, list[Any]] = field(default_factory=dict)
+    num_errors: int = 0
+    errors: list[str] = field(default_factory=list)  # "sample i (data_source): exception", first few only
+
+
+@dataclass
+class NaiveRewardManager:
+    """compute_score: verl's signature `fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`.
+
+    A dict result must hold "score"; its other keys are collected per sample in `RewardResult.extra`.
+    """
+
+    compute_score: RewardFn = default_compute_score
+    on_error: Literal["raise", "zero"] = "raise"
+    max_error_messages: int = 5
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ("raise", "zero"):
+            raise ValueError(f"on_error must be 'raise' or 'zero', got {self.on_error!r}")
+
+    def score(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        data_sources: Sequence[str],
+        extra_infos: Sequence[dict | None] | None = None,
+    ) -> RewardResult:
+        """Score sample i with compute_score(data_sources[i], responses[i], ground_truths[i], extra_infos[i])."""
+        num = len(responses)
+        infos = list(extra_infos) if extra_infos is not None else [None] * num
+        if not (len(ground_truths) == len(data_sources) == len(infos) == num):
+            raise ValueError(
+                f"reward batch: {num} responses but {len(ground_truths)} ground truths, "
+                f"{len(data_sources)} data sources and {len(infos)} extra_infos"
+            )
+        result = RewardResult(scores=[0.0] * num)
+        for i in range(num):
+            try:
+                value = self.compute_score(data_sources[i], responses[i], ground_truths[i], infos[i])
+                result.scores[i] = self._to_score(value, i, result)
+            except Exception as err:
+                message = f"sample {i} (data_source {data_sources[i]!r}): {type(err).__name__}: {err}"
+                if self.on_error == "raise":
+                    raise RewardError(f"reward function failed on {message}") from err
+                result.num_errors += 1
+                if len(result.errors) < self.max_error_messages:
+                    result.errors.append(message)
+        return result
+
+    @staticmethod
+    def _to_score(value: Any, index: int, result: RewardResult) -> float:
+        if isinstance(value, dict):
+            if "score" not in value:
+                raise KeyError(f"the reward function returned a dict without 'score' (keys: {sorted(value)})")
+            for key, item in value.items():
+                if key != "score":
+                    column = result.extra.setdefault(key, [None] * len(result.scores))
+                    column[index] = item
+            value = value["score"]
+        return float(value)
