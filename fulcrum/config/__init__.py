@@ -23,6 +23,7 @@ from fulcrum.config.loader import (
     to_dict,
 )
 from fulcrum.config.schema import FulcrumConfig
+from fulcrum.config.validate import Problem, advise, check, uses_critic, uses_reference, validate, world_size
 
 __all__ = [
     "DERIVED",
@@ -31,7 +32,10 @@ __all__ = [
     "ConfigError",
     "FulcrumConfig",
     "KeyInfo",
+    "Problem",
+    "advise",
     "apply_override",
+    "check",
     "describe",
     "format_keys",
     "from_dict",
@@ -42,4 +46,8 @@ __all__ = [
     "resolve",
     "save_config",
     "to_dict",
+    "uses_critic",
+    "uses_reference",
+    "validate",
+    "world_size",
 ]

@@ -1,0 +1,431 @@
+"""Cross-key rules of a resolved configuration (verl's `_validate_config` and worker asserts, and ours).
+
+`validate(cfg, n_devices)` returns the problems that make a run fail or waste compute; `advise(cfg)`
+returns warnings that do not stop a run. Each problem names the key(s) it is about. The trainer
+calls `check()` (raises on problems); `fulcrum doctor` prints both lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fulcrum.config.coerce import ConfigError
+from fulcrum.config.compat import UNSUPPORTED
+from fulcrum.config.schema import FulcrumConfig, KLControlConfig
+from fulcrum.config.tree import get_path as _get
+
+# verl's estimator names; the algo package's registry is used instead when it is importable.
+KNOWN_ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KNOWN_LOGGERS = ("console", "tensorboard", "wandb", "jsonl")
+# Estimators that learn nothing (or divide by n - 1) from a single response per prompt.
+GROUP_ESTIMATORS_NEEDING_N2 = ("rloo",)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding about the configuration: the key(s) it concerns and what is wrong or worth knowing."""
+
+    keys: tuple[str, ...]
+    message: str
+
+    def __str__(self) -> str:
+        return f"{', '.join(self.keys)}: {self.message}"
+
+
+def uses_critic(cfg: FulcrumConfig) -> bool:
+    """A critic is trained when critic.enable says so, else when the estimator is gae (as in verl)."""
+    if cfg.critic.enable is not None:
+        return cfg.critic.enable
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def uses_reference(cfg: FulcrumConfig) -> bool:
+    """A reference policy is needed for a KL loss or a KL penalty in the reward."""
+    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def world_size(cfg: FulcrumConfig) -> int:
+    return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+
+
+def adv_estimator_names() -> tuple[str, ...]:
+    try:
+        from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS
+    except ImportError:
+        return KNOWN_ADV_ESTIMATORS
+    return tuple(ADVANTAGE_ESTIMATORS)
+
+
+# ------------------------------------------------------------------------------------ error rules
+def _positive(cfg: FulcrumConfig) -> list[Problem]:
+    keys = [
+        "data.train_batch_size",
+        "data.max_prompt_length",
+        "data.max_response_length",
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "actor_rollout_ref.actor.ppo_epochs",
+        "actor_rollout_ref.rollout.n",
+        "actor_rollout_ref.rollout.val_kwargs.n",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        "actor_rollout_ref.rollout.max_num_seqs",
+        "actor_rollout_ref.rollout.max_num_batched_tokens",
+        "trainer.n_gpus_per_node",
+        "trainer.nnodes",
+        "trainer.total_epochs",
+    ]
+    optional = [
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "actor_rollout_ref.actor.ppo_micro_batch_size",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size",
+        "critic.ppo_micro_batch_size_per_gpu",
+        "critic.ppo_micro_batch_size",
+        "critic.forward_micro_batch_size_per_gpu",
+        "critic.ppo_mini_batch_size",
+        "critic.ppo_epochs",
+        "trainer.total_training_steps",
+        "trainer.max_nan_steps",
+    ]
+    problems = []
+    for key in keys + optional:
+        value = _get(cfg, key)
+        if value is not None and value <= 0:
+            problems.append(Problem((key,), f"must be a positive integer, got {value}"))
+    return problems
+
+
+def _ranges(cfg: FulcrumConfig) -> list[Problem]:
+    problems = []
+    rollout = cfg.actor_rollout_ref.rollout
+    if not 0.0 < rollout.gpu_memory_utilization <= 1.0:
+        problems.append(
+            Problem(
+                ("actor_rollout_ref.rollout.gpu_memory_utilization",),
+                f"must be in (0, 1], got {rollout.gpu_memory_utilization}",
+            )
+        )
+    for key in ("actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.val_kwargs.temperature"):
+        if _get(cfg, key) < 0:
+            problems.append(Problem((key,), f"must be >= 0, got {_get(cfg, key)}"))
+    for key in ("actor_rollout_ref.rollout.top_p", "actor_rollout_ref.rollout.val_kwargs.top_p"):
+        if not 0.0 < _get(cfg, key) <= 1.0:
+            problems.append(Problem((key,), f"must be in (0, 1], got {_get(cfg, key)}"))
+    for key in ("actor_rollout_ref.actor.optim.lr", "critic.optim.lr"):
+        if _get(cfg, key) < 0:
+            problems.append(Problem((key,), f"must be >= 0, got {_get(cfg, key)}"))
+    actor = cfg.actor_rollout_ref.actor
+    for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+        if getattr(actor, name) is not None and getattr(actor, name) <= 0:
+            problems.append(Problem((f"actor_rollout_ref.actor.{name}",), "must be > 0"))
+    if actor.clip_ratio_c <= 1.0:
+        problems.append(
+            Problem(("actor_rollout_ref.actor.clip_ratio_c",), "dual-clip constant must be > 1.0")
+        )
+    if not 0.0 <= cfg.algorithm.lam <= 1.0 or not 0.0 <= cfg.algorithm.gamma <= 1.0:
+        problems.append(Problem(("algorithm.gamma", "algorithm.lam"), "must lie in [0, 1]"))
+    if cfg.critic.loss_agg_mode not in LOSS_AGG_MODES:
+        problems.append(
+            Problem(
+                ("critic.loss_agg_mode",),
+                f"expected one of {list(LOSS_AGG_MODES)}, got {cfg.critic.loss_agg_mode!r}",
+            )
+        )
+    return problems
+
+
+def _devices(cfg: FulcrumConfig, n_devices: int | None) -> list[Problem]:
+    problems = []
+    n_gpus = world_size(cfg)
+    if n_devices is not None and n_gpus > n_devices:
+        problems.append(
+            Problem(
+                ("trainer.n_gpus_per_node", "trainer.nnodes"),
+                f"the run asks for {n_gpus} device(s) but {n_devices} are visible; "
+                f"set trainer.n_gpus_per_node={max(n_devices, 1)}"
+                + (" or trainer.device=cpu" if n_devices == 0 else ""),
+            )
+        )
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if tp > 0 and (tp > n_gpus or n_gpus % tp):
+        problems.append(
+            Problem(
+                ("actor_rollout_ref.rollout.tensor_model_parallel_size", "trainer.n_gpus_per_node"),
+                f"tensor parallel size {tp} must divide the {n_gpus} device(s) of the run",
+            )
+        )
+    return problems
+
+
+def _micro_batch_pairs(cfg: FulcrumConfig) -> list[Problem]:
+    """verl's check_mutually_exclusive: exactly one of the deprecated global and the per-device size."""
+    arr = cfg.actor_rollout_ref
+    pairs: list[tuple[str, str, bool]] = [
+        (
+            "actor_rollout_ref.actor.ppo_micro_batch_size",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+            not arr.actor.use_dynamic_bsz,
+        ),
+        (
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+            not arr.rollout.log_prob_use_dynamic_bsz,
+        ),
+        (
+            "actor_rollout_ref.ref.log_prob_micro_batch_size",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+            uses_reference(cfg) and not arr.ref.log_prob_use_dynamic_bsz,
+        ),
+        (
+            "critic.ppo_micro_batch_size",
+            "critic.ppo_micro_batch_size_per_gpu",
+            uses_critic(cfg) and not cfg.critic.use_dynamic_bsz,
+        ),
+        (
+            "reward_model.micro_batch_size",
+            "reward_model.micro_batch_size_per_gpu",
+            cfg.reward_model.enable and not cfg.reward_model.use_dynamic_bsz,
+        ),
+    ]
+    problems = []
+    for global_key, per_gpu_key, needed in pairs:
+        if not needed:
+            continue
+        global_value, per_gpu_value = _get(cfg, global_key), _get(cfg, per_gpu_key)
+        if global_value is None and per_gpu_value is None:
+            problems.append(
+                Problem((per_gpu_key,), "must be set (responses per forward/backward per device)")
+            )
+        elif global_value is not None and per_gpu_value is not None:
+            problems.append(
+                Problem(
+                    (global_key, per_gpu_key),
+                    f"both are set; remove {global_key} (deprecated, only the per-device size is used)",
+                )
+            )
+    return problems
+
+
+def _batch_divisibility(cfg: FulcrumConfig) -> list[Problem]:
+    """Sizes count prompts (x rollout.n responses); per-device sizes count responses (as in verl)."""
+    problems = []
+    n = cfg.actor_rollout_ref.rollout.n
+    n_gpus = world_size(cfg)
+    train = cfg.data.train_batch_size
+    if n_gpus <= 0 or n <= 0 or train <= 0:
+        return problems  # reported by _positive
+    if (train * n) % n_gpus:
+        problems.append(
+            Problem(
+                ("data.train_batch_size", "actor_rollout_ref.rollout.n", "trainer.n_gpus_per_node"),
+                f"train_batch_size x n = {train * n} responses must be divisible by the {n_gpus} device(s)",
+            )
+        )
+    roles = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor)]
+    if uses_critic(cfg):
+        roles.append(("critic", cfg.critic))
+    for prefix, role in roles:
+        if role.use_dynamic_bsz:
+            continue
+        mini = role.ppo_mini_batch_size
+        if mini is None or mini <= 0:
+            continue
+        if mini > train:
+            problems.append(
+                Problem(
+                    (f"{prefix}.ppo_mini_batch_size", "data.train_batch_size"),
+                    f"mini-batch of {mini} prompts is larger than the {train} prompts of a step",
+                )
+            )
+            continue
+        if (mini * n) % n_gpus:
+            problems.append(
+                Problem(
+                    (f"{prefix}.ppo_mini_batch_size", "trainer.n_gpus_per_node"),
+                    f"ppo_mini_batch_size x n = {mini * n} responses must be divisible by the {n_gpus} device(s)",
+                )
+            )
+            continue
+        per_device = mini * n // n_gpus
+        micro = role.ppo_micro_batch_size_per_gpu
+        if micro is not None and micro > 0 and per_device % micro:
+            problems.append(
+                Problem(
+                    (f"{prefix}.ppo_mini_batch_size", f"{prefix}.ppo_micro_batch_size_per_gpu"),
+                    f"a mini-batch gives {per_device} responses per device, not divisible by the "
+                    f"micro-batch of {micro}; pick a micro-batch that divides {per_device}",
+                )
+            )
+        global_micro = role.ppo_micro_batch_size
+        if global_micro is not None and global_micro > 0:
+            if (mini * n) % global_micro:
+                problems.append(
+                    Problem(
+                        (f"{prefix}.ppo_mini_batch_size", f"{prefix}.ppo_micro_batch_size"),
+                        f"{mini * n} responses per mini-batch not divisible by micro-batch {global_micro}",
+                    )
+                )
+            if global_micro < n_gpus:
+                problems.append(
+                    Problem((f"{prefix}.ppo_micro_batch_size",), f"must be >= the {n_gpus} device(s)")
+                )
+    return problems
+
+
+def _algorithm(cfg: FulcrumConfig) -> list[Problem]:
+    problems = []
+    names = adv_estimator_names()
+    estimator = cfg.algorithm.adv_estimator
+    if estimator not in names:
+        problems.append(
+            Problem(("algorithm.adv_estimator",), f"unknown estimator {estimator!r}; one of {list(names)}")
+        )
+    if estimator in GROUP_ESTIMATORS_NEEDING_N2 and cfg.actor_rollout_ref.rollout.n < 2:
+        problems.append(
+            Problem(
+                ("algorithm.adv_estimator", "actor_rollout_ref.rollout.n"),
+                f"{estimator} compares responses to the same prompt; set actor_rollout_ref.rollout.n >= 2",
+            )
+        )
+    if cfg.critic.enable is False and estimator == "gae":
+        problems.append(Problem(("critic.enable", "algorithm.adv_estimator"), "gae needs a critic"))
+    val = cfg.actor_rollout_ref.rollout.val_kwargs
+    if val.do_sample and val.temperature <= 0:
+        problems.append(
+            Problem(
+                (
+                    "actor_rollout_ref.rollout.val_kwargs.do_sample",
+                    "actor_rollout_ref.rollout.val_kwargs.temperature",
+                ),
+                "sampling at validation needs a temperature > 0",
+            )
+        )
+    rollout = cfg.actor_rollout_ref.rollout
+    if (
+        rollout.max_model_len is not None
+        and rollout.prompt_length + rollout.response_length > rollout.max_model_len
+    ):
+        problems.append(
+            Problem(
+                ("actor_rollout_ref.rollout.max_model_len",),
+                f"{rollout.max_model_len} is shorter than prompt_length + response_length = "
+                f"{rollout.prompt_length + rollout.response_length}",
+            )
+        )
+    return problems
+
+
+def _trainer(cfg: FulcrumConfig) -> list[Problem]:
+    problems = []
+    trainer = cfg.trainer
+    if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
+        problems.append(
+            Problem(("trainer.resume_mode", "trainer.resume_from_path"), "resume_path needs resume_from_path")
+        )
+    return problems
+
+
+def _unsupported(cfg: FulcrumConfig) -> list[Problem]:
+    problems = []
+    for key, (allowed, why) in UNSUPPORTED.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            problems.append(Problem((key,), f"{why} (got {value!r})"))
+    return problems
+
+
+RULES: list[Callable[[FulcrumConfig], list[Problem]]] = [
+    _positive,
+    _ranges,
+    _micro_batch_pairs,
+    _batch_divisibility,
+    _algorithm,
+    _trainer,
+    _unsupported,
+]
+
+
+def validate(cfg: FulcrumConfig, n_devices: int | None = None) -> list[Problem]:
+    """Problems that make the run fail or waste compute ([] = can run).
+
+    `n_devices`: accelerators visible to the run; None skips the device-count check (CPU runs).
+    """
+    problems = _devices(cfg, n_devices)
+    for rule in RULES:
+        problems.extend(rule(cfg))
+    return problems
+
+
+def check(cfg: FulcrumConfig, n_devices: int | None = None) -> None:
+    """Raise ConfigError listing every problem of validate(), one a line."""
+    problems = validate(cfg, n_devices)
+    if problems:
+        lines = "\n".join(f"  {p}" for p in problems)
+        raise ConfigError(
+            f"invalid configuration ({len(problems)} problem(s)):\n{lines}", problems[0].keys[0]
+        )
+
+
+# ---------------------------------------------------------------------------------------- advice
+def advise(cfg: FulcrumConfig) -> list[Problem]:
+    """Warnings that do not stop a run (verl prints most of them as notices)."""
+    notes = []
+    arr, algo = cfg.actor_rollout_ref, cfg.algorithm
+    if cfg.data.val_batch_size is not None:
+        notes.append(
+            Problem(("data.val_batch_size",), "deprecated in verl and ignored: validation runs as one batch")
+        )
+    if algo.use_kl_in_reward and arr.actor.use_kl_loss:
+        notes.append(
+            Problem(
+                ("algorithm.use_kl_in_reward", "actor_rollout_ref.actor.use_kl_loss"),
+                "both KL in reward and KL loss are on",
+            )
+        )
+    if algo.kl_ctrl.type == "adaptive" and not algo.use_kl_in_reward:
+        notes.append(
+            Problem(
+                ("algorithm.kl_ctrl.type", "algorithm.use_kl_in_reward"),
+                "adaptive KL control acts only with use_kl_in_reward=True",
+            )
+        )
+    if not algo.use_kl_in_reward and algo.kl_ctrl != KLControlConfig():
+        notes.append(
+            Problem(
+                ("algorithm.kl_ctrl", "algorithm.use_kl_in_reward"),
+                "kl_ctrl settings act only with use_kl_in_reward=True (as in verl)",
+            )
+        )
+    if algo.adv_estimator == "grpo" and arr.rollout.n < 2:
+        notes.append(
+            Problem(
+                ("algorithm.adv_estimator", "actor_rollout_ref.rollout.n"),
+                "grpo with one response per prompt has no group baseline; usually n >= 4",
+            )
+        )
+    mini = arr.actor.ppo_mini_batch_size
+    if 0 < mini <= cfg.data.train_batch_size and cfg.data.train_batch_size % mini:
+        notes.append(
+            Problem(
+                ("data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+                "train_batch_size is not a multiple of ppo_mini_batch_size: the last mini-batch of a step is smaller",
+            )
+        )
+    unknown = [name for name in cfg.trainer.logger if name not in KNOWN_LOGGERS]
+    if unknown:
+        notes.append(
+            Problem(("trainer.logger",), f"unknown logger(s) {unknown}; known: {list(KNOWN_LOGGERS)}")
+        )
+    if not uses_reference(cfg) and (
+        arr.ref.log_prob_micro_batch_size_per_gpu is not None or arr.ref.log_prob_micro_batch_size is not None
+    ):
+        notes.append(
+            Problem(
+                ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",),
+                "no reference policy is used (use_kl_loss and use_kl_in_reward are off): the reference pass is skipped",
+            )
+        )
+    return notes
