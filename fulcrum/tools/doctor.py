@@ -1,0 +1,314 @@
+"""`fulcrum doctor [--config FILE] [KEY=VALUE ...]`: check a configuration before spending GPU time.
+
+Exit 0 with a short summary (resolved batch sizes, device, keys without effect) when the run can go;
+exit 1 with each problem named when it would fail or waste compute. The checks are small functions
+in CHECKS, each returning findings; add a function to add a rule.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fulcrum.config import (
+    ConfigError,
+    FulcrumConfig,
+    advise,
+    format_keys,
+    is_no_effect,
+    load_config,
+    load_yaml,
+    resolve,
+    to_dict,
+    uses_critic,
+    uses_reference,
+    validate,
+    world_size,
+)
+from fulcrum.config.compat import ROLLOUT_NAME_ALIASES
+from fulcrum.config.device import cuda_device_count
+
+USAGE = """usage: fulcrum doctor [--config FILE] [KEY=VALUE ...]
+       fulcrum doctor --keys        list every configuration key with its default and meaning
+
+Checks a training configuration (verl's keys and override spelling) without starting a run.
+Exit status: 0 = can run, 1 = will fail or waste compute (each problem is named)."""
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class Finding:
+    level: str  # "error" or "warning"
+    text: str
+
+
+@dataclass
+class Context:
+    cfg: FulcrumConfig
+    device: str  # "cuda" or "cpu", after resolving trainer.device
+    n_visible: int  # CUDA devices visible
+    overrides: list[str] = field(default_factory=list)
+
+
+def _error(text: str) -> Finding:
+    return Finding("error", text)
+
+
+def _warning(text: str) -> Finding:
+    return Finding("warning", text)
+
+
+# ------------------------------------------------------------------------------------------ checks
+def check_rules(ctx: Context) -> list[Finding]:
+    """The cross-key rules shared with the trainer (fulcrum.config.validate)."""
+    n_devices = ctx.n_visible if ctx.device == "cuda" else None
+    return [_error(str(p)) for p in validate(ctx.cfg, n_devices)] + [
+        _warning(str(p)) for p in advise(ctx.cfg)
+    ]
+
+
+def check_device(ctx: Context) -> list[Finding]:
+    if ctx.cfg.trainer.device == "cuda" and ctx.n_visible == 0:
+        return [
+            _error("trainer.device: cuda asked for but no CUDA device is visible; use trainer.device=cpu")
+        ]
+    return []
+
+
+def _as_list(files: str | list[str]) -> list[str]:
+    return [files] if isinstance(files, str) else list(files)
+
+
+def check_data_files(ctx: Context) -> list[Finding]:
+    findings = []
+    for key in ("data.train_files", "data.val_files"):
+        files = _as_list(getattr(ctx.cfg.data, key.split(".")[1]))
+        if not files:
+            findings.append(_error(f"{key}: no file given"))
+        for name in files:
+            path = Path(os.path.expanduser(name))
+            if not path.is_file():
+                findings.append(
+                    _error(f"{key}: {name} does not exist" + (" (it is a folder)" if path.is_dir() else ""))
+                )
+            elif path.suffix != ".parquet":
+                findings.append(_warning(f"{key}: {name} does not end in .parquet"))
+    return findings
+
+
+def _model_folder(key: str, name: str | None) -> list[Finding]:
+    if not name:
+        return [_error(f"{key}: not set")]
+    path = Path(os.path.expanduser(name))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            return [_error(f"{key}: {name} has no config.json (not a Hugging Face model folder)")]
+        return []
+    if _HUB_ID.match(name) and not name.startswith((".", "~", "/")):
+        return [
+            _warning(f"{key}: {name} is not a local folder; it will be fetched from the Hugging Face Hub")
+        ]
+    return [_error(f"{key}: {name} does not exist")]
+
+
+def check_model_paths(ctx: Context) -> list[Finding]:
+    cfg = ctx.cfg
+    findings = _model_folder("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)
+    if uses_critic(cfg):
+        findings += _model_folder("critic.model.path", cfg.critic.model.path)
+    if cfg.data.tokenizer:
+        findings += _model_folder("data.tokenizer", cfg.data.tokenizer)
+    ref_model = cfg.actor_rollout_ref.ref.model
+    if uses_reference(cfg) and ref_model and ref_model.get("path"):
+        findings += _model_folder("actor_rollout_ref.ref.model.path", ref_model["path"])
+    return findings
+
+
+def check_custom_reward(ctx: Context) -> list[Finding]:
+    """The file exists and defines the function (read with ast: doctor never runs user code)."""
+    spec = ctx.cfg.custom_reward_function
+    if not spec.path:
+        return []
+    path = Path(os.path.expanduser(spec.path))
+    if not path.is_file():
+        return [_error(f"custom_reward_function.path: {spec.path} does not exist")]
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except SyntaxError as exc:
+        return [
+            _error(f"custom_reward_function.path: {spec.path} line {exc.lineno}: syntax error: {exc.msg}")
+        ]
+    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    defined |= {
+        t.id
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+    if spec.name not in defined:
+        return [_error(f"custom_reward_function.name: {spec.path} defines no function {spec.name!r}")]
+    return []
+
+
+def check_resume(ctx: Context) -> list[Finding]:
+    trainer = ctx.cfg.trainer
+    if trainer.resume_mode == "resume_path" and trainer.resume_from_path:
+        if not Path(os.path.expanduser(trainer.resume_from_path)).is_dir():
+            return [_error(f"trainer.resume_from_path: {trainer.resume_from_path} does not exist")]
+    return []
+
+
+def check_rollout_alias(ctx: Context) -> list[Finding]:
+    for text in ctx.overrides:
+        key, _, value = text.lstrip("+").partition("=")
+        if key.strip() == "actor_rollout_ref.rollout.name" and value.strip("'\" ") in ROLLOUT_NAME_ALIASES:
+            name = value.strip("'\" ")
+            return [
+                _warning(
+                    f"actor_rollout_ref.rollout.name: fulcrum has no {name} backend; {ROLLOUT_NAME_ALIASES[name]} is used"
+                )
+            ]
+    return []
+
+
+CHECKS: list[Callable[[Context], list[Finding]]] = [
+    check_device,
+    check_rules,
+    check_data_files,
+    check_model_paths,
+    check_custom_reward,
+    check_resume,
+    check_rollout_alias,
+]
+
+
+# ------------------------------------------------------------------------------------------ summary
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
+def keys_without_effect(cfg: FulcrumConfig) -> list[str]:
+    """'key=value' for every key accepted for compatibility that this configuration changes."""
+    defaults = _flatten(to_dict(resolve(FulcrumConfig())))
+    missing = object()
+    return [
+        f"{key}={value}"
+        for key, value in _flatten(to_dict(cfg)).items()
+        if is_no_effect(key) and defaults.get(key, missing) != value
+    ]
+
+
+def summary(ctx: Context) -> list[str]:
+    cfg = ctx.cfg
+    arr = cfg.actor_rollout_ref
+    n, n_gpus = arr.rollout.n, world_size(cfg)
+    train = cfg.data.train_batch_size
+    device = f"cuda x{n_gpus} ({ctx.n_visible} visible)" if ctx.device == "cuda" else "cpu"
+    lines = [
+        f"device      {device}",
+        f"step        {train} prompts x n={n} = {train * n} responses, "
+        f"prompt <= {arr.rollout.prompt_length} + response <= {arr.rollout.response_length} tokens",
+        f"rollout     {arr.rollout.name}, tensor parallel {arr.rollout.tensor_model_parallel_size}, "
+        f"temperature {arr.rollout.temperature}, log-prob micro-batch {arr.rollout.log_prob_micro_batch_size_per_gpu}",
+    ]
+    roles = [("actor", arr.actor)] + ([("critic", cfg.critic)] if uses_critic(cfg) else [])
+    for name, role in roles:
+        if role.use_dynamic_bsz:
+            lines.append(
+                f"{name:<11} dynamic micro-batches of <= {role.ppo_max_token_len_per_gpu} tokens per device"
+            )
+            continue
+        role_mini = role.ppo_mini_batch_size
+        per_device = role_mini * n // max(n_gpus, 1)
+        micro = role.ppo_micro_batch_size_per_gpu
+        micro_count = per_device // micro if micro else "?"
+        lines.append(
+            f"{name:<11} {train // role_mini} mini-batch(es) of {role_mini} prompts ({per_device} responses per device) "
+            f"x {role.ppo_epochs} epoch(s) = {train // role_mini * role.ppo_epochs} optimiser steps per step; "
+            f"{micro_count} micro-batch(es) of {micro} per mini-batch"
+        )
+    lines.append(
+        f"critic      {'on' if uses_critic(cfg) else 'off'} (algorithm.adv_estimator={cfg.algorithm.adv_estimator})"
+    )
+    lines.append(f"reference   {'on' if uses_reference(cfg) else 'off (no KL loss or KL in reward)'}")
+    lines.append(f"run dir     {cfg.trainer.default_local_dir}")
+    no_effect = keys_without_effect(cfg)
+    if no_effect:
+        lines.append("accepted for compatibility, no effect:")
+        lines += [f"  {item}" for item in no_effect]
+    return lines
+
+
+# --------------------------------------------------------------------------------------------- main
+def diagnose(cfg: FulcrumConfig, overrides: list[str] | None = None) -> tuple[Context, list[Finding]]:
+    """Run every check on a resolved configuration."""
+    n_visible = cuda_device_count() if cfg.trainer.device != "cpu" else 0
+    device = "cpu" if cfg.trainer.device == "cpu" or n_visible == 0 else "cuda"
+    ctx = Context(cfg=cfg, device=device, n_visible=n_visible, overrides=list(overrides or []))
+    findings: list[Finding] = []
+    for check in CHECKS:
+        findings.extend(check(ctx))
+    return ctx, findings
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(USAGE)
+        return 0
+    if "--keys" in args:
+        print(format_keys())
+        return 0
+    base = None
+    if "--config" in args:
+        i = args.index("--config")
+        if i + 1 >= len(args):
+            print("fulcrum doctor: --config needs a file", file=sys.stderr)
+            return 1
+        config_path = args[i + 1]
+        del args[i : i + 2]
+    else:
+        config_path = None
+    config_log = logging.getLogger("fulcrum.config")
+    level = config_log.level
+    config_log.setLevel(logging.ERROR)  # check_rollout_alias reports the backend mapping instead
+    try:
+        if config_path:
+            base = load_yaml(config_path)
+        cfg = load_config(args, base=base)
+    except ConfigError as exc:
+        print(f"fulcrum doctor: error: {exc}")
+        return 1
+    finally:
+        config_log.setLevel(level)
+    ctx, findings = diagnose(cfg, args)
+    errors = [f for f in findings if f.level == "error"]
+    warnings = [f for f in findings if f.level == "warning"]
+    if errors:
+        print(f"fulcrum doctor: {len(errors)} problem(s); the run would fail or waste compute:")
+        print("\n".join(f"  error: {f.text}" for f in errors))
+    else:
+        print("fulcrum doctor: the configuration can run")
+        print("\n".join(f"  {line}" for line in summary(ctx)))
+    if warnings:
+        print("\n".join(f"  warning: {f.text}" for f in warnings))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
