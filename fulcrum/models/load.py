@@ -1,0 +1,69 @@
+"""Loading Hugging Face checkpoints for training: fp32 master weights, optional gradient checkpointing.
+
+Mixed precision is applied at forward time (bf16 autocast on CUDA, see `autocast_for`), so the
+parameters and the optimiser state stay in float32 as in verl's FSDP workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+
+def _check_model_dir(path: str, key: str) -> None:
+    """A clear error naming the configuration key when a local model folder is missing or incomplete."""
+    p = Path(path)
+    if p.exists() and not (p / "config.json").exists():
+        raise FileNotFoundError(f"{key}={path}: folder has no config.json (not a Hugging Face model folder)")
+    if not p.exists() and (path.startswith(("/", ".", "~")) or path.count("/") != 1):
+        raise FileNotFoundError(f"{key}={path}: no such model folder")
+
+
+def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer, with a pad token guaranteed (falls back to EOS as verl does)."""
+    _check_model_dir(path, key)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(
+    path: str,
+    device: torch.device,
+    gradient_checkpointing: bool = False,
+    key: str = "actor_rollout_ref.model.path",
+) -> nn.Module:
+    """`AutoModelForCausalLM` in float32 on `device` (the actor and the reference policy)."""
+    _check_model_dir(path, key)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model.to(device)
+
+
+def load_backbone(path: str, device: torch.device, key: str = "critic.model.path") -> nn.Module:
+    """`AutoModel` (no LM head) in float32: the critic's trunk, whose last hidden state feeds a value head."""
+    _check_model_dir(path, key)
+    config = AutoConfig.from_pretrained(path)
+    model = AutoModel.from_pretrained(path, config=config, dtype=torch.float32)
+    return model.to(device)
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute activations in backward; non-reentrant so that inputs need no `requires_grad`."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # A KV cache is useless (and warned about) during a checkpointed training forward.
+    if hasattr(model, "config"):
+        model.config.use_cache = False
+
+
+def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA (fp32 master weights stay untouched); plain fp32 elsewhere."""
+    if device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()

@@ -1,0 +1,99 @@
+"""Per-token log-probabilities and entropies of a response, from a causal LM's logits.
+
+Memory is the concern: the LM head runs only on the positions that predict response tokens
+(`logits_to_keep`), and the float32 softmax is taken over row chunks when no gradient is needed,
+so the full (B, T, V) float32 tensor of a batch is never materialised.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Rows of (T, V) logits turned into float32 at once in no-grad mode (about 0.6 GB at V=152k, T=1024).
+_NO_GRAD_ROW_CHUNK = 1
+
+
+def logprob_and_entropy(
+    logits: torch.Tensor,  # (B, T, V), any float dtype
+    labels: torch.Tensor,  # (B, T) token ids
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(labels) and, optionally, the entropy of softmax(logits / temperature), both float32 (B, T).
+
+    log p_t = z_t[y_t] - logsumexp(z_t),  H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v,  z = logits / τ.
+    Under `torch.no_grad` the float32 conversion is done a few rows at a time.
+    """
+    if torch.is_grad_enabled():
+        return _logprob_and_entropy_dense(logits, labels, temperature, with_entropy)
+    logps, ents = [], []
+    for start in range(0, logits.shape[0], _NO_GRAD_ROW_CHUNK):
+        sl = slice(start, start + _NO_GRAD_ROW_CHUNK)
+        lp, ent = _logprob_and_entropy_dense(logits[sl], labels[sl], temperature, with_entropy)
+        logps.append(lp)
+        if ent is not None:
+            ents.append(ent)
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+
+def _logprob_and_entropy_dense(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    z = logits.float() / temperature  # (B, T, V)
+    log_norm = torch.logsumexp(z, dim=-1)  # (B, T)
+    logp = torch.gather(z, -1, labels.unsqueeze(-1)).squeeze(-1) - log_norm  # (B, T)
+    entropy = None
+    if with_entropy:
+        probs = torch.softmax(z, dim=-1)
+        entropy = log_norm - (probs * z).sum(-1)  # (B, T)
+    return logp, entropy
+
+
+def response_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,  # (B, P + R): left-padded prompt then right-padded response
+    attention_mask: torch.Tensor,  # (B, P + R)
+    position_ids: torch.Tensor,  # (B, P + R)
+    response_length: int,
+) -> torch.Tensor:
+    """Logits at the positions that predict the R response tokens: (B, R, V).
+
+    Position t predicts token t + 1, so the response's tokens are predicted by positions
+    [-R-1, -1). Asking the model for only the last R + 1 positions skips the LM head on the prompt.
+    """
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=response_length + 1,
+    )
+    return out.logits[:, :-1, :]  # (B, R, V)
+
+
+def trim_padding(
+    input_ids: torch.Tensor,  # (B, P + R)
+    attention_mask: torch.Tensor,  # (B, P + R)
+    position_ids: torch.Tensor,  # (B, P + R)
+    prompt_length: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Drop the columns that are padding in every row: left of the prompts and right of the responses.
+
+    Returns the trimmed (input_ids, attention_mask, position_ids) and the kept response length R'.
+    Each micro-batch then costs what its longest sequence costs, not the batch-wide maximum; the
+    caller pads the (B, R') results back to R with zeros (those positions are masked out anyway).
+    """
+    valid_cols = attention_mask.bool().any(dim=0)  # (P + R,)
+    prompt_cols = valid_cols[:prompt_length]
+    response_cols = valid_cols[prompt_length:]
+    first = int(prompt_cols.nonzero()[0].item()) if prompt_cols.any() else prompt_length
+    # Keep at least one response column so the shapes stay valid for an all-empty micro-batch.
+    kept_response = int(response_cols.nonzero()[-1].item()) + 1 if response_cols.any() else 1
+    end = prompt_length + kept_response
+    return (
+        input_ids[:, first:end],
+        attention_mask[:, first:end],
+        position_ids[:, first:end],
+        kept_response,
+    )

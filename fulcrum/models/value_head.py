@@ -1,0 +1,46 @@
+"""The critic: a Hugging Face backbone (`AutoModel`) plus a scalar value head, Linear(hidden, 1).
+
+Attribute names follow `AutoModelForTokenClassification` (`model` = backbone, `score` = head), the
+model class verl uses for its critic, so a saved critic state dict loads into
+`AutoModelForTokenClassification.from_pretrained(..., num_labels=1)` unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class CriticModel(nn.Module):
+    """values = score(backbone(input_ids).last_hidden_state).squeeze(-1): (B, T) from (B, T)."""
+
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__()
+        self.model = backbone
+        self.config = backbone.config
+        hidden = int(backbone.config.hidden_size)
+        self.score = nn.Linear(hidden, 1)
+        std = float(getattr(backbone.config, "initializer_range", 0.02))
+        # Small weights, zero bias: initial values near 0 so the first value loss is the return's scale.
+        nn.init.normal_(self.score.weight, mean=0.0, std=std)
+        nn.init.zeros_(self.score.bias)
+        self.score.to(next(backbone.parameters()).device)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+        self.model.config.use_cache = False
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (B, T)
+        attention_mask: torch.Tensor | None = None,  # (B, T)
+        position_ids: torch.Tensor | None = None,  # (B, T)
+    ) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+        hidden = out.last_hidden_state  # (B, T, H)
+        # The head runs in float32 so the value estimate is not rounded to bf16 under autocast.
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            values = self.score(hidden.float())  # (B, T, 1)
+        return values.squeeze(-1)  # (B, T)

@@ -1,0 +1,89 @@
+"""`Batch`: the samples of one step, as padded tensors plus per-sample Python values (verl's DataProto).
+
+Layout (verl's): `prompts` (B, P) left-padded, `responses` (B, R) right-padded, `input_ids` =
+cat(prompts, responses) (B, P + R) with its `attention_mask` and `position_ids`, and
+`response_mask` (B, R), 1 = a generated token (EOS included). Stages add tensors in place:
+`old_log_probs`, `ref_log_prob`, `values`, `token_level_scores`, `token_level_rewards`,
+`advantages`, `returns`, `rollout_log_probs`, `entropys`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Batch:
+    tensors: dict[str, torch.Tensor]
+    non_tensors: dict[str, list[Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        sizes = {k: v.shape[0] for k, v in self.tensors.items()}
+        sizes.update({k: len(v) for k, v in self.non_tensors.items()})
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"Batch fields disagree on the number of samples: {sizes}")
+
+    def __len__(self) -> int:
+        for v in self.tensors.values():
+            return int(v.shape[0])
+        for v in self.non_tensors.values():
+            return len(v)
+        return 0
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors or key in self.non_tensors
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        if len(self) and value.shape[0] != len(self):
+            raise ValueError(f"tensor {key!r} has {value.shape[0]} rows, the batch has {len(self)}")
+        self.tensors[key] = value
+
+    @property
+    def response_length(self) -> int:
+        return int(self.tensors["responses"].shape[1])
+
+    @property
+    def prompt_length(self) -> int:
+        return int(self.tensors["prompts"].shape[1])
+
+    def select(self, index: torch.Tensor | list[int]) -> Batch:
+        """The samples at `index` (in that order)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        idx_list = idx.tolist()
+        return Batch(
+            {k: v[idx.to(v.device)] for k, v in self.tensors.items()},
+            {k: [v[i] for i in idx_list] for k, v in self.non_tensors.items()},
+        )
+
+    def keys_subset(self, keys: list[str]) -> Batch:
+        """A view holding only the named tensors (no copies)."""
+        return Batch({k: self.tensors[k] for k in keys if k in self.tensors})
+
+    def split(self, size: int) -> list[Batch]:
+        """Consecutive chunks of `size` samples (the last may be smaller)."""
+        if size <= 0:
+            raise ValueError(f"split size must be positive, got {size}")
+        n = len(self)
+        return [self.select(list(range(s, min(s + size, n)))) for s in range(0, n, size)]
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.non_tensors))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    @staticmethod
+    def concat(batches: list[Batch]) -> Batch:
+        keys = batches[0].tensors.keys()
+        nkeys = batches[0].non_tensors.keys()
+        return Batch(
+            {k: torch.cat([b.tensors[k] for b in batches]) for k in keys},
+            {k: [x for b in batches for x in b.non_tensors[k]] for k in nkeys},
+        )

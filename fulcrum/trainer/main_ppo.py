@@ -1,0 +1,82 @@
+"""`fulcrum train KEY=VALUE ...` ≡ `python -m fulcrum.trainer.main_ppo KEY=VALUE ...` (verl's entry point).
+
+With no data and no model given (no `data.train_files` and no `actor_rollout_ref.model.path`), it runs
+the built-in demo (`fulcrum.trainer.demo.run_demo`) with the given overrides applied on top.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from fulcrum.config import ConfigError, load_config
+
+DEMO_TRIGGER_KEYS = ("data.train_files", "actor_rollout_ref.model.path")
+
+
+class DeviceError(RuntimeError):
+    """Fewer devices than the configuration asks for."""
+
+
+def wants_demo(argv: list[str]) -> bool:
+    keys = {a.split("=", 1)[0].lstrip("+") for a in argv}
+    return not any(k in keys for k in DEMO_TRIGGER_KEYS)
+
+
+def select_device(trainer_cfg: object) -> tuple[torch.device, int]:
+    """The training device and how many devices the run uses (throughput is per device).
+
+    `trainer.device=cpu` always runs (on the CPU). Otherwise the run needs n_gpus_per_node × nnodes
+    CUDA devices; with fewer it stops with a message saying what to change. This version trains on
+    one device: asking for more (and having them) trains on cuda:0 and says so.
+    """
+    want = str(getattr(trainer_cfg, "device", "auto"))
+    if want == "cpu":
+        return torch.device("cpu"), 1
+    asked = int(trainer_cfg.n_gpus_per_node) * int(trainer_cfg.nnodes)
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if asked > available:
+        raise DeviceError(
+            f"trainer.n_gpus_per_node={trainer_cfg.n_gpus_per_node} × trainer.nnodes={trainer_cfg.nnodes} asks for "
+            f"{asked} CUDA device(s) but this machine has {available}. Set trainer.n_gpus_per_node={max(available, 1)} "
+            "to match, or trainer.device=cpu to run on the CPU (slowly)."
+        )
+    if asked > 1:
+        print(
+            f"note: {asked} devices asked; this version trains on one device (cuda:0). Multi-GPU is a later issue."
+        )
+    return torch.device("cuda", 0), 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if wants_demo(argv):
+        try:
+            from fulcrum.trainer.demo import run_demo
+        except ImportError as err:
+            print(
+                f"fulcrum train: the built-in demo is not available ({err}); pass data.train_files=... "
+                "and actor_rollout_ref.model.path=... to train",
+                file=sys.stderr,
+            )
+            return 1
+        return int(run_demo(argv) or 0)
+    try:
+        cfg = load_config(argv)
+        device, n_devices = select_device(cfg.trainer)
+    except (ConfigError, DeviceError) as err:
+        print(f"fulcrum train: {err}", file=sys.stderr)
+        return 1
+    from fulcrum.trainer.ppo_trainer import PPOTrainer
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    trainer = PPOTrainer(cfg, device, n_devices)
+    trainer.fit()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Per-step metrics with verl's names and definitions (DESIGN §5; verl's `trainer/ppo/metric_utils.py`).
+
+- data metrics: sequence-level score/reward (sums over response tokens), token-level advantages,
+  returns and values (masked), explained variance of the returns by the values, prompt/response lengths;
+- timing: `timing_s/<stage>` and `timing_per_token_ms/<stage>` (gen per response token, the other
+  stages per prompt + response token);
+- throughput: tokens (prompt + response, every sample) ÷ (step seconds × devices);
+- MFU of the actor update: verl's FLOPs estimate (6·N·tokens + 12·Σ seqlen²·head_dim·heads·layers) ×
+  ppo_epochs ÷ (update seconds × devices × peak FLOP/s). The CPU has no known peak, so MFU is 0 there,
+  as in verl for an unknown device;
+- memory: peak CUDA allocated/reserved (0 on the CPU), the machine's used RAM (total - available,
+  like verl's psutil figure) and this process's peak resident memory.
+
+Docs for each metric and the lever it points to: docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from fulcrum.trainer.batch import Batch
+
+GiB = 1024**3
+
+# Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, as verl's `get_device_flops`.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "H20": 148e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40": 181e12,
+    "A10": 125e12,
+    "4090": 165e12,
+    "3090": 71e12,
+    "B200": 2250e12,
+}
+
+
+@contextlib.contextmanager
+def timer(name: str, timing_raw: dict[str, float]) -> Iterator[None]:
+    """Add the wall seconds of the block to `timing_raw[name]` (CUDA work is synchronised first)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        timing_raw[name] = timing_raw.get(name, 0.0) + time.perf_counter() - start
+
+
+def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
+    """{prefix/mean, prefix/max, prefix/min} of a 1-D tensor (0.0 for an empty one)."""
+    if x.numel() == 0:
+        return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
+    x = x.float()
+    return {
+        f"{prefix}/mean": x.mean().item(),
+        f"{prefix}/max": x.max().item(),
+        f"{prefix}/min": x.min().item(),
+    }
+
+
+def prompt_and_response_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real (unpadded) prompt and response token counts per sample: two (B,) float tensors."""
+    p = batch.prompt_length
+    mask = batch["attention_mask"]
+    return mask[:, :p].sum(-1).float(), batch["response_mask"].sum(-1).float()
+
+
+def compute_data_metrics(batch: Batch, use_critic: bool) -> dict[str, float]:
+    """verl's `compute_data_metrics`.
+
+    score/rewards: per sequence, Σ_t token_level_scores / token_level_rewards (B,);
+    advantages/returns/values: over the tokens where response_mask = 1;
+    vf_explained_var = 1 - Var(returns - values) / (Var(returns) + 1e-5) over those tokens;
+    clip_ratio: fraction of sequences exactly at the maximum length.
+    """
+    mask = batch["response_mask"].bool()
+    sequence_score = batch["token_level_scores"].sum(-1)
+    sequence_reward = batch["token_level_rewards"].sum(-1)
+    valid_adv = torch.masked_select(batch["advantages"], mask)
+    valid_returns = torch.masked_select(batch["returns"], mask)
+    prompt_length, response_length = prompt_and_response_lengths(batch)
+    metrics: dict[str, float] = {}
+    metrics.update(_stats("critic/score", sequence_score))
+    metrics.update(_stats("critic/rewards", sequence_reward))
+    metrics.update(_stats("critic/advantages", valid_adv))
+    metrics.update(_stats("critic/returns", valid_returns))
+    if use_critic:
+        valid_values = torch.masked_select(batch["values"], mask)
+        metrics.update(_stats("critic/values", valid_values))
+        metrics["critic/vf_explained_var"] = explained_variance(valid_returns, valid_values)
+    metrics.update(_stats("response_length", response_length))
+    metrics["response_length/clip_ratio"] = (
+        torch.eq(response_length, batch.response_length).float().mean().item()
+    )
+    metrics.update(_stats("prompt_length", prompt_length))
+    metrics["prompt_length/clip_ratio"] = torch.eq(prompt_length, batch.prompt_length).float().mean().item()
+    return metrics
+
+
+def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
+    """1 - Var(returns - values) / (Var(returns) + 1e-5), over flattened valid tokens (N,)."""
+    if returns.numel() < 2:
+        return 0.0
+    return (1.0 - torch.var(returns - values) / (torch.var(returns) + 1e-5)).item()
+
+
+def compute_timing_metrics(batch: Batch, timing_raw: dict[str, float]) -> dict[str, float]:
+    """timing_s/<stage> and timing_per_token_ms/<stage> (gen: per response token; others: all tokens)."""
+    prompt_length, response_length = prompt_and_response_lengths(batch)
+    num_response = max(float(response_length.sum().item()), 1.0)
+    num_overall = max(float(prompt_length.sum().item()) + num_response, 1.0)
+    per_token = {"gen": num_response}
+    per_token.update({k: num_overall for k in ("ref", "values", "adv", "update_critic", "update_actor")})
+    out = {f"timing_s/{k}": v for k, v in timing_raw.items()}
+    out.update(
+        {
+            f"timing_per_token_ms/{k}": timing_raw[k] * 1000 / per_token[k]
+            for k in per_token
+            if k in timing_raw
+        }
+    )
+    return out
+
+
+def compute_throughput_metrics(
+    batch: Batch, timing_raw: dict[str, float], n_devices: int
+) -> dict[str, float]:
+    """perf/total_num_tokens, perf/time_per_step, perf/throughput = tokens / (step seconds × devices)."""
+    total_tokens = float(batch["attention_mask"].sum().item())
+    step_s = timing_raw["step"]
+    return {
+        "perf/total_num_tokens": total_tokens,
+        "perf/time_per_step": step_s,
+        "perf/throughput": total_tokens / (step_s * n_devices),
+    }
+
+
+def dense_param_count(config: Any) -> int:
+    """verl's N for a decoder-only transformer: per-layer attention + MLP linears, plus embedding and LM head."""
+    hidden = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    layers = int(config.num_hidden_layers)
+    intermediate = int(getattr(config, "intermediate_size", 4 * hidden))
+    vocab = int(config.vocab_size)
+    attn = hidden * (heads * head_dim + 2 * kv_heads * head_dim + heads * head_dim)
+    mlp = 3 * hidden * intermediate  # gate, up, down (SwiGLU)
+    return (attn + mlp) * layers + 2 * vocab * hidden
+
+
+def estimate_train_flops(config: Any, seq_lengths: list[int]) -> float:
+    """FLOPs of one forward + backward over sequences of these lengths: 6·N·Σℓ + 12·Σℓ²·head_dim·heads·layers."""
+    hidden = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    layers = int(config.num_hidden_layers)
+    tokens = sum(seq_lengths)
+    square_sum = sum(s * s for s in seq_lengths)
+    return 6.0 * dense_param_count(config) * tokens + 12.0 * square_sum * head_dim * heads * layers
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of a CUDA device by name; None for the CPU or an unknown device."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return flops
+    return None
+
+
+def compute_mfu(
+    config: Any, batch: Batch, update_seconds: float, ppo_epochs: int, device: torch.device, n_devices: int
+) -> float:
+    """Model FLOPs utilisation of the actor update; 0.0 where the device's peak is unknown (the CPU)."""
+    peak = device_peak_flops(device)
+    if peak is None or update_seconds <= 0:
+        return 0.0
+    lengths = batch["attention_mask"].sum(-1).long().tolist()
+    flops = estimate_train_flops(config, lengths) * ppo_epochs
+    return flops / (update_seconds * n_devices * peak)
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """Peak CUDA memory (0 on the CPU), the machine's used RAM, and this process's peak resident memory."""
+    out = {"perf/max_memory_allocated_gb": 0.0, "perf/max_memory_reserved_gb": 0.0}
+    if device.type == "cuda":
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / GiB
+        out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(device) / GiB
+    out["perf/cpu_memory_used_gb"] = _system_memory_used_gb()
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    out["perf/cpu_memory_peak_rss_gb"] = peak_rss / (GiB if sys.platform == "darwin" else 1024**2)
+    return out
+
+
+def _system_memory_used_gb() -> float:
+    """MemTotal - MemAvailable from /proc/meminfo (0.0 where there is no /proc)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) for line in f if line.split()[1:]}
+        return (info["MemTotal"] - info["MemAvailable"]) / 1024**2
+    except (OSError, KeyError, ValueError):
+        return 0.0

@@ -1,0 +1,496 @@
+"""The PPO/GRPO training loop on one device. `fit()` reads top to bottom like DESIGN §1:
+
+    prompts ─► rollout.generate ─► Batch ─► reward (score on the last response token)
+      ─► actor old log-prob · ref log-prob · critic values ─► KL in reward (optional)
+      ─► advantages ─► critic update ─► actor update ─► weights → rollout ─► metrics,
+      validation every test_freq, checkpoint every save_freq.
+
+verl's rules kept here: a reference policy exists only when the KL is used (`use_kl_in_reward` or
+`actor.use_kl_loss`); with neither on, no KL is applied even if `kl_ctrl.kl_coef` is set. A critic is
+used when `critic.enable` says so, else only for `adv_estimator=gae`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS
+from fulcrum.algo.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty
+from fulcrum.algo.losses import agg_loss
+from fulcrum.config import save_config, to_dict
+from fulcrum.data.dataset import PromptLoader, RLHFDataset
+from fulcrum.models.load import load_tokenizer
+from fulcrum.reward import default_compute_score, load_custom_reward_fn
+from fulcrum.reward.manager import NaiveRewardManager
+from fulcrum.rollout import SamplingParams, build_rollout, logprob_diff
+from fulcrum.trainer import metrics as M
+from fulcrum.trainer.batch import Batch
+from fulcrum.trainer.loggers import Tracking
+from fulcrum.workers.actor import ActorWorker, ReferenceWorker
+from fulcrum.workers.critic import CriticWorker
+
+logger = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def use_critic(cfg: Any) -> bool:
+    """verl's rule: `critic.enable` when set, else a critic only for GAE."""
+    if cfg.critic.enable is not None:
+        return bool(cfg.critic.enable)
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def use_reference(cfg: Any) -> bool:
+    """verl's rule: a reference policy only when some KL uses it."""
+    return bool(cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss)
+
+
+def kl_startup_line(cfg: Any) -> str:
+    """The one line that says which KL (if any) this run applies."""
+    alg, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
+    parts = []
+    if alg.use_kl_in_reward:
+        parts.append(f"KL in reward ({alg.kl_penalty}, {alg.kl_ctrl.type} coef {alg.kl_ctrl.kl_coef})")
+    if actor.use_kl_loss:
+        parts.append(f"KL loss ({actor.kl_loss_type}, coef {actor.kl_loss_coef})")
+    if parts:
+        return "KL: " + " and ".join(parts) + "; reference policy loaded"
+    return (
+        "KL: none (algorithm.use_kl_in_reward and actor.use_kl_loss are both off, so "
+        f"algorithm.kl_ctrl.kl_coef={alg.kl_ctrl.kl_coef} has no effect, as in verl); no reference policy"
+    )
+
+
+def build_kl_controller(cfg: Any) -> FixedKLController | AdaptiveKLController:
+    k = cfg.algorithm.kl_ctrl
+    if k.type == "fixed":
+        return FixedKLController(kl_coef=float(k.kl_coef))
+    if k.type == "adaptive":
+        if not k.horizon or k.horizon <= 0:
+            raise ValueError(
+                f"algorithm.kl_ctrl.horizon must be positive for the adaptive controller, got {k.horizon}"
+            )
+        return AdaptiveKLController(
+            init_kl_coef=float(k.kl_coef), target_kl=float(k.target_kl), horizon=int(k.horizon)
+        )
+    raise ValueError(f"algorithm.kl_ctrl.type={k.type!r}: choose fixed or adaptive")
+
+
+def resolve_total_steps(cfg: Any, steps_per_epoch: int) -> int:
+    """trainer.total_training_steps when set, else steps_per_epoch × total_epochs (verl)."""
+    total = steps_per_epoch * int(cfg.trainer.total_epochs)
+    if cfg.trainer.total_training_steps is not None:
+        total = int(cfg.trainer.total_training_steps)
+    if total <= 0:
+        raise ValueError(
+            f"no training steps: {steps_per_epoch} steps per epoch × trainer.total_epochs={cfg.trainer.total_epochs} "
+            f"(trainer.total_training_steps={cfg.trainer.total_training_steps}); is data.train_batch_size larger "
+            "than the training set?"
+        )
+    return total
+
+
+# ------------------------------------------------------------------------------------ batch assembly
+def assemble_batch(
+    items: list[dict[str, Any]],
+    token_ids: list[list[int]],
+    logprobs: list[list[float]],
+    prompt_index: list[int],
+    max_prompt_length: int,
+    response_length: int,
+    pad_id: int,
+    uid_prefix: str,
+) -> Batch:
+    """verl's layout: prompts left-padded to max_prompt_length, responses right-padded to response_length."""
+    n = len(token_ids)
+    prompts = torch.full((n, max_prompt_length), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((n, max_prompt_length), dtype=torch.long)
+    responses = torch.full((n, response_length), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((n, response_length), dtype=torch.long)
+    rollout_lp = torch.zeros((n, response_length), dtype=torch.float32)
+    for row, (ids, lps, pi) in enumerate(zip(token_ids, logprobs, prompt_index, strict=True)):
+        p = items[pi]["input_ids"][-max_prompt_length:]
+        prompts[row, max_prompt_length - len(p) :] = torch.tensor(p, dtype=torch.long)
+        prompt_mask[row, max_prompt_length - len(p) :] = 1
+        r = ids[:response_length]
+        if r:
+            responses[row, : len(r)] = torch.tensor(r, dtype=torch.long)
+            response_mask[row, : len(r)] = 1
+            rollout_lp[row, : len(r)] = torch.tensor(lps[: len(r)], dtype=torch.float32)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    non_tensors = {
+        "data_source": [items[i].get("data_source", "") for i in prompt_index],
+        "ground_truth": [items[i].get("ground_truth", "") for i in prompt_index],
+        "extra_info": [items[i].get("extra_info") or {} for i in prompt_index],
+        "uid": [f"{uid_prefix}-{i}" for i in prompt_index],
+    }
+    return Batch(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "response_mask": response_mask,
+            "rollout_log_probs": rollout_lp,
+        },
+        non_tensors,
+    )
+
+
+def score_batch(
+    batch: Batch, tokenizer: Any, manager: NaiveRewardManager
+) -> tuple[torch.Tensor, list[float]]:
+    """Naive reward: decode each response (special tokens skipped, as verl), score it, and put the score
+    on its last token. Returns token_level_scores (B, R) and the per-sample scores.
+    """
+    lengths = [int(n) for n in batch["response_mask"].sum(-1).tolist()]
+    texts = [
+        tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)
+        for i, n in enumerate(lengths)
+    ]
+    result = manager.score(
+        texts,
+        batch.non_tensors["ground_truth"],
+        batch.non_tensors["data_source"],
+        batch.non_tensors["extra_info"],
+    )
+    scores = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+    for i, n in enumerate(lengths):
+        if n > 0:
+            scores[i, n - 1] = result.scores[i]
+    return scores, result.scores
+
+
+def sampling_params(rollout_cfg: Any, response_length: int, seed: int, validate: bool) -> SamplingParams:
+    """Training sampling (rollout.*) or validation sampling (rollout.val_kwargs; greedy unless do_sample)."""
+    src = rollout_cfg.val_kwargs if validate else rollout_cfg
+    greedy = not bool(src.do_sample)
+    return SamplingParams(
+        n=int(src.n),
+        temperature=0.0 if greedy else float(src.temperature),
+        top_p=float(src.top_p),
+        top_k=int(src.top_k),
+        max_tokens=response_length,
+        seed=seed,
+    )
+
+
+# ------------------------------------------------------------------------------------------ trainer
+class PPOTrainer:
+    def __init__(self, cfg: Any, device: torch.device, n_devices: int = 1) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.n_devices = n_devices
+        seed = int(cfg.trainer.seed)
+        seed_everything(seed)
+        arr = cfg.actor_rollout_ref
+        self.run_dir = Path(cfg.trainer.default_local_dir).expanduser()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.run_dir / "config.yaml")
+
+        self.tokenizer = load_tokenizer(arr.model.path)
+        data = cfg.data
+        self.max_prompt_length = int(data.max_prompt_length)
+        self.response_length = int(arr.rollout.response_length)
+        dataset_kwargs = dict(
+            max_prompt_length=self.max_prompt_length,
+            truncation=data.truncation,
+            filter_overlong_prompts=bool(data.filter_overlong_prompts),
+            prompt_key=data.prompt_key,
+        )
+        self.train_dataset = RLHFDataset(data.train_files, self.tokenizer, **dataset_kwargs)
+        self.val_dataset = (
+            RLHFDataset(data.val_files, self.tokenizer, **dataset_kwargs) if data.val_files else None
+        )
+        self.train_loader = PromptLoader(
+            self.train_dataset,
+            batch_size=int(data.train_batch_size),
+            shuffle=bool(data.shuffle),
+            seed=int(data.seed if data.seed is not None else seed),
+        )
+        self.steps_per_epoch = len(self.train_dataset) // int(data.train_batch_size)
+        self.total_training_steps = resolve_total_steps(cfg, self.steps_per_epoch)
+        arr.actor.optim.total_training_steps = self.total_training_steps
+        cfg.critic.optim.total_training_steps = self.total_training_steps
+
+        logger.info(kl_startup_line(cfg))
+        print(kl_startup_line(cfg), flush=True)
+        if arr.model.use_remove_padding:
+            print(
+                "note: use_remove_padding is accepted but has no effect yet (padded forwards, trimmed per micro-batch)"
+            )
+        self.actor = ActorWorker(cfg, device, self.total_training_steps, self.tokenizer)
+        self.ref = ReferenceWorker(cfg, device) if use_reference(cfg) else None
+        self.critic = (
+            CriticWorker(cfg, device, self.total_training_steps, self.tokenizer) if use_critic(cfg) else None
+        )
+        self.kl_ctrl = build_kl_controller(cfg) if cfg.algorithm.use_kl_in_reward else None
+        self.rollout = build_rollout(arr.rollout, self.actor.model, self.tokenizer, device)
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        if cfg.algorithm.adv_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}"
+            )
+        crf = cfg.custom_reward_function
+        if crf.path:
+            reward_fn = load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs or {}) or None)
+        else:
+            reward_fn = default_compute_score
+        self.reward_manager = NaiveRewardManager(compute_score=reward_fn)
+        self.tracking = Tracking(
+            list(cfg.trainer.logger),
+            self.run_dir,
+            cfg.trainer.project_name,
+            cfg.trainer.experiment_name,
+            to_dict(cfg),
+        )
+        self.checkpoints = _checkpoint_manager(self.run_dir, cfg.trainer)
+        self.global_step = 0
+        self.epoch = 0
+
+    # -------------------------------------------------------------------------------- the loop
+    def roles(self) -> dict[str, Any]:
+        roles: dict[str, Any] = {"actor": self.actor}
+        if self.critic is not None:
+            roles["critic"] = self.critic
+        return roles
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "data_loader": self.train_loader.state_dict(),
+            "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
+        }
+
+    def _resume(self) -> None:
+        if self.checkpoints is None:
+            return
+        state = self.checkpoints.resume(self.roles())
+        if not state:
+            return
+        self.global_step = int(state["global_step"])
+        self.epoch = int(state.get("epoch", 0))
+        if state.get("data_loader") is not None:
+            self.train_loader.load_state_dict(state["data_loader"])
+        if self.kl_ctrl is not None and state.get("kl_ctrl"):
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        print(f"resumed from global_step {self.global_step}", flush=True)
+
+    def fit(self) -> dict[str, float]:
+        """Train for total_training_steps; returns the last step's metrics (validation included)."""
+        cfg = self.cfg.trainer
+        self._resume()
+        last: dict[str, float] = {}
+        if self.val_dataset is not None and cfg.val_before_train and self.global_step == 0:
+            val = self.validate()
+            self.tracking.log(val, step=0)
+            last.update(val)
+            if cfg.val_only:
+                return last
+        bar = tqdm(
+            total=self.total_training_steps, initial=self.global_step, desc="training steps", unit="step"
+        )
+        try:
+            for items in self._batches():
+                self.global_step += 1
+                is_last = self.global_step >= self.total_training_steps
+                metrics = self.train_step(items)
+                timing: dict[str, float] = {}
+                if (
+                    self.val_dataset is not None
+                    and cfg.test_freq > 0
+                    and (is_last or self.global_step % cfg.test_freq == 0)
+                ):
+                    with M.timer("testing", timing):
+                        metrics.update(self.validate())
+                if (
+                    self.checkpoints is not None
+                    and cfg.save_freq > 0
+                    and (is_last or self.global_step % cfg.save_freq == 0)
+                ):
+                    with M.timer("save_checkpoint", timing):
+                        self.checkpoints.save(self.global_step, self.roles(), self.trainer_state())
+                metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
+                self.tracking.log(metrics, step=self.global_step)
+                last = metrics
+                bar.update(1)
+                if is_last:
+                    break
+        finally:
+            bar.close()
+            self.tracking.close()
+        return last
+
+    def _batches(self):
+        """Prompt batches epoch after epoch until the step budget is spent."""
+        while self.global_step < self.total_training_steps:
+            for items in self.train_loader:
+                self.epoch = int(self.train_loader.state_dict().get("epoch", self.epoch))
+                yield items
+                if self.global_step >= self.total_training_steps:
+                    return
+
+    def train_step(self, items: list[dict[str, Any]]) -> dict[str, float]:
+        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        timing: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        with M.timer("step", timing):
+            # 1. generate
+            with M.timer("gen", timing):
+                batch = self.generate(items, validate=False)
+            # 2. reward: the score sits on the last response token
+            with M.timer("reward", timing):
+                batch["token_level_scores"], _ = score_batch(batch, self.tokenizer, self.reward_manager)
+            # 3. old log-probs (and entropy), reference log-probs, values
+            with M.timer("old_log_prob", timing):
+                old_log_probs, entropys = self.actor.compute_log_prob(batch)
+                batch["old_log_probs"] = old_log_probs
+                mask = batch["response_mask"].float()
+                metrics["actor/entropy"] = agg_loss(entropys, mask, arr.actor.loss_agg_mode).item()
+                metrics.update(
+                    logprob_diff(batch["rollout_log_probs"], old_log_probs, batch["response_mask"])
+                )
+            if self.ref is not None:
+                with M.timer("ref", timing):
+                    batch["ref_log_prob"] = self.ref.compute_ref_log_prob(batch)
+            if self.critic is not None:
+                with M.timer("values", timing):
+                    batch["values"] = self.critic.compute_values(batch)
+            # 4. KL in reward, then advantages
+            with M.timer("adv", timing):
+                if self.kl_ctrl is not None:
+                    batch["token_level_rewards"], kl_metrics = self._kl_in_reward(batch)
+                    metrics.update(kl_metrics)
+                else:
+                    batch["token_level_rewards"] = batch["token_level_scores"]
+                batch["advantages"], batch["returns"] = self.compute_advantage(batch)
+            # 5. updates: critic first (its loss uses the pre-update values), then the actor
+            if self.critic is not None:
+                with M.timer("update_critic", timing):
+                    metrics.update(self.critic.update_critic(batch, self.global_step))
+            if int(cfg.trainer.critic_warmup) <= self.global_step:
+                with M.timer("update_actor", timing):
+                    metrics.update(self.actor.update_policy(batch, self.global_step))
+                # 6. the new weights into the engine (in place; the hf backend shares the module)
+                with M.timer("update_weights", timing):
+                    self.rollout.update_weights(self.actor.model.named_parameters())
+        # 7. metrics
+        metrics.update(M.compute_data_metrics(batch, use_critic=self.critic is not None))
+        metrics.update(M.compute_timing_metrics(batch, timing))
+        metrics.update(M.compute_throughput_metrics(batch, timing, self.n_devices))
+        metrics["perf/mfu/actor"] = M.compute_mfu(
+            self.actor.model.config,
+            batch,
+            timing.get("update_actor", 0.0),
+            int(arr.actor.ppo_epochs),
+            self.device,
+            self.n_devices,
+        )
+        metrics.update(M.memory_metrics(self.device))
+        metrics["training/global_step"] = float(self.global_step)
+        metrics["training/epoch"] = float(self.epoch)
+        return metrics
+
+    # ------------------------------------------------------------------------------ the stages
+    def generate(self, items: list[dict[str, Any]], validate: bool) -> Batch:
+        """Sample responses for `items` (chunks of max_num_seqs responses, with a progress bar)."""
+        rc = self.cfg.actor_rollout_ref.rollout
+        base_seed = int(rc.seed if rc.seed is not None else self.cfg.trainer.seed)
+        params = sampling_params(rc, self.response_length, 0, validate)
+        prompts_per_chunk = max(1, int(rc.max_num_seqs) // params.n)
+        token_ids: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        prompt_index: list[int] = []
+        free_cache = bool(rc.free_cache_engine)
+        if free_cache:
+            self.rollout.wake_up()
+        chunks = range(0, len(items), prompts_per_chunk)
+        desc = "validation" if validate else "generation"
+        for start in tqdm(chunks, desc=desc, unit="chunk", leave=False, disable=len(chunks) <= 1):
+            chunk = items[start : start + prompts_per_chunk]
+            # A different, reproducible seed per step and chunk (validation: per chunk only).
+            params.seed = base_seed * 1_000_003 + (0 if validate else self.global_step) * 1009 + start
+            out = self.rollout.generate([it["input_ids"] for it in chunk], params)
+            token_ids += out.token_ids
+            logprobs += out.logprobs
+            prompt_index += [start + i for i in out.prompt_index]
+        if free_cache:
+            self.rollout.sleep()
+        prefix = "val" if validate else f"s{self.global_step}"
+        return assemble_batch(
+            items,
+            token_ids,
+            logprobs,
+            prompt_index,
+            self.max_prompt_length,
+            self.response_length,
+            self.pad_id,
+            prefix,
+        )
+
+    def _kl_in_reward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        assert self.kl_ctrl is not None
+        rewards, kl_metrics = apply_kl_penalty(
+            token_level_scores=batch["token_level_scores"],
+            old_log_prob=batch["old_log_probs"],
+            ref_log_prob=batch["ref_log_prob"],
+            response_mask=batch["response_mask"].float(),
+            kl_ctrl=self.kl_ctrl,
+            kl_penalty=self.cfg.algorithm.kl_penalty,
+        )
+        return rewards, kl_metrics
+
+    def compute_advantage(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        alg = self.cfg.algorithm
+        estimator = ADVANTAGE_ESTIMATORS[alg.adv_estimator]
+        uids = batch.non_tensors["uid"]
+        # Prompt uid → integer group id (grpo / rloo group responses of one prompt).
+        group_of: dict[str, int] = {}
+        index = np.array([group_of.setdefault(u, len(group_of)) for u in uids])
+        return estimator(
+            token_level_rewards=batch["token_level_rewards"],
+            response_mask=batch["response_mask"].float(),
+            values=batch.tensors.get("values"),
+            index=index,
+            gamma=float(alg.gamma),
+            lam=float(alg.lam),
+            norm_adv_by_std_in_grpo=bool(alg.norm_adv_by_std_in_grpo),
+        )
+
+    def validate(self) -> dict[str, float]:
+        """Greedy (val_kwargs) generation on the whole validation set: val-core/<data_source>/reward/mean@n."""
+        assert self.val_dataset is not None
+        items = [self.val_dataset[i] for i in range(len(self.val_dataset))]
+        batch = self.generate(items, validate=True)
+        _, scores = score_batch(batch, self.tokenizer, self.reward_manager)
+        n = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
+        by_source: dict[str, list[float]] = defaultdict(list)
+        for ds, s in zip(batch.non_tensors["data_source"], scores, strict=True):
+            by_source[ds].append(s)
+        out = {f"val-core/{ds}/reward/mean@{n}": float(np.mean(v)) for ds, v in by_source.items()}
+        _, lengths = M.prompt_and_response_lengths(batch)
+        out["val-aux/response_length/mean"] = float(lengths.mean().item())
+        return out
+
+
+def _checkpoint_manager(run_dir: Path, trainer_cfg: Any) -> Any:
+    """Helper G's CheckpointManager (atomic save, exact resume)."""
+    from fulcrum.trainer.checkpoint import CheckpointManager
+
+    return CheckpointManager(run_dir, trainer_cfg)

@@ -1,0 +1,239 @@
+"""The actor (policy) worker and the reference worker: a Hugging Face causal LM, its log-probs, and
+the PPO policy update (ppo_epochs × shuffled mini-batches × micro-batches with gradient accumulation).
+
+No global state: everything lives on the instance (`model`, `optimizer`, `lr_scheduler`), so a
+data-parallel wrapper (FSDP2's `fully_shard(worker.model)`) can be applied later without touching
+the update loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fulcrum.algo.kl import kl_penalty
+from fulcrum.algo.losses import agg_loss, compute_policy_loss
+from fulcrum.models.load import load_causal_lm
+from fulcrum.trainer.batch import Batch
+from fulcrum.workers.micro_batch import forward_log_prob, make_micro_batches, restore_order
+from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LogProbSizes:
+    """How a no-grad log-prob pass is split: fixed micro-batches or a per-micro-batch token budget."""
+
+    micro_batch_size: int | None
+    use_dynamic_bsz: bool
+    max_token_len: int | None
+    key: str  # the configuration prefix, for error messages
+
+
+def _first(*values: Any) -> Any:
+    """The first value that is not None (verl's `null follows ...` interpolations)."""
+    for v in values:
+        if v is not None:
+            return v
+    return None
+
+
+def compute_log_prob(
+    model: nn.Module,
+    batch: Batch,
+    sizes: LogProbSizes,
+    temperature: float,
+    device: torch.device,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(response) (B, R) and entropy (B, R) on the CPU, float32, no gradient, micro-batched."""
+    micro, order = make_micro_batches(
+        batch, sizes.micro_batch_size, sizes.use_dynamic_bsz, sizes.max_token_len, sizes.key
+    )
+    was_training = model.training
+    model.eval()  # no dropout: log-probs must match what the update's ratio starts from
+    logps, ents = [], []
+    try:
+        with torch.no_grad():
+            for mb in micro:
+                logp, ent = forward_log_prob(model, mb, temperature, with_entropy, device)
+                logps.append(logp.cpu())
+                if ent is not None:
+                    ents.append(ent.cpu())
+    finally:
+        model.train(was_training)
+    return restore_order(logps, order), (restore_order(ents, order) if with_entropy else None)
+
+
+class ReferenceWorker:
+    """The frozen reference policy (the actor's initial weights): log-probs only."""
+
+    def __init__(self, cfg: Any, device: torch.device) -> None:
+        arr = cfg.actor_rollout_ref
+        self.device = device
+        self.model = load_causal_lm(arr.model.path, device).eval()
+        self.model.requires_grad_(False)
+        self.temperature = float(arr.rollout.temperature) or 1.0
+        self.sizes = LogProbSizes(
+            micro_batch_size=_first(
+                arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_micro_batch_size
+            ),
+            use_dynamic_bsz=bool(_first(arr.ref.log_prob_use_dynamic_bsz, arr.actor.use_dynamic_bsz)),
+            max_token_len=_first(arr.ref.log_prob_max_token_len_per_gpu, arr.actor.ppo_max_token_len_per_gpu),
+            key="actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+        )
+
+    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
+        logp, _ = compute_log_prob(self.model, batch, self.sizes, self.temperature, self.device, False)
+        return logp
+
+
+class ActorWorker:
+    """Policy model + AdamW + LR schedule; `compute_log_prob` and `update_policy` as verl's DataParallelPPOActor."""
+
+    def __init__(
+        self, cfg: Any, device: torch.device, total_training_steps: int, tokenizer: Any = None
+    ) -> None:
+        arr = cfg.actor_rollout_ref
+        self.cfg = arr.actor
+        self.device = device
+        self.tokenizer = tokenizer
+        self.model = load_causal_lm(arr.model.path, device, bool(arr.model.enable_gradient_checkpointing))
+        self.model.train()
+        self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim, device)
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer, arr.actor.optim, total_training_steps, "actor_rollout_ref.actor.optim"
+        )
+        # verl divides the logits by the rollout temperature everywhere the policy is scored.
+        self.temperature = float(arr.rollout.temperature) or 1.0
+        n = int(arr.rollout.n)
+        self.mini_batch_size = int(arr.actor.ppo_mini_batch_size) * n  # responses per optimiser step
+        self.micro_batch_size = _first(arr.actor.ppo_micro_batch_size_per_gpu, arr.actor.ppo_micro_batch_size)
+        self.log_prob_sizes = LogProbSizes(
+            micro_batch_size=_first(
+                arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout.log_prob_micro_batch_size
+            ),
+            use_dynamic_bsz=bool(_first(arr.rollout.log_prob_use_dynamic_bsz, arr.actor.use_dynamic_bsz)),
+            max_token_len=_first(
+                arr.rollout.log_prob_max_token_len_per_gpu, arr.actor.ppo_max_token_len_per_gpu
+            ),
+            key="actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        )
+        self.shuffle_seed = int(getattr(cfg.trainer, "seed", 1))
+
+    def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Old log-probs and entropies (B, R) of the batch's responses under the current policy."""
+        logp, ent = compute_log_prob(
+            self.model, batch, self.log_prob_sizes, self.temperature, self.device, True
+        )
+        assert ent is not None
+        return logp, ent
+
+    def update_policy(self, batch: Batch, global_step: int = 0) -> dict[str, float]:
+        """ppo_epochs × mini-batches (shuffled) × micro-batches; one optimiser step per mini-batch.
+
+        The shuffle is seeded by (trainer.seed, global_step) so a resumed run repeats it exactly.
+        Needs `old_log_probs`, `advantages` (and `ref_log_prob` with use_kl_loss). Metrics are means
+        over micro-batches (losses, clip fractions) or mini-batches (grad_norm), as verl reduces them.
+        """
+        cfg = self.cfg
+        if len(batch) % self.mini_batch_size != 0 and len(batch) > self.mini_batch_size:
+            logger.warning(
+                "actor: %d responses do not divide into mini-batches of %d", len(batch), self.mini_batch_size
+            )
+        self.model.train()
+        metrics: dict[str, list[float]] = defaultdict(list)
+        generator = torch.Generator().manual_seed(self.shuffle_seed * 1_000_003 + global_step)
+        clip_low = _first(cfg.clip_ratio_low, cfg.clip_ratio)
+        clip_high = _first(cfg.clip_ratio_high, cfg.clip_ratio)
+        for _ in range(int(cfg.ppo_epochs)):
+            order = torch.randperm(len(batch), generator=generator)
+            for mini in batch.select(order).split(self.mini_batch_size):
+                micro, _ = make_micro_batches(
+                    mini,
+                    self.micro_batch_size,
+                    bool(cfg.use_dynamic_bsz),
+                    cfg.ppo_max_token_len_per_gpu,
+                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                )
+                self.optimizer.zero_grad(set_to_none=True)
+                for mb in micro:
+                    # verl: loss / gradient_accumulation, or the micro-batch's share of the mini-batch (dynamic bsz).
+                    scale = len(mb) / len(mini)
+                    step_metrics = self._micro_step(mb, scale, clip_low, clip_high)
+                    for k, v in step_metrics.items():
+                        metrics[k].append(v)
+                metrics["actor/grad_norm"].append(self._optimizer_step(float(cfg.grad_clip), "actor"))
+        metrics["actor/lr"].append(self.lr_scheduler.get_last_lr()[0])
+        self.lr_scheduler.step()
+        return {k: float(sum(v) / len(v)) for k, v in metrics.items()}
+
+    def _micro_step(self, mb: Batch, scale: float, clip_low: float, clip_high: float) -> dict[str, float]:
+        cfg = self.cfg
+        mask = mb["response_mask"].to(self.device).float()
+        with_entropy = float(cfg.entropy_coeff) != 0.0
+        log_prob, entropy = forward_log_prob(self.model, mb, self.temperature, with_entropy, self.device)
+        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = compute_policy_loss(
+            old_log_prob=mb["old_log_probs"].to(self.device),
+            log_prob=log_prob,
+            advantages=mb["advantages"].to(self.device),
+            response_mask=mask,
+            cliprange=float(cfg.clip_ratio),
+            cliprange_low=float(clip_low),
+            cliprange_high=float(clip_high),
+            clip_ratio_c=float(cfg.clip_ratio_c),
+            loss_agg_mode=cfg.loss_agg_mode,
+        )
+        policy_loss = pg_loss
+        out: dict[str, float] = {}
+        if entropy is not None:
+            entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
+            policy_loss = policy_loss - float(cfg.entropy_coeff) * entropy_loss
+        if cfg.use_kl_loss:
+            kld = kl_penalty(log_prob, mb["ref_log_prob"].to(self.device), cfg.kl_loss_type)
+            kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode)
+            policy_loss = policy_loss + float(cfg.kl_loss_coef) * kl_loss
+            out["actor/kl_loss"] = kl_loss.item()
+            out["actor/kl_coef"] = float(cfg.kl_loss_coef)
+        (policy_loss * scale).backward()
+        out.update(
+            {
+                "actor/pg_loss": pg_loss.item(),
+                "actor/pg_clipfrac": float(pg_clipfrac),
+                "actor/ppo_kl": float(ppo_kl),
+                "actor/pg_clipfrac_lower": float(pg_clipfrac_lower),
+            }
+        )
+        return out
+
+    def _optimizer_step(self, grad_clip: float, role: str) -> float:
+        return clip_and_step(self.model, self.optimizer, grad_clip, role)
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The policy's weights under Hugging Face names, for `RolloutEngine.update_weights`."""
+        return list(self.model.state_dict().items())
+
+
+def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, role: str) -> float:
+    """Clip the global gradient norm to `grad_clip` and step; skip the step if the norm is not finite.
+
+    Returns the norm before clipping (what verl logs as `<role>/grad_norm`).
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=grad_clip)
+    norm = float(grad_norm)
+    if not math.isfinite(norm):
+        logger.warning("%s: grad_norm is %s, skipping this optimiser step", role, norm)
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+    optimizer.step()
+    return norm

@@ -1,0 +1,107 @@
+"""The critic worker: HF backbone + scalar value head, `compute_values` and the clipped value update.
+
+Its sizes (`critic.ppo_mini_batch_size`, `ppo_micro_batch_size_per_gpu`, `forward_micro_batch_size_per_gpu`,
+`ppo_epochs`, token budgets) are independent of the actor's; null ones follow the actor as in verl.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from fulcrum.algo.losses import compute_value_loss
+from fulcrum.models.load import load_backbone
+from fulcrum.models.value_head import CriticModel
+from fulcrum.trainer.batch import Batch
+from fulcrum.workers.actor import _first, clip_and_step
+from fulcrum.workers.micro_batch import forward_values, make_micro_batches, restore_order
+from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
+
+
+class CriticWorker:
+    def __init__(
+        self, cfg: Any, device: torch.device, total_training_steps: int, tokenizer: Any = None
+    ) -> None:
+        c = cfg.critic
+        actor = cfg.actor_rollout_ref.actor
+        self.cfg = c
+        self.device = device
+        self.tokenizer = tokenizer
+        self.model = CriticModel(load_backbone(c.model.path, device, key="critic.model.path"))
+        if c.model.enable_gradient_checkpointing:
+            self.model.gradient_checkpointing_enable({"use_reentrant": False})
+        self.model.train()
+        self.optimizer = build_optimizer(self.model.parameters(), c.optim, device)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, c.optim, total_training_steps, "critic.optim")
+        n = int(_first(c.rollout_n, cfg.actor_rollout_ref.rollout.n))
+        self.mini_batch_size = int(_first(c.ppo_mini_batch_size, actor.ppo_mini_batch_size)) * n
+        self.micro_batch_size = _first(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size)
+        self.forward_micro_batch_size = _first(
+            c.forward_micro_batch_size_per_gpu, c.forward_micro_batch_size, self.micro_batch_size
+        )
+        self.use_dynamic_bsz = bool(_first(c.use_dynamic_bsz, actor.use_dynamic_bsz))
+        self.ppo_epochs = int(_first(c.ppo_epochs, actor.ppo_epochs))
+        self.loss_agg_mode = _first(c.loss_agg_mode, actor.loss_agg_mode)
+        self.shuffle_seed = int(getattr(cfg.trainer, "seed", 1)) + 7
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """V(s_t) for every response position (B, R), float32 on the CPU, zero outside the response mask."""
+        c = self.cfg
+        micro, order = make_micro_batches(
+            batch,
+            self.forward_micro_batch_size,
+            self.use_dynamic_bsz,
+            _first(c.forward_max_token_len_per_gpu, c.ppo_max_token_len_per_gpu),
+            "critic.forward_micro_batch_size_per_gpu",
+        )
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                parts = [forward_values(self.model, mb, self.device).cpu() for mb in micro]
+        finally:
+            self.model.train(was_training)
+        return restore_order(parts, order)
+
+    def update_critic(self, batch: Batch, global_step: int = 0) -> dict[str, float]:
+        """ppo_epochs × shuffled mini-batches × micro-batches of the clipped value loss (needs values, returns)."""
+        c = self.cfg
+        self.model.train()
+        metrics: dict[str, list[float]] = defaultdict(list)
+        generator = torch.Generator().manual_seed(self.shuffle_seed * 1_000_003 + global_step)
+        for _ in range(self.ppo_epochs):
+            order = torch.randperm(len(batch), generator=generator)
+            for mini in batch.select(order).split(self.mini_batch_size):
+                micro, _ = make_micro_batches(
+                    mini,
+                    self.micro_batch_size,
+                    self.use_dynamic_bsz,
+                    c.ppo_max_token_len_per_gpu,
+                    "critic.ppo_micro_batch_size_per_gpu",
+                )
+                self.optimizer.zero_grad(set_to_none=True)
+                for mb in micro:
+                    mask = mb["response_mask"].to(self.device).float()
+                    vpreds = forward_values(self.model, mb, self.device)
+                    vf_loss, vf_clipfrac = compute_value_loss(
+                        vpreds=vpreds,
+                        values=mb["values"].to(self.device),
+                        returns=mb["returns"].to(self.device),
+                        response_mask=mask,
+                        cliprange_value=float(c.cliprange_value),
+                        loss_agg_mode=self.loss_agg_mode,
+                    )
+                    (vf_loss * (len(mb) / len(mini))).backward()
+                    metrics["critic/vf_loss"].append(vf_loss.item())
+                    metrics["critic/vf_clipfrac"].append(float(vf_clipfrac))
+                    metrics["critic/vpred_mean"].append(
+                        ((vpreds.detach() * mask).sum() / mask.sum().clamp(min=1)).item()
+                    )
+                metrics["critic/grad_norm"].append(
+                    clip_and_step(self.model, self.optimizer, float(c.grad_clip), "critic")
+                )
+        metrics["critic/lr"].append(self.lr_scheduler.get_last_lr()[0])
+        self.lr_scheduler.step()
+        return {k: float(sum(v) / len(v)) for k, v in metrics.items()}

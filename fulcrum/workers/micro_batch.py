@@ -1,0 +1,115 @@
+"""Splitting a batch into micro-batches (fixed count or packed by a token budget) and the forwards
+that every worker runs on one micro-batch: response log-probs (actor, reference) and values (critic).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fulcrum.models.load import autocast_for
+from fulcrum.models.logprob import logprob_and_entropy, response_logits, trim_padding
+from fulcrum.trainer.batch import Batch
+
+
+def sequence_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt tokens, response tokens) per sample, from the attention mask: two (B,) long tensors."""
+    p = batch.prompt_length
+    mask = batch["attention_mask"]
+    return mask[:, :p].sum(-1).long(), mask[:, p:].sum(-1).long()
+
+
+def token_budget_groups(
+    prompt_len: list[int], response_len: list[int], max_token_len: int, key: str
+) -> list[list[int]]:
+    """Pack sample indices into groups whose padded cost fits the token budget.
+
+    A group's cost is `len(group) × (max prompt + max response)`: what its trimmed padded forward
+    really processes (we do not remove padding yet), so the budget bounds memory honestly. Samples
+    are taken longest first, which keeps the padding inside each group small.
+    """
+    order = sorted(range(len(prompt_len)), key=lambda i: prompt_len[i] + response_len[i], reverse=True)
+    groups: list[list[int]] = []
+    current: list[int] = []
+    max_p = max_r = 0
+    for i in order:
+        p, r = max(max_p, prompt_len[i]), max(max_r, response_len[i])
+        if prompt_len[i] + response_len[i] > max_token_len:
+            raise ValueError(
+                f"{key}={max_token_len} is smaller than one sequence ({prompt_len[i] + response_len[i]} tokens); "
+                "raise it to at least max_prompt_length + max_response_length"
+            )
+        if current and (len(current) + 1) * (p + r) > max_token_len:
+            groups.append(current)
+            current, p, r = [], prompt_len[i], response_len[i]
+        current.append(i)
+        max_p, max_r = p, r
+    if current:
+        groups.append(current)
+    return groups
+
+
+def make_micro_batches(
+    batch: Batch, size: int | None, use_dynamic_bsz: bool, max_token_len: int | None, key: str
+) -> tuple[list[Batch], list[int] | None]:
+    """Micro-batches and, for the token-budget packing, the sample order they hold (to undo it)."""
+    if use_dynamic_bsz:
+        if not max_token_len or max_token_len <= 0:
+            raise ValueError(f"{key}: use_dynamic_bsz=True needs a positive max token length")
+        p, r = sequence_lengths(batch)
+        groups = token_budget_groups(p.tolist(), r.tolist(), int(max_token_len), key)
+        order = [i for g in groups for i in g]
+        return [batch.select(g) for g in groups], order
+    if not size or size <= 0:
+        raise ValueError(f"{key}: micro-batch size must be a positive integer, got {size}")
+    return batch.split(int(size)), None
+
+
+def restore_order(parts: list[torch.Tensor], order: list[int] | None) -> torch.Tensor:
+    """Concatenate per-micro-batch results and undo the token-budget permutation."""
+    out = torch.cat(parts)
+    if order is None:
+        return out
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.as_tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    return out[inverse.to(out.device)]
+
+
+def _pad_right(x: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, R') → (B, R) with zeros on the right (those positions are outside the response mask)."""
+    if x.shape[1] == length:
+        return x
+    return torch.nn.functional.pad(x, (0, length - x.shape[1]))
+
+
+def forward_log_prob(
+    model: nn.Module, mb: Batch, temperature: float, with_entropy: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(response tokens) (B, R), float32, logits divided by the rollout temperature as verl; entropy too."""
+    r = mb.response_length
+    ids, mask, pos, r_kept = trim_padding(
+        mb["input_ids"].to(device),
+        mb["attention_mask"].to(device),
+        mb["position_ids"].to(device),
+        mb.prompt_length,
+    )
+    with autocast_for(device):
+        logits = response_logits(model, ids, mask, pos, r_kept)  # (B, R', V)
+    labels = mb["responses"][:, :r_kept].to(device)
+    logp, entropy = logprob_and_entropy(logits, labels, temperature, with_entropy)
+    return _pad_right(logp, r), (_pad_right(entropy, r) if entropy is not None else None)
+
+
+def forward_values(model: nn.Module, mb: Batch, device: torch.device) -> torch.Tensor:
+    """V(state before each response token) (B, R), float32, zero outside the response mask."""
+    r = mb.response_length
+    ids, mask, pos, r_kept = trim_padding(
+        mb["input_ids"].to(device),
+        mb["attention_mask"].to(device),
+        mb["position_ids"].to(device),
+        mb.prompt_length,
+    )
+    with autocast_for(device):
+        values = model(input_ids=ids, attention_mask=mask, position_ids=pos)  # (B, T')
+    values = values[:, -r_kept - 1 : -1].float()  # (B, R'), as verl's critic slices
+    return _pad_right(values, r) * mb["response_mask"].to(device)
