@@ -171,6 +171,9 @@ OOM_LEVERS: dict[str | None, list[tuple[str, str]]] = {
 }
 
 
+KV_CACHE_KEYS = ("gpu_memory_utilization", "free_cache_engine")
+
+
 def config_value(cfg: Any, dotted: str) -> Any:
     """`cfg.a.b.c` for "a.b.c" (dataclasses or dicts); `"?"` when a key is absent."""
     node = cfg
@@ -211,9 +214,14 @@ def oom_message(error: BaseException, cfg: Any, phase: str | None, figures: Mapp
         lines.append(
             "memory (GiB): " + ", ".join(f"{k.removesuffix('_gib')} {v:.2f}" for k, v in figures.items())
         )
-    levers = list(OOM_LEVERS.get(phase, [])) if phase else []
-    for key in (None, "update_actor", "update_critic", "gen", "old_log_prob", "ref", "values"):
-        levers += [lever for lever in OOM_LEVERS[key] if lever not in levers]
+    if phase is not None and phase in OOM_LEVERS:
+        # The phase's own levers, the general ones, and the KV cache, which competes with every phase.
+        levers = OOM_LEVERS[phase] + OOM_LEVERS[None]
+        levers += [
+            lever for lever in OOM_LEVERS["gen"] if lever[0].endswith(KV_CACHE_KEYS) and lever not in levers
+        ]
+    else:
+        levers = [lever for group in OOM_LEVERS.values() for lever in group]
     lines.append("levers that cut memory (most relevant first; current value in brackets):")
     lines += [f"  {key} [{config_value(cfg, key)}]: {what}" for key, what in levers]
     return "\n".join(lines)
