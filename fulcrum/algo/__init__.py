@@ -1,0 +1,48 @@
+"""Core RL maths as pure tensor functions: advantages, policy/value losses, KL, masked statistics.
+
+Mask convention everywhere: `response_mask` (B, T), 1 = the token counts. docs/algorithms.md lists
+every estimator and loss with its formula and its verl name.
+"""
+
+from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, compute_advantage
+from fulcrum.algo.kl import (
+    KL_PENALTY_NAMES,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    build_kl_controller,
+    kl_penalty,
+)
+from fulcrum.algo.losses import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    agg_loss,
+    compute_policy_loss,
+    compute_value_loss,
+    entropy_from_logits,
+    logprobs_from_logits,
+)
+from fulcrum.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "CRITIC_ESTIMATORS",
+    "KL_PENALTY_NAMES",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "agg_loss",
+    "apply_kl_penalty",
+    "build_kl_controller",
+    "compute_advantage",
+    "compute_policy_loss",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+]

@@ -1,0 +1,278 @@
+"""Advantage estimators: token-level rewards (B, T) -> (advantages (B, T), returns (B, T)).
+
+Each estimator has verl's semantics (verl/trainer/ppo/core_algos.py, the function named in its
+docstring). `response_mask` (B, T) is 1 on tokens that count. One deliberate difference: both outputs
+are 0 wherever the mask is 0 (verl leaves whitened or carried values there in gae and remax); no loss
+reads those positions, and zeros keep metrics and debugging simple.
+
+All estimators take the same keyword arguments, so the trainer calls any by name:
+
+    advantages, returns = compute_advantage(
+        cfg.algorithm.adv_estimator, token_level_rewards=..., response_mask=..., values=...,
+        index=uids, reward_baselines=..., gamma=..., lam=..., norm_adv_by_std_in_grpo=...)
+
+An estimator ignores the inputs it does not use and raises ValueError naming the one it lacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from fulcrum.algo.masked import masked_whiten
+
+# Added to the group std in GRPO so a group of equal scores does not divide by zero (as verl).
+GRPO_EPS = 1e-6
+
+GroupIndex = Sequence[Hashable] | torch.Tensor  # one prompt uid per row (str, int, numpy array, tensor)
+
+
+class AdvantageFn(Protocol):
+    def __call__(
+        self,
+        *,
+        token_level_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        values: torch.Tensor | None = None,
+        index: GroupIndex | None = None,
+        reward_baselines: torch.Tensor | None = None,
+        gamma: float = 1.0,
+        lam: float = 1.0,
+        norm_adv_by_std_in_grpo: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def _need(value: Any, what: str, estimator: str) -> Any:
+    if value is None:
+        raise ValueError(f"algorithm.adv_estimator={estimator} needs `{what}`, which was not given")
+    return value
+
+
+def group_ids(index: GroupIndex, batch_size: int) -> tuple[torch.Tensor, int]:
+    """Map prompt uids to dense group numbers 0..G-1 in order of first appearance: ((B,) long, G)."""
+    uids = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+    if len(uids) != batch_size:
+        raise ValueError(f"index has {len(uids)} uids but the batch has {batch_size} rows")
+    numbers: dict[Hashable, int] = {}
+    ids = [numbers.setdefault(uid, len(numbers)) for uid in uids]
+    return torch.tensor(ids, dtype=torch.long), len(numbers)
+
+
+def group_mean_std(
+    scores: torch.Tensor, index: GroupIndex
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row mean, unbiased std and size of the row's group: three (B,) tensors.
+
+    scores: (B,). A group of one has mean 0 and std 1 (verl's convention, so that row keeps its score).
+    """
+    gid, n_groups = group_ids(index, scores.shape[0])
+    gid = gid.to(scores.device)
+    size = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
+        0, gid, torch.ones_like(scores)
+    )
+    total = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, gid, scores)
+    mean = total / size
+    sq_dev = torch.zeros_like(total).index_add_(0, gid, (scores - mean[gid]) ** 2)
+    std = torch.sqrt(sq_dev / (size - 1).clamp(min=1))
+    single = size == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    return mean[gid], std[gid], size[gid]
+
+
+def gae_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    **_other_inputs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016); verl `compute_gae_advantage_return`.
+
+    Reverse over t, skipping masked tokens (their value and TD error do not enter the recursion):
+        delta_t = r_t + gamma * V_next - V_t
+        A_t     = delta_t + gamma * lam * A_next
+    where V_next and A_next are those of the next *unmasked* token (0 past the end).
+    returns = A + V (before whitening); advantages = masked_whiten(A). Inputs and outputs (B, T).
+    """
+    values = _need(values, "values (a critic)", "gae")
+    with torch.no_grad():
+        mask = response_mask.to(values.dtype)
+        next_value = torch.zeros_like(values[:, 0])  # (B,)
+        next_adv = torch.zeros_like(values[:, 0])  # (B,)
+        reversed_adv = []
+        for t in reversed(range(token_level_rewards.shape[-1])):
+            delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+            adv_t = delta + gamma * lam * next_adv
+            # A masked token passes the next token's value and advantage through unchanged.
+            next_value = values[:, t] * mask[:, t] + (1 - mask[:, t]) * next_value
+            next_adv = adv_t * mask[:, t] + (1 - mask[:, t]) * next_adv
+            reversed_adv.append(next_adv)
+        advantages = torch.stack(reversed_adv[::-1], dim=1)  # (B, T)
+        returns = (advantages + values) * mask
+        advantages = masked_whiten(advantages, mask) * mask
+    return advantages, returns
+
+
+def grpo_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    norm_adv_by_std_in_grpo: bool = True,
+    **_other_inputs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantage (Shao et al. 2024); verl `compute_grpo_outcome_advantage`.
+
+    s_i = sum_t r_i,t; within the group g of prompt uid index[i] (mean, unbiased std over its rows):
+        A_i = (s_i - mean_g) / (std_g + 1e-6)      if norm_adv_by_std_in_grpo
+        A_i =  s_i - mean_g                        otherwise (Dr. GRPO)
+    A group of one row uses mean 0, std 1. Broadcast over the row's valid tokens; returns = advantages.
+    """
+    index = _need(index, "index (the prompt uid of each row)", "grpo")
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)  # (B,)
+        mean, std, _ = group_mean_std(scores, index)
+        centred = scores - mean
+        adv = centred / (std + GRPO_EPS) if norm_adv_by_std_in_grpo else centred
+        adv = adv.unsqueeze(-1) * response_mask  # (B, T)
+    return adv, adv
+
+
+def rloo_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    **_other_inputs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024); verl `compute_rloo_outcome_advantage`.
+
+    For a group of n > 1 rows: A_i = s_i - mean_{j != i} s_j = n / (n - 1) * (s_i - mean_g).
+    A group of one row keeps A_i = s_i. Broadcast over valid tokens; returns = advantages.
+    """
+    index = _need(index, "index (the prompt uid of each row)", "rloo")
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)  # (B,)
+        mean, _, size = group_mean_std(scores, index)
+        scale = size / (size - 1).clamp(min=1)
+        adv = torch.where(size > 1, scale * (scores - mean), scores)
+        adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+def reinforce_plus_plus_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    **_other_inputs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025); verl `compute_reinforce_plus_plus_outcome_advantage`.
+
+    Discounted return over unmasked tokens, G_t = r_t + gamma * G_next (a masked token passes G_next
+    through and gets return 0); advantages = masked_whiten(G) over the batch's valid tokens.
+    """
+    with torch.no_grad():
+        mask = response_mask.to(token_level_rewards.dtype)
+        returns = torch.zeros_like(token_level_rewards)
+        running = torch.zeros_like(token_level_rewards[:, 0])  # (B,)
+        for t in reversed(range(token_level_rewards.shape[-1])):
+            candidate = token_level_rewards[:, t] + gamma * running
+            returns[:, t] = candidate * mask[:, t]
+            running = candidate * mask[:, t] + running * (1 - mask[:, t])
+        advantages = masked_whiten(returns, mask) * mask
+    return advantages, returns
+
+
+def reinforce_plus_plus_baseline_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    **_other_inputs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group-mean baseline; verl `compute_reinforce_plus_plus_baseline_outcome_advantage`.
+
+    a_i = s_i - mean_g (mean 0 for a group of one), broadcast over the row's valid tokens, then
+    whitened over all valid tokens of the batch: A = masked_whiten(a * mask) * mask; returns = A.
+    """
+    index = _need(index, "index (the prompt uid of each row)", "reinforce_plus_plus_baseline")
+    with torch.no_grad():
+        mask = response_mask.to(token_level_rewards.dtype)
+        scores = token_level_rewards.sum(dim=-1)
+        mean, _, _ = group_mean_std(scores, index)
+        adv = (scores - mean).unsqueeze(-1) * mask  # (B, T)
+        adv = masked_whiten(adv, mask) * mask
+    return adv, adv
+
+
+def remax_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    reward_baselines: torch.Tensor | None = None,
+    **_other_inputs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023); verl `compute_remax_outcome_advantage`.
+
+    returns_t = sum_{t' >= t} r_t' * mask_t' (undiscounted reward-to-go); A_t = returns_t - b,
+    b = reward_baselines (B,): the score of the greedy response to the same prompt.
+    """
+    reward_baselines = _need(reward_baselines, "reward_baselines (greedy-response scores)", "remax")
+    with torch.no_grad():
+        mask = response_mask.to(token_level_rewards.dtype)
+        returns = (token_level_rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1]) * mask
+        advantages = (returns - reward_baselines.unsqueeze(-1)) * mask
+    return advantages, returns
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
+    "gae": gae_advantage,
+    "grpo": grpo_advantage,
+    "rloo": rloo_advantage,
+    "reinforce_plus_plus": reinforce_plus_plus_advantage,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantage,
+    "remax": remax_advantage,
+}
+
+# Estimators that need a critic (values); the others are critic-free.
+CRITIC_ESTIMATORS = frozenset({"gae"})
+
+
+def compute_advantage(
+    adv_estimator: str,
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    index: GroupIndex | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the estimator named `adv_estimator` (a key of ADVANTAGE_ESTIMATORS): (advantages, returns), (B, T)."""
+    if adv_estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"algorithm.adv_estimator={adv_estimator!r} is not supported; choose one of {sorted(ADVANTAGE_ESTIMATORS)}"
+        )
+    if token_level_rewards.shape != response_mask.shape:
+        raise ValueError(
+            f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} must have the same (B, T) shape"
+        )
+    return ADVANTAGE_ESTIMATORS[adv_estimator](
+        token_level_rewards=token_level_rewards,
+        response_mask=response_mask,
+        values=values,
+        index=index,
+        reward_baselines=reward_baselines,
+        gamma=gamma,
+        lam=lam,
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+    )
