@@ -28,6 +28,7 @@ def trained_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     torch.manual_seed(0)
     actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    actor.config.use_cache = False  # as training with gradient checkpointing leaves it
     critic = CriticModel(AutoModel.from_pretrained(model_dir, dtype=torch.float32))
     ids = torch.randint(0, 200, (2, 9))
     roles = {}
@@ -46,6 +47,7 @@ def test_actor_export_loads_offline_with_equal_logits(trained_run, tmp_path: Pat
     run_dir, roles, ids = trained_run
     assert export_main([str(run_dir / "global_step_5"), "--out", str(tmp_path / "hf")]) == 0
     assert not (tmp_path / "hf" / "optimizer.pt").exists()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["use_cache"] is True
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert tokenizer.decode(tokenizer.encode("Natalia sold 48 clips.")) == "Natalia sold 48 clips."

@@ -69,6 +69,15 @@ def cast_weights(folder: Path, dtype: torch.dtype) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def enable_kv_cache(folder: Path) -> None:
+    """Training turns `use_cache` off (gradient checkpointing); a served model wants its KV cache back."""
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    if config.get("use_cache") is False:
+        config["use_cache"] = True
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def export_checkpoint(
     ckpt: str | os.PathLike,
     out: str | os.PathLike,
@@ -98,6 +107,7 @@ def export_checkpoint(
         shutil.copytree(source, tmp, ignore=lambda _d, names: [n for n in names if n in TRAINING_ONLY])
         if dtype is not None:
             cast_weights(tmp, DTYPES[dtype])
+        enable_kv_cache(tmp)
         if out_dir.exists():
             out_dir.rmdir()
         os.rename(tmp, out_dir)
