@@ -127,8 +127,16 @@ def coerce(value: Any, tp: Any, key: str, from_cli: bool = False) -> Any:
             if type(None) in args:
                 return None
             raise _fail(key, tp, None)
-        # Structured types first so '[a,b]' becomes a list in a `str | list[str]` field; str last.
-        ordered = sorted((a for a in args if a is not type(None)), key=lambda a: a is str)
+        # '[a,b]' becomes a list in a `str | list[str]` field and a bare path stays a string:
+        # containers first for bracketed text, scalars first otherwise; str always last of its kind.
+        options = [a for a in args if a is not type(None)]
+        bracketed = not isinstance(value, str) or value.startswith(("[", "{"))
+
+        def rank(arg: Any) -> tuple[bool, bool]:
+            container = typing.get_origin(arg) in (list, dict)
+            return (container != bracketed, arg is str)
+
+        ordered = sorted(options, key=rank)
         for arg in ordered:
             try:
                 return coerce(value, arg, key, from_cli)

@@ -1,0 +1,306 @@
+"""Configuration: verl-style overrides, typed errors naming keys, derived keys, YAML round trip, rules."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from fulcrum.config import (
+    ConfigError,
+    FulcrumConfig,
+    advise,
+    check,
+    describe,
+    load_config,
+    load_config_file,
+    save_config,
+    to_dict,
+    validate,
+)
+
+# Every key of DESIGN §4's seed command and its "Also:" list must exist.
+DESIGN_KEYS = """
+data.train_files data.val_files data.train_batch_size data.max_prompt_length data.max_response_length
+actor_rollout_ref.model.path actor_rollout_ref.actor.optim.lr actor_rollout_ref.actor.ppo_mini_batch_size
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+actor_rollout_ref.rollout.tensor_model_parallel_size actor_rollout_ref.rollout.gpu_memory_utilization
+actor_rollout_ref.rollout.max_num_seqs actor_rollout_ref.rollout.max_num_batched_tokens
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu critic.optim.lr critic.model.path
+critic.ppo_micro_batch_size_per_gpu critic.forward_micro_batch_size_per_gpu algorithm.kl_ctrl.kl_coef
+algorithm.kl_ctrl.target_kl trainer.logger trainer.val_before_train trainer.n_gpus_per_node trainer.nnodes
+trainer.save_freq trainer.test_freq trainer.total_epochs
+actor_rollout_ref.actor.ppo_epochs actor_rollout_ref.actor.clip_ratio actor_rollout_ref.actor.clip_ratio_low
+actor_rollout_ref.actor.clip_ratio_high actor_rollout_ref.actor.clip_ratio_c actor_rollout_ref.actor.loss_agg_mode
+actor_rollout_ref.actor.entropy_coeff actor_rollout_ref.actor.use_kl_loss actor_rollout_ref.actor.kl_loss_coef
+actor_rollout_ref.actor.kl_loss_type actor_rollout_ref.actor.grad_clip actor_rollout_ref.actor.use_dynamic_bsz
+actor_rollout_ref.actor.ppo_max_token_len_per_gpu actor_rollout_ref.actor.optim.lr_warmup_steps
+actor_rollout_ref.actor.optim.lr_warmup_steps_ratio actor_rollout_ref.actor.optim.weight_decay
+actor_rollout_ref.model.enable_gradient_checkpointing actor_rollout_ref.model.use_remove_padding
+actor_rollout_ref.rollout.name actor_rollout_ref.rollout.n actor_rollout_ref.rollout.temperature
+actor_rollout_ref.rollout.top_p actor_rollout_ref.rollout.top_k actor_rollout_ref.rollout.response_length
+actor_rollout_ref.rollout.free_cache_engine actor_rollout_ref.rollout.enforce_eager
+actor_rollout_ref.rollout.val_kwargs.temperature critic.cliprange_value critic.ppo_epochs algorithm.adv_estimator
+algorithm.gamma algorithm.lam algorithm.use_kl_in_reward algorithm.kl_penalty algorithm.norm_adv_by_std_in_grpo
+algorithm.kl_ctrl.type algorithm.kl_ctrl.horizon trainer.project_name trainer.experiment_name
+trainer.default_local_dir trainer.total_training_steps trainer.resume_mode trainer.device
+custom_reward_function.path custom_reward_function.name
+""".split()
+
+
+def seed_command(tmp_path=None) -> list[str]:
+    """DESIGN §4's seed command, sized for one device."""
+    root = str(tmp_path) if tmp_path else "/data"
+    return [
+        f"data.train_files={root}/train.parquet",
+        f"data.val_files={root}/test.parquet",
+        "data.train_batch_size=512",
+        "data.max_prompt_length=512",
+        "data.max_response_length=256",
+        f"actor_rollout_ref.model.path={root}/model",
+        "actor_rollout_ref.actor.optim.lr=1.5e-6",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=128",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.65",
+        "actor_rollout_ref.rollout.max_num_seqs=1896",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=16384",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+        "critic.optim.lr=1e-5",
+        f"critic.model.path={root}/model",
+        "critic.ppo_micro_batch_size_per_gpu=8",
+        "critic.forward_micro_batch_size_per_gpu=8",
+        "algorithm.kl_ctrl.kl_coef=0.0005",
+        "algorithm.kl_ctrl.target_kl=0.05",
+        "trainer.logger=[console]",
+        "trainer.val_before_train=False",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        "trainer.save_freq=10",
+        "trainer.test_freq=10",
+        "trainer.total_epochs=15",
+        "trainer.device=cpu",
+    ]
+
+
+def test_every_design_key_exists_and_is_described():
+    described = {info.key for info in describe()}
+    missing = [k for k in DESIGN_KEYS if k not in described]
+    assert missing == []
+    assert all(info.help for info in describe()), "every key has a one-line meaning"
+
+
+def test_verl_defaults():
+    cfg = load_config([])
+    arr = cfg.actor_rollout_ref
+    assert cfg.data.train_batch_size == 1024 and cfg.data.max_prompt_length == 512
+    assert arr.actor.ppo_mini_batch_size == 256 and arr.actor.optim.lr == 1e-6
+    assert arr.actor.clip_ratio == 0.2 and arr.actor.clip_ratio_c == 3.0
+    assert arr.actor.kl_loss_type == "low_var_kl" and arr.actor.loss_agg_mode == "token-mean"
+    assert cfg.critic.optim.lr == 1e-5 and cfg.critic.cliprange_value == 0.5
+    assert cfg.algorithm.kl_ctrl.kl_coef == 0.001 and cfg.algorithm.kl_ctrl.target_kl == 0.1
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.algorithm.gamma == 1.0
+    assert arr.rollout.val_kwargs.temperature == 0.0 and arr.rollout.val_kwargs.do_sample is False
+    assert arr.rollout.gpu_memory_utilization == 0.5 and arr.rollout.top_k == -1
+    # ours
+    assert arr.rollout.name == "native" and cfg.trainer.device == "auto" and cfg.trainer.seed == 1
+    assert cfg.trainer.max_nan_steps == 3 and cfg.trainer.save_on_interrupt is True
+    assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
+
+
+def test_override_kinds():
+    cfg = load_config(
+        [
+            "data.train_batch_size=256",
+            "actor_rollout_ref.actor.optim.lr=1.5e-6",
+            "critic.optim.lr=1e-5",
+            "actor_rollout_ref.actor.grad_clip=2",  # int into a float field
+            "trainer.val_before_train=False",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "trainer.logger=[console,tensorboard]",
+            "trainer.experiment_name='my run'",
+            'trainer.project_name="proj"',
+            "trainer.total_training_steps=null",
+            "data.train_files=[/a/x.parquet, '/b/y.parquet']",
+            "actor_rollout_ref.actor.optim.betas=[0.9,0.95]",
+        ]
+    )
+    assert cfg.data.train_batch_size == 256
+    assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(1.5e-6)
+    assert cfg.critic.optim.lr == pytest.approx(1e-5)
+    assert cfg.actor_rollout_ref.actor.grad_clip == 2.0 and isinstance(
+        cfg.actor_rollout_ref.actor.grad_clip, float
+    )
+    assert cfg.trainer.val_before_train is False and cfg.actor_rollout_ref.actor.use_kl_loss is True
+    assert cfg.trainer.logger == ["console", "tensorboard"]
+    assert cfg.trainer.experiment_name == "my run" and cfg.trainer.project_name == "proj"
+    assert cfg.trainer.total_training_steps is None
+    assert cfg.data.train_files == ["/a/x.parquet", "/b/y.parquet"]
+    assert cfg.actor_rollout_ref.actor.optim.betas == [0.9, 0.95]
+
+
+def test_quoted_list_and_single_file():
+    cfg = load_config(["trainer.logger=['console']", "data.train_files=/d/train.parquet"])
+    assert cfg.trainer.logger == ["console"]
+    assert cfg.data.train_files == "/d/train.parquet"
+
+
+def test_plus_prefix():
+    cfg = load_config(["+trainer.val_only=True", "+reward_model.reward_kwargs.overlong_buffer=4"])
+    assert cfg.trainer.val_only is True
+    assert cfg.reward_model.reward_kwargs == {"overlong_buffer": 4}
+    with pytest.raises(ConfigError, match=r"trainer\.not_a_key: unknown key"):
+        load_config(["+trainer.not_a_key=1"])
+
+
+def test_unknown_key_suggests_closest_full_path():
+    with pytest.raises(ConfigError) as err:
+        load_config(["actor_rollout_ref.actor.ppo_mini_batchsize=64"])
+    assert "did you mean actor_rollout_ref.actor.ppo_mini_batch_size?" in str(err.value)
+    assert err.value.key == "actor_rollout_ref.actor.ppo_mini_batchsize"
+    with pytest.raises(ConfigError, match=r"did you mean actor_rollout_ref\.rollout\.n\?"):
+        load_config(["rollout.n=4"])  # group prefix left out
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("data.train_batch_size=abc", "data.train_batch_size: expected int, got 'abc'"),
+        ("data.train_batch_size=1.5", "data.train_batch_size: expected int"),
+        ("trainer.val_before_train=maybe", "trainer.val_before_train: expected bool"),
+        ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr: expected float"),
+        ("trainer.device=gpu", "trainer.device: expected one of [auto, cpu, cuda], got 'gpu'"),
+        ("data.max_prompt_length=null", "data.max_prompt_length: expected int, got null"),
+        ("critic.optim=1", "critic.optim: is a group of keys"),
+        ("data.train_batch_size.x=1", "data.train_batch_size: is a single value"),
+        ("data.train_batch_size", "is not KEY=VALUE"),
+    ],
+)
+def test_wrong_type_names_key_and_expectation(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config([override])
+    assert expected in str(err.value)
+
+
+def test_derived_keys_follow_unless_set():
+    cfg = load_config(["data.max_response_length=300", "data.max_prompt_length=100"])
+    assert cfg.actor_rollout_ref.rollout.response_length == 300
+    assert cfg.actor_rollout_ref.rollout.prompt_length == 100
+    cfg = load_config(["data.max_response_length=300", "actor_rollout_ref.rollout.response_length=128"])
+    assert cfg.actor_rollout_ref.rollout.response_length == 128
+    cfg = load_config(
+        ["actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.clip_ratio=0.3"]
+    )
+    assert cfg.critic.ppo_mini_batch_size == 32
+    assert cfg.actor_rollout_ref.actor.clip_ratio_low == 0.2  # verl's default 0.2 is explicit, not derived
+    cfg = load_config(
+        ["actor_rollout_ref.actor.clip_ratio_low=null", "actor_rollout_ref.actor.clip_ratio=0.3"]
+    )
+    assert cfg.actor_rollout_ref.actor.clip_ratio_low == 0.3
+
+
+def test_older_verl_names():
+    cfg = load_config(["actor_rollout_ref.actor.optim.warmup_style=cosine"])
+    assert cfg.actor_rollout_ref.actor.optim.lr_scheduler_type == "cosine"
+    cfg = load_config(["actor_rollout_ref.rollout.name=vllm"])
+    assert cfg.actor_rollout_ref.rollout.name == "native"
+
+
+def test_save_and_load_round_trip(tmp_path):
+    cfg = load_config(
+        [*seed_command(tmp_path), "+reward_model.reward_kwargs.k=[1,2]", "trainer.logger=[console,jsonl]"]
+    )
+    path = save_config(cfg, tmp_path / "run" / "config.yaml")
+    assert yaml.safe_load(path.read_text())["data"]["train_batch_size"] == 512
+    again = load_config_file(path)
+    assert again == cfg
+    assert to_dict(again) == to_dict(cfg)
+    assert load_config_file(path, ["data.train_batch_size=64"]).data.train_batch_size == 64
+
+
+def test_partial_verl_yaml_with_interpolations(tmp_path):
+    text = """
+data:
+  train_batch_size: 64
+actor_rollout_ref:
+  actor:
+    _target_: verl.workers.config.FSDPActorConfig
+    optim:
+      lr: 1e-5
+  rollout:
+    name: ???
+    response_length: ${oc.select:data.max_response_length,512}
+"""
+    (tmp_path / "c.yaml").write_text(text)
+    cfg = load_config_file(tmp_path / "c.yaml")
+    assert cfg.data.train_batch_size == 64 and cfg.actor_rollout_ref.actor.optim.lr == 1e-5
+    assert cfg.actor_rollout_ref.rollout.response_length == 512
+    (tmp_path / "bad.yaml").write_text("trainer:\n  total_epoch: 3\n")
+    with pytest.raises(ConfigError, match=r"did you mean trainer\.total_epochs"):
+        load_config_file(tmp_path / "bad.yaml")
+
+
+def test_seed_command_is_valid_on_one_device():
+    cfg = load_config(seed_command())
+    assert validate(cfg, n_devices=1) == []
+    check(cfg, n_devices=1)
+
+
+def test_rules_name_the_keys():
+    cfg = load_config([*seed_command(), "trainer.n_gpus_per_node=2"])
+    problems = [str(p) for p in validate(cfg, n_devices=1)]
+    assert any(p.startswith("trainer.n_gpus_per_node") and "1 are visible" in p for p in problems)
+
+    cfg = load_config([*seed_command(), "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=7"])
+    (problem,) = validate(cfg)
+    assert problem.keys == (
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    )
+    assert "128 responses per device" in problem.message
+
+    cfg = load_config([*seed_command(), "actor_rollout_ref.actor.ppo_micro_batch_size=8"])
+    assert any("both are set" in str(p) for p in validate(cfg))
+
+    cfg = load_config([*seed_command(), "critic.ppo_micro_batch_size_per_gpu=null"])
+    assert [str(p) for p in validate(cfg)] == [
+        "critic.ppo_micro_batch_size_per_gpu: must be set (responses per forward/backward per device)"
+    ]
+    # without a critic (grpo), the critic's micro-batch is not needed
+    cfg = load_config(
+        [
+            *seed_command(),
+            "critic.ppo_micro_batch_size_per_gpu=null",
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.rollout.n=4",
+        ]
+    )
+    assert validate(cfg) == []
+
+    cfg = load_config([*seed_command(), "data.train_batch_size=64"])  # mini-batch 128 > 64 prompts
+    assert any("larger than the 64 prompts" in str(p) for p in validate(cfg))
+
+    cfg = load_config([*seed_command(), "actor_rollout_ref.rollout.val_kwargs.do_sample=True"])
+    assert any("val_kwargs.temperature" in str(p) for p in validate(cfg))
+
+    cfg = load_config([*seed_command(), "algorithm.adv_estimator=rloo"])
+    assert any("rollout.n >= 2" in str(p) for p in validate(cfg))
+
+    cfg = load_config([*seed_command(), "actor_rollout_ref.model.lora_rank=8"])
+    assert any(str(p).startswith("actor_rollout_ref.model.lora_rank: LoRA") for p in validate(cfg))
+
+    with pytest.raises(ConfigError, match="problem"):
+        check(load_config([*seed_command(), "data.train_batch_size=0"]))
+
+
+def test_advice_is_not_an_error():
+    cfg = load_config(seed_command())
+    notes = [str(a) for a in advise(cfg)]
+    assert any(n.startswith("algorithm.kl_ctrl") for n in notes)  # kl_ctrl set without use_kl_in_reward
+    assert validate(cfg) == []
+
+
+def test_defaults_are_not_shared_between_configs():
+    a, b = FulcrumConfig(), FulcrumConfig()
+    a.trainer.logger.append("wandb")
+    assert b.trainer.logger == ["console"]
