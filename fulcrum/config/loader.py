@@ -256,31 +256,21 @@ class KeyInfo:
     no_effect: bool
 
 
-def describe(cls: type = FulcrumConfig, prefix: str = "") -> list[KeyInfo]:
-    """Every settable key with its type, default (before derivation) and one-line help."""
+def describe(root: Any = None, prefix: str = "") -> list[KeyInfo]:
+    """Every settable key under `root` (default: a fresh FulcrumConfig) with type, default and help.
+
+    Defaults are shown before derivation (a key that follows another shows null) and per group, so
+    critic.optim.lr shows 1e-5 where actor_rollout_ref.actor.optim.lr shows 1e-6.
+    """
+    root = FulcrumConfig() if root is None else root
     infos: list[KeyInfo] = []
-    instance = cls()
+    cls = type(root)
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         tp = field_types(cls)[f.name]
+        value = getattr(root, f.name)
         if is_group(tp):
-            infos.extend(_describe_group(getattr(instance, f.name), key + "."))
-            continue
-        default = getattr(instance, f.name)
-        infos.append(KeyInfo(key, type_name(tp), default, f.metadata.get("help", ""), is_no_effect(key)))
-    return infos
-
-
-def _describe_group(instance: Any, prefix: str) -> list[KeyInfo]:
-    # Uses the parent's instance so group-specific defaults (critic.optim.lr=1e-5) are shown.
-    infos: list[KeyInfo] = []
-    cls = type(instance)
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        tp = field_types(cls)[f.name]
-        value = getattr(instance, f.name)
-        if is_group(tp):
-            infos.extend(_describe_group(value, key + "."))
+            infos.extend(describe(value, key + "."))
         else:
             infos.append(KeyInfo(key, type_name(tp), value, f.metadata.get("help", ""), is_no_effect(key)))
     return infos
