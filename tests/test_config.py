@@ -289,6 +289,12 @@ def test_rules_name_the_keys():
     cfg = load_config([*seed_command(), "actor_rollout_ref.model.lora_rank=8"])
     assert any(str(p).startswith("actor_rollout_ref.model.lora_rank: LoRA") for p in validate(cfg))
 
+    cfg = load_config([*seed_command(), "trainer.logger=[console,swanlab,foo]"])
+    assert {str(p) for p in validate(cfg)} == {
+        "trainer.logger: ['swanlab']: verl loggers fulcrum does not support yet",
+        "trainer.logger: unknown logger(s) ['foo']; one of ['console', 'jsonl', 'tensorboard', 'wandb', 'mlflow']",
+    }
+
     with pytest.raises(ConfigError, match="problem"):
         check(load_config([*seed_command(), "data.train_batch_size=0"]))
 

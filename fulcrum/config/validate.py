@@ -18,7 +18,8 @@ from fulcrum.config.tree import get_path as _get
 # verl's estimator names; the algo package's registry is used instead when it is importable.
 KNOWN_ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KNOWN_LOGGERS = ("console", "tensorboard", "wandb", "jsonl")
+SUPPORTED_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml")
 # Estimators that learn nothing (or divide by n - 1) from a single response per prompt.
 GROUP_ESTIMATORS_NEEDING_N2 = ("rloo",)
 
@@ -330,6 +331,16 @@ def _trainer(cfg: FulcrumConfig) -> list[Problem]:
 
 def _unsupported(cfg: FulcrumConfig) -> list[Problem]:
     problems = []
+    verl_only = [name for name in cfg.trainer.logger if name in VERL_ONLY_LOGGERS]
+    unknown = [name for name in cfg.trainer.logger if name not in SUPPORTED_LOGGERS + VERL_ONLY_LOGGERS]
+    if verl_only:
+        problems.append(
+            Problem(("trainer.logger",), f"{verl_only}: verl loggers fulcrum does not support yet")
+        )
+    if unknown:
+        problems.append(
+            Problem(("trainer.logger",), f"unknown logger(s) {unknown}; one of {list(SUPPORTED_LOGGERS)}")
+        )
     for key, (allowed, why) in UNSUPPORTED.items():
         value = _get(cfg, key)
         if value not in allowed:
@@ -413,11 +424,6 @@ def advise(cfg: FulcrumConfig) -> list[Problem]:
                 ("data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"),
                 "train_batch_size is not a multiple of ppo_mini_batch_size: the last mini-batch of a step is smaller",
             )
-        )
-    unknown = [name for name in cfg.trainer.logger if name not in KNOWN_LOGGERS]
-    if unknown:
-        notes.append(
-            Problem(("trainer.logger",), f"unknown logger(s) {unknown}; known: {list(KNOWN_LOGGERS)}")
         )
     if not uses_reference(cfg) and (
         arr.ref.log_prob_micro_batch_size_per_gpu is not None or arr.ref.log_prob_micro_batch_size is not None

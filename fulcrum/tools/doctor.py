@@ -8,6 +8,7 @@ in CHECKS, each returning findings; add a function to add a rule.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import logging
 import os
 import re
@@ -167,6 +168,14 @@ def check_resume(ctx: Context) -> list[Finding]:
     return []
 
 
+def check_logger_packages(ctx: Context) -> list[Finding]:
+    findings = []
+    for name in ("wandb", "mlflow"):
+        if name in ctx.cfg.trainer.logger and importlib.util.find_spec(name) is None:
+            findings.append(_error(f"trainer.logger: lists {name} but the package {name!r} is not installed"))
+    return findings
+
+
 def check_rollout_alias(ctx: Context) -> list[Finding]:
     for text in ctx.overrides:
         key, _, value = text.lstrip("+").partition("=")
@@ -187,6 +196,7 @@ CHECKS: list[Callable[[Context], list[Finding]]] = [
     check_model_paths,
     check_custom_reward,
     check_resume,
+    check_logger_packages,
     check_rollout_alias,
 ]
 
