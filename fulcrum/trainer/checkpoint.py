@@ -45,12 +45,24 @@ OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "lr_scheduler.pt"
 FORMAT_NAME = "fulcrum-checkpoint"
 FORMAT_VERSION = 1
-# Test hook: seconds to sleep in the middle of a save (after the first role), so a test can SIGKILL us there.
+# Test hook: "SECONDS" or "SECONDS@STEP": sleep in the middle of a save (after the first role is written),
+# of every save or only of step STEP's, so a test can SIGKILL the trainer there.
 SLOW_WRITE_ENV = "FULCRUM_TEST_SLOW_CHECKPOINT_WRITE"
 
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 _TMP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)\.(?:tmp|old)-(\d+)$")
 RESUME_MODES = ("auto", "disable", "resume_path")
+
+
+def slow_write_seconds(step: int) -> float:
+    """The test hook's sleep for the save of `step` (0 when unset or aimed at another step)."""
+    value = os.environ.get(SLOW_WRITE_ENV, "").strip()
+    if not value:
+        return 0.0
+    seconds, _, only_step = value.partition("@")
+    if only_step and int(only_step) != step:
+        return 0.0
+    return float(seconds)
 
 
 class CheckpointError(RuntimeError):
@@ -414,7 +426,7 @@ class CheckpointManager:
     def _write_contents(self, tmp: Path, step: int, roles: dict[str, Any], state: dict[str, Any]) -> None:
         (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2, allow_nan=True))
         _save_torch(capture_rng_state(), tmp / RNG_STATE)
-        slow = float(os.environ.get(SLOW_WRITE_ENV, "0") or 0)
+        slow = slow_write_seconds(step)
         for i, (name, role) in enumerate(roles.items()):
             role_dir = tmp / name
             role_dir.mkdir()
