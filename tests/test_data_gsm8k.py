@@ -1,0 +1,93 @@
+"""`fulcrum data gsm8k`: verl's schema and prompt text, row counts, clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from fulcrum.data.cli import main
+from fulcrum.data.gsm8k import GSM8KError, extract_ground_truth, make_row, prepare_gsm8k
+from fulcrum.reward.gsm8k import compute_score
+
+GSM8K_DIR = Path("/work/shared/data/gsm8k")
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not GSM8K_DIR.is_dir():
+        pytest.skip("GSM8K release not found")
+    out = tmp_path_factory.mktemp("gsm8k")
+    assert main(["gsm8k", "--src", str(GSM8K_DIR), "--out", str(out)]) == 0
+    return out
+
+
+def test_row_counts_and_columns(converted: Path) -> None:
+    train, test = pq.read_table(converted / "train.parquet"), pq.read_table(converted / "test.parquet")
+    assert (train.num_rows, test.num_rows) == (7473, 1319)
+    assert test.column_names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+
+
+def test_rows_are_verls_byte_for_byte(converted: Path) -> None:
+    source = [json.loads(line) for line in (GSM8K_DIR / "test.jsonl").open()]
+    rows = pq.read_table(converted / "test.parquet").to_pylist()
+    for index, (row, raw) in enumerate(zip(rows, source, strict=True)):
+        # verl: question_raw + " " + instruction, no stripping; ground truth after "#### " without commas.
+        assert row["prompt"] == [{"role": "user", "content": raw["question"] + " " + INSTRUCTION}]
+        assert row["data_source"] == "openai/gsm8k" and row["ability"] == "math"
+        truth = raw["answer"].split("#### ")[-1].replace(",", "")
+        assert row["reward_model"] == {"style": "rule", "ground_truth": truth}
+        assert row["extra_info"] == {
+            "split": "test",
+            "index": index,
+            "answer": raw["answer"],
+            "question": raw["question"],
+        }
+        assert compute_score(row["extra_info"]["answer"], row["reward_model"]["ground_truth"]) == 1.0
+    assert rows[0]["prompt"][0]["content"].startswith("Janet\u2019s ducks lay 16 eggs per day.")
+    assert rows[0]["reward_model"]["ground_truth"] == "18"
+
+
+def test_ground_truth_extraction() -> None:
+    assert extract_ground_truth("so 1,000 + 2 = 1,002\n#### 1,002") == "1002"
+    assert extract_ground_truth("#### -3.5") == "-3.5"
+    assert extract_ground_truth("no final line") is None
+    with pytest.raises(GSM8KError, match="no '#### <number>'"):
+        make_row("q", "no final line", "train", 0)
+
+
+def test_missing_files_are_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "train.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
+    assert main(["gsm8k", "--src", str(tmp_path), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert str(tmp_path / "test.jsonl") in err and "train.jsonl" not in err.split("lacks")[1].split(";")[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_rows_are_named_by_file_and_line(tmp_path: Path) -> None:
+    (tmp_path / "train.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
+    (tmp_path / "test.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n{"question": "q"}\n')
+    with pytest.raises(GSM8KError, match=r"test.jsonl:2: missing or non-string field\(s\) answer"):
+        prepare_gsm8k(tmp_path, tmp_path / "out")
+    (tmp_path / "test.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n{oops\n')
+    with pytest.raises(GSM8KError, match=r"test.jsonl:2: not valid JSON"):
+        prepare_gsm8k(tmp_path, tmp_path / "out")
+    (tmp_path / "test.jsonl").write_text('{"question": "q", "answer": "the end"}\n')
+    with pytest.raises(GSM8KError, match=r"test.jsonl, row 0: answer has no"):
+        prepare_gsm8k(tmp_path, tmp_path / "out")
+
+
+def test_unknown_source_and_hub_without_datasets_say_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(GSM8KError, match="not a folder, nor the hub name openai/gsm8k"):
+        prepare_gsm8k(tmp_path / "nowhere", tmp_path / "out")
+    try:
+        import datasets  # noqa: F401
+
+        pytest.skip("datasets is installed: the hub path would try the network")
+    except ImportError:
+        pass
+    with pytest.raises(GSM8KError, match=r"pip install datasets.*pass that folder as --src"):
+        prepare_gsm8k("openai/gsm8k", tmp_path / "out")
