@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -310,3 +312,16 @@ def test_defaults_are_not_shared_between_configs():
     a, b = FulcrumConfig(), FulcrumConfig()
     a.trainer.logger.append("wandb")
     assert b.trainer.logger == ["console"]
+
+
+def test_keys_named_in_the_docs_exist():
+    """docs/configuration.md's tables name real keys (the docs cannot drift from the schema silently)."""
+    from pathlib import Path
+
+    from fulcrum.config.tree import all_keys
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    known = set(all_keys(FulcrumConfig))
+    named = re.findall(r"^\| `([a-z_.]+)`", doc.read_text(), flags=re.MULTILINE)
+    assert len(named) > 80
+    assert [key for key in named if key not in known] == []
