@@ -457,7 +457,9 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: int | None = opt(None, "keep only the newest N actor checkpoints")
     max_critic_ckpt_to_keep: int | None = opt(None, "keep only the newest N critic checkpoints")
     ray_wait_register_center_timeout: int = opt(300, "ray timeout (no effect: no ray)")
-    device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto (cuda if available), cpu or cuda (verl: cuda)")
+    device: Literal["auto", "cpu", "cuda"] = opt(
+        "auto", "cpu runs everything on the CPU; auto and cuda use the CUDA devices asked for (verl: cuda)"
+    )
     use_legacy_worker_impl: str = opt("auto", "verl worker implementation switch (no effect)")
     seed: int = opt(1, "seed for model init, sampling and data order (ours)")
     save_on_interrupt: bool = opt(True, "write a checkpoint on Ctrl-C / SIGTERM (ours)")

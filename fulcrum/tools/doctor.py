@@ -76,14 +76,6 @@ def check_rules(ctx: Context) -> list[Finding]:
     ]
 
 
-def check_device(ctx: Context) -> list[Finding]:
-    if ctx.cfg.trainer.device == "cuda" and ctx.n_visible == 0:
-        return [
-            _error("trainer.device: cuda asked for but no CUDA device is visible; use trainer.device=cpu")
-        ]
-    return []
-
-
 def _as_list(files: str | list[str]) -> list[str]:
     return [files] if isinstance(files, str) else list(files)
 
@@ -190,7 +182,6 @@ def check_rollout_alias(ctx: Context) -> list[Finding]:
 
 
 CHECKS: list[Callable[[Context], list[Finding]]] = [
-    check_device,
     check_rules,
     check_data_files,
     check_model_paths,
@@ -252,9 +243,8 @@ def summary(ctx: Context) -> list[str]:
             f"x {role.ppo_epochs} epoch(s) = {train // role_mini * role.ppo_epochs} optimiser steps per step; "
             f"{micro_count} micro-batch(es) of {micro} per mini-batch"
         )
-    lines.append(
-        f"critic      {'on' if uses_critic(cfg) else 'off'} (algorithm.adv_estimator={cfg.algorithm.adv_estimator})"
-    )
+    if not uses_critic(cfg):
+        lines.append(f"critic      off (algorithm.adv_estimator={cfg.algorithm.adv_estimator})")
     lines.append(f"reference   {'on' if uses_reference(cfg) else 'off (no KL loss or KL in reward)'}")
     lines.append(f"run dir     {cfg.trainer.default_local_dir}")
     no_effect = keys_without_effect(cfg)
@@ -267,8 +257,9 @@ def summary(ctx: Context) -> list[str]:
 # --------------------------------------------------------------------------------------------- main
 def diagnose(cfg: FulcrumConfig, overrides: list[str] | None = None) -> tuple[Context, list[Finding]]:
     """Run every check on a resolved configuration."""
-    n_visible = cuda_device_count() if cfg.trainer.device != "cpu" else 0
-    device = "cpu" if cfg.trainer.device == "cpu" or n_visible == 0 else "cuda"
+    # As the trainer does: only trainer.device=cpu runs on the CPU; auto and cuda need the CUDA devices asked for.
+    device = "cpu" if cfg.trainer.device == "cpu" else "cuda"
+    n_visible = cuda_device_count() if device == "cuda" else 0
     ctx = Context(cfg=cfg, device=device, n_visible=n_visible, overrides=list(overrides or []))
     findings: list[Finding] = []
     for check in CHECKS:
