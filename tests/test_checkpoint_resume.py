@@ -1,0 +1,142 @@
+"""The trainer with checkpoints: exact resume across an epoch boundary, and SIGKILL in the middle of a save."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fulcrum.config import load_config
+from fulcrum.data.synthetic import write_splits
+from fulcrum.models.tiny import build_tiny_model
+from fulcrum.trainer.checkpoint import SLOW_WRITE_ENV, read_latest_step
+from fulcrum.trainer.ppo_trainer import PPOTrainer
+
+TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
+# Metrics that measure time or memory differ between any two runs; everything else must repeat.
+UNREPEATABLE = ("timing_s/", "timing_per_token_ms/", "perf/")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("assets")
+    build_tiny_model(root / "model", intermediate_size=64, **TINY)
+    write_splits(root / "data", num_train=4, num_test=2)  # 4 prompts, batch 2: an epoch is 2 steps
+    return root
+
+
+def overrides(assets: Path, run_dir: Path, **extra: object) -> list[str]:
+    """PPO with a critic, adaptive KL in the reward (reference + KL controller state) and a cosine LR."""
+    keys = {
+        "data.train_files": assets / "data/train.parquet",
+        "data.val_files": assets / "data/test.parquet",
+        "data.train_batch_size": 2,
+        "data.max_prompt_length": 128,
+        "data.max_response_length": 8,
+        "actor_rollout_ref.model.path": assets / "model",
+        "critic.model.path": assets / "model",
+        "actor_rollout_ref.rollout.name": "hf",
+        "actor_rollout_ref.rollout.n": 2,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 1,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 4,
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": 4,
+        "actor_rollout_ref.actor.optim.lr": 1e-3,
+        "actor_rollout_ref.actor.optim.warmup_style": "cosine",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps": 1,
+        "critic.ppo_micro_batch_size_per_gpu": 2,
+        "critic.optim.lr": 1e-3,
+        "algorithm.use_kl_in_reward": True,
+        "algorithm.kl_ctrl.type": "adaptive",
+        "algorithm.kl_ctrl.kl_coef": 0.01,
+        "trainer.device": "cpu",
+        "trainer.n_gpus_per_node": 1,
+        "trainer.val_before_train": False,
+        "trainer.test_freq": -1,
+        "trainer.save_freq": 2,
+        "trainer.total_training_steps": 4,
+        "trainer.logger": "[console]",
+        "trainer.default_local_dir": run_dir,
+        **extra,
+    }
+    return [f"{k}={v}" for k, v in keys.items()]
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict[str, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [int(r["training/global_step"]) for r in rows if "training/global_step" in r]
+    assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
+    return {int(r["training/global_step"]): r for r in rows if "training/global_step" in r}
+
+
+def repeatable(row: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in row.items() if not k.startswith(UNREPEATABLE)}
+
+
+def test_two_steps_resume_two_steps_equals_four_steps(assets: Path, tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    straight = tmp_path / "straight"
+    PPOTrainer(load_config(overrides(assets, straight)), torch.device("cpu")).fit()
+    expected = read_metrics(straight)
+    assert sorted(expected) == [1, 2, 3, 4]
+    assert (straight / "global_step_2").is_dir() and read_latest_step(straight) == 4
+
+    # What a run stopped after step 2 leaves behind: its checkpoint. A new trainer resumes from it.
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(straight / "global_step_2", resumed / "global_step_2")
+    PPOTrainer(load_config(overrides(assets, resumed)), torch.device("cpu")).fit()
+    got = read_metrics(resumed)
+    assert sorted(got) == [3, 4], "resume at the epoch boundary must train steps 3 and 4"
+    assert got[3]["training/epoch"] == 1.0  # the checkpoint ended epoch 0: next epoch, position 0
+    for step in (3, 4):
+        want, have = repeatable(expected[step]), repeatable(got[step])
+        assert want.keys() == have.keys()
+        differing = {k: (want[k], have[k]) for k in want if want[k] != have[k]}
+        assert not differing, f"step {step} differs after resume: {differing}"  # identical, not just close
+    assert "actor/reward_kl_penalty_coeff" in got[4] and "critic/vf_loss" in got[4]
+
+
+@pytest.mark.slow
+def test_sigkill_during_save_resumes_from_previous_checkpoint(assets: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "fulcrum.trainer.main_ppo"]
+    args = overrides(assets, run_dir, **{"trainer.save_freq": 1, "trainer.total_training_steps": 3})
+    env = {**os.environ, SLOW_WRITE_ENV: "120@2", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command + args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        # The save of step 2 sleeps after writing the actor: kill the trainer then.
+        while not list(run_dir.glob("global_step_2.tmp-*/actor/optimizer.pt")):
+            assert proc.poll() is None, f"trainer ended early:\n{proc.stdout.read().decode()[-3000:]}"
+            assert time.monotonic() < deadline, "the trainer never started writing checkpoint 2"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert read_latest_step(run_dir) == 1 and not (run_dir / "global_step_2").exists()
+    assert list(run_dir.glob("global_step_2.tmp-*")), "the killed save should have left its temp folder"
+
+    env.pop(SLOW_WRITE_ENV)
+    done = subprocess.run(command + args, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "resumed from global_step 1" in done.stdout + done.stderr
+    assert read_latest_step(run_dir) == 3
+    assert sorted(p.name for p in run_dir.glob("global_step_*")) == [
+        "global_step_1",
+        "global_step_2",
+        "global_step_3",
+    ]
+    assert sorted(read_metrics(run_dir)) == [1, 2, 3]
