@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS
-from fulcrum.algo.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty
+from fulcrum.algo.kl import apply_kl_penalty, build_kl_controller
 from fulcrum.algo.losses import agg_loss
 from fulcrum.config import save_config, to_dict
 from fulcrum.data.dataset import PromptLoader, RLHFDataset
@@ -72,21 +72,6 @@ def kl_startup_line(cfg: Any) -> str:
         "KL: none (algorithm.use_kl_in_reward and actor.use_kl_loss are both off, so "
         f"algorithm.kl_ctrl.kl_coef={alg.kl_ctrl.kl_coef} has no effect, as in verl); no reference policy"
     )
-
-
-def build_kl_controller(cfg: Any) -> FixedKLController | AdaptiveKLController:
-    k = cfg.algorithm.kl_ctrl
-    if k.type == "fixed":
-        return FixedKLController(kl_coef=float(k.kl_coef))
-    if k.type == "adaptive":
-        if not k.horizon or k.horizon <= 0:
-            raise ValueError(
-                f"algorithm.kl_ctrl.horizon must be positive for the adaptive controller, got {k.horizon}"
-            )
-        return AdaptiveKLController(
-            init_kl_coef=float(k.kl_coef), target_kl=float(k.target_kl), horizon=int(k.horizon)
-        )
-    raise ValueError(f"algorithm.kl_ctrl.type={k.type!r}: choose fixed or adaptive")
 
 
 def resolve_total_steps(cfg: Any, steps_per_epoch: int) -> int:
@@ -239,7 +224,7 @@ class PPOTrainer:
         self.critic = (
             CriticWorker(cfg, device, self.total_training_steps, self.tokenizer) if use_critic(cfg) else None
         )
-        self.kl_ctrl = build_kl_controller(cfg) if cfg.algorithm.use_kl_in_reward else None
+        self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.rollout = build_rollout(arr.rollout, self.actor.model, self.tokenizer, device)
         self.pad_id = int(self.tokenizer.pad_token_id)
         if cfg.algorithm.adv_estimator not in ADVANTAGE_ESTIMATORS:
@@ -354,6 +339,9 @@ class PPOTrainer:
             # 1. generate
             with M.timer("gen", timing):
                 batch = self.generate(items, validate=False)
+            if cfg.algorithm.adv_estimator == "remax":
+                with M.timer("gen_max", timing):
+                    batch["reward_baselines"] = self.remax_baselines(items, batch)
             # 2. reward: the score sits on the last response token
             with M.timer("reward", timing):
                 batch["token_level_scores"], _ = score_batch(batch, self.tokenizer, self.reward_manager)
@@ -445,33 +433,56 @@ class PPOTrainer:
         )
 
     def _kl_in_reward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """rewards = scores - β·KL(old ‖ ref) per token; the controller then adapts β (verl)."""
         assert self.kl_ctrl is not None
-        rewards, kl_metrics = apply_kl_penalty(
+        beta = self.kl_ctrl.value
+        out = apply_kl_penalty(
             token_level_scores=batch["token_level_scores"],
             old_log_prob=batch["old_log_probs"],
             ref_log_prob=batch["ref_log_prob"],
             response_mask=batch["response_mask"].float(),
-            kl_ctrl=self.kl_ctrl,
-            kl_penalty=self.cfg.algorithm.kl_penalty,
+            kl_coef=beta,
+            kind=self.cfg.algorithm.kl_penalty,
         )
-        return rewards, kl_metrics
+        self.kl_ctrl.update(current_kl=out.current_kl, n_steps=len(batch))
+        return out.token_level_rewards, {
+            "actor/reward_kl_penalty": out.current_kl,
+            "actor/reward_kl_penalty_coeff": beta,
+        }
 
     def compute_advantage(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages, returns) (B, R) by algorithm.adv_estimator; grpo/rloo group rows by prompt uid."""
         alg = self.cfg.algorithm
-        estimator = ADVANTAGE_ESTIMATORS[alg.adv_estimator]
-        uids = batch.non_tensors["uid"]
-        # Prompt uid → integer group id (grpo / rloo group responses of one prompt).
-        group_of: dict[str, int] = {}
-        index = np.array([group_of.setdefault(u, len(group_of)) for u in uids])
-        return estimator(
+        return ADVANTAGE_ESTIMATORS[alg.adv_estimator](
             token_level_rewards=batch["token_level_rewards"],
             response_mask=batch["response_mask"].float(),
             values=batch.tensors.get("values"),
-            index=index,
+            index=batch.non_tensors["uid"],
+            reward_baselines=batch.tensors.get("reward_baselines"),
             gamma=float(alg.gamma),
             lam=float(alg.lam),
             norm_adv_by_std_in_grpo=bool(alg.norm_adv_by_std_in_grpo),
         )
+
+    def remax_baselines(self, items: list[dict[str, Any]], batch: Batch) -> torch.Tensor:
+        """ReMax's baseline: the score of a greedy response to the same prompt, per row (B,)."""
+        rc = self.cfg.actor_rollout_ref.rollout
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.response_length)
+        out = self.rollout.generate([it["input_ids"] for it in items], params)
+        greedy = assemble_batch(
+            items,
+            out.token_ids,
+            out.logprobs,
+            out.prompt_index,
+            self.max_prompt_length,
+            self.response_length,
+            self.pad_id,
+            "remax",
+        )
+        _, greedy_scores = score_batch(greedy, self.tokenizer, self.reward_manager)
+        per_prompt = torch.tensor(greedy_scores, dtype=torch.float32)
+        n = int(rc.n)
+        return per_prompt.repeat_interleave(n)[: len(batch)]
 
     def validate(self) -> dict[str, float]:
         """Greedy (val_kwargs) generation on the whole validation set: val-core/<data_source>/reward/mean@n."""

@@ -190,6 +190,7 @@ class ActorWorker:
             cliprange_high=float(clip_high),
             clip_ratio_c=float(cfg.clip_ratio_c),
             loss_agg_mode=cfg.loss_agg_mode,
+            loss_mode=cfg.policy_loss.loss_mode,
         )
         policy_loss = pg_loss
         out: dict[str, float] = {}

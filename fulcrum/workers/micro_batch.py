@@ -97,7 +97,10 @@ def forward_log_prob(
         logits = response_logits(model, ids, mask, pos, r_kept)  # (B, R', V)
     labels = mb["responses"][:, :r_kept].to(device)
     logp, entropy = logprob_and_entropy(logits, labels, temperature, with_entropy)
-    return _pad_right(logp, r), (_pad_right(entropy, r) if entropy is not None else None)
+    # Zero outside the response mask: padding positions carry no meaning and must not leak into sums.
+    mask = mb["response_mask"].to(device)
+    logp = _pad_right(logp, r) * mask
+    return logp, (_pad_right(entropy, r) * mask if entropy is not None else None)
 
 
 def forward_values(model: nn.Module, mb: Batch, device: torch.device) -> torch.Tensor:

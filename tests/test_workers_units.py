@@ -1,0 +1,152 @@
+"""Workers' building blocks on a tiny model: padded log-probs equal unpadded ones, micro-batching,
+LR schedules (hand-computed values), the value head's layout."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fulcrum.models.load import load_backbone, load_causal_lm
+from fulcrum.models.logprob import logprob_and_entropy
+from fulcrum.models.value_head import CriticModel
+from fulcrum.trainer.batch import Batch
+from fulcrum.workers.micro_batch import (
+    forward_log_prob,
+    forward_values,
+    make_micro_batches,
+    restore_order,
+    token_budget_groups,
+)
+from fulcrum.workers.optim import constant_with_warmup, cosine_with_warmup, warmup_steps
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from fulcrum.models.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen2", seed=0))
+
+
+def make_batch(b: int = 6, p: int = 10, r: int = 7, seed: int = 0) -> Batch:
+    """Prompts of 3..(3+b) tokens left-padded, responses of 1..b tokens right-padded (verl layout)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.zeros(b, p, dtype=torch.long)
+    prompt_mask = torch.zeros(b, p, dtype=torch.long)
+    responses = torch.zeros(b, r, dtype=torch.long)
+    response_mask = torch.zeros(b, r, dtype=torch.long)
+    for i in range(b):
+        lp, lr = min(3 + i, p), min(1 + i, r)
+        prompts[i, p - lp :] = torch.randint(5, 1000, (lp,), generator=g)
+        prompt_mask[i, p - lp :] = 1
+        responses[i, :lr] = torch.randint(5, 1000, (lr,), generator=g)
+        response_mask[i, :lr] = 1
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    return Batch(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "response_mask": response_mask,
+        }
+    )
+
+
+def unpadded_log_probs(model: torch.nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
+    """Reference: each sample alone, without any padding, full log_softmax in float64."""
+    out = torch.zeros(batch["responses"].shape, dtype=torch.float64)
+    p = batch.prompt_length
+    for i in range(len(batch)):
+        keep = batch["attention_mask"][i].bool()
+        ids = batch["input_ids"][i][keep][None]
+        n = int(batch["response_mask"][i].sum())
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, -n - 1 : -1].double() / temperature
+        out[i, :n] = torch.log_softmax(logits, -1).gather(-1, batch["responses"][i, :n, None]).squeeze(-1)
+        assert batch["attention_mask"][i, p:].sum() == n
+    return out
+
+
+def test_padded_log_probs_equal_unpadded(tiny_dir: str) -> None:
+    model = load_causal_lm(tiny_dir, CPU).eval()
+    batch = make_batch()
+    expected = unpadded_log_probs(model, batch, temperature=0.7)
+    with torch.no_grad():
+        got, entropy = forward_log_prob(model, batch, 0.7, True, CPU)
+    mask = batch["response_mask"].bool()
+    assert torch.allclose(got.double()[mask], expected[mask], atol=1e-5)
+    assert (got[~mask] == 0).all()
+    assert entropy is not None and (entropy[mask] > 0).all()
+
+
+def test_logprob_and_entropy_hand_values() -> None:
+    # Two tokens over a vocab of 3: uniform logits → log(1/3), entropy log 3.
+    logits = torch.zeros(1, 2, 3)
+    logits[0, 1] = torch.tensor([math.log(2.0), 0.0, 0.0])  # probs 1/2, 1/4, 1/4
+    labels = torch.tensor([[0, 1]])
+    logp, ent = logprob_and_entropy(logits, labels, with_entropy=True)
+    assert logp[0, 0].item() == pytest.approx(math.log(1 / 3))
+    assert logp[0, 1].item() == pytest.approx(math.log(1 / 4))
+    assert ent[0, 0].item() == pytest.approx(math.log(3))
+    assert ent[0, 1].item() == pytest.approx(-(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25)))
+    with torch.no_grad():  # the chunked no-grad path gives the same numbers
+        logp2, ent2 = logprob_and_entropy(logits, labels, with_entropy=True)
+    assert torch.equal(logp, logp2) and torch.equal(ent, ent2)
+
+
+def test_dynamic_micro_batches_fit_budget_and_restore_order(tiny_dir: str) -> None:
+    model = load_causal_lm(tiny_dir, CPU).eval()
+    batch = make_batch(b=8, p=12, r=9)
+    budget = 40
+    micro, order = make_micro_batches(batch, None, True, budget, "actor.ppo_max_token_len_per_gpu")
+    assert sorted(order) == list(range(8)) and len(micro) > 1
+    for mb in micro:  # padded cost (rows × longest prompt + longest response) within the budget
+        p = mb["attention_mask"][:, : mb.prompt_length].sum(-1).max()
+        r = mb["response_mask"].sum(-1).max()
+        assert len(mb) * int(p + r) <= budget
+    with torch.no_grad():
+        parts = [forward_log_prob(model, mb, 1.0, False, CPU)[0] for mb in micro]
+        fixed = torch.cat([forward_log_prob(model, mb, 1.0, False, CPU)[0] for mb in batch.split(3)])
+    assert torch.allclose(restore_order(parts, order), fixed, atol=1e-5)
+
+
+def test_token_budget_rejects_a_sequence_longer_than_the_budget() -> None:
+    with pytest.raises(ValueError, match="ppo_max_token_len_per_gpu=10"):
+        token_budget_groups([8], [5], 10, "ppo_max_token_len_per_gpu")
+
+
+def test_fixed_micro_batch_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="ppo_micro_batch_size_per_gpu"):
+        make_micro_batches(make_batch(), None, False, None, "ppo_micro_batch_size_per_gpu")
+
+
+def test_lr_schedules_hand_values() -> None:
+    assert [constant_with_warmup(s, 4) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert constant_with_warmup(0, 0) == 1.0
+    # cosine after 2 warm-up steps over 10 total: progress (s - 2) / 8, floor 0.1
+    assert cosine_with_warmup(1, 2, 10, 0.1) == pytest.approx(0.5)
+    assert cosine_with_warmup(2, 2, 10, 0.1) == pytest.approx(1.0)
+    assert cosine_with_warmup(6, 2, 10, 0.1) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert cosine_with_warmup(10, 2, 10, 0.1) == pytest.approx(0.1)
+
+
+def test_warmup_steps_follow_verl_rule() -> None:
+    assert warmup_steps({"lr_warmup_steps": 5, "lr_warmup_steps_ratio": 0.5}, 100) == 5
+    assert warmup_steps({"lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.1}, 100) == 10
+    assert warmup_steps({"lr_warmup_steps": None, "lr_warmup_steps_ratio": 0.0}, 100) == 0
+
+
+def test_value_head_layout_and_masking(tiny_dir: str) -> None:
+    critic = CriticModel(load_backbone(tiny_dir, CPU))
+    keys = set(critic.state_dict())
+    assert {"score.weight", "score.bias"} <= keys and any(k.startswith("model.layers.0.") for k in keys)
+    batch = make_batch()
+    with torch.no_grad():
+        values = forward_values(critic, batch, CPU)
+    assert values.shape == batch["responses"].shape and values.dtype == torch.float32
+    assert (values[batch["response_mask"] == 0] == 0).all()
