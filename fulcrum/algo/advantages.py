@@ -1,9 +1,10 @@
 """Advantage estimators: token-level rewards (B, T) -> (advantages (B, T), returns (B, T)).
 
 Each estimator has verl's semantics (verl/trainer/ppo/core_algos.py, the function named in its
-docstring). `response_mask` (B, T) is 1 on tokens that count. One deliberate difference: both outputs
-are 0 wherever the mask is 0 (verl leaves whitened or carried values there in gae and remax); no loss
-reads those positions, and zeros keep metrics and debugging simple.
+docstring). `response_mask` (B, T) is 1 on tokens that count. Two deliberate differences, both
+invisible when rewards sit on valid tokens (as the reward manager writes them): outputs are 0 wherever
+the mask is 0 (verl leaves whitened or carried values there in gae and remax; no loss reads them), and
+the outcome score of a row is the sum of its rewards over valid tokens only (verl sums all T).
 
 All estimators take the same keyword arguments, so the trainer calls any by name:
 
@@ -21,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fulcrum.algo.masked import masked_whiten
+from fulcrum.algo.masked import masked_sum, masked_whiten
 
 # Added to the group std in GRPO so a group of equal scores does not divide by zero (as verl).
 GRPO_EPS = 1e-6
@@ -128,14 +129,14 @@ def grpo_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage (Shao et al. 2024); verl `compute_grpo_outcome_advantage`.
 
-    s_i = sum_t r_i,t; within the group g of prompt uid index[i] (mean, unbiased std over its rows):
+    s_i = sum_t r_i,t m_i,t; within the group g of prompt uid index[i] (mean, unbiased std over its rows):
         A_i = (s_i - mean_g) / (std_g + 1e-6)      if norm_adv_by_std_in_grpo
         A_i =  s_i - mean_g                        otherwise (Dr. GRPO)
     A group of one row uses mean 0, std 1. Broadcast over the row's valid tokens; returns = advantages.
     """
     index = _need(index, "index (the prompt uid of each row)", "grpo")
     with torch.no_grad():
-        scores = token_level_rewards.sum(dim=-1)  # (B,)
+        scores = masked_sum(token_level_rewards, response_mask, axis=-1)  # (B,)
         mean, std, _ = group_mean_std(scores, index)
         centred = scores - mean
         adv = centred / (std + GRPO_EPS) if norm_adv_by_std_in_grpo else centred
@@ -157,7 +158,7 @@ def rloo_advantage(
     """
     index = _need(index, "index (the prompt uid of each row)", "rloo")
     with torch.no_grad():
-        scores = token_level_rewards.sum(dim=-1)  # (B,)
+        scores = masked_sum(token_level_rewards, response_mask, axis=-1)  # (B,)
         mean, _, size = group_mean_std(scores, index)
         scale = size / (size - 1).clamp(min=1)
         adv = torch.where(size > 1, scale * (scores - mean), scores)
@@ -204,7 +205,7 @@ def reinforce_plus_plus_baseline_advantage(
     index = _need(index, "index (the prompt uid of each row)", "reinforce_plus_plus_baseline")
     with torch.no_grad():
         mask = response_mask.to(token_level_rewards.dtype)
-        scores = token_level_rewards.sum(dim=-1)
+        scores = masked_sum(token_level_rewards, response_mask, axis=-1)
         mean, _, _ = group_mean_std(scores, index)
         adv = (scores - mean).unsqueeze(-1) * mask  # (B, T)
         adv = masked_whiten(adv, mask) * mask
