@@ -67,16 +67,12 @@ def build_rollout(rollout_cfg: Any, model: nn.Module, tokenizer: Any, device: to
     max_num_seqs = int(getattr(rollout_cfg, "max_num_seqs", 256) or 256)
     use_native = name == "native" or (name in FAST_ENGINE_NAMES and device.type == "cuda")
     if use_native:
-        from fulcrum.rollout.native import NATIVE_ARCHITECTURES, build_native_engine
+        from fulcrum.rollout.native import build_native_engine, unsupported_reason
 
-        arch = getattr(getattr(model, "config", None), "model_type", None)
-        if arch in NATIVE_ARCHITECTURES:
+        reason = unsupported_reason(model.config)
+        if reason is None:
             return build_native_engine(rollout_cfg, model, eos_ids, pad_id, device)
-        logger.warning(
-            "rollout: the native engine does not implement model_type=%r (it has %s); using the hf backend",
-            arch,
-            ", ".join(sorted(NATIVE_ARCHITECTURES)),
-        )
+        logger.warning("rollout: the native engine does not run %s; using the hf backend", reason)
     elif name != "hf":
         logger.info(
             "rollout: name=%s on %s: using the hf backend (the native engine is for CUDA)", name, device

@@ -1,0 +1,89 @@
+"""Attention over the paged KV cache: store the step's K/V, then prefill (packed, causal) or decode (paged).
+
+The CUDA path uses `varlen_attn` (FlashAttention inside torch >= 2.10) for prefill and the Triton
+paged kernel for decode; the CPU path (and any dtype FlashAttention does not take) uses SDPA.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from fulcrum.rollout.native import ops
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn
+
+    _VARLEN_PARAMS = inspect.signature(varlen_attn).parameters
+except ImportError:  # older torch: SDPA per sequence
+    varlen_attn = None
+    _VARLEN_PARAMS = {}
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer's attention needs for one forward (N tokens, S sequences)."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # (N,) int64: cache slot each new token's K/V goes to
+    block_size: int
+    # prefill
+    cu_seqlens_q: torch.Tensor | None = None  # (S+1,) int32
+    cu_seqlens_k: torch.Tensor | None = None  # (S+1,) int32
+    q_lens: list[int] | None = None
+    k_lens: list[int] | None = None
+    context_slots: torch.Tensor | None = None  # (sum k_lens,) slots of the whole context, when any is cached
+    # decode
+    block_tables: torch.Tensor | None = None  # (B, max_blocks) int32
+    context_lens: torch.Tensor | None = None  # (B,) int32, the current token included
+    max_context: int = 0  # the CPU gather path's width
+    use_triton: bool = False
+
+
+def _flash_prefill(q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    causal = {"is_causal": True} if "is_causal" in _VARLEN_PARAMS else {"window_size": (-1, 0)}
+    extra = {"scale": scale} if "scale" in _VARLEN_PARAMS else {}
+    if "enable_gqa" in _VARLEN_PARAMS:
+        extra["enable_gqa"] = True
+    return varlen_attn(
+        q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, max(meta.q_lens), max(meta.k_lens), **causal, **extra
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: (N, Hq, D), k, v: (N, Hkv, D) of the new tokens; caches (slots, Hkv, D) -> (N, Hq, D)."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    if not meta.is_prefill:
+        if meta.use_triton:
+            from fulcrum.rollout.native.kernels import paged_decode_attention
+
+            return paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size, scale
+            )
+        return ops.decode_attention_gather(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.max_context,
+            meta.block_size,
+            scale,
+        )
+    if meta.context_slots is not None:  # part of the context is already cached: read it all back
+        k = k_cache.index_select(0, meta.context_slots)
+        v = v_cache.index_select(0, meta.context_slots)
+    if varlen_attn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return _flash_prefill(q, k, v, meta, scale)
+    return ops.prefill_attention_sdpa(q, k, v, meta.q_lens, meta.k_lens, scale)

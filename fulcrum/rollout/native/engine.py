@@ -1,0 +1,187 @@
+"""The native engine: `generate` drives the scheduler and the model runner; weights sync in place.
+
+Usage (the factory `fulcrum.rollout.build_rollout` does this):
+    engine = NativeEngine(hf_model, eos_token_ids=[...], pad_token_id=0, config=EngineConfig(...), device=dev)
+    out = engine.generate(prompt_ids, SamplingParams(n=8, temperature=1.0, max_tokens=256))
+    engine.sleep(); ...train...; engine.update_weights(actor.named_parameters()); engine.wake_up()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fulcrum.rollout.base import RolloutOutput, SamplingParams
+from fulcrum.rollout.native.block_manager import BlockManager
+from fulcrum.rollout.native.config import EngineConfig
+from fulcrum.rollout.native.model_runner import ModelRunner
+from fulcrum.rollout.native.models.qwen2 import DecoderLM
+from fulcrum.rollout.native.sampler import DeviceSampler
+from fulcrum.rollout.native.scheduler import DecodeWork, Scheduler
+from fulcrum.rollout.native.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def rotary_of(hf_model: nn.Module) -> tuple[torch.Tensor, float]:
+    """(inv_freq (D/2,), attention scaling) of the HF model's rotary embedding module."""
+    for module in hf_model.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if isinstance(inv_freq, torch.Tensor):
+            return inv_freq.detach().float(), float(getattr(module, "attention_scaling", 1.0))
+    raise ValueError(f"{type(hf_model).__name__} has no rotary embedding module with an inv_freq buffer")
+
+
+class NativeEngine:
+    """Paged-KV continuous-batching engine over its own copy of a Qwen2/Llama model's weights."""
+
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        config: EngineConfig,
+        device: torch.device,
+    ) -> None:
+        self.device = torch.device(device)
+        self.config = config
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        dtype = config.dtype if self.device.type == "cuda" else next(hf_model.parameters()).dtype
+        inv_freq, scaling = rotary_of(hf_model)
+        self.model = DecoderLM(hf_model.config, inv_freq, scaling, dtype, self.device)
+        self.update_weights(hf_model.state_dict().items(), strict=True)
+        self.runner = ModelRunner(self.model, config, self.device)
+        self.runner.allocate_cache()
+        self.stats: dict[str, float] = {}
+        logger.info(
+            "native engine: %s on %s, %d KV blocks of %d tokens (%.2f GiB), triton=%s, cuda graphs=%s",
+            hf_model.config.model_type,
+            self.device,
+            self.runner.num_blocks,
+            config.block_size,
+            self.runner.cache_bytes() / 2**30,
+            self.runner.use_triton,
+            self.runner.use_graphs,
+        )
+
+    # ------------------------------------------------------------------------------ hybrid engine
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = False) -> None:
+        """Copy HF-named tensors into the engine's weights in place (graphs stay valid)."""
+        start = time.perf_counter()
+        loaded = self.model.load_weights(named_tensors)
+        if strict:
+            missing = self.model.required_weight_names() - loaded
+            if missing:
+                raise ValueError(f"native engine: the model lacks weights {sorted(missing)[:5]} ...")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats = getattr(self, "stats", {})
+        self.stats["update_weights_s"] = time.perf_counter() - start
+
+    def sleep(self) -> None:
+        """Free the KV cache (and the CUDA graphs that point into it) while the model trains."""
+        self.runner.free_cache()
+
+    def wake_up(self) -> None:
+        """Take the KV cache back; graphs are recaptured on first use."""
+        self.runner.allocate_cache()
+
+    # ------------------------------------------------------------------------------ generation
+    def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} samples per prompt exceed actor_rollout_ref.rollout.max_num_seqs="
+                f"{self.config.max_num_seqs}"
+            )
+        for index, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {index} is empty: every prompt needs at least one token")
+            if len(prompt) + params.max_tokens > self.config.max_model_len:
+                raise ValueError(
+                    f"prompt {index} has {len(prompt)} tokens; with max_tokens={params.max_tokens} it exceeds "
+                    f"actor_rollout_ref.rollout.max_model_len={self.config.max_model_len}"
+                )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        """Sample `params.n` responses per prompt (see `RolloutOutput`)."""
+        self._check(prompts, params)
+        if not prompts:
+            return RolloutOutput([], [], [], [])
+        start = time.perf_counter()
+        self.wake_up()
+        scheduler = Scheduler(self.config, BlockManager(self.runner.num_blocks, self.config.block_size))
+        scheduler.stop_ids = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else set(self.eos_token_ids)
+        )
+        for i, prompt in enumerate(prompts):
+            scheduler.add(
+                Sequence(
+                    token_ids=list(prompt),
+                    num_prompt_tokens=len(prompt),
+                    output_index=i * params.n,
+                    max_tokens=params.max_tokens,
+                    num_samples=params.n,
+                )
+            )
+        sampler = DeviceSampler(params, self.device, self.runner.use_triton)
+        prefill_s = decode_s = 0.0
+        prefill_steps = decode_steps = prefill_tokens = 0
+        while scheduler.has_work():
+            self.runner.copy_blocks(scheduler.pending_copies)
+            scheduler.pending_copies.clear()
+            work = scheduler.schedule()
+            tick = time.perf_counter()
+            if isinstance(work, DecodeWork):
+                tokens, logprobs = self.runner.decode(work.seqs, work.steps, sampler)
+                scheduler.after_decode(work, tokens, logprobs)
+                decode_s += time.perf_counter() - tick
+                decode_steps += work.steps
+                continue
+            logits = self.runner.prefill(work)
+            counts = [seq.num_samples for seq, done in zip(work.seqs, work.completes, strict=True) if done]
+            first_tokens: list[list[int]] = []
+            first_logprobs: list[list[float]] = []
+            if counts:
+                rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(
+                    self.device
+                )
+                tokens_t, logprobs_t = sampler(logits[rows])
+                flat_tokens, flat_logprobs = tokens_t.tolist(), logprobs_t.tolist()
+                offset = 0
+                for count in counts:
+                    first_tokens.append(flat_tokens[offset : offset + count])
+                    first_logprobs.append(flat_logprobs[offset : offset + count])
+                    offset += count
+            scheduler.after_prefill(work, first_tokens, first_logprobs)
+            prefill_s += time.perf_counter() - tick
+            prefill_steps += 1
+            prefill_tokens += sum(work.lengths)
+
+        finished = sorted(scheduler.finished, key=lambda s: s.output_index)
+        assert [s.output_index for s in finished] == list(range(len(prompts) * params.n))
+        self.stats.update(
+            generate_s=time.perf_counter() - start,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            prefill_steps=prefill_steps,
+            prefill_tokens=prefill_tokens,
+            decode_steps=decode_steps,
+            preemptions=scheduler.num_preemptions,
+            graph_capture_s=self.runner.graph_capture_s,
+        )
+        return RolloutOutput(
+            token_ids=[s.response for s in finished],
+            logprobs=[s.logprobs for s in finished],
+            finish_reasons=[s.finish_reason or "length" for s in finished],
+            prompt_index=[s.output_index // params.n for s in finished],
+        )
+
+    def metrics(self) -> dict[str, Any]:
+        """The last generate's engine figures, under `rollout/` names for the trainer's log."""
+        return {f"rollout/{key}": value for key, value in self.stats.items()}

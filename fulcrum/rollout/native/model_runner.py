@@ -1,0 +1,262 @@
+"""Runs the decoder over the paged KV cache: prefill steps (eager) and decode windows (CUDA graphs).
+
+A decode window runs `steps` decode steps back to back on the device: each step feeds the previous
+step's sampled tokens, advances positions and context lengths in place, and never waits for the
+host; the host reads all the window's tokens once at its end. The blocks the window writes were
+reserved by the scheduler beforehand, so the slot of each new token is computed on the device from
+the block table. Decode steps replay a CUDA graph captured for the smallest batch-size bucket that
+holds the batch (padded rows write into the scratch block 0 and are ignored).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from fulcrum.rollout.native import ops
+from fulcrum.rollout.native.attention import AttentionMetadata
+from fulcrum.rollout.native.block_manager import blocks_for
+from fulcrum.rollout.native.config import EngineConfig
+from fulcrum.rollout.native.kernels import HAVE_TRITON
+from fulcrum.rollout.native.models.qwen2 import DecoderLM
+from fulcrum.rollout.native.scheduler import PrefillWork
+from fulcrum.rollout.native.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_CACHE_TOKENS = 65536  # the CPU cache when num_kv_blocks is not set
+
+
+def use_triton_on(device: torch.device) -> bool:
+    """Triton kernels on CUDA; on the CPU only under Triton's interpreter (tests: FULCRUM_NATIVE_TRITON=1)."""
+    if not HAVE_TRITON:
+        return False
+    if device.type == "cuda":
+        return os.environ.get("FULCRUM_NATIVE_TRITON", "1") != "0"
+    return os.environ.get("FULCRUM_NATIVE_TRITON") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderLM, config: EngineConfig, device: torch.device) -> None:
+        self.model = model
+        self.config = config
+        self.device = device
+        self.block_size = config.block_size
+        self.use_triton = use_triton_on(device)
+        model.use_triton = self.use_triton
+        self.use_graphs = device.type == "cuda" and not config.enforce_eager
+        # A window may run past a sequence's last token by up to decode_steps - 1 tokens.
+        self.max_blocks_per_seq = blocks_for(config.max_model_len + config.decode_steps, self.block_size)
+        model.ensure_positions(config.max_model_len + config.decode_steps)
+        self.num_blocks = self._cache_blocks()
+        self.kv_cache: torch.Tensor | None = None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_pool = None
+        self.capture_sizes = config.capture_sizes()
+        self.graph_capture_s = 0.0
+        max_bs = config.max_num_seqs
+        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.context_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.row_index = torch.arange(max_bs, device=device)
+        self.out_tokens = torch.zeros(config.decode_steps, max_bs, dtype=torch.long, device=device)
+        self.out_logprobs = torch.zeros(config.decode_steps, max_bs, dtype=torch.float32, device=device)
+
+    # ------------------------------------------------------------------------------ KV cache
+    def bytes_per_block(self) -> int:
+        m = self.model
+        element = torch.empty((), dtype=m.dtype).element_size()
+        return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * element
+
+    def _cache_blocks(self) -> int:
+        """Blocks from num_kv_blocks, else (CUDA) gpu_memory_utilization of the device's memory."""
+        if self.config.num_kv_blocks is not None:
+            return int(self.config.num_kv_blocks)
+        if self.device.type != "cuda":
+            return max(2, CPU_DEFAULT_CACHE_TOKENS // self.block_size + 1)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        weights = sum(t.numel() * t.element_size() for t in self.model.weight_tensors())
+        m, cfg = self.model, self.config
+        # Activation room: one prefill step's widest tensors plus the logits of a full decode batch.
+        workspace = cfg.max_num_batched_tokens * (8 * m.hidden + 6 * m.config.intermediate_size) * 2
+        workspace += cfg.max_num_seqs * m.config.vocab_size * 10 + (512 << 20)
+        budget = total * cfg.gpu_memory_utilization - weights - workspace
+        free_now, _ = torch.cuda.mem_get_info(self.device)
+        budget = min(budget, free_now - (1 << 30))
+        blocks = int(budget // self.bytes_per_block())
+        if blocks < 2:
+            raise RuntimeError(
+                f"actor_rollout_ref.rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} leaves no room for "
+                f"the KV cache ({total / 2**30:.1f} GiB device, {weights / 2**30:.2f} GiB weights, "
+                f"{free_now / 2**30:.1f} GiB free now)"
+            )
+        return blocks
+
+    @property
+    def awake(self) -> bool:
+        return self.kv_cache is not None
+
+    def allocate_cache(self) -> None:
+        if self.kv_cache is not None:
+            return
+        m = self.model
+        shape = (m.num_layers, 2, self.num_blocks * self.block_size, m.num_kv_heads, m.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=m.dtype, device=self.device)
+
+    def free_cache(self) -> None:
+        """Drop the KV cache (and the graphs, which hold its address); the next decode recaptures."""
+        self.kv_cache = None
+        self.graphs.clear()
+        self.graph_pool = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def cache_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """KV data of block src -> block dst for each (src, dst) (forks' private partial blocks)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        m = self.model
+        blocks = self.kv_cache.view(
+            m.num_layers, 2, self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim
+        )
+        blocks[:, :, dst] = blocks[:, :, src]
+
+    # ------------------------------------------------------------------------------ prefill
+    def prefill(self, work: PrefillWork) -> torch.Tensor:
+        """Run the chunks of `work`; logits (C, V) at the last token of each of the C completed prompts."""
+        dev, bs = self.device, self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        for seq, start, length in zip(work.seqs, work.starts, work.lengths, strict=True):
+            ids += seq.token_ids[start : start + length]
+            positions += range(start, start + length)
+        q_lens = list(work.lengths)
+        k_lens = [s + n for s, n in zip(work.starts, work.lengths, strict=True)]
+        tables = self._table_tensor(work.seqs)
+        seq_index = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens)).to(dev)
+        pos_t = torch.tensor(positions, dtype=torch.long).to(dev)
+        context_slots = None
+        if any(work.starts):
+            k_index = torch.repeat_interleave(torch.arange(len(k_lens)), torch.tensor(k_lens)).to(dev)
+            k_pos = torch.cat([torch.arange(n) for n in k_lens]).to(dev)
+            context_slots = ops.block_slots(tables, k_index, k_pos, bs)
+        cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=ops.block_slots(tables, seq_index, pos_t, bs),
+            block_size=bs,
+            cu_seqlens_q=cu_q.to(dev),
+            cu_seqlens_k=cu_k.to(dev),
+            q_lens=q_lens,
+            k_lens=k_lens,
+            context_slots=context_slots,
+        )
+        hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(dev), pos_t, self.kv_cache, meta)
+        last = [int(cu_q[i + 1]) - 1 for i, done in enumerate(work.completes) if done]
+        return self.model.logits(hidden[torch.tensor(last, device=dev)])
+
+    def _table_tensor(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        table = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for row, seq in enumerate(seqs):
+            table[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        return table.to(self.device)
+
+    # ------------------------------------------------------------------------------ decode
+    def decode(self, seqs: list[Sequence], steps: int, sampler) -> tuple[list[list[int]], list[list[float]]]:
+        """`steps` decode steps over `seqs`; (tokens[k][b], logprobs[k][b]) read back once at the end."""
+        batch = len(seqs)
+        padded = self._bucket(batch) if self.use_graphs else batch
+        host_tables = torch.zeros(padded, self.max_blocks_per_seq, dtype=torch.int32)
+        for row, seq in enumerate(seqs):
+            host_tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        last = torch.tensor([s.token_ids[-1] for s in seqs] + [0] * (padded - batch), dtype=torch.long)
+        pos = torch.tensor([s.num_tokens - 1 for s in seqs] + [0] * (padded - batch), dtype=torch.long)
+        self.input_ids[:padded].copy_(last, non_blocking=True)
+        self.positions[:padded].copy_(pos, non_blocking=True)
+        self.context_lens[:padded].copy_((pos + 1).to(torch.int32), non_blocking=True)
+        self.block_tables[:padded].copy_(host_tables, non_blocking=True)
+        max_context = int(pos[:batch].max()) + 1
+        for k in range(steps):
+            if self.use_graphs:
+                logits = self._graph_logits(padded)
+            else:
+                logits = self._decode_forward(padded, max_context + k)
+            tokens, logprobs = sampler(logits[:batch])
+            self.out_tokens[k, :batch] = tokens
+            self.out_logprobs[k, :batch] = logprobs
+            self.input_ids[:batch] = tokens
+            self.positions[:batch] += 1
+            self.context_lens[:batch] += 1
+        return self.out_tokens[:steps, :batch].tolist(), self.out_logprobs[:steps, :batch].tolist()
+
+    def _bucket(self, batch: int) -> int:
+        return next(size for size in self.capture_sizes if size >= batch)
+
+    def _decode_forward(self, batch: int, max_context: int) -> torch.Tensor:
+        """One decode step over the static buffers' first `batch` rows -> logits (batch, V)."""
+        slots = ops.block_slots(
+            self.block_tables, self.row_index[:batch], self.positions[:batch], self.block_size
+        )
+        self.slot_mapping[:batch] = slots
+        meta = AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=self.slot_mapping[:batch],
+            block_size=self.block_size,
+            block_tables=self.block_tables[:batch],
+            context_lens=self.context_lens[:batch],
+            max_context=max_context,
+            use_triton=self.use_triton,
+        )
+        hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch], self.kv_cache, meta)
+        return self.model.logits(hidden)
+
+    def _graph_logits(self, batch: int) -> torch.Tensor:
+        if batch not in self.graphs:
+            self._capture(batch)
+        graph, logits = self.graphs[batch]
+        graph.replay()
+        return logits
+
+    def _capture(self, batch: int) -> None:
+        start = time.perf_counter()
+        full_width = self.max_blocks_per_seq * self.block_size  # the gather path's static width
+        # Warm-up runs write the rows' K/V at their current slots: the same values the replay writes.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile Triton kernels, settle the allocator
+                self._decode_forward(batch, full_width)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            logits = self._decode_forward(batch, full_width)
+        self.graph_pool = graph.pool()
+        self.graphs[batch] = (graph, logits)
+        self.graph_capture_s += time.perf_counter() - start
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (the engine does this at start-up so that the first decode is fast)."""
+        if not self.use_graphs:
+            return
+        for size in sorted(self.capture_sizes, reverse=True):
+            if size not in self.graphs:
+                self._capture_with_dummy_rows(size)
+
+    def _capture_with_dummy_rows(self, batch: int) -> None:
+        self.input_ids[:batch].zero_()
+        self.positions[:batch].zero_()
+        self.context_lens[:batch].fill_(1)
+        self.block_tables[:batch].zero_()
+        self._capture(batch)

@@ -1,0 +1,1 @@
+"""Model definitions of the native engine (one file per architecture family)."""

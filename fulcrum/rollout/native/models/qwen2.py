@@ -1,0 +1,209 @@
+"""Qwen2 / Qwen2.5 and Llama for the native engine: one decoder, read top to bottom.
+
+The two differ only in names we do not keep (we fuse q/k/v and gate/up) and in biases: Qwen2 has
+q/k/v biases, Llama has none (or all, with `attention_bias`). Weights are the engine's own tensors
+(in the engine dtype), filled from Hugging Face names by `load_weights`, always in place, so CUDA
+graphs captured over them stay valid across weight syncs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from fulcrum.rollout.native import ops
+from fulcrum.rollout.native.attention import AttentionMetadata, paged_attention
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+# Wrappers that prefix parameter names: torch.compile, DDP/FSDP1, activation checkpointing.
+_WRAPPER_PREFIXES = re.compile(r"(_orig_mod\.|module\.|_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.)")
+
+
+def unsupported_reason(config) -> str | None:
+    """Why the native decoder cannot run this HF config, or None when it can."""
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return f"model_type={getattr(config, 'model_type', None)!r}"
+    if getattr(config, "mlp_bias", False):
+        return "mlp_bias=True"
+    if getattr(config, "use_sliding_window", False):
+        return "use_sliding_window=True"
+    rope = getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) in ("dynamic", "longrope"):
+        return f"rope_scaling type {rope.get('rope_type', rope.get('type'))!r}"
+    return None
+
+
+class DecoderLM:
+    """A Qwen2/Llama causal LM over the paged KV cache. Weights are plain tensors on `device`."""
+
+    def __init__(self, config, inv_freq: torch.Tensor, rope_scaling: float, dtype: torch.dtype, device):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.num_heads
+        self.num_layers = config.num_hidden_layers
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.use_triton = False
+        inter = config.intermediate_size
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        o_bias = config.model_type == "llama" and bool(getattr(config, "attention_bias", False))
+
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=self.device)
+
+        self.embed = empty(config.vocab_size, self.hidden)
+        self.lm_head = self.embed if self.tied else empty(config.vocab_size, self.hidden)
+        self.final_norm = empty(self.hidden)
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for _ in range(self.num_layers):
+            layer = {
+                "input_norm": empty(self.hidden),
+                "qkv": empty(self.q_size + 2 * self.kv_size, self.hidden),
+                "o": empty(self.hidden, self.q_size),
+                "post_norm": empty(self.hidden),
+                "gate_up": empty(2 * inter, self.hidden),
+                "down": empty(self.hidden, inter),
+            }
+            if qkv_bias:
+                layer["qkv_bias"] = empty(self.q_size + 2 * self.kv_size)
+            if o_bias:
+                layer["o_bias"] = empty(self.hidden)
+            self.layers.append(layer)
+        self.cos_sin = ops.rope_cos_sin(
+            inv_freq.to(self.device), config.max_position_embeddings, rope_scaling
+        )
+        self._targets = self._weight_targets()
+
+    # ------------------------------------------------------------------------------ weights
+    def _weight_targets(self) -> dict[str, torch.Tensor]:
+        """HF parameter name -> the (view of the) engine tensor it is copied into."""
+        q, kv, inter = self.q_size, self.kv_size, self.config.intermediate_size
+        targets = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm}
+        targets["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            targets[p + "input_layernorm.weight"] = layer["input_norm"]
+            targets[p + "post_attention_layernorm.weight"] = layer["post_norm"]
+            targets[p + "self_attn.q_proj.weight"] = layer["qkv"][:q]
+            targets[p + "self_attn.k_proj.weight"] = layer["qkv"][q : q + kv]
+            targets[p + "self_attn.v_proj.weight"] = layer["qkv"][q + kv :]
+            if "qkv_bias" in layer:
+                targets[p + "self_attn.q_proj.bias"] = layer["qkv_bias"][:q]
+                targets[p + "self_attn.k_proj.bias"] = layer["qkv_bias"][q : q + kv]
+                targets[p + "self_attn.v_proj.bias"] = layer["qkv_bias"][q + kv :]
+            targets[p + "self_attn.o_proj.weight"] = layer["o"]
+            if "o_bias" in layer:
+                targets[p + "self_attn.o_proj.bias"] = layer["o_bias"]
+            targets[p + "mlp.gate_proj.weight"] = layer["gate_up"][:inter]
+            targets[p + "mlp.up_proj.weight"] = layer["gate_up"][inter:]
+            targets[p + "mlp.down_proj.weight"] = layer["down"]
+        return targets
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the engine's weights in place; returns the names it loaded.
+
+        Unknown names (rotary buffers, a value head) are skipped; a known name with the wrong shape
+        is an error naming it.
+        """
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for raw_name, tensor in named_tensors:
+                name = _WRAPPER_PREFIXES.sub("", raw_name)
+                target = self._targets.get(name)
+                if target is None:
+                    continue
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"update_weights: {raw_name} has shape {tuple(tensor.shape)}, the engine expects "
+                        f"{tuple(target.shape)}"
+                    )
+                target.copy_(tensor.detach(), non_blocking=True)
+                loaded.add(name)
+        return loaded
+
+    def ensure_positions(self, num_positions: int) -> None:
+        """Grow the RoPE table to cover positions 0..num_positions-1 (call before capturing graphs)."""
+        if num_positions > self.cos_sin.shape[0]:
+            self.cos_sin = ops.rope_cos_sin(self.inv_freq, num_positions, self.rope_scaling)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every distinct weight tensor (the tied head counted once)."""
+        tensors = [self.embed, self.final_norm] + ([] if self.tied else [self.lm_head])
+        return tensors + [t for layer in self.layers for t in layer.values()]
+
+    def required_weight_names(self) -> set[str]:
+        names = set(self._targets)
+        if self.tied:
+            names.discard("lm_head.weight")  # the embedding is the head
+        return names
+
+    # ------------------------------------------------------------------------------ forward
+    def _norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
+        """(rms_norm(x [+ residual]), new residual)."""
+        if self.use_triton:
+            from fulcrum.rollout.native import kernels
+
+            if residual is None:
+                return kernels.add_rms_norm(x, None, weight, self.eps), x
+            return kernels.add_rms_norm(x, residual, weight, self.eps), residual  # residual += x in place
+        if residual is None:
+            return ops.rms_norm(x, weight, self.eps), x
+        return ops.add_rms_norm(x, residual, weight, self.eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states (N, hidden) for N packed tokens; writes their K/V into `kv_cache`.
+
+        input_ids, positions: (N,); kv_cache: (layers, 2, slots, Hkv, D).
+        """
+        tokens = input_ids.shape[0]
+        hidden = F.embedding(input_ids, self.embed)  # (N, hidden)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            # The fused Triton norm adds into `residual` in place; the first one is the embedding output.
+            x, residual = self._norm(hidden, residual, layer["input_norm"])
+            qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))  # (N, q + 2 kv)
+            q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+                tokens, self.num_kv_heads, self.head_dim
+            )
+            v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+            if self.use_triton:
+                from fulcrum.rollout.native import kernels
+
+                kernels.rope_inplace(q, k, positions, self.cos_sin)
+            else:
+                q = ops.apply_rope(q, positions, self.cos_sin)
+                k = ops.apply_rope(k, positions, self.cos_sin)
+            attn = paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta, self.scale)
+            hidden = F.linear(attn.reshape(tokens, self.q_size), layer["o"], layer.get("o_bias"))
+            x, residual = self._norm(hidden, residual, layer["post_norm"])
+            gate_up = F.linear(x, layer["gate_up"])
+            if self.use_triton:
+                from fulcrum.rollout.native import kernels
+
+                act = kernels.silu_and_mul(gate_up)
+            else:
+                act = ops.silu_and_mul(gate_up)
+            hidden = F.linear(act, layer["down"])
+        out, _ = self._norm(hidden, residual, self.final_norm)
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) in the engine dtype."""
+        return F.linear(hidden, self.lm_head)

@@ -1,0 +1,39 @@
+"""Sampling on the device for the native engine: the fused Gumbel-max Triton kernel, else the torch sampler.
+
+The Triton kernel covers temperature and greedy (no top-k / top-p filter), the common RL case, in
+one pass over the logits; with a filter, `fulcrum.rollout.sampling.sample_next` (sort-based) runs.
+Both return log-probs under softmax(logits / T) before any filter (see `fulcrum.rollout.sampling`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fulcrum.rollout.base import SamplingParams
+from fulcrum.rollout.sampling import sample_next
+
+
+class DeviceSampler:
+    """Samples one token per logits row with `params`; seeded when `params.seed` is set."""
+
+    def __init__(self, params: SamplingParams, device: torch.device, use_triton: bool) -> None:
+        self.params = params
+        self.filtered = params.top_k > 0 or params.top_p < 1.0
+        self.use_triton = use_triton and not self.filtered
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, (1,)).item())
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        # The Triton kernel reads its Philox seed from the device; bumping it after every call gives
+        # each step fresh noise without a host round trip.
+        self.seed = torch.tensor([seed % (2**31 - 1)], dtype=torch.int64, device=device)
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits (B, V) -> (tokens (B,) int64, log-probs (B,) fp32)."""
+        p = self.params
+        if self.use_triton:
+            from fulcrum.rollout.native.kernels import gumbel_sample
+
+            tokens, logprobs = gumbel_sample(logits, p.temperature, self.seed)
+            self.seed.add_(1)
+            return tokens, logprobs
+        return sample_next(logits, p.temperature, p.top_p, p.top_k, self.generator)
