@@ -250,30 +250,35 @@ def compute_value_loss(
     return vf_loss, vf_clipfrac.detach()
 
 
-def _as_float(logits: torch.Tensor) -> torch.Tensor:
-    # Half-precision softmax sums lose several digits over a 150k vocabulary: compute in float32.
-    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+def _shift_by_max(logits: torch.Tensor) -> torch.Tensor:
+    """z - max_v z (both results below are invariant to the shift), in float32 for half-precision input.
+
+    logsumexp(z) alone returns max + log(sum e^(z - max)), which rounds away small differences when the
+    logits are large (float32 spacing is 1e-3 at 1e4), so the subtraction is done first.
+    """
+    z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    return z - z.amax(dim=-1, keepdim=True).detach()
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last axis: (..., V) -> (...); verl `entropy_from_logits`.
 
-    H = logsumexp(z) - sum_v softmax(z)_v z_v, which never takes the log of a probability, so it is finite
-    for any finite logits (a -inf logit contributes 0). Half-precision input is computed in float32.
+    H = logsumexp(s) - sum_v softmax(s)_v s_v with s = z - max(z), which never takes the log of a
+    probability, so it is finite for any finite maximum (a -inf logit contributes 0).
+    Half-precision input is computed in float32.
     """
-    z = _as_float(logits)
-    log_norm = torch.logsumexp(z, dim=-1)
-    probs = torch.softmax(z, dim=-1)
+    s = _shift_by_max(logits)
+    probs = torch.softmax(s, dim=-1)
     # 0 * -inf would give NaN (also in the backward pass): a token of probability 0 adds nothing.
-    z_finite = torch.where(probs > 0, z, torch.zeros((), dtype=z.dtype, device=z.device))
-    return log_norm - (probs * z_finite).sum(dim=-1)
+    s_finite = torch.where(probs > 0, s, torch.zeros((), dtype=s.dtype, device=s.device))
+    return torch.logsumexp(s, dim=-1) - (probs * s_finite).sum(dim=-1)
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[label] = z_label - logsumexp(z): (..., V), (...) long -> (...); verl `logprobs_from_logits`.
+    """log softmax(z)[y] = s_y - logsumexp(s), s = z - max(z): (..., V), (...) -> (...); verl `logprobs_from_logits`.
 
     Half-precision input is computed in float32 (result float32).
     """
-    z = _as_float(logits)
-    picked = torch.gather(z, -1, labels.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(z, dim=-1)
+    s = _shift_by_max(logits)
+    picked = torch.gather(s, -1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(s, dim=-1)

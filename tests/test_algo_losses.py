@@ -1,0 +1,222 @@
+"""Policy/value losses, aggregation, entropy and log-probs: hand values, references, gradients."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fulcrum.algo.losses import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    agg_loss,
+    compute_policy_loss,
+    compute_value_loss,
+    entropy_from_logits,
+    logprobs_from_logits,
+)
+
+
+def test_agg_loss_modes_hand_computed() -> None:
+    loss = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0], [7.0, 7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    # Valid: row 0 -> 1, 2, 3 (sum 6, mean 2); row 1 -> 10; row 2 fully masked (left out of seq means).
+    assert agg_loss(loss, mask, "token-mean").item() == pytest.approx(16 / 4)
+    assert agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 10) / 2)
+    assert agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 10) / 2)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx((6 + 10) / 2 / 4)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", loss_scale_factor=8).item() == pytest.approx(1.0)
+    # An all-masked batch gives 0, not NaN.
+    for mode in LOSS_AGG_MODES:
+        assert agg_loss(loss, torch.zeros_like(mask), mode).item() == 0.0
+    with pytest.raises(ValueError, match="loss_agg_mode='token_mean'"):
+        agg_loss(loss, mask, "token_mean")
+
+
+def test_nan_in_padding_does_not_leak() -> None:
+    loss = torch.tensor([[1.0, float("nan")], [3.0, float("inf")]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    for mode in LOSS_AGG_MODES:
+        assert torch.isfinite(agg_loss(loss, mask, mode)), mode
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), split=st.integers(1, 5), mode=st.sampled_from(LOSS_AGG_MODES))
+def test_micro_batches_with_global_counts_add_up_to_the_mini_batch_loss(
+    seed: int, split: int, mode: str
+) -> None:
+    """Gradient accumulation: per-micro-batch losses normalised by mini-batch totals sum to the whole loss."""
+    gen = torch.Generator().manual_seed(seed)
+    loss = torch.randn(6, 5, generator=gen)
+    mask = (torch.rand(6, 5, generator=gen) > 0.3).float()
+    mask[0] = 0.0  # a fully masked row
+    whole = agg_loss(loss, mask, mode)
+    totals = dict(batch_num_tokens=mask.sum(), global_batch_size=(mask.sum(-1) > 0).sum())
+    parts = sum(
+        agg_loss(loss[s : s + split], mask[s : s + split], mode, **totals) for s in range(0, 6, split)
+    )
+    assert float(parts) == pytest.approx(float(whole), abs=1e-5)
+
+
+def token_losses(log_ratio: list[float], advantages: list[float], **kwargs) -> tuple:
+    old = torch.zeros(1, len(log_ratio))
+    new = torch.tensor([log_ratio]).requires_grad_(True)
+    adv = torch.tensor([advantages])
+    out = compute_policy_loss(old, new, adv, torch.ones_like(adv), **kwargs)
+    out.pg_loss.backward()
+    return out, new.grad
+
+
+def test_vanilla_ppo_hand_computed() -> None:
+    # Tokens: (A=1, r=1.5) clipped to 1.2 -> -1.2; (A=-1, r=0.5) clipped to 0.8 -> 0.8;
+    # (A=-1, r=5) unclipped 5 capped by the dual clip at c = 3 -> 3; (A=1, r=1.1) -> -1.1.
+    ratios = [1.5, 0.5, 5.0, 1.1]
+    out, grad = token_losses([math.log(r) for r in ratios], [1.0, -1.0, -1.0, 1.0], cliprange=0.2)
+    assert out.pg_loss.item() == pytest.approx((-1.2 + 0.8 + 3.0 - 1.1) / 4, abs=1e-6)
+    assert out.pg_clipfrac.item() == pytest.approx(2 / 4)  # tokens 0 and 1
+    assert out.pg_clipfrac_lower.item() == pytest.approx(1 / 4)  # token 2
+    assert out.ppo_kl.item() == pytest.approx(-sum(math.log(r) for r in ratios) / 4, abs=1e-6)
+    # Only the unclipped token carries gradient: d(-A r)/d log r / 4 = -1.1 / 4.
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 0.0, 0.0, -1.1 / 4]]))
+
+
+def test_asymmetric_clip_and_dual_clip_constant() -> None:
+    # clip-higher: eps_high 0.28 lets r = 1.25 through unclipped for A > 0; eps_low 0.2 still clips r = 0.7.
+    out, _ = token_losses([math.log(1.25), math.log(0.7)], [1.0, -1.0], cliprange=0.2, cliprange_high=0.28)
+    assert out.pg_loss.item() == pytest.approx((-1.25 + 0.8) / 2, abs=1e-6)
+    assert out.pg_clipfrac.item() == pytest.approx(0.5)
+    out, _ = token_losses([math.log(5.0)], [-2.0], cliprange=0.2, clip_ratio_c=4.0)
+    assert out.pg_loss.item() == pytest.approx(8.0, abs=1e-5)  # min(-A r, -A c) = min(10, 8)
+    with pytest.raises(ValueError, match=r"clip_ratio_c must be greater than 1\.0"):
+        token_losses([0.0], [1.0], clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match="clip_ratio"):
+        token_losses([0.0], [1.0], cliprange=None)
+
+
+def test_log_ratio_is_clamped_before_exp() -> None:
+    out, grad = token_losses([200.0, -200.0], [-1.0, 1.0], cliprange=0.2)
+    assert torch.isfinite(out.pg_loss) and torch.isfinite(grad).all()
+    assert out.ppo_kl.item() == pytest.approx(0.0)  # clamped to +20 and -20
+    # Token 0: dual clip caps at c = 3; token 1: r = e^-20, max(-r, -0.8) = -e^-20.
+    assert out.pg_loss.item() == pytest.approx((3.0 - math.exp(-20)) / 2, abs=1e-6)
+
+
+def test_padding_positions_do_not_change_the_policy_loss() -> None:
+    gen = torch.Generator().manual_seed(0)
+    old, new, adv = (torch.randn(3, 5, generator=gen) for _ in range(3))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float32)
+    junk = torch.where(mask.bool(), torch.zeros(()), torch.full((), 1e4))
+    for loss_mode in POLICY_LOSSES:
+        for mode in LOSS_AGG_MODES:
+            a = compute_policy_loss(old, new, adv, mask, loss_agg_mode=mode, loss_mode=loss_mode)
+            b = compute_policy_loss(
+                old + junk, new - junk, adv + junk, mask, loss_agg_mode=mode, loss_mode=loss_mode
+            )
+            for x, y in zip(a, b, strict=True):
+                torch.testing.assert_close(x, y, msg=f"{loss_mode} {mode}")
+
+
+def test_rollout_importance_weights_scale_token_losses() -> None:
+    old = torch.zeros(1, 2)
+    adv = torch.tensor([[1.0, 1.0]])
+    weights = torch.tensor([[0.5, 2.0]])
+    out = compute_policy_loss(old, old, adv, torch.ones(1, 2), rollout_is_weights=weights)
+    assert out.pg_loss.item() == pytest.approx((-0.5 - 2.0) / 2)
+
+
+def test_gspo_uses_the_sequence_ratio() -> None:
+    # Row 0 log-ratios 0.3 and -0.1 over 2 valid tokens (the third is padding): s = exp(0.1).
+    old = torch.zeros(2, 3)
+    new = torch.tensor([[0.3, -0.1, 5.0], [0.5, 0.5, 0.5]]).requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    out = compute_policy_loss(
+        old, new, adv, mask, cliprange=0.2, loss_mode="gspo", loss_agg_mode="seq-mean-token-mean"
+    )
+    out.pg_loss.backward()
+    s0 = math.exp(0.1)  # inside [0.8, 1.2]: loss -s0, gradient -s0 per token / (2 tokens * 2 rows)
+    # Row 1: s = e^0.5 = 1.65 with A = -1: max(1.65, 1.2) = 1.65 (no dual clip in GSPO), gradient s / (3 * 2).
+    s1 = math.exp(0.5)
+    assert out.pg_loss.item() == pytest.approx((-s0 + s1) / 2, abs=1e-6)
+    torch.testing.assert_close(new.grad, torch.tensor([[-s0 / 4, -s0 / 4, 0.0], [s1 / 6, s1 / 6, s1 / 6]]))
+    assert out.pg_clipfrac.item() == 0.0 and out.pg_clipfrac_lower.item() == 0.0
+    assert out.ppo_kl.item() == pytest.approx(-(0.3 - 0.1 + 1.5) / 5, abs=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(delta=st.floats(-0.6, 0.6), adv=st.floats(0.1, 3.0), length=st.integers(1, 5))
+def test_gspo_equals_ppo_when_every_token_has_the_same_ratio(delta: float, adv: float, length: int) -> None:
+    old = torch.zeros(1, length)
+    new = torch.full((1, length), delta)
+    a = torch.full((1, length), adv)
+    mask = torch.ones(1, length)
+    ppo = compute_policy_loss(old, new, a, mask, cliprange=0.2)
+    gspo = compute_policy_loss(old, new, a, mask, cliprange=0.2, loss_mode="gspo")
+    torch.testing.assert_close(gspo.pg_loss, ppo.pg_loss)
+    torch.testing.assert_close(gspo.pg_clipfrac, ppo.pg_clipfrac)
+
+
+def test_unknown_policy_loss_is_named() -> None:
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=r"loss_mode='gpsO'.*gspo"):
+        compute_policy_loss(x, x, x, torch.ones(1, 2), loss_mode="gpsO")
+
+
+def test_value_loss_hand_computed() -> None:
+    # Token 0: vpred 1.0 vs old 0 with clip 0.5 -> 0.5; returns 2: max((1-2)^2, (0.5-2)^2) = 2.25 (clipped).
+    # Token 1: vpred 0.2, old 0, inside the clip: (0.2-1)^2 = 0.64 both ways. Token 2 is padding.
+    vpreds = torch.tensor([[1.0, 0.2, 100.0]])
+    values = torch.tensor([[0.0, 0.0, 0.0]])
+    returns = torch.tensor([[2.0, 1.0, -100.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    vf_loss, vf_clipfrac = compute_value_loss(vpreds, returns, values, mask, cliprange_value=0.5)
+    assert vf_loss.item() == pytest.approx(0.5 * (2.25 + 0.64) / 2)
+    assert vf_clipfrac.item() == pytest.approx(0.5)
+    # The clipped max can also pick the clipped side when vpred overshoots towards the return.
+    vf_loss, vf_clipfrac = compute_value_loss(
+        torch.tensor([[3.0]]),
+        torch.tensor([[2.0]]),
+        torch.tensor([[0.0]]),
+        torch.ones(1, 1),
+        cliprange_value=0.5,
+    )
+    assert vf_loss.item() == pytest.approx(0.5 * 1.5**2) and vf_clipfrac.item() == 1.0
+
+
+def entropy_ref(logits: torch.Tensor) -> torch.Tensor:
+    p = torch.softmax(logits.double(), dim=-1)
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return -(torch.where(p > 0, p * logp, torch.zeros((), dtype=torch.float64))).sum(-1)
+
+
+def test_entropy_from_logits() -> None:
+    assert entropy_from_logits(torch.zeros(2, 3, 8)).flatten().tolist() == pytest.approx([math.log(8)] * 6)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 5, 50, generator=gen) * 5
+    torch.testing.assert_close(
+        entropy_from_logits(logits).double(), entropy_ref(logits), atol=1e-5, rtol=1e-5
+    )
+    # Huge and -inf logits (top-k masking): finite value and finite gradient.
+    extreme = torch.tensor([[1e4, 0.0, float("-inf"), -1e4]]).requires_grad_(True)
+    ent = entropy_from_logits(extreme)
+    ent.sum().backward()
+    assert ent.item() == pytest.approx(0.0, abs=1e-6)
+    assert torch.isfinite(extreme.grad).all()
+    # bf16 input is computed in float32.
+    bf = logits.bfloat16()
+    ent_bf = entropy_from_logits(bf)
+    assert ent_bf.dtype == torch.float32
+    torch.testing.assert_close(ent_bf.double(), entropy_ref(bf.float()), atol=1e-5, rtol=1e-5)
+
+
+def test_logprobs_from_logits_is_stable_and_matches_log_softmax() -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 4, 20, generator=gen) * 4
+    labels = torch.randint(0, 20, (3, 4), generator=gen)
+    expected = torch.log_softmax(logits.double(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(logprobs_from_logits(logits, labels).double(), expected, atol=1e-5, rtol=1e-6)
+    big = torch.tensor([[1e4, 1e4 - 1.0, -1e4]])
+    lp = logprobs_from_logits(big, torch.tensor([1]))
+    assert lp.item() == pytest.approx(-1.0 - math.log1p(math.exp(-1.0)), abs=1e-5)
+    assert logprobs_from_logits(logits.half(), labels).dtype == torch.float32
