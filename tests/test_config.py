@@ -6,6 +6,8 @@ import re
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fulcrum.config import (
     ConfigError,
@@ -325,3 +327,67 @@ def test_keys_named_in_the_docs_exist():
     named = re.findall(r"^\| `([a-z_.]+)`", doc.read_text(), flags=re.MULTILINE)
     assert len(named) > 80
     assert [key for key in named if key not in known] == []
+
+
+def test_bool_spellings_verl_accepts():
+    for word, expected in [("yes", True), ("off", False), ("1", True), ("0", False), ("TRUE", True)]:
+        assert load_config([f"trainer.val_before_train={word}"]).trainer.val_before_train is expected
+    with pytest.raises(ConfigError, match=r"trainer\.val_only: expected bool, got '2'"):
+        load_config(["trainer.val_only=2"])
+    with pytest.raises(ConfigError, match="expected float, got 'nan'"):
+        load_config(["actor_rollout_ref.actor.optim.lr=nan"])
+
+
+def test_names_implemented_by_the_algorithms():
+    cfg = load_config(
+        [
+            *seed_command(),
+            "actor_rollout_ref.actor.kl_loss_type=low_var_kl+",
+            "algorithm.kl_penalty=k4",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=clip-cov",
+            "reward_model.reward_manager=dapo",
+        ]
+    )
+    assert {p.keys[0] for p in validate(cfg)} == {
+        "algorithm.kl_penalty",
+        "actor_rollout_ref.actor.policy_loss.loss_mode",
+        "reward_model.reward_manager",
+    }
+
+
+# Scalar keys and a strategy for a value of their type: any such override survives config.yaml.
+_SCALARS = {
+    "data.train_batch_size": st.integers(1, 4096),
+    "data.max_response_length": st.integers(1, 8192),
+    "actor_rollout_ref.actor.optim.lr": st.floats(1e-9, 1.0, allow_nan=False),
+    "actor_rollout_ref.rollout.temperature": st.floats(0.0, 2.0),
+    "trainer.val_before_train": st.booleans(),
+    "trainer.experiment_name": st.text("abc xyz-_0123", min_size=1, max_size=12).filter(
+        lambda s: s.strip() == s
+    ),
+    "trainer.logger": st.lists(st.sampled_from(["console", "tensorboard", "jsonl"]), max_size=3),
+    "trainer.total_training_steps": st.none() | st.integers(1, 10**6),
+}
+
+
+def _spell(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return "[" + ",".join(value) + "]"
+    if isinstance(value, str):
+        return f"'{value}'"
+    return repr(value)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.fixed_dictionaries({}, optional=_SCALARS))
+def test_any_override_round_trips_through_yaml(tmp_path_factory, values):
+    cfg = load_config([f"{key}={_spell(value)}" for key, value in values.items()])
+    for key, value in values.items():
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        assert node == (pytest.approx(value) if isinstance(value, float) else value)
+    path = save_config(cfg, tmp_path_factory.mktemp("run") / "config.yaml")
+    assert load_config_file(path) == cfg

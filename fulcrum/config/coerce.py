@@ -23,10 +23,11 @@ class ConfigError(ValueError):
 
 
 NULL_WORDS = frozenset({"null", "None", "~", "NULL", "Null"})
-TRUE_WORDS = frozenset({"true", "True", "TRUE"})
-FALSE_WORDS = frozenset({"false", "False", "FALSE"})
+# What OmegaConf (and so verl) takes for a bool, compared lower-cased.
+TRUE_WORDS = frozenset({"true", "yes", "on", "y", "1"})
+FALSE_WORDS = frozenset({"false", "no", "off", "n", "0"})
 _INT_RE = re.compile(r"^[-+]?\d+$")
-_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^[-+]?(inf|nan)$", re.IGNORECASE)
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^[-+]?inf$", re.IGNORECASE)
 
 
 def unquote(text: str) -> str:
@@ -65,10 +66,8 @@ def parse_free(text: str) -> Any:
     text = text.strip()
     if text in NULL_WORDS:
         return None
-    if text in TRUE_WORDS:
-        return True
-    if text in FALSE_WORDS:
-        return False
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     if _INT_RE.match(text):
         return int(text)
     if _FLOAT_RE.match(text):
@@ -157,8 +156,11 @@ def coerce(value: Any, tp: Any, key: str, from_cli: bool = False) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and unquote(value) in TRUE_WORDS | FALSE_WORDS:
-            return unquote(value) in TRUE_WORDS
+        word = unquote(value).lower() if isinstance(value, str) else value
+        if isinstance(word, int) and word in (0, 1):
+            return bool(word)
+        if isinstance(word, str) and word in TRUE_WORDS | FALSE_WORDS:
+            return word in TRUE_WORDS
         raise _fail(key, tp, value)
 
     if tp is int:

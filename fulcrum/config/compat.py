@@ -82,6 +82,7 @@ UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
         (False,),
         "model-based rewards are not supported yet; use a rule-based or custom reward",
     ),
+    "reward_model.reward_manager": (("naive",), "only the naive reward manager exists"),
     "data.custom_cls.path": ((None,), "custom dataset classes are not supported"),
     "data.sampler.class_path": ((None,), "custom samplers are not supported"),
     "data.datagen.path": ((None,), "dynamic data generation is not supported"),

@@ -18,6 +18,10 @@ from fulcrum.config.tree import field_types, is_free_dict, is_group, unknown_key
 
 log = logging.getLogger("fulcrum.config")
 
+# libyaml's C loader/dumper when PyYAML was built with it (same output, ~10x faster).
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
 # key -> the key it follows while unset (null), like verl's `${oc.select:...}` interpolations.
 # Order matters: a source is resolved before the keys that follow it.
 DERIVED: dict[str, str] = {
@@ -182,7 +186,7 @@ def load_yaml(path: str | Path) -> FulcrumConfig:
     """A FulcrumConfig from a YAML file (a saved config.yaml, or a partial one): not yet resolved."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_YAML_LOADER)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except yaml.YAMLError as exc:
@@ -197,7 +201,7 @@ def save_config(cfg: FulcrumConfig, path: str | Path) -> Path:
     """Write the (resolved) configuration as YAML; `load_config_file(path)` gives it back."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False))
+    path.write_text(yaml.dump(to_dict(cfg), Dumper=_YAML_DUMPER, sort_keys=False, default_flow_style=False))
     return path
 
 

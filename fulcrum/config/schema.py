@@ -106,9 +106,7 @@ class ModelConfig:
 
 @dataclass
 class PolicyLossConfig:
-    loss_mode: Literal["vanilla", "gspo", "clip-cov", "kl-cov", "gpg"] = opt(
-        "vanilla", "policy loss: vanilla (PPO clip) or gspo (sequence-level ratio)"
-    )
+    loss_mode: str = opt("vanilla", "policy loss: vanilla (PPO clip) or gspo (sequence-level ratio)")
     clip_cov_ratio: float = opt(0.0002, "fraction of tokens clipped by clip-cov")
     clip_cov_lb: float = opt(1.0, "lower bound for clip-cov")
     clip_cov_ub: float = opt(5.0, "upper bound for clip-cov")
@@ -183,7 +181,10 @@ class ActorConfig:
     use_kl_loss: bool = opt(False, "add KL(actor||ref) to the loss (GRPO style)")
     use_torch_compile: bool = opt(True, "torch.compile hot functions (no effect)")
     kl_loss_coef: float = opt(0.001, "coefficient of the KL loss")
-    kl_loss_type: str = opt("low_var_kl", "KL estimator of the loss: kl, abs, mse, low_var_kl, full")
+    kl_loss_type: str = opt(
+        "low_var_kl",
+        "KL estimator of the loss: kl (k1), abs, mse (k2), low_var_kl (k3), full; +: k2 gradient",
+    )
     ppo_epochs: int = opt(1, "passes over each batch")
     shuffle: bool = opt(False, "shuffle mini-batches across PPO epochs")
     checkpoint: CheckpointConfig = sub(CheckpointConfig, "checkpoint contents")
@@ -377,8 +378,8 @@ class RewardModelConfig:
     max_length: int | None = opt(None, "reward model max length")
     use_dynamic_bsz: bool | None = opt(None, "null follows critic.use_dynamic_bsz")
     forward_max_token_len_per_gpu: int | None = opt(None, "null follows critic.forward_max_token_len_per_gpu")
-    reward_manager: Literal["naive", "prime", "batch", "dapo"] = opt(
-        "naive", "how scores are computed: naive (one call per response)"
+    reward_manager: str = opt(
+        "naive", "how scores are computed: naive (one reward-function call per response)"
     )
     launch_reward_fn_async: bool = opt(False, "score in a background process (no effect)")
     sandbox_fusion: SandboxFusionConfig = sub(SandboxFusionConfig, "code sandbox")
@@ -416,8 +417,8 @@ class AlgorithmConfig:
     adv_estimator: str = opt("gae", "advantage estimator: gae, grpo, rloo, reinforce_plus_plus, remax, ...")
     norm_adv_by_std_in_grpo: bool = opt(True, "divide GRPO advantages by the group std (false: Dr. GRPO)")
     use_kl_in_reward: bool = opt(False, "subtract a KL penalty from the reward")
-    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "full"] = opt(
-        "kl", "KL estimator of the in-reward penalty"
+    kl_penalty: str = opt(
+        "kl", "KL estimator of the in-reward penalty: kl (k1), abs, mse (k2), low_var_kl (k3), full"
     )
     kl_ctrl: KLControlConfig = sub(KLControlConfig, "KL coefficient controller")
     use_pf_ppo: bool = opt(False, "preference-feedback PPO reweighting")

@@ -7,6 +7,7 @@ calls `check()` (raises on problems); `fulcrum doctor` prints both lists.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from fulcrum.config.tree import get_path as _get
 
 # verl's estimator names; the algo package's registry is used instead when it is importable.
 KNOWN_ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
+KNOWN_KL_NAMES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+KNOWN_POLICY_LOSSES = ("vanilla", "gspo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 SUPPORTED_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml")
@@ -51,12 +54,16 @@ def world_size(cfg: FulcrumConfig) -> int:
     return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
 
 
-def adv_estimator_names() -> tuple[str, ...]:
+def _names(module: str, attr: str, fallback: tuple[str, ...]) -> tuple[str, ...]:
+    """The names the algorithm package implements (its registry is the one place); fallback before it exists."""
     try:
-        from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS
-    except ImportError:
-        return KNOWN_ADV_ESTIMATORS
-    return tuple(ADVANTAGE_ESTIMATORS)
+        return tuple(getattr(importlib.import_module(module), attr))
+    except (ImportError, AttributeError):
+        return fallback
+
+
+def adv_estimator_names() -> tuple[str, ...]:
+    return _names("fulcrum.algo.advantages", "ADVANTAGE_ESTIMATORS", KNOWN_ADV_ESTIMATORS)
 
 
 # ------------------------------------------------------------------------------------ error rules
@@ -283,6 +290,21 @@ def _algorithm(cfg: FulcrumConfig) -> list[Problem]:
     if estimator not in names:
         problems.append(
             Problem(("algorithm.adv_estimator",), f"unknown estimator {estimator!r}; one of {list(names)}")
+        )
+    kl_names = _names("fulcrum.algo.kl", "KL_PENALTY_NAMES", KNOWN_KL_NAMES)
+    for key in ("algorithm.kl_penalty", "actor_rollout_ref.actor.kl_loss_type"):
+        if _get(cfg, key) not in kl_names:
+            problems.append(
+                Problem((key,), f"unknown KL estimator {_get(cfg, key)!r}; one of {list(kl_names)}")
+            )
+    loss_modes = _names("fulcrum.algo.losses", "POLICY_LOSSES", KNOWN_POLICY_LOSSES)
+    loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    if loss_mode not in loss_modes:
+        problems.append(
+            Problem(
+                ("actor_rollout_ref.actor.policy_loss.loss_mode",),
+                f"{loss_mode!r} is not implemented; one of {list(loss_modes)}",
+            )
         )
     if estimator in GROUP_ESTIMATORS_NEEDING_N2 and cfg.actor_rollout_ref.rollout.n < 2:
         problems.append(
