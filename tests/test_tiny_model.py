@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,21 @@ def test_tokenizer_is_lossless_on_gsm8k(arch: str, qwen2_dir: Path, llama_dir: P
 def test_shipped_tokenizer_is_lossless_on_any_text(text: str) -> None:
     tokenizer = _raw_tokenizer()
     assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text())
+def test_qwen2_auto_tokenizer_is_lossless_on_nfc_text(qwen2_dir: Path, text: str) -> None:
+    """transformers 5 loads model_type qwen2 with Qwen2Tokenizer, which adds an NFC normaliser."""
+    tokenizer = _auto_tokenizer(qwen2_dir)
+    nfc = unicodedata.normalize("NFC", text)
+    assert tokenizer.decode(tokenizer(nfc)["input_ids"]) == nfc
+
+
+def _auto_tokenizer(folder: Path):
+    if folder not in _RAW:
+        _RAW[folder] = AutoTokenizer.from_pretrained(folder)
+    return _RAW[folder]
 
 
 _RAW: dict = {}
