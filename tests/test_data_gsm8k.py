@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import types
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -90,4 +92,29 @@ def test_unknown_source_and_hub_without_datasets_say_what_to_do(tmp_path: Path) 
     except ImportError:
         pass
     with pytest.raises(GSM8KError, match=r"pip install datasets.*pass that folder as --src"):
+        prepare_gsm8k("openai/gsm8k", tmp_path / "out")
+
+
+def test_hub_source_through_datasets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--src openai/gsm8k` reads both splits through `datasets.load_dataset(name, "main")`."""
+    calls = []
+
+    def load_dataset(name: str, config: str) -> dict:
+        calls.append((name, config))
+        example = {"question": "Q?", "answer": "so\n#### 1,234"}
+        return {"train": [example] * 3, "test": [example]}
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    paths = prepare_gsm8k("openai/gsm8k", tmp_path)
+    assert calls == [("openai/gsm8k", "main")]
+    assert pq.read_table(paths["train"]).num_rows == 3
+    assert pq.read_table(paths["test"]).to_pylist()[0]["reward_model"]["ground_truth"] == "1234"
+
+    def offline(name: str, config: str) -> dict:
+        raise ConnectionError("no network")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    with pytest.raises(
+        GSM8KError, match=r"could not load openai/gsm8k .*no network.*pass that folder as --src"
+    ):
         prepare_gsm8k("openai/gsm8k", tmp_path / "out")
