@@ -234,11 +234,17 @@ actor_rollout_ref:
   rollout:
     name: ???
     response_length: ${oc.select:data.max_response_length,512}
+trainer:
+  project_name: p
+  default_local_dir: checkpoints/${trainer.project_name}/${trainer.experiment_name}
+defaults:
+  - _self_
 """
     (tmp_path / "c.yaml").write_text(text)
     cfg = load_config_file(tmp_path / "c.yaml")
     assert cfg.data.train_batch_size == 64 and cfg.actor_rollout_ref.actor.optim.lr == 1e-5
     assert cfg.actor_rollout_ref.rollout.response_length == 512
+    assert cfg.trainer.default_local_dir == "checkpoints/p/gsm8k"
     (tmp_path / "bad.yaml").write_text("trainer:\n  total_epoch: 3\n")
     with pytest.raises(ConfigError, match=r"did you mean trainer\.total_epochs"):
         load_config_file(tmp_path / "bad.yaml")

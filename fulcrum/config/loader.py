@@ -80,6 +80,10 @@ def _set(cfg: Any, key: str, value: Any) -> None:
 def parse_override(text: str) -> tuple[str, str, bool]:
     """'+a.b=1' -> ('a.b', '1', True). Raises ConfigError for text that is not KEY=VALUE."""
     raw = text.strip()
+    if raw.startswith("-"):
+        raise ConfigError(
+            f"{raw.split('=')[0]}: flags are not overrides; write KEY=VALUE (a YAML base: load_config_file)"
+        )
     if raw.startswith("~"):
         raise ConfigError(f"{raw[1:].split('=')[0]}: deleting keys (~KEY) is not supported; set KEY=null")
     add = raw.startswith("+")
@@ -159,7 +163,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 def from_dict(data: dict[str, Any], cls: type = FulcrumConfig, prefix: str = "") -> Any:
     """Build config dataclass `cls` from a (possibly partial) nested mapping; missing keys take defaults.
 
-    verl yaml artefacts are skipped: `_target_` keys, `???` (required) and `${...}` interpolations,
+    verl yaml artefacts are skipped: `_target_` keys, Hydra's top-level `defaults`/`hydra`, `???` and `${...}` interpolations,
     which leave the default in place (fulcrum's defaults follow the same keys, see DERIVED).
     """
     if not isinstance(data, dict):
@@ -168,7 +172,9 @@ def from_dict(data: dict[str, Any], cls: type = FulcrumConfig, prefix: str = "")
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         key = f"{prefix}{name}"
-        if name == "_target_" or (isinstance(value, str) and (value == "???" or value.startswith("${"))):
+        if name == "_target_" or (isinstance(value, str) and (value == "???" or "${" in value)):
+            continue
+        if not prefix and name in ("defaults", "hydra"):  # Hydra's composition lists, not keys
             continue
         if name not in types_:
             raise unknown_key_error(key, FulcrumConfig)

@@ -320,7 +320,7 @@ class CriticModelConfig:
 
 
 def _critic_optim() -> OptimConfig:
-    return OptimConfig(lr=1e-5)
+    return OptimConfig(lr=1e-5, min_lr_ratio=None)
 
 
 @dataclass
@@ -328,7 +328,10 @@ class CriticConfig:
     enable: bool | None = opt(None, "null: use a critic when algorithm.adv_estimator is gae")
     strategy: Literal["fsdp", "fsdp2"] = opt("fsdp", "data-parallel strategy")
     rollout_n: int | None = opt(None, "null follows actor_rollout_ref.rollout.n")
-    optim: OptimConfig = field(default_factory=_critic_optim, metadata={"help": "critic optimiser (lr 1e-5)"})
+    optim: OptimConfig = field(
+        default_factory=_critic_optim,
+        metadata={"help": "critic optimiser (verl: lr 1e-5, min_lr_ratio null)"},
+    )
     model: CriticModelConfig = sub(CriticModelConfig, "critic model")
     ppo_mini_batch_size: int | None = opt(None, "null follows actor.ppo_mini_batch_size")
     ppo_micro_batch_size: int | None = opt(None, "deprecated; use ppo_micro_batch_size_per_gpu")
