@@ -174,9 +174,10 @@ class ActorConfig:
     clip_ratio_high: float | None = opt(0.2, "upper clip epsilon; null follows clip_ratio")
     policy_loss: PolicyLossConfig = sub(PolicyLossConfig, "policy loss variant")
     clip_ratio_c: float = opt(3.0, "dual-clip constant C (clips when advantage < 0)")
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = opt("token-mean", "how token losses are averaged")
+    loss_agg_mode: str = opt(
+        "token-mean",
+        "how token losses are averaged: token-mean, seq-mean-token-sum, seq-mean-token-mean, ...",
+    )
     entropy_coeff: float = opt(0.0, "entropy bonus coefficient")
     use_kl_loss: bool = opt(False, "add KL(actor||ref) to the loss (GRPO style)")
     use_torch_compile: bool = opt(True, "torch.compile hot functions (no effect)")

@@ -16,11 +16,6 @@ from fulcrum.config.compat import UNSUPPORTED
 from fulcrum.config.schema import FulcrumConfig, KLControlConfig
 from fulcrum.config.tree import get_path as _get
 
-# verl's estimator names; the algo package's registry is used instead when it is importable.
-KNOWN_ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
-KNOWN_KL_NAMES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
-KNOWN_POLICY_LOSSES = ("vanilla", "gspo")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 SUPPORTED_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml")
 # Estimators that learn nothing (or divide by n - 1) from a single response per prompt.
@@ -54,16 +49,14 @@ def world_size(cfg: FulcrumConfig) -> int:
     return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
 
 
-def _names(module: str, attr: str, fallback: tuple[str, ...]) -> tuple[str, ...]:
-    """The names the algorithm package implements (its registry is the one place); fallback before it exists."""
-    try:
-        return tuple(getattr(importlib.import_module(module), attr))
-    except (ImportError, AttributeError):
-        return fallback
+def _names(module: str, attr: str) -> tuple[str, ...]:
+    """Names the algorithm package implements: its registries are the one list. Imported here, not at
+    module level, so `import fulcrum.config` stays free of torch."""
+    return tuple(getattr(importlib.import_module(module), attr))
 
 
 def adv_estimator_names() -> tuple[str, ...]:
-    return _names("fulcrum.algo.advantages", "ADVANTAGE_ESTIMATORS", KNOWN_ADV_ESTIMATORS)
+    return _names("fulcrum.algo.advantages", "ADVANTAGE_ESTIMATORS")
 
 
 # ------------------------------------------------------------------------------------ error rules
@@ -135,13 +128,10 @@ def _ranges(cfg: FulcrumConfig) -> list[Problem]:
         )
     if not 0.0 <= cfg.algorithm.lam <= 1.0 or not 0.0 <= cfg.algorithm.gamma <= 1.0:
         problems.append(Problem(("algorithm.gamma", "algorithm.lam"), "must lie in [0, 1]"))
-    if cfg.critic.loss_agg_mode not in LOSS_AGG_MODES:
-        problems.append(
-            Problem(
-                ("critic.loss_agg_mode",),
-                f"expected one of {list(LOSS_AGG_MODES)}, got {cfg.critic.loss_agg_mode!r}",
-            )
-        )
+    agg_modes = _names("fulcrum.algo.losses", "LOSS_AGG_MODES")
+    for key in ("actor_rollout_ref.actor.loss_agg_mode", "critic.loss_agg_mode"):
+        if _get(cfg, key) not in agg_modes:
+            problems.append(Problem((key,), f"expected one of {list(agg_modes)}, got {_get(cfg, key)!r}"))
     return problems
 
 
@@ -291,13 +281,13 @@ def _algorithm(cfg: FulcrumConfig) -> list[Problem]:
         problems.append(
             Problem(("algorithm.adv_estimator",), f"unknown estimator {estimator!r}; one of {list(names)}")
         )
-    kl_names = _names("fulcrum.algo.kl", "KL_PENALTY_NAMES", KNOWN_KL_NAMES)
+    kl_names = _names("fulcrum.algo.kl", "KL_PENALTY_NAMES")
     for key in ("algorithm.kl_penalty", "actor_rollout_ref.actor.kl_loss_type"):
         if _get(cfg, key) not in kl_names:
             problems.append(
                 Problem((key,), f"unknown KL estimator {_get(cfg, key)!r}; one of {list(kl_names)}")
             )
-    loss_modes = _names("fulcrum.algo.losses", "POLICY_LOSSES", KNOWN_POLICY_LOSSES)
+    loss_modes = _names("fulcrum.algo.losses", "POLICY_LOSSES")
     loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
     if loss_mode not in loss_modes:
         problems.append(
