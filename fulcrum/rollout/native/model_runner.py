@@ -164,7 +164,7 @@ class ModelRunner:
         )
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(dev), pos_t, self.kv_cache, meta)
         last = [int(cu_q[i + 1]) - 1 for i, done in enumerate(work.completes) if done]
-        return self.model.logits(hidden[torch.tensor(last, device=dev)])
+        return self.model.logits(hidden[torch.tensor(last, dtype=torch.long, device=dev)])
 
     def _table_tensor(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)

@@ -77,6 +77,7 @@ class Scheduler:
         work = PrefillWork([], [], [], [])
         budget = self.config.max_num_batched_tokens
         seats = self.config.max_num_seqs - len(self.running)
+        fork_reserve = 0  # blocks the step's forks take after it (held back from later prompts)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             remaining = seq.num_tokens - seq.num_computed
@@ -85,10 +86,12 @@ class Scheduler:
             if completes and seq.num_samples > seats:
                 break
             need = self.blocks.extra_blocks(seq, seq.num_computed + chunk)
+            forks = 0
             if completes and (seq.num_computed + chunk) % self.blocks.block_size:
-                need += seq.num_samples - 1  # the forks' private copies of the partial last block
-            if not self.blocks.can_allocate(need):
+                forks = seq.num_samples - 1  # the forks' private copies of the partial last block
+            if not self.blocks.can_allocate(need + forks + fork_reserve):
                 break
+            fork_reserve += forks
             self.blocks.grow(seq, seq.num_computed + chunk)
             work.seqs.append(seq)
             work.starts.append(seq.num_computed)

@@ -1,0 +1,161 @@
+"""The native engine against the `hf` backend and the training forward, on the CPU in fp32.
+
+What a user relies on: the same greedy text as Hugging Face whatever the batch (prompt lengths
+1-300, n > 1, stop ids, a cache so small that sequences get preempted, prompts chunked by a small
+token budget), log-probs equal to the trainer's, weights that follow the actor after a sync.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import pytest
+import torch
+
+from fulcrum.rollout import HFRollout, SamplingParams, build_rollout
+from fulcrum.rollout.native import EngineConfig, NativeEngine
+from fulcrum.rollout.native.block_manager import BlockManager
+from fulcrum.rollout.native.scheduler import DecodeWork, PrefillWork, Scheduler
+from fulcrum.rollout.native.sequence import Sequence
+from fulcrum.rollout.testing import random_causal_lm
+
+CPU = torch.device("cpu")
+EOS = 1
+
+
+def mixed_prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+LENGTHS = [1, 300, 7, 64, 16, 150, 33, 2, 95, 17]
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model(request) -> torch.nn.Module:
+    torch.set_num_threads(1)
+    return random_causal_lm(request.param, init_std=0.2)
+
+
+def engine_for(model: torch.nn.Module, **overrides) -> NativeEngine:
+    config = dict(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=512, decode_steps=4)
+    return NativeEngine(model, [EOS], 0, EngineConfig(**{**config, **overrides}), CPU)
+
+
+def test_greedy_matches_hf_under_preemption_chunked_prefill_and_stop_ids(model):
+    prompts = mixed_prompts(0, LENGTHS)
+    hf = HFRollout(model, [EOS], 0, CPU)
+    free = hf.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    # A stop id that some responses hit and others do not.
+    stop = Counter(t for r in free.token_ids for t in r[1:]).most_common(1)[0][0]
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, stop_token_ids=[stop])
+    expected = hf.generate(prompts, params)
+    assert "stop" in expected.finish_reasons and "length" in expected.finish_reasons
+    # 40 blocks of 16 tokens cannot hold 20 sequences of up to 324 tokens: preemption is forced.
+    engine = engine_for(model, num_kv_blocks=40, max_num_batched_tokens=64)
+    out = engine.generate(prompts, params)
+    assert engine.stats["preemptions"] > 0
+    assert engine.stats["prefill_steps"] >= sum(LENGTHS) // 64  # the 300-token prompt came in chunks
+    assert out.token_ids == expected.token_ids
+    assert out.finish_reasons == expected.finish_reasons
+    assert out.prompt_index == expected.prompt_index
+    for ours, theirs in zip(out.logprobs, expected.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=1e-4, rtol=0)
+
+
+def test_sampled_logprobs_match_the_training_forward(model):
+    prompts = mixed_prompts(1, [5, 40, 120])
+    engine = engine_for(model)
+    out = engine.generate(
+        prompts, SamplingParams(n=3, temperature=0.8, max_tokens=16, seed=3, ignore_eos=True)
+    )
+    assert len({tuple(r) for r in out.token_ids[:3]}) > 1, "3 samples of one prompt should differ"
+    for response, logprobs, index in zip(out.token_ids, out.logprobs, out.prompt_index, strict=True):
+        ids = torch.tensor([prompts[index] + response])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompts[index]) - 1 : -1] / 0.8
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_seeded_sampling_repeats_and_top_k_1_is_greedy(model):
+    prompts = mixed_prompts(2, [3, 30])
+    engine = engine_for(model)
+    a = engine.generate(prompts, SamplingParams(n=2, max_tokens=8, seed=5, ignore_eos=True))
+    b = engine.generate(prompts, SamplingParams(n=2, max_tokens=8, seed=5, ignore_eos=True))
+    assert a.token_ids == b.token_ids
+    greedy = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    top1 = engine.generate(prompts, SamplingParams(top_k=1, max_tokens=8, seed=1, ignore_eos=True))
+    assert top1.token_ids == greedy.token_ids
+
+
+def test_update_weights_in_place_and_sleep_wake_up(model):
+    prompts = mixed_prompts(3, [4, 50])
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine = engine_for(model)
+    before = engine.generate(prompts, params)
+    changed = random_causal_lm(model.config.model_type, seed=1, init_std=0.2)
+    embed = engine.model.embed
+    engine.sleep()
+    assert engine.runner.kv_cache is None
+    engine.update_weights(changed.named_parameters())
+    assert engine.model.embed is embed  # copied into, not replaced
+    after = engine.generate(prompts, params)  # wakes up by itself
+    assert after.token_ids == HFRollout(changed, [EOS], 0, CPU).generate(prompts, params).token_ids
+    assert after.token_ids != before.token_ids
+    assert engine.stats["update_weights_s"] < 5.0
+
+
+def test_update_weights_rejects_a_wrong_shape_naming_the_tensor(model):
+    engine = engine_for(model)
+    with pytest.raises(ValueError, match=r"model\.norm\.weight"):
+        engine.update_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_prompt_longer_than_max_model_len_is_an_error_naming_the_key(model):
+    engine = engine_for(model, max_model_len=64)
+    with pytest.raises(ValueError, match=r"prompt 1 .*rollout\.max_model_len"):
+        engine.generate([[5, 6], list(range(3, 63))], SamplingParams(max_tokens=8))
+
+
+def test_n_samples_share_the_prompts_full_blocks():
+    blocks = BlockManager(num_blocks=20, block_size=16)
+    scheduler = Scheduler(EngineConfig(max_num_seqs=8, max_num_batched_tokens=256), blocks)
+    scheduler.add(
+        Sequence(token_ids=list(range(40)), num_prompt_tokens=40, output_index=0, max_tokens=5, num_samples=4)
+    )
+    work = scheduler.schedule()
+    assert isinstance(work, PrefillWork) and work.lengths == [40] and work.completes == [True]
+    assert blocks.num_free == 19 - 3  # 3 blocks hold the 40-token prompt
+    scheduler.after_prefill(work, [[7, 8, 9, 10]], [[-1.0, -1.0, -1.0, -1.0]])
+    # 2 full blocks shared by the 4 samples, 1 partial block each: 2 + 4 blocks, not 4 * 3.
+    assert blocks.num_usable - blocks.num_free == 6
+    assert len(scheduler.pending_copies) == 3
+    first = scheduler.running[0].block_table
+    assert all(s.block_table[:2] == first[:2] for s in scheduler.running)
+    assert [blocks.ref_counts[b] for b in first] == [4, 4, 1]
+    assert [s.token_ids[-1] for s in scheduler.running] == [7, 8, 9, 10]
+    decode = scheduler.schedule()
+    assert isinstance(decode, DecodeWork) and decode.steps == 4  # max_tokens 5, one already sampled
+
+
+def test_build_rollout_native_on_cpu_and_fallback_for_other_architectures(model, caplog):
+    class Cfg:
+        name = "native"
+        max_num_seqs = 8
+        max_num_batched_tokens = 256
+        max_model_len = 256
+
+    class Tok:
+        eos_token_id = EOS
+        pad_token_id = 0
+
+    assert isinstance(build_rollout(Cfg(), model, Tok(), CPU), NativeEngine)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with caplog.at_level(logging.WARNING):
+        engine = build_rollout(Cfg(), gpt2, Tok(), CPU)
+    assert isinstance(engine, HFRollout)
+    assert "model_type='gpt2'" in caplog.text and "hf backend" in caplog.text
