@@ -233,3 +233,18 @@ def test_refuses_corrupt_weights_and_non_json_state(tmp_path: Path, model_dir: P
     with pytest.raises(CheckpointError, match=r"score\.weight.*NaN"):
         manager.save(1, roles, {})
     assert not list(tmp_path.glob("global_step_*"))
+
+
+def test_trim_metrics_log_drops_steps_after_the_checkpoint_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 0, "val-core/x/reward/mean@1": 0.1}] + [
+        {"step": s, "training/global_step": s, "actor/pg_loss": 0.5} for s in (1, 2, 3)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "training/glo')
+    appender = path.open("a")  # the logger's handle, opened before the resume
+    assert ckpt_mod.trim_metrics_log(path, 2) == 2
+    appender.write(json.dumps({"step": 3, "training/global_step": 3}) + "\n")
+    appender.close()
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == [0, 1, 2, 3]
+    assert ckpt_mod.trim_metrics_log(tmp_path / "absent.jsonl", 2) == 0

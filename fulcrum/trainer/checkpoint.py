@@ -565,3 +565,33 @@ def read_latest_step(run_dir: str | os.PathLike) -> int | None:
         return None
     text = path.read_text().strip()
     return int(text) if text.isdigit() else None
+
+
+def trim_metrics_log(path: str | os.PathLike, last_step: int) -> int:
+    """Drop rows of a `metrics.jsonl` logged after `last_step` (a run killed past its last checkpoint logged
+    steps that the resumed run will log again). Rewritten in place, so a logger holding the file open in
+    append mode keeps writing to it. Returns how many rows were dropped."""
+    file = Path(path)
+    if not file.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in file.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1  # a row cut short by the kill
+            continue
+        step = row.get("training/global_step", row.get("step"))
+        if step is not None and float(step) > last_step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        with open(file, "r+") as f:
+            f.write("".join(f"{line}\n" for line in kept))
+            f.truncate()
+            f.flush()
+            os.fsync(f.fileno())
+    return dropped
