@@ -248,3 +248,13 @@ def test_trim_metrics_log_drops_steps_after_the_checkpoint_in_place(tmp_path: Pa
     steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
     assert steps == [0, 1, 2, 3]
     assert ckpt_mod.trim_metrics_log(tmp_path / "absent.jsonl", 2) == 0
+
+
+@pytest.mark.gpu
+def test_cuda_rng_state_is_captured_and_restored() -> None:
+    torch.cuda.manual_seed_all(3)
+    state = ckpt_mod.capture_rng_state()
+    expected = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed_all(4)
+    ckpt_mod.restore_rng_state(state)
+    assert torch.equal(torch.rand(4, device="cuda"), expected)

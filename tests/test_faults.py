@@ -98,3 +98,15 @@ def test_graceful_interrupt_first_signal_requests_second_raises() -> None:
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is previous
+
+
+@pytest.mark.gpu
+def test_real_cuda_oom_is_explained_with_memory_figures() -> None:
+    cfg = load_config([])
+    device = torch.device("cuda", 0)
+    too_much = 2 * torch.cuda.get_device_properties(device).total_memory
+    with pytest.raises(OutOfMemoryHelp) as info, explain_oom(cfg, "update_actor", device):
+        torch.empty(too_much, dtype=torch.uint8, device=device)
+    text = str(info.value)
+    assert "during update_actor" in text and "free" in text and "total" in text
+    assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu [None]" in text
