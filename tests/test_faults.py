@@ -100,6 +100,15 @@ def test_graceful_interrupt_first_signal_requests_second_raises() -> None:
     assert signal.getsignal(signal.SIGINT) is previous
 
 
+def test_explain_oom_reads_the_phase_from_the_traceback() -> None:
+    def update_critic() -> None:  # stands for the critic worker's method
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+
+    with pytest.raises(OutOfMemoryHelp, match="during update_critic") as info, explain_oom(load_config([])):
+        update_critic()
+    assert "critic.ppo_micro_batch_size_per_gpu" in str(info.value).splitlines()[2]
+
+
 @pytest.mark.gpu
 def test_real_cuda_oom_is_explained_with_memory_figures() -> None:
     cfg = load_config([])

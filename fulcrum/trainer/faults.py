@@ -227,13 +227,39 @@ def oom_message(error: BaseException, cfg: Any, phase: str | None, figures: Mapp
     return "\n".join(lines)
 
 
+# Trainer / worker methods -> the step phase they run (names of DESIGN §1 and the timing_s/* metrics).
+PHASE_OF_FUNCTION = {
+    "generate": "gen",
+    "compute_ref_log_prob": "ref",
+    "compute_values": "values",
+    "compute_log_prob": "old_log_prob",
+    "update_critic": "update_critic",
+    "update_policy": "update_actor",
+}
+
+
+def phase_from_traceback(error: BaseException) -> str | None:
+    """The step phase an error was raised in: the outermost frame whose function names a phase."""
+    tb = error.__traceback__
+    while tb is not None:
+        phase = PHASE_OF_FUNCTION.get(tb.tb_frame.f_code.co_name)
+        if phase is not None:
+            return phase
+        tb = tb.tb_next
+    return None
+
+
 @contextlib.contextmanager
 def explain_oom(cfg: Any, phase: str | None = None, device: torch.device | None = None) -> Iterator[None]:
-    """Re-raise a torch out-of-memory error as `OutOfMemoryHelp` with figures and levers (the original chained)."""
+    """Re-raise a torch out-of-memory error as `OutOfMemoryHelp` with figures and levers (the original chained).
+
+    Without `phase`, it is read from the traceback (the worker method that ran out of memory).
+    """
     try:
         yield
     except torch.cuda.OutOfMemoryError as error:
         figures = memory_figures(device)
+        phase = phase or phase_from_traceback(error)
         raise OutOfMemoryHelp(oom_message(error, cfg, phase, figures)) from error
 
 
