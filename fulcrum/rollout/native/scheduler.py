@@ -85,13 +85,16 @@ class Scheduler:
             completes = chunk == remaining
             if completes and seq.num_samples > seats:
                 break
-            need = self.blocks.extra_blocks(seq, seq.num_computed + chunk)
             forks = 0
-            if completes and (seq.num_computed + chunk) % self.blocks.block_size:
+            if seq.num_tokens % self.blocks.block_size:
                 forks = seq.num_samples - 1  # the forks' private copies of the partial last block
+            # Start (or go on with) a prompt only if all of it fits now, so a chunked prefill does not
+            # hold blocks it cannot complete.
+            need = self.blocks.extra_blocks(seq, seq.num_tokens)
             if not self.blocks.can_allocate(need + forks + fork_reserve):
                 break
-            fork_reserve += forks
+            if completes:
+                fork_reserve += forks
             self.blocks.grow(seq, seq.num_computed + chunk)
             work.seqs.append(seq)
             work.starts.append(seq.num_computed)
@@ -110,6 +113,11 @@ class Scheduler:
         if self._blocks_needed(steps) > self.blocks.num_free:
             steps = 1
         while self._blocks_needed(steps) > self.blocks.num_free:
+            held = [seq for seq in self.waiting if seq.block_table]
+            if held:  # a prompt part-way through a chunked prefill gives its blocks back first
+                self.blocks.release(held[-1])
+                held[-1].num_computed = 0
+                continue
             self._preempt(self.running.pop())
             if not self.running:
                 raise RuntimeError("the KV cache cannot hold a single decoding sequence: raise its size")
