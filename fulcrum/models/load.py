@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import logging as hf_logging
 
 
 def _check_model_dir(path: str, key: str) -> None:
@@ -50,13 +51,24 @@ def load_backbone(path: str, device: torch.device, key: str = "critic.model.path
     """`AutoModel` (no LM head) in float32: the critic's trunk, whose last hidden state feeds a value head."""
     _check_model_dir(path, key)
     config = AutoConfig.from_pretrained(path)
-    model = AutoModel.from_pretrained(path, config=config, dtype=torch.float32)
+    # A causal-LM folder has an lm_head the backbone does not use: expected, so silence the load report.
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModel.from_pretrained(path, config=config, dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(previous)
     return model.to(device)
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
     """Recompute activations in backward; non-reentrant so that inputs need no `requires_grad`."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers >= 5.2x renamed the switch; older versions only have gradient_checkpointing_enable.
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     # A KV cache is useless (and warned about) during a checkpointed training forward.
     if hasattr(model, "config"):
         model.config.use_cache = False

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fulcrum.models.load import enable_gradient_checkpointing
+
 
 class CriticModel(nn.Module):
     """values = score(backbone(input_ids).last_hidden_state).squeeze(-1): (B, T) from (B, T)."""
@@ -27,8 +29,7 @@ class CriticModel(nn.Module):
         self.score.to(next(backbone.parameters()).device)
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
-        self.model.config.use_cache = False
+        enable_gradient_checkpointing(self.model)
 
     def forward(
         self,

@@ -213,7 +213,6 @@ class PPOTrainer:
         arr.actor.optim.total_training_steps = self.total_training_steps
         cfg.critic.optim.total_training_steps = self.total_training_steps
 
-        logger.info(kl_startup_line(cfg))
         print(kl_startup_line(cfg), flush=True)
         if arr.model.use_remove_padding:
             print(

@@ -34,7 +34,16 @@ class LogProbSizes:
     micro_batch_size: int | None
     use_dynamic_bsz: bool
     max_token_len: int | None
-    key: str  # the configuration prefix, for error messages
+    key: str  # the configuration key, for error messages
+
+    def __post_init__(self) -> None:
+        require_size(self.micro_batch_size, self.use_dynamic_bsz, self.key)
+
+
+def require_size(size: int | None, use_dynamic_bsz: bool, key: str) -> None:
+    """Fail at start-up, naming the key, when a fixed micro-batch size is needed but unset."""
+    if not use_dynamic_bsz and (size is None or int(size) <= 0):
+        raise ValueError(f"{key} must be set to a positive integer (or use_dynamic_bsz=True), got {size}")
 
 
 def _first(*values: Any) -> Any:
@@ -125,6 +134,11 @@ class ActorWorker:
                 arr.rollout.log_prob_max_token_len_per_gpu, arr.actor.ppo_max_token_len_per_gpu
             ),
             key="actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        )
+        require_size(
+            self.micro_batch_size,
+            bool(arr.actor.use_dynamic_bsz),
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
         )
         self.shuffle_seed = int(getattr(cfg.trainer, "seed", 1))
 

@@ -15,7 +15,7 @@ from fulcrum.algo.losses import compute_value_loss
 from fulcrum.models.load import load_backbone
 from fulcrum.models.value_head import CriticModel
 from fulcrum.trainer.batch import Batch
-from fulcrum.workers.actor import _first, clip_and_step
+from fulcrum.workers.actor import _first, clip_and_step, require_size
 from fulcrum.workers.micro_batch import forward_values, make_micro_batches, restore_order
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 
@@ -44,6 +44,7 @@ class CriticWorker:
         self.use_dynamic_bsz = bool(_first(c.use_dynamic_bsz, actor.use_dynamic_bsz))
         self.ppo_epochs = int(_first(c.ppo_epochs, actor.ppo_epochs))
         self.loss_agg_mode = _first(c.loss_agg_mode, actor.loss_agg_mode)
+        require_size(self.micro_batch_size, self.use_dynamic_bsz, "critic.ppo_micro_batch_size_per_gpu")
         self.shuffle_seed = int(getattr(cfg.trainer, "seed", 1)) + 7
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
