@@ -170,3 +170,49 @@ def test_adaptive_kl_controller_matches_verl_trajectory() -> None:
         ctrl.update(kl, n_steps=a["n_steps"])
         values.append(ctrl.value)
     assert values == pytest.approx(a["values"], rel=1e-12)
+
+
+@pytest.mark.gpu
+def test_functions_run_on_cuda_and_match_verl() -> None:
+    """Same fixture on the GPU: no host-only op hides in the maths (uids stay a host list)."""
+    cuda = torch.device("cuda")
+    a = FIXTURE["advantages"]
+    for estimator, key in (
+        ("gae", "gae_dense"),
+        ("grpo", "grpo_norm1"),
+        ("reinforce_plus_plus", "reinforce_plus_plus_dense"),
+    ):
+        adv, ret = compute_advantage(
+            estimator,
+            token_level_rewards=a["dense_rewards" if estimator != "grpo" else "outcome_rewards"].to(cuda),
+            response_mask=a["mask"].to(cuda),
+            values=a["values"].to(cuda),
+            index=a["uids"].tolist(),
+            gamma=a["gamma"],
+            lam=a["lam"],
+        )
+        assert adv.device.type == "cuda"
+        close_on_mask(adv.cpu(), a[key][0], a["mask"])
+        close_on_mask(ret.cpu(), a[key][1], a["mask"])
+    p = FIXTURE["policy"]
+    log_prob = p["log_prob"].to(cuda).requires_grad_(True)
+    out = compute_policy_loss(
+        p["old_log_prob"].to(cuda),
+        log_prob,
+        p["advantages"].to(cuda),
+        p["mask"].to(cuda),
+        cliprange=0.2,
+        cliprange_low=p["clip_low"],
+        cliprange_high=p["clip_high"],
+        loss_agg_mode="token-mean",
+    )
+    out.pg_loss.backward()
+    expected = p["vanilla_token-mean"]
+    close(out.pg_loss.detach().cpu(), expected[0])
+    close(log_prob.grad.cpu(), expected[-1])
+    k = FIXTURE["kl"]
+    close(
+        kl_penalty(k["log_prob"].to(cuda), k["ref_log_prob"].to(cuda), "low_var_kl").cpu(), k["low_var_kl"][0]
+    )
+    lg = FIXTURE["logits"]
+    close(entropy_from_logits(lg["logits"].to(cuda)).cpu(), lg["entropy"])
