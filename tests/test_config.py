@@ -322,17 +322,25 @@ def test_defaults_are_not_shared_between_configs():
     assert b.trainer.logger == ["console"]
 
 
-def test_keys_named_in_the_docs_exist():
-    """docs/configuration.md's tables name real keys (the docs cannot drift from the schema silently)."""
+def test_docs_tables_match_the_schema():
+    """docs/configuration.md names real keys, and its main-keys table is what the schema says.
+
+    To refresh the table: `markdown_rows([...keys...])` from fulcrum.config.loader.
+    """
     from pathlib import Path
 
+    from fulcrum.config.loader import markdown_rows
     from fulcrum.config.tree import all_keys
 
-    doc = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    text = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     known = set(all_keys(FulcrumConfig))
-    named = re.findall(r"^\| `([a-z_.]+)`", doc.read_text(), flags=re.MULTILINE)
+    named = re.findall(r"^\| `([a-z_.]+)`", text, flags=re.MULTILINE)
     assert len(named) > 80
     assert [key for key in named if key not in known] == []
+    main = text[text.index("## Main keys") :]
+    rows = [line for line in main.splitlines() if line.startswith("| `")]
+    keys = [re.match(r"\| `([a-z_.]+)`", row).group(1) for row in rows]
+    assert "\n".join(rows) == markdown_rows(keys)
 
 
 def test_bool_spellings_verl_accepts():

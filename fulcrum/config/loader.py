@@ -294,3 +294,23 @@ def format_keys(infos: list[KeyInfo] | None = None) -> str:
         note = " (no effect)" if info.no_effect and "no effect" not in info.help else ""
         lines.append(f"{info.key} = {default}  # {info.help}{note}  [{info.type}]")
     return "\n".join(lines)
+
+
+def markdown_rows(keys: list[str]) -> str:
+    """`| key | default | meaning |` rows for docs/configuration.md, from the schema (the one place)."""
+    infos = {info.key: info for info in describe()}
+    rows = []
+    for key in keys:
+        info = infos[key]
+        default = info.default
+        if default is None:
+            shown = "null"
+        elif isinstance(default, bool):
+            shown = str(default).lower()
+        elif isinstance(default, list):
+            shown = "[" + ", ".join(map(str, default)) + "]"
+        else:
+            shown = str(default)
+        meaning = info.help + (" (no effect)" if info.no_effect and "no effect" not in info.help else "")
+        rows.append(f"| `{key}` | `{shown}` | {meaning.replace('|', '/')} |")
+    return "\n".join(rows)

@@ -353,6 +353,10 @@ def _unsupported(cfg: FulcrumConfig) -> list[Problem]:
         problems.append(
             Problem(("trainer.logger",), f"unknown logger(s) {unknown}; one of {list(SUPPORTED_LOGGERS)}")
         )
+    if (cfg.algorithm.filter_groups or {}).get("enable"):
+        problems.append(
+            Problem(("algorithm.filter_groups.enable",), "DAPO dynamic sampling is not supported")
+        )
     for key, (allowed, why) in UNSUPPORTED.items():
         value = _get(cfg, key)
         if value not in allowed:

@@ -33,7 +33,7 @@ from fulcrum.config import (
     validate,
     world_size,
 )
-from fulcrum.config.compat import ROLLOUT_NAME_ALIASES
+from fulcrum.config.compat import ROLLOUT_NAME_ALIASES, UNSUPPORTED
 from fulcrum.config.device import cuda_device_count
 
 USAGE = """usage: fulcrum doctor [--config FILE] [KEY=VALUE ...]
@@ -210,7 +210,7 @@ def keys_without_effect(cfg: FulcrumConfig) -> list[str]:
     return [
         f"{key}={value}"
         for key, value in _flatten(to_dict(cfg)).items()
-        if is_no_effect(key) and defaults.get(key, missing) != value
+        if is_no_effect(key) and key not in UNSUPPORTED and defaults.get(key, missing) != value
     ]
 
 
