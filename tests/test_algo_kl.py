@@ -109,6 +109,8 @@ def test_full_kl_from_logits() -> None:
     assert torch.isfinite(value).all() and torch.isfinite(masked.grad).all()
     # '+' leaves the exact KL alone.
     torch.testing.assert_close(kl_penalty(logits, ref_logits, "full+"), full)
+    with pytest.raises(ValueError, match=r"'full' needs the \(B, T, V\) logits"):
+        kl_penalty(torch.zeros(2, 3), torch.zeros(2, 3), "full")
     with pytest.raises(ValueError, match="equal shape"):
         full_kl_from_logits(logits, ref_logits[..., :5])
 

@@ -33,6 +33,11 @@ def full_kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch
 
     KL = sum_v p_v (log p_v - log q_v), from log-softmax (numerically stable); half precision in float32.
     """
+    if logits.dim() < 3:
+        raise ValueError(
+            "KL estimator 'full' needs the (B, T, V) logits of the policy and the reference, got a tensor of "
+            f"shape {tuple(logits.shape)} (log-probs?); use low_var_kl, kl, abs or mse with log-probs"
+        )
     if logits.shape != ref_logits.shape:
         raise ValueError(
             f"full KL needs logits of equal shape, got {tuple(logits.shape)} and {tuple(ref_logits.shape)}"
