@@ -220,6 +220,13 @@ def test_save_and_load_round_trip(tmp_path):
     assert again == cfg
     assert to_dict(again) == to_dict(cfg)
     assert load_config_file(path, ["data.train_batch_size=64"]).data.train_batch_size == 64
+    # keys that followed another follow it again when the saved config is loaded with overrides
+    again = load_config_file(
+        path, ["data.max_response_length=1024", "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine"]
+    )
+    assert again.actor_rollout_ref.rollout.response_length == 1024
+    assert again.actor_rollout_ref.actor.optim.lr_scheduler_type == "cosine"
+    assert load_config_file(path, ["trainer.experiment_name=b"]).trainer.default_local_dir.endswith("/b")
 
 
 def test_partial_verl_yaml_with_interpolations(tmp_path):

@@ -189,7 +189,7 @@ def from_dict(data: dict[str, Any], cls: type = FulcrumConfig, prefix: str = "")
 
 
 def load_yaml(path: str | Path) -> FulcrumConfig:
-    """A FulcrumConfig from a YAML file (a saved config.yaml, or a partial one): not yet resolved."""
+    """A FulcrumConfig from a YAML file (a saved config.yaml, or a partial one), unresolved (see unresolve)."""
     path = Path(path)
     try:
         data = yaml.load(path.read_text(), Loader=_YAML_LOADER)
@@ -198,7 +198,7 @@ def load_yaml(path: str | Path) -> FulcrumConfig:
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
     try:
-        return from_dict(data or {})
+        return unresolve(from_dict(data or {}))
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}", exc.key) from None
 
@@ -231,6 +231,27 @@ def resolve(cfg: FulcrumConfig) -> FulcrumConfig:
         if optim.clip_grad is not None:
             role.grad_clip = optim.clip_grad
         optim.clip_grad = role.grad_clip
+    return cfg
+
+
+def unresolve(cfg: FulcrumConfig) -> FulcrumConfig:
+    """Undo resolve() where a saved value equals what it would follow, in place.
+
+    So `load_config_file(saved, ["data.max_response_length=1024"])` moves rollout.response_length
+    too, as it would have moved on the original command line. (A key set by hand to exactly the
+    value it follows is indistinguishable and follows again.)
+    """
+    for key, source in reversed(DERIVED.items()):  # dependents before their sources are cleared
+        if _get(cfg, key) is not None and _get(cfg, key) == _get(cfg, source):
+            _set(cfg, key, None)
+    trainer = cfg.trainer
+    if trainer.default_local_dir == f"checkpoints/{trainer.project_name}/{trainer.experiment_name}":
+        trainer.default_local_dir = None
+    for role in (cfg.actor_rollout_ref.actor, cfg.critic):
+        if role.optim.warmup_style == role.optim.lr_scheduler_type:
+            role.optim.warmup_style = None
+        if role.optim.clip_grad == role.grad_clip:
+            role.optim.clip_grad = None
     return cfg
 
 
