@@ -52,8 +52,8 @@ def test_greedy_matches_hf_under_preemption_chunked_prefill_and_stop_ids(model):
     params = SamplingParams(n=2, temperature=0, max_tokens=24, stop_token_ids=[stop])
     expected = hf.generate(prompts, params)
     assert "stop" in expected.finish_reasons and "length" in expected.finish_reasons
-    # 40 blocks of 16 tokens cannot hold 20 sequences of up to 324 tokens: preemption is forced.
-    engine = engine_for(model, num_kv_blocks=40, max_num_batched_tokens=64)
+    # 24 blocks of 16 tokens cannot hold 20 sequences of up to 324 tokens: preemption is forced.
+    engine = engine_for(model, num_kv_blocks=24, max_num_batched_tokens=64)
     out = engine.generate(prompts, params)
     assert engine.stats["preemptions"] > 0
     assert engine.stats["prefill_steps"] >= sum(LENGTHS) // 64  # the 300-token prompt came in chunks
