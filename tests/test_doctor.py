@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from fulcrum.tools import doctor
@@ -18,11 +21,18 @@ seed_command = _test_config.seed_command
 
 @pytest.fixture
 def files(tmp_path: Path) -> Path:
-    """The files the seed command points at: two parquet names and a model folder with config.json."""
-    (tmp_path / "train.parquet").write_bytes(b"PAR1")
-    (tmp_path / "test.parquet").write_bytes(b"PAR1")
+    """The files the seed command points at: two verl-schema parquet files and a model folder."""
+    row = {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "1 + 1?"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "2"},
+        "extra_info": {"split": "train", "index": 0},
+    }
+    for name in ("train.parquet", "test.parquet"):
+        pq.write_table(pa.Table.from_pylist([row]), tmp_path / name)
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
     return tmp_path
 
 
@@ -46,6 +56,7 @@ def test_keys_without_effect_are_listed(files, capsys):
     out = capsys.readouterr().out
     assert "accepted for compatibility, no effect" in out
     assert "actor_rollout_ref.actor.fsdp_config.param_offload=True" in out
+    assert "critic.model.tokenizer_path" not in out  # follows the model path: not set by the user
     assert "fulcrum has no vllm backend" in out
 
 
@@ -88,3 +99,17 @@ def test_config_file_and_keys_listing(files, capsys, tmp_path):
     assert doctor.main(["--keys"]) == 0
     out = capsys.readouterr().out
     assert "actor_rollout_ref.rollout.response_length = null" in out
+
+
+def test_parquet_columns_and_context_length(files, capsys):
+    pq.write_table(pa.table({"question": ["1 + 1?"], "data_source": ["x"]}), files / "test.parquet")
+    (files / "train.parquet").write_bytes(b"not parquet")
+    argv = [*seed_command(files), "data.max_prompt_length=2000"]
+    assert doctor.main(argv) == 1
+    out = capsys.readouterr().out
+    assert f"data.train_files: {files}/train.parquet is not a readable parquet file" in out
+    assert (
+        f"data.val_files: {files}/test.parquet has no column(s) ['prompt', 'reward_model'] (set data.prompt_key)"
+        in out
+    )
+    assert "2256 tokens exceeds actor_rollout_ref.model.path's max_position_embeddings = 2048" in out

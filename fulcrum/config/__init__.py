@@ -21,6 +21,7 @@ from fulcrum.config.loader import (
     resolve,
     save_config,
     to_dict,
+    unresolve,
 )
 from fulcrum.config.schema import FulcrumConfig
 from fulcrum.config.validate import Problem, advise, check, uses_critic, uses_reference, validate, world_size
@@ -46,6 +47,7 @@ __all__ = [
     "resolve",
     "save_config",
     "to_dict",
+    "unresolve",
     "uses_critic",
     "uses_reference",
     "validate",

@@ -8,7 +8,9 @@ in CHECKS, each returning findings; add a function to add a rule.
 from __future__ import annotations
 
 import ast
+import copy
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -26,8 +28,8 @@ from fulcrum.config import (
     is_no_effect,
     load_config,
     load_yaml,
-    resolve,
     to_dict,
+    unresolve,
     uses_critic,
     uses_reference,
     validate,
@@ -80,6 +82,23 @@ def _as_list(files: str | list[str]) -> list[str]:
     return [files] if isinstance(files, str) else list(files)
 
 
+def _parquet_columns(key: str, name: str, prompt_key: str) -> list[Finding]:
+    """The file is a parquet file with the columns the prompt data set reads (schema only, no rows)."""
+    import pyarrow.parquet as pq
+
+    from fulcrum.data.dataset import REQUIRED_COLUMNS
+
+    try:
+        schema = pq.read_schema(os.path.expanduser(name))
+    except Exception as exc:  # pyarrow raises several types for a file that is not parquet
+        return [_error(f"{key}: {name} is not a readable parquet file ({str(exc).splitlines()[0]})")]
+    missing = [c for c in (prompt_key, *REQUIRED_COLUMNS) if c not in schema.names]
+    if missing:
+        hint = " (set data.prompt_key)" if prompt_key in missing else ""
+        return [_error(f"{key}: {name} has no column(s) {missing}{hint}; columns: {schema.names}")]
+    return []
+
+
 def check_data_files(ctx: Context) -> list[Finding]:
     findings = []
     for key in ("data.train_files", "data.val_files"):
@@ -92,8 +111,8 @@ def check_data_files(ctx: Context) -> list[Finding]:
                 findings.append(
                     _error(f"{key}: {name} does not exist" + (" (it is a folder)" if path.is_dir() else ""))
                 )
-            elif path.suffix != ".parquet":
-                findings.append(_warning(f"{key}: {name} does not end in .parquet"))
+            else:
+                findings += _parquet_columns(key, name, ctx.cfg.data.prompt_key)
     return findings
 
 
@@ -112,9 +131,32 @@ def _model_folder(key: str, name: str | None) -> list[Finding]:
     return [_error(f"{key}: {name} does not exist")]
 
 
+def _context_length(key: str, name: str, needed: int) -> list[Finding]:
+    """prompt + response must fit the model's position embeddings (else it fails or extrapolates badly)."""
+    config_file = Path(os.path.expanduser(name)) / "config.json"
+    if not config_file.is_file():
+        return []
+    try:
+        model_config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        return [_error(f"{key}: {config_file} is not valid JSON ({exc})")]
+    limit = model_config.get("max_position_embeddings") if isinstance(model_config, dict) else None
+    if isinstance(limit, int) and needed > limit:
+        return [
+            _error(
+                f"data.max_prompt_length + data.max_response_length = {needed} tokens exceeds "
+                f"{key}'s max_position_embeddings = {limit}"
+            )
+        ]
+    return []
+
+
 def check_model_paths(ctx: Context) -> list[Finding]:
     cfg = ctx.cfg
     findings = _model_folder("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)
+    rollout = cfg.actor_rollout_ref.rollout
+    needed = rollout.prompt_length + rollout.response_length
+    findings += _context_length("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path, needed)
     if uses_critic(cfg):
         findings += _model_folder("critic.model.path", cfg.critic.model.path)
     if cfg.data.tokenizer:
@@ -204,12 +246,15 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def keys_without_effect(cfg: FulcrumConfig) -> list[str]:
-    """'key=value' for every key accepted for compatibility that this configuration changes."""
-    defaults = _flatten(to_dict(resolve(FulcrumConfig())))
+    """'key=value' for every key accepted for compatibility that this configuration sets.
+
+    Compared unresolved, so a key that merely follows another (critic.model.tokenizer_path) is not listed.
+    """
+    defaults = _flatten(to_dict(FulcrumConfig()))
     missing = object()
     return [
         f"{key}={value}"
-        for key, value in _flatten(to_dict(cfg)).items()
+        for key, value in _flatten(to_dict(unresolve(copy.deepcopy(cfg)))).items()
         if is_no_effect(key) and key not in UNSUPPORTED and defaults.get(key, missing) != value
     ]
 
