@@ -271,3 +271,15 @@ def test_bad_names_and_shapes_are_reported() -> None:
         compute_advantage("grpo", token_level_rewards=rewards, response_mask=mask[:, :3], index=[0] * 4)
     with pytest.raises(ValueError, match="index has 3 uids but the batch has 4 rows"):
         compute_advantage("grpo", token_level_rewards=rewards, response_mask=mask, index=[0, 0, 1])
+
+
+def test_integer_and_bool_masks_give_the_same_results_as_float_masks() -> None:
+    rewards, values, mask = random_batch(5, batch=4)
+    kwargs = dict(values=values, index=[0, 0, 1, 1], reward_baselines=torch.zeros(4), gamma=0.9, lam=0.9)
+    for name in ADVANTAGE_ESTIMATORS:
+        expected = compute_advantage(name, token_level_rewards=rewards, response_mask=mask, **kwargs)
+        for other in (mask.long(), mask.bool()):
+            got = compute_advantage(name, token_level_rewards=rewards, response_mask=other, **kwargs)
+            for x, y in zip(got, expected, strict=True):
+                assert x.dtype == torch.float32, name
+                torch.testing.assert_close(x, y, msg=name)
