@@ -137,6 +137,7 @@ UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
         "model-based rewards are not supported yet; use a rule-based or custom reward",
     ),
     "reward_model.reward_manager": (("naive",), "only the naive reward manager exists"),
+    "actor_rollout_ref.rollout.use_fire_sampling": ((False,), "FIRE sampling is not supported"),
     "algorithm.use_pf_ppo": ((False,), "PF-PPO reweighting is not supported"),
     "actor_rollout_ref.actor.optim.optimizer": (("AdamW",), "only AdamW is supported"),
     "critic.optim.optimizer": (("AdamW",), "only AdamW is supported"),

@@ -276,6 +276,9 @@ class RolloutConfig:
     disable_log_stats: bool = opt(True, "silence engine statistics")
     enable_chunked_prefill: bool = opt(True, "split long prefills across engine steps")
     do_sample: bool = opt(True, "sample (true) or greedy (false) in training rollouts")
+    use_fire_sampling: bool = opt(
+        False, "older verl: FIRE sampling (temperature-scheduled first token); not supported"
+    )
     n: int = opt(1, "responses per prompt (GRPO/RLOO need > 1)")
     over_sample_rate: float = opt(0.0, "over-sampling for partial rollouts (no effect)")
     multi_stage_wake_up: bool = opt(False, "wake weights and KV cache in stages (no effect)")
