@@ -286,7 +286,10 @@ class RolloutConfig:
     update_weights_bucket_megabytes: int = opt(512, "weight-sync bucket size (no effect)")
     skip_rollout: bool = opt(False, "reuse dumped rollouts (no effect)")
     skip_dump_dir: str = opt("/tmp/rollout_dump", "where skipped rollouts live (no effect)")
-    engine_kwargs: dict[str, Any] = opt({"vllm": {}, "sglang": {}}, "backend-specific kwargs (no effect)")
+    engine_kwargs: dict[str, Any] = opt(
+        {"vllm": {}, "sglang": {}, "native": {}},
+        "backend kwargs; native: block_size, num_kv_blocks, decode_steps (vllm/sglang: no effect)",
+    )
     val_kwargs: SamplingConfig = sub(SamplingConfig, "sampling at validation")
     multi_turn: MultiTurnConfig = sub(MultiTurnConfig, "multi-turn rollouts (not supported)")
     agent: dict[str, Any] = opt({}, "agent loop settings (no effect)")
