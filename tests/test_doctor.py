@@ -113,3 +113,14 @@ def test_parquet_columns_and_context_length(files, capsys):
         in out
     )
     assert "2256 tokens exceeds actor_rollout_ref.model.path's max_position_embeddings = 2048" in out
+
+
+def test_native_engine_settings_are_read_as_the_run_reads_them(files, capsys):
+    argv = [
+        *seed_command(files),
+        "actor_rollout_ref.rollout.dtype=bf8",
+        "+actor_rollout_ref.rollout.engine_kwargs.native.blok_size=32",
+    ]
+    assert doctor.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "actor_rollout_ref.rollout.dtype='bf8'" in out

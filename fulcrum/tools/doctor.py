@@ -202,6 +202,20 @@ def check_resume(ctx: Context) -> list[Finding]:
     return []
 
 
+def check_rollout_engine(ctx: Context) -> list[Finding]:
+    """The native engine's own reading of the rollout keys (dtype, engine_kwargs.native), as the run does it."""
+    rollout = ctx.cfg.actor_rollout_ref.rollout
+    if rollout.name != "native":
+        return []
+    from fulcrum.rollout.native.config import engine_config_from
+
+    try:
+        engine_config_from(rollout, model_max_len=rollout.prompt_length + rollout.response_length)
+    except (ValueError, TypeError) as exc:
+        return [_error(str(exc))]
+    return []
+
+
 def check_logger_packages(ctx: Context) -> list[Finding]:
     findings = []
     for name in ("wandb", "mlflow"):
@@ -229,6 +243,7 @@ CHECKS: list[Callable[[Context], list[Finding]]] = [
     check_model_paths,
     check_custom_reward,
     check_resume,
+    check_rollout_engine,
     check_logger_packages,
     check_rollout_alias,
 ]
