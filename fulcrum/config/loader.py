@@ -307,13 +307,23 @@ def describe(root: Any = None, prefix: str = "") -> list[KeyInfo]:
     return infos
 
 
+def _show(value: Any) -> str:
+    """A default as it is written in an override: null, true, [a, b]."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return str(value)
+
+
 def format_keys(infos: list[KeyInfo] | None = None) -> str:
     """describe() as text, one key a line: `key = default  # help  [type]`."""
     lines = []
     for info in infos if infos is not None else describe():
-        default = "null" if info.default is None else info.default
         note = " (no effect)" if info.no_effect and "no effect" not in info.help else ""
-        lines.append(f"{info.key} = {default}  # {info.help}{note}  [{info.type}]")
+        lines.append(f"{info.key} = {_show(info.default)}  # {info.help}{note}  [{info.type}]")
     return "\n".join(lines)
 
 
@@ -323,15 +333,7 @@ def markdown_rows(keys: list[str]) -> str:
     rows = []
     for key in keys:
         info = infos[key]
-        default = info.default
-        if default is None:
-            shown = "null"
-        elif isinstance(default, bool):
-            shown = str(default).lower()
-        elif isinstance(default, list):
-            shown = "[" + ", ".join(map(str, default)) + "]"
-        else:
-            shown = str(default)
+        shown = _show(info.default)
         meaning = info.help + (" (no effect)" if info.no_effect and "no effect" not in info.help else "")
         rows.append(f"| `{key}` | `{shown}` | {meaning.replace('|', '/')} |")
     return "\n".join(rows)
