@@ -65,8 +65,9 @@ def nonfinite_metrics(
 class NonFiniteGuard:
     """Counts steps whose update was skipped for a NaN/Inf loss or grad norm; stops after `max_nan_steps` in a row.
 
-    Call `observe(step, metrics)` once per step after the updates; merge the returned metrics into the
-    step's. `state_dict()` goes into the checkpoint's trainer state so the counts survive a resume.
+    Call `observe(step, metrics)` once per step after the updates and merge the returned metrics into
+    the step's; log them; then, if `exceeded`, raise `error()` (and save no checkpoint for that step).
+    `state_dict()` goes into the checkpoint's trainer state so the counts survive a resume.
     """
 
     max_nan_steps: int = 3
@@ -75,8 +76,11 @@ class NonFiniteGuard:
     consecutive: int = 0
     last_finite_step: int | None = None
     last_finite: dict[str, float] = field(default_factory=dict)
+    last_bad: dict[str, float] = field(default_factory=dict)
+    last_step: int = 0
 
     def observe(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        self.last_step = step
         bad = nonfinite_metrics(metrics, self.watched)
         if not bad:
             self.consecutive = 0
@@ -85,14 +89,22 @@ class NonFiniteGuard:
             return {NAN_SKIPPED_METRIC: float(self.skipped_steps)}
         self.skipped_steps += 1
         self.consecutive += 1
-        if self.max_nan_steps > 0 and self.consecutive >= self.max_nan_steps:
-            raise NonFiniteTrainingError(self._stop_message(step, bad))
-        print(
-            f"step {step}: non-finite {_fmt(bad)}; the update was skipped "
-            f"({self.consecutive}/{self.max_nan_steps} in a row before the run stops)",
-            file=sys.stderr,
-        )
+        self.last_bad = bad
+        if not self.exceeded:
+            print(
+                f"step {step}: non-finite {_fmt(bad)}; the update was skipped "
+                f"({self.consecutive}/{self.max_nan_steps} in a row before the run stops)",
+                file=sys.stderr,
+            )
         return {NAN_SKIPPED_METRIC: float(self.skipped_steps)}
+
+    @property
+    def exceeded(self) -> bool:
+        """True once `max_nan_steps` consecutive steps were non-finite (max_nan_steps <= 0: never)."""
+        return 0 < self.max_nan_steps <= self.consecutive
+
+    def error(self) -> NonFiniteTrainingError:
+        return NonFiniteTrainingError(self._stop_message(self.last_step, self.last_bad))
 
     def _stop_message(self, step: int, bad: dict[str, float]) -> str:
         if self.last_finite_step is None:
@@ -294,13 +306,19 @@ class GracefulInterrupt:
             file=sys.stderr,
         )
 
-    def __enter__(self) -> GracefulInterrupt:
+    def install(self) -> GracefulInterrupt:
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    def __enter__(self) -> GracefulInterrupt:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
