@@ -164,6 +164,13 @@ def test_unknown_key_suggests_closest_full_path():
     assert err.value.key == "actor_rollout_ref.actor.ppo_mini_batchsize"
     with pytest.raises(ConfigError, match=r"did you mean actor_rollout_ref\.rollout\.n\?"):
         load_config(["rollout.n=4"])  # group prefix left out
+    for typo, meant in [
+        ("critic.optim.learning_rate", "critic.optim.lr"),  # other frameworks' name
+        ("ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"),  # actor before critic
+        ("trainer.n_gpu_per_node", "trainer.n_gpus_per_node"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(f"did you mean {meant}?")):
+            load_config([f"{typo}=1"])
 
 
 @pytest.mark.parametrize(

@@ -43,17 +43,36 @@ def all_keys(cls: type, prefix: str = "") -> tuple[str, ...]:
     return tuple(keys)
 
 
+# Names users reach for from other frameworks -> fulcrum's (verl's) leaf name; used only for suggestions.
+SYNONYMS = {
+    "learning_rate": "lr",
+    "tp_size": "tensor_model_parallel_size",
+    "tp": "tensor_model_parallel_size",
+    "batch_size": "train_batch_size",
+    "epochs": "total_epochs",
+    "num_epochs": "total_epochs",
+    "max_steps": "total_training_steps",
+    "num_samples": "n",
+    "num_generations": "n",
+}
+
+
 def suggest(key: str, root_cls: type) -> str | None:
-    """The known key closest to an unknown `key`, by full path, else by its last segment."""
+    """The known key closest to an unknown `key`: its synonym, a path missing its leading groups,
+    the closest full path, else the closest last segment."""
     known = all_keys(root_cls)
-    # A path missing its leading groups (`actor.ppo_epochs`) matches a known path's tail exactly.
+    parent, _, leaf = key.rpartition(".")
+    if leaf in SYNONYMS:
+        candidates = [k for k in known if k.endswith("." + SYNONYMS[leaf]) and k.startswith(parent)]
+        if candidates:
+            return candidates[0]
+    # `actor.ppo_epochs` or a bare `ppo_mini_batch_size`: the first (actor before critic) known tail.
     tails = [k for k in known if k.endswith("." + key)]
-    if len(tails) == 1:
+    if tails:
         return tails[0]
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     if close:
         return close[0]
-    leaf = key.rpartition(".")[2]
     leaves = {k.rpartition(".")[2] for k in known}
     near = difflib.get_close_matches(leaf, sorted(leaves), n=1, cutoff=0.75)
     if near:
