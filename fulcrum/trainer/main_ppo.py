@@ -73,9 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     from fulcrum.trainer.ppo_trainer import PPOTrainer
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    from fulcrum.trainer.checkpoint import CheckpointError
+    from fulcrum.trainer.faults import NonFiniteTrainingError, OutOfMemoryHelp
+
     trainer = PPOTrainer(cfg, device, n_devices)
-    trainer.fit()
-    return 0
+    try:
+        trainer.fit()
+    except (CheckpointError, NonFiniteTrainingError, OutOfMemoryHelp) as err:
+        print(f"fulcrum train: {err}", file=sys.stderr)
+        return 1
+    return trainer.exit_code
 
 
 if __name__ == "__main__":

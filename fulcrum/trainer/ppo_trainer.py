@@ -33,6 +33,8 @@ from fulcrum.reward.manager import NaiveRewardManager
 from fulcrum.rollout import SamplingParams, build_rollout, logprob_diff
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer.batch import Batch
+from fulcrum.trainer.checkpoint import trim_metrics_log
+from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, explain_oom
 from fulcrum.trainer.loggers import Tracking
 from fulcrum.workers.actor import ActorWorker, ReferenceWorker
 from fulcrum.workers.critic import CriticWorker
@@ -244,6 +246,8 @@ class PPOTrainer:
             to_dict(cfg),
         )
         self.checkpoints = _checkpoint_manager(self.run_dir, cfg.trainer)
+        self.nan_guard = NonFiniteGuard(int(cfg.trainer.max_nan_steps))
+        self.exit_code = 0  # 128 + signal number when Ctrl-C / SIGTERM stopped the run (helper G)
         self.global_step = 0
         self.epoch = 0
 
@@ -260,6 +264,7 @@ class PPOTrainer:
             "epoch": self.epoch,
             "data_loader": self.train_loader.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
+            "nan_guard": self.nan_guard.state_dict(),
         }
 
     def _resume(self) -> None:
@@ -274,6 +279,12 @@ class PPOTrainer:
             self.train_loader.load_state_dict(state["data_loader"])
         if self.kl_ctrl is not None and state.get("kl_ctrl"):
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if state.get("nan_guard"):
+            self.nan_guard.load_state_dict(state["nan_guard"])
+        # The native engine keeps its own copy of the weights: hand it the restored ones.
+        self.rollout.update_weights(self.actor.model.named_parameters())
+        # Steps a killed run logged after its last checkpoint are trained (and logged) again.
+        trim_metrics_log(self.run_dir / "metrics.jsonl", self.global_step)
         print(f"resumed from global_step {self.global_step}", flush=True)
 
     def fit(self) -> dict[str, float]:
@@ -290,11 +301,18 @@ class PPOTrainer:
         bar = tqdm(
             total=self.total_training_steps, initial=self.global_step, desc="training steps", unit="step"
         )
+        # Ctrl-C / SIGTERM: finish the step, save, exit (trainer.save_on_interrupt); else they stop at once.
+        interrupt = GracefulInterrupt()
+        if cfg.save_on_interrupt and self.checkpoints is not None:
+            interrupt.install()
         try:
             for items in self._batches():
                 self.global_step += 1
                 is_last = self.global_step >= self.total_training_steps
-                metrics = self.train_step(items)
+                with explain_oom(self.cfg, device=self.device):
+                    metrics = self.train_step(items)
+                # NaN/Inf loss or grad norm: the workers skipped the update; count it, stop after max_nan_steps.
+                metrics.update(self.nan_guard.observe(self.global_step, metrics))
                 timing: dict[str, float] = {}
                 if (
                     self.val_dataset is not None
@@ -305,8 +323,11 @@ class PPOTrainer:
                         metrics.update(self.validate())
                 if (
                     self.checkpoints is not None
-                    and cfg.save_freq > 0
-                    and (is_last or self.global_step % cfg.save_freq == 0)
+                    and not self.nan_guard.exceeded
+                    and (
+                        (cfg.save_freq > 0 and (is_last or self.global_step % cfg.save_freq == 0))
+                        or interrupt.requested
+                    )
                 ):
                     with M.timer("save_checkpoint", timing):
                         self.checkpoints.save(self.global_step, self.roles(), self.trainer_state())
@@ -314,9 +335,16 @@ class PPOTrainer:
                 self.tracking.log(metrics, step=self.global_step)
                 last = metrics
                 bar.update(1)
+                if self.nan_guard.exceeded:
+                    raise self.nan_guard.error()
+                if interrupt.requested:
+                    print(f"stopped after step {self.global_step} (checkpoint saved)", flush=True)
+                    self.exit_code = interrupt.exit_code
+                    break
                 if is_last:
                     break
         finally:
+            interrupt.uninstall()
             bar.close()
             self.tracking.close()
         return last
