@@ -1,0 +1,126 @@
+"""Faults in a real training run: a reward function that returns NaN, and Ctrl-C with save_on_interrupt."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fulcrum.data.synthetic import write_splits
+from fulcrum.models.tiny import build_tiny_model
+from fulcrum.trainer.checkpoint import is_complete, read_latest_step
+from fulcrum.trainer.main_ppo import main as train_main
+
+TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("assets")
+    build_tiny_model(root / "model", intermediate_size=64, **TINY)
+    write_splits(root / "data", num_train=8, num_test=2)
+    (root / "nan_reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n"
+    )
+    return root
+
+
+def overrides(assets: Path, run_dir: Path, **extra: object) -> list[str]:
+    keys = {
+        "data.train_files": assets / "data/train.parquet",
+        "data.val_files": assets / "data/test.parquet",
+        "data.train_batch_size": 2,
+        "data.max_prompt_length": 128,
+        "data.max_response_length": 8,
+        "actor_rollout_ref.model.path": assets / "model",
+        "critic.model.path": assets / "model",
+        "actor_rollout_ref.rollout.name": "hf",
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 2,
+        "critic.ppo_micro_batch_size_per_gpu": 2,
+        "trainer.device": "cpu",
+        "trainer.n_gpus_per_node": 1,
+        "trainer.val_before_train": False,
+        "trainer.test_freq": -1,
+        "trainer.logger": "[console]",
+        "trainer.default_local_dir": run_dir,
+        **extra,
+    }
+    return [f"{k}={v}" for k, v in keys.items()]
+
+
+def logged_steps(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [row for row in map(json.loads, lines) if "training/global_step" in row]
+
+
+def test_nan_reward_skips_updates_counts_them_and_stops_after_max_nan_steps(
+    assets: Path, tmp_path, capsys
+) -> None:
+    torch.set_num_threads(1)
+    run_dir = tmp_path / "run"
+    args = overrides(
+        assets,
+        run_dir,
+        **{
+            "custom_reward_function.path": assets / "nan_reward.py",
+            "trainer.max_nan_steps": 2,
+            "trainer.save_freq": 1,
+            "trainer.total_training_steps": 4,
+        },
+    )
+    assert train_main(args) == 1
+    err = capsys.readouterr().err
+    assert "stopping at step 2: 2 consecutive steps with a NaN/Inf loss or gradient norm" in err
+    assert "trainer.max_nan_steps=2" in err and "no step had finite losses" in err
+
+    rows = logged_steps(run_dir)
+    assert [r["training/global_step"] for r in rows] == [
+        1,
+        2,
+    ]  # the failing step is logged, then the run stops
+    assert [r["training/nan_skipped_steps"] for r in rows] == [1, 2]
+    # Step 1's update was skipped, so its checkpoint holds the initial, finite weights; step 2 is not saved.
+    assert read_latest_step(run_dir) == 1 and not (run_dir / "global_step_2").exists()
+    saved = load_file(str(run_dir / "global_step_1" / "actor" / "model.safetensors"))
+    initial = load_file(str(assets / "model" / "model.safetensors"))
+    assert all(torch.equal(saved[k], initial[k]) for k in initial)
+
+
+@pytest.mark.slow
+def test_ctrl_c_finishes_the_step_saves_and_exits_130(assets: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = overrides(assets, run_dir, **{"trainer.save_freq": -1, "trainer.total_training_steps": 1000})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fulcrum.trainer.main_ppo", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").is_file() or not logged_steps(run_dir):
+            assert proc.poll() is None, f"trainer ended early:\n{proc.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, "the trainer never finished a step"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output[-3000:]
+    last = int(logged_steps(run_dir)[-1]["training/global_step"])
+    assert last < 1000 and read_latest_step(run_dir) == last
+    assert is_complete(run_dir / f"global_step_{last}", ["actor", "critic"])
+    assert f"stopped after step {last} (checkpoint saved)" in output
