@@ -47,6 +47,8 @@ def _flash_prefill(q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tens
     extra = {"scale": scale} if "scale" in _VARLEN_PARAMS else {}
     if "enable_gqa" in _VARLEN_PARAMS:
         extra["enable_gqa"] = True
+    # FlashAttention wants the head dim contiguous; q/k/v may be strided views of the fused qkv.
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return varlen_attn(
         q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, max(meta.q_lens), max(meta.k_lens), **causal, **extra
     )

@@ -173,6 +173,7 @@ class NativeEngine:
             prefill_tokens=prefill_tokens,
             decode_steps=decode_steps,
             preemptions=scheduler.num_preemptions,
+            peak_kv_gib=scheduler.peak_blocks * self.runner.bytes_per_block() / 2**30,
             graph_capture_s=self.runner.graph_capture_s,
         )
         return RolloutOutput(

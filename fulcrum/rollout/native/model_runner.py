@@ -178,9 +178,9 @@ class ModelRunner:
         """`steps` decode steps over `seqs`; (tokens[k][b], logprobs[k][b]) read back once at the end."""
         batch = len(seqs)
         padded = self._bucket(batch) if self.use_graphs else batch
-        host_tables = torch.zeros(padded, self.max_blocks_per_seq, dtype=torch.int32)
-        for row, seq in enumerate(seqs):
-            host_tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        width = self.max_blocks_per_seq
+        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        host_tables = torch.tensor(rows + [[0] * width] * (padded - batch), dtype=torch.int32)
         last = torch.tensor([s.token_ids[-1] for s in seqs] + [0] * (padded - batch), dtype=torch.long)
         pos = torch.tensor([s.num_tokens - 1 for s in seqs] + [0] * (padded - batch), dtype=torch.long)
         self.input_ids[:padded].copy_(last, non_blocking=True)

@@ -48,6 +48,7 @@ class Scheduler:
         # (source block, destination block) KV copies owed to forks; the runner does them first.
         self.pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
+        self.peak_blocks = 0  # most blocks in use at once (the KV memory a generate really needed)
 
     def add(self, seq: Sequence) -> None:
         need = blocks_for(seq.num_tokens, self.blocks.block_size) + seq.num_samples - 1
@@ -64,6 +65,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------ scheduling
     def schedule(self) -> PrefillWork | DecodeWork:
+        work = self._schedule()
+        self.peak_blocks = max(self.peak_blocks, self.blocks.num_usable - self.blocks.num_free)
+        return work
+
+    def _schedule(self) -> PrefillWork | DecodeWork:
         prefill = self._schedule_prefill()
         if prefill is not None:
             return prefill
