@@ -30,6 +30,10 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "nan_reward.py").write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n"
     )
+    (root / "raising_reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    raise ValueError('cannot parse the answer')\n"
+    )
     return root
 
 
@@ -94,6 +98,21 @@ def test_nan_reward_skips_updates_counts_them_and_stops_after_max_nan_steps(
     saved = load_file(str(run_dir / "global_step_1" / "actor" / "model.safetensors"))
     initial = load_file(str(assets / "model" / "model.safetensors"))
     assert all(torch.equal(saved[k], initial[k]) for k in initial)
+
+
+def test_reward_function_that_raises_stops_with_sample_data_source_and_exception(
+    assets: Path, tmp_path: Path, capsys
+) -> None:
+    torch.set_num_threads(1)
+    args = overrides(
+        assets,
+        tmp_path / "run",
+        **{"custom_reward_function.path": assets / "raising_reward.py", "trainer.total_training_steps": 1},
+    )
+    assert train_main(args) == 1
+    err = capsys.readouterr().err
+    assert "reward function failed on sample 0" in err
+    assert "synthetic/arithmetic" in err and "ValueError: cannot parse the answer" in err
 
 
 @pytest.mark.slow

@@ -73,13 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     from fulcrum.trainer.ppo_trainer import PPOTrainer
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    from fulcrum.reward.manager import RewardError
     from fulcrum.trainer.checkpoint import CheckpointError
     from fulcrum.trainer.faults import NonFiniteTrainingError, OutOfMemoryHelp
 
     trainer = PPOTrainer(cfg, device, n_devices)
     try:
         trainer.fit()
-    except (CheckpointError, NonFiniteTrainingError, OutOfMemoryHelp) as err:
+    except (CheckpointError, NonFiniteTrainingError, OutOfMemoryHelp, RewardError) as err:
         print(f"fulcrum train: {err}", file=sys.stderr)
         return 1
     return trainer.exit_code
