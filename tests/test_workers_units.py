@@ -113,6 +113,12 @@ def test_dynamic_micro_batches_fit_budget_and_restore_order(tiny_dir: str) -> No
         parts = [forward_log_prob(model, mb, 1.0, False, CPU)[0] for mb in micro]
         fixed = torch.cat([forward_log_prob(model, mb, 1.0, False, CPU)[0] for mb in batch.split(3)])
     assert torch.allclose(restore_order(parts, order), fixed, atol=1e-5)
+    # Fixed size, sorted by length (the no-grad passes): same numbers back in the original order.
+    micro, order = make_micro_batches(batch, 3, False, None, "k", sort_by_length=True)
+    assert order is not None and order != list(range(8))
+    with torch.no_grad():
+        parts = [forward_log_prob(model, mb, 1.0, False, CPU)[0] for mb in micro]
+    assert torch.allclose(restore_order(parts, order), fixed, atol=1e-5)
 
 
 def test_token_budget_rejects_a_sequence_longer_than_the_budget() -> None:

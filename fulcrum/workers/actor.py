@@ -64,7 +64,12 @@ def compute_log_prob(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(response) (B, R) and entropy (B, R) on the CPU, float32, no gradient, micro-batched."""
     micro, order = make_micro_batches(
-        batch, sizes.micro_batch_size, sizes.use_dynamic_bsz, sizes.max_token_len, sizes.key
+        batch,
+        sizes.micro_batch_size,
+        sizes.use_dynamic_bsz,
+        sizes.max_token_len,
+        sizes.key,
+        sort_by_length=True,
     )
     was_training = model.training
     model.eval()  # no dropout: log-probs must match what the update's ratio starts from

@@ -56,6 +56,7 @@ class CriticWorker:
             self.use_dynamic_bsz,
             _first(c.forward_max_token_len_per_gpu, c.ppo_max_token_len_per_gpu),
             "critic.forward_micro_batch_size_per_gpu",
+            sort_by_length=True,
         )
         was_training = self.model.training
         self.model.eval()

@@ -50,9 +50,18 @@ def token_budget_groups(
 
 
 def make_micro_batches(
-    batch: Batch, size: int | None, use_dynamic_bsz: bool, max_token_len: int | None, key: str
+    batch: Batch,
+    size: int | None,
+    use_dynamic_bsz: bool,
+    max_token_len: int | None,
+    key: str,
+    sort_by_length: bool = False,
 ) -> tuple[list[Batch], list[int] | None]:
-    """Micro-batches and, for the token-budget packing, the sample order they hold (to undo it)."""
+    """Micro-batches and, when samples were reordered, the order they hold (to undo it).
+
+    `sort_by_length` (for no-grad passes, where grouping cannot change the result) puts samples of
+    similar length together so each trimmed micro-batch carries little padding.
+    """
     if use_dynamic_bsz:
         if not max_token_len or max_token_len <= 0:
             raise ValueError(f"{key}: use_dynamic_bsz=True needs a positive max token length")
@@ -62,6 +71,10 @@ def make_micro_batches(
         return [batch.select(g) for g in groups], order
     if not size or size <= 0:
         raise ValueError(f"{key}: micro-batch size must be a positive integer, got {size}")
+    if sort_by_length and len(batch) > size:
+        p, r = sequence_lengths(batch)
+        order = sorted(range(len(batch)), key=lambda i: (int(p[i]) + int(r[i]), i), reverse=True)
+        return batch.select(order).split(int(size)), order
     return batch.split(int(size)), None
 
 
