@@ -200,6 +200,10 @@ def test_resume_modes_and_their_errors(tmp_path: Path, model_dir: Path) -> None:
     CheckpointManager(tmp_path, None).save(3, roles, {"epoch": 1})
     assert CheckpointManager(tmp_path, {"resume_mode": "disable"}).resume(roles) is None
     by_path = {"resume_mode": "resume_path", "resume_from_path": str(tmp_path / "global_step_3")}
+    actor_only = tmp_path / "grpo"
+    CheckpointManager(actor_only, None).save(1, {"actor": roles["actor"]}, {})
+    with pytest.raises(CheckpointError, match="none with critic"):  # not a silent fresh start over them
+        CheckpointManager(actor_only, {"resume_mode": "auto"}).resume(roles)
     assert CheckpointManager(tmp_path / "other", by_path).resume(roles)["global_step"] == 3
 
     missing = tmp_path / "global_step_7"

@@ -499,7 +499,18 @@ class CheckpointManager:
         remove_stale_temp_dirs(self.run_dir)
         if mode == "auto":
             found = complete_checkpoints(self.run_dir, role_names)
-            return found[-1][1] if found else None
+            if found:
+                return found[-1][1]
+            others = complete_checkpoints(self.run_dir)
+            if others:  # starting fresh here would silently overwrite them
+                newest = others[-1][1]
+                missing = [r for r in role_names if not (newest / r).is_dir()]
+                raise CheckpointError(
+                    f"{self.run_dir} holds checkpoints (newest {newest.name}) but none with "
+                    f"{', '.join(missing)}, which this run trains. Set trainer.resume_mode=disable to start "
+                    "fresh (overwriting them), or use another trainer.default_local_dir."
+                )
+            return None
         path = Path(str(self.settings.resume_from_path))
         if not path.exists():
             raise CheckpointError(f"trainer.resume_from_path={path}: no such folder")
