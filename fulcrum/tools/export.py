@@ -47,6 +47,10 @@ def resolve_checkpoint(path: Path, role: str) -> Path:
             )
         return path
     found = complete_checkpoints(path, [role])
+    if not found and complete_checkpoints(path):
+        raise CheckpointError(
+            f"{path}: no checkpoint in it has a {role} folder (runs without a critic, e.g. GRPO, save only the actor)"
+        )
     if not found:
         raise CheckpointError(
             f"{path}: neither a checkpoint nor a run folder with a complete global_step_N/{role}"
