@@ -248,6 +248,7 @@ class PPOTrainer:
         self.checkpoints = _checkpoint_manager(self.run_dir, cfg.trainer)
         self.nan_guard = NonFiniteGuard(int(cfg.trainer.max_nan_steps))
         self.exit_code = 0  # 128 + signal number when Ctrl-C / SIGTERM stopped the run (helper G)
+        self._interrupt: GracefulInterrupt | None = None
         self.global_step = 0
         self.epoch = 0
 
@@ -303,6 +304,7 @@ class PPOTrainer:
         )
         # Ctrl-C / SIGTERM: finish the step, save, exit (trainer.save_on_interrupt); else they stop at once.
         interrupt = GracefulInterrupt()
+        self._interrupt = interrupt
         if cfg.save_on_interrupt and self.checkpoints is not None:
             interrupt.install()
         try:
@@ -310,28 +312,7 @@ class PPOTrainer:
                 self.global_step += 1
                 is_last = self.global_step >= self.total_training_steps
                 with explain_oom(self.cfg, device=self.device):
-                    metrics = self.train_step(items)
-                # NaN/Inf loss or grad norm: the workers skipped the update; count it, stop after max_nan_steps.
-                metrics.update(self.nan_guard.observe(self.global_step, metrics))
-                timing: dict[str, float] = {}
-                if (
-                    self.val_dataset is not None
-                    and cfg.test_freq > 0
-                    and (is_last or self.global_step % cfg.test_freq == 0)
-                ):
-                    with M.timer("testing", timing):
-                        metrics.update(self.validate())
-                if (
-                    self.checkpoints is not None
-                    and not self.nan_guard.exceeded
-                    and (
-                        (cfg.save_freq > 0 and (is_last or self.global_step % cfg.save_freq == 0))
-                        or interrupt.requested
-                    )
-                ):
-                    with M.timer("save_checkpoint", timing):
-                        self.checkpoints.save(self.global_step, self.roles(), self.trainer_state())
-                metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
+                    metrics = self.train_step(items, is_last)
                 self.tracking.log(metrics, step=self.global_step)
                 last = metrics
                 bar.update(1)
@@ -358,7 +339,9 @@ class PPOTrainer:
                 if self.global_step >= self.total_training_steps:
                     return
 
-    def train_step(self, items: list[dict[str, Any]]) -> dict[str, float]:
+    def train_step(self, items: list[dict[str, Any]], is_last: bool = False) -> dict[str, float]:
+        """One step of DESIGN §1. As in verl, validation and checkpointing (when due) are inside the step
+        timer, so `timing_s/step` and `perf/throughput` include them on those steps."""
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
@@ -405,7 +388,29 @@ class PPOTrainer:
                 # 6. the new weights into the engine (in place; the hf backend shares the module)
                 with M.timer("update_weights", timing):
                     self.rollout.update_weights(self.actor.model.named_parameters())
-        # 7. metrics
+            # NaN/Inf loss or grad norm: the workers skipped the update; count it, stop after max_nan_steps.
+            metrics.update(self.nan_guard.observe(self.global_step, metrics))
+            # 7. validation and checkpoint when due (last step always, as verl; also on Ctrl-C)
+            trainer_cfg = cfg.trainer
+            if (
+                self.val_dataset is not None
+                and trainer_cfg.test_freq > 0
+                and (is_last or self.global_step % trainer_cfg.test_freq == 0)
+            ):
+                with M.timer("testing", timing):
+                    metrics.update(self.validate())
+            interrupted = self._interrupt is not None and self._interrupt.requested
+            if (
+                self.checkpoints is not None
+                and not self.nan_guard.exceeded
+                and (
+                    (trainer_cfg.save_freq > 0 and (is_last or self.global_step % trainer_cfg.save_freq == 0))
+                    or interrupted
+                )
+            ):
+                with M.timer("save_checkpoint", timing):
+                    self.checkpoints.save(self.global_step, self.roles(), self.trainer_state())
+        # 8. metrics
         metrics.update(M.compute_data_metrics(batch, use_critic=self.critic is not None))
         metrics.update(M.compute_timing_metrics(batch, timing))
         metrics.update(M.compute_throughput_metrics(batch, timing, self.n_devices))

@@ -1,0 +1,138 @@
+"""Benchmark: the seed command (DESIGN §4) for a few steps on one device, with a Qwen2.5-0.5B-shaped
+random model, and a summary of throughput, the timing breakdown and peak memory.
+
+    # once: GSM8K parquet (from the MIT-licensed release) and the model
+    fulcrum data gsm8k --src ../shared/data/gsm8k --out .bench/data
+    python bench/train_step.py make-model --out .bench/qwen05
+    # the run (one H200: ~3 min); extra KEY=VALUE overrides go to the trainer
+    python bench/train_step.py run --data .bench/data --model .bench/qwen05 --run /tmp/bench_run \
+        --steps 3 --summary summary.json [KEY=VALUE ...]
+
+The model is random (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936,
+tied embeddings, bf16 on disk) with the tiny byte-level tokenizer of `fulcrum tiny-model`: the ids
+the tokenizer does not know decode to nothing, so responses run to max length (a fixed, worst-case
+load) and every reward is 0. Throughput and time are what this measures, not learning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+QWEN05_SHAPE = {
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4864,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6,
+}
+
+
+def make_model(out: Path, seed: int = 0) -> Path:
+    """A random Qwen2.5-0.5B-shaped model in bf16 with the tiny tokenizer and chat template."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from fulcrum.models.tiny import IM_END, PAD_TOKEN, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids([IM_END, PAD_TOKEN])
+    config = Qwen2Config(**QWEN05_SHAPE, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def seed_overrides(data: Path, model: Path, run: Path, steps: int) -> list[str]:
+    """DESIGN §4's command with one device, the hf rollout backend and `steps` steps."""
+    return [
+        f"data.train_files={data}/train.parquet",
+        f"data.val_files={data}/test.parquet",
+        "data.train_batch_size=512",
+        "data.max_prompt_length=512",
+        "data.max_response_length=256",
+        f"actor_rollout_ref.model.path={model}",
+        "actor_rollout_ref.actor.optim.lr=1.5e-6",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=128",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.65",
+        "actor_rollout_ref.rollout.max_num_seqs=1896",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=16384",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+        "critic.optim.lr=1e-5",
+        f"critic.model.path={model}",
+        "critic.ppo_micro_batch_size_per_gpu=8",
+        "critic.forward_micro_batch_size_per_gpu=8",
+        "algorithm.kl_ctrl.kl_coef=0.0005",
+        "algorithm.kl_ctrl.target_kl=0.05",
+        "trainer.logger=[console]",
+        "trainer.val_before_train=False",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        "trainer.save_freq=10",
+        "trainer.test_freq=10",
+        "trainer.total_epochs=15",
+        f"trainer.total_training_steps={steps}",
+        "actor_rollout_ref.rollout.name=hf",
+        f"trainer.default_local_dir={run}",
+    ]
+
+
+def summarise(run: Path) -> dict[str, object]:
+    """Per step: throughput, step time, every timing_s/*, peak memory; plus the mean over steps after the first."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "training/global_step" in r]
+    keep = ("perf/", "timing_s/", "timing_per_token_ms/", "response_length/mean", "prompt_length/mean", "val-core/")
+    per_step = [{k: v for k, v in r.items() if k.startswith(keep)} for r in steps]
+    warm = per_step[1:] or per_step
+    shared = set.intersection(*(set(r) for r in warm))
+    mean_warm = {k: sum(r[k] for r in warm) / len(warm) for k in sorted(shared) if not k.startswith("val-core/")}
+    return {"steps": per_step, "mean_after_first": mean_warm}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    mk = sub.add_parser("make-model", help="write the Qwen2.5-0.5B-shaped random model")
+    mk.add_argument("--out", type=Path, required=True)
+    rn = sub.add_parser("run", help="run the seed command for --steps steps and summarise")
+    rn.add_argument("--data", type=Path, required=True)
+    rn.add_argument("--model", type=Path, required=True)
+    rn.add_argument("--run", type=Path, required=True)
+    rn.add_argument("--steps", type=int, default=3)
+    rn.add_argument("--summary", type=Path, default=None)
+    args, extra = parser.parse_known_args(argv)
+    if args.cmd == "make-model":
+        print(f"wrote {make_model(args.out)}")
+        return 0
+    from fulcrum.trainer.main_ppo import main as train_main
+
+    code = train_main(seed_overrides(args.data, args.model, args.run, args.steps) + extra)
+    if code != 0:
+        return code
+    summary = summarise(args.run)
+    summary["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    summary["torch"] = torch.__version__
+    text = json.dumps(summary, indent=1)
+    print(text)
+    if args.summary:
+        args.summary.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
