@@ -138,6 +138,28 @@ def bench_grpo(args, engine, prompts, device, summary: dict) -> None:
     print(f"grpo {args.grpo_prompts}x{args.grpo_n}: {json.dumps(results)}", flush=True)
 
 
+def bench_hybrid_cycle(args, engine, prompts, device, summary: dict) -> None:
+    """sleep -> (training uses memory) -> update_weights -> wake_up -> generate, as every RL step does."""
+    params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=3)
+    captured = engine.runner.graph_capture_s
+
+    def cycle():
+        engine.sleep()
+        if device.type == "cuda":
+            hog = torch.empty(8 << 30, dtype=torch.uint8, device=device)  # the trainer's activations
+            del hog
+        engine.update_weights(engine_model_weights)
+        engine.wake_up()
+        engine.generate(prompts, params)
+
+    engine_model_weights = list(summary.pop("_weights"))
+    seconds = timed(cycle, device)
+    summary["hybrid_cycle_s"] = round(seconds, 4)
+    summary["hybrid_cycle_recapture_s"] = round(engine.runner.graph_capture_s - captured, 4)
+    print(f"sleep + update_weights + wake_up + generate: {seconds:.3f} s "
+          f"(graph recapture {summary['hybrid_cycle_recapture_s']} s)", flush=True)  # fmt: skip
+
+
 def bench_weight_sync(engine, model, device, summary: dict) -> None:
     times = [timed(lambda: engine.update_weights(model.named_parameters()), device) for _ in range(5)]
     summary["update_weights_ms_bf16_source"] = round(statistics.median(times) * 1000, 2)
@@ -233,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = bench_native(args, model, prompts, device, summary)
     bench_grpo(args, engine, prompts, device, summary)
     bench_weight_sync(engine, model, device, summary)
+    summary["_weights"] = list(model.named_parameters())
+    bench_hybrid_cycle(args, engine, prompts, device, summary)
     bench_logprob_gap(args, engine, model, prompts, device, summary)
     if not args.skip_hf:
         engine.sleep()

@@ -96,16 +96,27 @@ def summarise(run: Path) -> dict[str, object]:
     """Per step: throughput, step time, every timing_s/*, peak memory; plus the mean over steps after the first."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "training/global_step" in r]
-    keep = ("perf/", "timing_s/", "timing_per_token_ms/", "response_length/mean", "prompt_length/mean", "val-core/")
+    keep = (
+        "perf/",
+        "timing_s/",
+        "timing_per_token_ms/",
+        "response_length/mean",
+        "prompt_length/mean",
+        "val-core/",
+    )
     per_step = [{k: v for k, v in r.items() if k.startswith(keep)} for r in steps]
     warm = per_step[1:] or per_step
     shared = set.intersection(*(set(r) for r in warm))
-    mean_warm = {k: sum(r[k] for r in warm) / len(warm) for k in sorted(shared) if not k.startswith("val-core/")}
+    mean_warm = {
+        k: sum(r[k] for r in warm) / len(warm) for k in sorted(shared) if not k.startswith("val-core/")
+    }
     return {"steps": per_step, "mean_after_first": mean_warm}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     mk = sub.add_parser("make-model", help="write the Qwen2.5-0.5B-shaped random model")
     mk.add_argument("--out", type=Path, required=True)

@@ -64,6 +64,7 @@ class HFRollout:
         pad_token_id: int,
         device: torch.device,
         max_num_seqs: int = 256,
+        autocast: bool = True,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"rollout.max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -72,6 +73,7 @@ class HFRollout:
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
+        self.autocast = autocast  # bf16 autocast for an fp32 module on CUDA (the actor's master weights)
         # transformers >= 5.2x names the KV cache argument `cache`; earlier ones `past_key_values`.
         forward_params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
@@ -90,7 +92,7 @@ class HFRollout:
     def _autocast(self) -> contextlib.AbstractContextManager:
         # The actor keeps fp32 master weights on GPU; generating in fp32 there would be needlessly slow.
         dtype = next(self.model.parameters()).dtype
-        if self.device.type == "cuda" and dtype == torch.float32:
+        if self.autocast and self.device.type == "cuda" and dtype == torch.float32:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 

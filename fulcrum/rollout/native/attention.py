@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,6 +41,9 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None  # (B,) int32, the current token included
     max_context: int = 0  # the CPU gather path's width
     use_triton: bool = False
+    # CUDA decode: the cache seen through its device-held address (kernels.IndirectCache), so that
+    # captured graphs outlive a sleep / wake-up cycle. None: index the cache tensor directly.
+    indirect_cache: Any = None
 
 
 def _flash_prefill(q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -58,12 +62,20 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    layer: int,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: (N, Hq, D), k, v: (N, Hkv, D) of the new tokens; caches (slots, Hkv, D) -> (N, Hq, D)."""
+    """q: (N, Hq, D), k, v: (N, Hkv, D) of the new tokens; kv_cache (layers, 2, slots, Hkv, D) -> (N, Hq, D)."""
+    if meta.indirect_cache is not None:
+        from fulcrum.rollout.native import kernels
+
+        kernels.store_kv_indirect(k, v, meta.slot_mapping, meta.indirect_cache, layer)
+        return kernels.paged_decode_attention_indirect(
+            q, meta.indirect_cache, layer, meta.block_tables, meta.context_lens, meta.block_size, scale
+        )
+    k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     if not meta.is_prefill:

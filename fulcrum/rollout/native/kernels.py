@@ -17,17 +17,25 @@ except ImportError:  # CPU-only installs: the engine uses ops.py
     HAVE_TRITON = False
 
 if HAVE_TRITON:
+    _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
         scale,
         stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_bt, stride_o_tok, stride_o_head,
+        cache_addr_ptr, k_offset, v_offset,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        TILE: tl.constexpr, PRECISION: tl.constexpr,
+        TILE: tl.constexpr, PRECISION: tl.constexpr, INDIRECT: tl.constexpr, CACHE_DTYPE: tl.constexpr,
     ):  # fmt: skip
         # One program per (sequence, KV head): the GROUP query heads that share the KV head are
         # processed together, so each K/V tile is read once. Online softmax over TILE-token tiles.
+        # INDIRECT: the cache's address is read from the device (cache_addr_ptr) instead of being an
+        # argument, so a CUDA graph holding this kernel survives the cache being freed and reallocated.
+        if INDIRECT:
+            base = tl.load(cache_addr_ptr).to(tl.pointer_type(CACHE_DTYPE))
+            k_cache_ptr = base + k_offset
+            v_cache_ptr = base + v_offset
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         context_len = tl.load(context_lens_ptr + seq)
@@ -65,6 +73,23 @@ if HAVE_TRITON:
             out.to(out_ptr.dtype.element_ty),
             mask=head_ok[:, None],
         )
+
+    @triton.jit
+    def _store_kv_kernel(
+        k_ptr, v_ptr, slots_ptr, cache_addr_ptr, k_offset, v_offset, stride_k_tok, stride_v_tok,
+        WIDTH: tl.constexpr, BLOCK: tl.constexpr, CACHE_DTYPE: tl.constexpr,
+    ):  # fmt: skip
+        # cache[k_offset + slot * WIDTH + :] = k[token]; the same for v (WIDTH = Hkv * D), with the cache
+        # address read on the device (see INDIRECT above).
+        tok = tl.program_id(0).to(tl.int64)
+        base = tl.load(cache_addr_ptr).to(tl.pointer_type(CACHE_DTYPE))
+        slot = tl.load(slots_ptr + tok).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < WIDTH
+        k = tl.load(k_ptr + tok * stride_k_tok + cols, mask=ok)
+        v = tl.load(v_ptr + tok * stride_v_tok + cols, mask=ok)
+        tl.store(base + k_offset + slot * WIDTH + cols, k, mask=ok)
+        tl.store(base + v_offset + slot * WIDTH + cols, v, mask=ok)
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -167,6 +192,29 @@ if HAVE_TRITON:
         tl.store(logprobs_ptr + row, picked - row_max - tl.log(total))
 
 
+class IndirectCache:
+    """A KV cache (layers, 2, slots, Hkv, D) seen through a one-element device tensor holding its address.
+
+    Kernels that take the cache this way read the address when they run, so CUDA graphs captured
+    over them stay valid when the cache is freed (`sleep`) and allocated again elsewhere (`wake_up`):
+    `point_to(new_cache)` only rewrites the address.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.num_layers, _, self.num_slots, self.num_kv_heads, self.head_dim = shape
+        self.dtype = dtype
+        self.address = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def point_to(self, cache: torch.Tensor) -> None:
+        assert cache.is_contiguous() and cache.dtype == self.dtype
+        self.address.fill_(cache.data_ptr())
+
+    def offsets(self, layer: int) -> tuple[int, int]:
+        """Element offsets of layer `layer`'s K and V planes from the cache's start."""
+        plane = self.num_slots * self.num_kv_heads * self.head_dim
+        return 2 * layer * plane, (2 * layer + 1) * plane
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -190,11 +238,50 @@ def paged_decode_attention(
     _paged_decode_kernel[(batch, num_kv_heads)](
         q, k_cache, v_cache, block_tables, context_lens, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), context_lens, 0, 0,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
-        TILE=64, PRECISION=precision,
+        TILE=64, PRECISION=precision, INDIRECT=False, CACHE_DTYPE=_TL_DTYPES[q.dtype],
     )  # fmt: skip
     return out
+
+
+def paged_decode_attention_indirect(
+    q: torch.Tensor,
+    cache: IndirectCache,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """paged_decode_attention over layer `layer` of an IndirectCache (address read on the device)."""
+    batch, num_heads, head_dim = q.shape
+    group = num_heads // cache.num_kv_heads
+    out = torch.empty_like(q)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    k_offset, v_offset = cache.offsets(layer)
+    _paged_decode_kernel[(batch, cache.num_kv_heads)](
+        q, q, q, block_tables, context_lens, out, scale,
+        q.stride(0), q.stride(1), cache.num_kv_heads * head_dim, head_dim, block_tables.stride(0),
+        out.stride(0), out.stride(1), cache.address, k_offset, v_offset,
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
+        TILE=64, PRECISION=precision, INDIRECT=True, CACHE_DTYPE=_TL_DTYPES[cache.dtype],
+    )  # fmt: skip
+    return out
+
+
+def store_kv_indirect(
+    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, cache: IndirectCache, layer: int
+):
+    """Write k, v (N, Hkv, D) at `slots` (N,) of layer `layer` of an IndirectCache."""
+    tokens, kv_heads, head_dim = k.shape
+    assert k.stride(1) == head_dim and k.stride(2) == 1 and v.stride(1) == head_dim and v.stride(2) == 1
+    k_offset, v_offset = cache.offsets(layer)
+    width = kv_heads * head_dim
+    _store_kv_kernel[(tokens,)](
+        k, v, slots, cache.address, k_offset, v_offset, k.stride(0), v.stride(0),
+        WIDTH=width, BLOCK=_next_pow2(width), CACHE_DTYPE=_TL_DTYPES[cache.dtype],
+    )  # fmt: skip
 
 
 def add_rms_norm(

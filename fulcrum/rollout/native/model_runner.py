@@ -20,7 +20,7 @@ from fulcrum.rollout.native import ops
 from fulcrum.rollout.native.attention import AttentionMetadata
 from fulcrum.rollout.native.block_manager import blocks_for
 from fulcrum.rollout.native.config import EngineConfig
-from fulcrum.rollout.native.kernels import HAVE_TRITON
+from fulcrum.rollout.native.kernels import HAVE_TRITON, IndirectCache
 from fulcrum.rollout.native.models.qwen2 import DecoderLM
 from fulcrum.rollout.native.scheduler import PrefillWork
 from fulcrum.rollout.native.sequence import Sequence
@@ -53,6 +53,10 @@ class ModelRunner:
         model.ensure_positions(config.max_model_len + config.decode_steps)
         self.num_blocks = self._cache_blocks()
         self.kv_cache: torch.Tensor | None = None
+        # Decode kernels on CUDA read the cache through its device-held address: graphs survive sleep.
+        self.indirect: IndirectCache | None = None
+        if self.use_triton and device.type == "cuda":
+            self.indirect = IndirectCache(self._cache_shape(), model.dtype, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None
         self.capture_sizes = config.capture_sizes()
@@ -101,18 +105,23 @@ class ModelRunner:
     def awake(self) -> bool:
         return self.kv_cache is not None
 
+    def _cache_shape(self) -> tuple[int, ...]:
+        m = self.model
+        return (m.num_layers, 2, self.num_blocks * self.block_size, m.num_kv_heads, m.head_dim)
+
     def allocate_cache(self) -> None:
         if self.kv_cache is not None:
             return
-        m = self.model
-        shape = (m.num_layers, 2, self.num_blocks * self.block_size, m.num_kv_heads, m.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=m.dtype, device=self.device)
+        self.kv_cache = torch.zeros(self._cache_shape(), dtype=self.model.dtype, device=self.device)
+        if self.indirect is not None:
+            self.indirect.point_to(self.kv_cache)
 
     def free_cache(self) -> None:
-        """Drop the KV cache (and the graphs, which hold its address); the next decode recaptures."""
+        """Drop the KV cache. Graphs that hold its address directly (no indirection) go too."""
         self.kv_cache = None
-        self.graphs.clear()
-        self.graph_pool = None
+        if self.indirect is None:
+            self.graphs.clear()
+            self.graph_pool = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -218,6 +227,7 @@ class ModelRunner:
             context_lens=self.context_lens[:batch],
             max_context=max_context,
             use_triton=self.use_triton,
+            indirect_cache=self.indirect,
         )
         hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch], self.kv_cache, meta)
         return self.model.logits(hidden)
@@ -236,8 +246,7 @@ class ModelRunner:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compile Triton kernels, settle the allocator
-                self._decode_forward(batch, full_width)
+            self._decode_forward(batch, full_width)  # compile Triton kernels, settle the allocator
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):

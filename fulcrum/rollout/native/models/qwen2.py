@@ -190,7 +190,7 @@ class DecoderLM:
             else:
                 q = ops.apply_rope(q, positions, self.cos_sin)
                 k = ops.apply_rope(k, positions, self.cos_sin)
-            attn = paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta, self.scale)
+            attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale)
             hidden = F.linear(attn.reshape(tokens, self.q_size), layer["o"], layer.get("o_bias"))
             x, residual = self._norm(hidden, residual, layer["post_norm"])
             gate_up = F.linear(x, layer["gate_up"])
