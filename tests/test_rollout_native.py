@@ -159,3 +159,29 @@ def test_build_rollout_native_on_cpu_and_fallback_for_other_architectures(model,
         engine = build_rollout(Cfg(), gpt2, Tok(), CPU)
     assert isinstance(engine, HFRollout)
     assert "model_type='gpt2'" in caplog.text and "hf backend" in caplog.text
+
+
+def test_engine_config_reads_verl_keys_and_our_engine_kwargs():
+    from fulcrum.config import load_config
+    from fulcrum.rollout.native.config import engine_config_from
+
+    cfg = load_config(
+        [
+            "actor_rollout_ref.rollout.max_num_seqs=64",
+            "actor_rollout_ref.rollout.enforce_eager=true",
+            "+actor_rollout_ref.rollout.engine_kwargs.native.block_size=32",
+            "+actor_rollout_ref.rollout.engine_kwargs.native.decode_steps=4",
+        ]
+    )
+    rollout = cfg.actor_rollout_ref.rollout
+    config = engine_config_from(rollout, model_max_len=4096)
+    assert (config.max_num_seqs, config.block_size, config.decode_steps, config.enforce_eager) == (
+        64,
+        32,
+        4,
+        True,
+    )
+    assert config.max_model_len == rollout.prompt_length + rollout.response_length
+    rollout.engine_kwargs["native"] = {"blocksize": 8}
+    with pytest.raises(ValueError, match=r"engine_kwargs\.native: unknown keys \['blocksize'\]"):
+        engine_config_from(rollout, model_max_len=4096)
