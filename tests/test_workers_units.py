@@ -156,3 +156,21 @@ def test_value_head_layout_and_masking(tiny_dir: str) -> None:
         values = forward_values(critic, batch, CPU)
     assert values.shape == batch["responses"].shape and values.dtype == torch.float32
     assert (values[batch["response_mask"] == 0] == 0).all()
+
+
+def test_sdpa_mask_leaves_no_empty_row_and_keeps_results(tiny_dir: str) -> None:
+    from fulcrum.models.logprob import no_empty_rows_mask
+
+    model = load_causal_lm(tiny_dir, CPU).eval()
+    assert model.config._attn_implementation == "sdpa"
+    mask2d = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    mask4d = no_empty_rows_mask(model, mask2d)
+    assert mask4d.shape == (2, 1, 4, 4) and mask4d.any(dim=-1).all()  # every query row sees a key
+    # real queries never see pad keys, and stay causal
+    assert not mask4d[0, 0, 2:, :2].any() and not mask4d[1, 0].triu(1).any()
+    ids = torch.randint(5, 1000, (2, 4))
+    pos = (mask2d.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask2d, position_ids=pos).logits
+        fixed = model(input_ids=ids, attention_mask=mask4d, position_ids=pos).logits
+    assert torch.allclose(plain[mask2d.bool()], fixed[mask2d.bool()], atol=1e-6)

@@ -64,7 +64,7 @@ def response_logits(
     """
     out = model(
         input_ids=input_ids,
-        attention_mask=attention_mask,
+        attention_mask=no_empty_rows_mask(model, attention_mask),
         position_ids=position_ids,
         use_cache=False,
         logits_to_keep=response_length + 1,
@@ -97,3 +97,23 @@ def trim_padding(
         position_ids[:, first:end],
         kept_response,
     )
+
+
+def no_empty_rows_mask(model: nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
+    """For SDPA: a (B, 1, T, T) boolean causal mask in which every left-padding query attends to itself.
+
+    With left padding, the query rows of pad tokens are fully masked (causal and padding leave them
+    nothing to attend to). Softmax over an empty row is 0/0, and SDPA's fused backward kernels can turn
+    that into NaN gradients that poison the whole batch, although those rows never reach the loss
+    (pytorch#41508, #103749). Letting each pad query see its own key changes nothing for real tokens
+    (they still never attend to pads) and leaves no row empty. Other attention implementations
+    (eager, flash) get the 2-D mask unchanged.
+    """
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa":
+        return attention_mask
+    length = attention_mask.shape[1]
+    real = attention_mask.bool()  # (B, T)
+    causal = torch.ones(length, length, dtype=torch.bool, device=real.device).tril()  # (T, T)
+    mask = causal[None] & real[:, None, :]  # (B, T_q, T_k): causal and key is a real token
+    mask |= torch.eye(length, dtype=torch.bool, device=real.device)[None]  # every query sees itself
+    return mask[:, None]  # (B, 1, T, T)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fulcrum.models.load import enable_gradient_checkpointing
+from fulcrum.models.logprob import no_empty_rows_mask
 
 
 class CriticModel(nn.Module):
@@ -37,6 +38,8 @@ class CriticModel(nn.Module):
         attention_mask: torch.Tensor | None = None,  # (B, T)
         position_ids: torch.Tensor | None = None,  # (B, T)
     ) -> torch.Tensor:
+        if attention_mask is not None:
+            attention_mask = no_empty_rows_mask(self.model, attention_mask)
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
