@@ -419,3 +419,23 @@ def test_any_override_round_trips_through_yaml(tmp_path_factory, values):
         assert node == (pytest.approx(value) if isinstance(value, float) else value)
     path = save_config(cfg, tmp_path_factory.mktemp("run") / "config.yaml")
     assert load_config_file(path) == cfg
+
+
+def test_log_prob_micro_batches_follow_the_actor_unless_a_spelling_is_set():
+    cfg = load_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
+    assert cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 4
+    assert cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu == 4
+    # The global spelling set: the per-device one is not derived beside it (that would set both).
+    cfg = load_config(
+        [
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size=16",
+        ]
+    )
+    assert cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size == 16
+    assert cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu is None
+    assert cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu == 4
+
+
+def test_overlong_prompts_are_filtered_by_default():
+    assert load_config([]).data.filter_overlong_prompts is True

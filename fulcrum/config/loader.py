@@ -40,6 +40,12 @@ DERIVED: dict[str, str] = {
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": "actor_rollout_ref.actor.use_dynamic_bsz",
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+    # Unset log-prob micro-batches take the actor's training micro-batch (verl requires them; a
+    # forward-only pass fits at least as many rows as a training one). See EXCLUSIVE below.
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size": "actor_rollout_ref.actor.ppo_micro_batch_size",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": "actor_rollout_ref.actor.ppo_micro_batch_size",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
     "critic.rollout_n": "actor_rollout_ref.rollout.n",
     "critic.model.tokenizer_path": "actor_rollout_ref.model.path",
     "critic.model.external_lib": "actor_rollout_ref.model.external_lib",
@@ -56,6 +62,16 @@ DERIVED: dict[str, str] = {
     "reward_model.model.input_tokenizer": "actor_rollout_ref.model.path",
     "reward_model.use_dynamic_bsz": "critic.use_dynamic_bsz",
     "reward_model.forward_max_token_len_per_gpu": "critic.forward_max_token_len_per_gpu",
+}
+
+# verl's global (deprecated) and per-device spellings of one size: a key is not derived while its
+# partner is set, so that setting either one never makes both set.
+EXCLUSIVE: dict[str, str] = {
+    f"actor_rollout_ref.{role}.log_prob_micro_batch_size{suffix}": (
+        f"actor_rollout_ref.{role}.log_prob_micro_batch_size{other}"
+    )
+    for role in ("rollout", "ref")
+    for suffix, other in (("", "_per_gpu"), ("_per_gpu", ""))
 }
 
 
@@ -218,7 +234,8 @@ def resolve(cfg: FulcrumConfig) -> FulcrumConfig:
     Idempotent, so a saved and reloaded configuration resolves to itself.
     """
     for key, source in DERIVED.items():
-        if _get(cfg, key) is None:
+        partner = EXCLUSIVE.get(key)
+        if _get(cfg, key) is None and (partner is None or _get(cfg, partner) is None):
             _set(cfg, key, copy.deepcopy(_get(cfg, source)))
     trainer = cfg.trainer
     if trainer.default_local_dir is None:

@@ -68,7 +68,9 @@ class DataConfig:
         8, "data loader worker processes (no effect: prompts are pre-tokenised)"
     )
     validation_shuffle: bool = opt(False, "shuffle validation prompts")
-    filter_overlong_prompts: bool = opt(False, "drop prompts longer than max_prompt_length")
+    filter_overlong_prompts: bool = opt(
+        True, "drop prompts longer than max_prompt_length (verl: false; fulcrum tokenises all at load anyway)"
+    )
     filter_overlong_prompts_workers: int = opt(1, "processes used for filtering (no effect)")
     truncation: Literal["error", "left", "right", "middle"] = opt(
         "error", "what to do with a prompt over max_prompt_length"
