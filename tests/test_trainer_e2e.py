@@ -163,3 +163,9 @@ def test_select_device_cpu_and_demo_rule() -> None:
     assert wants_demo([]) and wants_demo(["trainer.default_local_dir=/tmp/x"])
     assert not wants_demo(["data.train_files=a.parquet"])
     assert not wants_demo(["actor_rollout_ref.model.path=m"])
+
+
+def test_bad_sizes_stop_before_loading_models(assets: Path, tmp_path: Path, capsys) -> None:
+    args = seed_like(assets, tmp_path / "bad", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3")
+    assert main(args) == 1  # a mini-batch of 4 responses does not split into micro-batches of 3
+    assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu" in capsys.readouterr().err

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from fulcrum.config import ConfigError, load_config
+from fulcrum.config.validate import advise, check
 
 DEMO_TRIGGER_KEYS = ("data.train_files", "actor_rollout_ref.model.path")
 
@@ -67,9 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         device, n_devices = select_device(cfg.trainer)
+        # The cross-key rules of `fulcrum doctor` (sizes that do not divide, missing micro-batch sizes...)
+        # stop the run before any model is loaded; the device count was checked just above.
+        check(cfg, n_devices=None)
     except (ConfigError, DeviceError) as err:
         print(f"fulcrum train: {err}", file=sys.stderr)
         return 1
+    for note in advise(cfg):
+        print(f"note: {note}")
     from fulcrum.trainer.ppo_trainer import PPOTrainer
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
