@@ -33,7 +33,8 @@ if HAVE_TRITON:
         # INDIRECT: the cache's address is read from the device (cache_addr_ptr) instead of being an
         # argument, so a CUDA graph holding this kernel survives the cache being freed and reallocated.
         if INDIRECT:
-            base = tl.load(cache_addr_ptr).to(tl.pointer_type(CACHE_DTYPE))
+            # The alignment hint restores the vectorised loads that a pointer argument gets for free.
+            base = tl.multiple_of(tl.load(cache_addr_ptr), 16).to(tl.pointer_type(CACHE_DTYPE))
             k_cache_ptr = base + k_offset
             v_cache_ptr = base + v_offset
         seq = tl.program_id(0)
@@ -82,7 +83,7 @@ if HAVE_TRITON:
         # cache[k_offset + slot * WIDTH + :] = k[token]; the same for v (WIDTH = Hkv * D), with the cache
         # address read on the device (see INDIRECT above).
         tok = tl.program_id(0).to(tl.int64)
-        base = tl.load(cache_addr_ptr).to(tl.pointer_type(CACHE_DTYPE))
+        base = tl.multiple_of(tl.load(cache_addr_ptr), 16).to(tl.pointer_type(CACHE_DTYPE))
         slot = tl.load(slots_ptr + tok).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < WIDTH

@@ -55,7 +55,11 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         # Decode kernels on CUDA read the cache through its device-held address: graphs survive sleep.
         self.indirect: IndirectCache | None = None
-        if self.use_triton and device.type == "cuda":
+        if (
+            self.use_triton
+            and device.type == "cuda"
+            and os.environ.get("FULCRUM_NATIVE_INDIRECT", "1") != "0"
+        ):
             self.indirect = IndirectCache(self._cache_shape(), model.dtype, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None
