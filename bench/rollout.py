@@ -87,6 +87,7 @@ def bench_native(args, model, prompts, device, summary: dict) -> NativeEngine:
         gpu_memory_utilization=args.gpu_memory_utilization,
         decode_steps=args.decode_steps,
         enforce_eager=args.enforce_eager,
+        indirect_kv_cache=args.indirect_kv_cache,
     )
     tick = time.perf_counter()
     engine = NativeEngine(model, [1], 0, config, device)
@@ -231,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--indirect-kv-cache", action="store_true", help="graphs survive sleep (slower decode)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--grpo-prompts", type=int, default=64)
     parser.add_argument("--grpo-n", type=int, default=8)

@@ -24,8 +24,8 @@ def prompts_of(lengths: list[int], seed: int = 0, vocab: int = 256) -> list[list
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_fp32_greedy_with_graphs_and_kernels_matches_hf(arch):
+@pytest.mark.parametrize(("arch", "indirect"), [("qwen2", False), ("llama", True)])
+def test_fp32_greedy_with_graphs_and_kernels_matches_hf(arch, indirect):
     model = random_causal_lm(arch, init_std=0.2).to(CUDA)
     prompts = prompts_of([1, 300, 7, 64, 16, 150, 33, 2, 95, 17])
     hf = HFRollout(model, [EOS], 0, CUDA, autocast=False)  # an fp32 reference
@@ -35,7 +35,7 @@ def test_fp32_greedy_with_graphs_and_kernels_matches_hf(arch):
     expected = hf.generate(prompts, params)
     config = EngineConfig(
         max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, num_kv_blocks=24, decode_steps=4,
-        dtype=torch.float32,
+        dtype=torch.float32, indirect_kv_cache=indirect,
     )  # fmt: skip
     engine = NativeEngine(model, [EOS], 0, config, CUDA)
     assert engine.runner.use_triton and engine.runner.use_graphs
@@ -54,13 +54,17 @@ def test_fp32_greedy_with_graphs_and_kernels_matches_hf(arch):
         == HFRollout(changed, [EOS], 0, CUDA, autocast=False).generate(prompts, short).token_ids
     )
     assert all(engine.runner.graphs[size] is graph for size, graph in graphs.items())
-    # Sleep frees the cache; the graphs read its address on the device, so they survive the new one.
+    # Sleep frees the cache. With the indirect cache the graphs read its address on the device and
+    # survive the new one; without, they are dropped and recaptured on use.
     engine.sleep()
     assert engine.runner.kv_cache is None
     hog = torch.empty(1 << 28, device=CUDA)  # training takes memory meanwhile: the cache moves
     engine.wake_up()
     del hog
-    assert all(engine.runner.graphs[size] is graph for size, graph in graphs.items())
+    if indirect:
+        assert all(engine.runner.graphs[size] is graph for size, graph in graphs.items())
+    else:
+        assert not engine.runner.graphs
     assert (
         engine.generate(prompts, short).token_ids
         == HFRollout(changed, [EOS], 0, CUDA, autocast=False).generate(prompts, short).token_ids

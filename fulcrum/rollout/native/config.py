@@ -28,6 +28,10 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     cudagraph_capture_sizes: list[int] | None = None  # decode batch sizes to capture; None: 1,2,4,8,16,32..
     decode_steps: int = 16  # decode steps per scheduler round (tokens past a stop are dropped)
+    # Decode kernels read the cache address from the device, so graphs survive sleep/wake_up without a
+    # recapture; costs ~20% decode speed on an H200 (0.5B), so off unless sleeps are frequent and
+    # the decode batch takes many sizes.
+    indirect_kv_cache: bool = False
     dtype: torch.dtype = torch.bfloat16  # weights and KV cache on CUDA; the CPU uses the model's dtype
 
     def __post_init__(self) -> None:
@@ -46,8 +50,11 @@ class EngineConfig:
         if self.cudagraph_capture_sizes:
             sizes = sorted({int(s) for s in self.cudagraph_capture_sizes if 0 < int(s) <= self.max_num_seqs})
         else:
-            sizes = [s for s in (1, 2, 4, 8) if s <= self.max_num_seqs]
-            sizes += list(range(16, self.max_num_seqs + 1, 16))
+            # Coarse buckets: a decode step costs about the same for 300 or 384 rows (weight-bound), and
+            # each bucket is one more graph to capture after a wake-up.
+            ladder = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
+            sizes = [s for s in ladder if s <= self.max_num_seqs]
+            sizes += list(range(640, self.max_num_seqs + 1, 128))
         if not sizes or sizes[-1] < self.max_num_seqs:
             sizes.append(self.max_num_seqs)
         return sizes
@@ -73,7 +80,7 @@ def engine_config_from(rollout_cfg: Any, model_max_len: int) -> EngineConfig:
         prompt = getattr(rollout_cfg, "prompt_length", None)
         response = getattr(rollout_cfg, "response_length", None)
         max_model_len = prompt + response if prompt and response else model_max_len
-    known = {"block_size", "num_kv_blocks", "decode_steps"}
+    known = {"block_size", "num_kv_blocks", "decode_steps", "indirect_kv_cache"}
     unknown = set(native) - known
     if unknown:
         raise ValueError(
@@ -90,4 +97,5 @@ def engine_config_from(rollout_cfg: Any, model_max_len: int) -> EngineConfig:
         block_size=int(native.get("block_size", 16)),
         num_kv_blocks=native.get("num_kv_blocks"),
         decode_steps=int(native.get("decode_steps", 16)),
+        indirect_kv_cache=bool(native.get("indirect_kv_cache", False)),
     )

@@ -53,13 +53,9 @@ class ModelRunner:
         model.ensure_positions(config.max_model_len + config.decode_steps)
         self.num_blocks = self._cache_blocks()
         self.kv_cache: torch.Tensor | None = None
-        # Decode kernels on CUDA read the cache through its device-held address: graphs survive sleep.
+        # Optionally the decode kernels read the cache through its device-held address: graphs survive sleep.
         self.indirect: IndirectCache | None = None
-        if (
-            self.use_triton
-            and device.type == "cuda"
-            and os.environ.get("FULCRUM_NATIVE_INDIRECT", "1") != "0"
-        ):
+        if self.use_triton and self.use_graphs and config.indirect_kv_cache:
             self.indirect = IndirectCache(self._cache_shape(), model.dtype, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None
