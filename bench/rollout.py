@@ -161,6 +161,38 @@ def bench_hybrid_cycle(args, engine, prompts, device, summary: dict) -> None:
           f"(graph recapture {summary['hybrid_cycle_recapture_s']} s)", flush=True)  # fmt: skip
 
 
+def bench_variable_lengths(args, engine, prompts, device, summary: dict) -> None:
+    """Responses of varied lengths (1,500 stop ids: ~1% a token): the batch shrinks as they finish.
+
+    Measured warm, then right after a sleep/wake-up (where graphs of direct-pointer kernels are
+    recaptured for every batch size the shrinking batch passes through).
+    """
+    params = SamplingParams(
+        temperature=1.0, max_tokens=args.new_tokens, stop_token_ids=list(range(1000, 2500)), seed=4
+    )
+    engine.generate(prompts, params)
+    out = None
+
+    def run():
+        nonlocal out
+        out = engine.generate(prompts, params)
+
+    warm = timed(run, device)
+    generated = sum(len(r) for r in out.token_ids)
+    captured = engine.runner.graph_capture_s
+    engine.sleep()
+    engine.wake_up()
+    after_wake = timed(run, device)
+    summary["variable_lengths"] = {
+        "mean_response": round(generated / len(prompts), 1),
+        "warm_s": round(warm, 4),
+        "warm_tok_per_s": round(generated / warm),
+        "after_wake_s": round(after_wake, 4),
+        "recapture_s": round(engine.runner.graph_capture_s - captured, 4),
+    }
+    print(f"variable lengths: {json.dumps(summary['variable_lengths'])}", flush=True)
+
+
 def bench_weight_sync(engine, model, device, summary: dict) -> None:
     times = [timed(lambda: engine.update_weights(model.named_parameters()), device) for _ in range(5)]
     summary["update_weights_ms_bf16_source"] = round(statistics.median(times) * 1000, 2)
@@ -258,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = random_prompts(lengths, model.config.vocab_size)
     engine = bench_native(args, model, prompts, device, summary)
     bench_grpo(args, engine, prompts, device, summary)
+    bench_variable_lengths(args, engine, prompts, device, summary)
     bench_weight_sync(engine, model, device, summary)
     summary["_weights"] = list(model.named_parameters())
     bench_hybrid_cycle(args, engine, prompts, device, summary)
