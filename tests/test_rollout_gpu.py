@@ -56,15 +56,16 @@ def test_fp32_greedy_with_graphs_and_kernels_matches_hf(arch, indirect):
     assert all(engine.runner.graphs[size] is graph for size, graph in graphs.items())
     # Sleep frees the cache. With the indirect cache the graphs read its address on the device and
     # survive the new one; without, they are dropped and recaptured on use.
+    old_address = engine.runner.kv_cache.data_ptr()
     engine.sleep()
     assert engine.runner.kv_cache is None
-    hog = torch.empty(1 << 28, device=CUDA)  # training takes memory meanwhile: the cache moves
+    hog = torch.empty(1 << 28, device=CUDA)  # training takes memory meanwhile: the cache may move
     engine.wake_up()
     del hog
-    if indirect:
-        assert all(engine.runner.graphs[size] is graph for size, graph in graphs.items())
-    else:
-        assert not engine.runner.graphs
+    moved = engine.runner.kv_cache.data_ptr() != old_address
+    print(f"\nKV cache moved on wake-up: {moved}")
+    kept = all(engine.runner.graphs.get(size) is graph for size, graph in graphs.items())
+    assert kept == (indirect or not moved)
     assert (
         engine.generate(prompts, short).token_ids
         == HFRollout(changed, [EOS], 0, CUDA, autocast=False).generate(prompts, short).token_ids

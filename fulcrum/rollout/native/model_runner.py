@@ -59,6 +59,7 @@ class ModelRunner:
             self.indirect = IndirectCache(self._cache_shape(), model.dtype, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None
+        self._graphs_cache_ptr = 0  # the cache address the captured graphs hold (direct mode)
         self.capture_sizes = config.capture_sizes()
         self.graph_capture_s = 0.0
         max_bs = config.max_num_seqs
@@ -115,13 +116,16 @@ class ModelRunner:
         self.kv_cache = torch.zeros(self._cache_shape(), dtype=self.model.dtype, device=self.device)
         if self.indirect is not None:
             self.indirect.point_to(self.kv_cache)
-
-    def free_cache(self) -> None:
-        """Drop the KV cache. Graphs that hold its address directly (no indirection) go too."""
-        self.kv_cache = None
-        if self.indirect is None:
+        elif self.graphs and self.kv_cache.data_ptr() != self._graphs_cache_ptr:
+            # The graphs hold the old cache's address: drop them, the next decodes recapture.
             self.graphs.clear()
             self.graph_pool = None
+        self._graphs_cache_ptr = self.kv_cache.data_ptr()
+
+    def free_cache(self) -> None:
+        """Drop the KV cache. The graphs stay (with their activation pool) until we know whether the
+        next cache lands at the same address (then they are still valid) or not."""
+        self.kv_cache = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
