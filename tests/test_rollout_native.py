@@ -185,3 +185,33 @@ def test_engine_config_reads_verl_keys_and_our_engine_kwargs():
     rollout.engine_kwargs["native"] = {"blocksize": 8}
     with pytest.raises(ValueError, match=r"engine_kwargs\.native: unknown keys \['blocksize'\]"):
         engine_config_from(rollout, model_max_len=4096)
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_greedy_matches_hf_across_random_engine_shapes(trial):
+    """Block sizes 1-32, 1-8 decode steps, caches down to the minimum, tiny token budgets and seat counts."""
+    import random
+
+    rng = random.Random(trial)
+    model = random_causal_lm(("qwen2", "llama")[trial % 2], init_std=0.2)
+    lengths = [rng.randint(1, 120) for _ in range(rng.randint(2, 6))]
+    prompts = mixed_prompts(100 + trial, lengths)
+    n, max_tokens = rng.randint(1, 4), rng.randint(1, 20)
+    block_size = (1, 3, 16, 32)[trial % 4]
+    longest = max(lengths) + max_tokens
+    tightest = -(-longest // block_size) + n + 1  # the whole family of the longest prompt, plus scratch
+    config = EngineConfig(
+        max_num_seqs=rng.randint(n, 3 * n),
+        max_num_batched_tokens=rng.choice([5, 17, 64]),
+        max_model_len=longest + 1,
+        block_size=block_size,
+        num_kv_blocks=rng.choice([tightest, tightest + 5]),
+        decode_steps=rng.randint(1, 8),
+    )
+    params = SamplingParams(
+        n=n, temperature=0, max_tokens=max_tokens, stop_token_ids=[rng.randint(3, 255) for _ in range(20)]
+    )
+    out = NativeEngine(model, [EOS], 0, config, CPU).generate(prompts, params)
+    expected = HFRollout(model, [EOS], 0, CPU).generate(prompts, params)
+    assert out.token_ids == expected.token_ids, config
+    assert out.finish_reasons == expected.finish_reasons
