@@ -439,3 +439,11 @@ def test_log_prob_micro_batches_follow_the_actor_unless_a_spelling_is_set():
 
 def test_overlong_prompts_are_filtered_by_default():
     assert load_config([]).data.filter_overlong_prompts is True
+
+
+def test_rollout_tensor_parallel_size_has_no_effect_so_only_warns():
+    from fulcrum.config import advise, validate
+
+    cfg = load_config(["trainer.device=cpu", "trainer.n_gpus_per_node=1"])  # verl's default tp=2
+    assert not any("tensor_model_parallel_size" in k for p in validate(cfg, n_devices=0) for k in p.keys)
+    assert any("tensor_model_parallel_size" in k for note in advise(cfg) for k in note.keys)
