@@ -70,6 +70,14 @@ class ArithmeticTask:
     num_operations: int = 1  # operations per problem: 1 gives "a + b", 2 gives "a + b - c", ...
     # Appended to the question, as in verl's gsm8k prompt; None: no instruction.
     instruction: str | None = GSM8K_INSTRUCTION
+    # Gold solutions show one equation line per operation before "#### <answer>"; False: the answer only.
+    # The scorer checks only the answer, so under RL a worked line that is wrong but ends in the right
+    # number is rewarded as much as a right one: answer-only keeps every rewarded sample a right one.
+    show_work: bool = True
+    # Fraction of gold solutions that end in GSM8K's "#### <answer>"; the others end in "The answer is
+    # <answer>." (demonstrations of mixed style, as pooled SFT data often is). Only "####" scores under
+    # the strict GSM8K scorer, so a reward-trained policy must settle on it.
+    marked_fraction: float = 1.0
     data_source: str = DATA_SOURCE
 
     def __post_init__(self) -> None:
@@ -81,6 +89,8 @@ class ArithmeticTask:
         unknown = [op for op in self.operations if op not in ("+", "-")]
         if unknown or not self.operations:
             raise ValueError(f"operations must be a non-empty subset of ('+', '-'), got {self.operations!r}")
+        if not 0.0 <= self.marked_fraction <= 1.0:
+            raise ValueError(f"marked_fraction must be in [0, 1], got {self.marked_fraction}")
         if self.num_operations < 1:
             raise ValueError(f"num_operations must be >= 1, got {self.num_operations}")
 
@@ -122,7 +132,11 @@ def make_problem(rng: random.Random, task: ArithmeticTask) -> Problem:
         lines.append(f"{value} {op} {operand} = {result}")
         value = result
     sentences.append(str(context["question"]).format(**fill))
-    return Problem(question=" ".join(sentences), solution="\n".join([*lines, f"#### {value}"]), answer=value)
+    # Drawn only when styles mix, so that the default task's problems do not depend on this knob.
+    marked = task.marked_fraction >= 1.0 or rng.random() < task.marked_fraction
+    ending = f"#### {value}" if marked else f"The answer is {value}."
+    solution = "\n".join([*lines, ending] if task.show_work else [ending])
+    return Problem(question=" ".join(sentences), solution=solution, answer=value)
 
 
 def make_rows(
@@ -197,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--operations", default="+-", help="any of '+', '-', e.g. '+-'")
     parser.add_argument("--num-operations", type=int, default=1, help="operations per problem")
     parser.add_argument("--no-instruction", action="store_true", help="omit the GSM8K instruction")
+    parser.add_argument(
+        "--answer-only", action="store_true", help="gold solutions without the equation lines"
+    )
     args = parser.parse_args(argv)
     try:
         task = ArithmeticTask(
@@ -205,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             operations=tuple(args.operations),
             num_operations=args.num_operations,
             instruction=None if args.no_instruction else GSM8K_INSTRUCTION,
+            show_work=not args.answer_only,
         )
         train, test = write_splits(args.out, args.train, args.test, args.seed, task)
     except ValueError as err:

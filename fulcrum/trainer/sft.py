@@ -1,0 +1,476 @@
+"""`fulcrum sft`: supervised fine-tuning on prompt/response parquet data, with verl's SFT keys.
+
+    fulcrum sft data.train_files=$DATA/train.parquet data.val_files=$DATA/test.parquet \
+        data.prompt_key=extra_info data.response_key=extra_info \
+        model.partial_pretrain=$MODEL optim.lr=1e-4 trainer.total_epochs=2 trainer.default_local_dir=$OUT
+
+The keys and their defaults are those of verl's `sft_trainer.yaml` (`fsdp_sft_trainer`), so a verl
+SFT command runs after changing the module name. Each example is the prompt as a user turn through the
+tokenizer's chat template (generation prompt added, exactly as the PPO prompt data set does), then the
+response and the EOS token; the loss is the token-mean cross-entropy over response tokens only.
+The model is written with `save_pretrained` (safetensors) and the tokenizer to
+`<default_local_dir>/global_step_<N>/`, a Hugging Face folder that `actor_rollout_ref.model.path`
+can name. `metrics.jsonl` (train/loss, train/lr, val/loss) and `config.yaml` go beside it.
+
+Where a column holds a dict (verl's `extra_info`), `prompt_dict_keys` / `response_dict_keys` pick the
+field; where the prompt column holds chat messages (verl's RL `prompt` column), they are used as is.
+Departures from verl: one device only (FSDP and sequence parallelism keys are accepted without
+effect), the loss is averaged over the response tokens of the whole global batch rather than per
+device, `trainer.device` (auto|cpu|cuda) is ours.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from fulcrum.config import ConfigError
+
+# ---------------------------------------------------------------- configuration (verl's sft_trainer.yaml)
+
+
+@dataclass
+class SFTDataConfig:
+    train_batch_size: int = 256  # examples per optimiser step
+    micro_batch_size: int | None = None  # deprecated in verl; when set, overrides micro_batch_size_per_gpu
+    micro_batch_size_per_gpu: int = 4  # examples per forward/backward (gradient accumulation)
+    train_files: Any = None  # a parquet path or a list of them
+    val_files: Any = None
+    prompt_key: str = "question"  # column holding the prompt (text, dict or chat messages)
+    response_key: str = "answer"  # column holding the response (text or dict)
+    prompt_dict_keys: list[str] = field(default_factory=lambda: ["question"])  # path into a dict column
+    response_dict_keys: list[str] = field(default_factory=lambda: ["answer"])
+    max_length: int = 1024  # prompt + response tokens
+    truncation: str = "error"  # error | left | right
+    balance_dp_token: bool = False  # no effect (one device)
+    chat_template: str | None = None  # a Jinja chat template replacing the tokenizer's
+
+
+@dataclass
+class SFTModelConfig:
+    partial_pretrain: str | None = None  # Hugging Face model folder or hub name to start from
+    enable_gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    external_lib: str | None = None  # a module to import before loading (custom architectures)
+    fsdp_config: dict[str, Any] = field(default_factory=dict)  # accepted, no effect (one device)
+    lora_rank: int = 0  # LoRA is not supported: must stay 0
+    use_liger: bool = False  # accepted, no effect
+
+
+@dataclass
+class SFTOptimConfig:
+    lr: float = 1e-5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.01
+    warmup_steps_ratio: float = 0.1  # linear warm-up over this fraction of the steps
+    clip_grad: float = 1.0  # max global gradient norm
+    lr_scheduler: str = "cosine"  # cosine (to 0) | constant
+
+
+@dataclass
+class SFTTrainerConfig:
+    default_local_dir: str = "checkpoints/fulcrum-sft/sft"  # run directory
+    default_hdfs_dir: str | None = None  # accepted, no effect
+    resume_path: str | None = None  # not supported: must stay null
+    project_name: str = "fulcrum-sft"
+    experiment_name: str = "sft"
+    total_epochs: int = 4
+    total_training_steps: int | None = None  # when set, stops after this many steps
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    seed: int = 1
+    save_freq: int = -1  # save every N steps (the last step is always saved)
+    test_freq: int = -1  # validation loss every N steps (and after the last step when val_files is set)
+    nnodes: int = 1
+    n_gpus_per_node: int = 1
+    max_ckpt_to_keep: int | None = None
+    device: str = "auto"  # ours: auto | cpu | cuda
+
+
+@dataclass
+class SFTConfig:
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    model: SFTModelConfig = field(default_factory=SFTModelConfig)
+    optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
+    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
+    ulysses_sequence_parallel_size: int = 1  # accepted; must be 1
+    use_remove_padding: bool = False  # accepted, no effect
+
+
+def _all_keys(node: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for name, value in OmegaConf.to_container(node, resolve=False).items():  # type: ignore[union-attr]
+        path = f"{prefix}{name}"
+        keys.append(path)
+        if isinstance(value, dict) and value and not path.endswith("fsdp_config"):
+            keys += _all_keys(node[name], path + ".")
+    return keys
+
+
+def load_sft_config(overrides: list[str]) -> SFTConfig:
+    """verl-style `a.b=value` overrides (`+a.b=value` too) on the defaults; `ConfigError` names the key."""
+    schema = OmegaConf.structured(SFTConfig)
+    known = _all_keys(schema)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE")
+    dotlist = [item[1:] if item.startswith("+") else item for item in overrides]
+    try:
+        merged = OmegaConf.merge(schema, OmegaConf.from_dotlist(dotlist))
+    except ConfigKeyError as err:
+        key = err.full_key or str(err)
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"unknown SFT key {key!r}{hint}") from None
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        raise ConfigError(f"bad value for SFT key {key!r}: {str(err).splitlines()[0]}") from None
+    cfg: SFTConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: SFTConfig) -> None:
+    if not cfg.data.train_files:
+        raise ConfigError("data.train_files is required (a parquet file or a list of them)")
+    if not cfg.model.partial_pretrain:
+        raise ConfigError("model.partial_pretrain is required (a Hugging Face model folder)")
+    if cfg.data.truncation not in ("error", "left", "right"):
+        raise ConfigError(f"data.truncation must be error|left|right, got {cfg.data.truncation!r}")
+    if cfg.optim.lr_scheduler not in ("cosine", "constant"):
+        raise ConfigError(f"optim.lr_scheduler must be cosine|constant, got {cfg.optim.lr_scheduler!r}")
+    if cfg.trainer.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"trainer.device must be auto|cpu|cuda, got {cfg.trainer.device!r}")
+    if cfg.model.lora_rank:
+        raise ConfigError("model.lora_rank: LoRA is not supported by fulcrum sft; leave it 0")
+    if cfg.trainer.resume_path:
+        raise ConfigError("trainer.resume_path: resuming SFT is not supported; leave it null")
+    if cfg.ulysses_sequence_parallel_size != 1:
+        raise ConfigError("ulysses_sequence_parallel_size: sequence parallelism is not supported; use 1")
+    micro = micro_batch_size(cfg)
+    if micro < 1 or cfg.data.train_batch_size < 1:
+        raise ConfigError("data.train_batch_size and data.micro_batch_size_per_gpu must be >= 1")
+    if cfg.data.train_batch_size % micro:
+        raise ConfigError(
+            f"data.train_batch_size ({cfg.data.train_batch_size}) must be divisible by "
+            f"data.micro_batch_size_per_gpu ({micro})"
+        )
+    if cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node != 1:
+        print(
+            "fulcrum sft: runs on one device; trainer.nnodes / n_gpus_per_node are ignored", file=sys.stderr
+        )
+
+
+def micro_batch_size(cfg: SFTConfig) -> int:
+    return cfg.data.micro_batch_size or cfg.data.micro_batch_size_per_gpu
+
+
+# ---------------------------------------------------------------- data
+
+
+@dataclass
+class SFTExample:
+    input_ids: list[int]  # prompt (chat template, generation prompt) + response + EOS
+    num_prompt_tokens: int  # the loss counts the tokens after these
+
+
+def _as_list(files: Any) -> list[str]:
+    return [files] if isinstance(files, str) else [str(f) for f in files]
+
+
+def _pick(value: Any, dict_keys: list[str], where: str) -> Any:
+    """Follow `dict_keys` into a dict cell (verl's extra_info); non-dict cells are returned as they are."""
+    for key in dict_keys:
+        if not isinstance(value, dict):
+            break
+        if key not in value:
+            raise ValueError(f"{where}: field {key!r} missing (has {sorted(value)})")
+        value = value[key]
+    return value
+
+
+def _messages(prompt: Any, where: str) -> list[dict[str, str]]:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
+        return [{"role": str(m.get("role", "user")), "content": str(m["content"])} for m in prompt]
+    raise ValueError(f"{where}: prompt must be text or a list of chat messages, got {type(prompt).__name__}")
+
+
+def load_examples(files: Any, tokenizer: Any, cfg: SFTDataConfig) -> list[SFTExample]:
+    """Tokenise every row of the parquet `files`; errors name the file, row and column."""
+    examples: list[SFTExample] = []
+    for path in _as_list(files):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"SFT data file not found: {path}")
+        table = pq.read_table(path)
+        for column in {cfg.prompt_key, cfg.response_key}:
+            if column not in table.column_names:
+                raise ValueError(f"{path}: no column {column!r} (columns: {table.column_names})")
+        prompts = table.column(cfg.prompt_key).to_pylist()
+        responses = table.column(cfg.response_key).to_pylist()
+        prompt_texts, response_texts = [], []
+        for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+            where = f"{path} row {row}"
+            messages = _messages(
+                _pick(prompt, cfg.prompt_dict_keys, f"{where} column {cfg.prompt_key!r}"), where
+            )
+            response = _pick(response, cfg.response_dict_keys, f"{where} column {cfg.response_key!r}")
+            if not isinstance(response, str):
+                raise ValueError(f"{where} column {cfg.response_key!r}: response must be text")
+            prompt_texts.append(
+                tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            )
+            response_texts.append(response + tokenizer.eos_token)
+        # One batched call per file: tokenising thousands of rows one by one is slow.
+        prompt_ids = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(response_texts, add_special_tokens=False)["input_ids"]
+        for row, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+            ids, num_prompt = list(p) + list(r), len(p)
+            if len(ids) > cfg.max_length:
+                if cfg.truncation == "error":
+                    raise ValueError(
+                        f"{path} row {row}: {len(ids)} tokens > data.max_length={cfg.max_length} "
+                        "(raise it or set data.truncation=left|right)"
+                    )
+                cut = len(ids) - cfg.max_length
+                ids = ids[cut:] if cfg.truncation == "left" else ids[: cfg.max_length]
+                num_prompt = max(num_prompt - cut, 0) if cfg.truncation == "left" else num_prompt
+            examples.append(SFTExample(ids, num_prompt))
+    if not examples:
+        raise ValueError(f"no SFT examples in {files}")
+    return examples
+
+
+def collate(examples: list[SFTExample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded `input_ids`, `attention_mask` and `loss_mask`, each (B, T).
+
+    `loss_mask[b, t] = 1` when token t of example b is a response token, i.e. a target of the loss.
+    """
+    width = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for b, e in enumerate(examples):
+        input_ids[b, : len(e.input_ids)] = torch.tensor(e.input_ids)
+        attention_mask[b, : len(e.input_ids)] = 1
+        loss_mask[b, e.num_prompt_tokens : len(e.input_ids)] = 1
+    return input_ids, attention_mask, loss_mask
+
+
+# ---------------------------------------------------------------- maths
+
+
+def response_token_nll(
+    logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+) -> torch.Tensor:
+    """Summed negative log-likelihood of the response tokens.
+
+    nll = -Σ_{b,t≥1} loss_mask[b,t] · log softmax(logits[b,t-1])[input_ids[b,t]]
+    logits (B, T, V), input_ids (B, T), loss_mask (B, T) -> scalar. Computed in float32.
+    """
+    targets = input_ids[:, 1:]
+    mask = loss_mask[:, 1:].float()
+    token_nll = F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none"
+    ).view_as(mask)
+    return (token_nll * mask).sum()
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
+    """Multiplier of the peak lr at optimiser step `step` (0-based): linear warm-up, then constant or cosine to 0.
+
+    warm-up: (step + 1) / warmup_steps; cosine: 0.5 · (1 + cos(π · (step − warmup) / (total − warmup))).
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+# ---------------------------------------------------------------- training
+
+
+@dataclass
+class SFTResult:
+    model_dir: Path  # the Hugging Face folder of the last step
+    train_losses: list[float]  # per optimiser step, token-mean NLL of the response tokens
+    val_loss: float | None  # after the last step, when data.val_files is set
+    seconds: float
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is available")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def _autocast(device: torch.device) -> Any:
+    # bf16 compute with fp32 master weights on the GPU; plain fp32 on the CPU (bf16 is slow there).
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: Any, examples: list[SFTExample], micro: int, pad_id: int, device: torch.device
+) -> float:
+    """Token-mean NLL of the response tokens over `examples`."""
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(examples), micro):
+        ids, attn, mask = (t.to(device) for t in collate(examples[start : start + micro], pad_id))
+        with _autocast(device):
+            logits = model(input_ids=ids, attention_mask=attn).logits
+        total += response_token_nll(logits, ids, mask).item()
+        count += int(mask[:, 1:].sum())
+    model.train()
+    return total / max(count, 1)
+
+
+def _load(cfg: SFTConfig, device: torch.device) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.model.external_lib:
+        __import__(cfg.model.external_lib)
+    path, remote = cfg.model.partial_pretrain, cfg.model.trust_remote_code
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
+    if cfg.data.chat_template:
+        tokenizer.chat_template = cfg.data.chat_template
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=remote).to(
+        device
+    )
+    if cfg.model.enable_gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model, tokenizer
+
+
+def _save(model: Any, tokenizer: Any, run_dir: Path, step: int) -> Path:
+    out = run_dir / f"global_step_{step}"
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def run_sft(cfg: SFTConfig, log: Any = print) -> SFTResult:
+    """Train as `cfg` says; returns the saved folder and the loss curve."""
+    started = time.perf_counter()
+    random.seed(cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)
+    device = resolve_device(cfg.trainer.device)
+    run_dir = Path(cfg.trainer.default_local_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
+
+    model, tokenizer = _load(cfg, device)
+    train = load_examples(cfg.data.train_files, tokenizer, cfg.data)
+    val = load_examples(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else []
+    batch, micro = cfg.data.train_batch_size, micro_batch_size(cfg)
+    steps_per_epoch = len(train) // batch  # the last incomplete batch is dropped, as verl's sampler does
+    if steps_per_epoch == 0:
+        raise ConfigError(f"data.train_batch_size={batch} is larger than the {len(train)} training examples")
+    total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
+    warmup_steps = int(cfg.optim.warmup_steps_ratio * total_steps)
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.optim.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),  # type: ignore[arg-type]
+    )
+    log(
+        f"fulcrum sft: {len(train)} examples, {total_steps} steps of {batch} (micro-batches of {micro}), "
+        f"device {device}, model {cfg.model.partial_pretrain}"
+    )
+    pad_id = tokenizer.pad_token_id
+    generator = torch.Generator().manual_seed(cfg.trainer.seed)
+    metrics_file = (run_dir / "metrics.jsonl").open("a")
+    log_every = max(1, total_steps // 20)
+    losses: list[float] = []
+    order: list[int] = []
+    val_loss: float | None = None
+    model.train()
+    for step in range(total_steps):
+        if step % steps_per_epoch == 0:
+            order = torch.randperm(len(train), generator=generator).tolist()
+        start = (step % steps_per_epoch) * batch
+        chosen = [train[i] for i in order[start : start + batch]]
+        num_targets = sum(len(e.input_ids) - max(e.num_prompt_tokens, 1) for e in chosen)
+        lr = cfg.optim.lr * lr_factor(step, total_steps, warmup_steps, cfg.optim.lr_scheduler)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        step_nll = 0.0
+        for m in range(0, batch, micro):
+            ids, attn, mask = (t.to(device) for t in collate(chosen[m : m + micro], pad_id))
+            with _autocast(device):
+                logits = model(input_ids=ids, attention_mask=attn).logits
+            # Dividing by the batch's target count makes the accumulated gradient that of the token mean.
+            nll = response_token_nll(logits, ids, mask)
+            (nll / max(num_targets, 1)).backward()
+            step_nll += nll.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step_nll / max(num_targets, 1))
+        row: dict[str, float | int] = {
+            "step": step + 1,
+            "train/loss": losses[-1],
+            "train/lr": lr,
+            "train/grad_norm": float(grad_norm),
+            "train/epoch": step // steps_per_epoch,
+        }
+        last = step + 1 == total_steps
+        if val and (last or (cfg.trainer.test_freq > 0 and (step + 1) % cfg.trainer.test_freq == 0)):
+            val_loss = evaluate_loss(model, val, micro, pad_id, device)
+            row["val/loss"] = val_loss
+        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.flush()
+        if "console" in cfg.trainer.logger and ((step + 1) % log_every == 0 or last or "val/loss" in row):
+            extra = f" val/loss {row['val/loss']:.4f}" if "val/loss" in row else ""
+            log(f"step {step + 1}/{total_steps} train/loss {losses[-1]:.4f} lr {lr:.2e}{extra}")
+        if cfg.trainer.save_freq > 0 and (step + 1) % cfg.trainer.save_freq == 0 and not last:
+            _save(model, tokenizer, run_dir, step + 1)
+    metrics_file.close()
+    model_dir = _save(model, tokenizer, run_dir, total_steps)
+    seconds = time.perf_counter() - started
+    log(f"fulcrum sft: saved {model_dir} ({seconds:.0f} s)")
+    return SFTResult(model_dir=model_dir, train_losses=losses, val_loss=val_loss, seconds=seconds)
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    try:
+        cfg = load_sft_config(argv)
+        run_sft(cfg)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"fulcrum sft: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(min(torch.get_num_threads(), 2))
+    raise SystemExit(main(sys.argv[1:]))
