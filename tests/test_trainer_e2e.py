@@ -169,3 +169,13 @@ def test_bad_sizes_stop_before_loading_models(assets: Path, tmp_path: Path, caps
     args = seed_like(assets, tmp_path / "bad", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3")
     assert main(args) == 1  # a mini-batch of 4 responses does not split into micro-batches of 3
     assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu" in capsys.readouterr().err
+
+
+def test_remax_generates_a_greedy_baseline(assets: Path, tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    extra = ("algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.n=2", "trainer.total_training_steps=1")
+    args = [a for a in seed_like(assets, tmp_path / "remax", *extra) if "total_training_steps=2" not in a]
+    assert main(args) == 0
+    row = read_rows(tmp_path / "remax")[0]
+    assert row["timing_s/gen_max"] > 0 and math.isfinite(row["actor/pg_loss"])
+    assert "critic/vf_loss" not in row  # ReMax is critic-free
