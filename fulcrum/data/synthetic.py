@@ -42,7 +42,8 @@ _NAMES = [
 _ITEMS = [("apple", "apples"), ("pear", "pears"), ("book", "books"), ("coin", "coins"), ("card", "cards")]
 _BOXES = ["box", "bag", "jar"]
 
-# Each context: an opening sentence holding the first number, step sentences per operation, a question.
+CONTEXT_KINDS = ("owner", "container")
+# Each context (one per CONTEXT_KINDS entry): an opening sentence holding the first number, step sentences per operation, a question.
 # Placeholders: {name} {pron} {n} {items} {box}.
 _CONTEXTS: list[dict[str, object]] = [
     {
@@ -75,9 +76,10 @@ class ArithmeticTask:
     # number is rewarded as much as a right one: answer-only keeps every rewarded sample a right one.
     show_work: bool = True
     # Fraction of gold solutions that end in GSM8K's "#### <answer>"; the others end in "The answer is
-    # <answer>." (demonstrations of mixed style, as pooled SFT data often is). Only "####" scores under
-    # the strict GSM8K scorer, so a reward-trained policy must settle on it.
-    marked_fraction: float = 1.0
+    # <answer>." (demonstrations of mixed style, as pooled SFT data often is). One number for all
+    # problems, or one per story kind (CONTEXT_KINDS order: "owner" stories, "container" stories).
+    # Only "####" scores under the strict GSM8K scorer, so a reward-trained policy must settle on it.
+    marked_fraction: float | tuple[float, ...] = 1.0
     data_source: str = DATA_SOURCE
 
     def __post_init__(self) -> None:
@@ -89,10 +91,20 @@ class ArithmeticTask:
         unknown = [op for op in self.operations if op not in ("+", "-")]
         if unknown or not self.operations:
             raise ValueError(f"operations must be a non-empty subset of ('+', '-'), got {self.operations!r}")
-        if not 0.0 <= self.marked_fraction <= 1.0:
-            raise ValueError(f"marked_fraction must be in [0, 1], got {self.marked_fraction}")
+        fractions = self.marked_fractions()
+        if len(fractions) != len(CONTEXT_KINDS) or not all(0.0 <= f <= 1.0 for f in fractions):
+            raise ValueError(
+                f"marked_fraction must be a number in [0, 1] or one per story kind {CONTEXT_KINDS}, "
+                f"got {self.marked_fraction!r}"
+            )
         if self.num_operations < 1:
             raise ValueError(f"num_operations must be >= 1, got {self.num_operations}")
+
+    def marked_fractions(self) -> tuple[float, ...]:
+        """`marked_fraction` per story kind."""
+        if isinstance(self.marked_fraction, (int, float)):
+            return (float(self.marked_fraction),) * len(CONTEXT_KINDS)
+        return tuple(float(f) for f in self.marked_fraction)
 
 
 @dataclass(frozen=True)
@@ -111,7 +123,8 @@ def make_problem(rng: random.Random, task: ArithmeticTask) -> Problem:
     name, pron = rng.choice(_NAMES)
     item = rng.choice(_ITEMS)
     box = rng.choice(_BOXES)
-    context = rng.choice(_CONTEXTS)
+    kind = rng.randrange(len(_CONTEXTS))
+    context = _CONTEXTS[kind]
     fill = {"name": name, "pron": pron, "box": box, "items_pl": item[1]}
 
     value = rng.randint(task.min_operand, task.max_operand)
@@ -133,7 +146,8 @@ def make_problem(rng: random.Random, task: ArithmeticTask) -> Problem:
         value = result
     sentences.append(str(context["question"]).format(**fill))
     # Drawn only when styles mix, so that the default task's problems do not depend on this knob.
-    marked = task.marked_fraction >= 1.0 or rng.random() < task.marked_fraction
+    fraction = task.marked_fractions()[kind]
+    marked = fraction >= 1.0 or rng.random() < fraction
     ending = f"#### {value}" if marked else f"The answer is {value}."
     solution = "\n".join([*lines, ending] if task.show_work else [ending])
     return Problem(question=" ".join(sentences), solution=solution, answer=value)

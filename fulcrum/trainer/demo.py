@@ -4,13 +4,15 @@ In a few minutes on a laptop CPU (faster on a GPU) it runs the whole pipeline on
 generates, and its last line compares validation accuracy after the supervised warm start and after
 PPO (GRPO advantages):
 
-1. data: GSM8K-format arithmetic word problems (`fulcrum.data.synthetic`), one operation on numbers
-   up to 9, scored by the GSM8K scorer (answer after `####`);
+1. data: GSM8K-format arithmetic word problems (`fulcrum.data.synthetic`), one addition or
+   subtraction on numbers up to 9, with the GSM8K instruction; the GSM8K scorer grades them;
 2. a tiny random-initialised model (`fulcrum.models.tiny`, ~1.3 M parameters);
-3. a short supervised warm start (`fulcrum.trainer.sft`) on worked solutions of mixed style: half end
-   in `#### N`, half in `The answer is N.`. Imitation learns the arithmetic and both styles;
-4. PPO with the strict GSM8K reward, which only accepts `#### N`: the policy learns from the reward
-   to use the scored style and to get more sums right. Validation is greedy (verl's `val_kwargs`).
+3. a short supervised warm start (`fulcrum.trainer.sft`) on demonstrations of mixed style, as pooled
+   SFT data often is: most stories of one kind end in `#### N`, most of the other in `The answer is N.`.
+   Imitation learns some arithmetic and both habits;
+4. PPO (GRPO advantages, 8 samples a prompt, temperature 1) with the strict GSM8K reward, which only
+   accepts `#### N`: from the reward alone the policy learns to use the scored style everywhere and
+   gets more sums right. Validation is greedy (verl's `val_kwargs`) on 200 held-out problems.
 
 Overrides given to `fulcrum train` act on the PPO stage, on top of the demo's own settings (e.g.
 `trainer.default_local_dir=DIR`, `trainer.total_training_steps=10`, `trainer.seed=2`,
@@ -32,7 +34,10 @@ import torch
 
 from fulcrum.data.synthetic import ArithmeticTask, write_splits
 
-DEMO_TASK = ArithmeticTask(max_operand=9, marked_fraction=0.5)
+# One operation on numbers up to 9, answer only ("#### 7": no worked line the reward cannot check, which
+# RL would otherwise reward when wrong but ending in the right number). Demonstrations of mixed style:
+# most "owner" stories end in "#### N", most "container" stories in "The answer is N.".
+DEMO_TASK = ArithmeticTask(max_operand=9, show_work=False, marked_fraction=(0.8, 0.2))
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class DemoPlan:
     task: ArithmeticTask = DEMO_TASK
     num_train: int = 4000
     num_test: int = 200
-    sft_steps: int = 200
+    sft_steps: int = 250
     sft_batch_size: int = 32
     sft_lr: float = 2e-3
     # PPO stage, in verl's keys; the user's overrides are applied on top.
@@ -51,18 +56,18 @@ class DemoPlan:
             "algorithm.adv_estimator": "grpo",
             "data.train_batch_size": "32",
             "data.max_prompt_length": "80",
-            "data.max_response_length": "16",
+            "data.max_response_length": "10",
             "actor_rollout_ref.rollout.n": "8",
-            "actor_rollout_ref.rollout.temperature": "0.7",
+            "actor_rollout_ref.rollout.temperature": "1.0",
             "actor_rollout_ref.rollout.name": "hf",
             "actor_rollout_ref.rollout.tensor_model_parallel_size": "1",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "128",
             "actor_rollout_ref.actor.optim.lr": "2e-4",
             "actor_rollout_ref.actor.ppo_mini_batch_size": "32",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "64",
-            "trainer.total_training_steps": "30",
+            "trainer.total_training_steps": "40",
             "trainer.val_before_train": "True",
-            "trainer.test_freq": "30",
+            "trainer.test_freq": "10",
             "trainer.save_freq": "-1",
             "trainer.logger": "[console]",
             "trainer.n_gpus_per_node": "1",
