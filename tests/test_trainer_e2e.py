@@ -173,7 +173,11 @@ def test_bad_sizes_stop_before_loading_models(assets: Path, tmp_path: Path, caps
 
 def test_remax_generates_a_greedy_baseline(assets: Path, tmp_path: Path) -> None:
     torch.set_num_threads(1)
-    extra = ("algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.n=2", "trainer.total_training_steps=1")
+    extra = (
+        "algorithm.adv_estimator=remax",
+        "actor_rollout_ref.rollout.n=2",
+        "trainer.total_training_steps=1",
+    )
     args = [a for a in seed_like(assets, tmp_path / "remax", *extra) if "total_training_steps=2" not in a]
     assert main(args) == 0
     row = read_rows(tmp_path / "remax")[0]
