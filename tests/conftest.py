@@ -2,11 +2,14 @@
 
 import os
 
+# Before torch loads OpenMP: spinning worker threads made busy 2-core runs several times slower.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Two cores in CI: keep torch from oversubscribing them.
 torch.set_num_threads(min(torch.get_num_threads(), 2))
 

@@ -78,7 +78,12 @@ def read_metrics(run_dir: Path) -> dict[int, dict[str, float]]:
 
 
 def repeatable(row: dict[str, float]) -> dict[str, float]:
-    return {k: v for k, v in row.items() if not k.startswith(UNREPEATABLE)}
+    """Drop time and memory figures: the prefixed groups and the engine's seconds (`rollout/*_s`)."""
+    return {
+        k: v
+        for k, v in row.items()
+        if not k.startswith(UNREPEATABLE) and not (k.startswith("rollout/") and k.endswith("_s"))
+    }
 
 
 # native: the engine keeps its own copy of the weights, so a resume must hand it the restored ones.

@@ -173,6 +173,7 @@ def sampling_params(rollout_cfg: Any, response_length: int, seed: int, validate:
         top_p=float(src.top_p),
         top_k=int(src.top_k),
         max_tokens=response_length,
+        ignore_eos=False if validate else bool(rollout_cfg.ignore_eos),
         seed=seed,
     )
 
@@ -349,6 +350,9 @@ class PPOTrainer:
             # 1. generate
             with M.timer("gen", timing):
                 batch = self.generate(items, validate=False)
+            engine_metrics = getattr(self.rollout, "metrics", None)
+            if engine_metrics is not None:  # the engine's own figures (prefill/decode time, preemptions, KV)
+                metrics.update({k: float(v) for k, v in engine_metrics().items()})
             if cfg.algorithm.adv_estimator == "remax":
                 with M.timer("gen_max", timing):
                     batch["reward_baselines"] = self.remax_baselines(items, batch)
@@ -433,7 +437,12 @@ class PPOTrainer:
         rc = self.cfg.actor_rollout_ref.rollout
         base_seed = int(rc.seed if rc.seed is not None else self.cfg.trainer.seed)
         params = sampling_params(rc, self.response_length, 0, validate)
-        prompts_per_chunk = max(1, int(rc.max_num_seqs) // params.n)
+        # The native engine schedules under max_num_seqs itself and shares prompt blocks across all of
+        # them: give it every prompt at once. The hf backend is fed chunks that bound its memory.
+        if getattr(self.rollout, "schedules_own_batches", False):
+            prompts_per_chunk = max(1, len(items))
+        else:
+            prompts_per_chunk = max(1, int(rc.max_num_seqs) // params.n)
         token_ids: list[list[int]] = []
         logprobs: list[list[float]] = []
         prompt_index: list[int] = []
