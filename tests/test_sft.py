@@ -125,7 +125,7 @@ def test_data_errors_name_file_row_and_column(tiny, tmp_path):
 
     tok = AutoTokenizer.from_pretrained(model)
     with pytest.raises(ValueError, match=r"no column 'nope'"):
-        load_examples(str(train), tok, SFTDataConfig(prompt_key="nope"))
+        load_examples(str(train), tok, SFTDataConfig(prompt_key="nope", response_key="extra_info"))
     with pytest.raises(FileNotFoundError, match=r"missing\.parquet"):
         load_examples(str(tmp_path / "missing.parquet"), tok, SFTDataConfig())
     bad = tmp_path / "bad.parquet"

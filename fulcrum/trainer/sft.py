@@ -216,7 +216,7 @@ def load_examples(files: Any, tokenizer: Any, cfg: SFTDataConfig) -> list[SFTExa
         if not Path(path).is_file():
             raise FileNotFoundError(f"SFT data file not found: {path}")
         table = pq.read_table(path)
-        for column in {cfg.prompt_key, cfg.response_key}:
+        for column in (cfg.prompt_key, cfg.response_key):
             if column not in table.column_names:
                 raise ValueError(f"{path}: no column {column!r} (columns: {table.column_names})")
         prompts = table.column(cfg.prompt_key).to_pylist()
