@@ -37,7 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"fulcrum: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
+    module_name = COMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:  # a real missing dependency: show it as it is
+            raise
+        print(f"fulcrum {name}: not available in this version of fulcrum", file=sys.stderr)
+        return 2
     return int(module.main(rest) or 0)
 
 
