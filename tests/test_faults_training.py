@@ -115,6 +115,26 @@ def test_reward_function_that_raises_stops_with_sample_data_source_and_exception
     assert "synthetic/arithmetic" in err and "ValueError: cannot parse the answer" in err
 
 
+def test_reward_errors_can_score_zero_and_are_counted(assets: Path, tmp_path: Path) -> None:
+    """reward_model.on_error=zero: the run goes on, every failed sample scores 0 and is counted."""
+    torch.set_num_threads(1)
+    run_dir = tmp_path / "run"
+    args = overrides(
+        assets,
+        run_dir,
+        **{
+            "custom_reward_function.path": assets / "raising_reward.py",
+            "reward_model.on_error": "zero",
+            "trainer.total_training_steps": 1,
+        },
+    )
+    assert train_main(args) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in rows if r.get("training/global_step") == 1)
+    assert step["reward/num_errors"] == 2.0  # train_batch_size 2 prompts x n=1, every call raised
+    assert step["critic/score/mean"] == 0.0
+
+
 @pytest.mark.slow
 def test_ctrl_c_finishes_the_step_saves_and_exits_130(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

@@ -393,6 +393,11 @@ class RewardModelConfig:
     reward_manager: str = opt(
         "naive", "how scores are computed: naive (one reward-function call per response)"
     )
+    on_error: str = opt(
+        "raise",
+        "a reward function that raises: raise (stop, naming the sample) or zero (score 0, count in "
+        "reward/num_errors) (fulcrum)",
+    )
     launch_reward_fn_async: bool = opt(False, "score in a background process (no effect)")
     sandbox_fusion: SandboxFusionConfig = sub(SandboxFusionConfig, "code sandbox")
     reward_kwargs: dict[str, Any] = opt({}, "extra kwargs passed to the reward function")

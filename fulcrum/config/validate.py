@@ -132,6 +132,10 @@ def _ranges(cfg: FulcrumConfig) -> list[Problem]:
     for key in ("actor_rollout_ref.actor.loss_agg_mode", "critic.loss_agg_mode"):
         if _get(cfg, key) not in agg_modes:
             problems.append(Problem((key,), f"expected one of {list(agg_modes)}, got {_get(cfg, key)!r}"))
+    if cfg.reward_model.on_error not in ("raise", "zero"):
+        problems.append(
+            Problem(("reward_model.on_error",), f"expected raise or zero, got {cfg.reward_model.on_error!r}")
+        )
     return problems
 
 

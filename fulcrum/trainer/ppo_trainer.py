@@ -29,7 +29,7 @@ from fulcrum.config import save_config, to_dict
 from fulcrum.data.dataset import PromptLoader, RLHFDataset
 from fulcrum.models.load import load_tokenizer
 from fulcrum.reward import default_compute_score, load_custom_reward_fn
-from fulcrum.reward.manager import NaiveRewardManager
+from fulcrum.reward.manager import NaiveRewardManager, RewardResult
 from fulcrum.rollout import SamplingParams, build_rollout, logprob_diff
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer.batch import Batch
@@ -141,9 +141,9 @@ def assemble_batch(
 
 def score_batch(
     batch: Batch, tokenizer: Any, manager: NaiveRewardManager
-) -> tuple[torch.Tensor, list[float]]:
+) -> tuple[torch.Tensor, RewardResult]:
     """Naive reward: decode each response (special tokens skipped, as verl), score it, and put the score
-    on its last token. Returns token_level_scores (B, R) and the per-sample scores.
+    on its last token. Returns token_level_scores (B, R) and the manager's result (scores, error count).
     """
     lengths = [int(n) for n in batch["response_mask"].sum(-1).tolist()]
     texts = [
@@ -160,7 +160,7 @@ def score_batch(
     for i, n in enumerate(lengths):
         if n > 0:
             scores[i, n - 1] = result.scores[i]
-    return scores, result.scores
+    return scores, result
 
 
 def sampling_params(rollout_cfg: Any, response_length: int, seed: int, validate: bool) -> SamplingParams:
@@ -238,7 +238,7 @@ class PPOTrainer:
             reward_fn = load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs or {}) or None)
         else:
             reward_fn = default_compute_score
-        self.reward_manager = NaiveRewardManager(compute_score=reward_fn)
+        self.reward_manager = NaiveRewardManager(compute_score=reward_fn, on_error=cfg.reward_model.on_error)
         self.tracking = Tracking(
             list(cfg.trainer.logger),
             self.run_dir,
@@ -358,7 +358,10 @@ class PPOTrainer:
                     batch["reward_baselines"] = self.remax_baselines(items, batch)
             # 2. reward: the score sits on the last response token
             with M.timer("reward", timing):
-                batch["token_level_scores"], _ = score_batch(batch, self.tokenizer, self.reward_manager)
+                batch["token_level_scores"], reward = score_batch(batch, self.tokenizer, self.reward_manager)
+            metrics["reward/num_errors"] = float(reward.num_errors)  # reward_model.on_error=zero
+            for message in reward.errors:
+                logger.warning("step %d: reward scored 0 after an error: %s", self.global_step, message)
             # 3. old log-probs (and entropy), reference log-probs, values
             with M.timer("old_log_prob", timing):
                 old_log_probs, entropys = self.actor.compute_log_prob(batch)
@@ -520,8 +523,8 @@ class PPOTrainer:
             self.pad_id,
             "remax",
         )
-        _, greedy_scores = score_batch(greedy, self.tokenizer, self.reward_manager)
-        per_prompt = torch.tensor(greedy_scores, dtype=torch.float32)
+        _, greedy = score_batch(greedy, self.tokenizer, self.reward_manager)
+        per_prompt = torch.tensor(greedy.scores, dtype=torch.float32)
         n = int(rc.n)
         return per_prompt.repeat_interleave(n)[: len(batch)]
 
@@ -530,7 +533,8 @@ class PPOTrainer:
         assert self.val_dataset is not None
         items = [self.val_dataset[i] for i in range(len(self.val_dataset))]
         batch = self.generate(items, validate=True)
-        _, scores = score_batch(batch, self.tokenizer, self.reward_manager)
+        _, result = score_batch(batch, self.tokenizer, self.reward_manager)
+        scores = result.scores
         n = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
         by_source: dict[str, list[float]] = defaultdict(list)
         for ds, s in zip(batch.non_tensors["data_source"], scores, strict=True):
