@@ -23,18 +23,7 @@ from pathlib import Path
 
 import torch
 
-QWEN05_SHAPE = {
-    "hidden_size": 896,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "intermediate_size": 4864,
-    "vocab_size": 151936,
-    "tie_word_embeddings": True,
-    "max_position_embeddings": 32768,
-    "rope_theta": 1_000_000.0,
-    "rms_norm_eps": 1e-6,
-}
+from fulcrum.rollout.testing import QWEN25_05B_SHAPE
 
 
 def make_model(out: Path, seed: int = 0) -> Path:
@@ -45,7 +34,7 @@ def make_model(out: Path, seed: int = 0) -> Path:
 
     tokenizer = build_tokenizer()
     eos_id, pad_id = tokenizer.convert_tokens_to_ids([IM_END, PAD_TOKEN])
-    config = Qwen2Config(**QWEN05_SHAPE, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+    config = Qwen2Config(**QWEN25_05B_SHAPE, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
