@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fulcrum.data.dataset import left_pad
 from fulcrum.rollout import SamplingParams, logprob_diff
-from fulcrum.rollout.hf import left_pad_ids
 from fulcrum.rollout.native import EngineConfig, NativeEngine
 from fulcrum.rollout.testing import QWEN25_05B_SHAPE, random_causal_lm
 
@@ -228,7 +228,7 @@ def bench_logprob_gap(args, engine, model, prompts, device, summary: dict) -> No
 def bench_hf(args, model, prompts, device, summary: dict) -> None:
     params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True)
     batch = len(prompts)
-    ids, mask = left_pad_ids(prompts, 0, device)
+    ids, mask = (t.to(device) for t in left_pad(prompts, 0))
     kwargs = dict(
         attention_mask=mask,
         max_new_tokens=params.max_tokens,

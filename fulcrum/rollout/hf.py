@@ -20,23 +20,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
+from fulcrum.data.dataset import left_pad
 from fulcrum.rollout.base import FinishReason, RolloutOutput, SamplingParams
 from fulcrum.rollout.sampling import sample_next
-
-
-def left_pad_ids(
-    prompts: list[list[int]], pad_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token id lists: (input_ids (B, L) int64, attention_mask (B, L) int64, 1 = real token)."""
-    length = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), length), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        if prompt:
-            ids[row, length - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, length - len(prompt) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 def cache_of(output: Any) -> Any:
@@ -115,7 +103,9 @@ class HFRollout:
         self.model.eval()
         try:
             with torch.no_grad(), self._autocast():
-                for start in range(0, len(expanded), self.max_num_seqs):
+                starts = range(0, len(expanded), self.max_num_seqs)
+                bar = tqdm(starts, desc="generation", unit="chunk", leave=False, disable=len(starts) <= 1)
+                for start in bar:
                     chunk = expanded[start : start + self.max_num_seqs]
                     ids, lps, why = self._generate_chunk(chunk, params, stop_ids, generator)
                     token_ids += ids
@@ -132,7 +122,8 @@ class HFRollout:
         stop_ids: list[int],
         generator: torch.Generator | None,
     ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
-        input_ids, attention_mask = left_pad_ids(prompts, self.pad_token_id, self.device)
+        input_ids, attention_mask = left_pad(prompts, self.pad_token_id)
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         batch = input_ids.shape[0]
         # Left padding shifts every row: positions count real tokens only, as in training.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)

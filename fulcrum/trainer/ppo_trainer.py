@@ -436,34 +436,20 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------------------ the stages
     def generate(self, items: list[dict[str, Any]], validate: bool) -> Batch:
-        """Sample responses for `items` (chunks of max_num_seqs responses, with a progress bar)."""
+        """Sample responses for `items`. Every backend batches under max_num_seqs by itself (the native
+        engine also shares prompt blocks across the whole call), so all prompts go in one call."""
         rc = self.cfg.actor_rollout_ref.rollout
         base_seed = int(rc.seed if rc.seed is not None else self.cfg.trainer.seed)
         params = sampling_params(rc, self.response_length, 0, validate)
-        # The native engine schedules under max_num_seqs itself and shares prompt blocks across all of
-        # them: give it every prompt at once. The hf backend is fed chunks that bound its memory.
-        if getattr(self.rollout, "schedules_own_batches", False):
-            prompts_per_chunk = max(1, len(items))
-        else:
-            prompts_per_chunk = max(1, int(rc.max_num_seqs) // params.n)
-        token_ids: list[list[int]] = []
-        logprobs: list[list[float]] = []
-        prompt_index: list[int] = []
+        # A different, reproducible seed per step (validation: the same every time).
+        params.seed = base_seed * 1_000_003 + (0 if validate else self.global_step) * 1009
         free_cache = bool(rc.free_cache_engine)
         if free_cache:
             self.rollout.wake_up()
-        chunks = range(0, len(items), prompts_per_chunk)
-        desc = "validation" if validate else "generation"
-        for start in tqdm(chunks, desc=desc, unit="chunk", leave=False, disable=len(chunks) <= 1):
-            chunk = items[start : start + prompts_per_chunk]
-            # A different, reproducible seed per step and chunk (validation: per chunk only).
-            params.seed = base_seed * 1_000_003 + (0 if validate else self.global_step) * 1009 + start
-            out = self.rollout.generate([it["input_ids"] for it in chunk], params)
-            token_ids += out.token_ids
-            logprobs += out.logprobs
-            prompt_index += [start + i for i in out.prompt_index]
+        out = self.rollout.generate([it["input_ids"] for it in items], params)
         if free_cache:
             self.rollout.sleep()
+        token_ids, logprobs, prompt_index = out.token_ids, out.logprobs, out.prompt_index
         prefix = "val" if validate else f"s{self.global_step}"
         return assemble_batch(
             items,

@@ -95,17 +95,23 @@ def _pad_right(x: torch.Tensor, length: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, length - x.shape[1]))
 
 
-def forward_log_prob(
-    model: nn.Module, mb: Batch, temperature: float, with_entropy: bool, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(response tokens) (B, R), float32, logits divided by the rollout temperature as verl; entropy too."""
-    r = mb.response_length
-    ids, mask, pos, r_kept = trim_padding(
+def trimmed_inputs(mb: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The micro-batch's (input_ids, attention_mask, position_ids) on `device` with all-padding columns
+    trimmed (see trim_padding), and how many response columns remain."""
+    return trim_padding(
         mb["input_ids"].to(device),
         mb["attention_mask"].to(device),
         mb["position_ids"].to(device),
         mb.prompt_length,
     )
+
+
+def forward_log_prob(
+    model: nn.Module, mb: Batch, temperature: float, with_entropy: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(response tokens) (B, R), float32, logits divided by the rollout temperature as verl; entropy too."""
+    r = mb.response_length
+    ids, mask, pos, r_kept = trimmed_inputs(mb, device)
     with autocast_for(device):
         logits = response_logits(model, ids, mask, pos, r_kept)  # (B, R', V)
     labels = mb["responses"][:, :r_kept].to(device)
@@ -119,12 +125,7 @@ def forward_log_prob(
 def forward_values(model: nn.Module, mb: Batch, device: torch.device) -> torch.Tensor:
     """V(state before each response token) (B, R), float32, zero outside the response mask."""
     r = mb.response_length
-    ids, mask, pos, r_kept = trim_padding(
-        mb["input_ids"].to(device),
-        mb["attention_mask"].to(device),
-        mb["position_ids"].to(device),
-        mb.prompt_length,
-    )
+    ids, mask, pos, r_kept = trimmed_inputs(mb, device)
     with autocast_for(device):
         values = model(input_ids=ids, attention_mask=mask, position_ids=pos)  # (B, T')
     values = values[:, -r_kept - 1 : -1].float()  # (B, R'), as verl's critic slices

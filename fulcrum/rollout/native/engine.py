@@ -40,9 +40,6 @@ def rotary_of(hf_model: nn.Module) -> tuple[torch.Tensor, float]:
 class NativeEngine:
     """Paged-KV continuous-batching engine over its own copy of a Qwen2/Llama model's weights."""
 
-    # The trainer hands it all prompts at once: it batches under max_num_seqs by itself.
-    schedules_own_batches = True
-
     def __init__(
         self,
         hf_model: nn.Module,
