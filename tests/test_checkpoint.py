@@ -18,7 +18,6 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from fulcrum.models.tiny import build_tiny_model
 from fulcrum.models.value_head import CriticModel
-from fulcrum.trainer import checkpoint as ckpt_mod
 from fulcrum.trainer.checkpoint import (
     LATEST_FILE,
     CheckpointError,
@@ -26,6 +25,9 @@ from fulcrum.trainer.checkpoint import (
     DiskFullError,
     read_latest_step,
 )
+from fulcrum.trainer.checkpoint import manager as ckpt_mod
+from fulcrum.trainer.checkpoint.rng import capture_rng_state, restore_rng_state
+from fulcrum.trainer.run_dir import trim_metrics_log
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
@@ -246,19 +248,19 @@ def test_trim_metrics_log_drops_steps_after_the_checkpoint_in_place(tmp_path: Pa
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "training/glo')
     appender = path.open("a")  # the logger's handle, opened before the resume
-    assert ckpt_mod.trim_metrics_log(path, 2) == 2
+    assert trim_metrics_log(path, 2) == 2
     appender.write(json.dumps({"step": 3, "training/global_step": 3}) + "\n")
     appender.close()
     steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
     assert steps == [0, 1, 2, 3]
-    assert ckpt_mod.trim_metrics_log(tmp_path / "absent.jsonl", 2) == 0
+    assert trim_metrics_log(tmp_path / "absent.jsonl", 2) == 0
 
 
 @pytest.mark.gpu
 def test_cuda_rng_state_is_captured_and_restored() -> None:
     torch.cuda.manual_seed_all(3)
-    state = ckpt_mod.capture_rng_state()
+    state = capture_rng_state()
     expected = torch.rand(4, device="cuda")
     torch.cuda.manual_seed_all(4)
-    ckpt_mod.restore_rng_state(state)
+    restore_rng_state(state)
     assert torch.equal(torch.rand(4, device="cuda"), expected)

@@ -17,12 +17,25 @@ import torch
 from fulcrum.config import load_config
 from fulcrum.data.synthetic import write_splits
 from fulcrum.models.tiny import build_tiny_model
-from fulcrum.trainer.checkpoint import SLOW_WRITE_ENV, read_latest_step
+from fulcrum.trainer.checkpoint import read_latest_step
 from fulcrum.trainer.ppo_trainer import PPOTrainer
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
 # Metrics that measure time or memory differ between any two runs; everything else must repeat.
 UNREPEATABLE = ("timing_s/", "timing_per_token_ms/", "perf/")
+# `fulcrum train` whose save of step 2 stops for 120 s once the actor is written, so the test can kill it there.
+SLOW_SAVE_OF_STEP_2 = """
+import sys, time
+from fulcrum.trainer.checkpoint import manager
+from fulcrum.trainer.main_ppo import main
+write_role = manager.CheckpointManager._write_role
+def slow_write_role(role_dir, role):
+    write_role(role_dir, role)
+    if role_dir.parent.name.startswith("global_step_2.tmp-") and role_dir.name == "actor":
+        time.sleep(120)
+manager.CheckpointManager._write_role = staticmethod(slow_write_role)
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +131,9 @@ def test_sigkill_during_save_resumes_from_previous_checkpoint(assets: Path, tmp_
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "fulcrum.trainer.main_ppo"]
     args = overrides(assets, run_dir, **{"trainer.save_freq": 1, "trainer.total_training_steps": 3})
-    env = {**os.environ, SLOW_WRITE_ENV: "120@2", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(command + args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    slow = [sys.executable, "-c", SLOW_SAVE_OF_STEP_2]
+    proc = subprocess.Popen(slow + args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         # The save of step 2 sleeps after writing the actor: kill the trainer then.
@@ -137,7 +151,6 @@ def test_sigkill_during_save_resumes_from_previous_checkpoint(assets: Path, tmp_
     assert read_latest_step(run_dir) == 1 and not (run_dir / "global_step_2").exists()
     assert list(run_dir.glob("global_step_2.tmp-*")), "the killed save should have left its temp folder"
 
-    env.pop(SLOW_WRITE_ENV)
     done = subprocess.run(command + args, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert read_latest_step(run_dir) == 3

@@ -156,7 +156,7 @@ def test_prompt_loader_resumes_exactly() -> None:
         if len(seen) == 2:
             break
     state = loader.state_dict()
-    assert state == {"epoch": 0, "position": 2, "seed": 3}
+    assert state == {"epoch": 0, "position": 2, "prompts": 8, "seed": 3}
     assert all(type(v) is int for v in state.values())
 
     resumed = PromptLoader(items, batch_size=4, seed=99)
@@ -169,6 +169,6 @@ def test_prompt_loader_resumes_exactly() -> None:
     seen.append(next(iterator))
     again = PromptLoader(items, batch_size=4)
     again.load_state_dict(resumed.state_dict())
-    assert again.state_dict() == {"epoch": 1, "position": 3, "seed": 3}
+    assert again.state_dict() == {"epoch": 1, "position": 3, "prompts": 12, "seed": 3}
     seen += list(again)
     assert _indices(seen) == expected

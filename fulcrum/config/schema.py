@@ -482,6 +482,12 @@ class TrainerConfig:
     seed: int = opt(1, "seed for model init, sampling and data order (ours)")
     save_on_interrupt: bool = opt(True, "write a checkpoint on Ctrl-C / SIGTERM (ours)")
     max_nan_steps: int = opt(3, "stop after this many consecutive steps with a NaN/inf loss (ours)")
+    overwrite_run: bool = opt(
+        False, "start afresh where another run is: move it into old_runs/<time>/ (never deleted) (ours)"
+    )
+    accept_config_changes: bool = opt(
+        False, "resume although keys that change what or how the run trains differ (ours)"
+    )
 
 
 # ------------------------------------------------------------------------------------------ root

@@ -203,6 +203,8 @@ class PromptLoader:
 
     Each `iter()` yields the rest of the current epoch; the order of epoch e is a permutation drawn
     from (seed, e) alone, so a loader restored from `state_dict()` continues with the same batches.
+    The position is kept in prompts, so a run resumed with another batch size neither repeats nor
+    skips a prompt of the epoch.
     """
 
     def __init__(
@@ -221,7 +223,7 @@ class PromptLoader:
         self.drop_last = drop_last
         self.seed = int(seed)
         self.epoch = 0
-        self.position = 0  # batches of the current epoch already handed out
+        self.offset = 0  # prompts of the current epoch already handed out
         if len(self) == 0:
             raise ValueError(
                 f"the data set has {len(dataset)} prompts, fewer than the batch size {batch_size}: no full batch"
@@ -238,24 +240,37 @@ class PromptLoader:
             return np.arange(len(self.dataset))
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
 
+    def _has_batch(self) -> bool:
+        left = len(self.dataset) - self.offset
+        return left >= self.batch_size or (left > 0 and not self.drop_last)
+
     def __iter__(self) -> Iterator[list[dict[str, Any]]]:
-        if self.position >= len(self):  # a state saved right after an epoch's last batch
-            self.epoch, self.position = self.epoch + 1, 0
+        if not self._has_batch():  # a state saved right after an epoch's last batch
+            self.epoch, self.offset = self.epoch + 1, 0
         order = self.order(self.epoch)
-        while self.position < len(self):
-            start = self.position * self.batch_size
-            batch = [self.dataset[int(i)] for i in order[start : start + self.batch_size]]
+        while self._has_batch():
+            batch = [self.dataset[int(i)] for i in order[self.offset : self.offset + self.batch_size]]
             # Count the batch as consumed before handing it out: a checkpoint taken while the
             # trainer works on it must resume with the next one.
-            self.position += 1
+            self.offset += len(batch)
             yield batch
-        self.epoch, self.position = self.epoch + 1, 0
+        self.epoch, self.offset = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+        """{epoch, position (batches served this epoch), prompts (prompts served this epoch), seed}."""
+        return {
+            "epoch": self.epoch,
+            "position": -(-self.offset // self.batch_size),
+            "prompts": self.offset,
+            "seed": self.seed,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         missing = {"epoch", "position", "seed"} - set(state)
         if missing:
             raise KeyError(f"PromptLoader state lacks {sorted(missing)}")
-        self.epoch, self.position, self.seed = int(state["epoch"]), int(state["position"]), int(state["seed"])
+        self.epoch, self.seed = int(state["epoch"]), int(state["seed"])
+        # States written before the position was kept in prompts count batches of this batch size.
+        self.offset = (
+            int(state["prompts"]) if "prompts" in state else int(state["position"]) * self.batch_size
+        )

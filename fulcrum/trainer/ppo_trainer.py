@@ -25,7 +25,7 @@ from tqdm import tqdm
 from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS
 from fulcrum.algo.kl import apply_kl_penalty, build_kl_controller
 from fulcrum.algo.losses import agg_loss
-from fulcrum.config import save_config, to_dict
+from fulcrum.config import to_dict
 from fulcrum.data.dataset import PromptLoader, RLHFDataset
 from fulcrum.models.load import load_tokenizer
 from fulcrum.reward import default_compute_score, load_custom_reward_fn
@@ -33,9 +33,10 @@ from fulcrum.reward.manager import NaiveRewardManager, RewardResult
 from fulcrum.rollout import SamplingParams, build_rollout, logprob_diff
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer.batch import Batch
-from fulcrum.trainer.checkpoint import trim_metrics_log
+from fulcrum.trainer.checkpoint import CheckpointManager
 from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, explain_oom
 from fulcrum.trainer.loggers import Tracking
+from fulcrum.trainer.run_dir import open_run_dir
 from fulcrum.workers.actor import ActorWorker, ReferenceWorker
 from fulcrum.workers.critic import CriticWorker
 
@@ -188,8 +189,14 @@ class PPOTrainer:
         seed_everything(seed)
         arr = cfg.actor_rollout_ref
         self.run_dir = Path(cfg.trainer.default_local_dir).expanduser()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.run_dir / "config.yaml")
+        # Which checkpoint to resume (verified), the one-run rule and the configuration check, before
+        # anything is loaded: a refusal costs no time.
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer)
+        role_names = ["actor", "critic"] if use_critic(cfg) else ["actor"]
+        self.resume_choice = self.checkpoints.choose_resume(role_names)
+        self.attempt = open_run_dir(self.run_dir, cfg, self.resume_choice, self.checkpoints)
+        for note in self.attempt.notes:
+            print(f"note: {note}", flush=True)
 
         self.tokenizer = load_tokenizer(arr.model.path)
         data = cfg.data
@@ -246,7 +253,6 @@ class PPOTrainer:
             cfg.trainer.experiment_name,
             to_dict(cfg),
         )
-        self.checkpoints = _checkpoint_manager(self.run_dir, cfg.trainer)
         self.nan_guard = NonFiniteGuard(int(cfg.trainer.max_nan_steps))
         self.exit_code = 0  # 128 + signal number when Ctrl-C / SIGTERM stopped the run (helper G)
         self._interrupt: GracefulInterrupt | None = None
@@ -270,11 +276,9 @@ class PPOTrainer:
         }
 
     def _resume(self) -> None:
-        if self.checkpoints is None:
+        if self.resume_choice.path is None:
             return
-        state = self.checkpoints.resume(self.roles())
-        if not state:
-            return
+        state = self.checkpoints.load(self.resume_choice.path, self.roles(), verify=False)
         self.global_step = int(state["global_step"])
         self.epoch = int(state.get("epoch", 0))
         if state.get("data_loader") is not None:
@@ -285,8 +289,6 @@ class PPOTrainer:
             self.nan_guard.load_state_dict(state["nan_guard"])
         # The native engine keeps its own copy of the weights: hand it the restored ones.
         self.rollout.update_weights(self.actor.model.named_parameters())
-        # Steps a killed run logged after its last checkpoint are trained (and logged) again.
-        trim_metrics_log(self.run_dir / "metrics.jsonl", self.global_step)
         print(f"resumed from global_step {self.global_step}", flush=True)
 
     def fit(self) -> dict[str, float]:
@@ -416,7 +418,9 @@ class PPOTrainer:
                 )
             ):
                 with M.timer("save_checkpoint", timing):
-                    self.checkpoints.save(self.global_step, self.roles(), self.trainer_state())
+                    self.checkpoints.save(
+                        self.global_step, self.roles(), self.trainer_state(), run_config=to_dict(self.cfg)
+                    )
         # 8. metrics
         metrics.update(M.compute_data_metrics(batch, use_critic=self.critic is not None))
         metrics.update(M.compute_timing_metrics(batch, timing))
@@ -529,10 +533,3 @@ class PPOTrainer:
         _, lengths = M.prompt_and_response_lengths(batch)
         out["val-aux/response_length/mean"] = float(lengths.mean().item())
         return out
-
-
-def _checkpoint_manager(run_dir: Path, trainer_cfg: Any) -> Any:
-    """Helper G's CheckpointManager (atomic save, exact resume)."""
-    from fulcrum.trainer.checkpoint import CheckpointManager
-
-    return CheckpointManager(run_dir, trainer_cfg)

@@ -1,0 +1,97 @@
+"""A model as a Hugging Face folder (config.json + safetensors + tokenizer), and its weights back in place.
+
+The actor is a `PreTrainedModel` and uses its own `save_pretrained`. The critic
+(`fulcrum.models.value_head.CriticModel`) names its parts as `XxxForTokenClassification` does
+(`model.*`, `score.weight`, `score.bias`), so it is written in that layout with `num_labels=1` and
+`AutoModelForTokenClassification` loads it.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_model
+
+from fulcrum.trainer.checkpoint.layout import CheckpointError
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights as plain CPU-or-device tensors (DTensor shards gathered into full tensors)."""
+    state = model.state_dict()
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state.items()}
+
+
+def check_weights_finite(model: torch.nn.Module, where: str) -> None:
+    """Refuse to write a checkpoint whose weights hold NaN/Inf: it would poison every resume."""
+    for name, param in model.named_parameters():
+        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+        if not bool(torch.isfinite(tensor.detach()).all()):
+            raise CheckpointError(
+                f"{where}: parameter {name!r} holds NaN/Inf; not saving a corrupt checkpoint"
+            )
+
+
+def token_classification_config(config: Any) -> Any:
+    """A copy of a backbone's config that `AutoModelForTokenClassification` loads as backbone + 1-output head."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    arch = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.get(config.model_type)
+    if arch is None:
+        raise CheckpointError(
+            f"model_type {config.model_type!r} has no token-classification class in transformers: "
+            "the critic cannot be written as a Hugging Face folder"
+        )
+    out = copy.deepcopy(config)
+    out.architectures = [arch]
+    out.num_labels = 1
+    return out
+
+
+def save_model_folder(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> None:
+    """Write `model` (and `tokenizer`) as a Hugging Face folder: config.json + *.safetensors + tokenizer."""
+    state = full_state_dict(model)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(str(out_dir), state_dict=state)
+    elif hasattr(model, "config") and hasattr(model, "score"):
+        token_classification_config(model.config).save_pretrained(str(out_dir))
+        save_model(model, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        raise CheckpointError(
+            f"{type(model).__name__} is neither a Hugging Face PreTrainedModel nor a value model with "
+            "`.config` and `.score`: cannot write it as a Hugging Face folder"
+        )
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
+
+
+def load_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face folder's safetensors files (one file or shards)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors weights file")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file), device="cpu"))
+    return state
+
+
+def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Copy the folder's weights into `model` in place. Tied weights (saved once) are allowed to be absent."""
+    state = load_safetensors_folder(folder)
+    own = model.state_dict()
+    unexpected = sorted(set(state) - set(own))
+    if unexpected:
+        raise CheckpointError(f"{folder}: weights {unexpected[:5]} do not exist in {type(model).__name__}")
+    loaded_ptrs = {own[k].data_ptr() for k in state}
+    missing = [k for k in own if k not in state and own[k].data_ptr() not in loaded_ptrs]
+    if missing:
+        raise CheckpointError(f"{folder}: weights {missing[:5]} of {type(model).__name__} are missing")
+    for key, value in state.items():
+        if own[key].shape != value.shape:
+            raise CheckpointError(
+                f"{folder}: {key} has shape {tuple(value.shape)}, model has {tuple(own[key].shape)}"
+            )
+    model.load_state_dict(state, strict=False)
