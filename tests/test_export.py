@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -82,8 +83,47 @@ def test_export_casts_dtype_and_reports_bad_input(trained_run, tmp_path: Path, c
     assert (got - expected).abs().max() < 0.1  # bf16 rounding of weights, not a different model
 
     assert export_main([str(run_dir / "global_step_5"), "--out", str(out)]) == 1
-    assert "not empty" in capsys.readouterr().err
+    assert "pass --force" in capsys.readouterr().err
     assert export_main([str(run_dir / "global_step_6"), "--out", str(tmp_path / "x")]) == 1
     assert "global_step_6: no such checkpoint folder" in capsys.readouterr().err
     (run_dir / "global_step_9.tmp-1").mkdir(exist_ok=True)  # a run folder's temp folders are never exported
     assert export_main([str(run_dir), "--out", str(tmp_path / "y"), "--role", "critic"]) == 0
+
+
+def test_export_never_deletes_its_source_or_other_folders(trained_run, tmp_path: Path, capsys) -> None:
+    run_dir, _, _ = trained_run
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    # --out equal to, inside, or containing the source run: refused, even with --force.
+    for out in (run_dir, run_dir / "global_step_5" / "hf", run_dir.parent):
+        assert export_main([str(run_dir), "--out", str(out), "--force"]) == 1
+        assert "source run" in capsys.readouterr().err
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+    # A non-empty folder that no export wrote (say a sibling run) is never replaced.
+    sibling = tmp_path / "other_run"
+    sibling.mkdir()
+    (sibling / "metrics.jsonl").write_text("{}\n")
+    assert export_main([str(run_dir), "--out", str(sibling), "--force"]) == 1
+    assert "not written by fulcrum export" in capsys.readouterr().err
+    assert (sibling / "metrics.jsonl").read_text() == "{}\n"
+    # A previous export is replaced with --force, and only with it.
+    out = tmp_path / "hf"
+    assert export_main([str(run_dir), "--out", str(out)]) == 0
+    assert export_main([str(run_dir), "--out", str(out)]) == 1
+    assert "pass --force" in capsys.readouterr().err
+    assert export_main([str(run_dir), "--out", str(out), "--dtype", "bfloat16", "--force"]) == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "other_run"]  # no temp folders left
+
+
+def test_export_refuses_a_damaged_checkpoint(trained_run, tmp_path: Path, capsys) -> None:
+    run_dir, _, _ = trained_run
+    damaged = tmp_path / "run" / "global_step_5"
+    shutil.copytree(run_dir / "global_step_5", damaged)
+    weights = damaged / "actor" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # same size, other bytes
+    weights.write_bytes(bytes(data))
+    assert export_main([str(damaged), "--out", str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert "model.safetensors" in err and "SHA-256" in err
+    assert not (tmp_path / "hf").exists()

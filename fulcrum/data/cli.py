@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 
@@ -16,6 +17,13 @@ import pyarrow.parquet as pq
 def _gsm8k(args: argparse.Namespace) -> int:
     from fulcrum.data.gsm8k import GSM8KError, prepare_gsm8k
 
+    taken = [
+        p for p in (Path(args.out).expanduser() / f"{s}.parquet" for s in ("train", "test")) if p.exists()
+    ]
+    if taken:  # never overwrite data files: they may be a user's own
+        names = ", ".join(str(p) for p in taken)
+        print(f"fulcrum data gsm8k: {names} already exist(s); choose another --out", file=sys.stderr)
+        return 1
     try:
         paths = prepare_gsm8k(args.src, args.out)
     except (GSM8KError, OSError) as err:

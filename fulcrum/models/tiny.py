@@ -121,6 +121,14 @@ def _portable_tokenizer_config(path: Path) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
+def existing_model_files(folder: Path) -> list[str]:
+    """Files of a model folder (config, weights, tokenizer) already in `folder`: tiny-model will not overwrite them."""
+    if not folder.is_dir():
+        return []
+    patterns = ("config.json", "generation_config.json", "*.safetensors", "tokenizer*", "*.bin")
+    return sorted({p.name for pattern in patterns for p in folder.glob(pattern)})
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """Distinct parameters (a tied embedding counts once)."""
     return sum(p.numel() for p in model.parameters())
@@ -143,6 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         "--tie-word-embeddings", action="store_true", help="share the input embedding and LM head"
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    taken = existing_model_files(Path(args.out))
+    if taken:  # never overwrite a model folder: --out may be a user's real checkpoint
+        print(
+            f"fulcrum tiny-model: --out {args.out} already holds {', '.join(taken)}; choose a new or empty folder",
+            file=sys.stderr,
+        )
+        return 1
     try:
         out = build_tiny_model(
             args.out,

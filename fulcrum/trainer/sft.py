@@ -38,6 +38,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from fulcrum.config import ConfigError
+from fulcrum.trainer.run_dir import other_run_contents
 
 # ---------------------------------------------------------------- configuration (verl's sft_trainer.yaml)
 
@@ -376,6 +377,11 @@ def run_sft(cfg: SFTConfig, log: Any = print) -> SFTResult:
     torch.manual_seed(cfg.trainer.seed)
     device = resolve_device(cfg.trainer.device)
     run_dir = Path(cfg.trainer.default_local_dir)
+    there = other_run_contents(run_dir)
+    if there:  # one run directory, one run: never overwrite another run's checkpoints or metrics
+        raise ConfigError(
+            f"trainer.default_local_dir={run_dir} holds another run ({'; '.join(there)}); choose another folder"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
 
