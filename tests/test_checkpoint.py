@@ -264,3 +264,38 @@ def test_cuda_rng_state_is_captured_and_restored() -> None:
     torch.cuda.manual_seed_all(4)
     restore_rng_state(state)
     assert torch.equal(torch.rand(4, device="cuda"), expected)
+
+
+def test_auto_skips_damaged_checkpoints_naming_why_and_resume_path_says_what_is_wrong(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    roles = make_roles(model_dir, seed=1)
+    manager = CheckpointManager(tmp_path, {"resume_mode": "auto"})
+    for step in (1, 2, 3, 4):
+        manager.save(step, roles, {"epoch": 0})
+    manifest = json.loads((tmp_path / "global_step_1" / "checkpoint.json").read_text())
+    entry = manifest["files"]["actor/model.safetensors"]
+    assert len(entry["sha256"]) == 64 and entry["bytes"] > 0
+    (tmp_path / "global_step_4" / "checkpoint.json").unlink()
+    (tmp_path / "global_step_3" / "critic" / "model.safetensors").unlink()
+    optimizer = tmp_path / "global_step_2" / "actor" / "optimizer.pt"
+    data = bytearray(optimizer.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    optimizer.write_bytes(bytes(data))
+
+    choice = manager.choose_resume(["actor", "critic"])
+    assert choice.path == tmp_path / "global_step_1"
+    reasons = {path.name: " ".join(problems) for path, problems in choice.skipped}
+    assert "no checkpoint.json" in reasons["global_step_4"]
+    assert "critic/model.safetensors: missing" in reasons["global_step_3"]
+    assert "optimizer.pt: content differs" in reasons["global_step_2"]
+    # An actor-only run does not load the critic: step 3 is intact for it.
+    assert manager.choose_resume(["actor"]).path == tmp_path / "global_step_3"
+
+    by_path = {"resume_mode": "resume_path", "resume_from_path": str(tmp_path / "global_step_2")}
+    with pytest.raises(CheckpointError, match=r"damaged:\n.*optimizer.pt: content differs"):
+        CheckpointManager(tmp_path, by_path).choose_resume(["actor", "critic"])
+    (tmp_path / "global_step_1" / "rng_state.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="none is intact") as info:
+        manager.choose_resume(["actor", "critic"])
+    assert "global_step_1" in str(info.value) and "resume_path" in str(info.value)
