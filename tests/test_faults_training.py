@@ -1,4 +1,4 @@
-"""Faults in a real training run: a reward function that returns NaN, and Ctrl-C with save_on_interrupt."""
+"""Faults in a real training run: NaN losses, reward functions that raise or return NaN, and Ctrl-C."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from safetensors.torch import load_file
 
 from fulcrum.data.synthetic import write_splits
 from fulcrum.models.tiny import build_tiny_model
+from fulcrum.trainer import ppo_trainer
 from fulcrum.trainer.checkpoint import is_complete, read_latest_step
 from fulcrum.trainer.main_ppo import main as train_main
+from fulcrum.trainer.ppo_trainer import score_batch
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
 
@@ -67,16 +69,22 @@ def logged_steps(run_dir: Path) -> list[dict]:
     return [row for row in map(json.loads, lines) if "training/global_step" in row]
 
 
-def test_nan_reward_skips_updates_counts_them_and_stops_after_max_nan_steps(
-    assets: Path, tmp_path, capsys
+def test_nan_loss_skips_updates_counts_them_and_stops_after_max_nan_steps(
+    assets: Path, tmp_path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A NaN that reaches the losses (here: token scores made NaN after the reward manager checked them)."""
     torch.set_num_threads(1)
     run_dir = tmp_path / "run"
+
+    def nan_scores(batch, tokenizer, manager):
+        scores, result = score_batch(batch, tokenizer, manager)
+        return torch.full_like(scores, float("nan")), result
+
+    monkeypatch.setattr(ppo_trainer, "score_batch", nan_scores)
     args = overrides(
         assets,
         run_dir,
         **{
-            "custom_reward_function.path": assets / "nan_reward.py",
             "trainer.max_nan_steps": 2,
             "trainer.save_freq": 1,
             "trainer.total_training_steps": 4,
@@ -133,6 +141,21 @@ def test_reward_errors_can_score_zero_and_are_counted(assets: Path, tmp_path: Pa
     step = next(r for r in rows if r.get("training/global_step") == 1)
     assert step["reward/num_errors"] == 2.0  # train_batch_size 2 prompts x n=1, every call raised
     assert step["critic/score/mean"] == 0.0
+
+
+def test_nan_reward_is_named_and_handled_by_on_error(assets: Path, tmp_path: Path, capsys) -> None:
+    torch.set_num_threads(1)
+    reward = {"custom_reward_function.path": assets / "nan_reward.py", "trainer.total_training_steps": 1}
+    assert train_main(overrides(assets, tmp_path / "raise", **reward)) == 1
+    err = capsys.readouterr().err
+    assert "reward function failed on sample 0 (data_source 'synthetic/arithmetic')" in err
+    assert "returned nan (not a finite number)" in err
+
+    run_dir = tmp_path / "zero"
+    assert train_main(overrides(assets, run_dir, **reward, **{"reward_model.on_error": "zero"})) == 0
+    step = logged_steps(run_dir)[0]
+    assert step["reward/num_nonfinite"] == 2.0 and step["reward/num_errors"] == 2.0
+    assert step["critic/score/mean"] == 0.0 and step["training/nan_skipped_steps"] == 0  # the update ran
 
 
 @pytest.mark.slow

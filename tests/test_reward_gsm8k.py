@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from fulcrum.reward import default_compute_score, load_custom_reward_fn, scorer_for
 from fulcrum.reward.gsm8k import compute_score, extract_solution
@@ -145,3 +147,36 @@ def test_manager_errors_name_the_sample_or_count_them() -> None:
     assert result.num_errors == 1 and "unknown/source" in result.errors[0]
     with pytest.raises(ValueError, match="2 responses but 1 ground truths"):
         NaiveRewardManager().score(responses, ["1"], sources)
+
+
+@pytest.mark.parametrize(
+    "returned, accepted",
+    [
+        (0.5, 0.5),
+        (1, 1.0),
+        (True, 1.0),  # verl accepts bools
+        (np.float32(0.25), 0.25),
+        ({"score": False, "acc": 1}, 0.0),
+        ("0.5", None),  # a string is not coerced
+        (None, None),
+        (torch.tensor(0.5), None),
+    ],
+)
+def test_manager_accepts_only_real_numbers(returned: object, accepted: float | None) -> None:
+    manager = NaiveRewardManager(compute_score=lambda *_: returned)
+    if accepted is not None:
+        assert manager.score(["r"], ["t"], ["my/source"]).scores == [accepted]
+        return
+    with pytest.raises(RewardError, match=r"sample 0 \(data_source 'my/source'\): TypeError: .*real number"):
+        manager.score(["r"], ["t"], ["my/source"])
+
+
+def test_manager_names_nan_and_inf_and_counts_them() -> None:
+    scores = iter([float("nan"), 1.0, float("-inf")])
+    manager = NaiveRewardManager(compute_score=lambda *_: next(scores), on_error="zero")
+    result = manager.score(["a", "b", "c"], ["t"] * 3, ["s"] * 3)
+    assert result.scores == [0.0, 1.0, 0.0]
+    assert result.num_nonfinite == 2 and result.num_errors == 2
+    assert "returned nan (not a finite number)" in result.errors[0]
+    with pytest.raises(RewardError, match=r"sample 0 .*returned inf"):
+        NaiveRewardManager(compute_score=lambda *_: float("inf")).score(["a"], ["t"], ["s"])

@@ -457,4 +457,17 @@ def advise(cfg: FulcrumConfig) -> list[Problem]:
                 "no reference policy is used (use_kl_loss and use_kl_in_reward are off): the reference pass is skipped",
             )
         )
+    notes += zero_learning_rates(cfg)
     return notes
+
+
+def zero_learning_rates(cfg: FulcrumConfig) -> list[Problem]:
+    """A learning rate of 0 trains nothing: the run spends its compute and the weights never change."""
+    roles = [("actor_rollout_ref.actor.optim.lr", cfg.actor_rollout_ref.actor.optim.lr)]
+    if uses_critic(cfg):
+        roles.append(("critic.optim.lr", cfg.critic.optim.lr))
+    return [
+        Problem((key,), f"{key}=0: the optimiser steps change nothing, so the model never trains")
+        for key, lr in roles
+        if lr == 0
+    ]

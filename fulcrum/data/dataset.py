@@ -184,6 +184,28 @@ class RLHFDataset:
         return self.items[i]
 
 
+def require_prompts(dataset: RLHFDataset, key: str, batch_size: int = 1, batch_key: str = "") -> None:
+    """A DatasetError naming the key and files when `dataset` has fewer than `batch_size` prompts.
+
+    An empty validation file would otherwise train without a validation metric, and a training
+    file smaller than the batch would fail later without naming the file.
+    """
+    if len(dataset) >= max(batch_size, 1):
+        return
+    files = ", ".join(map(str, dataset.files))
+    filtered = (
+        f" ({dataset.num_filtered} longer than data.max_prompt_length were dropped)"
+        if dataset.num_filtered
+        else ""
+    )
+    if len(dataset) == 0:
+        raise DatasetError(f"{key}: {files} holds no prompts{filtered}; give a file with rows")
+    raise DatasetError(
+        f"{key}: {files} holds {len(dataset)} prompt(s){filtered}, fewer than {batch_key}={batch_size}: "
+        f"not one full batch. Use more data or a smaller {batch_key}."
+    )
+
+
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token id lists to the longest: input_ids (B, L) long, attention_mask (B, L) long (1 = token)."""
     if not sequences:

@@ -7,26 +7,29 @@ parameters and the optimiser state stay in float32 as in verl's FSDP workers.
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers import logging as hf_logging
 
+from fulcrum.models.folder import ModelPathError, model_folder_problems, resolve_model_path
 
-def _check_model_dir(path: str, key: str) -> None:
-    """A clear error naming the configuration key when a local model folder is missing or incomplete."""
-    p = Path(path)
-    if p.exists() and not (p / "config.json").exists():
-        raise FileNotFoundError(f"{key}={path}: folder has no config.json (not a Hugging Face model folder)")
-    if not p.exists() and (path.startswith(("/", ".", "~")) or path.count("/") != 1):
-        raise FileNotFoundError(f"{key}={path}: no such model folder")
+
+def _check_model_dir(path: str, key: str, needs_tokenizer: bool = False, needs_weights: bool = True) -> str:
+    """The path to load from, or a ModelPathError naming the key, the folder and what is wrong."""
+    resolved = resolve_model_path(path, key)
+    problems = model_folder_problems(
+        resolved, key, needs_tokenizer=needs_tokenizer, needs_weights=needs_weights
+    )
+    if problems:
+        raise ModelPathError("; ".join(problems))
+    return resolved
 
 
 def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreTrainedTokenizerBase:
     """The checkpoint's tokenizer, with a pad token guaranteed (falls back to EOS as verl does)."""
-    _check_model_dir(path, key)
+    path = _check_model_dir(path, key, needs_tokenizer=True, needs_weights=False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -40,7 +43,7 @@ def load_causal_lm(
     key: str = "actor_rollout_ref.model.path",
 ) -> nn.Module:
     """`AutoModelForCausalLM` in float32 on `device` (the actor and the reference policy)."""
-    _check_model_dir(path, key)
+    path = _check_model_dir(path, key)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -49,7 +52,7 @@ def load_causal_lm(
 
 def load_backbone(path: str, device: torch.device, key: str = "critic.model.path") -> nn.Module:
     """`AutoModel` (no LM head) in float32: the critic's trunk, whose last hidden state feeds a value head."""
-    _check_model_dir(path, key)
+    path = _check_model_dir(path, key)
     config = AutoConfig.from_pretrained(path)
     # A causal-LM folder has an lm_head the backbone does not use: expected, so silence the load report.
     previous = hf_logging.get_verbosity()

@@ -4,10 +4,16 @@ The trainer decodes the responses, calls `NaiveRewardManager.score(...)`, and pu
 the last response token. A scorer that raises either stops the run with an error naming the sample
 (`on_error="raise"`, the default) or scores that sample 0 and counts it (`on_error="zero"`), so one
 malformed row does not end a long run unnoticed: the count is in `RewardResult.num_errors`.
+
+A score must be a real number (a bool counts, as in verl): a string such as "0.5" is an error, not
+coerced. A NaN or infinite score is an error too (it would void every update of the step), handled
+by `on_error` like a raising function and counted in `RewardResult.num_nonfinite`.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,6 +25,10 @@ class RewardError(RuntimeError):
     """A reward function raised on one sample; the message names the sample, data_source and exception."""
 
 
+class NonFiniteRewardError(ValueError):
+    """The reward function returned NaN or an infinity."""
+
+
 @dataclass
 class RewardResult:
     """Per-sample scores (len B) and, when the function returned dicts, their other keys per sample."""
@@ -26,6 +36,7 @@ class RewardResult:
     scores: list[float]
     extra: dict[str, list[Any]] = field(default_factory=dict)
     num_errors: int = 0
+    num_nonfinite: int = 0  # of num_errors: scores that were NaN or infinite
     errors: list[str] = field(default_factory=list)  # "sample i (data_source): exception", first few only
 
 
@@ -65,6 +76,8 @@ class NaiveRewardManager:
                 value = self.compute_score(data_sources[i], responses[i], ground_truths[i], infos[i])
                 result.scores[i] = self._to_score(value, i, result)
             except Exception as err:
+                if isinstance(err, NonFiniteRewardError):
+                    result.num_nonfinite += 1
                 message = f"sample {i} (data_source {data_sources[i]!r}): {type(err).__name__}: {err}"
                 if self.on_error == "raise":
                     raise RewardError(f"reward function failed on {message}") from err
@@ -83,4 +96,12 @@ class NaiveRewardManager:
                     column = result.extra.setdefault(key, [None] * len(result.scores))
                     column[index] = item
             value = value["score"]
-        return float(value)
+        # numbers.Real covers bool, int, float and numpy's scalars; str, None, tensors are refused.
+        if not isinstance(value, numbers.Real):
+            raise TypeError(
+                f"the reward function returned {value!r} ({type(value).__name__}); a score must be a real number"
+            )
+        score = float(value)
+        if not math.isfinite(score):
+            raise NonFiniteRewardError(f"the reward function returned {score} (not a finite number)")
+        return score

@@ -2,6 +2,10 @@
 
 With no data and no model given (no `data.train_files` and no `actor_rollout_ref.model.path`), it runs
 the built-in demo (`fulcrum.trainer.demo.run_demo`) with the given overrides applied on top.
+
+An error before the first step (configuration, devices, run directory, data, model, tokenizer,
+reward function) prints one paragraph naming the key and file, without a traceback; set
+FULCRUM_DEBUG=1 to see the traceback.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from fulcrum.config import ConfigError, load_config
 from fulcrum.config.validate import advise, check
 
 DEMO_TRIGGER_KEYS = ("data.train_files", "actor_rollout_ref.model.path")
+DEBUG_ENV = "FULCRUM_DEBUG"  # =1: set-up errors come with their traceback
 
 
 class DeviceError(RuntimeError):
@@ -45,6 +50,12 @@ def select_device(trainer_cfg: object) -> tuple[torch.device, int]:
         return torch.device("cpu"), 1
     asked = int(trainer_cfg.n_gpus_per_node) * int(trainer_cfg.nnodes)
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if asked > available == 0:  # advising n_gpus_per_node=1 would not help: there is no device at all
+        raise DeviceError(
+            f"trainer.device={want} with trainer.n_gpus_per_node={trainer_cfg.n_gpus_per_node} × trainer.nnodes="
+            f"{trainer_cfg.nnodes} asks for {asked} CUDA device(s) but this machine has 0 (no GPU, or "
+            "CUDA_VISIBLE_DEVICES hides them). Set trainer.device=cpu to run on the CPU (slowly)."
+        )
     if asked > available:
         raise DeviceError(
             f"trainer.n_gpus_per_node={trainer_cfg.n_gpus_per_node} × trainer.nnodes={trainer_cfg.nnodes} asks for "
@@ -58,6 +69,17 @@ def select_device(trainer_cfg: object) -> tuple[torch.device, int]:
     return torch.device("cuda", 0), 1
 
 
+def setup_error_message(err: BaseException) -> str:
+    """One paragraph for an error raised while the trainer is built: our errors already name the key and
+    file; anything else also gets its type, since its message may not say what kind of failure it was."""
+    text = " ".join(str(err).split()) if "\n" not in str(err).strip() else str(err).strip()
+    if type(err).__module__.startswith("fulcrum.") or isinstance(err, FileNotFoundError | ImportError):
+        body = text
+    else:
+        body = f"{type(err).__name__}: {text}"
+    return f"fulcrum train: set-up failed: {body}\n(set {DEBUG_ENV}=1 to see the traceback)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -66,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         print("`fulcrum doctor KEY=VALUE ...` checks a configuration without running it.")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        load_config(argv)  # an unknown key or bad value is reported before anything runs, demo included
+    except ConfigError as err:
+        print(f"fulcrum train: {err}", file=sys.stderr)
+        return 1
     if wants_demo(argv):
         try:
             from fulcrum.trainer.demo import run_demo
@@ -93,7 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     from fulcrum.trainer.faults import NonFiniteTrainingError, OutOfMemoryHelp
     from fulcrum.trainer.ppo_trainer import PPOTrainer
 
-    trainer = PPOTrainer(cfg, device, n_devices)
+    try:
+        trainer = PPOTrainer(cfg, device, n_devices)
+    except Exception as err:
+        print(setup_error_message(err), file=sys.stderr)
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        return 1
     try:
         trainer.fit()
     except (CheckpointError, NonFiniteTrainingError, OutOfMemoryHelp, RewardError) as err:

@@ -26,7 +26,8 @@ from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS
 from fulcrum.algo.kl import apply_kl_penalty, build_kl_controller
 from fulcrum.algo.losses import agg_loss
 from fulcrum.config import to_dict
-from fulcrum.data.dataset import PromptLoader, RLHFDataset
+from fulcrum.data.dataset import PromptLoader, RLHFDataset, require_prompts
+from fulcrum.models.folder import ModelPathError, vocab_problems
 from fulcrum.models.load import load_tokenizer
 from fulcrum.reward import default_compute_score, load_custom_reward_fn
 from fulcrum.reward.manager import NaiveRewardManager, RewardResult
@@ -75,6 +76,17 @@ def kl_startup_line(cfg: Any) -> str:
         "KL: none (algorithm.use_kl_in_reward and actor.use_kl_loss are both off, so "
         f"algorithm.kl_ctrl.kl_coef={alg.kl_ctrl.kl_coef} has no effect, as in verl); no reference policy"
     )
+
+
+def check_vocabularies(cfg: Any, token_count: int) -> None:
+    """Every model that reads the actor's token ids has an embedding row for each (else: an index error
+    deep in a forward, after minutes of set-up)."""
+    models = {"actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path}
+    if use_critic(cfg):
+        models["critic.model.path"] = cfg.critic.model.path
+    problems = vocab_problems(token_count, "actor_rollout_ref.model.path", models)
+    if problems:
+        raise ModelPathError("; ".join(problems))
 
 
 def resolve_total_steps(cfg: Any, steps_per_epoch: int) -> int:
@@ -199,6 +211,7 @@ class PPOTrainer:
             print(f"note: {note}", flush=True)
 
         self.tokenizer = load_tokenizer(arr.model.path)
+        check_vocabularies(cfg, len(self.tokenizer))
         data = cfg.data
         self.max_prompt_length = int(data.max_prompt_length)
         self.response_length = int(arr.rollout.response_length)
@@ -212,6 +225,11 @@ class PPOTrainer:
         self.val_dataset = (
             RLHFDataset(data.val_files, self.tokenizer, **dataset_kwargs) if data.val_files else None
         )
+        require_prompts(
+            self.train_dataset, "data.train_files", int(data.train_batch_size), "data.train_batch_size"
+        )
+        if self.val_dataset is not None:
+            require_prompts(self.val_dataset, "data.val_files")
         self.train_loader = PromptLoader(
             self.train_dataset,
             batch_size=int(data.train_batch_size),
@@ -223,6 +241,13 @@ class PPOTrainer:
         arr.actor.optim.total_training_steps = self.total_training_steps
         cfg.critic.optim.total_training_steps = self.total_training_steps
 
+        # The custom reward file is imported (run as Python) here, before any model is loaded.
+        crf = cfg.custom_reward_function
+        if crf.path:
+            reward_fn = load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs or {}) or None)
+        else:
+            reward_fn = default_compute_score
+        self.reward_manager = NaiveRewardManager(compute_score=reward_fn, on_error=cfg.reward_model.on_error)
         print(kl_startup_line(cfg), flush=True)
         if arr.model.use_remove_padding:
             print(
@@ -240,12 +265,6 @@ class PPOTrainer:
             raise ValueError(
                 f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}"
             )
-        crf = cfg.custom_reward_function
-        if crf.path:
-            reward_fn = load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs or {}) or None)
-        else:
-            reward_fn = default_compute_score
-        self.reward_manager = NaiveRewardManager(compute_score=reward_fn, on_error=cfg.reward_model.on_error)
         self.tracking = Tracking(
             list(cfg.trainer.logger),
             self.run_dir,
@@ -362,6 +381,7 @@ class PPOTrainer:
             with M.timer("reward", timing):
                 batch["token_level_scores"], reward = score_batch(batch, self.tokenizer, self.reward_manager)
             metrics["reward/num_errors"] = float(reward.num_errors)  # reward_model.on_error=zero
+            metrics["reward/num_nonfinite"] = float(reward.num_nonfinite)  # NaN/inf scores among them
             for message in reward.errors:
                 logger.warning("step %d: reward scored 0 after an error: %s", self.global_step, message)
             # 3. old log-probs (and entropy), reference log-probs, values
