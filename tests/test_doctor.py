@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from fulcrum.models.tiny import build_tiny_model
 from fulcrum.tools import doctor
 
 # The seed command lives in test_config.py; load it by path so this works however pytest is invoked.
@@ -19,20 +21,35 @@ _spec.loader.exec_module(_test_config)
 seed_command = _test_config.seed_command
 
 
+ROW = {
+    "data_source": "openai/gsm8k",
+    "prompt": [{"role": "user", "content": "1 + 1?"}],
+    "ability": "math",
+    "reward_model": {"style": "rule", "ground_truth": "2"},
+    "extra_info": {"split": "train", "index": 0},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "model",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=2048,
+    )
+
+
 @pytest.fixture
-def files(tmp_path: Path) -> Path:
-    """The files the seed command points at: two verl-schema parquet files and a model folder."""
-    row = {
-        "data_source": "openai/gsm8k",
-        "prompt": [{"role": "user", "content": "1 + 1?"}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": "2"},
-        "extra_info": {"split": "train", "index": 0},
-    }
-    for name in ("train.parquet", "test.parquet"):
-        pq.write_table(pa.Table.from_pylist([row]), tmp_path / name)
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+def files(tmp_path: Path, tiny_model: Path) -> Path:
+    """The files the seed command points at: two verl-schema parquet files (a batch of 512 rows for
+    training) and a model folder."""
+    pq.write_table(pa.Table.from_pylist([ROW] * 512), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist([ROW]), tmp_path / "test.parquet")
+    shutil.copytree(tiny_model, tmp_path / "model")
     return tmp_path
 
 
@@ -71,7 +88,7 @@ def test_missing_files_are_named(files, capsys):
     assert doctor.main(seed_command(files)) == 1
     out = capsys.readouterr().out
     assert f"data.val_files: {files}/test.parquet does not exist" in out
-    assert f"actor_rollout_ref.model.path: {files}/model has no config.json" in out
+    assert f"actor_rollout_ref.model.path={files}/model: no config.json" in out
     assert "data.train_files" not in out
 
 
@@ -124,3 +141,33 @@ def test_native_engine_settings_are_read_as_the_run_reads_them(files, capsys):
     assert doctor.main(argv) == 1
     out = capsys.readouterr().out
     assert "actor_rollout_ref.rollout.dtype='bf8'" in out
+
+
+def test_model_folders_data_rows_and_vocabularies_are_checked_without_loading_weights(
+    files, capsys, tmp_path
+):
+    model = files / "model"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    critic = files / "critic"
+    shutil.copytree(files / "model", critic)
+    weights = critic / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    pq.write_table(pa.Table.from_pylist([ROW] * 3), files / "train.parquet")
+    pq.write_table(pa.Table.from_pylist([ROW]).slice(0, 0), files / "test.parquet")
+    assert doctor.main([*seed_command(files), f"critic.model.path={critic}"]) == 1
+    out = capsys.readouterr().out
+    assert f"actor_rollout_ref.model.path={model}: no tokenizer" in out
+    assert f"critic.model.path: {weights}" in out and "truncated" in out
+    assert "data.train_files" in out and "3 row(s), fewer than data.train_batch_size=512" in out
+    assert "data.val_files" in out and "no rows" in out
+
+
+def test_a_critic_with_a_smaller_vocabulary_is_an_error(files, capsys):
+    critic = files / "critic"
+    shutil.copytree(files / "model", critic)
+    config = json.loads((critic / "config.json").read_text())
+    config["vocab_size"] = 10
+    (critic / "config.json").write_text(json.dumps(config))
+    assert doctor.main([*seed_command(files), f"critic.model.path={critic}"]) == 1
+    assert f"critic.model.path={critic}: its vocabulary has 10 tokens" in capsys.readouterr().out

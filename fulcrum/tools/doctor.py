@@ -37,6 +37,7 @@ from fulcrum.config import (
 )
 from fulcrum.config.compat import ROLLOUT_NAME_ALIASES, UNSUPPORTED
 from fulcrum.config.device import cuda_device_count
+from fulcrum.models.folder import looks_like_path, model_folder_problems, vocab_problems
 
 USAGE = """usage: fulcrum doctor [--config FILE] [KEY=VALUE ...]
        fulcrum doctor --keys        list every configuration key with its default and meaning
@@ -116,17 +117,19 @@ def check_data_files(ctx: Context) -> list[Finding]:
     return findings
 
 
-def _model_folder(key: str, name: str | None) -> list[Finding]:
+def _model_folder(key: str, name: str | None, needs_tokenizer: bool = False) -> list[Finding]:
+    """A local folder is checked as the run would load it (config, weight headers, tokenizer), no weights read."""
     if not name:
         return [_error(f"{key}: not set")]
     path = Path(os.path.expanduser(name))
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            return [_error(f"{key}: {name} has no config.json (not a Hugging Face model folder)")]
-        return []
-    if _HUB_ID.match(name) and not name.startswith((".", "~", "/")):
+        return [_error(p) for p in model_folder_problems(name, key, needs_tokenizer=needs_tokenizer)]
+    if _HUB_ID.match(name) and not looks_like_path(name):
         return [
-            _warning(f"{key}: {name} is not a local folder; it will be fetched from the Hugging Face Hub")
+            _warning(
+                f"{key}: {name} is not a local folder; the run will try it once as a Hugging Face Hub id "
+                "(it needs the network or the local Hub cache)"
+            )
         ]
     return [_error(f"{key}: {name} does not exist")]
 
@@ -153,7 +156,9 @@ def _context_length(key: str, name: str, needed: int) -> list[Finding]:
 
 def check_model_paths(ctx: Context) -> list[Finding]:
     cfg = ctx.cfg
-    findings = _model_folder("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)
+    findings = _model_folder(
+        "actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path, needs_tokenizer=True
+    )
     rollout = cfg.actor_rollout_ref.rollout
     needed = rollout.prompt_length + rollout.response_length
     findings += _context_length("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path, needed)
@@ -164,6 +169,70 @@ def check_model_paths(ctx: Context) -> list[Finding]:
     ref_model = cfg.actor_rollout_ref.ref.model
     if uses_reference(cfg) and ref_model and ref_model.get("path"):
         findings += _model_folder("actor_rollout_ref.ref.model.path", ref_model["path"])
+    return findings
+
+
+def _models_reading_actor_ids(cfg: FulcrumConfig) -> dict[str, str]:
+    """key -> local folder of every model fed the actor tokenizer's ids (actor, critic, reference, reward model)."""
+    models = {"actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path}
+    if uses_critic(cfg):
+        models["critic.model.path"] = cfg.critic.model.path
+    ref_model = cfg.actor_rollout_ref.ref.model
+    if uses_reference(cfg) and ref_model and ref_model.get("path"):
+        models["actor_rollout_ref.ref.model.path"] = ref_model["path"]
+    if cfg.reward_model.enable:
+        models["reward_model.model.path"] = cfg.reward_model.model.path
+    return {k: v for k, v in models.items() if v and Path(os.path.expanduser(v)).is_dir()}
+
+
+def check_vocabularies(ctx: Context) -> list[Finding]:
+    """Every model that reads the actor's token ids has an embedding row for each (loads the tokenizer only)."""
+    actor = ctx.cfg.actor_rollout_ref.model.path
+    if not actor or not Path(os.path.expanduser(actor)).is_dir():
+        return []
+    if model_folder_problems(
+        actor, "actor_rollout_ref.model.path", needs_tokenizer=True, needs_weights=False
+    ):
+        return []  # check_model_paths names what is missing
+    from transformers import AutoTokenizer
+
+    try:
+        token_count = len(AutoTokenizer.from_pretrained(os.path.expanduser(actor)))
+    except Exception as exc:  # a tokenizer that does not load: say so instead of a traceback
+        return [_error(f"actor_rollout_ref.model.path: the tokenizer of {actor} does not load ({exc})")]
+    problems = vocab_problems(token_count, "actor_rollout_ref.model.path", _models_reading_actor_ids(ctx.cfg))
+    return [_error(p) for p in problems]
+
+
+def _parquet_rows(names: list[str]) -> int | None:
+    """Rows of the files, from their footers (None when one does not read: check_data_files names it)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return sum(pq.ParquetFile(os.path.expanduser(n)).metadata.num_rows for n in names)
+    except Exception:  # pyarrow raises several types for a file that is not parquet
+        return None
+
+
+def check_data_rows(ctx: Context) -> list[Finding]:
+    """An empty validation set, or fewer training rows than one batch, stops the run: say so now."""
+    data = ctx.cfg.data
+    findings = []
+    train = _as_list(data.train_files)
+    rows = (
+        _parquet_rows(train) if train and all(Path(os.path.expanduser(n)).is_file() for n in train) else None
+    )
+    if rows is not None and rows < data.train_batch_size:
+        findings.append(
+            _error(
+                f"data.train_files: {', '.join(train)} hold(s) {rows} row(s), fewer than "
+                f"data.train_batch_size={data.train_batch_size}: not one full batch"
+            )
+        )
+    val = _as_list(data.val_files)
+    val_rows = _parquet_rows(val) if val and all(Path(os.path.expanduser(n)).is_file() for n in val) else None
+    if val_rows == 0:
+        findings.append(_error(f"data.val_files: {', '.join(val)} hold(s) no rows; give a file with rows"))
     return findings
 
 
@@ -241,6 +310,8 @@ CHECKS: list[Callable[[Context], list[Finding]]] = [
     check_rules,
     check_data_files,
     check_model_paths,
+    check_vocabularies,
+    check_data_rows,
     check_custom_reward,
     check_resume,
     check_rollout_engine,
