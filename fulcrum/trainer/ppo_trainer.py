@@ -454,8 +454,9 @@ class PPOTrainer:
             self.n_devices,
         )
         metrics.update(M.memory_metrics(self.device))
-        metrics["training/global_step"] = float(self.global_step)
-        metrics["training/epoch"] = float(self.epoch)
+        # Integers, as verl logs them ("training/global_step": 3, not 3.0): scripts grep and compare them.
+        metrics["training/global_step"] = self.global_step
+        metrics["training/epoch"] = self.epoch
         return metrics
 
     # ------------------------------------------------------------------------------ the stages
