@@ -23,7 +23,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 from fulcrum.config import ConfigError, load_config
-from fulcrum.config.validate import advise, check
+from fulcrum.config.validate import advise, check, uses_critic
+from fulcrum.models.folder import ModelPathError, model_folder_problems, resolve_model_path
 
 DEMO_TRIGGER_KEYS = ("data.train_files", "actor_rollout_ref.model.path")
 DEBUG_ENV = "FULCRUM_DEBUG"  # =1: set-up errors come with their traceback
@@ -69,6 +70,27 @@ def select_device(trainer_cfg: object) -> tuple[torch.device, int]:
     return torch.device("cuda", 0), 1
 
 
+def check_model_paths(cfg: object) -> None:
+    """Resolve and check the model folders before the heavy imports, so a typo fails in seconds."""
+    models = {"actor_rollout_ref.model.path": (cfg.actor_rollout_ref.model.path, True)}
+    if uses_critic(cfg):
+        models["critic.model.path"] = (cfg.critic.model.path, False)
+    problems = []
+    for key, (name, needs_tokenizer) in models.items():
+        try:
+            resolved = resolve_model_path(str(name), key)
+        except ModelPathError as err:
+            problems.append(str(err))
+            continue
+        problems += model_folder_problems(resolved, key, needs_tokenizer=needs_tokenizer)
+    if problems:
+        raise ModelPathError("\n".join(problems))
+
+
+def debug_requested() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
 def setup_error_message(err: BaseException) -> str:
     """One paragraph for an error raised while the trainer is built: our errors already name the key and
     file; anything else also gets its type, since its message may not say what kind of failure it was."""
@@ -110,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         # The cross-key rules of `fulcrum doctor` (sizes that do not divide, missing micro-batch sizes...)
         # stop the run before any model is loaded; the device count was checked just above.
         check(cfg, n_devices=None)
-    except (ConfigError, DeviceError) as err:
+        check_model_paths(cfg)
+    except (ConfigError, DeviceError, ModelPathError) as err:
         print(f"fulcrum train: {err}", file=sys.stderr)
+        if debug_requested():
+            raise
         return 1
     for note in advise(cfg):
         print(f"note: {note}")
@@ -124,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = PPOTrainer(cfg, device, n_devices)
     except Exception as err:
         print(setup_error_message(err), file=sys.stderr)
-        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        if debug_requested():
             raise
         return 1
     try:
