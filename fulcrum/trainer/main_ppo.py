@@ -24,9 +24,10 @@ import torch
 
 from fulcrum.config import ConfigError, load_config
 from fulcrum.config.validate import advise, check, uses_critic
-from fulcrum.models.folder import ModelPathError, model_folder_problems, resolve_model_path
+from fulcrum.models.folder import ModelPathError, model_folder_problems, resolve_model_path, vocab_problems
 
 DEMO_TRIGGER_KEYS = ("data.train_files", "actor_rollout_ref.model.path")
+ACTOR_KEY = "actor_rollout_ref.model.path"
 DEBUG_ENV = "FULCRUM_DEBUG"  # =1: set-up errors come with their traceback
 
 
@@ -72,7 +73,7 @@ def select_device(trainer_cfg: object) -> tuple[torch.device, int]:
 
 def check_model_paths(cfg: object) -> None:
     """Resolve and check the model folders before the heavy imports, so a typo fails in seconds."""
-    models = {"actor_rollout_ref.model.path": (cfg.actor_rollout_ref.model.path, True)}
+    models = {ACTOR_KEY: (cfg.actor_rollout_ref.model.path, True)}
     if uses_critic(cfg):
         models["critic.model.path"] = (cfg.critic.model.path, False)
     problems = []
@@ -83,6 +84,13 @@ def check_model_paths(cfg: object) -> None:
             problems.append(str(err))
             continue
         problems += model_folder_problems(resolved, key, needs_tokenizer=needs_tokenizer)
+    if not problems:
+        # Every model fed the actor's token ids needs an embedding row for each, else an index error
+        # deep in a forward after minutes of set-up. Reads the tokenizer and config.json files only.
+        from transformers import AutoTokenizer
+
+        tokens = len(AutoTokenizer.from_pretrained(resolve_model_path(str(models[ACTOR_KEY][0]), ACTOR_KEY)))
+        problems = vocab_problems(tokens, ACTOR_KEY, {key: str(name) for key, (name, _) in models.items()})
     if problems:
         raise ModelPathError("\n".join(problems))
 

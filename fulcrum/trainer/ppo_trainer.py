@@ -27,7 +27,6 @@ from fulcrum.algo.kl import apply_kl_penalty, build_kl_controller
 from fulcrum.algo.losses import agg_loss
 from fulcrum.config import to_dict
 from fulcrum.data.dataset import PromptLoader, RLHFDataset, require_prompts
-from fulcrum.models.folder import ModelPathError, vocab_problems
 from fulcrum.models.load import load_tokenizer
 from fulcrum.reward import default_compute_score, load_custom_reward_fn
 from fulcrum.reward.manager import NaiveRewardManager, RewardResult
@@ -76,17 +75,6 @@ def kl_startup_line(cfg: Any) -> str:
         "KL: none (algorithm.use_kl_in_reward and actor.use_kl_loss are both off, so "
         f"algorithm.kl_ctrl.kl_coef={alg.kl_ctrl.kl_coef} has no effect, as in verl); no reference policy"
     )
-
-
-def check_vocabularies(cfg: Any, token_count: int) -> None:
-    """Every model that reads the actor's token ids has an embedding row for each (else: an index error
-    deep in a forward, after minutes of set-up)."""
-    models = {"actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path}
-    if use_critic(cfg):
-        models["critic.model.path"] = cfg.critic.model.path
-    problems = vocab_problems(token_count, "actor_rollout_ref.model.path", models)
-    if problems:
-        raise ModelPathError("; ".join(problems))
 
 
 def resolve_total_steps(cfg: Any, steps_per_epoch: int) -> int:
@@ -211,7 +199,6 @@ class PPOTrainer:
             print(f"note: {note}", flush=True)
 
         self.tokenizer = load_tokenizer(arr.model.path)
-        check_vocabularies(cfg, len(self.tokenizer))
         data = cfg.data
         self.max_prompt_length = int(data.max_prompt_length)
         self.response_length = int(arr.rollout.response_length)
