@@ -50,3 +50,8 @@ def test_small_demo_runs_to_its_accuracy_line(tmp_path, capsys):
     assert (tmp_path / "config.yaml").is_file()
     assert (tmp_path / "demo" / "sft" / "global_step_8" / "config.json").is_file()
     assert (tmp_path / "demo" / "data" / "test.parquet").is_file()
+    # The same run directory again: refused at once, before the warm start, and nothing is touched.
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    assert run_demo([f"trainer.default_local_dir={tmp_path}"], plan=small) == 1
+    assert "holds another run" in capsys.readouterr().err
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics

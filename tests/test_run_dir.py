@@ -14,6 +14,7 @@ from fulcrum.data.cli import main as data_main
 from fulcrum.data.synthetic import write_splits
 from fulcrum.models.tiny import build_tiny_model
 from fulcrum.models.tiny import main as tiny_main
+from fulcrum.trainer.checkpoint import read_latest_step
 from fulcrum.trainer.ppo_trainer import PPOTrainer
 from fulcrum.trainer.run_dir import RunDirError, config_changes
 from fulcrum.trainer.sft import load_sft_config, run_sft
@@ -138,6 +139,7 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint(
     assert "resuming from global_step_2" in out
     assert logged_steps(run) == [1, 2, 3]  # step 3 once: the damaged attempt's row moved out
     assert logged_steps(run, "metrics.dropped.jsonl") == [3]
+    assert read_latest_step(run) == 3
     (aside,) = run.glob("global_step_3.set-aside-*")  # kept, not deleted
     assert (aside / "actor" / "model.safetensors").read_bytes() == bytes(data)
     assert (run / "global_step_3" / "checkpoint.json").is_file()

@@ -108,6 +108,7 @@ def run_demo(overrides: list[str] | None = None, plan: DemoPlan | None = None) -
     """Data, tiny model, warm start, PPO; the last line printed compares validation accuracies."""
     from fulcrum.models.tiny import build_tiny_model
     from fulcrum.trainer import main_ppo
+    from fulcrum.trainer.run_dir import move_old_run_aside, other_run_contents
     from fulcrum.trainer.sft import load_sft_config, run_sft
 
     plan = plan or DemoPlan()
@@ -121,6 +122,18 @@ def run_demo(overrides: list[str] | None = None, plan: DemoPlan | None = None) -
     seed = int(user.get("trainer.seed", 1))
     device = user.get("trainer.device") or ("cuda" if torch.cuda.is_available() else "cpu")
     work = run_dir / "demo"
+    # One run directory, one run: decided before minutes of warm start, not after.
+    there = other_run_contents(run_dir) + other_run_contents(work / "sft")
+    if there and str(user.get("trainer.overwrite_run", "")).strip().lower() in ("true", "1", "yes", "on"):
+        print(f"note: moved the previous run to {move_old_run_aside(run_dir)}", flush=True)
+    elif there:
+        print(
+            f"fulcrum train (demo): trainer.default_local_dir={run_dir} holds another run ({'; '.join(there)}); "
+            "use another trainer.default_local_dir, or trainer.overwrite_run=True to move the old run into "
+            f"{run_dir / 'old_runs'}/<time>/ (nothing is deleted)",
+            file=sys.stderr,
+        )
+        return 1
     print(f"fulcrum demo: run directory {run_dir}, device {device}, seed {seed}", flush=True)
 
     data_dir = work / "data"

@@ -352,6 +352,8 @@ class CheckpointManager:
                 moved.append(target)
         if moved:
             fsync_dir(self.run_dir)
+            # verl's file must not name a checkpoint that is no longer there.
+            write_text_atomic(self.run_dir / LATEST_FILE, f"{step}\n")
         return moved
 
     def resume(self, roles: dict[str, Any]) -> dict[str, Any] | None:
