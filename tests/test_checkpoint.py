@@ -299,3 +299,17 @@ def test_auto_skips_damaged_checkpoints_naming_why_and_resume_path_says_what_is_
     with pytest.raises(CheckpointError, match="none is intact") as info:
         manager.choose_resume(["actor", "critic"])
     assert "global_step_1" in str(info.value) and "resume_path" in str(info.value)
+
+
+def test_set_aside_keeps_newer_checkpoints_and_points_latest_at_the_resumed_one(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    roles = {"actor": make_roles(model_dir, seed=1)["actor"]}
+    manager = CheckpointManager(tmp_path, None)
+    for step in (1, 2, 3):
+        manager.save(step, roles, {})
+    moved = manager.set_aside_newer(1)
+    assert [p.name.split(".")[0] for p in moved] == ["global_step_2", "global_step_3"]
+    assert all(p.is_dir() and (p / "checkpoint.json").is_file() for p in moved)  # renamed, not deleted
+    assert read_latest_step(tmp_path) == 1
+    assert manager.find_resume_checkpoint(["actor"]) == tmp_path / "global_step_1"
