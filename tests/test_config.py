@@ -343,8 +343,8 @@ def test_docs_tables_match_the_schema():
     """
     from pathlib import Path
 
+    from fulcrum.config.keys import all_keys
     from fulcrum.config.loader import markdown_rows
-    from fulcrum.config.tree import all_keys
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     known = set(all_keys(FulcrumConfig))

@@ -6,17 +6,17 @@ problems = validate(cfg, n_devices=1)   # [] when the configuration can run
 save_config(cfg, run_dir / "config.yaml")
 """
 
-from fulcrum.config.coerce import ConfigError
 from fulcrum.config.compat import NO_EFFECT_KEYS, UNSUPPORTED, is_no_effect
+from fulcrum.config.keys import ConfigError
 from fulcrum.config.loader import (
     DERIVED,
     KeyInfo,
     apply_override,
     describe,
     format_keys,
-    from_dict,
     load_config,
     load_config_file,
+    load_structured,
     load_yaml,
     resolve,
     save_config,
@@ -39,10 +39,10 @@ __all__ = [
     "check",
     "describe",
     "format_keys",
-    "from_dict",
     "is_no_effect",
     "load_config",
     "load_config_file",
+    "load_structured",
     "load_yaml",
     "resolve",
     "save_config",

@@ -1,29 +1,43 @@
-"""Build a FulcrumConfig: defaults, then a YAML base, then verl-style dotted overrides, then derived keys."""
+"""Build a configuration with OmegaConf: the typed dataclasses, then a YAML base, then verl-style overrides,
+then the keys that follow other keys while null (as `${...}` interpolations), resolved into dataclasses.
+
+One API for every command: `load_config` (PPO keys, `fulcrum.config.schema`) and `fulcrum sft`
+(`load_structured(SFTConfig, overrides)`) read overrides the same way and fail the same way: an unknown
+key names the closest known one, a wrong value names the key and the type it expected.
+"""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
+import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from fulcrum.config.coerce import ConfigError, coerce, parse_free, type_name
 from fulcrum.config.compat import ROLLOUT_NAME_ALIASES, is_no_effect
+from fulcrum.config.keys import (
+    ConfigError,
+    field_types,
+    get_path,
+    is_free_dict,
+    is_group,
+    non_null,
+    type_name,
+    unknown_key_error,
+)
 from fulcrum.config.schema import FulcrumConfig
-from fulcrum.config.tree import field_types, is_free_dict, is_group, unknown_key_error
 
 log = logging.getLogger("fulcrum.config")
+T = TypeVar("T")
 
-# libyaml's C loader/dumper when PyYAML was built with it (same output, ~10x faster).
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-_YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-
-# key -> the key it follows while unset (null), like verl's `${oc.select:...}` interpolations.
-# Order matters: a source is resolved before the keys that follow it.
+# key -> the key it follows while unset (null), like verl's `${oc.select:...}` interpolations. Each is
+# written into the tree as the interpolation `${source}` when null, so chains resolve in any order.
 DERIVED: dict[str, str] = {
     "data.seed": "trainer.seed",
     "actor_rollout_ref.rollout.prompt_length": "data.max_prompt_length",
@@ -62,6 +76,7 @@ DERIVED: dict[str, str] = {
     "reward_model.model.input_tokenizer": "actor_rollout_ref.model.path",
     "reward_model.use_dynamic_bsz": "critic.use_dynamic_bsz",
     "reward_model.forward_max_token_len_per_gpu": "critic.forward_max_token_len_per_gpu",
+    "trainer.default_local_dir": "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
 }
 
 # verl's global (deprecated) and per-device spellings of one size: a key is not derived while its
@@ -75,21 +90,8 @@ EXCLUSIVE: dict[str, str] = {
 }
 
 
-def _split(key: str) -> tuple[str, str]:
-    parent, _, leaf = key.rpartition(".")
-    return parent, leaf
-
-
-def _get(cfg: Any, key: str) -> Any:
-    node = cfg
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
-
-
-def _set(cfg: Any, key: str, value: Any) -> None:
-    parent, leaf = _split(key)
-    setattr(_get(cfg, parent) if parent else cfg, leaf, value)
+def _interpolation(source: str) -> str:
+    return source if "${" in source else "${" + source + "}"
 
 
 # ------------------------------------------------------------------------------------- overrides
@@ -103,152 +105,159 @@ def parse_override(text: str) -> tuple[str, str, bool]:
     if raw.startswith("~"):
         raise ConfigError(f"{raw[1:].split('=')[0]}: deleting keys (~KEY) is not supported; set KEY=null")
     add = raw.startswith("+")
-    raw = raw.lstrip("+")
-    key, eq, value = raw.partition("=")
+    key, eq, value = raw.lstrip("+").partition("=")
     key = key.strip()
     if not eq or not key:
         raise ConfigError(f"override {text!r} is not KEY=VALUE (e.g. data.train_batch_size=256)", key or None)
-    return key, value, add
+    return key, value.strip(), add
 
 
-def apply_override(cfg: FulcrumConfig, text: str) -> None:
-    """Apply one verl-style override (`a.b=1`, `+a.b=1`, `a.b=[x,y]`, `a.b=null`) to `cfg` in place.
+def _unquote(text: str) -> str:
+    """'a b' or "a b" -> a b (one layer of matching quotes); anything else unchanged."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def _field_type(root_cls: type, key: str, hint: str = "") -> Any:
+    """The declared type of `key` (None inside a free-form mapping). Raises ConfigError naming the key
+    for an unknown key, a group given a value, or a key below a single value."""
+    cls: Any = root_cls
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        types_ = field_types(cls)
+        if part not in types_:
+            raise unknown_key_error(key, root_cls, hint)
+        tp = types_[part]
+        path = ".".join(parts[: i + 1])
+        if i == len(parts) - 1:
+            if is_group(tp):
+                raise ConfigError(f"{key}: is a group of keys; set one of them, e.g. {key}.NAME=VALUE", key)
+            return tp
+        if is_free_dict(tp):
+            return None
+        if not is_group(tp):
+            raise ConfigError(
+                f"{path}: is a single value ({type_name(tp)}), not a group; cannot set {key}", key
+            )
+        cls = tp
+    return None
+
+
+def _typed_value(text: str, tp: Any, key: str) -> Any:
+    """Override text -> the value to store: OmegaConf's grammar reads it (`1.5e-6`, `[a,b]`, `null`,
+    `'quoted'`, `{a: 1}`); a text key keeps the text as written; our stricter rules on top."""
+    try:
+        value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]  # type: ignore[index]
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{key}: cannot read {text!r}: {str(err).splitlines()[0]}", key) from None
+    if value is None or tp is None:
+        return value
+    base = non_null(tp)
+    if base is str or typing.get_origin(base) is typing.Literal:
+        return _unquote(text)  # `experiment_name=001` stays "001"
+    # OmegaConf takes any integer as a bool and nan as a float; verl's users mean neither.
+    if (base is bool and type(value) is int and value not in (0, 1)) or (base is float and _is_nan(value)):
+        raise ConfigError(f"{key}: expected {type_name(tp)}, got {text!r}", key)
+    if typing.get_origin(base) is list and not isinstance(value, list):
+        return [value]  # `trainer.logger=console` means [console]
+    return value
+
+
+def _is_nan(value: Any) -> bool:
+    try:
+        return math.isnan(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _alias_rollout_name(value: Any) -> Any:
+    if isinstance(value, str) and value in ROLLOUT_NAME_ALIASES:
+        log.warning(
+            "actor_rollout_ref.rollout.name=%s: fulcrum has no %s backend; using %s",
+            value,
+            value,
+            ROLLOUT_NAME_ALIASES[value],
+        )
+        return ROLLOUT_NAME_ALIASES[value]
+    return value
+
+
+def apply_override(node: DictConfig, text: str, root_cls: type = FulcrumConfig) -> None:
+    """Apply one verl-style override (`a.b=1`, `+a.b=1`, `a.b=[x,y]`, `a.b=null`) to `node` in place.
 
     `+` adds a key only inside a free-form mapping (e.g. `+reward_model.reward_kwargs.k=1`); for a
     key the tree already has, `+` is accepted and means the same as no `+`.
     """
-    key, value, add = parse_override(text)
+    key, text_value, add = parse_override(text)
     hint = " (+ adds keys only inside free-form mappings such as reward_model.reward_kwargs)" if add else ""
-    node: Any = cfg
+    tp = _field_type(root_cls, key, hint)
+    value = _typed_value(text_value, tp, key)
+    if key == "actor_rollout_ref.rollout.name":
+        value = _alias_rollout_name(value)
     parts = key.split(".")
-    for i, part in enumerate(parts):
-        path = ".".join(parts[: i + 1])
-        last = i == len(parts) - 1
-        if dataclasses.is_dataclass(node):
-            types_ = field_types(type(node))
-            if part not in types_:
-                raise unknown_key_error(key, FulcrumConfig, hint)
-            tp = types_[part]
-            if last:
-                if is_group(tp):
-                    raise ConfigError(
-                        f"{key}: is a group of keys; set one of them, e.g. {key}.NAME=VALUE", key
-                    )
-                if key == "actor_rollout_ref.rollout.name":
-                    value = _alias_rollout_name(value)
-                setattr(node, part, coerce(value, tp, key, from_cli=True))
-                return
-            child = getattr(node, part)
-            if child is None and is_free_dict(tp):
-                child = {}
-                setattr(node, part, child)
-            if not (is_group(tp) or is_free_dict(tp)):
-                raise ConfigError(
-                    f"{path}: is a single value ({type_name(tp)}), not a group; cannot set {key}", key
-                )
-            node = child
-        else:  # inside a free-form mapping: any sub-key may be created
-            if last:
-                node[part] = parse_free(value)
-                return
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = node[part] = {}
-            node = child
-
-
-def _alias_rollout_name(value: Any) -> Any:
-    if isinstance(value, str) and value.strip().strip("'\"") in ROLLOUT_NAME_ALIASES:
-        name = value.strip().strip("'\"")
-        log.warning(
-            "actor_rollout_ref.rollout.name=%s: fulcrum has no %s backend; using %s",
-            name,
-            name,
-            ROLLOUT_NAME_ALIASES[name],
-        )
-        return ROLLOUT_NAME_ALIASES[name]
-    return value
-
-
-# -------------------------------------------------------------------------------- dict <-> config
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """The configuration as plain nested dicts/lists/scalars (what config.yaml holds)."""
-    return dataclasses.asdict(cfg)
-
-
-def from_dict(data: dict[str, Any], cls: type = FulcrumConfig, prefix: str = "") -> Any:
-    """Build config dataclass `cls` from a (possibly partial) nested mapping; missing keys take defaults.
-
-    verl yaml artefacts are skipped: `_target_` keys, Hydra's top-level `defaults`/`hydra`, `???` and `${...}` interpolations,
-    which leave the default in place (fulcrum's defaults follow the same keys, see DERIVED).
-    """
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or '<root>'}: expected a mapping of keys, got {data!r}")
-    types_ = field_types(cls)
-    kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        key = f"{prefix}{name}"
-        if name == "_target_" or (isinstance(value, str) and (value == "???" or "${" in value)):
-            continue
-        if not prefix and name in ("defaults", "hydra"):  # Hydra's composition lists, not keys
-            continue
-        if name not in types_:
-            raise unknown_key_error(key, FulcrumConfig)
-        tp = types_[name]
-        if is_group(tp):
-            kwargs[name] = from_dict(value or {}, tp, key + ".")
-        else:
-            if key == "actor_rollout_ref.rollout.name":
-                value = _alias_rollout_name(value)
-            kwargs[name] = coerce(value, tp, key)
-    return cls(**kwargs)
-
-
-def load_yaml(path: str | Path) -> FulcrumConfig:
-    """A FulcrumConfig from a YAML file (a saved config.yaml, or a partial one), unresolved (see unresolve)."""
-    path = Path(path)
+    for i in range(1, len(parts)):  # a null free-form mapping becomes {} before a sub-key is set in it
+        path = ".".join(parts[:i])
+        if OmegaConf.select(node, path, throw_on_resolution_failure=False) is None:
+            OmegaConf.update(node, path, {}, merge=False, force_add=True)
     try:
-        data = yaml.load(path.read_text(), Loader=_YAML_LOADER)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-    try:
-        return unresolve(from_dict(data or {}))
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}", exc.key) from None
+        OmegaConf.update(node, key, value, merge=False, force_add=tp is None)
+    except OmegaConfBaseException:
+        shown = "null" if value is None else repr(text_value)
+        raise ConfigError(f"{key}: expected {type_name(tp)}, got {shown}", key) from None
 
 
-def save_config(cfg: FulcrumConfig, path: str | Path) -> Path:
-    """Write the (resolved) configuration as YAML; `load_config_file(path)` gives it back."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.dump(to_dict(cfg), Dumper=_YAML_DUMPER, sort_keys=False, default_flow_style=False))
-    return path
+def overridden(base: type[T] | T, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """OmegaConf's typed tree of dataclass `base` (a class: its defaults) with each override applied."""
+    if isinstance(overrides, str):
+        raise ConfigError("overrides are a list of KEY=VALUE strings, not one string")
+    root_cls = base if isinstance(base, type) else type(base)
+    node = OmegaConf.structured(base)
+    for text in overrides:
+        apply_override(node, text, root_cls)
+    return node
 
 
-# ---------------------------------------------------------------------------------- derived keys
-def resolve(cfg: FulcrumConfig) -> FulcrumConfig:
-    """Fill the keys that follow other keys (DERIVED) and the few computed defaults, in place.
+def load_structured(base: type[T] | T, overrides: list[str] | tuple[str, ...] = ()) -> T:
+    """Config dataclass `base` with verl-style overrides applied (no derived keys: see load_config)."""
+    return OmegaConf.to_object(overridden(base, overrides))  # type: ignore[return-value]
 
-    Idempotent, so a saved and reloaded configuration resolves to itself.
-    """
+
+# -------------------------------------------------------------------------------- derived keys
+def _follow(node: DictConfig) -> DictConfig:
+    """Point each null key of DERIVED at the key it follows (an interpolation), in place."""
     for key, source in DERIVED.items():
         partner = EXCLUSIVE.get(key)
-        if _get(cfg, key) is None and (partner is None or _get(cfg, partner) is None):
-            _set(cfg, key, copy.deepcopy(_get(cfg, source)))
-    trainer = cfg.trainer
-    if trainer.default_local_dir is None:
-        trainer.default_local_dir = f"checkpoints/{trainer.project_name}/{trainer.experiment_name}"
+        if OmegaConf.select(node, key) is None and (
+            partner is None or OmegaConf.select(node, partner) is None
+        ):
+            OmegaConf.update(node, key, _interpolation(source), merge=False)
+    return node
+
+
+def _older_names_win(cfg: FulcrumConfig) -> FulcrumConfig:
+    """verl's older spellings (optim.warmup_style, optim.clip_grad) win when set; both then agree."""
     for role in (cfg.actor_rollout_ref.actor, cfg.critic):
         optim = role.optim
-        if optim.warmup_style is not None:  # older verl name wins, as in verl
+        if optim.warmup_style is not None:
             optim.lr_scheduler_type = optim.warmup_style
         optim.warmup_style = optim.lr_scheduler_type
         if optim.clip_grad is not None:
             role.grad_clip = optim.clip_grad
         optim.clip_grad = role.grad_clip
     return cfg
+
+
+def resolve(node: DictConfig | FulcrumConfig) -> FulcrumConfig:
+    """The resolved configuration: keys that follow other keys (DERIVED) take their value, older names
+    win. Idempotent, so a saved and reloaded configuration resolves to itself."""
+    node = node if isinstance(node, DictConfig) else OmegaConf.structured(node)
+    try:
+        cfg: FulcrumConfig = OmegaConf.to_object(_follow(node))  # type: ignore[assignment]
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None)
+        raise ConfigError(f"{key}: {str(err).splitlines()[0]}", key) from None
+    return _older_names_win(cfg)
 
 
 def unresolve(cfg: FulcrumConfig) -> FulcrumConfig:
@@ -258,12 +267,12 @@ def unresolve(cfg: FulcrumConfig) -> FulcrumConfig:
     too, as it would have moved on the original command line. (A key set by hand to exactly the
     value it follows is indistinguishable and follows again.)
     """
-    for key, source in reversed(DERIVED.items()):  # dependents before their sources are cleared
-        if _get(cfg, key) is not None and _get(cfg, key) == _get(cfg, source):
-            _set(cfg, key, None)
-    trainer = cfg.trainer
-    if trainer.default_local_dir == f"checkpoints/{trainer.project_name}/{trainer.experiment_name}":
-        trainer.default_local_dir = None
+    resolved = OmegaConf.create({**to_dict(cfg), "_follows": None})  # values before any is cleared
+    for key, source in DERIVED.items():
+        resolved._follows = _interpolation(source)
+        if get_path(cfg, key) is not None and get_path(cfg, key) == resolved._follows:
+            parent, _, leaf = key.rpartition(".")
+            setattr(get_path(cfg, parent), leaf, None)
     for role in (cfg.actor_rollout_ref.actor, cfg.critic):
         if role.optim.warmup_style == role.optim.lr_scheduler_type:
             role.optim.warmup_style = None
@@ -272,6 +281,7 @@ def unresolve(cfg: FulcrumConfig) -> FulcrumConfig:
     return cfg
 
 
+# -------------------------------------------------------------------------------- load and save
 def load_config(
     overrides: list[str] | tuple[str, ...] = (), base: FulcrumConfig | None = None
 ) -> FulcrumConfig:
@@ -281,17 +291,68 @@ def load_config(
     >>> cfg.actor_rollout_ref.rollout.response_length, cfg.trainer.logger
     (256, ['console', 'tensorboard'])
     """
-    if isinstance(overrides, str):
-        raise ConfigError("load_config takes a list of KEY=VALUE strings, not one string")
-    cfg = copy.deepcopy(base) if base is not None else FulcrumConfig()
-    for text in overrides:
-        apply_override(cfg, text)
-    return resolve(cfg)
+    return resolve(overridden(base if base is not None else FulcrumConfig, overrides))
+
+
+def _drop_verl_artefacts(data: dict[str, Any], top: bool) -> dict[str, Any]:
+    """verl yaml artefacts leave the default in place: `_target_` keys, Hydra's top-level
+    `defaults`/`hydra`, `???` and `${...}` interpolations (fulcrum's defaults follow the same keys)."""
+    kept = {}
+    for name, value in data.items():
+        if name == "_target_" or (top and name in ("defaults", "hydra")):
+            continue
+        if isinstance(value, str) and (value == "???" or "${" in value):
+            continue
+        kept[name] = _drop_verl_artefacts(value, False) if isinstance(value, dict) else value
+    return kept
+
+
+def load_yaml(path: str | Path, root_cls: type = FulcrumConfig) -> Any:
+    """A config dataclass from a YAML file (a saved config.yaml, or a partial one); PPO configs come
+    back unresolved (see unresolve)."""
+    path = Path(path)
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (yaml.YAMLError, OmegaConfBaseException) as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys, got {data!r}")
+    data = _drop_verl_artefacts(data, top=True)
+    rollout = data.get("actor_rollout_ref", {}).get("rollout") if root_cls is FulcrumConfig else None
+    if isinstance(rollout, dict) and "name" in rollout:
+        rollout["name"] = _alias_rollout_name(rollout["name"])
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(root_cls), data)
+        cfg = OmegaConf.to_object(node)
+    except (ConfigKeyError, ConfigAttributeError) as err:
+        raise ConfigError(f"{path}: {unknown_key_error(str(err.full_key), root_cls)}", err.full_key) from None
+    except OmegaConfBaseException as err:
+        key = str(err.full_key)
+        value = getattr(err, "value", None)
+        shown = "null" if value is None else repr(value)
+        expected = type_name(_field_type(root_cls, key)) if key else "a mapping of keys"
+        raise ConfigError(f"{path}: {key}: expected {expected}, got {shown}", key) from None
+    return unresolve(cfg) if root_cls is FulcrumConfig else cfg
 
 
 def load_config_file(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> FulcrumConfig:
     """A saved `config.yaml` (or any partial YAML in the same tree) plus overrides, resolved."""
     return load_config(overrides, base=load_yaml(path))
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The configuration as plain nested dicts/lists/scalars (what config.yaml holds)."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Any, path: str | Path) -> Path:
+    """Write a (resolved) configuration dataclass as YAML; `load_config_file(path)` gives it back."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.structured(cfg), path)
+    return path
 
 
 # ---------------------------------------------------------------------------------- key listing

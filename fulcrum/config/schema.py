@@ -51,8 +51,8 @@ class DatagenConfig:
 class DataConfig:
     tokenizer: str | None = opt(None, "tokenizer path; null uses actor_rollout_ref.model.path")
     use_shm: bool = opt(False, "copy the model to shared memory before loading (verl; no effect)")
-    train_files: str | list[str] = opt("~/data/rlhf/gsm8k/train.parquet", "training parquet file(s)")
-    val_files: str | list[str] = opt("~/data/rlhf/gsm8k/test.parquet", "validation parquet file(s)")
+    train_files: Any = opt("~/data/rlhf/gsm8k/train.parquet", "training parquet file(s)")
+    val_files: Any = opt("~/data/rlhf/gsm8k/test.parquet", "validation parquet file(s)")
     prompt_key: str = opt("prompt", "parquet column holding the chat-message prompt")
     reward_fn_key: str = opt("data_source", "column used to pick the reward function")
     max_prompt_length: int = opt(512, "longest prompt in tokens (after the chat template)")
@@ -98,7 +98,7 @@ class ModelConfig:
     use_remove_padding: bool = opt(False, "pack sequences without padding for the forward passes")
     lora_rank: int = opt(0, "LoRA rank; 0 trains all weights (LoRA not supported yet)")
     lora_alpha: int = opt(16, "LoRA alpha")
-    target_modules: str | list[str] = opt("all-linear", "LoRA target modules")
+    target_modules: Any = opt("all-linear", "LoRA target modules")
     exclude_modules: str | None = opt(None, "LoRA excluded modules")
     use_liger: bool = opt(False, "use Liger kernels (no effect)")
     use_fused_kernels: bool = opt(False, "use fused log-prob kernels")
@@ -325,7 +325,7 @@ class CriticModelConfig:
     fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP settings")
     lora_rank: int = opt(0, "LoRA rank (not supported)")
     lora_alpha: int = opt(16, "LoRA alpha")
-    target_modules: str | list[str] = opt("all-linear", "LoRA target modules")
+    target_modules: Any = opt("all-linear", "LoRA target modules")
 
 
 def _critic_optim() -> OptimConfig:

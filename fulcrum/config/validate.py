@@ -11,10 +11,10 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fulcrum.config.coerce import ConfigError
 from fulcrum.config.compat import UNSUPPORTED
+from fulcrum.config.keys import ConfigError
+from fulcrum.config.keys import get_path as _get
 from fulcrum.config.schema import FulcrumConfig, KLControlConfig
-from fulcrum.config.tree import get_path as _get
 
 SUPPORTED_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml")

@@ -21,7 +21,6 @@ device, `trainer.device` (auto|cpu|cuda) is ours.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import random
@@ -34,10 +33,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from fulcrum.config import ConfigError
+from fulcrum.config import ConfigError, load_structured, save_config
 from fulcrum.trainer.run_dir import other_run_contents
 
 # ---------------------------------------------------------------- configuration (verl's sft_trainer.yaml)
@@ -110,35 +107,9 @@ class SFTConfig:
     use_remove_padding: bool = False  # accepted, no effect
 
 
-def _all_keys(node: Any, prefix: str = "") -> list[str]:
-    keys = []
-    for name, value in OmegaConf.to_container(node, resolve=False).items():  # type: ignore[union-attr]
-        path = f"{prefix}{name}"
-        keys.append(path)
-        if isinstance(value, dict) and value and not path.endswith("fsdp_config"):
-            keys += _all_keys(node[name], path + ".")
-    return keys
-
-
 def load_sft_config(overrides: list[str]) -> SFTConfig:
     """verl-style `a.b=value` overrides (`+a.b=value` too) on the defaults; `ConfigError` names the key."""
-    schema = OmegaConf.structured(SFTConfig)
-    known = _all_keys(schema)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not KEY=VALUE")
-    dotlist = [item[1:] if item.startswith("+") else item for item in overrides]
-    try:
-        merged = OmegaConf.merge(schema, OmegaConf.from_dotlist(dotlist))
-    except ConfigKeyError as err:
-        key = err.full_key or str(err)
-        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        raise ConfigError(f"unknown SFT key {key!r}{hint}") from None
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "?"
-        raise ConfigError(f"bad value for SFT key {key!r}: {str(err).splitlines()[0]}") from None
-    cfg: SFTConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    cfg = load_structured(SFTConfig, overrides)
     _validate(cfg)
     return cfg
 
@@ -383,7 +354,7 @@ def run_sft(cfg: SFTConfig, log: Any = print) -> SFTResult:
             f"trainer.default_local_dir={run_dir} holds another run ({'; '.join(there)}); choose another folder"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
+    save_config(cfg, run_dir / "config.yaml")
 
     model, tokenizer = _load(cfg, device)
     train = load_examples(cfg.data.train_files, tokenizer, cfg.data)

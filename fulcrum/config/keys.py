@@ -1,14 +1,24 @@
-"""Walking the dataclass key tree: field types, all key paths, get/set by dotted path, suggestions."""
+"""The key tree as data: field types, every key path, readable type names, "did you mean" suggestions.
+
+Works on any tree of config dataclasses (fulcrum's PPO keys, `fulcrum sft`'s keys).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import functools
+import types
 import typing
-from typing import Any
+from typing import Any, Literal, Union
 
-from fulcrum.config.coerce import ConfigError
+
+class ConfigError(ValueError):
+    """A configuration problem; the message starts with the key it is about."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 @functools.cache
@@ -16,6 +26,35 @@ def field_types(cls: type) -> dict[str, Any]:
     """Field name -> resolved type of a config dataclass (string annotations evaluated once)."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def type_name(tp: Any) -> str:
+    """A readable name for a field type: 'int', 'float or null', 'one of [fixed, adaptive]', 'list of str'."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of [" + ", ".join(str(a) for a in typing.get_args(tp)) + "]"
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        names = [type_name(a) for a in args if a is not type(None)]
+        if type(None) in args:
+            names.append("null")
+        return " or ".join(names)
+    if origin is list:
+        (elem,) = typing.get_args(tp) or (Any,)
+        return f"list of {type_name(elem)}"
+    if origin is dict:
+        return "mapping"
+    if tp is Any:
+        return "any value"
+    return getattr(tp, "__name__", str(tp))
+
+
+def non_null(tp: Any) -> Any:
+    """`int | None` -> int; any other type unchanged."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return tp
 
 
 def is_group(tp: Any) -> bool:
