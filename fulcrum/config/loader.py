@@ -8,7 +8,9 @@ key names the closest known one, a wrong value names the key and the type it exp
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import logging
 import math
 import typing
@@ -145,11 +147,11 @@ def _field_type(root_cls: type, key: str, hint: str = "") -> Any:
 
 
 def _typed_value(text: str, tp: Any, key: str) -> Any:
-    """Override text -> the value to store: OmegaConf's grammar reads it (`1.5e-6`, `[a,b]`, `null`,
-    `'quoted'`, `{a: 1}`); a text key keeps the text as written; our stricter rules on top."""
+    """Override text -> the value to store: OmegaConf's dot-list reader (YAML) reads it (`1.5e-6`,
+    `[a,b]`, `null`, `'quoted'`, `{a: 1}`); a text key keeps the text as written; stricter rules on top."""
     try:
         value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]  # type: ignore[index]
-    except OmegaConfBaseException as err:
+    except (OmegaConfBaseException, yaml.YAMLError) as err:
         raise ConfigError(f"{key}: cannot read {text!r}: {str(err).splitlines()[0]}", key) from None
     if value is None or tp is None:
         return value
@@ -204,7 +206,44 @@ def apply_override(node: DictConfig, text: str, root_cls: type = FulcrumConfig) 
         OmegaConf.update(node, key, value, merge=False, force_add=tp is None)
     except OmegaConfBaseException:
         shown = "null" if value is None else repr(text_value)
-        raise ConfigError(f"{key}: expected {type_name(tp)}, got {shown}", key) from None
+        hint = f"; set its entries as {key}.NAME=VALUE or {key}={{a: 1}}" if is_free_dict(tp) else ""
+        raise ConfigError(f"{key}: expected {type_name(tp)}, got {shown}{hint}", key) from None
+
+
+@functools.cache
+def _schema(root_cls: type) -> DictConfig:
+    """OmegaConf's typed tree of the defaults, built once (it takes ~0.1 s); callers copy it."""
+    return OmegaConf.structured(root_cls)
+
+
+@functools.cache
+def _free_dicts(cls: type, prefix: str = "") -> tuple[str, ...]:
+    """Every free-form mapping key under `cls` (e.g. reward_model.reward_kwargs)."""
+    keys: list[str] = []
+    for name, tp in field_types(cls).items():
+        if is_group(tp):
+            keys.extend(_free_dicts(tp, f"{prefix}{name}."))
+        elif is_free_dict(tp):
+            keys.append(f"{prefix}{name}")
+    return tuple(keys)
+
+
+def _typed_tree(root_cls: type, data: dict[str, Any] | None = None) -> DictConfig:
+    """The defaults of `root_cls` as an OmegaConf tree, with the nested mapping `data` merged in.
+
+    A mapping given for a free-form key replaces its default (OmegaConf's merge would add to it),
+    so a saved configuration reloads to exactly itself.
+    """
+    node = copy.deepcopy(_schema(root_cls))
+    if data:
+        for key in _free_dicts(root_cls):
+            given: Any = data
+            for part in key.split("."):
+                given = given.get(part) if isinstance(given, dict) else None
+            if isinstance(given, dict):
+                OmegaConf.update(node, key, {}, merge=False)
+        node.merge_with(data)
+    return node
 
 
 def overridden(base: type[T] | T, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
@@ -212,7 +251,7 @@ def overridden(base: type[T] | T, overrides: list[str] | tuple[str, ...] = ()) -
     if isinstance(overrides, str):
         raise ConfigError("overrides are a list of KEY=VALUE strings, not one string")
     root_cls = base if isinstance(base, type) else type(base)
-    node = OmegaConf.structured(base)
+    node = _typed_tree(root_cls, None if isinstance(base, type) else dataclasses.asdict(base))
     for text in overrides:
         apply_override(node, text, root_cls)
     return node
@@ -251,7 +290,7 @@ def _older_names_win(cfg: FulcrumConfig) -> FulcrumConfig:
 def resolve(node: DictConfig | FulcrumConfig) -> FulcrumConfig:
     """The resolved configuration: keys that follow other keys (DERIVED) take their value, older names
     win. Idempotent, so a saved and reloaded configuration resolves to itself."""
-    node = node if isinstance(node, DictConfig) else OmegaConf.structured(node)
+    node = node if isinstance(node, DictConfig) else _typed_tree(FulcrumConfig, dataclasses.asdict(node))
     try:
         cfg: FulcrumConfig = OmegaConf.to_object(_follow(node))  # type: ignore[assignment]
     except OmegaConfBaseException as err:
@@ -324,8 +363,7 @@ def load_yaml(path: str | Path, root_cls: type = FulcrumConfig) -> Any:
     if isinstance(rollout, dict) and "name" in rollout:
         rollout["name"] = _alias_rollout_name(rollout["name"])
     try:
-        node = OmegaConf.merge(OmegaConf.structured(root_cls), data)
-        cfg = OmegaConf.to_object(node)
+        cfg = OmegaConf.to_object(_typed_tree(root_cls, data))
     except (ConfigKeyError, ConfigAttributeError) as err:
         raise ConfigError(f"{path}: {unknown_key_error(str(err.full_key), root_cls)}", err.full_key) from None
     except OmegaConfBaseException as err:
@@ -351,7 +389,7 @@ def save_config(cfg: Any, path: str | Path) -> Path:
     """Write a (resolved) configuration dataclass as YAML; `load_config_file(path)` gives it back."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.structured(cfg), path)
+    OmegaConf.save(OmegaConf.create(to_dict(cfg)), path)
     return path
 
 

@@ -3,10 +3,16 @@
 
 One place defines each key: the dataclass field, its default (verl's `ppo_trainer.yaml` unless the
 comment says otherwise) and a one-line `help` that `describe()` and `fulcrum doctor --keys` print.
-A default of `None` on a key that "follows" another key is filled in by `resolve()` (see
-`DERIVED` in `fulcrum.config.loader`), the way verl's yaml uses `${oc.select:...}` interpolation.
+The module is over 400 lines for that reason: one definition per key of verl's tree (~300 keys),
+grouped as verl groups them; splitting it would only scatter one table.
+
+`fulcrum.config.loader` turns these classes into OmegaConf structured configs, so every type here
+is one OmegaConf holds (scalars, `Literal`, `X | None`, `list[X]`, `dict[str, Any]`, `Any`). A
+default of `None` on a key that "follows" another key is filled in when the configuration is
+resolved (see `DERIVED` in `fulcrum.config.loader`), the way verl's yaml uses `${oc.select:...}`.
 
 Fields typed `dict[str, Any]` are free-form: any sub-key may be set (`+reward_model.reward_kwargs.x=1`).
+Fields typed `Any` take a path or a list of paths (OmegaConf has no `str | list[str]`).
 """
 
 from __future__ import annotations
