@@ -10,6 +10,7 @@ import torch
 from test_workers_units import make_batch  # tests/ is on sys.path under pytest
 
 from fulcrum.config import load_config
+from fulcrum.config.sections import actor_section, critic_section, reference_section
 from fulcrum.workers.actor import ActorWorker, ReferenceWorker
 from fulcrum.workers.critic import CriticWorker
 
@@ -53,7 +54,7 @@ def rl_batch(seed: int = 0):
 
 def test_actor_update_metrics_and_weights_change(tiny_dir: str) -> None:
     cfg = cfg_for(tiny_dir)
-    actor = ActorWorker(cfg, CPU, total_training_steps=10)
+    actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=10)
     batch = rl_batch()
     old, entropy = actor.compute_log_prob(batch)
     assert old.shape == batch["responses"].shape and (entropy[batch["response_mask"].bool()] > 0).all()
@@ -85,7 +86,7 @@ def test_gradient_accumulation_matches_one_big_micro_batch(tiny_dir: str) -> Non
             "actor_rollout_ref.actor.grad_clip=1e9",
         )
         torch.manual_seed(0)
-        actor = ActorWorker(cfg, CPU, total_training_steps=10)
+        actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=10)
         batch = rl_batch()
         batch["old_log_probs"] = actor.compute_log_prob(batch)[0] - 0.05  # ratio ≠ 1
         actor.update_policy(batch, global_step=1)
@@ -97,8 +98,8 @@ def test_kl_loss_needs_reference_and_is_logged(tiny_dir: str) -> None:
     cfg = cfg_for(
         tiny_dir, "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.1"
     )
-    actor = ActorWorker(cfg, CPU, total_training_steps=10)
-    ref = ReferenceWorker(cfg, CPU)
+    actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=10)
+    ref = ReferenceWorker(reference_section(cfg), CPU)
     batch = rl_batch()
     batch["old_log_probs"] = actor.compute_log_prob(batch)[0]
     batch["ref_log_prob"] = ref.compute_ref_log_prob(batch)
@@ -111,7 +112,7 @@ def test_kl_loss_needs_reference_and_is_logged(tiny_dir: str) -> None:
 
 def test_warmup_schedule_steps_once_per_update(tiny_dir: str) -> None:
     cfg = cfg_for(tiny_dir, "actor_rollout_ref.actor.optim.lr_warmup_steps=2")
-    actor = ActorWorker(cfg, CPU, total_training_steps=10)
+    actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=10)
     batch = rl_batch()
     batch["old_log_probs"] = actor.compute_log_prob(batch)[0]
     lrs = [actor.update_policy(batch, global_step=s)["actor/lr"] for s in range(3)]
@@ -120,7 +121,7 @@ def test_warmup_schedule_steps_once_per_update(tiny_dir: str) -> None:
 
 def test_critic_values_and_update_reduce_value_loss(tiny_dir: str) -> None:
     cfg = cfg_for(tiny_dir, "critic.ppo_epochs=4", "critic.cliprange_value=100")
-    critic = CriticWorker(cfg, CPU, total_training_steps=10)
+    critic = CriticWorker(critic_section(cfg), CPU, total_training_steps=10)
     batch = rl_batch()
     batch["values"] = critic.compute_values(batch)
     assert (batch["values"][batch["response_mask"] == 0] == 0).all()

@@ -4,7 +4,7 @@ Mask convention everywhere: `response_mask` (B, T), 1 = the token counts. docs/a
 every estimator and loss with its formula and its verl name.
 """
 
-from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, compute_advantage
+from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS, compute_advantage
 from fulcrum.algo.kl import (
     KL_PENALTY_NAMES,
     AdaptiveKLController,
@@ -26,7 +26,6 @@ from fulcrum.algo.masked import masked_mean, masked_sum, masked_var, masked_whit
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
-    "CRITIC_ESTIMATORS",
     "KL_PENALTY_NAMES",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",

@@ -241,9 +241,6 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
     "remax": remax_advantage,
 }
 
-# Estimators that need a critic (values); the others are critic-free.
-CRITIC_ESTIMATORS = frozenset({"gae"})
-
 
 def compute_advantage(
     adv_estimator: str,

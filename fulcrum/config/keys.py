@@ -5,6 +5,7 @@ Works on any tree of config dataclasses (fulcrum's PPO keys, `fulcrum sft`'s key
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -19,6 +20,18 @@ class ConfigError(ValueError):
     def __init__(self, message: str, key: str | None = None) -> None:
         super().__init__(message)
         self.key = key
+
+
+def opt(default: Any, help: str) -> Any:
+    """A config field with its default and one-line help (mutable defaults are copied per instance)."""
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def sub(cls: type, help: str) -> Any:
+    """A nested group of keys."""
+    return dataclasses.field(default_factory=cls, metadata={"help": help})
 
 
 @functools.cache

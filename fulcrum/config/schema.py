@@ -3,8 +3,8 @@
 
 One place defines each key: the dataclass field, its default (verl's `ppo_trainer.yaml` unless the
 comment says otherwise) and a one-line `help` that `describe()` and `fulcrum doctor --keys` print.
-The module is over 400 lines for that reason: one definition per key of verl's tree (~300 keys),
-grouped as verl groups them; splitting it would only scatter one table.
+Over 400 lines for that reason: one definition per key of verl's tree (~300 keys), grouped as verl
+groups them; splitting it would only scatter one table.
 
 `fulcrum.config.loader` turns these classes into OmegaConf structured configs, so every type here
 is one OmegaConf holds (scalars, `Literal`, `X | None`, `list[X]`, `dict[str, Any]`, `Any`). A
@@ -17,21 +17,10 @@ Fields typed `Any` take a path or a list of paths (OmegaConf has no `str | list[
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-
-def opt(default: Any, help: str) -> Any:
-    """A config field with its default and one-line help (mutable defaults are copied per instance)."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
-def sub(cls: type, help: str) -> Any:
-    """A nested group of keys."""
-    return field(default_factory=cls, metadata={"help": help})
+from fulcrum.config.keys import opt, sub
 
 
 # ----------------------------------------------------------------------------------------- data

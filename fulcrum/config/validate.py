@@ -20,6 +20,9 @@ SUPPORTED_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml")
 # Estimators that learn nothing (or divide by n - 1) from a single response per prompt.
 GROUP_ESTIMATORS_NEEDING_N2 = ("rloo",)
+# Estimators that need values from a critic; the others are critic-free. The one list of this rule:
+# the trainer builds a critic, and doctor sizes one, through uses_critic().
+CRITIC_ESTIMATORS = frozenset({"gae"})
 
 
 @dataclass(frozen=True)
@@ -34,10 +37,10 @@ class Problem:
 
 
 def uses_critic(cfg: FulcrumConfig) -> bool:
-    """A critic is trained when critic.enable says so, else when the estimator is gae (as in verl)."""
+    """A critic is trained when critic.enable says so, else when the estimator needs values (gae), as in verl."""
     if cfg.critic.enable is not None:
         return cfg.critic.enable
-    return cfg.algorithm.adv_estimator == "gae"
+    return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
 
 
 def uses_reference(cfg: FulcrumConfig) -> bool:
@@ -299,8 +302,8 @@ def _algorithm(cfg: FulcrumConfig) -> list[Problem]:
                 f"{estimator} compares responses to the same prompt; set actor_rollout_ref.rollout.n >= 2",
             )
         )
-    if cfg.critic.enable is False and estimator == "gae":
-        problems.append(Problem(("critic.enable", "algorithm.adv_estimator"), "gae needs a critic"))
+    if cfg.critic.enable is False and estimator in CRITIC_ESTIMATORS:
+        problems.append(Problem(("critic.enable", "algorithm.adv_estimator"), f"{estimator} needs a critic"))
     val = cfg.actor_rollout_ref.rollout.val_kwargs
     if val.do_sample and val.temperature <= 0:
         problems.append(

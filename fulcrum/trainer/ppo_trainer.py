@@ -5,9 +5,10 @@
       ─► advantages ─► critic update ─► actor update ─► weights → rollout ─► metrics,
       validation every test_freq, checkpoint every save_freq.
 
-verl's rules kept here: a reference policy exists only when the KL is used (`use_kl_in_reward` or
-`actor.use_kl_loss`); with neither on, no KL is applied even if `kl_ctrl.kl_coef` is set. A critic is
-used when `critic.enable` says so, else only for `adv_estimator=gae`.
+verl's rules, owned by `fulcrum.config.validate` (`uses_reference`, `uses_critic`): a reference policy
+exists only when the KL is used (`use_kl_in_reward` or `actor.use_kl_loss`); with neither on, no KL is
+applied even if `kl_ctrl.kl_coef` is set. A critic is used when `critic.enable` says so, else only for
+an estimator that needs values (gae). Each worker is built from its typed section (fulcrum.config.sections).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from tqdm import tqdm
 from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS
 from fulcrum.algo.kl import apply_kl_penalty, build_kl_controller
 from fulcrum.algo.losses import agg_loss
-from fulcrum.config import to_dict
+from fulcrum.config import FulcrumConfig, to_dict, uses_critic, uses_reference
+from fulcrum.config.schema import RolloutConfig
+from fulcrum.config.sections import actor_section, critic_section, reference_section
 from fulcrum.data.dataset import PromptLoader, RLHFDataset, require_prompts
 from fulcrum.models.load import load_tokenizer
 from fulcrum.reward import default_compute_score, load_custom_reward_fn
@@ -49,19 +52,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def use_critic(cfg: Any) -> bool:
-    """verl's rule: `critic.enable` when set, else a critic only for GAE."""
-    if cfg.critic.enable is not None:
-        return bool(cfg.critic.enable)
-    return cfg.algorithm.adv_estimator == "gae"
-
-
-def use_reference(cfg: Any) -> bool:
-    """verl's rule: a reference policy only when some KL uses it."""
-    return bool(cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss)
-
-
-def kl_startup_line(cfg: Any) -> str:
+def kl_startup_line(cfg: FulcrumConfig) -> str:
     """The one line that says which KL (if any) this run applies."""
     alg, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
     parts = []
@@ -77,7 +68,7 @@ def kl_startup_line(cfg: Any) -> str:
     )
 
 
-def resolve_total_steps(cfg: Any, steps_per_epoch: int) -> int:
+def resolve_total_steps(cfg: FulcrumConfig, steps_per_epoch: int) -> int:
     """trainer.total_training_steps when set, else steps_per_epoch × total_epochs (verl)."""
     total = steps_per_epoch * int(cfg.trainer.total_epochs)
     if cfg.trainer.total_training_steps is not None:
@@ -164,7 +155,9 @@ def score_batch(
     return scores, result
 
 
-def sampling_params(rollout_cfg: Any, response_length: int, seed: int, validate: bool) -> SamplingParams:
+def sampling_params(
+    rollout_cfg: RolloutConfig, response_length: int, seed: int, validate: bool
+) -> SamplingParams:
     """Training sampling (rollout.*) or validation sampling (rollout.val_kwargs; greedy unless do_sample)."""
     src = rollout_cfg.val_kwargs if validate else rollout_cfg
     greedy = not bool(src.do_sample)
@@ -181,7 +174,7 @@ def sampling_params(rollout_cfg: Any, response_length: int, seed: int, validate:
 
 # ------------------------------------------------------------------------------------------ trainer
 class PPOTrainer:
-    def __init__(self, cfg: Any, device: torch.device, n_devices: int = 1) -> None:
+    def __init__(self, cfg: FulcrumConfig, device: torch.device, n_devices: int = 1) -> None:
         self.cfg = cfg
         self.device = device
         self.n_devices = n_devices
@@ -192,7 +185,7 @@ class PPOTrainer:
         # Which checkpoint to resume (verified), the one-run rule and the configuration check, before
         # anything is loaded: a refusal costs no time.
         self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer)
-        role_names = ["actor", "critic"] if use_critic(cfg) else ["actor"]
+        role_names = ["actor", "critic"] if uses_critic(cfg) else ["actor"]
         self.resume_choice = self.checkpoints.choose_resume(role_names)
         self.attempt = open_run_dir(self.run_dir, cfg, self.resume_choice, self.checkpoints)
         for note in self.attempt.notes:
@@ -240,10 +233,11 @@ class PPOTrainer:
             print(
                 "note: use_remove_padding is accepted but has no effect yet (padded forwards, trimmed per micro-batch)"
             )
-        self.actor = ActorWorker(cfg, device, self.total_training_steps, self.tokenizer)
-        self.ref = ReferenceWorker(cfg, device) if use_reference(cfg) else None
+        total = self.total_training_steps
+        self.actor = ActorWorker(actor_section(cfg), device, total, self.tokenizer)
+        self.ref = ReferenceWorker(reference_section(cfg), device) if uses_reference(cfg) else None
         self.critic = (
-            CriticWorker(cfg, device, self.total_training_steps, self.tokenizer) if use_critic(cfg) else None
+            CriticWorker(critic_section(cfg), device, total, self.tokenizer) if uses_critic(cfg) else None
         )
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.rollout = build_rollout(arr.rollout, self.actor.model, self.tokenizer, device)

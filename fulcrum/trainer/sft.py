@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from fulcrum.config import ConfigError, load_structured, save_config
+from fulcrum.config.device import select_device
 from fulcrum.trainer.run_dir import other_run_contents
 
 # ---------------------------------------------------------------- configuration (verl's sft_trainer.yaml)
@@ -285,14 +286,6 @@ class SFTResult:
     seconds: float
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but no CUDA device is available")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
 def _autocast(device: torch.device) -> Any:
     # bf16 compute with fp32 master weights on the GPU; plain fp32 on the CPU (bf16 is slow there).
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -346,7 +339,9 @@ def run_sft(cfg: SFTConfig, log: Any = print) -> SFTResult:
     started = time.perf_counter()
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
-    device = resolve_device(cfg.trainer.device)
+    device = select_device(
+        cfg.trainer.device, cpu_when_no_cuda=True
+    )  # one device: n_gpus_per_node is ignored
     run_dir = Path(cfg.trainer.default_local_dir)
     there = other_run_contents(run_dir)
     if there:  # one run directory, one run: never overwrite another run's checkpoints or metrics

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 
 from fulcrum.algo.kl import kl_penalty
 from fulcrum.algo.losses import agg_loss, compute_policy_loss
+from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
 from fulcrum.trainer.batch import Batch
 from fulcrum.workers.micro_batch import forward_log_prob, make_micro_batches, restore_order
@@ -27,37 +27,10 @@ from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class LogProbSizes:
-    """How a no-grad log-prob pass is split: fixed micro-batches or a per-micro-batch token budget."""
-
-    micro_batch_size: int | None
-    use_dynamic_bsz: bool
-    max_token_len: int | None
-    key: str  # the configuration key, for error messages
-
-    def __post_init__(self) -> None:
-        require_size(self.micro_batch_size, self.use_dynamic_bsz, self.key)
-
-
-def require_size(size: int | None, use_dynamic_bsz: bool, key: str) -> None:
-    """Fail at start-up, naming the key, when a fixed micro-batch size is needed but unset."""
-    if not use_dynamic_bsz and (size is None or int(size) <= 0):
-        raise ValueError(f"{key} must be set to a positive integer (or use_dynamic_bsz=True), got {size}")
-
-
-def _first(*values: Any) -> Any:
-    """The first value that is not None (verl's `null follows ...` interpolations)."""
-    for v in values:
-        if v is not None:
-            return v
-    return None
-
-
 def compute_log_prob(
     model: nn.Module,
     batch: Batch,
-    sizes: LogProbSizes,
+    sizes: ForwardSizes,
     temperature: float,
     device: torch.device,
     with_entropy: bool,
@@ -89,20 +62,12 @@ def compute_log_prob(
 class ReferenceWorker:
     """The frozen reference policy (the actor's initial weights): log-probs only."""
 
-    def __init__(self, cfg: Any, device: torch.device) -> None:
-        arr = cfg.actor_rollout_ref
+    def __init__(self, section: ReferenceSection, device: torch.device) -> None:
         self.device = device
-        self.model = load_causal_lm(arr.model.path, device).eval()
+        self.model = load_causal_lm(section.model_path, device).eval()
         self.model.requires_grad_(False)
-        self.temperature = float(arr.rollout.temperature) or 1.0
-        self.sizes = LogProbSizes(
-            micro_batch_size=_first(
-                arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_micro_batch_size
-            ),
-            use_dynamic_bsz=bool(_first(arr.ref.log_prob_use_dynamic_bsz, arr.actor.use_dynamic_bsz)),
-            max_token_len=_first(arr.ref.log_prob_max_token_len_per_gpu, arr.actor.ppo_max_token_len_per_gpu),
-            key="actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-        )
+        self.temperature = section.temperature
+        self.sizes = section.log_prob
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
         logp, _ = compute_log_prob(self.model, batch, self.sizes, self.temperature, self.device, False)
@@ -113,39 +78,23 @@ class ActorWorker:
     """Policy model + AdamW + LR schedule; `compute_log_prob` and `update_policy` as verl's DataParallelPPOActor."""
 
     def __init__(
-        self, cfg: Any, device: torch.device, total_training_steps: int, tokenizer: Any = None
+        self, section: ActorSection, device: torch.device, total_training_steps: int, tokenizer: Any = None
     ) -> None:
-        arr = cfg.actor_rollout_ref
-        self.cfg = arr.actor
+        self.cfg = section.actor
         self.device = device
         self.tokenizer = tokenizer
-        self.model = load_causal_lm(arr.model.path, device, bool(arr.model.enable_gradient_checkpointing))
+        model = section.model
+        self.model = load_causal_lm(model.path, device, model.enable_gradient_checkpointing)
         self.model.train()
-        self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim, device)
+        self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optim, device)
         self.lr_scheduler = build_lr_scheduler(
-            self.optimizer, arr.actor.optim, total_training_steps, "actor_rollout_ref.actor.optim"
+            self.optimizer, self.cfg.optim, total_training_steps, "actor_rollout_ref.actor.optim"
         )
-        # verl divides the logits by the rollout temperature everywhere the policy is scored.
-        self.temperature = float(arr.rollout.temperature) or 1.0
-        n = int(arr.rollout.n)
-        self.mini_batch_size = int(arr.actor.ppo_mini_batch_size) * n  # responses per optimiser step
-        self.micro_batch_size = _first(arr.actor.ppo_micro_batch_size_per_gpu, arr.actor.ppo_micro_batch_size)
-        self.log_prob_sizes = LogProbSizes(
-            micro_batch_size=_first(
-                arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout.log_prob_micro_batch_size
-            ),
-            use_dynamic_bsz=bool(_first(arr.rollout.log_prob_use_dynamic_bsz, arr.actor.use_dynamic_bsz)),
-            max_token_len=_first(
-                arr.rollout.log_prob_max_token_len_per_gpu, arr.actor.ppo_max_token_len_per_gpu
-            ),
-            key="actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-        )
-        require_size(
-            self.micro_batch_size,
-            bool(arr.actor.use_dynamic_bsz),
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-        )
-        self.shuffle_seed = int(getattr(cfg.trainer, "seed", 1))
+        self.temperature = section.temperature
+        self.mini_batch_size = section.mini_batch_size  # responses per optimiser step
+        self.micro_batch_size = section.micro_batch_size
+        self.log_prob_sizes = section.log_prob
+        self.shuffle_seed = section.seed
 
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Old log-probs and entropies (B, R) of the batch's responses under the current policy."""
@@ -170,15 +119,15 @@ class ActorWorker:
         self.model.train()
         metrics: dict[str, list[float]] = defaultdict(list)
         generator = torch.Generator().manual_seed(self.shuffle_seed * 1_000_003 + global_step)
-        clip_low = _first(cfg.clip_ratio_low, cfg.clip_ratio)
-        clip_high = _first(cfg.clip_ratio_high, cfg.clip_ratio)
-        for _ in range(int(cfg.ppo_epochs)):
+        clip_low, clip_high = cfg.clip_ratio_low, cfg.clip_ratio_high  # resolved: follow clip_ratio when null
+        assert clip_low is not None and clip_high is not None
+        for _ in range(cfg.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator)
             for mini in batch.select(order).split(self.mini_batch_size):
                 micro, _ = make_micro_batches(
                     mini,
                     self.micro_batch_size,
-                    bool(cfg.use_dynamic_bsz),
+                    cfg.use_dynamic_bsz,
                     cfg.ppo_max_token_len_per_gpu,
                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
                 )

@@ -1,7 +1,8 @@
 """The critic worker: HF backbone + scalar value head, `compute_values` and the clipped value update.
 
 Its sizes (`critic.ppo_mini_batch_size`, `ppo_micro_batch_size_per_gpu`, `forward_micro_batch_size_per_gpu`,
-`ppo_epochs`, token budgets) are independent of the actor's; null ones follow the actor as in verl.
+`ppo_epochs`, token budgets) are independent of the actor's; null ones follow the actor as in verl,
+resolved in its `CriticSection` (fulcrum.config.sections).
 """
 
 from __future__ import annotations
@@ -12,20 +13,20 @@ from typing import Any
 import torch
 
 from fulcrum.algo.losses import compute_value_loss
+from fulcrum.config.sections import CriticSection
 from fulcrum.models.load import load_backbone
 from fulcrum.models.value_head import CriticModel
 from fulcrum.trainer.batch import Batch
-from fulcrum.workers.actor import _first, clip_and_step, require_size
+from fulcrum.workers.actor import clip_and_step
 from fulcrum.workers.micro_batch import forward_values, make_micro_batches, restore_order
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 
 
 class CriticWorker:
     def __init__(
-        self, cfg: Any, device: torch.device, total_training_steps: int, tokenizer: Any = None
+        self, section: CriticSection, device: torch.device, total_training_steps: int, tokenizer: Any = None
     ) -> None:
-        c = cfg.critic
-        actor = cfg.actor_rollout_ref.actor
+        c = section.critic
         self.cfg = c
         self.device = device
         self.tokenizer = tokenizer
@@ -35,27 +36,24 @@ class CriticWorker:
         self.model.train()
         self.optimizer = build_optimizer(self.model.parameters(), c.optim, device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, c.optim, total_training_steps, "critic.optim")
-        n = int(_first(c.rollout_n, cfg.actor_rollout_ref.rollout.n))
-        self.mini_batch_size = int(_first(c.ppo_mini_batch_size, actor.ppo_mini_batch_size)) * n
-        self.micro_batch_size = _first(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size)
-        self.forward_micro_batch_size = _first(
-            c.forward_micro_batch_size_per_gpu, c.forward_micro_batch_size, self.micro_batch_size
-        )
-        self.use_dynamic_bsz = bool(_first(c.use_dynamic_bsz, actor.use_dynamic_bsz))
-        self.ppo_epochs = int(_first(c.ppo_epochs, actor.ppo_epochs))
-        self.loss_agg_mode = _first(c.loss_agg_mode, actor.loss_agg_mode)
-        require_size(self.micro_batch_size, self.use_dynamic_bsz, "critic.ppo_micro_batch_size_per_gpu")
-        self.shuffle_seed = int(getattr(cfg.trainer, "seed", 1)) + 7
+        self.mini_batch_size = section.mini_batch_size
+        self.micro_batch_size = section.micro_batch_size
+        self.values_sizes = section.values
+        self.use_dynamic_bsz = bool(c.use_dynamic_bsz)
+        assert c.ppo_epochs is not None and c.loss_agg_mode is not None, "a resolved configuration"
+        self.ppo_epochs = c.ppo_epochs
+        self.loss_agg_mode = c.loss_agg_mode
+        self.shuffle_seed = section.seed
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """V(s_t) for every response position (B, R), float32 on the CPU, zero outside the response mask."""
-        c = self.cfg
+        sizes = self.values_sizes
         micro, order = make_micro_batches(
             batch,
-            self.forward_micro_batch_size,
-            self.use_dynamic_bsz,
-            _first(c.forward_max_token_len_per_gpu, c.ppo_max_token_len_per_gpu),
-            "critic.forward_micro_batch_size_per_gpu",
+            sizes.micro_batch_size,
+            sizes.use_dynamic_bsz,
+            sizes.max_token_len,
+            sizes.key,
             sort_by_length=True,
         )
         was_training = self.model.training

@@ -1,0 +1,127 @@
+"""The typed section each worker is built from: its own keys and the few it shares, every size resolved.
+
+As verl's workers take an `ActorConfig` / `CriticConfig`, fulcrum's take an `ActorSection`,
+`ReferenceSection` or `CriticSection` built here once from a resolved `FulcrumConfig`, so no worker
+re-derives "null follows another key" and a worker can be built (and tested) from its section alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fulcrum.config.keys import ConfigError
+from fulcrum.config.schema import ActorConfig, CriticConfig, FulcrumConfig, ModelConfig
+
+
+@dataclass(frozen=True)
+class ForwardSizes:
+    """How a no-grad forward pass (log-probs, values) is split: fixed micro-batches or a token budget."""
+
+    micro_batch_size: int | None  # responses per micro-batch (None with use_dynamic_bsz)
+    use_dynamic_bsz: bool
+    max_token_len: int | None  # tokens per micro-batch with use_dynamic_bsz
+    key: str  # the configuration key of micro_batch_size, for error messages
+
+    def __post_init__(self) -> None:
+        require_size(self.micro_batch_size, self.use_dynamic_bsz, self.key)
+
+
+def require_size(size: int | None, use_dynamic_bsz: bool, key: str) -> None:
+    """Fail at start-up, naming the key, when a fixed micro-batch size is needed but unset."""
+    if not use_dynamic_bsz and (size is None or int(size) <= 0):
+        raise ConfigError(
+            f"{key} must be set to a positive integer (or use_dynamic_bsz=True), got {size}", key
+        )
+
+
+def per_device(size_per_gpu: int | None, deprecated_global: int | None) -> int | None:
+    """A micro-batch size: the per-device key, else verl's deprecated global spelling (the same on one
+    device; validate() reports setting both)."""
+    return size_per_gpu if size_per_gpu is not None else deprecated_global
+
+
+def scoring_temperature(cfg: FulcrumConfig) -> float:
+    """verl divides the logits by the rollout temperature wherever the policy is scored (1 when greedy)."""
+    return float(cfg.actor_rollout_ref.rollout.temperature) or 1.0
+
+
+@dataclass(frozen=True)
+class ActorSection:
+    model: ModelConfig  # actor_rollout_ref.model
+    actor: ActorConfig  # actor_rollout_ref.actor (optim, clip ratios, losses), resolved
+    temperature: float  # scoring_temperature()
+    mini_batch_size: int  # responses per optimiser step: ppo_mini_batch_size × rollout.n
+    micro_batch_size: int | None  # responses per forward/backward
+    log_prob: ForwardSizes  # the old-log-prob pass (actor_rollout_ref.rollout.log_prob_*)
+    seed: int  # trainer.seed: mini-batch shuffles
+
+
+@dataclass(frozen=True)
+class ReferenceSection:
+    model_path: str  # the actor's initial weights
+    temperature: float  # scoring_temperature()
+    log_prob: ForwardSizes  # actor_rollout_ref.ref.log_prob_*
+
+
+@dataclass(frozen=True)
+class CriticSection:
+    critic: CriticConfig  # critic.* resolved (epochs, loss_agg_mode, dynamic bsz follow the actor's)
+    mini_batch_size: int  # responses per optimiser step: critic.ppo_mini_batch_size × critic.rollout_n
+    micro_batch_size: int | None  # responses per forward/backward
+    values: ForwardSizes  # the values pass (critic.forward_*)
+    seed: int  # mini-batch shuffles (trainer.seed + 7: not the actor's order)
+
+
+def actor_section(cfg: FulcrumConfig) -> ActorSection:
+    arr = cfg.actor_rollout_ref
+    actor, rollout = arr.actor, arr.rollout
+    micro = per_device(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size)
+    require_size(micro, actor.use_dynamic_bsz, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    return ActorSection(
+        model=arr.model,
+        actor=actor,
+        temperature=scoring_temperature(cfg),
+        mini_batch_size=actor.ppo_mini_batch_size * rollout.n,
+        micro_batch_size=micro,
+        log_prob=ForwardSizes(
+            per_device(rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_micro_batch_size),
+            bool(rollout.log_prob_use_dynamic_bsz),
+            rollout.log_prob_max_token_len_per_gpu,
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        ),
+        seed=cfg.trainer.seed,
+    )
+
+
+def reference_section(cfg: FulcrumConfig) -> ReferenceSection:
+    ref = cfg.actor_rollout_ref.ref
+    return ReferenceSection(
+        model_path=cfg.actor_rollout_ref.model.path,
+        temperature=scoring_temperature(cfg),
+        log_prob=ForwardSizes(
+            per_device(ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_micro_batch_size),
+            bool(ref.log_prob_use_dynamic_bsz),
+            ref.log_prob_max_token_len_per_gpu,
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+        ),
+    )
+
+
+def critic_section(cfg: FulcrumConfig) -> CriticSection:
+    c = cfg.critic
+    assert c.ppo_mini_batch_size is not None and c.rollout_n is not None, "resolve() the configuration first"
+    micro = per_device(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size)
+    require_size(micro, bool(c.use_dynamic_bsz), "critic.ppo_micro_batch_size_per_gpu")
+    forward = per_device(c.forward_micro_batch_size_per_gpu, c.forward_micro_batch_size)
+    return CriticSection(
+        critic=c,
+        mini_batch_size=c.ppo_mini_batch_size * c.rollout_n,
+        micro_batch_size=micro,
+        values=ForwardSizes(
+            forward if forward is not None else micro,
+            bool(c.use_dynamic_bsz),
+            c.forward_max_token_len_per_gpu,
+            "critic.forward_micro_batch_size_per_gpu",
+        ),
+        seed=cfg.trainer.seed + 7,
+    )
