@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from fulcrum.data.synthetic import ArithmeticTask
-from fulcrum.trainer.demo import DemoPlan, run_demo, validation_accuracies
+from fulcrum.trainer.demo import DemoPlan, demo_ppo_config, run_demo, validation_accuracies
 
 
 def test_validation_accuracies_reads_val_rows(tmp_path):
@@ -26,17 +26,13 @@ def test_small_demo_runs_to_its_accuracy_line(tmp_path, capsys):
     small = DemoPlan(
         task=ArithmeticTask(max_operand=9), num_train=128, num_test=16, sft_steps=8, sft_batch_size=16
     )
-    small = replace(
-        small,
-        ppo={
-            **small.ppo,
-            "data.train_batch_size": "8",
-            "actor_rollout_ref.rollout.n": "2",
-            "actor_rollout_ref.actor.ppo_mini_batch_size": "8",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "16",
-            "trainer.test_freq": "2",
-        },
-    )
+    ppo = demo_ppo_config()
+    ppo.data.train_batch_size = 8
+    ppo.actor_rollout_ref.rollout.n = 2
+    ppo.actor_rollout_ref.actor.ppo_mini_batch_size = 8
+    ppo.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 16
+    ppo.trainer.test_freq = 2
+    small = replace(small, ppo=ppo)
     # The user's overrides act on the PPO stage, over the demo's settings.
     code = run_demo([f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2"], plan=small)
     assert code == 0

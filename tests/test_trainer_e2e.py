@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from fulcrum.config.device import select_device
 from fulcrum.data.synthetic import write_splits
 from fulcrum.models.tiny import build_tiny_model
-from fulcrum.trainer.main_ppo import main, select_device, wants_demo
+from fulcrum.trainer.main_ppo import main, wants_demo
 
 # DESIGN §5, the metrics every PPO step writes (critic ones dropped for critic-free runs).
 DESIGN_METRICS = """actor/pg_loss actor/pg_clipfrac actor/pg_clipfrac_lower actor/ppo_kl actor/grad_norm actor/entropy
@@ -156,10 +157,7 @@ def test_too_few_devices_stops_with_a_clear_message(assets: Path, tmp_path: Path
 
 
 def test_select_device_cpu_and_demo_rule() -> None:
-    class T:
-        device, n_gpus_per_node, nnodes = "cpu", 8, 1
-
-    assert select_device(T()) == (torch.device("cpu"), 1)
+    assert select_device("cpu", n_gpus_per_node=8, nnodes=1) == torch.device("cpu")
     assert wants_demo([]) and wants_demo(["trainer.default_local_dir=/tmp/x"])
     assert not wants_demo(["data.train_files=a.parquet"])
     assert not wants_demo(["actor_rollout_ref.model.path=m"])
@@ -183,3 +181,10 @@ def test_remax_generates_a_greedy_baseline(assets: Path, tmp_path: Path) -> None
     row = read_rows(tmp_path / "remax")[0]
     assert row["timing_s/gen_max"] > 0 and math.isfinite(row["actor/pg_loss"])
     assert "critic/vf_loss" not in row  # ReMax is critic-free
+
+
+def test_unknown_key_stops_before_the_demo_runs(tmp_path: Path, capsys) -> None:
+    # No data and no model: this would be the demo, but the misspelt key is reported first.
+    assert main(["data.train_fiels=x.parquet", f"trainer.default_local_dir={tmp_path / 'demo'}"]) == 1
+    assert "did you mean data.train_files?" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()

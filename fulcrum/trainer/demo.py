@@ -30,14 +30,38 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
+from fulcrum.config import ConfigError, FulcrumConfig, load_structured, resolve
+from fulcrum.config.device import select_device
 from fulcrum.data.synthetic import ArithmeticTask, write_splits
+from fulcrum.trainer.sft import SFTConfig, SFTDataConfig, SFTModelConfig, SFTOptimConfig, SFTTrainerConfig
 
 # One operation on numbers up to 9, answer only ("#### 7": no worked line the reward cannot check, which
 # RL would otherwise reward when wrong but ending in the right number). Demonstrations of mixed style:
 # most "owner" stories end in "#### N", most "container" stories in "The answer is N.".
 DEMO_TASK = ArithmeticTask(max_operand=9, show_work=False, marked_fraction=(0.8, 0.2))
+
+
+def demo_ppo_config() -> FulcrumConfig:
+    """The PPO stage's own settings, in verl's keys (unresolved: keys that follow others still follow)."""
+    cfg = FulcrumConfig()
+    cfg.algorithm.adv_estimator = "grpo"
+    data, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    data.train_batch_size, data.max_prompt_length, data.max_response_length = 32, 80, 10
+    rollout.n, rollout.temperature, rollout.name = 8, 1.0, "hf"
+    rollout.tensor_model_parallel_size = 1
+    rollout.log_prob_micro_batch_size_per_gpu = 128
+    actor.optim.lr, actor.optim.lr_scheduler_type = 3e-4, "cosine"
+    actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu = 32, 64
+    trainer = cfg.trainer
+    trainer.total_training_steps, trainer.val_before_train, trainer.test_freq, trainer.save_freq = (
+        40,
+        True,
+        10,
+        -1,
+    )
+    trainer.logger, trainer.n_gpus_per_node, trainer.nnodes = ["console"], 1, 1
+    trainer.project_name, trainer.experiment_name = "fulcrum-demo", "arithmetic"
+    return cfg
 
 
 @dataclass(frozen=True)
@@ -50,43 +74,30 @@ class DemoPlan:
     sft_steps: int = 250
     sft_batch_size: int = 32
     sft_lr: float = 2e-3
-    # PPO stage, in verl's keys; the user's overrides are applied on top.
-    ppo: dict[str, str] = field(
-        default_factory=lambda: {
-            "algorithm.adv_estimator": "grpo",
-            "data.train_batch_size": "32",
-            "data.max_prompt_length": "80",
-            "data.max_response_length": "10",
-            "actor_rollout_ref.rollout.n": "8",
-            "actor_rollout_ref.rollout.temperature": "1.0",
-            "actor_rollout_ref.rollout.name": "hf",
-            "actor_rollout_ref.rollout.tensor_model_parallel_size": "1",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "128",
-            "actor_rollout_ref.actor.optim.lr": "3e-4",
-            "actor_rollout_ref.actor.optim.lr_scheduler_type": "cosine",
-            "actor_rollout_ref.actor.ppo_mini_batch_size": "32",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "64",
-            "trainer.total_training_steps": "40",
-            "trainer.val_before_train": "True",
-            "trainer.test_freq": "10",
-            "trainer.save_freq": "-1",
-            "trainer.logger": "[console]",
-            "trainer.n_gpus_per_node": "1",
-            "trainer.nnodes": "1",
-            "trainer.project_name": "fulcrum-demo",
-            "trainer.experiment_name": "arithmetic",
-        }
+    ppo: FulcrumConfig = field(default_factory=demo_ppo_config)  # the user's overrides go on top
+
+
+def sft_config(
+    plan: DemoPlan, data_dir: Path, base_model: Path, out_dir: Path, seed: int, device: str
+) -> SFTConfig:
+    """The warm start: the same chat-message prompts the PPO stage sees, answers from extra_info."""
+    return SFTConfig(
+        data=SFTDataConfig(
+            train_files=str(data_dir / "train.parquet"),
+            val_files=str(data_dir / "test.parquet"),
+            prompt_key="prompt",
+            response_key="extra_info",
+            response_dict_keys=["answer"],
+            train_batch_size=plan.sft_batch_size,
+            micro_batch_size_per_gpu=plan.sft_batch_size,
+            max_length=128,
+        ),
+        model=SFTModelConfig(partial_pretrain=str(base_model)),
+        optim=SFTOptimConfig(lr=plan.sft_lr, weight_decay=0.0),
+        trainer=SFTTrainerConfig(
+            total_training_steps=plan.sft_steps, default_local_dir=str(out_dir), seed=seed, device=device
+        ),
     )
-
-
-def _split_overrides(overrides: list[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} is not KEY=VALUE")
-        key, value = item.split("=", 1)
-        out[key.lstrip("+")] = value
-    return out
 
 
 def validation_accuracies(metrics_file: Path) -> list[tuple[int, float]]:
@@ -105,26 +116,29 @@ def validation_accuracies(metrics_file: Path) -> list[tuple[int, float]]:
 
 
 def run_demo(overrides: list[str] | None = None, plan: DemoPlan | None = None) -> int:
-    """Data, tiny model, warm start, PPO; the last line printed compares validation accuracies."""
+    """Data, tiny model, warm start, PPO; the last line printed compares validation accuracies.
+
+    `overrides` (verl's `KEY=VALUE`) act on the PPO stage; they are checked before anything runs.
+    """
     from fulcrum.models.tiny import build_tiny_model
-    from fulcrum.trainer import main_ppo
+    from fulcrum.trainer.run import run_ppo
     from fulcrum.trainer.run_dir import move_old_run_aside, other_run_contents
-    from fulcrum.trainer.sft import load_sft_config, run_sft
+    from fulcrum.trainer.sft import run_sft
 
     plan = plan or DemoPlan()
     started = time.perf_counter()
     try:
-        user = _split_overrides(list(overrides or []))
-    except ValueError as err:
+        asked = load_structured(plan.ppo, list(overrides or []))  # unresolved: a null run dir stays null
+        device = select_device(asked.trainer.device, cpu_when_no_cuda=True).type
+    except ConfigError as err:
         print(f"fulcrum train (demo): {err}", file=sys.stderr)
         return 1
-    run_dir = Path(user.get("trainer.default_local_dir") or tempfile.mkdtemp(prefix="fulcrum-demo-"))
-    seed = int(user.get("trainer.seed", 1))
-    device = user.get("trainer.device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    run_dir = Path(asked.trainer.default_local_dir or tempfile.mkdtemp(prefix="fulcrum-demo-"))
+    seed = asked.trainer.seed
     work = run_dir / "demo"
     # One run directory, one run: decided before minutes of warm start, not after.
     there = other_run_contents(run_dir) + other_run_contents(work / "sft")
-    if there and str(user.get("trainer.overwrite_run", "")).strip().lower() in ("true", "1", "yes", "on"):
+    if there and asked.trainer.overwrite_run:
         print(f"note: moved the previous run to {move_old_run_aside(run_dir)}", flush=True)
     elif there:
         print(
@@ -145,44 +159,21 @@ def run_demo(overrides: list[str] | None = None, plan: DemoPlan | None = None) -
     base_model = build_tiny_model(work / "base_model", seed=seed)
     print(f"[2/4] tiny model: {base_model}", flush=True)
 
-    sft_cfg = load_sft_config(
-        [
-            f"data.train_files={data_dir / 'train.parquet'}",
-            f"data.val_files={data_dir / 'test.parquet'}",
-            "data.prompt_key=prompt",  # the same chat messages the PPO stage sees
-            "data.response_key=extra_info",
-            "data.response_dict_keys=[answer]",
-            f"data.train_batch_size={plan.sft_batch_size}",
-            f"data.micro_batch_size_per_gpu={plan.sft_batch_size}",
-            "data.max_length=128",
-            f"model.partial_pretrain={base_model}",
-            f"optim.lr={plan.sft_lr}",
-            "optim.weight_decay=0.0",
-            f"trainer.total_training_steps={plan.sft_steps}",
-            f"trainer.default_local_dir={work / 'sft'}",
-            f"trainer.seed={seed}",
-            f"trainer.device={device}",
-        ]
-    )
     print(f"[3/4] supervised warm start: {plan.sft_steps} steps of {plan.sft_batch_size}", flush=True)
-    sft = run_sft(sft_cfg)
+    sft = run_sft(sft_config(plan, data_dir, base_model, work / "sft", seed, device))
 
-    ppo = {
-        **plan.ppo,
-        "data.train_files": str(data_dir / "train.parquet"),
-        "data.val_files": str(data_dir / "test.parquet"),
-        "actor_rollout_ref.model.path": str(sft.model_dir),
-        "trainer.device": device,
-        "trainer.seed": str(seed),
-        "trainer.default_local_dir": str(run_dir),
-    }
-    ppo.update(user)
+    asked.data.train_files = str(data_dir / "train.parquet")
+    asked.data.val_files = str(data_dir / "test.parquet")
+    asked.actor_rollout_ref.model.path = str(sft.model_dir)
+    asked.trainer.device = device  # type: ignore[assignment]  # "cpu" | "cuda"
+    asked.trainer.default_local_dir = str(run_dir)
+    cfg = resolve(asked)
     print(
-        f"[4/4] PPO: {ppo['algorithm.adv_estimator']} advantages, {ppo['data.train_batch_size']} prompts x "
-        f"{ppo['actor_rollout_ref.rollout.n']} samples, {ppo['trainer.total_training_steps']} steps",
+        f"[4/4] PPO: {cfg.algorithm.adv_estimator} advantages, {cfg.data.train_batch_size} prompts x "
+        f"{cfg.actor_rollout_ref.rollout.n} samples, {cfg.trainer.total_training_steps} steps",
         flush=True,
     )
-    code = main_ppo.main([f"{k}={v}" for k, v in ppo.items()])
+    code = run_ppo(cfg)
     if code != 0:
         print(f"fulcrum demo: the PPO stage failed (exit {code}); see the messages above", file=sys.stderr)
         return code

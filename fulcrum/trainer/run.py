@@ -1,0 +1,95 @@
+"""Train with a configuration object: the one entry that `fulcrum train` and the built-in demo call.
+
+`run_ppo(cfg)` checks the resolved configuration (device count, the cross-key rules of `fulcrum
+doctor`, the model folders) before the trainer is even imported, prints the advice notes, trains, and
+turns the failures a user can act on into one paragraph and exit code 1. An error before the first
+step prints no traceback; set FULCRUM_DEBUG=1 to see it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from fulcrum.config import ConfigError, FulcrumConfig, advise, check, uses_critic
+from fulcrum.config.device import select_device
+from fulcrum.models.folder import ModelPathError, model_folder_problems, resolve_model_path, vocab_problems
+
+ACTOR_KEY = "actor_rollout_ref.model.path"
+DEBUG_ENV = "FULCRUM_DEBUG"  # =1: set-up errors come with their traceback
+
+
+def check_model_paths(cfg: FulcrumConfig) -> None:
+    """Resolve and check the model folders before the heavy imports, so a typo fails in seconds."""
+    models = {ACTOR_KEY: (cfg.actor_rollout_ref.model.path, True)}
+    if uses_critic(cfg):
+        models["critic.model.path"] = (cfg.critic.model.path, False)
+    problems = []
+    for key, (name, needs_tokenizer) in models.items():
+        try:
+            resolved = resolve_model_path(str(name), key)
+        except ModelPathError as err:
+            problems.append(str(err))
+            continue
+        problems += model_folder_problems(resolved, key, needs_tokenizer=needs_tokenizer)
+    if not problems:
+        # Every model fed the actor's token ids needs an embedding row for each, else an index error
+        # deep in a forward after minutes of set-up. Reads the tokenizer and config.json files only.
+        from transformers import AutoTokenizer
+
+        tokens = len(AutoTokenizer.from_pretrained(resolve_model_path(str(models[ACTOR_KEY][0]), ACTOR_KEY)))
+        problems = vocab_problems(tokens, ACTOR_KEY, {key: str(name) for key, (name, _) in models.items()})
+    if problems:
+        raise ModelPathError("\n".join(problems))
+
+
+def debug_requested() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def setup_error_message(err: BaseException) -> str:
+    """One paragraph for an error raised while the trainer is built: our errors already name the key and
+    file; anything else also gets its type, since its message may not say what kind of failure it was."""
+    text = " ".join(str(err).split()) if "\n" not in str(err).strip() else str(err).strip()
+    if type(err).__module__.startswith("fulcrum.") or isinstance(err, FileNotFoundError | ImportError):
+        body = text
+    else:
+        body = f"{type(err).__name__}: {text}"
+    return f"fulcrum train: set-up failed: {body}\n(set {DEBUG_ENV}=1 to see the traceback)"
+
+
+def run_ppo(cfg: FulcrumConfig) -> int:
+    """Train as `cfg` (resolved: `load_config`) says; 0 when done, 1 with a message on stderr, or
+    128 + the signal number when Ctrl-C / SIGTERM stopped the run."""
+    trainer_cfg = cfg.trainer
+    try:
+        device = select_device(trainer_cfg.device, trainer_cfg.n_gpus_per_node, trainer_cfg.nnodes)
+        # The cross-key rules of `fulcrum doctor` (sizes that do not divide, missing micro-batch sizes...)
+        # stop the run before any model is loaded; the device count was checked just above.
+        check(cfg, n_devices=None)
+        check_model_paths(cfg)
+    except (ConfigError, ModelPathError) as err:
+        print(f"fulcrum train: {err}", file=sys.stderr)
+        if debug_requested():
+            raise
+        return 1
+    for note in advise(cfg):
+        print(f"note: {note}")
+    from fulcrum.reward.manager import RewardError
+    from fulcrum.trainer.checkpoint import CheckpointError
+    from fulcrum.trainer.faults import NonFiniteTrainingError, OutOfMemoryHelp
+    from fulcrum.trainer.ppo_trainer import PPOTrainer
+
+    try:
+        trainer = PPOTrainer(cfg, device, n_devices=1)
+    except Exception as err:
+        print(setup_error_message(err), file=sys.stderr)
+        if debug_requested():
+            raise
+        return 1
+    try:
+        trainer.fit()
+    except (CheckpointError, NonFiniteTrainingError, OutOfMemoryHelp, RewardError) as err:
+        print(f"fulcrum train: {err}", file=sys.stderr)
+        return 1
+    return trainer.exit_code
