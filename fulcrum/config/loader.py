@@ -42,6 +42,7 @@ T = TypeVar("T")
 # written into the tree as the interpolation `${source}` when null, so chains resolve in any order.
 DERIVED: dict[str, str] = {
     "data.seed": "trainer.seed",
+    "actor_rollout_ref.rollout.seed": "trainer.seed",
     "actor_rollout_ref.rollout.prompt_length": "data.max_prompt_length",
     "actor_rollout_ref.rollout.response_length": "data.max_response_length",
     "actor_rollout_ref.actor.clip_ratio_low": "actor_rollout_ref.actor.clip_ratio",

@@ -292,7 +292,7 @@ class RolloutConfig:
     agent: dict[str, Any] = opt({}, "agent loop settings (no effect)")
     trace: dict[str, Any] = opt({}, "rollout tracing (no effect)")
     profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
-    seed: int | None = opt(None, "sampling seed; null derives it from trainer.seed (ours)")
+    seed: int | None = opt(None, "sampling seed; null follows trainer.seed (ours)")
 
 
 @dataclass

@@ -214,7 +214,7 @@ class PPOTrainer:
             self.train_dataset,
             batch_size=int(data.train_batch_size),
             shuffle=bool(data.shuffle),
-            seed=int(data.seed if data.seed is not None else seed),
+            seed=int(data.seed),  # type: ignore[arg-type]  # resolved: never null
         )
         self.steps_per_epoch = len(self.train_dataset) // int(data.train_batch_size)
         self.total_training_steps = resolve_total_steps(cfg, self.steps_per_epoch)
@@ -445,7 +445,7 @@ class PPOTrainer:
         """Sample responses for `items`. Every backend batches under max_num_seqs by itself (the native
         engine also shares prompt blocks across the whole call), so all prompts go in one call."""
         rc = self.cfg.actor_rollout_ref.rollout
-        base_seed = int(rc.seed if rc.seed is not None else self.cfg.trainer.seed)
+        base_seed = int(rc.seed)  # type: ignore[arg-type]  # resolved: never null
         params = sampling_params(rc, self.response_length, 0, validate)
         # A different, reproducible seed per step (validation: the same every time).
         params.seed = base_seed * 1_000_003 + (0 if validate else self.global_step) * 1009
