@@ -339,12 +339,12 @@ def test_defaults_are_not_shared_between_configs():
 def test_docs_tables_match_the_schema():
     """docs/configuration.md names real keys, and its main-keys table is what the schema says.
 
-    To refresh the table: `markdown_rows([...keys...])` from fulcrum.config.loader.
+    To refresh the table: `markdown_rows([...keys...])` from fulcrum.config.listing.
     """
     from pathlib import Path
 
     from fulcrum.config.keys import all_keys
-    from fulcrum.config.loader import markdown_rows
+    from fulcrum.config.listing import markdown_rows
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     known = set(all_keys(FulcrumConfig))

@@ -8,12 +8,10 @@ save_config(cfg, run_dir / "config.yaml")
 
 from fulcrum.config.compat import NO_EFFECT_KEYS, UNSUPPORTED, is_no_effect
 from fulcrum.config.keys import ConfigError
+from fulcrum.config.listing import KeyInfo, describe, format_keys
 from fulcrum.config.loader import (
     DERIVED,
-    KeyInfo,
     apply_override,
-    describe,
-    format_keys,
     load_config,
     load_config_file,
     load_structured,

@@ -14,7 +14,6 @@ import functools
 import logging
 import math
 import typing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,7 +21,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from fulcrum.config.compat import ROLLOUT_NAME_ALIASES, is_no_effect
+from fulcrum.config.compat import ROLLOUT_NAME_ALIASES
 from fulcrum.config.keys import (
     ConfigError,
     field_types,
@@ -392,65 +391,3 @@ def save_config(cfg: Any, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create(to_dict(cfg)), path)
     return path
-
-
-# ---------------------------------------------------------------------------------- key listing
-@dataclass(frozen=True)
-class KeyInfo:
-    key: str
-    type: str
-    default: Any
-    help: str
-    no_effect: bool
-
-
-def describe(root: Any = None, prefix: str = "") -> list[KeyInfo]:
-    """Every settable key under `root` (default: a fresh FulcrumConfig) with type, default and help.
-
-    Defaults are shown before derivation (a key that follows another shows null) and per group, so
-    critic.optim.lr shows 1e-5 where actor_rollout_ref.actor.optim.lr shows 1e-6.
-    """
-    root = FulcrumConfig() if root is None else root
-    infos: list[KeyInfo] = []
-    cls = type(root)
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        tp = field_types(cls)[f.name]
-        value = getattr(root, f.name)
-        if is_group(tp):
-            infos.extend(describe(value, key + "."))
-        else:
-            infos.append(KeyInfo(key, type_name(tp), value, f.metadata.get("help", ""), is_no_effect(key)))
-    return infos
-
-
-def _show(value: Any) -> str:
-    """A default as it is written in an override: null, true, [a, b]."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return "[" + ", ".join(map(str, value)) + "]"
-    return str(value)
-
-
-def format_keys(infos: list[KeyInfo] | None = None) -> str:
-    """describe() as text, one key a line: `key = default  # help  [type]`."""
-    lines = []
-    for info in infos if infos is not None else describe():
-        note = " (no effect)" if info.no_effect and "no effect" not in info.help else ""
-        lines.append(f"{info.key} = {_show(info.default)}  # {info.help}{note}  [{info.type}]")
-    return "\n".join(lines)
-
-
-def markdown_rows(keys: list[str]) -> str:
-    """`| key | default | meaning |` rows for docs/configuration.md, from the schema (the one place)."""
-    infos = {info.key: info for info in describe()}
-    rows = []
-    for key in keys:
-        info = infos[key]
-        shown = _show(info.default)
-        meaning = info.help + (" (no effect)" if info.no_effect and "no effect" not in info.help else "")
-        rows.append(f"| `{key}` | `{shown}` | {meaning.replace('|', '/')} |")
-    return "\n".join(rows)

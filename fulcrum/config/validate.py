@@ -2,7 +2,8 @@
 
 `validate(cfg, n_devices)` returns the problems that make a run fail or waste compute; `advise(cfg)`
 returns warnings that do not stop a run. Each problem names the key(s) it is about. The trainer
-calls `check()` (raises on problems); `fulcrum doctor` prints both lists.
+calls `check()` (raises on problems); `fulcrum doctor` prints both lists. Over 400 lines because
+it is the one list of cross-key rules (one short function per family), which both share.
 """
 
 from __future__ import annotations
