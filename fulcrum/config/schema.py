@@ -2,17 +2,12 @@
 """The key tree of a fulcrum run: typed dataclasses whose attribute paths are verl's keys.
 
 One place defines each key: the dataclass field, its default (verl's `ppo_trainer.yaml` unless the
-comment says otherwise) and a one-line `help` that `describe()` and `fulcrum doctor --keys` print.
-Over 400 lines for that reason: one definition per key of verl's tree (~300 keys), grouped as verl
-groups them; splitting it would only scatter one table.
-
-`fulcrum.config.loader` turns these classes into OmegaConf structured configs, so every type here
-is one OmegaConf holds (scalars, `Literal`, `X | None`, `list[X]`, `dict[str, Any]`, `Any`). A
-default of `None` on a key that "follows" another key is filled in when the configuration is
-resolved (see `DERIVED` in `fulcrum.config.loader`), the way verl's yaml uses `${oc.select:...}`.
-
-Fields typed `dict[str, Any]` are free-form: any sub-key may be set (`+reward_model.reward_kwargs.x=1`).
-Fields typed `Any` take a path or a list of paths (OmegaConf has no `str | list[str]`).
+comment says otherwise) and a one-line `help` for `fulcrum doctor --keys`. Over 400 lines for that
+reason: one definition per key of verl's tree (~300 keys); splitting would scatter one table.
+`fulcrum.config.loader` makes OmegaConf structured configs of these classes, so each type is one
+OmegaConf holds (`Any` where verl takes a path or a list); a `None` default that "follows" another
+key is filled when resolved (`DERIVED`, like verl's `${oc.select:...}`). `dict[str, Any]` fields
+are free-form: any sub-key may be set (`+reward_model.reward_kwargs.x=1`).
 """
 
 from __future__ import annotations
