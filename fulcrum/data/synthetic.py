@@ -172,22 +172,25 @@ def make_rows(
         if problem.question in seen:
             continue
         seen.add(problem.question)
-        content = problem.question if task.instruction is None else f"{problem.question} {task.instruction}"
-        rows.append(
-            {
-                "data_source": task.data_source,
-                "prompt": [{"role": "user", "content": content}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": str(problem.answer)},
-                "extra_info": {
-                    "split": split,
-                    "index": len(rows),
-                    "question": problem.question,
-                    "answer": problem.solution,
-                },
-            }
-        )
+        rows.append(verl_row(problem, task.instruction, task.data_source, split, len(rows)))
     return rows
+
+
+def verl_row(problem: Problem, instruction: str | None, data_source: str, split: str, index: int) -> dict:
+    """One problem as a verl parquet row: the question (plus `instruction`) as one user message."""
+    content = problem.question if instruction is None else f"{problem.question} {instruction}"
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": content}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(problem.answer)},
+        "extra_info": {
+            "split": split,
+            "index": index,
+            "question": problem.question,
+            "answer": problem.solution,
+        },
+    }
 
 
 def write_parquet(rows: list[dict], path: str | Path) -> Path:
