@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fulcrum.models.tiny import build_tiny_model, main
+from fulcrum.models.tiny import ARCHS, SIZES, build_tiny_model, count_parameters, count_parameters_of, main
 from fulcrum.models.tiny_tokenizer import TOKENIZER_JSON, load_tokenizer, train_tokenizer
 
 GSM8K_DIR = Path("/work/shared/data/gsm8k")
@@ -145,3 +145,25 @@ def test_shipped_tokenizer_matches_a_rebuild() -> None:
     assert rebuilt["model"]["vocab"] == shipped["model"]["vocab"]
     assert rebuilt["model"]["merges"] == shipped["model"]["merges"]
     assert [t["content"] for t in shipped["added_tokens"]] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.mark.parametrize(
+    ("size", "low", "high"), [("small", 10e6, 15e6), ("medium", 20e6, 35e6), ("large", 40e6, 50e6)]
+)
+def test_size_presets_give_10_to_50_million_parameters(size: str, low: float, high: float) -> None:
+    for arch in ARCHS:
+        assert low <= count_parameters_of(arch, **SIZES[size]) <= high
+
+
+def test_cli_size_preset_writes_that_model_and_options_override_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # a preset with fewer layers so the test writes ~5 MB, not 110 MB; the rest is the preset's
+    assert main(["--out", str(tmp_path / "m"), "--size", "medium", "--num-layers", "1"]) == 0
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]) == (512, 1, 1536)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert count_parameters(model) == count_parameters_of(
+        "qwen2", **{**SIZES["medium"], "num_hidden_layers": 1}
+    )
+    assert f"({count_parameters(model) / 1e6:.1f} M parameters)" in capsys.readouterr().out

@@ -5,7 +5,9 @@
 `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load offline.
 The default size (hidden 128, 4 layers, 4 query / 2 KV heads, vocab 2,048) has about 1.3 M
 parameters: a PPO step on the CPU takes seconds, while the shapes still exercise grouped-query
-attention, rotary embeddings and (qwen2) attention biases as the real models do.
+attention, rotary embeddings and (qwen2) attention biases as the real models do. `--size
+small|medium|large` gives about 11 M, 27 M and 47 M parameters (`SIZES`), big enough to learn
+multi-step arithmetic on a GPU (`bench/learning.py`); explicit `--hidden-size` etc. override a preset.
 
 The same seed gives the same weights, byte for byte; the tokenizer is the shipped byte-level BPE of
 `fulcrum.models.tiny_tokenizer`.
@@ -34,6 +36,34 @@ DEFAULT_SIZE: dict[str, Any] = {
     "intermediate_size": 352,
     "max_position_embeddings": 2048,
     "tie_word_embeddings": False,
+}
+
+
+# Named presets (`--size`); each is DEFAULT_SIZE with these keys replaced. Parameter counts (qwen2,
+# vocab 2,048, untied): tiny 1.3 M, small 11 M, medium 27 M, large 47 M (`count_parameters_of`).
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "small": {
+        "hidden_size": 384,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "intermediate_size": 1024,
+    },
+    "medium": {
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 1536,
+    },
+    "large": {
+        "hidden_size": 640,
+        "num_hidden_layers": 10,
+        "num_attention_heads": 10,
+        "num_key_value_heads": 2,
+        "intermediate_size": 1792,
+    },
 }
 
 
@@ -134,19 +164,34 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def count_parameters_of(arch: str = "qwen2", **size: Any) -> int:
+    """Parameters of the model `build_tiny_model(arch=arch, **size)` would write, without allocating it."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids([IM_END, PAD_TOKEN])
+    config = _model_config(arch, len(tokenizer), eos_id, pad_id, size)
+    with torch.device("meta"):
+        return count_parameters(AutoModelForCausalLM.from_config(config))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fulcrum tiny-model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder to write the model into (created if missing)")
     parser.add_argument("--arch", choices=ARCHS, default="qwen2")
     parser.add_argument("--seed", type=int, default=0, help="weights are a function of the seed")
-    parser.add_argument("--hidden-size", type=int, default=DEFAULT_SIZE["hidden_size"])
-    parser.add_argument("--num-layers", type=int, default=DEFAULT_SIZE["num_hidden_layers"])
-    parser.add_argument("--num-heads", type=int, default=DEFAULT_SIZE["num_attention_heads"])
-    parser.add_argument("--num-kv-heads", type=int, default=DEFAULT_SIZE["num_key_value_heads"])
-    parser.add_argument("--intermediate-size", type=int, default=DEFAULT_SIZE["intermediate_size"])
     parser.add_argument(
-        "--max-position-embeddings", type=int, default=DEFAULT_SIZE["max_position_embeddings"]
+        "--size",
+        choices=tuple(SIZES),
+        default="tiny",
+        help="preset: tiny ~1.3M, small ~11M, medium ~27M, large ~47M parameters; the options below override it",
     )
+    parser.add_argument("--hidden-size", type=int, default=None)
+    parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument("--num-heads", type=int, default=None)
+    parser.add_argument("--num-kv-heads", type=int, default=None)
+    parser.add_argument("--intermediate-size", type=int, default=None)
+    parser.add_argument("--max-position-embeddings", type=int, default=None)
     parser.add_argument(
         "--tie-word-embeddings", action="store_true", help="share the input embedding and LM head"
     )
@@ -159,22 +204,22 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     try:
-        out = build_tiny_model(
-            args.out,
-            arch=args.arch,
-            seed=args.seed,
-            hidden_size=args.hidden_size,
-            num_hidden_layers=args.num_layers,
-            num_attention_heads=args.num_heads,
-            num_key_value_heads=args.num_kv_heads,
-            intermediate_size=args.intermediate_size,
-            max_position_embeddings=args.max_position_embeddings,
-            tie_word_embeddings=args.tie_word_embeddings,
-        )
+        explicit = {
+            "hidden_size": args.hidden_size,
+            "num_hidden_layers": args.num_layers,
+            "num_attention_heads": args.num_heads,
+            "num_key_value_heads": args.num_kv_heads,
+            "intermediate_size": args.intermediate_size,
+            "max_position_embeddings": args.max_position_embeddings,
+            "tie_word_embeddings": args.tie_word_embeddings or None,
+        }
+        size = {**SIZES[args.size], **{k: v for k, v in explicit.items() if v is not None}}
+        out = build_tiny_model(args.out, arch=args.arch, seed=args.seed, **size)
+        millions = count_parameters_of(args.arch, **size) / 1e6
     except ValueError as err:
         print(f"fulcrum tiny-model: {err}", file=sys.stderr)
         return 2
-    print(f"wrote a tiny {args.arch} model to {out}")
+    print(f"wrote a {args.size} {args.arch} model ({millions:.1f} M parameters) to {out}")
     return 0
 
 
