@@ -1,0 +1,517 @@
+"""Benchmark: does RL learn? PPO (GAE, with a critic) and GRPO from one supervised warm start, side by side.
+
+    python bench/learning.py --out .bench/learning                 # one H200: all runs share the card
+    python bench/learning.py --out /tmp/learning-smoke --smoke     # the whole pipeline, tiny, CPU, ~2 min
+    python bench/learning.py --plot .bench/learning/summary.json   # PNG curves from a summary (needs matplotlib)
+
+Stages, each through the public commands (so it tests what users run), each skipped when its output
+is already there (a second call resumes):
+
+1. data: `python -m fulcrum.data.multistep` — GSM8K-format word problems of 2–4 operations with worked
+   solutions, 20,000 training and 500 held-out validation problems (no shared question or equation chain);
+2. model: `fulcrum tiny-model --size medium` (27 M parameters, random);
+3. warm start: `fulcrum sft` on the worked solutions, then a greedy check on the validation set:
+   accuracy and format accuracy (a strict `#### N` present); below 95 % format the RL stage does not
+   start (the gain must be in the answers, not the format);
+4. RL: `fulcrum train` with `algorithm.adv_estimator=gae` (critic from the warm start, fresh value head)
+   and `=grpo`, for each seed, as separate processes started together, each stopped (SIGTERM) after
+   `--budget-min` minutes of training (counted from its first, step-0 validation); greedy validation
+   every `--test-freq` steps, GSM8K strict reward;
+5. summary: `summary.json` (warm start, per algorithm and seed the step-0 / final / best validation
+   accuracy, mean ± std and range over seeds, every run's curves) and `summary.md`; `--plot` draws
+   reward, validation accuracy, KL, entropy, response length and critic explained variance per run.
+
+Every RL run is a normal run directory (`rl/<algo>-s<seed>/metrics.jsonl`, `config.yaml`, `train.log`),
+so `fulcrum report` works on it. Extra `KEY=VALUE` arguments go to every `fulcrum train` run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VAL_KEY = "val-core/synthetic/multistep/reward/mean@1"
+# (metric, title) per curve panel; the KL is the actor's KL loss to the reference (both algorithms).
+CURVES = [
+    ("critic/score/mean", "reward (train samples)"),
+    (VAL_KEY, "greedy validation accuracy"),
+    ("actor/kl_loss", "KL(actor || reference)"),
+    ("actor/entropy", "entropy"),
+    ("response_length/mean", "response length"),
+    ("critic/vf_explained_var", "critic explained variance (PPO)"),
+]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every setting; `--smoke` replaces them with SMOKE's."""
+
+    size: str = "medium"
+    num_train: int = 20000
+    num_test: int = 500
+    sft_steps: int = 1500
+    sft_batch_size: int = 64
+    sft_lr: float = 5e-4
+    min_format_accuracy: float = 0.95
+    seeds: tuple[int, ...] = (1, 2, 3)
+    algos: tuple[str, ...] = ("gae", "grpo")
+    budget_s: float = 600.0
+    test_freq: int = 5
+    max_response_length: int = 128
+    prompts_per_step: int = 128  # GRPO: this many prompts x n; PPO: the same number of responses, n = 1
+    grpo_n: int = 8
+    actor_lr: float = 2e-5
+    critic_lr: float = 1e-4  # verl's default is 1e-5 (a pretrained critic); the value head here is fresh
+    critic_warmup: int = 3  # steps that train only the critic (trainer.critic_warmup)
+    kl_loss_coef: float = 0.001
+    micro_batch: int = 256
+    rollout: str = "native"
+    gpu_memory_utilization: float = 0.1  # each of the six runs on one card
+    device: str = "cuda"
+    threads_per_run: int = 0  # 0: torch's default
+
+
+SMOKE = Plan(
+    size="tiny",
+    num_train=300,
+    num_test=24,
+    sft_steps=40,
+    sft_batch_size=16,
+    sft_lr=2e-3,
+    seeds=(1,),
+    budget_s=25.0,
+    test_freq=2,
+    max_response_length=48,
+    prompts_per_step=8,
+    grpo_n=4,
+    actor_lr=1e-4,
+    critic_warmup=1,
+    micro_batch=64,
+    rollout="hf",
+    device="cpu",
+    threads_per_run=1,
+)
+
+
+@dataclass
+class RunResult:
+    algo: str
+    seed: int
+    exit_code: int | None
+    stopped_by_budget: bool
+    curves: dict[str, list[list[float]]] = field(default_factory=dict)  # metric -> [[minutes, step, value]]
+    val: list[list[float]] = field(default_factory=list)  # [[minutes, step, accuracy]]
+
+
+def _env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    if threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    return env
+
+
+def fulcrum(*args: str) -> list[str]:
+    """The `fulcrum` command as this Python runs it (`python -m fulcrum.cli` is the console script)."""
+    return [sys.executable, "-m", "fulcrum.cli", *args]
+
+
+def _run(cmd: list[str], log: Path, plan: Plan) -> None:
+    print(f"$ {' '.join(cmd)}", flush=True)
+    with log.open("w") as out:
+        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(plan.threads_per_run))
+    if code != 0:
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        raise SystemExit(f"failed (exit {code}): {' '.join(cmd)}\n--- {log} (last lines) ---\n{tail}")
+
+
+def prepare(out: Path, plan: Plan) -> Path:
+    """Data, base model and warm start; returns the warm-start model folder."""
+    data, base, sft = out / "data", out / "base_model", out / "sft"
+    if not (data / "test.parquet").exists():
+        args = ["--out", str(data), "--train", str(plan.num_train), "--test", str(plan.num_test)]
+        _run([sys.executable, "-m", "fulcrum.data.multistep", *args], out / "data.log", plan)
+    if not (base / "config.json").exists():
+        _run(fulcrum("tiny-model", "--out", str(base), "--size", plan.size), out / "model.log", plan)
+    done = sorted(sft.glob("global_step_*/config.json"), key=lambda p: int(p.parent.name.split("_")[-1]))
+    if done:
+        return done[-1].parent
+    _run(
+        fulcrum(
+            "sft",
+            f"data.train_files={data / 'train.parquet'}",
+            f"data.val_files={data / 'test.parquet'}",
+            "data.prompt_key=prompt",  # the very chat messages the RL stage sees
+            "data.response_key=extra_info",
+            "data.response_dict_keys=[answer]",
+            f"data.train_batch_size={plan.sft_batch_size}",
+            f"data.micro_batch_size_per_gpu={plan.sft_batch_size}",
+            "data.max_length=320",
+            f"model.partial_pretrain={base}",
+            f"optim.lr={plan.sft_lr}",
+            "optim.warmup_steps_ratio=0.05",
+            f"trainer.total_training_steps={plan.sft_steps}",
+            f"trainer.default_local_dir={sft}",
+            f"trainer.device={plan.device}",
+        ),
+        out / "sft.log",
+        plan,
+    )
+    return prepare(out, plan)
+
+
+def warm_start_check(model_dir: Path, test_file: Path, plan: Plan) -> dict[str, float]:
+    """Greedy generation on the validation set: accuracy (strict GSM8K score) and format accuracy."""
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fulcrum.reward.gsm8k import compute_score, extract_solution
+
+    rows = pq.read_table(test_file).to_pylist()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(plan.device).eval()
+    texts = [
+        tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows
+    ]
+    responses: list[str] = []
+    for start in range(0, len(texts), 128):
+        batch = tokenizer(texts[start : start + 128], return_tensors="pt", padding=True).to(plan.device)
+        with torch.no_grad():
+            ids = model.generate(**batch, do_sample=False, max_new_tokens=plan.max_response_length)
+        responses += tokenizer.batch_decode(ids[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    truths = [r["reward_model"]["ground_truth"] for r in rows]
+    right = [compute_score(t, g, method="strict") for t, g in zip(responses, truths, strict=True)]
+    formatted = [extract_solution(t[-300:], method="strict") is not None for t in responses]
+    return {
+        "accuracy": sum(right) / len(rows),
+        "format_accuracy": sum(formatted) / len(rows),
+        "num_problems": len(rows),
+        "example_response": responses[0],
+    }
+
+
+def rl_overrides(algo: str, seed: int, model: Path, data: Path, run: Path, plan: Plan) -> list[str]:
+    """`fulcrum train` overrides for one run; PPO and GRPO see the same number of responses a step."""
+    n = plan.grpo_n if algo == "grpo" else 1
+    prompts = plan.prompts_per_step if algo == "grpo" else plan.prompts_per_step * plan.grpo_n
+    mini = max(prompts // 2, 1)  # two actor updates a step
+    mb = min(plan.micro_batch, mini * n)  # a micro-batch must divide the mini-batch's responses
+    overrides = [
+        f"algorithm.adv_estimator={algo}",
+        f"data.train_files={data / 'train.parquet'}",
+        f"data.val_files={data / 'test.parquet'}",
+        f"data.train_batch_size={prompts}",
+        "data.max_prompt_length=192",
+        f"data.max_response_length={plan.max_response_length}",
+        f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.actor.optim.lr={plan.actor_lr}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mb}",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        f"actor_rollout_ref.actor.kl_loss_coef={plan.kl_loss_coef}",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        f"actor_rollout_ref.rollout.name={plan.rollout}",
+        f"actor_rollout_ref.rollout.n={n}",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={plan.gpu_memory_utilization}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={mb}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={mb}",
+        "trainer.total_training_steps=100000",  # the wall-time budget stops the run
+        "trainer.total_epochs=1000",
+        "trainer.val_before_train=True",
+        f"trainer.test_freq={plan.test_freq}",
+        "trainer.save_freq=-1",
+        "trainer.save_on_interrupt=False",  # SIGTERM at the budget ends the run at once
+        "trainer.resume_mode=disable",
+        "trainer.logger=[console]",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        f"trainer.device={plan.device}",
+        f"trainer.seed={seed}",
+        "trainer.project_name=fulcrum-learning",
+        f"trainer.experiment_name={algo}-s{seed}",
+        f"trainer.default_local_dir={run}",
+    ]
+    if algo == "gae":
+        overrides += [
+            f"critic.model.path={model}",
+            f"critic.optim.lr={plan.critic_lr}",
+            f"critic.ppo_micro_batch_size_per_gpu={mb}",
+            f"critic.forward_micro_batch_size_per_gpu={mb}",
+            f"trainer.critic_warmup={plan.critic_warmup}",
+        ]
+    return overrides
+
+
+def read_metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written when the run was stopped
+            break
+    return rows
+
+
+def curves_of(rows: list[dict]) -> tuple[dict[str, list[list[float]]], list[list[float]]]:
+    """Per metric [[minutes of RL, step, value]]; minutes are the sum of `timing_s/step` (validation included)."""
+    curves: dict[str, list[list[float]]] = {k: [] for k, _ in CURVES}
+    val: list[list[float]] = []
+    seconds = 0.0
+    for row in rows:
+        step = int(row.get("training/global_step", 0))
+        seconds += float(row.get("timing_s/step", 0.0))
+        for key in curves:
+            if key in row and key != VAL_KEY:
+                curves[key].append([seconds / 60, step, float(row[key])])
+        if VAL_KEY in row:
+            val.append([seconds / 60, step, float(row[VAL_KEY])])
+    curves[VAL_KEY] = val
+    return curves, val
+
+
+def run_all(model: Path, out: Path, plan: Plan, extra: list[str]) -> list[RunResult]:
+    """Start every (algo, seed) run at once; stop each `budget_s` after its step-0 validation."""
+    procs: dict[tuple[str, int], tuple[subprocess.Popen, Path, float]] = {}
+    results = []
+    for algo in plan.algos:
+        for seed in plan.seeds:
+            run = out / "rl" / f"{algo}-s{seed}"
+            if (run / "result.json").exists():  # finished by an earlier call
+                results.append(RunResult(**json.loads((run / "result.json").read_text())))
+                continue
+            if run.exists():
+                raise SystemExit(f"{run} holds an unfinished run: move it away to run it again")
+            run.mkdir(parents=True)
+            cmd = fulcrum("train", *rl_overrides(algo, seed, model, out / "data", run, plan), *extra)
+            (run / "command.txt").write_text(" ".join(cmd) + "\n")
+            log = (run / "train.log").open("w")
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(plan.threads_per_run))
+            procs[(algo, seed)] = (proc, run, time.monotonic())
+    print(f"started {len(procs)} runs; budget {plan.budget_s / 60:.1f} min each", flush=True)
+    started_training: dict[tuple[str, int], float] = {}
+    stopped: set[tuple[str, int]] = set()
+    while any(p.poll() is None for p, _, _ in procs.values()):
+        time.sleep(2)
+        for key, (proc, run, _) in procs.items():
+            if proc.poll() is not None:
+                continue
+            if key not in started_training and read_metrics(run):
+                started_training[key] = time.monotonic()
+                print(f"{key[0]} seed {key[1]}: step-0 validation done, budget starts", flush=True)
+            if key in started_training and time.monotonic() - started_training[key] > plan.budget_s:
+                proc.send_signal(signal.SIGTERM)
+                stopped.add(key)
+    for (algo, seed), (proc, run, _) in procs.items():
+        curves, val = curves_of(read_metrics(run))
+        result = RunResult(algo, seed, proc.returncode, (algo, seed) in stopped, curves, val)
+        if not result.stopped_by_budget and proc.returncode != 0:
+            tail = "\n".join((run / "train.log").read_text().splitlines()[-20:])
+            print(f"{algo} seed {seed} failed (exit {proc.returncode}):\n{tail}", file=sys.stderr, flush=True)
+        (run / "result.json").write_text(json.dumps(asdict(result)))
+        results.append(result)
+    return results
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def summarise(warm: dict, results: list[RunResult], plan: Plan) -> dict:
+    """Per run: accuracy at step 0, at the last validation and the best; per algorithm mean ± std and range."""
+    runs, by_algo = [], {}
+    for r in results:
+        if not r.val:
+            runs.append({"algo": r.algo, "seed": r.seed, "exit_code": r.exit_code, "error": "no validation"})
+            continue
+        ev = [v for _, _, v in r.curves.get("critic/vf_explained_var", [])]
+        runs.append(
+            {
+                "algo": r.algo,
+                "seed": r.seed,
+                "steps": int(r.val[-1][1]),
+                "minutes": r.val[-1][0],
+                "step0_accuracy": r.val[0][2],
+                "final_accuracy": r.val[-1][2],
+                "best_accuracy": max(v for _, _, v in r.val),
+                "gain": r.val[-1][2] - r.val[0][2],
+                "final_explained_variance": statistics.fmean(ev[-5:]) if ev else None,
+            }
+        )
+    for algo in plan.algos:
+        mine = [r for r in runs if r["algo"] == algo and "gain" in r]
+        if mine:
+            by_algo[algo] = {
+                k: _spread([r[k] for r in mine]) for k in ("final_accuracy", "best_accuracy", "gain")
+            }
+    curves = {f"{r.algo}-s{r.seed}": r.curves for r in results}
+    return {"plan": asdict(plan), "warm_start": warm, "runs": runs, "by_algo": by_algo, "curves": curves}
+
+
+def markdown(summary: dict) -> str:
+    warm, names = summary["warm_start"], {"gae": "PPO (GAE, critic)", "grpo": "GRPO"}
+    lines = [
+        f"Warm start (`fulcrum sft`), greedy on {warm['num_problems']} held-out problems: accuracy "
+        f"**{warm['accuracy']:.3f}**, format accuracy {warm['format_accuracy']:.3f}.",
+        "",
+        "| algorithm | seed | steps | RL minutes | step 0 | final | best | gain | critic explained variance |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in summary["runs"]:
+        if "gain" not in r:
+            lines.append(f"| {names[r['algo']]} | {r['seed']} | failed (exit {r['exit_code']}) | | | | | | |")
+            continue
+        ev = "—" if r["final_explained_variance"] is None else f"{r['final_explained_variance']:.2f}"
+        lines.append(
+            f"| {names[r['algo']]} | {r['seed']} | {r['steps']} | {r['minutes']:.1f} | {r['step0_accuracy']:.3f} | "
+            f"{r['final_accuracy']:.3f} | {r['best_accuracy']:.3f} | {r['gain']:+.3f} | {ev} |"
+        )
+    lines += [
+        "",
+        "| algorithm | final accuracy, mean ± std (range) | gain, mean ± std (range) |",
+        "| --- | --- | --- |",
+    ]
+    for algo, s in summary["by_algo"].items():
+        f, g = s["final_accuracy"], s["gain"]
+        lines.append(
+            f"| {names[algo]} | {f['mean']:.3f} ± {f['std']:.3f} ({f['min']:.3f}–{f['max']:.3f}) | "
+            f"{g['mean']:+.3f} ± {g['std']:.3f} ({g['min']:+.3f} … {g['max']:+.3f}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary_file: Path) -> Path:
+    """`learning_curves.png` beside the summary: one panel per CURVES entry, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = json.loads(summary_file.read_text())
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    colours = {"gae": "tab:blue", "grpo": "tab:orange"}
+    for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
+        for name, curves in summary["curves"].items():
+            points = curves.get(key, [])
+            if points:
+                algo = name.split("-s")[0]
+                label = f"{'PPO' if algo == 'gae' else 'GRPO'} {name.split('-')[-1]}"
+                ax.plot(
+                    [p[0] for p in points],
+                    [p[2] for p in points],
+                    color=colours[algo],
+                    alpha=0.8,
+                    label=label,
+                )
+        if key == "critic/vf_explained_var":  # it starts far below 0 while returns barely vary
+            ax.set_ylim(-1.0, 1.0)
+        ax.set_title(title)
+        ax.set_xlabel("minutes of RL training")
+    axes.flat[1].axhline(summary["warm_start"]["accuracy"], color="grey", linestyle=":", label="warm start")
+    axes.flat[1].legend(fontsize=7)
+    fig.tight_layout()
+    out = summary_file.with_name("learning_curves.png")
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, help="working folder (resumable)")
+    parser.add_argument("--smoke", action="store_true", help="everything tiny, on the CPU")
+    parser.add_argument("--plot", type=Path, help="draw the curves of this summary.json and exit")
+    parser.add_argument("--seeds", type=int, nargs="+")
+    parser.add_argument("--algos", nargs="+", choices=("gae", "grpo"))
+    parser.add_argument("--budget-min", type=float, help="minutes of RL training per run")
+    parser.add_argument("--size", choices=("tiny", "small", "medium", "large"))
+    parser.add_argument("--device", choices=("cuda", "cpu"))
+    parser.add_argument("--actor-lr", type=float)
+    parser.add_argument("--critic-lr", type=float)
+    parser.add_argument("--critic-warmup", type=int)
+    parser.add_argument("--sft-steps", type=int)
+    parser.add_argument("--allow-low-format", action="store_true", help="run RL even below 95%% format")
+    args, extra = parser.parse_known_args(argv)
+    if args.plot:
+        print(f"wrote {plot(args.plot)}")
+        return 0
+    if args.out is None:
+        parser.error("--out is required (or --plot)")
+    plan = SMOKE if args.smoke else Plan()
+    chosen = {
+        "seeds": tuple(args.seeds) if args.seeds else None,
+        "algos": tuple(args.algos) if args.algos else None,
+        "budget_s": args.budget_min * 60 if args.budget_min else None,
+        "size": args.size,
+        "device": args.device,
+        "actor_lr": args.actor_lr,
+        "critic_lr": args.critic_lr,
+        "critic_warmup": args.critic_warmup,
+        "sft_steps": args.sft_steps,
+    }
+    plan = replace(plan, **{k: v for k, v in chosen.items() if v is not None})
+    if plan.device == "cpu" and plan.rollout == "native" and not args.smoke:
+        plan = replace(plan, rollout="hf")
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+
+    model = prepare(args.out, plan)
+    warm_file = args.out / "warm_start.json"
+    if not warm_file.exists():
+        warm_file.write_text(json.dumps(warm_start_check(model, args.out / "data" / "test.parquet", plan)))
+    warm = json.loads(warm_file.read_text())
+    print(
+        f"warm start {model}: accuracy {warm['accuracy']:.3f}, format accuracy {warm['format_accuracy']:.3f} "
+        f"on {warm['num_problems']} held-out problems ({time.perf_counter() - started:.0f} s so far)",
+        flush=True,
+    )
+    if warm["format_accuracy"] < plan.min_format_accuracy:
+        message = (
+            f"format accuracy {warm['format_accuracy']:.3f} < {plan.min_format_accuracy} after the warm start"
+        )
+        if not (args.smoke or args.allow_low_format):
+            print(f"{message}: more SFT steps (--sft-steps) before RL", file=sys.stderr)
+            return 1
+        print(f"note: {message} (allowed here)", flush=True)
+
+    results = run_all(model, args.out, plan, extra)
+    summary = summarise(warm, results, plan)
+    (args.out / "summary.json").write_text(json.dumps(summary))
+    text = markdown(summary)
+    (args.out / "summary.md").write_text(text)
+    print(text)
+    try:
+        print(f"wrote {plot(args.out / 'summary.json')}")
+    except ImportError:
+        print(
+            f"no matplotlib here: draw the curves with `python bench/learning.py --plot {args.out}/summary.json`"
+        )
+    print(f"total {(time.perf_counter() - started) / 60:.1f} min", flush=True)
+    failed = [r for r in results if not r.stopped_by_budget and r.exit_code != 0]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
