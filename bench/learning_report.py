@@ -1,0 +1,157 @@
+"""bench/learning.py's results: curves from run directories, the summary, its markdown and the plot.
+
+python bench/learning.py --plot SUMMARY.json     # draws learning_curves.png beside it (matplotlib)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+VAL_KEY = "val-core/synthetic/multistep/reward/mean@1"
+# (metric, title) per curve panel; the KL is the actor's KL loss to the reference (both algorithms).
+CURVES = [
+    ("critic/score/mean", "reward (train samples)"),
+    (VAL_KEY, "greedy validation accuracy"),
+    ("actor/kl_loss", "KL(actor || reference)"),
+    ("actor/entropy", "entropy"),
+    ("response_length/mean", "response length"),
+    ("critic/vf_explained_var", "critic explained variance (PPO)"),
+]
+
+
+@dataclass
+class RunResult:
+    algo: str
+    seed: int
+    exit_code: int | None
+    stopped_by_budget: bool
+    curves: dict[str, list[list[float]]] = field(default_factory=dict)  # metric -> [[minutes, step, value]]
+    val: list[list[float]] = field(default_factory=list)  # [[minutes, step, accuracy]]
+
+
+def curves_of(rows: list[dict]) -> tuple[dict[str, list[list[float]]], list[list[float]]]:
+    """Per metric [[minutes of RL, step, value]]; minutes are the sum of `timing_s/step` (validation included)."""
+    curves: dict[str, list[list[float]]] = {k: [] for k, _ in CURVES}
+    val: list[list[float]] = []
+    seconds = 0.0
+    for row in rows:
+        step = int(row.get("training/global_step", 0))
+        seconds += float(row.get("timing_s/step", 0.0))
+        for key in curves:
+            if key in row and key != VAL_KEY:
+                curves[key].append([seconds / 60, step, float(row[key])])
+        if VAL_KEY in row:
+            val.append([seconds / 60, step, float(row[VAL_KEY])])
+    curves[VAL_KEY] = val
+    return curves, val
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def summarise(warm: dict, results: list[RunResult], plan: Any) -> dict:
+    """Per run: accuracy at step 0, at the last validation and the best; per algorithm mean ± std and range."""
+    runs, by_algo = [], {}
+    for r in results:
+        if not r.val:
+            runs.append({"algo": r.algo, "seed": r.seed, "exit_code": r.exit_code, "error": "no validation"})
+            continue
+        ev = [v for _, _, v in r.curves.get("critic/vf_explained_var", [])]
+        runs.append(
+            {
+                "algo": r.algo,
+                "seed": r.seed,
+                "steps": int(r.val[-1][1]),
+                "minutes": r.val[-1][0],
+                "step0_accuracy": r.val[0][2],
+                "final_accuracy": r.val[-1][2],
+                "best_accuracy": max(v for _, _, v in r.val),
+                "gain": r.val[-1][2] - r.val[0][2],
+                "final_explained_variance": statistics.fmean(ev[-5:]) if ev else None,
+            }
+        )
+    for algo in plan.algos:
+        mine = [r for r in runs if r["algo"] == algo and "gain" in r]
+        if mine:
+            by_algo[algo] = {
+                k: _spread([r[k] for r in mine]) for k in ("final_accuracy", "best_accuracy", "gain")
+            }
+    curves = {f"{r.algo}-s{r.seed}": r.curves for r in results}
+    return {"plan": asdict(plan), "warm_start": warm, "runs": runs, "by_algo": by_algo, "curves": curves}
+
+
+def markdown(summary: dict) -> str:
+    warm, names = summary["warm_start"], {"gae": "PPO (GAE, critic)", "grpo": "GRPO"}
+    lines = [
+        f"Warm start (`fulcrum sft`), greedy on {warm['num_problems']} held-out problems: accuracy "
+        f"**{warm['accuracy']:.3f}**, format accuracy {warm['format_accuracy']:.3f}.",
+        "",
+        "| algorithm | seed | steps | RL minutes | step 0 | final | best | gain | critic explained variance |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in summary["runs"]:
+        if "gain" not in r:
+            lines.append(f"| {names[r['algo']]} | {r['seed']} | failed (exit {r['exit_code']}) | | | | | | |")
+            continue
+        ev = "—" if r["final_explained_variance"] is None else f"{r['final_explained_variance']:.2f}"
+        lines.append(
+            f"| {names[r['algo']]} | {r['seed']} | {r['steps']} | {r['minutes']:.1f} | {r['step0_accuracy']:.3f} | "
+            f"{r['final_accuracy']:.3f} | {r['best_accuracy']:.3f} | {r['gain']:+.3f} | {ev} |"
+        )
+    lines += [
+        "",
+        "| algorithm | final accuracy, mean ± std (range) | gain, mean ± std (range) |",
+        "| --- | --- | --- |",
+    ]
+    for algo, s in summary["by_algo"].items():
+        f, g = s["final_accuracy"], s["gain"]
+        lines.append(
+            f"| {names[algo]} | {f['mean']:.3f} ± {f['std']:.3f} ({f['min']:.3f}–{f['max']:.3f}) | "
+            f"{g['mean']:+.3f} ± {g['std']:.3f} ({g['min']:+.3f} … {g['max']:+.3f}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary_file: Path) -> Path:
+    """`learning_curves.png` beside the summary: one panel per CURVES entry, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = json.loads(summary_file.read_text())
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    colours = {"gae": "tab:blue", "grpo": "tab:orange"}
+    for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
+        for name, curves in summary["curves"].items():
+            points = curves.get(key, [])
+            if points:
+                algo = name.split("-s")[0]
+                label = f"{'PPO' if algo == 'gae' else 'GRPO'} {name.split('-')[-1]}"
+                ax.plot(
+                    [p[0] for p in points],
+                    [p[2] for p in points],
+                    color=colours[algo],
+                    alpha=0.8,
+                    label=label,
+                )
+        if key == "critic/vf_explained_var":  # it starts far below 0 while returns barely vary
+            ax.set_ylim(-1.0, 1.0)
+        ax.set_title(title)
+        ax.set_xlabel("minutes of RL training")
+    axes.flat[1].axhline(summary["warm_start"]["accuracy"], color="grey", linestyle=":", label="warm start")
+    axes.flat[1].legend(fontsize=7)
+    fig.tight_layout()
+    out = summary_file.with_name("learning_curves.png")
+    fig.savefig(out, dpi=110)
+    return out
