@@ -288,7 +288,8 @@ def run_all(model: Path, out: Path, plan: Plan, extra: list[str]) -> list[RunRes
         if not result.stopped_by_budget and proc.returncode != 0:
             tail = "\n".join((run / "train.log").read_text().splitlines()[-20:])
             print(f"{algo} seed {seed} failed (exit {proc.returncode}):\n{tail}", file=sys.stderr, flush=True)
-        (run / "result.json").write_text(json.dumps(asdict(result)))
+        else:  # a finished run is kept by a later call; a failed one is not taken as finished
+            (run / "result.json").write_text(json.dumps(asdict(result)))
         results.append(result)
     return results
 
