@@ -197,6 +197,7 @@ def rl_overrides(algo: str, seed: int, model: Path, data: Path, run: Path, plan:
         "data.max_prompt_length=192",
         f"data.max_response_length={plan.max_response_length}",
         f"actor_rollout_ref.model.path={model}",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",  # a 27 M model's activations fit
         f"actor_rollout_ref.actor.optim.lr={plan.actor_lr}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mb}",
@@ -229,6 +230,7 @@ def rl_overrides(algo: str, seed: int, model: Path, data: Path, run: Path, plan:
     if algo == "gae":
         overrides += [
             f"critic.model.path={model}",
+            "critic.model.enable_gradient_checkpointing=False",
             f"critic.optim.lr={plan.critic_lr}",
             f"critic.ppo_micro_batch_size_per_gpu={mb}",
             f"critic.forward_micro_batch_size_per_gpu={mb}",
