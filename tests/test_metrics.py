@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fulcrum.batch import Batch
 from fulcrum.trainer import metrics as M
-from fulcrum.trainer.batch import Batch
 from fulcrum.trainer.loggers import Tracking, console_line
 
 

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
+from fulcrum.batch import Batch
 from fulcrum.models.load import load_backbone, load_causal_lm
 from fulcrum.models.logprob import logprob_and_entropy
 from fulcrum.models.value_head import CriticModel
-from fulcrum.trainer.batch import Batch
 from fulcrum.workers.micro_batch import (
     forward_log_prob,
     forward_values,

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fulcrum.trainer.batch import Batch
+from fulcrum.batch import Batch
 
 GiB = 1024**3
 

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS
 from fulcrum.algo.kl import apply_kl_penalty, build_kl_controller
 from fulcrum.algo.losses import agg_loss
+from fulcrum.batch import Batch, assemble_batch
 from fulcrum.config import FulcrumConfig, to_dict, uses_critic, uses_reference
 from fulcrum.config.schema import RolloutConfig
 from fulcrum.config.sections import actor_section, critic_section, reference_section
@@ -35,7 +36,6 @@ from fulcrum.reward import default_compute_score, load_custom_reward_fn
 from fulcrum.reward.manager import NaiveRewardManager, RewardResult
 from fulcrum.rollout import SamplingParams, build_rollout, logprob_diff
 from fulcrum.trainer import metrics as M
-from fulcrum.trainer.batch import Batch
 from fulcrum.trainer.checkpoint import CheckpointManager
 from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, explain_oom
 from fulcrum.trainer.loggers import Tracking
@@ -80,55 +80,6 @@ def resolve_total_steps(cfg: FulcrumConfig, steps_per_epoch: int) -> int:
             "than the training set?"
         )
     return total
-
-
-# ------------------------------------------------------------------------------------ batch assembly
-def assemble_batch(
-    items: list[dict[str, Any]],
-    token_ids: list[list[int]],
-    logprobs: list[list[float]],
-    prompt_index: list[int],
-    max_prompt_length: int,
-    response_length: int,
-    pad_id: int,
-    uid_prefix: str,
-) -> Batch:
-    """verl's layout: prompts left-padded to max_prompt_length, responses right-padded to response_length."""
-    n = len(token_ids)
-    prompts = torch.full((n, max_prompt_length), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((n, max_prompt_length), dtype=torch.long)
-    responses = torch.full((n, response_length), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((n, response_length), dtype=torch.long)
-    rollout_lp = torch.zeros((n, response_length), dtype=torch.float32)
-    for row, (ids, lps, pi) in enumerate(zip(token_ids, logprobs, prompt_index, strict=True)):
-        p = items[pi]["input_ids"][-max_prompt_length:]
-        prompts[row, max_prompt_length - len(p) :] = torch.tensor(p, dtype=torch.long)
-        prompt_mask[row, max_prompt_length - len(p) :] = 1
-        r = ids[:response_length]
-        if r:
-            responses[row, : len(r)] = torch.tensor(r, dtype=torch.long)
-            response_mask[row, : len(r)] = 1
-            rollout_lp[row, : len(r)] = torch.tensor(lps[: len(r)], dtype=torch.float32)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    non_tensors = {
-        "data_source": [items[i].get("data_source", "") for i in prompt_index],
-        "ground_truth": [items[i].get("ground_truth", "") for i in prompt_index],
-        "extra_info": [items[i].get("extra_info") or {} for i in prompt_index],
-        "uid": [f"{uid_prefix}-{i}" for i in prompt_index],
-    }
-    return Batch(
-        {
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": torch.cat([prompts, responses], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "response_mask": response_mask,
-            "rollout_log_probs": rollout_lp,
-        },
-        non_tensors,
-    )
 
 
 def score_batch(

@@ -18,9 +18,9 @@ from torch import nn
 
 from fulcrum.algo.kl import kl_penalty
 from fulcrum.algo.losses import agg_loss, compute_policy_loss
+from fulcrum.batch import Batch
 from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
-from fulcrum.trainer.batch import Batch
 from fulcrum.workers.micro_batch import forward_log_prob, make_micro_batches, restore_order
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from fulcrum.algo.losses import compute_value_loss
+from fulcrum.batch import Batch
 from fulcrum.config.sections import CriticSection
 from fulcrum.models.load import load_backbone
 from fulcrum.models.value_head import CriticModel
-from fulcrum.trainer.batch import Batch
 from fulcrum.workers.actor import clip_and_step
 from fulcrum.workers.micro_batch import forward_values, make_micro_batches, restore_order
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fulcrum.batch import Batch
 from fulcrum.models.load import autocast_for
 from fulcrum.models.logprob import logprob_and_entropy, response_logits, trim_padding
-from fulcrum.trainer.batch import Batch
 
 
 def sequence_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

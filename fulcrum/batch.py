@@ -4,7 +4,8 @@ Layout (verl's): `prompts` (B, P) left-padded, `responses` (B, R) right-padded, 
 cat(prompts, responses) (B, P + R) with its `attention_mask` and `position_ids`, and
 `response_mask` (B, R), 1 = a generated token (EOS included). Stages add tensors in place:
 `old_log_probs`, `ref_log_prob`, `values`, `token_level_scores`, `token_level_rewards`,
-`advantages`, `returns`, `rollout_log_probs`, `entropys`.
+`advantages`, `returns`, `rollout_log_probs`, `entropys`. `assemble_batch` builds one from the rollout
+engine's output. This module sits below `workers/` and `trainer/`, which both pass it around.
 """
 
 from __future__ import annotations
@@ -87,3 +88,51 @@ class Batch:
             {k: torch.cat([b.tensors[k] for b in batches]) for k in keys},
             {k: [x for b in batches for x in b.non_tensors[k]] for k in nkeys},
         )
+
+
+def assemble_batch(
+    items: list[dict[str, Any]],
+    token_ids: list[list[int]],
+    logprobs: list[list[float]],
+    prompt_index: list[int],
+    max_prompt_length: int,
+    response_length: int,
+    pad_id: int,
+    uid_prefix: str,
+) -> Batch:
+    """verl's layout: prompts left-padded to max_prompt_length, responses right-padded to response_length."""
+    n = len(token_ids)
+    prompts = torch.full((n, max_prompt_length), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((n, max_prompt_length), dtype=torch.long)
+    responses = torch.full((n, response_length), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((n, response_length), dtype=torch.long)
+    rollout_lp = torch.zeros((n, response_length), dtype=torch.float32)
+    for row, (ids, lps, pi) in enumerate(zip(token_ids, logprobs, prompt_index, strict=True)):
+        p = items[pi]["input_ids"][-max_prompt_length:]
+        prompts[row, max_prompt_length - len(p) :] = torch.tensor(p, dtype=torch.long)
+        prompt_mask[row, max_prompt_length - len(p) :] = 1
+        r = ids[:response_length]
+        if r:
+            responses[row, : len(r)] = torch.tensor(r, dtype=torch.long)
+            response_mask[row, : len(r)] = 1
+            rollout_lp[row, : len(r)] = torch.tensor(lps[: len(r)], dtype=torch.float32)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    non_tensors = {
+        "data_source": [items[i].get("data_source", "") for i in prompt_index],
+        "ground_truth": [items[i].get("ground_truth", "") for i in prompt_index],
+        "extra_info": [items[i].get("extra_info") or {} for i in prompt_index],
+        "uid": [f"{uid_prefix}-{i}" for i in prompt_index],
+    }
+    return Batch(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "response_mask": response_mask,
+            "rollout_log_probs": rollout_lp,
+        },
+        non_tensors,
+    )
