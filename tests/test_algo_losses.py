@@ -1,4 +1,4 @@
-"""Policy/value losses, aggregation, entropy and log-probs: hand values, references, gradients."""
+"""Policy/value losses and aggregation: hand values, references, gradients."""
 
 import math
 
@@ -13,8 +13,6 @@ from fulcrum.algo.losses import (
     agg_loss,
     compute_policy_loss,
     compute_value_loss,
-    entropy_from_logits,
-    logprobs_from_logits,
 )
 
 
@@ -182,41 +180,3 @@ def test_value_loss_hand_computed() -> None:
         cliprange_value=0.5,
     )
     assert vf_loss.item() == pytest.approx(0.5 * 1.5**2) and vf_clipfrac.item() == 1.0
-
-
-def entropy_ref(logits: torch.Tensor) -> torch.Tensor:
-    p = torch.softmax(logits.double(), dim=-1)
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    return -(torch.where(p > 0, p * logp, torch.zeros((), dtype=torch.float64))).sum(-1)
-
-
-def test_entropy_from_logits() -> None:
-    assert entropy_from_logits(torch.zeros(2, 3, 8)).flatten().tolist() == pytest.approx([math.log(8)] * 6)
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, 5, 50, generator=gen) * 5
-    torch.testing.assert_close(
-        entropy_from_logits(logits).double(), entropy_ref(logits), atol=1e-5, rtol=1e-5
-    )
-    # Huge and -inf logits (top-k masking): finite value and finite gradient.
-    extreme = torch.tensor([[1e4, 0.0, float("-inf"), -1e4]]).requires_grad_(True)
-    ent = entropy_from_logits(extreme)
-    ent.sum().backward()
-    assert ent.item() == pytest.approx(0.0, abs=1e-6)
-    assert torch.isfinite(extreme.grad).all()
-    # bf16 input is computed in float32.
-    bf = logits.bfloat16()
-    ent_bf = entropy_from_logits(bf)
-    assert ent_bf.dtype == torch.float32
-    torch.testing.assert_close(ent_bf.double(), entropy_ref(bf.float()), atol=1e-5, rtol=1e-5)
-
-
-def test_logprobs_from_logits_is_stable_and_matches_log_softmax() -> None:
-    gen = torch.Generator().manual_seed(1)
-    logits = torch.randn(3, 4, 20, generator=gen) * 4
-    labels = torch.randint(0, 20, (3, 4), generator=gen)
-    expected = torch.log_softmax(logits.double(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(logprobs_from_logits(logits, labels).double(), expected, atol=1e-5, rtol=1e-6)
-    big = torch.tensor([[1e4, 1e4 - 1.0, -1e4]])
-    lp = logprobs_from_logits(big, torch.tensor([1]))
-    assert lp.item() == pytest.approx(-1.0 - math.log1p(math.exp(-1.0)), abs=1e-5)
-    assert logprobs_from_logits(logits.half(), labels).dtype == torch.float32

@@ -12,14 +12,9 @@ import torch
 
 from fulcrum.algo.advantages import compute_advantage
 from fulcrum.algo.kl import AdaptiveKLController, kl_penalty
-from fulcrum.algo.losses import (
-    agg_loss,
-    compute_policy_loss,
-    compute_value_loss,
-    entropy_from_logits,
-    logprobs_from_logits,
-)
+from fulcrum.algo.losses import agg_loss, compute_policy_loss, compute_value_loss
 from fulcrum.algo.masked import masked_mean, masked_var, masked_whiten
+from fulcrum.models.logprob import logprob_and_entropy
 
 FIXTURE = torch.load(Path(__file__).parent / "fixtures" / "verl_algo.pt", weights_only=True)
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -156,10 +151,16 @@ def test_kl_estimators_match_verl_values_and_gradients(kind: str) -> None:
 
 
 def test_entropy_and_logprobs_match_verl() -> None:
+    """The function training runs (`forward_log_prob` calls it), with and without gradients."""
     lg = FIXTURE["logits"]
-    close(entropy_from_logits(lg["logits"]), lg["entropy"])
-    close(logprobs_from_logits(lg["logits"], lg["labels"]), lg["logprobs"])
-    close(logprobs_from_logits(lg["logits"], lg["labels"]), lg["logprobs_naive"])
+    logp, entropy = logprob_and_entropy(lg["logits"], lg["labels"], with_entropy=True)
+    close(entropy, lg["entropy"])
+    close(logp, lg["logprobs"])
+    close(logp, lg["logprobs_naive"])
+    with torch.no_grad():  # the chunked path the old/ref log-prob stages take
+        logp, entropy = logprob_and_entropy(lg["logits"], lg["labels"], with_entropy=True)
+    close(entropy, lg["entropy"])
+    close(logp, lg["logprobs"])
 
 
 def test_adaptive_kl_controller_matches_verl_trajectory() -> None:
@@ -215,4 +216,6 @@ def test_functions_run_on_cuda_and_match_verl() -> None:
         kl_penalty(k["log_prob"].to(cuda), k["ref_log_prob"].to(cuda), "low_var_kl").cpu(), k["low_var_kl"][0]
     )
     lg = FIXTURE["logits"]
-    close(entropy_from_logits(lg["logits"].to(cuda)).cpu(), lg["entropy"])
+    logp, entropy = logprob_and_entropy(lg["logits"].to(cuda), lg["labels"].to(cuda), with_entropy=True)
+    close(entropy.cpu(), lg["entropy"])
+    close(logp.cpu(), lg["logprobs"])

@@ -19,7 +19,7 @@ from fulcrum.workers.micro_batch import (
     restore_order,
     token_budget_groups,
 )
-from fulcrum.workers.optim import constant_with_warmup, cosine_with_warmup, warmup_steps
+from fulcrum.workers.optim import build_lr_scheduler, warmup_steps
 
 CPU = torch.device("cpu")
 
@@ -99,6 +99,26 @@ def test_logprob_and_entropy_hand_values() -> None:
     assert torch.equal(logp, logp2) and torch.equal(ent, ent2)
 
 
+def test_logprob_and_entropy_match_float64_references_and_temperature() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 5, 50, generator=gen) * 5
+    labels = torch.randint(0, 50, (4, 5), generator=gen)
+    tau = 0.7
+    z = logits.double() / tau
+    ref_logp = torch.log_softmax(z, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    logp, ent = logprob_and_entropy(logits, labels, temperature=tau, with_entropy=True)
+    torch.testing.assert_close(logp.double(), ref_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=1e-5)
+    # bf16 logits (the autocast forward) are computed in float32.
+    logp_bf, ent_bf = logprob_and_entropy(logits.bfloat16(), labels, with_entropy=True)
+    assert logp_bf.dtype == torch.float32 and ent_bf.dtype == torch.float32
+    zb = logits.bfloat16().double()
+    torch.testing.assert_close(
+        ent_bf.double(), -(torch.softmax(zb, -1) * torch.log_softmax(zb, -1)).sum(-1), atol=1e-5, rtol=1e-5
+    )
+
+
 def test_dynamic_micro_batches_fit_budget_and_restore_order(tiny_dir: str) -> None:
     model = load_causal_lm(tiny_dir, CPU).eval()
     batch = make_batch(b=8, p=12, r=9)
@@ -131,14 +151,54 @@ def test_fixed_micro_batch_size_must_be_positive() -> None:
         make_micro_batches(make_batch(), None, False, None, "ppo_micro_batch_size_per_gpu")
 
 
+def lr_multipliers(optim_cfg: dict, total: int, steps: int) -> list[float]:
+    """The lr (÷ peak lr) the schedule gives to each of `steps` optimiser steps."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    schedule = build_lr_scheduler(optimizer, optim_cfg, total, "actor_rollout_ref.actor.optim")
+    out = []
+    for _ in range(steps):
+        out.append(schedule.get_last_lr()[0] / 2.0)
+        optimizer.step()
+        schedule.step()
+    return out
+
+
 def test_lr_schedules_hand_values() -> None:
-    assert [constant_with_warmup(s, 4) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
-    assert constant_with_warmup(0, 0) == 1.0
+    constant = {"lr_warmup_steps": 4, "lr_scheduler_type": "constant"}
+    assert lr_multipliers(constant, 10, 6) == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert lr_multipliers({"lr_warmup_steps": 0}, 10, 2) == [1.0, 1.0]
     # cosine after 2 warm-up steps over 10 total: progress (s - 2) / 8, floor 0.1
-    assert cosine_with_warmup(1, 2, 10, 0.1) == pytest.approx(0.5)
-    assert cosine_with_warmup(2, 2, 10, 0.1) == pytest.approx(1.0)
-    assert cosine_with_warmup(6, 2, 10, 0.1) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert cosine_with_warmup(10, 2, 10, 0.1) == pytest.approx(0.1)
+    cosine = {"lr_warmup_steps": 2, "lr_scheduler_type": "cosine", "min_lr_ratio": 0.1}
+    got = lr_multipliers(cosine, 10, 11)
+    assert got[:3] == pytest.approx([0.0, 0.5, 1.0])
+    assert got[6] == pytest.approx(0.1 + 0.9 * 0.5)
+    assert got[10] == pytest.approx(0.1)
+    # num_cycles=1: a full cosine wave, back to the peak at the end.
+    wave = lr_multipliers({**cosine, "num_cycles": 1.0, "min_lr_ratio": 0.0}, 10, 11)
+    assert wave[6] == pytest.approx(0.0, abs=1e-12) and wave[10] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.optim\.lr_scheduler_type"):
+        lr_multipliers({"lr_scheduler_type": "linear"}, 10, 1)
+
+
+def test_lr_schedule_resumes_exactly_from_its_state_dict() -> None:
+    cfg = {"lr_warmup_steps": 3, "lr_scheduler_type": "cosine", "min_lr_ratio": 0.05}
+    expected = lr_multipliers(cfg, 12, 12)
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=2.0)
+    first = build_lr_scheduler(optimizer, cfg, 12, "critic.optim")
+    for _ in range(5):
+        optimizer.step()
+        first.step()
+    state = first.state_dict()
+    fresh_optimizer = torch.optim.SGD([param], lr=2.0)
+    resumed = build_lr_scheduler(fresh_optimizer, cfg, 12, "critic.optim")
+    resumed.load_state_dict(state)
+    after = []
+    for _ in range(7):
+        after.append(resumed.get_last_lr()[0] / 2.0)
+        fresh_optimizer.step()
+        resumed.step()
+    assert after == expected[5:]
 
 
 def test_warmup_steps_follow_verl_rule() -> None:

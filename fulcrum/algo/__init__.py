@@ -19,8 +19,6 @@ from fulcrum.algo.losses import (
     agg_loss,
     compute_policy_loss,
     compute_value_loss,
-    entropy_from_logits,
-    logprobs_from_logits,
 )
 from fulcrum.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
 
@@ -37,9 +35,7 @@ __all__ = [
     "compute_advantage",
     "compute_policy_loss",
     "compute_value_loss",
-    "entropy_from_logits",
     "kl_penalty",
-    "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
     "masked_var",

@@ -1,4 +1,4 @@
-"""Policy and value losses, loss aggregation, entropy and log-probabilities from logits.
+"""Policy and value losses and loss aggregation (log-probabilities and entropy: `fulcrum.models.logprob`).
 
 verl's semantics (verl/trainer/ppo/core_algos.py and verl/utils/torch_functional.py). Shapes:
 (B, T) per-token tensors over the response, `response_mask` 1 = the token counts; logits (B, T, V).
@@ -248,37 +248,3 @@ def compute_value_loss(
     vf_loss = 0.5 * agg_loss(vf_losses, response_mask, loss_agg_mode, **agg_kwargs)  # type: ignore[arg-type]
     vf_clipfrac = masked_mean(torch.gt(loss_clipped, loss_unclipped).float(), response_mask)
     return vf_loss, vf_clipfrac.detach()
-
-
-def _shift_by_max(logits: torch.Tensor) -> torch.Tensor:
-    """z - max_v z (both results below are invariant to the shift), in float32 for half-precision input.
-
-    logsumexp(z) alone returns max + log(sum e^(z - max)), which rounds away small differences when the
-    logits are large (float32 spacing is 1e-3 at 1e4), so the subtraction is done first.
-    """
-    z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-    return z - z.amax(dim=-1, keepdim=True).detach()
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last axis: (..., V) -> (...); verl `entropy_from_logits`.
-
-    H = logsumexp(s) - sum_v softmax(s)_v s_v with s = z - max(z), which never takes the log of a
-    probability, so it is finite for any finite maximum (a -inf logit contributes 0).
-    Half-precision input is computed in float32.
-    """
-    s = _shift_by_max(logits)
-    probs = torch.softmax(s, dim=-1)
-    # 0 * -inf would give NaN (also in the backward pass): a token of probability 0 adds nothing.
-    s_finite = torch.where(probs > 0, s, torch.zeros((), dtype=s.dtype, device=s.device))
-    return torch.logsumexp(s, dim=-1) - (probs * s_finite).sum(dim=-1)
-
-
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log softmax(z)[y] = s_y - logsumexp(s), s = z - max(z): (..., V), (...) -> (...); verl `logprobs_from_logits`.
-
-    Half-precision input is computed in float32 (result float32).
-    """
-    s = _shift_by_max(logits)
-    picked = torch.gather(s, -1, labels.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(s, dim=-1)

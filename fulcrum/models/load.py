@@ -27,10 +27,12 @@ def _check_model_dir(path: str, key: str, needs_tokenizer: bool = False, needs_w
     return resolved
 
 
-def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    path: str, key: str = "actor_rollout_ref.model.path", trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     """The checkpoint's tokenizer, with a pad token guaranteed (falls back to EOS as verl does)."""
     path = _check_model_dir(path, key, needs_tokenizer=True, needs_weights=False)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -41,10 +43,13 @@ def load_causal_lm(
     device: torch.device,
     gradient_checkpointing: bool = False,
     key: str = "actor_rollout_ref.model.path",
+    trust_remote_code: bool = False,
 ) -> nn.Module:
-    """`AutoModelForCausalLM` in float32 on `device` (the actor and the reference policy)."""
+    """`AutoModelForCausalLM` in float32 on `device` (the actor, the reference policy, `fulcrum sft`)."""
     path = _check_model_dir(path, key)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, trust_remote_code=trust_remote_code
+    )
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model.to(device)

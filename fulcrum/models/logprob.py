@@ -22,7 +22,8 @@ def logprob_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(labels) and, optionally, the entropy of softmax(logits / temperature), both float32 (B, T).
 
-    log p_t = z_t[y_t] - logsumexp(z_t),  H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v,  z = logits / τ.
+    log p_t = z_t[y_t] - logsumexp(z_t),  H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v,  z = logits / τ
+    (verl's `logprobs_from_logits_v2` and `entropy_from_logits`); half-precision logits are computed in float32.
     Under `torch.no_grad` the float32 conversion is done a few rows at a time.
     """
     if torch.is_grad_enabled():

@@ -239,7 +239,7 @@ class PPOTrainer:
         if state.get("nan_guard"):
             self.nan_guard.load_state_dict(state["nan_guard"])
         # The native engine keeps its own copy of the weights: hand it the restored ones.
-        self.rollout.update_weights(self.actor.model.named_parameters())
+        self.rollout.update_weights(self.actor.named_weights())
         print(f"resumed from global_step {self.global_step}", flush=True)
 
     def fit(self) -> dict[str, float]:
@@ -348,7 +348,7 @@ class PPOTrainer:
                     metrics.update(self.actor.update_policy(batch, self.global_step))
                 # 6. the new weights into the engine (in place; the hf backend shares the module)
                 with M.timer("update_weights", timing):
-                    self.rollout.update_weights(self.actor.model.named_parameters())
+                    self.rollout.update_weights(self.actor.named_weights())
             # NaN/Inf loss or grad norm: the workers skipped the update; count it, stop after max_nan_steps.
             metrics.update(self.nan_guard.observe(self.global_step, metrics))
             # 7. validation and checkpoint when due (last step always, as verl; also on Ctrl-C)

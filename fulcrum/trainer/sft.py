@@ -21,8 +21,6 @@ device, `trainer.device` (auto|cpu|cuda) is ours.
 
 from __future__ import annotations
 
-import json
-import math
 import random
 import sys
 import time
@@ -34,9 +32,12 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from fulcrum.config import ConfigError, load_structured, save_config
+from fulcrum.config import ConfigError, load_structured, save_config, to_dict
 from fulcrum.config.device import select_device
+from fulcrum.models.load import load_causal_lm, load_tokenizer
+from fulcrum.trainer.loggers import Tracking
 from fulcrum.trainer.run_dir import other_run_contents
+from fulcrum.workers.optim import lr_schedule
 
 # ---------------------------------------------------------------- configuration (verl's sft_trainer.yaml)
 
@@ -262,19 +263,6 @@ def response_token_nll(
     return (token_nll * mask).sum()
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
-    """Multiplier of the peak lr at optimiser step `step` (0-based): linear warm-up, then constant or cosine to 0.
-
-    warm-up: (step + 1) / warmup_steps; cosine: 0.5 · (1 + cos(π · (step − warmup) / (total − warmup))).
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
 # ---------------------------------------------------------------- training
 
 
@@ -309,21 +297,19 @@ def evaluate_loss(
 
 
 def _load(cfg: SFTConfig, device: torch.device) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if cfg.model.external_lib:
         __import__(cfg.model.external_lib)
-    path, remote = cfg.model.partial_pretrain, cfg.model.trust_remote_code
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
+    path, remote = str(cfg.model.partial_pretrain), cfg.model.trust_remote_code
+    tokenizer = load_tokenizer(path, "model.partial_pretrain", trust_remote_code=remote)
     if cfg.data.chat_template:
         tokenizer.chat_template = cfg.data.chat_template
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=remote).to(
-        device
+    model = load_causal_lm(
+        path,
+        device,
+        gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+        key="model.partial_pretrain",
+        trust_remote_code=remote,
     )
-    if cfg.model.enable_gradient_checkpointing:
-        model.gradient_checkpointing_enable()
     return model, tokenizer
 
 
@@ -371,13 +357,21 @@ def run_sft(cfg: SFTConfig, log: Any = print) -> SFTResult:
         lr=cfg.optim.lr,
         betas=tuple(cfg.optim.betas),  # type: ignore[arg-type]
     )
+    scheduler = lr_schedule(optimizer, cfg.optim.lr_scheduler, warmup_steps, total_steps, key="optim")
     log(
         f"fulcrum sft: {len(train)} examples, {total_steps} steps of {batch} (micro-batches of {micro}), "
         f"device {device}, model {cfg.model.partial_pretrain}"
     )
     pad_id = tokenizer.pad_token_id
     generator = torch.Generator().manual_seed(cfg.trainer.seed)
-    metrics_file = (run_dir / "metrics.jsonl").open("a")
+    # metrics.jsonl and trainer.logger's other backends; the console line below is SFT's own.
+    tracking = Tracking(
+        [b for b in cfg.trainer.logger if b != "console"],
+        run_dir,
+        cfg.trainer.project_name,
+        cfg.trainer.experiment_name,
+        to_dict(cfg),
+    )
     log_every = max(1, total_steps // 20)
     losses: list[float] = []
     order: list[int] = []
@@ -389,9 +383,7 @@ def run_sft(cfg: SFTConfig, log: Any = print) -> SFTResult:
         start = (step % steps_per_epoch) * batch
         chosen = [train[i] for i in order[start : start + batch]]
         num_targets = sum(len(e.input_ids) - max(e.num_prompt_tokens, 1) for e in chosen)
-        lr = cfg.optim.lr * lr_factor(step, total_steps, warmup_steps, cfg.optim.lr_scheduler)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = scheduler.get_last_lr()[0]
         step_nll = 0.0
         for m in range(0, batch, micro):
             ids, attn, mask = (t.to(device) for t in collate(chosen[m : m + micro], pad_id))
@@ -403,10 +395,10 @@ def run_sft(cfg: SFTConfig, log: Any = print) -> SFTResult:
             step_nll += nll.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_nll / max(num_targets, 1))
         row: dict[str, float | int] = {
-            "step": step + 1,
             "train/loss": losses[-1],
             "train/lr": lr,
             "train/grad_norm": float(grad_norm),
@@ -416,14 +408,13 @@ def run_sft(cfg: SFTConfig, log: Any = print) -> SFTResult:
         if val and (last or (cfg.trainer.test_freq > 0 and (step + 1) % cfg.trainer.test_freq == 0)):
             val_loss = evaluate_loss(model, val, micro, pad_id, device)
             row["val/loss"] = val_loss
-        metrics_file.write(json.dumps(row) + "\n")
-        metrics_file.flush()
+        tracking.log(row, step=step + 1)  # type: ignore[arg-type]
         if "console" in cfg.trainer.logger and ((step + 1) % log_every == 0 or last or "val/loss" in row):
             extra = f" val/loss {row['val/loss']:.4f}" if "val/loss" in row else ""
             log(f"step {step + 1}/{total_steps} train/loss {losses[-1]:.4f} lr {lr:.2e}{extra}")
         if cfg.trainer.save_freq > 0 and (step + 1) % cfg.trainer.save_freq == 0 and not last:
             _save(model, tokenizer, run_dir, step + 1)
-    metrics_file.close()
+    tracking.close()
     model_dir = _save(model, tokenizer, run_dir, total_steps)
     seconds = time.perf_counter() - started
     log(f"fulcrum sft: saved {model_dir} ({seconds:.0f} s)")

@@ -1,13 +1,14 @@
-"""AdamW and verl's learning-rate schedules (linear warm-up, then constant or cosine to min_lr_ratio)."""
+"""AdamW and verl's learning-rate schedules (linear warm-up, then constant or cosine to min_lr_ratio),
+built from the ones `transformers` ships."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
 
 
 def warmup_steps(optim_cfg: Any, total_steps: int) -> int:
@@ -17,22 +18,6 @@ def warmup_steps(optim_cfg: Any, total_steps: int) -> int:
         ratio = float(_get(optim_cfg, "lr_warmup_steps_ratio", 0.0) or 0.0)
         steps = int(ratio * total_steps)
     return steps
-
-
-def constant_with_warmup(step: int, num_warmup: int) -> float:
-    """lr multiplier: step / warmup during warm-up, then 1 (step 0 of a warm-up trains at lr 0, as verl)."""
-    if step < num_warmup:
-        return float(step) / float(max(1, num_warmup))
-    return 1.0
-
-
-def cosine_with_warmup(step: int, num_warmup: int, total_steps: int, min_lr_ratio: float) -> float:
-    """lr multiplier: linear warm-up, then m + (1 - m)·½(1 + cos(π·progress)), progress ∈ [0, 1]."""
-    if step < num_warmup:
-        return float(step) / float(max(1, num_warmup))
-    progress = float(step - num_warmup) / float(max(1, total_steps - num_warmup))
-    progress = min(progress, 1.0)
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def build_optimizer(
@@ -54,14 +39,42 @@ def build_optimizer(
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, optim_cfg: Any, total_steps: int, key: str
 ) -> LambdaLR:
-    """The schedule named by `warmup_style` / `lr_scheduler_type` (constant | cosine); stepped once per update."""
+    """The schedule named by `lr_scheduler_type` (the loader folds verl's older `warmup_style` into it)."""
     style = _get(optim_cfg, "lr_scheduler_type", None) or _get(optim_cfg, "warmup_style", None) or "constant"
-    num_warmup = warmup_steps(optim_cfg, total_steps)
+    return lr_schedule(
+        optimizer,
+        style,
+        num_warmup=warmup_steps(optim_cfg, total_steps),
+        total_steps=total_steps,
+        min_lr_ratio=float(_get(optim_cfg, "min_lr_ratio", 0.0) or 0.0),
+        num_cycles=float(_get(optim_cfg, "num_cycles", 0.5)),
+        key=key,
+    )
+
+
+def lr_schedule(
+    optimizer: torch.optim.Optimizer,
+    style: str,
+    num_warmup: int,
+    total_steps: int,
+    min_lr_ratio: float = 0.0,
+    num_cycles: float = 0.5,
+    key: str = "optim",
+) -> LambdaLR:
+    """transformers' schedules with verl's semantics; the multiplier of the peak lr at scheduler step s is
+
+        s / num_warmup                                         while s < num_warmup (step 0 trains at lr 0)
+        1                                                      constant, after warm-up
+        m + (1 - m)·½(1 + cos(2π·num_cycles·progress))         cosine, progress = (s - warmup) / (total - warmup)
+
+    with m = min_lr_ratio. Step it once per optimiser step; its `state_dict` resumes it exactly.
+    """
     if style == "constant":
-        return LambdaLR(optimizer, lambda s: constant_with_warmup(s, num_warmup))
+        return get_constant_schedule_with_warmup(optimizer, num_warmup)
     if style == "cosine":
-        min_lr_ratio = float(_get(optim_cfg, "min_lr_ratio", 0.0) or 0.0)
-        return LambdaLR(optimizer, lambda s: cosine_with_warmup(s, num_warmup, total_steps, min_lr_ratio))
+        return get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, num_warmup, total_steps, num_cycles=num_cycles, min_lr_rate=min_lr_ratio
+        )
     raise ValueError(
         f"{key}.lr_scheduler_type / warmup_style: unknown schedule {style!r} (constant | cosine)"
     )
