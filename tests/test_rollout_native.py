@@ -107,6 +107,17 @@ def test_update_weights_in_place_and_sleep_wake_up(model):
     assert engine.stats["update_weights_s"] < 5.0
 
 
+@pytest.mark.parametrize("free_cache_engine", [True, False])
+def test_generate_releases_the_cache_under_free_cache_engine(model, free_cache_engine):
+    engine = engine_for(model, free_cache_engine=free_cache_engine)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for _ in range(2):  # asleep or awake before the call, generate leaves the same state
+        out = engine.generate(mixed_prompts(4, [3, 9]), params)
+        assert [len(r) for r in out.token_ids] == [4, 4]
+        assert engine.awake is not free_cache_engine
+        assert (engine.runner.kv_cache is None) is free_cache_engine
+
+
 def test_update_weights_rejects_a_wrong_shape_naming_the_tensor(model):
     engine = engine_for(model)
     with pytest.raises(ValueError, match=r"model\.norm\.weight"):
@@ -182,6 +193,7 @@ def test_engine_config_reads_verl_keys_and_our_engine_kwargs():
         True,
     )
     assert config.max_model_len == rollout.prompt_length + rollout.response_length
+    assert config.free_cache_engine is bool(rollout.free_cache_engine)
     rollout.engine_kwargs["native"] = {"blocksize": 8}
     with pytest.raises(ValueError, match=r"engine_kwargs\.native: unknown keys \['blocksize'\]"):
         engine_config_from(rollout, model_max_len=4096)

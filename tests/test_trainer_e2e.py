@@ -188,3 +188,39 @@ def test_unknown_key_stops_before_the_demo_runs(tmp_path: Path, capsys) -> None:
     assert main(["data.train_fiels=x.parquet", f"trainer.default_local_dir={tmp_path / 'demo'}"]) == 1
     assert "did you mean data.train_files?" in capsys.readouterr().err
     assert not (tmp_path / "demo").exists()
+
+
+@pytest.mark.parametrize("free_cache_engine", [True, False])
+def test_remax_step_leaves_the_kv_cache_released_through_the_updates(
+    assets: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, free_cache_engine: bool
+) -> None:
+    """ReMax generates twice per step (samples, then the greedy baseline), validation once more; with
+    free_cache_engine the native engine's KV cache must be released while the actor trains, and after."""
+    from fulcrum.config import load_config
+    from fulcrum.trainer.ppo_trainer import PPOTrainer
+
+    torch.set_num_threads(1)
+    extra = (
+        "algorithm.adv_estimator=remax",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.name=native",
+        "actor_rollout_ref.rollout.max_num_seqs=16",
+        f"actor_rollout_ref.rollout.free_cache_engine={free_cache_engine}",
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=-1",
+    )
+    args = [a for a in seed_like(assets, tmp_path / "run", *extra) if "total_training_steps=2" not in a]
+    trainer = PPOTrainer(load_config(args), torch.device("cpu"))
+    assert type(trainer.rollout).__name__ == "NativeEngine"
+    awake_during_update: list[bool] = []
+    update_policy = trainer.actor.update_policy
+
+    def recording_update(*a, **k):
+        awake_during_update.append(trainer.rollout.awake)
+        return update_policy(*a, **k)
+
+    monkeypatch.setattr(trainer.actor, "update_policy", recording_update)
+    metrics = trainer.fit()
+    assert metrics["timing_s/gen_max"] > 0  # the greedy baseline was generated
+    assert awake_during_update == [not free_cache_engine]
+    assert trainer.rollout.awake is not free_cache_engine

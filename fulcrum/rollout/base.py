@@ -58,7 +58,11 @@ class RolloutEngine(Protocol):
     """What the trainer needs of a generation backend."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        """Sample `params.n` responses for every prompt (token ids without padding)."""
+        """Sample `params.n` responses for every prompt (token ids without padding).
+
+        The backend owns its KV cache: it takes it for the call and, with `rollout.free_cache_engine`,
+        releases it before returning, so callers never wake or sleep it around generation.
+        """
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -66,9 +70,9 @@ class RolloutEngine(Protocol):
         ...
 
     def wake_up(self) -> None:
-        """Take the KV cache (again) before generation."""
+        """Take the KV cache (again) ahead of generation (`generate` does it when needed)."""
         ...
 
     def sleep(self) -> None:
-        """Release the KV cache while the model trains (`free_cache_engine`)."""
+        """Release the KV cache now (`generate` does it itself under `free_cache_engine`)."""
         ...

@@ -302,7 +302,7 @@ class PPOTrainer:
         with M.timer("step", timing):
             # 1. generate
             with M.timer("gen", timing):
-                batch = self.generate(items, validate=False)
+                batch = self.generate(items, self.sampling_params(validate=False), f"s{self.global_step}")
             engine_metrics = getattr(self.rollout, "metrics", None)
             if engine_metrics is not None:  # the engine's own figures (prefill/decode time, preemptions, KV)
                 metrics.update({k: float(v) for k, v in engine_metrics().items()})
@@ -392,32 +392,30 @@ class PPOTrainer:
         return metrics
 
     # ------------------------------------------------------------------------------ the stages
-    def generate(self, items: list[dict[str, Any]], validate: bool) -> Batch:
-        """Sample responses for `items`. Every backend batches under max_num_seqs by itself (the native
-        engine also shares prompt blocks across the whole call), so all prompts go in one call."""
-        rc = self.cfg.actor_rollout_ref.rollout
-        base_seed = int(rc.seed)  # type: ignore[arg-type]  # resolved: never null
-        params = sampling_params(rc, self.response_length, 0, validate)
-        # A different, reproducible seed per step (validation: the same every time).
-        params.seed = base_seed * 1_000_003 + (0 if validate else self.global_step) * 1009
-        free_cache = bool(rc.free_cache_engine)
-        if free_cache:
-            self.rollout.wake_up()
+    def generate(self, items: list[dict[str, Any]], params: SamplingParams, uid_prefix: str) -> Batch:
+        """Sample responses for `items` into a Batch: the one path to the engine (training, validation and
+        ReMax's greedy baseline). Every backend batches under max_num_seqs by itself (the native engine
+        also shares prompt blocks across the whole call) and owns its KV cache (`free_cache_engine`)."""
         out = self.rollout.generate([it["input_ids"] for it in items], params)
-        if free_cache:
-            self.rollout.sleep()
-        token_ids, logprobs, prompt_index = out.token_ids, out.logprobs, out.prompt_index
-        prefix = "val" if validate else f"s{self.global_step}"
         return assemble_batch(
             items,
-            token_ids,
-            logprobs,
-            prompt_index,
+            out.token_ids,
+            out.logprobs,
+            out.prompt_index,
             self.max_prompt_length,
             self.response_length,
             self.pad_id,
-            prefix,
+            uid_prefix,
         )
+
+    def sampling_params(self, validate: bool) -> SamplingParams:
+        """rollout.* (or val_kwargs) with a different, reproducible seed per step (validation: the same
+        every time)."""
+        rc = self.cfg.actor_rollout_ref.rollout
+        base_seed = int(rc.seed)  # type: ignore[arg-type]  # resolved: never null
+        params = sampling_params(rc, self.response_length, 0, validate)
+        params.seed = base_seed * 1_000_003 + (0 if validate else self.global_step) * 1009
+        return params
 
     def _kl_in_reward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """rewards = scores - β·KL(old ‖ ref) per token; the controller then adapts β (verl)."""
@@ -455,17 +453,7 @@ class PPOTrainer:
         """ReMax's baseline: the score of a greedy response to the same prompt, per row (B,)."""
         rc = self.cfg.actor_rollout_ref.rollout
         params = SamplingParams(n=1, temperature=0.0, max_tokens=self.response_length)
-        out = self.rollout.generate([it["input_ids"] for it in items], params)
-        greedy = assemble_batch(
-            items,
-            out.token_ids,
-            out.logprobs,
-            out.prompt_index,
-            self.max_prompt_length,
-            self.response_length,
-            self.pad_id,
-            "remax",
-        )
+        greedy = self.generate(items, params, "remax")
         _, greedy = score_batch(greedy, self.tokenizer, self.reward_manager)
         per_prompt = torch.tensor(greedy.scores, dtype=torch.float32)
         n = int(rc.n)
@@ -475,7 +463,7 @@ class PPOTrainer:
         """Greedy (val_kwargs) generation on the whole validation set: val-core/<data_source>/reward/mean@n."""
         assert self.val_dataset is not None
         items = [self.val_dataset[i] for i in range(len(self.val_dataset))]
-        batch = self.generate(items, validate=True)
+        batch = self.generate(items, self.sampling_params(validate=True), "val")
         _, result = score_batch(batch, self.tokenizer, self.reward_manager)
         scores = result.scores
         n = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)

@@ -32,6 +32,9 @@ class EngineConfig:
     # recapture; costs ~20% decode speed on an H200 (0.5B), so off unless sleeps are frequent and
     # the decode batch takes many sizes.
     indirect_kv_cache: bool = False
+    # rollout.free_cache_engine: `generate` releases the KV cache before it returns, so training has the
+    # memory; off by default for direct users (benchmarks) that call `generate` back to back.
+    free_cache_engine: bool = False
     dtype: torch.dtype = torch.bfloat16  # weights and KV cache on CUDA; the CPU uses the model's dtype
 
     def __post_init__(self) -> None:
@@ -98,4 +101,5 @@ def engine_config_from(rollout_cfg: Any, model_max_len: int) -> EngineConfig:
         num_kv_blocks=native.get("num_kv_blocks"),
         decode_steps=int(native.get("decode_steps", 16)),
         indirect_kv_cache=bool(native.get("indirect_kv_cache", False)),
+        free_cache_engine=bool(getattr(rollout_cfg, "free_cache_engine", False)),
     )

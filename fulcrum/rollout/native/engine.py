@@ -3,7 +3,10 @@
 Usage (the factory `fulcrum.rollout.build_rollout` does this):
     engine = NativeEngine(hf_model, eos_token_ids=[...], pad_token_id=0, config=EngineConfig(...), device=dev)
     out = engine.generate(prompt_ids, SamplingParams(n=8, temperature=1.0, max_tokens=256))
-    engine.sleep(); ...train...; engine.update_weights(actor.named_parameters()); engine.wake_up()
+    ...train...; engine.update_weights(actor.named_weights())
+
+`generate` takes the KV cache if it was released and, with `config.free_cache_engine`, releases it again
+before returning, so every caller (training, validation, ReMax's greedy baseline) leaves the memory free.
 """
 
 from __future__ import annotations
@@ -92,6 +95,11 @@ class NativeEngine:
         """Take the KV cache back; graphs are recaptured on first use."""
         self.runner.allocate_cache()
 
+    @property
+    def awake(self) -> bool:
+        """Whether the KV cache is allocated."""
+        return self.runner.awake
+
     # ------------------------------------------------------------------------------ generation
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if params.n > self.config.max_num_seqs:
@@ -113,8 +121,15 @@ class NativeEngine:
         self._check(prompts, params)
         if not prompts:
             return RolloutOutput([], [], [], [])
-        start = time.perf_counter()
         self.wake_up()
+        try:
+            return self._generate(prompts, params)
+        finally:
+            if self.config.free_cache_engine:
+                self.sleep()
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        start = time.perf_counter()
         scheduler = Scheduler(self.config, BlockManager(self.runner.num_blocks, self.config.block_size))
         scheduler.stop_ids = set(params.stop_token_ids) | (
             set() if params.ignore_eos else set(self.eos_token_ids)
