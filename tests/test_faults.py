@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fulcrum.config import load_config
+from fulcrum.trainer import metrics as M
 from fulcrum.trainer.faults import (
     NAN_SKIPPED_METRIC,
     GracefulInterrupt,
@@ -100,13 +101,17 @@ def test_graceful_interrupt_first_signal_requests_second_raises() -> None:
     assert signal.getsignal(signal.SIGINT) is previous
 
 
-def test_explain_oom_reads_the_phase_from_the_traceback() -> None:
-    def update_critic() -> None:  # stands for the critic worker's method
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
-
-    with pytest.raises(OutOfMemoryHelp, match="during update_critic") as info, explain_oom(load_config([])):
-        update_critic()
-    assert "critic.ppo_micro_batch_size_per_gpu" in str(info.value).splitlines()[2]
+def test_explain_oom_names_the_innermost_timed_phase() -> None:
+    timing: dict[str, float] = {}
+    with pytest.raises(OutOfMemoryHelp, match="during gen_max") as info, explain_oom(load_config([])):
+        with M.timer("step", timing), M.timer("gen_max", timing):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+    # ReMax's greedy generation gets generation's levers; both timers still counted their time.
+    assert "actor_rollout_ref.rollout.gpu_memory_utilization" in str(info.value).splitlines()[2]
+    assert set(timing) == {"step", "gen_max"}
+    with pytest.raises(OutOfMemoryHelp) as info, explain_oom(load_config([])):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory.")  # outside every timed phase
+    assert "during" not in str(info.value).splitlines()[0]
 
 
 @pytest.mark.gpu

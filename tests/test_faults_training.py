@@ -186,3 +186,31 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(assets: Path, tmp_path: Pa
     assert last < 1000 and read_latest_step(run_dir) == last
     assert is_complete(run_dir / f"global_step_{last}", ["actor", "critic"])
     assert f"stopped after step {last} (checkpoint saved)" in output
+
+
+def test_out_of_memory_in_the_critic_update_names_its_phase_and_levers(
+    assets: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real critic worker runs out of memory in its optimiser step (Adam's first step allocates its
+    state): the report names update_critic, from the step's timer, and the critic's levers first."""
+    from fulcrum.config import load_config
+    from fulcrum.trainer.faults import OutOfMemoryHelp
+    from fulcrum.trainer.ppo_trainer import PPOTrainer
+
+    torch.set_num_threads(1)
+    cfg = load_config(overrides(assets, tmp_path / "run", **{"trainer.total_training_steps": 1}))
+    trainer = PPOTrainer(cfg, torch.device("cpu"))
+    assert trainer.critic is not None  # GAE, the default estimator, trains a critic
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(trainer.critic.optimizer, "step", out_of_memory)
+    with pytest.raises(OutOfMemoryHelp) as info:
+        trainer.fit()
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("out of device memory during update_critic: CUDA out of memory.")
+    assert (
+        lines[1].startswith("levers that cut memory")
+        and "critic.ppo_micro_batch_size_per_gpu [2]" in lines[2]
+    )

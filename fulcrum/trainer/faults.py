@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from fulcrum.trainer.metrics import phase_of
+
 # Metrics whose non-finite value means the step's update was (at least partly) skipped.
 WATCHED_METRICS = (
     "actor/pg_loss",
@@ -226,9 +228,10 @@ def oom_message(error: BaseException, cfg: Any, phase: str | None, figures: Mapp
         lines.append(
             "memory (GiB): " + ", ".join(f"{k.removesuffix('_gib')} {v:.2f}" for k, v in figures.items())
         )
-    if phase is not None and phase in OOM_LEVERS:
+    lever_phase = LEVERS_OF_PHASE.get(phase, phase) if phase is not None else None
+    if lever_phase is not None and lever_phase in OOM_LEVERS:
         # The phase's own levers, the general ones, and the KV cache, which competes with every phase.
-        levers = OOM_LEVERS[phase] + OOM_LEVERS[None]
+        levers = OOM_LEVERS[lever_phase] + OOM_LEVERS[None]
         levers += [
             lever for lever in OOM_LEVERS["gen"] if lever[0].endswith(KV_CACHE_KEYS) and lever not in levers
         ]
@@ -239,39 +242,21 @@ def oom_message(error: BaseException, cfg: Any, phase: str | None, figures: Mapp
     return "\n".join(lines)
 
 
-# Trainer / worker methods -> the step phase they run (names of DESIGN §1 and the timing_s/* metrics).
-PHASE_OF_FUNCTION = {
-    "generate": "gen",
-    "compute_ref_log_prob": "ref",
-    "compute_values": "values",
-    "compute_log_prob": "old_log_prob",
-    "update_critic": "update_critic",
-    "update_policy": "update_actor",
-}
-
-
-def phase_from_traceback(error: BaseException) -> str | None:
-    """The step phase an error was raised in: the outermost frame whose function names a phase."""
-    tb = error.__traceback__
-    while tb is not None:
-        phase = PHASE_OF_FUNCTION.get(tb.tb_frame.f_code.co_name)
-        if phase is not None:
-            return phase
-        tb = tb.tb_next
-    return None
+# Phases whose memory is the rollout's: their levers are generation's.
+LEVERS_OF_PHASE = {"gen_max": "gen", "testing": "gen"}
 
 
 @contextlib.contextmanager
 def explain_oom(cfg: Any, phase: str | None = None, device: torch.device | None = None) -> Iterator[None]:
     """Re-raise a torch out-of-memory error as `OutOfMemoryHelp` with figures and levers (the original chained).
 
-    Without `phase`, it is read from the traceback (the worker method that ran out of memory).
+    Without `phase`, it is the one the step's `timer` recorded on the error (`metrics.phase_of`).
     """
     try:
         yield
     except torch.cuda.OutOfMemoryError as error:
         figures = memory_figures(device)
-        phase = phase or phase_from_traceback(error)
+        phase = phase or phase_of(error)
         raise OutOfMemoryHelp(oom_message(error, cfg, phase, figures)) from error
 
 

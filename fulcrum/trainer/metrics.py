@@ -45,18 +45,36 @@ PEAK_BF16_FLOPS = {
 }
 
 
+# The attribute under which `timer` records, on an error escaping it, the innermost phase it escaped from.
+PHASE_ATTRIBUTE = "fulcrum_phase"
+
+
 @contextlib.contextmanager
 def timer(name: str, timing_raw: dict[str, float]) -> Iterator[None]:
-    """Add the wall seconds of the block to `timing_raw[name]` (CUDA work is synchronised first)."""
+    """Add the wall seconds of the block to `timing_raw[name]` (CUDA work is synchronised first).
+
+    An error leaving the block carries the phase `name` (the innermost one), so a failure report
+    (`faults.explain_oom`) names the phase from this fact rather than guessing (`phase_of`).
+    """
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     start = time.perf_counter()
     try:
         yield
+    except BaseException as error:
+        if phase_of(error) is None:
+            with contextlib.suppress(AttributeError):  # an exception type without __dict__
+                setattr(error, PHASE_ATTRIBUTE, name)
+        raise
     finally:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         timing_raw[name] = timing_raw.get(name, 0.0) + time.perf_counter() - start
+
+
+def phase_of(error: BaseException) -> str | None:
+    """The innermost `timer` phase `error` escaped from; None when it was raised outside every timer."""
+    return getattr(error, PHASE_ATTRIBUTE, None)
 
 
 def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
