@@ -118,6 +118,19 @@ def test_generate_releases_the_cache_under_free_cache_engine(model, free_cache_e
         assert (engine.runner.kv_cache is None) is free_cache_engine
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_sequences_past_max_position_embeddings_match_hf(arch):
+    """max_model_len above the model's max_position_embeddings: the RoPE table grows (HF computes the
+    rotary angles for any position), and greedy text still equals Hugging Face's."""
+    short = random_causal_lm(arch, init_std=0.2, max_position_embeddings=32)
+    engine = engine_for(short, max_model_len=64)
+    assert engine.model.cos_sin.shape[0] >= 64 + engine.config.decode_steps
+    prompts = mixed_prompts(5, [28, 5])
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)  # 48 > 32 positions
+    expected = HFRollout(short, [EOS], 0, CPU).generate(prompts, params)
+    assert engine.generate(prompts, params).token_ids == expected.token_ids
+
+
 def test_update_weights_rejects_a_wrong_shape_naming_the_tensor(model):
     engine = engine_for(model)
     with pytest.raises(ValueError, match=r"model\.norm\.weight"):

@@ -79,9 +79,10 @@ class DecoderLM:
             if o_bias:
                 layer["o_bias"] = empty(self.hidden)
             self.layers.append(layer)
-        self.cos_sin = ops.rope_cos_sin(
-            inv_freq.to(self.device), config.max_position_embeddings, rope_scaling
-        )
+        # Kept to grow the table when prompt + response run past max_position_embeddings (ensure_positions).
+        self.inv_freq = inv_freq.to(self.device)
+        self.rope_scaling = rope_scaling
+        self.cos_sin = ops.rope_cos_sin(self.inv_freq, config.max_position_embeddings, rope_scaling)
         self._targets = self._weight_targets()
 
     # ------------------------------------------------------------------------------ weights
