@@ -1,4 +1,5 @@
-"""Benchmark: the seed command (DESIGN §4) for a few steps on one device, with a Qwen2.5-0.5B-shaped
+"""Benchmark: the reference command (docs/configuration.md,
+"The reference command") for a few steps on one device, with a Qwen2.5-0.5B-shaped
 random model, and a summary of throughput, the timing breakdown and peak memory.
 
     # once: GSM8K parquet (from the MIT-licensed release) and the model
@@ -45,7 +46,7 @@ def make_model(out: Path, seed: int = 0) -> Path:
 
 
 def seed_overrides(data: Path, model: Path, run: Path, steps: int) -> list[str]:
-    """DESIGN §4's command with one device, the hf rollout backend and `steps` steps."""
+    """The reference command (docs/configuration.md) with one device, the hf rollout backend and `steps` steps."""
     return [
         f"data.train_files={data}/train.parquet",
         f"data.val_files={data}/test.parquet",

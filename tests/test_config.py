@@ -22,8 +22,8 @@ from fulcrum.config import (
     validate,
 )
 
-# Every key of DESIGN §4's seed command and its "Also:" list must exist.
-DESIGN_KEYS = """
+# Every key of the reference command (docs/configuration.md) and the other keys users set most must exist.
+REFERENCE_KEYS = """
 data.train_files data.val_files data.train_batch_size data.max_prompt_length data.max_response_length
 actor_rollout_ref.model.path actor_rollout_ref.actor.optim.lr actor_rollout_ref.actor.ppo_mini_batch_size
 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
@@ -52,7 +52,7 @@ custom_reward_function.path custom_reward_function.name
 
 
 def seed_command(tmp_path=None) -> list[str]:
-    """DESIGN §4's seed command, sized for one device."""
+    """The reference command of docs/configuration.md, sized for one device."""
     root = str(tmp_path) if tmp_path else "/data"
     return [
         f"data.train_files={root}/train.parquet",
@@ -89,7 +89,7 @@ def seed_command(tmp_path=None) -> list[str]:
 
 def test_every_design_key_exists_and_is_described():
     described = {info.key for info in describe()}
-    missing = [k for k in DESIGN_KEYS if k not in described]
+    missing = [k for k in REFERENCE_KEYS if k not in described]
     assert missing == []
     assert all(info.help for info in describe()), "every key has a one-line meaning"
 

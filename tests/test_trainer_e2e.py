@@ -1,6 +1,6 @@
-"""End-to-end: the seed command's shape, scaled down (tiny model, synthetic GSM8K-format data, CPU),
-for PPO with a critic and KL in the reward, and for GRPO with the KL loss; every DESIGN §5 metric
-present and finite, config.yaml written, validation and the final checkpoint done."""
+"""End-to-end: the reference command of docs/configuration.md, scaled down (tiny model, synthetic
+GSM8K-format data, CPU), for PPO with a critic and KL in the reward, and for GRPO with the KL loss; every
+metric of docs/metrics.md present and finite, config.yaml written, validation and the final checkpoint done."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from fulcrum.data.synthetic import write_splits
 from fulcrum.models.tiny import build_tiny_model
 from fulcrum.trainer.main_ppo import main, wants_demo
 
-# DESIGN §5, the metrics every PPO step writes (critic ones dropped for critic-free runs).
-DESIGN_METRICS = """actor/pg_loss actor/pg_clipfrac actor/pg_clipfrac_lower actor/ppo_kl actor/grad_norm actor/entropy
+# docs/metrics.md: the metrics every PPO step writes (critic ones dropped for critic-free runs).
+STEP_METRICS = """actor/pg_loss actor/pg_clipfrac actor/pg_clipfrac_lower actor/ppo_kl actor/grad_norm actor/entropy
 actor/lr critic/vf_loss critic/vf_clipfrac critic/vpred_mean critic/grad_norm critic/lr critic/vf_explained_var
 critic/score/mean critic/score/max critic/score/min critic/rewards/mean critic/rewards/max critic/rewards/min
 critic/advantages/mean critic/advantages/max critic/advantages/min critic/returns/mean critic/returns/max
@@ -44,7 +44,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def seed_like(assets: Path, run_dir: Path, *extra: str) -> list[str]:
-    """The seed command's keys (DESIGN §4) with sizes shrunk for CI, then `extra`."""
+    """The seed command's keys (docs/configuration.md) with sizes shrunk for CI, then `extra`."""
     return [
         f"data.train_files={assets}/data/train.parquet",
         f"data.val_files={assets}/data/test.parquet",
@@ -104,7 +104,7 @@ def test_ppo_gae_with_kl_in_reward(assets: Path, tmp_path: Path, capsys: pytest.
     torch.set_num_threads(1)
     run = tmp_path / "ppo"
     assert main(seed_like(assets, run, "algorithm.use_kl_in_reward=True")) == 0
-    rows = check_run(run, DESIGN_METRICS)
+    rows = check_run(run, STEP_METRICS)
     assert (run / "global_step_2" / "critic").is_dir()
     out = capsys.readouterr().out
     assert "KL: KL in reward" in out and "step 2 |" in out
@@ -124,7 +124,7 @@ def test_grpo_with_kl_loss_has_no_critic(
         "actor_rollout_ref.actor.use_kl_loss=True",
     )
     assert main(seed_like(assets, run, *extra)) == 0
-    need = [k for k in DESIGN_METRICS if not k.startswith(CRITIC_ONLY) and "reward_kl" not in k]
+    need = [k for k in STEP_METRICS if not k.startswith(CRITIC_ONLY) and "reward_kl" not in k]
     rows = check_run(run, [*need, "actor/kl_loss"])
     assert not any(k.startswith(("critic/vf", "critic/values")) for k in rows[0])
     assert not (run / "global_step_2" / "critic").exists()

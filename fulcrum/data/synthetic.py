@@ -1,6 +1,6 @@
 """A built-in task: GSM8K-format arithmetic word problems, generated from a seed.
 
-Rows follow verl's parquet schema (DESIGN §6), so every part of the project that reads GSM8K reads
+Rows follow verl's parquet schema (docs/design.md, "Data"), so every part of the project that reads GSM8K reads
 these too: `data_source`, `prompt` (chat messages), `ability`, `reward_model {style, ground_truth}`,
 `extra_info {split, index, question, answer}`. The gold answer (`extra_info.answer`) is a worked
 solution in GSM8K's style, one line per operation and the result after `####`:

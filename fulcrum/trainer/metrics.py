@@ -1,4 +1,4 @@
-"""Per-step metrics with verl's names and definitions (DESIGN §5; verl's `trainer/ppo/metric_utils.py`).
+"""Per-step metrics with verl's names and definitions (docs/metrics.md; verl's `trainer/ppo/metric_utils.py`).
 
 - data metrics: sequence-level score/reward (sums over response tokens), token-level advantages,
   returns and values (masked), explained variance of the returns by the values, prompt/response lengths;

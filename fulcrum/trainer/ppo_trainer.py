@@ -1,4 +1,5 @@
-"""The PPO/GRPO training loop on one device. `fit()` reads top to bottom like DESIGN §1:
+"""The PPO/GRPO training loop on one device. `fit()` reads top to bottom like docs/design.md,
+"One training step":
 
     prompts ─► rollout.generate ─► Batch ─► reward (score on the last response token)
       ─► actor old log-prob · ref log-prob · critic values ─► KL in reward (optional)
@@ -294,7 +295,7 @@ class PPOTrainer:
                     return
 
     def train_step(self, items: list[dict[str, Any]], is_last: bool = False) -> dict[str, float]:
-        """One step of DESIGN §1. As in verl, validation and checkpointing (when due) are inside the step
+        """One step (docs/design.md, "One training step"). As in verl, validation and checkpointing (when due) are inside the step
         timer, so `timing_s/step` and `perf/throughput` include them on those steps."""
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         timing: dict[str, float] = {}
