@@ -5,10 +5,12 @@ with tests/fixtures/make_verl_algo_fixture.py; fulcrum does not import verl. Whe
 outputs on masked tokens (verl leaves values there), valid tokens are compared and masked ones must be 0.
 """
 
+import ast
 from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 
 from fulcrum.algo.advantages import compute_advantage
 from fulcrum.algo.kl import AdaptiveKLController, kl_penalty
@@ -31,8 +33,23 @@ def close_on_mask(actual: torch.Tensor, expected: torch.Tensor, mask: torch.Tens
     assert torch.all(actual[~valid] == 0), "outputs on masked tokens must be 0"
 
 
-def test_fixture_comes_from_verl() -> None:
-    assert FIXTURE["verl_version"].count(".") >= 1
+def test_fixture_is_what_its_generator_script_writes() -> None:
+    """The fixture holds exactly the sections tests/fixtures/make_verl_algo_fixture.py writes (so it was not
+    hand-edited or left behind by an older script) and the verl release that produced them."""
+    script = ast.parse((Path(__file__).parent / "fixtures" / "make_verl_algo_fixture.py").read_text())
+    written = {
+        target.slice.value
+        for node in ast.walk(script)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Subscript)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "fixture"
+        and isinstance(target.slice, ast.Constant)
+    }
+    assert written, "the generator script no longer writes fixture[...] sections"
+    assert set(FIXTURE) == written | {"verl_version"}
+    assert Version(FIXTURE["verl_version"]).release  # a release version string, as importlib.metadata gives
 
 
 def test_masked_statistics_match_verl() -> None:

@@ -104,7 +104,6 @@ def test_update_weights_in_place_and_sleep_wake_up(model):
     after = engine.generate(prompts, params)  # wakes up by itself
     assert after.token_ids == HFRollout(changed, [EOS], 0, CPU).generate(prompts, params).token_ids
     assert after.token_ids != before.token_ids
-    assert engine.stats["update_weights_s"] < 5.0
 
 
 @pytest.mark.parametrize("free_cache_engine", [True, False])
