@@ -296,3 +296,26 @@ class PromptLoader:
         self.offset = (
             int(state["prompts"]) if "prompts" in state else int(state["position"]) * self.batch_size
         )
+
+
+def rl_datasets(data_cfg: Any, tokenizer: Any) -> tuple[RLHFDataset, RLHFDataset | None, PromptLoader]:
+    """The training set, the validation set (None without `data.val_files`) and the training loader that
+    `data_cfg` (`cfg.data`, resolved: `data.seed` set) describes; too few prompts is an error naming the key."""
+    kwargs: dict[str, Any] = dict(
+        max_prompt_length=int(data_cfg.max_prompt_length),
+        truncation=data_cfg.truncation,
+        filter_overlong_prompts=bool(data_cfg.filter_overlong_prompts),
+        prompt_key=data_cfg.prompt_key,
+    )
+    train = RLHFDataset(data_cfg.train_files, tokenizer, **kwargs)
+    val = RLHFDataset(data_cfg.val_files, tokenizer, **kwargs) if data_cfg.val_files else None
+    require_prompts(train, "data.train_files", int(data_cfg.train_batch_size), "data.train_batch_size")
+    if val is not None:
+        require_prompts(val, "data.val_files")
+    loader = PromptLoader(
+        train,
+        batch_size=int(data_cfg.train_batch_size),
+        shuffle=bool(data_cfg.shuffle),
+        seed=int(data_cfg.seed),
+    )
+    return train, val, loader

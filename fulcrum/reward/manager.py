@@ -1,7 +1,7 @@
 """Score a batch of decoded responses, one call of the reward function per sample (verl's naive manager).
 
-The trainer decodes the responses, calls `NaiveRewardManager.score(...)`, and puts each score on
-the last response token. A scorer that raises either stops the run with an error naming the sample
+`score_batch` decodes a Batch's responses, calls `NaiveRewardManager.score(...)`, and puts each score
+on the last response token. A scorer that raises either stops the run with an error naming the sample
 (`on_error="raise"`, the default) or scores that sample 0 and counts it (`on_error="zero"`), so one
 malformed row does not end a long run unnoticed: the count is in `RewardResult.num_errors`.
 
@@ -18,7 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fulcrum.reward import RewardFn, default_compute_score
+import torch
+
+from fulcrum.batch import Batch
+from fulcrum.reward import RewardFn, default_compute_score, load_custom_reward_fn
 
 
 class RewardError(RuntimeError):
@@ -105,3 +108,38 @@ class NaiveRewardManager:
         if not math.isfinite(score):
             raise NonFiniteRewardError(f"the reward function returned {score} (not a finite number)")
         return score
+
+
+def reward_manager_from(custom_reward_cfg: Any, on_error: Literal["raise", "zero"]) -> NaiveRewardManager:
+    """The manager over `custom_reward_function.{path, name, reward_kwargs}` when a path is set, else over
+    the built-in scorers chosen by data_source."""
+    crf = custom_reward_cfg
+    if crf.path:
+        reward_fn = load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs or {}) or None)
+    else:
+        reward_fn = default_compute_score
+    return NaiveRewardManager(compute_score=reward_fn, on_error=on_error)
+
+
+def score_batch(
+    batch: Batch, tokenizer: Any, manager: NaiveRewardManager
+) -> tuple[torch.Tensor, RewardResult]:
+    """Naive reward: decode each response (special tokens skipped, as verl), score it, and put the score
+    on its last token. Returns token_level_scores (B, R) and the manager's result (scores, error count).
+    """
+    lengths = [int(n) for n in batch["response_mask"].sum(-1).tolist()]
+    texts = [
+        tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)
+        for i, n in enumerate(lengths)
+    ]
+    result = manager.score(
+        texts,
+        batch.non_tensors["ground_truth"],
+        batch.non_tensors["data_source"],
+        batch.non_tensors["extra_info"],
+    )
+    scores = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+    for i, n in enumerate(lengths):
+        if n > 0:
+            scores[i, n - 1] = result.scores[i]
+    return scores, result

@@ -27,6 +27,7 @@ __all__ = [
     "build_rollout",
     "eos_token_ids_of",
     "logprob_diff",
+    "sampling_params",
 ]
 
 logger = logging.getLogger(__name__)
@@ -78,3 +79,18 @@ def build_rollout(rollout_cfg: Any, model: nn.Module, tokenizer: Any, device: to
             "rollout: name=%s on %s: using the hf backend (the native engine is for CUDA)", name, device
         )
     return HFRollout(model, eos_ids, pad_id, device, max_num_seqs=max_num_seqs)
+
+
+def sampling_params(rollout_cfg: Any, response_length: int, seed: int, validate: bool) -> SamplingParams:
+    """Training sampling (rollout.*) or validation sampling (rollout.val_kwargs; greedy unless do_sample)."""
+    src = rollout_cfg.val_kwargs if validate else rollout_cfg
+    greedy = not bool(src.do_sample)
+    return SamplingParams(
+        n=int(src.n),
+        temperature=0.0 if greedy else float(src.temperature),
+        top_p=float(src.top_p),
+        top_k=int(src.top_k),
+        max_tokens=response_length,
+        ignore_eos=False if validate else bool(rollout_cfg.ignore_eos),
+        seed=seed,
+    )

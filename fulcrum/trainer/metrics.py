@@ -20,9 +20,11 @@ import contextlib
 import resource
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from fulcrum.batch import Batch
@@ -125,6 +127,37 @@ def compute_data_metrics(batch: Batch, use_critic: bool) -> dict[str, float]:
     )
     metrics.update(_stats("prompt_length", prompt_length))
     metrics["prompt_length/clip_ratio"] = torch.eq(prompt_length, batch.prompt_length).float().mean().item()
+    return metrics
+
+
+def validation_metrics(batch: Batch, scores: list[float], n: int) -> dict[str, float]:
+    """`val-core/<data_source>/reward/mean@n`: the mean score per data source; and the mean response length."""
+    by_source: dict[str, list[float]] = defaultdict(list)
+    for source, score in zip(batch.non_tensors["data_source"], scores, strict=True):
+        by_source[source].append(score)
+    out = {f"val-core/{source}/reward/mean@{n}": float(np.mean(v)) for source, v in by_source.items()}
+    _, lengths = prompt_and_response_lengths(batch)
+    out["val-aux/response_length/mean"] = float(lengths.mean().item())
+    return out
+
+
+def step_metrics(
+    batch: Batch,
+    timing_raw: dict[str, float],
+    model_config: Any,
+    ppo_epochs: int,
+    device: torch.device,
+    n_devices: int,
+    use_critic: bool,
+) -> dict[str, float]:
+    """Everything a step logs about its data, time, throughput, MFU and memory (verl's names)."""
+    metrics = compute_data_metrics(batch, use_critic=use_critic)
+    metrics.update(compute_timing_metrics(batch, timing_raw))
+    metrics.update(compute_throughput_metrics(batch, timing_raw, n_devices))
+    metrics["perf/mfu/actor"] = compute_mfu(
+        model_config, batch, timing_raw.get("update_actor", 0.0), ppo_epochs, device, n_devices
+    )
+    metrics.update(memory_metrics(device))
     return metrics
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +23,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS
+from fulcrum.algo.advantages import compute_advantage
 from fulcrum.algo.kl import apply_kl_penalty, build_kl_controller
 from fulcrum.algo.losses import agg_loss
 from fulcrum.batch import Batch, assemble_batch
 from fulcrum.config import FulcrumConfig, to_dict, uses_critic, uses_reference
-from fulcrum.config.schema import RolloutConfig
 from fulcrum.config.sections import actor_section, critic_section, reference_section
-from fulcrum.data.dataset import PromptLoader, RLHFDataset, require_prompts
+from fulcrum.data.dataset import rl_datasets
 from fulcrum.models.load import load_tokenizer
-from fulcrum.reward import default_compute_score, load_custom_reward_fn
-from fulcrum.reward.manager import NaiveRewardManager, RewardResult
-from fulcrum.rollout import SamplingParams, build_rollout, logprob_diff
+from fulcrum.reward.manager import reward_manager_from, score_batch
+from fulcrum.rollout import SamplingParams, build_rollout, logprob_diff, sampling_params
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer.checkpoint import CheckpointManager
 from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, explain_oom
@@ -83,47 +80,6 @@ def resolve_total_steps(cfg: FulcrumConfig, steps_per_epoch: int) -> int:
     return total
 
 
-def score_batch(
-    batch: Batch, tokenizer: Any, manager: NaiveRewardManager
-) -> tuple[torch.Tensor, RewardResult]:
-    """Naive reward: decode each response (special tokens skipped, as verl), score it, and put the score
-    on its last token. Returns token_level_scores (B, R) and the manager's result (scores, error count).
-    """
-    lengths = [int(n) for n in batch["response_mask"].sum(-1).tolist()]
-    texts = [
-        tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)
-        for i, n in enumerate(lengths)
-    ]
-    result = manager.score(
-        texts,
-        batch.non_tensors["ground_truth"],
-        batch.non_tensors["data_source"],
-        batch.non_tensors["extra_info"],
-    )
-    scores = torch.zeros(batch["responses"].shape, dtype=torch.float32)
-    for i, n in enumerate(lengths):
-        if n > 0:
-            scores[i, n - 1] = result.scores[i]
-    return scores, result
-
-
-def sampling_params(
-    rollout_cfg: RolloutConfig, response_length: int, seed: int, validate: bool
-) -> SamplingParams:
-    """Training sampling (rollout.*) or validation sampling (rollout.val_kwargs; greedy unless do_sample)."""
-    src = rollout_cfg.val_kwargs if validate else rollout_cfg
-    greedy = not bool(src.do_sample)
-    return SamplingParams(
-        n=int(src.n),
-        temperature=0.0 if greedy else float(src.temperature),
-        top_p=float(src.top_p),
-        top_k=int(src.top_k),
-        max_tokens=response_length,
-        ignore_eos=False if validate else bool(rollout_cfg.ignore_eos),
-        seed=seed,
-    )
-
-
 # ------------------------------------------------------------------------------------------ trainer
 class PPOTrainer:
     def __init__(self, cfg: FulcrumConfig, device: torch.device, n_devices: int = 1) -> None:
@@ -147,39 +103,14 @@ class PPOTrainer:
         data = cfg.data
         self.max_prompt_length = int(data.max_prompt_length)
         self.response_length = int(arr.rollout.response_length)
-        dataset_kwargs = dict(
-            max_prompt_length=self.max_prompt_length,
-            truncation=data.truncation,
-            filter_overlong_prompts=bool(data.filter_overlong_prompts),
-            prompt_key=data.prompt_key,
-        )
-        self.train_dataset = RLHFDataset(data.train_files, self.tokenizer, **dataset_kwargs)
-        self.val_dataset = (
-            RLHFDataset(data.val_files, self.tokenizer, **dataset_kwargs) if data.val_files else None
-        )
-        require_prompts(
-            self.train_dataset, "data.train_files", int(data.train_batch_size), "data.train_batch_size"
-        )
-        if self.val_dataset is not None:
-            require_prompts(self.val_dataset, "data.val_files")
-        self.train_loader = PromptLoader(
-            self.train_dataset,
-            batch_size=int(data.train_batch_size),
-            shuffle=bool(data.shuffle),
-            seed=int(data.seed),  # type: ignore[arg-type]  # resolved: never null
-        )
+        self.train_dataset, self.val_dataset, self.train_loader = rl_datasets(data, self.tokenizer)
         self.steps_per_epoch = len(self.train_dataset) // int(data.train_batch_size)
         self.total_training_steps = resolve_total_steps(cfg, self.steps_per_epoch)
         arr.actor.optim.total_training_steps = self.total_training_steps
         cfg.critic.optim.total_training_steps = self.total_training_steps
 
         # The custom reward file is imported (run as Python) here, before any model is loaded.
-        crf = cfg.custom_reward_function
-        if crf.path:
-            reward_fn = load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs or {}) or None)
-        else:
-            reward_fn = default_compute_score
-        self.reward_manager = NaiveRewardManager(compute_score=reward_fn, on_error=cfg.reward_model.on_error)
+        self.reward_manager = reward_manager_from(cfg.custom_reward_function, cfg.reward_model.on_error)
         print(kl_startup_line(cfg), flush=True)
         if arr.model.use_remove_padding:
             print(
@@ -194,10 +125,6 @@ class PPOTrainer:
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.rollout = build_rollout(arr.rollout, self.actor.model, self.tokenizer, device)
         self.pad_id = int(self.tokenizer.pad_token_id)
-        if cfg.algorithm.adv_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
-                f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}"
-            )
         self.tracking = Tracking(
             list(cfg.trainer.logger),
             self.run_dir,
@@ -375,18 +302,17 @@ class PPOTrainer:
                         self.global_step, self.roles(), self.trainer_state(), run_config=to_dict(self.cfg)
                     )
         # 8. metrics
-        metrics.update(M.compute_data_metrics(batch, use_critic=self.critic is not None))
-        metrics.update(M.compute_timing_metrics(batch, timing))
-        metrics.update(M.compute_throughput_metrics(batch, timing, self.n_devices))
-        metrics["perf/mfu/actor"] = M.compute_mfu(
-            self.actor.model.config,
-            batch,
-            timing.get("update_actor", 0.0),
-            int(arr.actor.ppo_epochs),
-            self.device,
-            self.n_devices,
+        metrics.update(
+            M.step_metrics(
+                batch,
+                timing,
+                self.actor.model.config,
+                int(arr.actor.ppo_epochs),
+                self.device,
+                self.n_devices,
+                use_critic=self.critic is not None,
+            )
         )
-        metrics.update(M.memory_metrics(self.device))
         # Integers, as verl logs them ("training/global_step": 3, not 3.0): scripts grep and compare them.
         metrics["training/global_step"] = self.global_step
         metrics["training/epoch"] = self.epoch
@@ -439,7 +365,8 @@ class PPOTrainer:
     def compute_advantage(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(advantages, returns) (B, R) by algorithm.adv_estimator; grpo/rloo group rows by prompt uid."""
         alg = self.cfg.algorithm
-        return ADVANTAGE_ESTIMATORS[alg.adv_estimator](
+        return compute_advantage(
+            alg.adv_estimator,
             token_level_rewards=batch["token_level_rewards"],
             response_mask=batch["response_mask"].float(),
             values=batch.tensors.get("values"),
@@ -466,12 +393,6 @@ class PPOTrainer:
         items = [self.val_dataset[i] for i in range(len(self.val_dataset))]
         batch = self.generate(items, self.sampling_params(validate=True), "val")
         _, result = score_batch(batch, self.tokenizer, self.reward_manager)
-        scores = result.scores
-        n = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
-        by_source: dict[str, list[float]] = defaultdict(list)
-        for ds, s in zip(batch.non_tensors["data_source"], scores, strict=True):
-            by_source[ds].append(s)
-        out = {f"val-core/{ds}/reward/mean@{n}": float(np.mean(v)) for ds, v in by_source.items()}
-        _, lengths = M.prompt_and_response_lengths(batch)
-        out["val-aux/response_length/mean"] = float(lengths.mean().item())
-        return out
+        return M.validation_metrics(
+            batch, result.scores, int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
+        )
