@@ -214,3 +214,27 @@ def test_out_of_memory_in_the_critic_update_names_its_phase_and_levers(
         lines[1].startswith("levers that cut memory")
         and "critic.ppo_micro_batch_size_per_gpu [2]" in lines[2]
     )
+
+
+def test_ctrl_c_while_a_step_is_being_logged_still_saves_that_step(
+    assets: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The signal lands after the step's own save check (here: while its metrics are written): the run
+    must still checkpoint the step it stops after, as it says."""
+    from fulcrum.config import load_config
+    from fulcrum.trainer.ppo_trainer import PPOTrainer
+
+    torch.set_num_threads(1)
+    run_dir = tmp_path / "run"
+    args = overrides(assets, run_dir, **{"trainer.save_freq": -1, "trainer.total_training_steps": 3})
+    trainer = PPOTrainer(load_config(args), torch.device("cpu"))
+    log = trainer.tracking.log
+
+    def log_then_ctrl_c(data: dict, step: int) -> None:
+        log(data, step)
+        os.kill(os.getpid(), signal.SIGINT)  # the trainer's handler catches it (trainer.save_on_interrupt)
+
+    monkeypatch.setattr(trainer.tracking, "log", log_then_ctrl_c)
+    trainer.fit()
+    assert trainer.exit_code == 130
+    assert read_latest_step(run_dir) == 1 and is_complete(run_dir / "global_step_1", ["actor", "critic"])

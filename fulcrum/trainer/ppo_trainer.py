@@ -137,6 +137,7 @@ class PPOTrainer:
         self._interrupt: GracefulInterrupt | None = None
         self.global_step = 0
         self.epoch = 0
+        self.saved_step: int | None = None  # the last step this run checkpointed
 
     # -------------------------------------------------------------------------------- the loop
     def roles(self) -> dict[str, Any]:
@@ -201,6 +202,11 @@ class PPOTrainer:
                 if self.nan_guard.exceeded:
                     raise self.nan_guard.error()
                 if interrupt.requested:
+                    # The signal may land after this step's save check (e.g. while it was being logged).
+                    if self.checkpoints is not None and self.saved_step != self.global_step:
+                        self.checkpoints.save(
+                            self.global_step, self.roles(), self.trainer_state(), run_config=to_dict(self.cfg)
+                        )
                     print(f"stopped after step {self.global_step} (checkpoint saved)", flush=True)
                     self.exit_code = interrupt.exit_code
                     break
@@ -301,6 +307,7 @@ class PPOTrainer:
                     self.checkpoints.save(
                         self.global_step, self.roles(), self.trainer_state(), run_config=to_dict(self.cfg)
                     )
+                self.saved_step = self.global_step
         # 8. metrics
         metrics.update(
             M.step_metrics(
