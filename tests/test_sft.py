@@ -17,6 +17,7 @@ from fulcrum.trainer.sft import (
     collate,
     load_examples,
     load_sft_config,
+    lr_factor,
     main,
     response_token_nll,
     run_sft,
@@ -156,8 +157,8 @@ def test_short_run_lowers_the_loss_and_writes_a_loadable_folder(tiny, tmp_path):
     assert result.model_dir == out / "global_step_12"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13)) and "val/loss" in rows[-1]
-    # verl's warm-up (optim.warmup_steps_ratio=0.1 of 12 steps = 1 step at lr 0), then constant.
-    assert [r["train/lr"] for r in rows[:3]] == [0.0, 1e-2, 1e-2]
+    # optim.warmup_steps_ratio=0.1 of 12 steps = 1 warm-up step (at lr/1), then constant.
+    assert [r["train/lr"] for r in rows[:3]] == [1e-2, 1e-2, 1e-2]
     assert (out / "config.yaml").is_file()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -168,6 +169,12 @@ def test_short_run_lowers_the_loss_and_writes_a_loadable_folder(tiny, tmp_path):
     assert (result.model_dir / "model.safetensors").is_file()
     ids = torch.tensor([tok.encode("Mia has 3 apples.")])
     assert torch.isfinite(loaded(input_ids=ids).logits).all()
+
+
+def test_lr_schedule():
+    assert lr_factor(0, 10, 2, "cosine") == 0.5 and lr_factor(1, 10, 2, "cosine") == 1.0
+    assert lr_factor(2, 10, 2, "cosine") == 1.0 and lr_factor(6, 10, 2, "cosine") == pytest.approx(0.5)
+    assert lr_factor(9, 10, 0, "constant") == 1.0
 
 
 def test_main_reports_bad_keys(capsys):
