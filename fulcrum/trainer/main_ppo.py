@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
-        print("\nKeys are verl's (docs/configuration.md), e.g. data.train_files=... actor_rollout_ref.model.path=...;")
+        print(
+            "\nKeys are verl's (docs/configuration.md), e.g. data.train_files=... actor_rollout_ref.model.path=...;"
+        )
         print("`fulcrum doctor KEY=VALUE ...` checks a configuration without running it.")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
