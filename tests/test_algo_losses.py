@@ -9,11 +9,10 @@ from hypothesis import strategies as st
 
 from fulcrum.algo.losses import (
     LOSS_AGG_MODES,
-    POLICY_LOSSES,
     agg_loss,
-    compute_policy_loss,
     compute_value_loss,
 )
+from fulcrum.algo.policy_losses import POLICY_LOSSES, compute_policy_loss
 
 
 def test_agg_loss_modes_hand_computed() -> None:

@@ -14,8 +14,9 @@ from packaging.version import Version
 
 from fulcrum.algo.advantages import compute_advantage
 from fulcrum.algo.kl import AdaptiveKLController, kl_penalty
-from fulcrum.algo.losses import agg_loss, compute_policy_loss, compute_value_loss
+from fulcrum.algo.losses import agg_loss, compute_value_loss
 from fulcrum.algo.masked import masked_mean, masked_var, masked_whiten
+from fulcrum.algo.policy_losses import compute_policy_loss
 from fulcrum.models.logprob import logprob_and_entropy
 
 FIXTURE = torch.load(Path(__file__).parent / "fixtures" / "verl_algo.pt", weights_only=True)

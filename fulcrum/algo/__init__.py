@@ -15,12 +15,11 @@ from fulcrum.algo.kl import (
 )
 from fulcrum.algo.losses import (
     LOSS_AGG_MODES,
-    POLICY_LOSSES,
     agg_loss,
-    compute_policy_loss,
     compute_value_loss,
 )
 from fulcrum.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from fulcrum.algo.policy_losses import POLICY_LOSSES, compute_policy_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

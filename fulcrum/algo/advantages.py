@@ -42,6 +42,9 @@ class AdvantageFn(Protocol):
         gamma: float = 1.0,
         lam: float = 1.0,
         norm_adv_by_std_in_grpo: bool = True,
+        old_log_probs: torch.Tensor | None = None,
+        sum_pi_squared: torch.Tensor | None = None,
+        rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -232,6 +235,86 @@ def remax_advantage(
     return advantages, returns
 
 
+def gpg_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    **_other_inputs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group Policy Gradient advantage (Chu et al. 2025); verl `compute_gpg_outcome_advantage`.
+
+    s_i = sum_t r_i,t m_i,t; with B rows of which M have s_i != 0, alpha = B / max(M, 1):
+        A_i = alpha * (s_i - mean_g)            (mean over the row's group; 0 for a group of one)
+    The alpha factor rescales the batch gradient when many groups carry no signal (f_norm = 1, as
+    verl's default). Broadcast over valid tokens; returns = advantages. Use with loss_mode=gpg.
+    """
+    index = _need(index, "index (the prompt uid of each row)", "gpg")
+    with torch.no_grad():
+        scores = masked_sum(token_level_rewards, response_mask, axis=-1)  # (B,)
+        alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
+        mean, _, _ = group_mean_std(scores, index)
+        adv = (alpha * (scores - mean)).unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+def optimal_token_baseline_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    **_other_inputs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal Token Baseline (OTB); verl `compute_optimal_token_baseline_advantage`.
+
+    A per-timestep baseline within each prompt group, weighted by a path-variance proxy. All (B, T):
+        G_t = sum_{t' >= t} r_t' m_t'                         (reward-to-go)
+        w_t = (1 - 2 pi_t + sum_v pi_v^2) * rho_t^2           (pi_t = exp(old_log_probs); rho = rollout IS
+                                                               weights, 1 without)
+        W_t = sum_{j <= t} w_j m_j                            (cumulative over the response)
+        B_t = sum_{i in g} G_i,t W_i,t m_i,t / (sum_{i in g} W_i,t m_i,t + 1e-8)
+        A_t = (G_t - B_t) m_t;  returns = G m
+    A group of one row has B = 0. When one row of a group is strictly the longest, its baseline is 0
+    beyond the second-longest row's length (no other row estimates it there; verl's handle_zero_tail).
+    `sum_pi_squared` (B, T) is sum_v softmax(logits)_v^2 at each response token, from the actor's
+    old-log-prob forward (actor.calculate_sum_pi_squared).
+    """
+    name = "optimal_token_baseline"
+    index = _need(index, "index (the prompt uid of each row)", name)
+    old_log_probs = _need(old_log_probs, "old_log_probs", name)
+    sum_pi_squared = _need(sum_pi_squared, "sum_pi_squared (actor.calculate_sum_pi_squared)", name)
+    with torch.no_grad():
+        mask = response_mask.to(token_level_rewards.dtype)
+        returns = (token_level_rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+        w = 1 - 2 * torch.exp(old_log_probs) + sum_pi_squared
+        if rollout_is_weights is not None:
+            w = w * rollout_is_weights**2
+        w_cum = (w * mask).cumsum(dim=-1)
+        gid, n_groups = group_ids(index, returns.shape[0])
+        gid = gid.to(returns.device)
+        shape = (n_groups, returns.shape[1])
+        numerator = torch.zeros(shape, dtype=returns.dtype, device=returns.device)
+        numerator.index_add_(0, gid, returns * w_cum * mask)
+        denominator = torch.zeros_like(numerator).index_add_(0, gid, w_cum * mask) + 1e-8
+        baselines = (numerator / denominator)[gid]  # (B, T)
+        lengths = mask.sum(dim=-1)
+        for g in range(n_groups):
+            rows = (gid == g).nonzero(as_tuple=True)[0]
+            if len(rows) == 1:
+                baselines[rows] = 0.0
+                continue
+            ordered = torch.sort(lengths[rows]).values
+            longest, second = int(ordered[-1]), int(ordered[-2])
+            at_longest = rows[lengths[rows] == longest]
+            if len(at_longest) == 1 and longest > second:
+                baselines[at_longest[0], second:] = 0.0
+        advantages = (returns - baselines) * mask
+    return advantages, returns * mask
+
+
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
     "gae": gae_advantage,
     "grpo": grpo_advantage,
@@ -239,6 +322,8 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
     "reinforce_plus_plus": reinforce_plus_plus_advantage,
     "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantage,
     "remax": remax_advantage,
+    "gpg": gpg_advantage,
+    "optimal_token_baseline": optimal_token_baseline_advantage,
 }
 
 
@@ -253,6 +338,9 @@ def compute_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the estimator named `adv_estimator` (a key of ADVANTAGE_ESTIMATORS): (advantages, returns), (B, T)."""
     if adv_estimator not in ADVANTAGE_ESTIMATORS:
@@ -273,4 +361,7 @@ def compute_advantage(
         gamma=gamma,
         lam=lam,
         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        old_log_probs=old_log_probs,
+        sum_pi_squared=sum_pi_squared,
+        rollout_is_weights=rollout_is_weights,
     )

@@ -1,4 +1,6 @@
-"""Policy and value losses and loss aggregation (log-probabilities and entropy: `fulcrum.models.logprob`).
+"""Loss aggregation, the PPO and GSPO policy losses and the value loss (log-probabilities and entropy:
+`fulcrum.models.logprob`). The other policy losses and the `actor.policy_loss.loss_mode` registry are in
+fulcrum.algo.policy_losses.
 
 verl's semantics (verl/trainer/ppo/core_algos.py and verl/utils/torch_functional.py). Shapes:
 (B, T) per-token tensors over the response, `response_mask` 1 = the token counts; logits (B, T, V).
@@ -6,7 +8,7 @@ verl's semantics (verl/trainer/ppo/core_algos.py and verl/utils/torch_functional
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 
@@ -164,66 +166,6 @@ def gspo_policy_loss(
     ppo_kl = masked_mean(-log_ratio, response_mask)
     zero = torch.zeros((), device=pg_loss.device)
     return PolicyLossOutput(pg_loss, pg_clipfrac.detach(), ppo_kl.detach(), zero)
-
-
-class PolicyLossFn(Protocol):
-    def __call__(
-        self,
-        old_log_prob: torch.Tensor,
-        log_prob: torch.Tensor,
-        advantages: torch.Tensor,
-        response_mask: torch.Tensor,
-        *,
-        cliprange: float | None = 0.2,
-        cliprange_low: float | None = None,
-        cliprange_high: float | None = None,
-        clip_ratio_c: float = 3.0,
-        loss_agg_mode: str = "token-mean",
-        rollout_is_weights: torch.Tensor | None = None,
-        **agg_kwargs: float | torch.Tensor | None,
-    ) -> PolicyLossOutput: ...
-
-
-# actor.policy_loss.loss_mode -> loss function (verl's names).
-POLICY_LOSSES: dict[str, PolicyLossFn] = {"vanilla": vanilla_policy_loss, "gspo": gspo_policy_loss}
-
-
-def compute_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    cliprange: float | None = 0.2,
-    cliprange_low: float | None = None,
-    cliprange_high: float | None = None,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    loss_mode: str = "vanilla",
-    rollout_is_weights: torch.Tensor | None = None,
-    **agg_kwargs: float | torch.Tensor | None,
-) -> PolicyLossOutput:
-    """The policy loss named `loss_mode` (a key of POLICY_LOSSES): (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower).
-
-    Inputs (B, T); the keyword names are those of verl's `compute_policy_loss`. `agg_kwargs` go to `agg_loss`.
-    """
-    if loss_mode not in POLICY_LOSSES:
-        raise ValueError(
-            f"actor.policy_loss.loss_mode={loss_mode!r} is not supported; choose one of {sorted(POLICY_LOSSES)}"
-        )
-    return POLICY_LOSSES[loss_mode](
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        cliprange=cliprange,
-        cliprange_low=cliprange_low,
-        cliprange_high=cliprange_high,
-        clip_ratio_c=clip_ratio_c,
-        loss_agg_mode=loss_agg_mode,
-        rollout_is_weights=rollout_is_weights,
-        **agg_kwargs,
-    )
 
 
 def compute_value_loss(

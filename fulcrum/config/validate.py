@@ -287,7 +287,7 @@ def _algorithm(cfg: FulcrumConfig) -> list[Problem]:
             problems.append(
                 Problem((key,), f"unknown KL estimator {_get(cfg, key)!r}; one of {list(kl_names)}")
             )
-    loss_modes = _names("fulcrum.algo.losses", "POLICY_LOSSES")
+    loss_modes = _names("fulcrum.algo.policy_losses", "POLICY_LOSSES")
     loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
     if loss_mode not in loss_modes:
         problems.append(

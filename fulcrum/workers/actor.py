@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from fulcrum.algo.kl import kl_penalty
-from fulcrum.algo.losses import agg_loss, compute_policy_loss
+from fulcrum.algo.losses import agg_loss
+from fulcrum.algo.policy_losses import compute_policy_loss
 from fulcrum.batch import Batch
 from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
