@@ -64,8 +64,12 @@ class NaiveRewardManager:
         ground_truths: Sequence[str],
         data_sources: Sequence[str],
         extra_infos: Sequence[dict | None] | None = None,
+        response_lengths: Sequence[int] | None = None,
     ) -> RewardResult:
-        """Score sample i with compute_score(data_sources[i], responses[i], ground_truths[i], extra_infos[i])."""
+        """Score sample i with compute_score(data_sources[i], responses[i], ground_truths[i], extra_infos[i]).
+
+        `response_lengths` (tokens) is part of the managers' common signature; the naive manager ignores it.
+        """
         num = len(responses)
         infos = list(extra_infos) if extra_infos is not None else [None] * num
         if not (len(ground_truths) == len(data_sources) == len(infos) == num):

@@ -1,0 +1,254 @@
+"""Reward managers by name (`reward_model.reward_manager`, verl's names) and the registry users extend.
+
+A manager turns decoded responses into one score per response; the trainer puts each score on the
+response's last token. Built in, each with the meaning of verl's class of the same name
+(verl/workers/reward_manager/):
+
+- naive: one call of the reward function per response (fulcrum.reward.manager.NaiveRewardManager).
+- dapo:  naive, plus DAPO's soft overlong penalty (Yu et al. 2025): with L the response length,
+         L_max = max_resp_len and a buffer of b tokens,
+             penalty = min(-(L - (L_max - b)) / b * penalty_factor, 0)
+         is added to the score: 0 up to L_max - b tokens, then falling linearly to -penalty_factor at L_max.
+         Keys: `reward_model.overlong_buffer.{enable,len,penalty_factor,log}` (verl's DAPO recipe) or
+         `+reward_model.reward_kwargs.overlong_buffer_cfg.*` (verl's example scripts); max_resp_len
+         defaults to data.max_response_length.
+- batch: the reward function is called once for the whole batch, with verl's keyword names:
+         `fn(data_sources=, solution_strs=, ground_truths=, extra_infos=, **reward_kwargs) -> list`.
+- prime: per-response calls in a pool of processes, each bounded by a timeout; a response whose call
+         fails or times out scores 0 (verl's PRIME manager), counted in `reward/num_errors`.
+
+A user's manager plugs in by name: in the file named by `custom_reward_function.path` (imported
+before the manager is built), decorate a class with `@register_reward_manager("mine")` and set
+`reward_model.reward_manager=mine`. The class is built as `cls(compute_score=fn, **reward_kwargs)` and
+needs one method, `score(responses, ground_truths, data_sources, extra_infos, response_lengths)`,
+returning a RewardResult (or a list of floats).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fulcrum.reward import RewardFn, default_compute_score
+from fulcrum.reward.manager import NaiveRewardManager, RewardError, RewardResult
+
+
+class RewardManager(Protocol):
+    def score(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        data_sources: Sequence[str],
+        extra_infos: Sequence[dict | None] | None = None,
+        response_lengths: Sequence[int] | None = None,
+    ) -> RewardResult | list[float]: ...
+
+
+REWARD_MANAGERS: dict[str, Callable[..., RewardManager]] = {}
+
+
+def register_reward_manager(name: str) -> Callable[[type], type]:
+    """Class decorator: make `reward_model.reward_manager=<name>` build this class (verl's `register`)."""
+
+    def decorator(cls: type) -> type:
+        if REWARD_MANAGERS.get(name, cls) is not cls:
+            raise ValueError(f"reward manager {name!r} is already registered as {REWARD_MANAGERS[name]!r}")
+        REWARD_MANAGERS[name] = cls
+        return cls
+
+    return decorator
+
+
+def overlong_penalty(
+    response_length: int, max_resp_len: int, buffer_len: int, penalty_factor: float
+) -> float:
+    """DAPO's soft overlong penalty, <= 0: min(-(L - (L_max - b)) / b * penalty_factor, 0)."""
+    expected = max_resp_len - buffer_len
+    return min(-(response_length - expected) / buffer_len * penalty_factor, 0.0)
+
+
+@dataclass
+class OverlongBuffer:
+    """reward_model.overlong_buffer: DAPO's soft penalty for responses in the last `len` tokens."""
+
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+    log: bool = False
+
+
+@register_reward_manager("dapo")
+class DapoRewardManager(NaiveRewardManager):
+    """naive + the overlong penalty; `RewardResult.extra` gets "acc" (the score before the penalty, for
+    a plain-float reward function, as verl) and, with overlong_buffer.log, "overlong_reward" and "overlong"."""
+
+    def __init__(
+        self,
+        compute_score: RewardFn = default_compute_score,
+        on_error: str = "raise",
+        overlong_buffer_cfg: OverlongBuffer | dict[str, Any] | None = None,
+        max_resp_len: int | None = None,
+        **_unused: Any,
+    ) -> None:
+        super().__init__(compute_score=compute_score, on_error=on_error)  # type: ignore[arg-type]
+        buffer = overlong_buffer_cfg or OverlongBuffer()
+        self.buffer = buffer if isinstance(buffer, OverlongBuffer) else OverlongBuffer(**dict(buffer))
+        self.max_resp_len = max_resp_len
+        if self.buffer.enable:
+            if max_resp_len is None:
+                raise ValueError(
+                    "reward_model.overlong_buffer.enable needs max_resp_len (data.max_response_length)"
+                )
+            if not 0 < self.buffer.len <= max_resp_len:
+                raise ValueError(
+                    f"reward_model.overlong_buffer.len={self.buffer.len} must be in 1..max_resp_len ({max_resp_len})"
+                )
+
+    def score(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        data_sources: Sequence[str],
+        extra_infos: Sequence[dict | None] | None = None,
+        response_lengths: Sequence[int] | None = None,
+    ) -> RewardResult:
+        result = super().score(responses, ground_truths, data_sources, extra_infos)
+        if "score" not in result.extra and "acc" not in result.extra:
+            result.extra["acc"] = list(result.scores)
+        if not self.buffer.enable:
+            return result
+        if response_lengths is None:
+            raise ValueError("the dapo reward manager's overlong penalty needs the response lengths")
+        assert self.max_resp_len is not None
+        penalties = [
+            overlong_penalty(int(n), self.max_resp_len, self.buffer.len, self.buffer.penalty_factor)
+            for n in response_lengths
+        ]
+        result.scores = [s + p for s, p in zip(result.scores, penalties, strict=True)]
+        if self.buffer.log:
+            result.extra["overlong_reward"] = penalties
+            result.extra["overlong"] = [p < 0 for p in penalties]
+        return result
+
+
+@register_reward_manager("batch")
+class BatchRewardManager:
+    """One call for the whole batch: fn(data_sources=, solution_strs=, ground_truths=, extra_infos=, **kw)
+    returns one float, or one dict with "score", per response."""
+
+    def __init__(self, compute_score: RewardFn, on_error: str = "raise", **reward_kwargs: Any) -> None:
+        if compute_score is default_compute_score:
+            raise ValueError(
+                "reward_model.reward_manager=batch calls a batched function: set custom_reward_function.path/name"
+            )
+        self.compute_score = compute_score
+        self.reward_kwargs = reward_kwargs
+
+    def score(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        data_sources: Sequence[str],
+        extra_infos: Sequence[dict | None] | None = None,
+        response_lengths: Sequence[int] | None = None,
+    ) -> RewardResult:
+        infos = list(extra_infos) if extra_infos is not None else [{} for _ in responses]
+        try:
+            values = list(
+                self.compute_score(
+                    data_sources=list(data_sources),
+                    solution_strs=list(responses),
+                    ground_truths=list(ground_truths),
+                    extra_infos=infos,
+                    **self.reward_kwargs,
+                )
+            )
+        except Exception as err:
+            raise RewardError(f"batched reward function failed: {type(err).__name__}: {err}") from err
+        if len(values) != len(responses):
+            raise RewardError(
+                f"batched reward function returned {len(values)} scores for {len(responses)} responses"
+            )
+        result = RewardResult(scores=[0.0] * len(values))
+        for i, value in enumerate(values):
+            result.scores[i] = NaiveRewardManager._to_score(value, i, result)
+        return result
+
+
+def _call_score(fn: RewardFn, data_source: str, response: str, ground_truth: str, extra_info: Any) -> Any:
+    return fn(data_source, response, ground_truth, extra_info)
+
+
+@register_reward_manager("prime")
+class PrimeRewardManager:
+    """Per-response calls in `num_processes` forked processes, each within `timeout` seconds; a call that
+    fails or times out scores 0 (verl's PRIME manager); such responses are counted as errors."""
+
+    def __init__(
+        self,
+        compute_score: RewardFn = default_compute_score,
+        on_error: str = "zero",
+        num_processes: int = 64,
+        timeout: float = 300.0,
+        **_unused: Any,
+    ) -> None:
+        self.compute_score = compute_score
+        self.num_processes = max(1, min(int(num_processes), multiprocessing.cpu_count()))
+        self.timeout = float(timeout)
+
+    def score(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        data_sources: Sequence[str],
+        extra_infos: Sequence[dict | None] | None = None,
+        response_lengths: Sequence[int] | None = None,
+    ) -> RewardResult:
+        infos = list(extra_infos) if extra_infos is not None else [None] * len(responses)
+        result = RewardResult(scores=[0.0] * len(responses))
+        # fork: the reward function (possibly from a user's file) needs no pickling by module name.
+        pool = multiprocessing.get_context("fork").Pool(self.num_processes)
+        try:
+            pending = [
+                pool.apply_async(_call_score, (self.compute_score, ds, r, gt, info))
+                for ds, r, gt, info in zip(data_sources, responses, ground_truths, infos, strict=True)
+            ]
+            for i, job in enumerate(pending):
+                try:
+                    value = job.get(timeout=self.timeout)
+                    if isinstance(value, (list, tuple)):  # verl takes the first element of a sequence
+                        value = value[0]
+                    result.scores[i] = NaiveRewardManager._to_score(value, i, result)
+                except Exception as err:  # a timeout or the function's own error: 0, as verl
+                    result.num_errors += 1
+                    if len(result.errors) < 5:
+                        result.errors.append(
+                            f"sample {i} (data_source {data_sources[i]!r}): {type(err).__name__}: {err}"
+                        )
+        finally:
+            pool.terminate()  # also stops calls still running past their timeout
+            pool.join()
+        return result
+
+
+REWARD_MANAGERS["naive"] = NaiveRewardManager
+
+
+def build_reward_manager(name: str, compute_score: RewardFn, **kwargs: Any) -> RewardManager:
+    """The manager registered as `name`, built with the reward function and the manager's options."""
+    if name not in REWARD_MANAGERS:
+        raise ValueError(
+            f"reward_model.reward_manager={name!r} is not registered; built in: {sorted(REWARD_MANAGERS)} "
+            "(register your own with @fulcrum.reward.managers.register_reward_manager in custom_reward_function.path)"
+        )
+    cls = REWARD_MANAGERS[name]
+    if cls is NaiveRewardManager:
+        return NaiveRewardManager(compute_score=compute_score, on_error=kwargs.get("on_error", "raise"))
+    return cls(compute_score=compute_score, **kwargs)
+
+
+def as_result(value: RewardResult | list[float]) -> RewardResult:
+    """A user manager may return plain scores."""
+    return value if isinstance(value, RewardResult) else RewardResult(scores=[float(v) for v in value])
