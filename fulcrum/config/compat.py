@@ -80,6 +80,21 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "actor_rollout_ref.rollout.agent",
         "actor_rollout_ref.rollout.trace",
         "actor_rollout_ref.rollout.profiler",
+        "actor_rollout_ref.rollout.data_parallel_size",
+        "actor_rollout_ref.rollout.expert_parallel_size",
+        "actor_rollout_ref.rollout.pipeline_model_parallel_size",
+        "actor_rollout_ref.actor.use_prefix_grouper",
+        "actor_rollout_ref.model.torch_dtype",
+        "algorithm.filter_groups.max_inflight_gen_batches",
+        "reward_model.num_workers",
+        "reward_model.use_reward_loop",
+        "reward_model.enable_resource_pool",
+        "reward_model.n_gpus_per_node",
+        "reward_model.nnodes",
+        "reward_model.reward_loop_source",
+        "reward_model.reward_loop_module_path",
+        "reward_model.reward_loop_class_name",
+        "reward_model.rollout",
         "critic.strategy",
         "critic.model.use_shm",
         "critic.model.enable_activation_offload",
@@ -106,9 +121,7 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "reward_model.use_dynamic_bsz",
         "reward_model.forward_max_token_len_per_gpu",
         "reward_model.sandbox_fusion",
-        "reward_model.reward_kwargs",
         "reward_model.ulysses_sequence_parallel_size",
-        "algorithm.pf_ppo",
         "trainer.balance_batch",
         "trainer.log_val_generations",
         "trainer.rollout_data_dir",
@@ -124,22 +137,27 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
     }
 )
 
+ULYSSES = (
+    "Ulysses sequence parallelism is not supported yet (it needs the multi-GPU work); set it to 1 and "
+    "shorten data.max_response_length or use actor.use_dynamic_bsz to fit long sequences"
+)
+
 # Features verl has and fulcrum does not (yet): key -> the only value(s) accepted, and why.
 # `validate()` reports any other value as a problem, because the run would silently differ from verl.
 UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "trainer.nnodes": ((1,), "multi-node training is not supported"),
     "actor_rollout_ref.model.lora_rank": ((0,), "LoRA is not supported yet"),
     "critic.model.lora_rank": ((0,), "LoRA is not supported yet"),
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": ((1,), "sequence parallelism is not supported"),
-    "critic.ulysses_sequence_parallel_size": ((1,), "sequence parallelism is not supported"),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": ((1,), ULYSSES),
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": ((1, None), ULYSSES),
+    "critic.ulysses_sequence_parallel_size": ((1,), ULYSSES),
+    "reward_model.ulysses_sequence_parallel_size": ((1,), ULYSSES),
     "actor_rollout_ref.rollout.multi_turn.enable": ((False,), "multi-turn rollouts are not supported"),
     "reward_model.enable": (
         (False,),
         "model-based rewards are not supported yet; use a rule-based or custom reward",
     ),
-    "reward_model.reward_manager": (("naive",), "only the naive reward manager exists"),
     "actor_rollout_ref.rollout.use_fire_sampling": ((False,), "FIRE sampling is not supported"),
-    "algorithm.use_pf_ppo": ((False,), "PF-PPO reweighting is not supported"),
     "actor_rollout_ref.actor.optim.optimizer": (("AdamW",), "only AdamW is supported"),
     "critic.optim.optimizer": (("AdamW",), "only AdamW is supported"),
     "actor_rollout_ref.actor.optim.optimizer_impl": (

@@ -48,6 +48,9 @@ class DataConfig:
     max_prompt_length: int = opt(512, "longest prompt in tokens (after the chat template)")
     max_response_length: int = opt(512, "longest generated response in tokens")
     train_batch_size: int = opt(1024, "prompts per training step (responses = this x rollout.n)")
+    gen_batch_size: int | None = opt(
+        None, "prompts per generation round with filter_groups; null follows train_batch_size (DAPO)"
+    )
     val_batch_size: int | None = opt(None, "deprecated in verl: validation uses the whole set at once")
     return_raw_input_ids: bool = opt(False, "also return prompt ids without chat template (verl)")
     return_raw_chat: bool = opt(False, "also return the raw chat messages")
@@ -94,11 +97,15 @@ class ModelConfig:
     use_fused_kernels: bool = opt(False, "use fused log-prob kernels")
     fused_kernel_options: dict[str, Any] = opt({"impl_backend": "torch"}, "options for fused kernels")
     trust_remote_code: bool = opt(False, "allow the model's remote code")
+    torch_dtype: str | None = opt(None, "dtype the model is loaded in (no effect: fp32 master weights)")
 
 
 @dataclass
 class PolicyLossConfig:
-    loss_mode: str = opt("vanilla", "policy loss: vanilla (PPO clip) or gspo (sequence-level ratio)")
+    loss_mode: str = opt(
+        "vanilla",
+        "policy loss: vanilla (PPO clip), gspo (sequence ratio), geo_mean (GMPO), gpg, cispo, sapo",
+    )
     clip_cov_ratio: float = opt(0.0002, "fraction of tokens clipped by clip-cov")
     clip_cov_lb: float = opt(1.0, "lower bound for clip-cov")
     clip_cov_ub: float = opt(5.0, "upper bound for clip-cov")
@@ -190,6 +197,13 @@ class ActorConfig:
     use_remove_padding: bool | None = opt(None, "null follows actor_rollout_ref.model.use_remove_padding")
     use_fused_kernels: bool | None = opt(None, "null follows actor_rollout_ref.model.use_fused_kernels")
     profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
+    tau_pos: float = opt(1.0, "SAPO gate temperature where the advantage is positive")
+    tau_neg: float = opt(1.05, "SAPO gate temperature where the advantage is not positive")
+    calculate_sum_pi_squared: bool = opt(
+        False,
+        "also compute sum_v pi_v^2 per token in the old-log-prob pass (optimal_token_baseline needs it)",
+    )
+    use_prefix_grouper: bool = opt(False, "share prompt prefixes across a group's forwards (no effect)")
 
 
 @dataclass
@@ -284,6 +298,9 @@ class RolloutConfig:
     )
     val_kwargs: SamplingConfig = sub(SamplingConfig, "sampling at validation")
     multi_turn: MultiTurnConfig = sub(MultiTurnConfig, "multi-turn rollouts (not supported)")
+    data_parallel_size: int = opt(1, "engine data-parallel replicas (no effect: one engine per process)")
+    expert_parallel_size: int = opt(1, "engine expert-parallel size (no effect)")
+    pipeline_model_parallel_size: int = opt(1, "engine pipeline-parallel size (no effect)")
     agent: dict[str, Any] = opt({}, "agent loop settings (no effect)")
     trace: dict[str, Any] = opt({}, "rollout tracing (no effect)")
     profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
@@ -371,6 +388,14 @@ class SandboxFusionConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    enable: bool = opt(False, "DAPO soft overlong penalty (reward_manager=dapo)")
+    len: int = opt(0, "buffer length in tokens before max_response_length where the penalty grows")
+    penalty_factor: float = opt(1.0, "penalty at max_response_length")
+    log: bool = opt(False, "log overlong_reward / overlong per response")
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = opt(False, "use a model-based reward (not supported yet; rule-based rewards are used)")
     strategy: str = opt("fsdp", "strategy of the reward model")
@@ -381,8 +406,19 @@ class RewardModelConfig:
     use_dynamic_bsz: bool | None = opt(None, "null follows critic.use_dynamic_bsz")
     forward_max_token_len_per_gpu: int | None = opt(None, "null follows critic.forward_max_token_len_per_gpu")
     reward_manager: str = opt(
-        "naive", "how scores are computed: naive (one reward-function call per response)"
+        "naive",
+        "how scores are computed: naive, dapo (overlong penalty), batch, prime, or a registered name",
     )
+    overlong_buffer: OverlongBufferConfig = sub(OverlongBufferConfig, "DAPO soft overlong penalty")
+    num_workers: int | None = opt(None, "reward-loop workers (no effect: rewards are scored in-process)")
+    use_reward_loop: bool = opt(False, "verl's asynchronous reward loop (no effect: scored in-process)")
+    enable_resource_pool: bool = opt(False, "separate GPUs for the reward model (no effect)")
+    n_gpus_per_node: int | None = opt(None, "reward-model pool devices (no effect)")
+    nnodes: int | None = opt(None, "reward-model pool nodes (no effect)")
+    reward_loop_source: str | None = opt(None, "reward-loop class source (no effect)")
+    reward_loop_module_path: str | None = opt(None, "reward-loop module path (no effect)")
+    reward_loop_class_name: str | None = opt(None, "reward-loop class name (no effect)")
+    rollout: dict[str, Any] = opt({}, "generative reward model's engine (no effect)")
     on_error: str = opt(
         "raise",
         "a reward function that raises: raise (stop, naming the sample) or zero (score 0, count in "
@@ -418,6 +454,36 @@ class PFPPOConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = opt(
+        False, "DAPO dynamic sampling: drop prompt groups whose metric is equal across the group"
+    )
+    metric: str = opt(
+        "reward",
+        "what must vary in a group: reward (= seq_reward), seq_final_reward, acc, score or a reward extra key",
+    )
+    max_num_gen_batches: int = opt(0, "generation rounds per step before giving up; <= 0: no limit")
+    max_inflight_gen_batches: int = opt(1, "asynchronous generation batches in flight (no effect)")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None = opt(
+        None, "importance weights between engine and trainer: null, token or sequence"
+    )
+    rollout_is_threshold: str | float = opt(
+        2.0, "truncate weights at U (TIS), or 'L_U': zero outside (IcePop)"
+    )
+    rollout_is_batch_normalize: bool = opt(False, "rescale the weights to mean 1 over the batch")
+    rollout_rs: str | None = opt(
+        None, "rejection sampling, comma list: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2..3"
+    )
+    rollout_rs_threshold: str | float | None = opt(None, "bounds per rollout_rs option ('L_U' for k1)")
+    bypass_mode: bool = opt(False, "use the engine's log-probs as old log-probs (no old-log-prob pass)")
+    loss_type: Literal["ppo_clip", "reinforce"] = opt("ppo_clip", "bypass-mode loss")
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = opt(1.0, "discount factor")
     lam: float = opt(1.0, "GAE lambda")
@@ -428,9 +494,12 @@ class AlgorithmConfig:
         "kl", "KL estimator of the in-reward penalty: kl (k1), abs, mse (k2), low_var_kl (k3), full"
     )
     kl_ctrl: KLControlConfig = sub(KLControlConfig, "KL coefficient controller")
-    use_pf_ppo: bool = opt(False, "preference-feedback PPO reweighting")
+    use_pf_ppo: bool = opt(False, "PF-PPO: resample the batch by reward after GAE")
     pf_ppo: PFPPOConfig = sub(PFPPOConfig, "PF-PPO settings")
-    filter_groups: dict[str, Any] = opt({}, "DAPO dynamic sampling (not supported)")
+    filter_groups: FilterGroupsConfig = sub(FilterGroupsConfig, "DAPO dynamic sampling")
+    rollout_correction: RolloutCorrectionConfig = sub(
+        RolloutCorrectionConfig, "rollout correction between the engine's and the trainer's log-probs"
+    )
 
 
 # ------------------------------------------------------------------------------------- trainer

@@ -19,7 +19,7 @@ from fulcrum.config.schema import FulcrumConfig, KLControlConfig
 
 SUPPORTED_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml")
-# Estimators that learn nothing (or divide by n - 1) from a single response per prompt.
+# Estimators whose baseline needs several responses per prompt (with one they are plain REINFORCE).
 GROUP_ESTIMATORS_NEEDING_N2 = ("rloo",)
 # Estimators that need values from a critic; the others are critic-free. The one list of this rule:
 # the trainer builds a critic, and doctor sizes one, through uses_critic().
@@ -296,13 +296,6 @@ def _algorithm(cfg: FulcrumConfig) -> list[Problem]:
                 f"{loss_mode!r} is not implemented; one of {list(loss_modes)}",
             )
         )
-    if estimator in GROUP_ESTIMATORS_NEEDING_N2 and cfg.actor_rollout_ref.rollout.n < 2:
-        problems.append(
-            Problem(
-                ("algorithm.adv_estimator", "actor_rollout_ref.rollout.n"),
-                f"{estimator} compares responses to the same prompt; set actor_rollout_ref.rollout.n >= 2",
-            )
-        )
     if cfg.critic.enable is False and estimator in CRITIC_ESTIMATORS:
         problems.append(Problem(("critic.enable", "algorithm.adv_estimator"), f"{estimator} needs a critic"))
     val = cfg.actor_rollout_ref.rollout.val_kwargs
@@ -353,15 +346,17 @@ def _unsupported(cfg: FulcrumConfig) -> list[Problem]:
         problems.append(
             Problem(("trainer.logger",), f"unknown logger(s) {unknown}; one of {list(SUPPORTED_LOGGERS)}")
         )
-    if (cfg.algorithm.filter_groups or {}).get("enable"):
-        problems.append(
-            Problem(("algorithm.filter_groups.enable",), "DAPO dynamic sampling is not supported")
-        )
     for key, (allowed, why) in UNSUPPORTED.items():
         value = _get(cfg, key)
         if value not in allowed:
             problems.append(Problem((key,), f"{why} (got {value!r})"))
     return problems
+
+
+def _recipes(cfg: FulcrumConfig) -> list[Problem]:
+    from fulcrum.config.validate_recipes import recipe_problems  # imports this module: no cycle at load
+
+    return recipe_problems(cfg)
 
 
 RULES: list[Callable[[FulcrumConfig], list[Problem]]] = [
@@ -372,6 +367,7 @@ RULES: list[Callable[[FulcrumConfig], list[Problem]]] = [
     _algorithm,
     _trainer,
     _unsupported,
+    _recipes,
 ]
 
 
@@ -437,6 +433,15 @@ def advise(cfg: FulcrumConfig) -> list[Problem]:
                 "kl_ctrl settings act only with use_kl_in_reward=True (as in verl)",
             )
         )
+    # verl runs these with n = 1 (its own rollout-correction example does): each row is its own group and
+    # keeps its score as the advantage (plain REINFORCE), so it is a warning, not an error.
+    if algo.adv_estimator in GROUP_ESTIMATORS_NEEDING_N2 and arr.rollout.n < 2:
+        notes.append(
+            Problem(
+                ("algorithm.adv_estimator", "actor_rollout_ref.rollout.n"),
+                f"{algo.adv_estimator} compares responses to the same prompt; with rollout.n=1 it has no baseline",
+            )
+        )
     if algo.adv_estimator == "grpo" and arr.rollout.n < 2:
         notes.append(
             Problem(
@@ -462,6 +467,9 @@ def advise(cfg: FulcrumConfig) -> list[Problem]:
             )
         )
     notes += zero_learning_rates(cfg)
+    from fulcrum.config.validate_recipes import recipe_notes
+
+    notes.extend(recipe_notes(cfg))
     return notes
 
 
