@@ -138,6 +138,31 @@ def build_tiny_model(out_dir: str | Path, arch: str = "qwen2", seed: int = 0, **
     return out
 
 
+def build_tiny_reward_model(
+    out_dir: str | Path, arch: str = "qwen2", seed: int = 0, chat_template: str | None = None, **size: Any
+) -> Path:
+    """Write a random-initialised sequence-classification model (one label: a reward model) and its
+    tokenizer to `out_dir`. `chat_template` replaces the tiny chat template (a reward model whose
+    template differs from the policy's). The global torch RNG is left as it was."""
+    from transformers import AutoModelForSequenceClassification
+
+    out = Path(out_dir)
+    tokenizer = build_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids([IM_END, PAD_TOKEN])
+    config = _model_config(arch, len(tokenizer), eos_id, pad_id, size)
+    config.num_labels = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    _portable_tokenizer_config(out / "tokenizer_config.json")
+    return out
+
+
 def _portable_tokenizer_config(path: Path) -> None:
     """Name the class every transformers release knows (4.x has no `TokenizersBackend`).
 
