@@ -471,14 +471,14 @@ class RolloutCorrectionConfig:
     rollout_is: str | None = opt(
         None, "importance weights between engine and trainer: null, token or sequence"
     )
-    rollout_is_threshold: str | float = opt(
+    rollout_is_threshold: Any = opt(
         2.0, "truncate weights at U (TIS), or 'L_U': zero outside (IcePop)"
     )
     rollout_is_batch_normalize: bool = opt(False, "rescale the weights to mean 1 over the batch")
     rollout_rs: str | None = opt(
         None, "rejection sampling, comma list: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2..3"
     )
-    rollout_rs_threshold: str | float | None = opt(None, "bounds per rollout_rs option ('L_U' for k1)")
+    rollout_rs_threshold: Any = opt(None, "bounds per rollout_rs option ('L_U' for k1)")
     bypass_mode: bool = opt(False, "use the engine's log-probs as old log-probs (no old-log-prob pass)")
     loss_type: Literal["ppo_clip", "reinforce"] = opt("ppo_clip", "bypass-mode loss")
 
