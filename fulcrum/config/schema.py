@@ -471,9 +471,7 @@ class RolloutCorrectionConfig:
     rollout_is: str | None = opt(
         None, "importance weights between engine and trainer: null, token or sequence"
     )
-    rollout_is_threshold: Any = opt(
-        2.0, "truncate weights at U (TIS), or 'L_U': zero outside (IcePop)"
-    )
+    rollout_is_threshold: Any = opt(2.0, "truncate weights at U (TIS), or 'L_U': zero outside (IcePop)")
     rollout_is_batch_normalize: bool = opt(False, "rescale the weights to mean 1 over the batch")
     rollout_rs: str | None = opt(
         None, "rejection sampling, comma list: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2..3"

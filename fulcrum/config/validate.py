@@ -16,6 +16,7 @@ from fulcrum.config.compat import UNSUPPORTED
 from fulcrum.config.keys import ConfigError
 from fulcrum.config.keys import get_path as _get
 from fulcrum.config.schema import FulcrumConfig, KLControlConfig
+from fulcrum.config.validate_recipes import recipe_notes, recipe_problems
 
 SUPPORTED_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml")
@@ -354,9 +355,7 @@ def _unsupported(cfg: FulcrumConfig) -> list[Problem]:
 
 
 def _recipes(cfg: FulcrumConfig) -> list[Problem]:
-    from fulcrum.config.validate_recipes import recipe_problems  # imports this module: no cycle at load
-
-    return recipe_problems(cfg)
+    return [Problem(keys, message) for keys, message in recipe_problems(cfg)]
 
 
 RULES: list[Callable[[FulcrumConfig], list[Problem]]] = [
@@ -467,9 +466,7 @@ def advise(cfg: FulcrumConfig) -> list[Problem]:
             )
         )
     notes += zero_learning_rates(cfg)
-    from fulcrum.config.validate_recipes import recipe_notes
-
-    notes.extend(recipe_notes(cfg))
+    notes.extend(Problem(keys, message) for keys, message in recipe_notes(cfg))
     return notes
 
 
