@@ -371,7 +371,9 @@ class CriticConfig:
 @dataclass
 class RewardModelModelConfig:
     input_tokenizer: str | None = opt(None, "null follows actor_rollout_ref.model.path")
-    path: str = opt("~/models/FsfairX-LLaMA3-RM-v0.1", "reward model (model-based rewards not supported yet)")
+    path: str = opt(
+        "~/models/FsfairX-LLaMA3-RM-v0.1", "reward model: a sequence/token classifier with one label"
+    )
     external_lib: str | None = opt(None, "python module to import first")
     trust_remote_code: bool = opt(False, "allow remote code")
     use_shm: bool = opt(False, "shared-memory loading (no effect)")
@@ -397,12 +399,14 @@ class OverlongBufferConfig:
 
 @dataclass
 class RewardModelConfig:
-    enable: bool = opt(False, "use a model-based reward (not supported yet; rule-based rewards are used)")
+    enable: bool = opt(
+        False, "score responses with reward_model.model.path (its score at the last response token)"
+    )
     strategy: str = opt("fsdp", "strategy of the reward model")
     model: RewardModelModelConfig = sub(RewardModelModelConfig, "reward model")
     micro_batch_size: int | None = opt(None, "deprecated; use micro_batch_size_per_gpu")
-    micro_batch_size_per_gpu: int | None = opt(None, "reward model forward micro-batch")
-    max_length: int | None = opt(None, "reward model max length")
+    micro_batch_size_per_gpu: int | None = opt(None, "responses per reward-model forward")
+    max_length: int | None = opt(None, "longest reward-model input in tokens (cut from the right)")
     use_dynamic_bsz: bool | None = opt(None, "null follows critic.use_dynamic_bsz")
     forward_max_token_len_per_gpu: int | None = opt(None, "null follows critic.forward_max_token_len_per_gpu")
     reward_manager: str = opt(
@@ -426,7 +430,10 @@ class RewardModelConfig:
     )
     launch_reward_fn_async: bool = opt(False, "score in a background process (no effect)")
     sandbox_fusion: SandboxFusionConfig = sub(SandboxFusionConfig, "code sandbox")
-    reward_kwargs: dict[str, Any] = opt({}, "extra kwargs passed to the reward function")
+    reward_kwargs: dict[str, Any] = opt(
+        {},
+        "options of the reward manager (dapo: overlong_buffer_cfg, max_resp_len; batch: kwargs of the function)",
+    )
     ulysses_sequence_parallel_size: int = opt(1, "sequence parallel size")
     profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
 
