@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from fulcrum.models.tiny import build_tiny_model
 from fulcrum.tools import doctor
 
 EXAMPLES = json.loads((Path(__file__).parent / "fixtures" / "verl_example_overrides.json").read_text())
@@ -34,6 +35,7 @@ DEVICE_KEYS = {
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A training set of one full batch for every script, and a real (tiny) model folder."""
     root = tmp_path_factory.mktemp("verl_examples")
     row = {
         "data_source": "openai/gsm8k",
@@ -42,9 +44,16 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "reward_model": {"style": "rule", "ground_truth": "2"},
         "extra_info": {"split": "train", "index": 0},
     }
-    pq.write_table(pa.Table.from_pylist([row]), root / "data.parquet")
-    (root / "model").mkdir()
-    (root / "model" / "config.json").write_text(json.dumps({"max_position_embeddings": 65536}))
+    pq.write_table(pa.Table.from_pylist([row] * 4096), root / "data.parquet")
+    build_tiny_model(
+        root / "model",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=65536,
+    )
     (root / "reward.py").write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
     )
