@@ -7,7 +7,8 @@ reason: one definition per key of verl's tree (~300 keys); splitting would scatt
 `fulcrum.config.loader` makes OmegaConf structured configs of these classes, so each type is one
 OmegaConf holds (`Any` where verl takes a path or a list); a `None` default that "follows" another
 key is filled when resolved (`DERIVED`, like verl's `${oc.select:...}`). `dict[str, Any]` fields
-are free-form: any sub-key may be set (`+reward_model.reward_kwargs.x=1`).
+are free-form: any sub-key may be set (`+reward_model.reward_kwargs.x=1`). The `algorithm` section
+and verl's recipe groups are in fulcrum.config.schema_recipes, to keep this file under 500 lines.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fulcrum.config.keys import opt, sub
+from fulcrum.config.schema_recipes import AlgorithmConfig, OverlongBufferConfig
+from fulcrum.config.schema_recipes import KLControlConfig as KLControlConfig  # re-exported
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -48,9 +51,7 @@ class DataConfig:
     max_prompt_length: int = opt(512, "longest prompt in tokens (after the chat template)")
     max_response_length: int = opt(512, "longest generated response in tokens")
     train_batch_size: int = opt(1024, "prompts per training step (responses = this x rollout.n)")
-    gen_batch_size: int | None = opt(
-        None, "prompts per generation round with filter_groups; null follows train_batch_size (DAPO)"
-    )
+    gen_batch_size: int | None = opt(None, "DAPO's round size (no effect: a round draws train_batch_size)")
     val_batch_size: int | None = opt(None, "deprecated in verl: validation uses the whole set at once")
     return_raw_input_ids: bool = opt(False, "also return prompt ids without chat template (verl)")
     return_raw_chat: bool = opt(False, "also return the raw chat messages")
@@ -102,10 +103,7 @@ class ModelConfig:
 
 @dataclass
 class PolicyLossConfig:
-    loss_mode: str = opt(
-        "vanilla",
-        "policy loss: vanilla (PPO clip), gspo (sequence ratio), geo_mean (GMPO), gpg, cispo, sapo",
-    )
+    loss_mode: str = opt("vanilla", "policy loss: vanilla (PPO clip), gspo, geo_mean, gpg, cispo, sapo")
     clip_cov_ratio: float = opt(0.0002, "fraction of tokens clipped by clip-cov")
     clip_cov_lb: float = opt(1.0, "lower bound for clip-cov")
     clip_cov_ub: float = opt(5.0, "upper bound for clip-cov")
@@ -199,10 +197,7 @@ class ActorConfig:
     profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
     tau_pos: float = opt(1.0, "SAPO gate temperature where the advantage is positive")
     tau_neg: float = opt(1.05, "SAPO gate temperature where the advantage is not positive")
-    calculate_sum_pi_squared: bool = opt(
-        False,
-        "also compute sum_v pi_v^2 per token in the old-log-prob pass (optimal_token_baseline needs it)",
-    )
+    calculate_sum_pi_squared: bool = opt(False, "compute sum_v pi_v^2 per token (optimal_token_baseline)")
     use_prefix_grouper: bool = opt(False, "share prompt prefixes across a group's forwards (no effect)")
 
 
@@ -371,9 +366,7 @@ class CriticConfig:
 @dataclass
 class RewardModelModelConfig:
     input_tokenizer: str | None = opt(None, "null follows actor_rollout_ref.model.path")
-    path: str = opt(
-        "~/models/FsfairX-LLaMA3-RM-v0.1", "reward model: a sequence/token classifier with one label"
-    )
+    path: str = opt("~/models/FsfairX-LLaMA3-RM-v0.1", "reward model: a classifier with one label")
     external_lib: str | None = opt(None, "python module to import first")
     trust_remote_code: bool = opt(False, "allow remote code")
     use_shm: bool = opt(False, "shared-memory loading (no effect)")
@@ -390,18 +383,8 @@ class SandboxFusionConfig:
 
 
 @dataclass
-class OverlongBufferConfig:
-    enable: bool = opt(False, "DAPO soft overlong penalty (reward_manager=dapo)")
-    len: int = opt(0, "buffer length in tokens before max_response_length where the penalty grows")
-    penalty_factor: float = opt(1.0, "penalty at max_response_length")
-    log: bool = opt(False, "log overlong_reward / overlong per response")
-
-
-@dataclass
 class RewardModelConfig:
-    enable: bool = opt(
-        False, "score responses with reward_model.model.path (its score at the last response token)"
-    )
+    enable: bool = opt(False, "score responses with reward_model.model.path (at the last token)")
     strategy: str = opt("fsdp", "strategy of the reward model")
     model: RewardModelModelConfig = sub(RewardModelModelConfig, "reward model")
     micro_batch_size: int | None = opt(None, "deprecated; use micro_batch_size_per_gpu")
@@ -409,10 +392,7 @@ class RewardModelConfig:
     max_length: int | None = opt(None, "longest reward-model input in tokens (cut from the right)")
     use_dynamic_bsz: bool | None = opt(None, "null follows critic.use_dynamic_bsz")
     forward_max_token_len_per_gpu: int | None = opt(None, "null follows critic.forward_max_token_len_per_gpu")
-    reward_manager: str = opt(
-        "naive",
-        "how scores are computed: naive, dapo (overlong penalty), batch, prime, or a registered name",
-    )
+    reward_manager: str = opt("naive", "naive, dapo (overlong penalty), batch, prime, or a registered name")
     overlong_buffer: OverlongBufferConfig = sub(OverlongBufferConfig, "DAPO soft overlong penalty")
     num_workers: int | None = opt(None, "reward-loop workers (no effect: rewards are scored in-process)")
     use_reward_loop: bool = opt(False, "verl's asynchronous reward loop (no effect: scored in-process)")
@@ -431,8 +411,7 @@ class RewardModelConfig:
     launch_reward_fn_async: bool = opt(False, "score in a background process (no effect)")
     sandbox_fusion: SandboxFusionConfig = sub(SandboxFusionConfig, "code sandbox")
     reward_kwargs: dict[str, Any] = opt(
-        {},
-        "options of the reward manager (dapo: overlong_buffer_cfg, max_resp_len; batch: kwargs of the function)",
+        {}, "manager options (dapo: overlong_buffer_cfg, max_resp_len; batch)"
     )
     ulysses_sequence_parallel_size: int = opt(1, "sequence parallel size")
     profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
@@ -443,68 +422,6 @@ class CustomRewardFunctionConfig:
     path: str | None = opt(None, "python file with a custom reward function")
     name: str = opt("compute_score", "function name in that file")
     reward_kwargs: dict[str, Any] = opt({}, "extra kwargs passed to the custom function")
-
-
-# ----------------------------------------------------------------------------------- algorithm
-@dataclass
-class KLControlConfig:
-    type: Literal["fixed", "adaptive"] = opt("fixed", "KL coefficient controller")
-    kl_coef: float = opt(0.001, "(initial) KL coefficient of the in-reward penalty")
-    horizon: int = opt(10000, "adaptive controller horizon")
-    target_kl: float = opt(0.1, "adaptive controller target KL")
-
-
-@dataclass
-class PFPPOConfig:
-    reweight_method: Literal["pow", "max_min", "max_random"] = opt("pow", "PF-PPO reweighting")
-    weight_pow: float = opt(2.0, "PF-PPO power")
-
-
-@dataclass
-class FilterGroupsConfig:
-    enable: bool = opt(
-        False, "DAPO dynamic sampling: drop prompt groups whose metric is equal across the group"
-    )
-    metric: str = opt(
-        "reward",
-        "what must vary in a group: reward (= seq_reward), seq_final_reward, acc, score or a reward extra key",
-    )
-    max_num_gen_batches: int = opt(0, "generation rounds per step before giving up; <= 0: no limit")
-    max_inflight_gen_batches: int = opt(1, "asynchronous generation batches in flight (no effect)")
-
-
-@dataclass
-class RolloutCorrectionConfig:
-    rollout_is: str | None = opt(
-        None, "importance weights between engine and trainer: null, token or sequence"
-    )
-    rollout_is_threshold: Any = opt(2.0, "truncate weights at U (TIS), or 'L_U': zero outside (IcePop)")
-    rollout_is_batch_normalize: bool = opt(False, "rescale the weights to mean 1 over the batch")
-    rollout_rs: str | None = opt(
-        None, "rejection sampling, comma list: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2..3"
-    )
-    rollout_rs_threshold: Any = opt(None, "bounds per rollout_rs option ('L_U' for k1)")
-    bypass_mode: bool = opt(False, "use the engine's log-probs as old log-probs (no old-log-prob pass)")
-    loss_type: Literal["ppo_clip", "reinforce"] = opt("ppo_clip", "bypass-mode loss")
-
-
-@dataclass
-class AlgorithmConfig:
-    gamma: float = opt(1.0, "discount factor")
-    lam: float = opt(1.0, "GAE lambda")
-    adv_estimator: str = opt("gae", "advantage estimator: gae, grpo, rloo, reinforce_plus_plus, remax, ...")
-    norm_adv_by_std_in_grpo: bool = opt(True, "divide GRPO advantages by the group std (false: Dr. GRPO)")
-    use_kl_in_reward: bool = opt(False, "subtract a KL penalty from the reward")
-    kl_penalty: str = opt(
-        "kl", "KL estimator of the in-reward penalty: kl (k1), abs, mse (k2), low_var_kl (k3), full"
-    )
-    kl_ctrl: KLControlConfig = sub(KLControlConfig, "KL coefficient controller")
-    use_pf_ppo: bool = opt(False, "PF-PPO: resample the batch by reward after GAE")
-    pf_ppo: PFPPOConfig = sub(PFPPOConfig, "PF-PPO settings")
-    filter_groups: FilterGroupsConfig = sub(FilterGroupsConfig, "DAPO dynamic sampling")
-    rollout_correction: RolloutCorrectionConfig = sub(
-        RolloutCorrectionConfig, "rollout correction between the engine's and the trainer's log-probs"
-    )
 
 
 # ------------------------------------------------------------------------------------- trainer
