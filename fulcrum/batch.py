@@ -123,6 +123,9 @@ def assemble_batch(
         "ground_truth": [items[i].get("ground_truth", "") for i in prompt_index],
         "extra_info": [items[i].get("extra_info") or {} for i in prompt_index],
         "uid": [f"{uid_prefix}-{i}" for i in prompt_index],
+        "raw_prompt": [
+            items[i].get("raw_prompt") for i in prompt_index
+        ],  # chat messages (a reward model's template)
     }
     return Batch(
         {

@@ -109,3 +109,30 @@ def test_a_users_manager_plugs_in_by_name(tmp_path: Path) -> None:
         REWARD_MANAGERS.pop("length_bonus", None)
     with pytest.raises(ValueError, match=r"reward_manager='length_bonus' is not registered.*dapo"):
         build_reward_manager("length_bonus", fn)
+
+
+def test_manager_from_config_reads_both_spellings_of_the_overlong_buffer() -> None:
+    from fulcrum.config import load_config
+    from fulcrum.reward.managers import manager_from_config
+
+    recipe = load_config(
+        [
+            "reward_model.reward_manager=dapo",
+            "reward_model.overlong_buffer.enable=True",
+            "reward_model.overlong_buffer.len=64",
+            "data.max_response_length=256",
+        ]
+    )
+    manager = manager_from_config(recipe)
+    assert isinstance(manager, DapoRewardManager)
+    assert (manager.buffer.enable, manager.buffer.len, manager.max_resp_len) == (True, 64, 256)
+    script = load_config(
+        [
+            "reward_model.reward_manager=dapo",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.len=32",
+            "+reward_model.reward_kwargs.max_resp_len=128",
+        ]
+    )
+    manager = manager_from_config(script)
+    assert (manager.buffer.enable, manager.buffer.len, manager.max_resp_len) == (True, 32, 128)

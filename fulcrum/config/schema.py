@@ -283,7 +283,7 @@ class RolloutConfig:
     n: int = opt(1, "responses per prompt (GRPO/RLOO need > 1)")
     over_sample_rate: float = opt(0.0, "over-sampling for partial rollouts (no effect)")
     multi_stage_wake_up: bool = opt(False, "wake weights and KV cache in stages (no effect)")
-    calculate_log_probs: bool = opt(False, "return the engine's log-probs for diagnostics")
+    calculate_log_probs: bool = opt(False, "log rollout_corr/*: the engine's vs the trainer's log-probs")
     update_weights_bucket_megabytes: int = opt(512, "weight-sync bucket size (no effect)")
     skip_rollout: bool = opt(False, "reuse dumped rollouts (no effect)")
     skip_dump_dir: str = opt("/tmp/rollout_dump", "where skipped rollouts live (no effect)")
@@ -365,7 +365,7 @@ class CriticConfig:
 # -------------------------------------------------------------------------------- reward_model
 @dataclass
 class RewardModelModelConfig:
-    input_tokenizer: str | None = opt(None, "null follows actor_rollout_ref.model.path")
+    input_tokenizer: str | None = opt(None, "null follows actor_rollout_ref.model.path (no effect: see docs)")
     path: str = opt("~/models/FsfairX-LLaMA3-RM-v0.1", "reward model: a classifier with one label")
     external_lib: str | None = opt(None, "python module to import first")
     trust_remote_code: bool = opt(False, "allow remote code")

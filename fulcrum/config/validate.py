@@ -186,7 +186,10 @@ def _micro_batch_pairs(cfg: FulcrumConfig) -> list[Problem]:
         (
             "reward_model.micro_batch_size",
             "reward_model.micro_batch_size_per_gpu",
-            cfg.reward_model.enable and not cfg.reward_model.use_dynamic_bsz,
+            # verl's reward loop serves the model without this size; here it then defaults to 8 rows
+            cfg.reward_model.enable
+            and not cfg.reward_model.use_dynamic_bsz
+            and not cfg.reward_model.use_reward_loop,
         ),
     ]
     problems = []

@@ -118,3 +118,15 @@ def no_empty_rows_mask(model: nn.Module, attention_mask: torch.Tensor) -> torch.
     mask = causal[None] & real[:, None, :]  # (B, T_q, T_k): causal and key is a real token
     mask |= torch.eye(length, dtype=torch.bool, device=real.device)[None]  # every query sees itself
     return mask[:, None]  # (B, 1, T, T)
+
+
+def sum_pi_squared(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """sum_v softmax(logits / temperature)_v^2 per position: (B, T, V) -> (B, T) float32, in row chunks.
+
+    The optimal-token-baseline estimator's path-variance proxy reads it (actor.calculate_sum_pi_squared).
+    """
+    out = []
+    for start in range(0, logits.shape[0], _NO_GRAD_ROW_CHUNK):
+        probs = torch.softmax(logits[start : start + _NO_GRAD_ROW_CHUNK].float() / temperature, dim=-1)
+        out.append(probs.square().sum(-1))
+    return torch.cat(out)

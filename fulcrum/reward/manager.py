@@ -114,33 +114,43 @@ class NaiveRewardManager:
         return score
 
 
-def reward_manager_from(custom_reward_cfg: Any, on_error: Literal["raise", "zero"]) -> NaiveRewardManager:
-    """The manager over `custom_reward_function.{path, name, reward_kwargs}` when a path is set, else over
-    the built-in scorers chosen by data_source."""
+def reward_fn_from(custom_reward_cfg: Any) -> RewardFn:
+    """`custom_reward_function.{path, name, reward_kwargs}` when a path is set (importing the file, which
+    also registers any reward manager it defines), else the built-in scorers chosen by data_source."""
     crf = custom_reward_cfg
     if crf.path:
-        reward_fn = load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs or {}) or None)
-    else:
-        reward_fn = default_compute_score
-    return NaiveRewardManager(compute_score=reward_fn, on_error=on_error)
+        return load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs or {}) or None)
+    return default_compute_score
 
 
-def score_batch(
-    batch: Batch, tokenizer: Any, manager: NaiveRewardManager
-) -> tuple[torch.Tensor, RewardResult]:
-    """Naive reward: decode each response (special tokens skipped, as verl), score it, and put the score
-    on its last token. Returns token_level_scores (B, R) and the manager's result (scores, error count).
+def reward_manager_from(custom_reward_cfg: Any, on_error: Literal["raise", "zero"]) -> NaiveRewardManager:
+    """The naive manager over reward_fn_from(custom_reward_cfg)."""
+    return NaiveRewardManager(compute_score=reward_fn_from(custom_reward_cfg), on_error=on_error)
+
+
+def as_result(value: RewardResult | Sequence[float]) -> RewardResult:
+    """A manager may return plain scores (a user's manager, for instance)."""
+    return value if isinstance(value, RewardResult) else RewardResult(scores=[float(v) for v in value])
+
+
+def score_batch(batch: Batch, tokenizer: Any, manager: Any) -> tuple[torch.Tensor, RewardResult]:
+    """Decode each response (special tokens skipped, as verl), score the batch with `manager` (any reward
+    manager: `score(responses, ground_truths, data_sources, extra_infos, response_lengths)`), and put
+    each score on its response's last token. Returns token_level_scores (B, R) and the manager's result.
     """
     lengths = [int(n) for n in batch["response_mask"].sum(-1).tolist()]
     texts = [
         tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)
         for i, n in enumerate(lengths)
     ]
-    result = manager.score(
-        texts,
-        batch.non_tensors["ground_truth"],
-        batch.non_tensors["data_source"],
-        batch.non_tensors["extra_info"],
+    result = as_result(
+        manager.score(
+            texts,
+            batch.non_tensors["ground_truth"],
+            batch.non_tensors["data_source"],
+            batch.non_tensors["extra_info"],
+            lengths,
+        )
     )
     scores = torch.zeros(batch["responses"].shape, dtype=torch.float32)
     for i, n in enumerate(lengths):

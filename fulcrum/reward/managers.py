@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fulcrum.reward import RewardFn, default_compute_score
-from fulcrum.reward.manager import NaiveRewardManager, RewardError, RewardResult
+from fulcrum.reward.manager import NaiveRewardManager, RewardError, RewardResult, as_result, reward_fn_from
 
 
 class RewardManager(Protocol):
@@ -249,6 +249,33 @@ def build_reward_manager(name: str, compute_score: RewardFn, **kwargs: Any) -> R
     return cls(compute_score=compute_score, **kwargs)
 
 
-def as_result(value: RewardResult | list[float]) -> RewardResult:
-    """A user manager may return plain scores."""
-    return value if isinstance(value, RewardResult) else RewardResult(scores=[float(v) for v in value])
+def manager_from_config(cfg: Any) -> RewardManager:
+    """The manager `reward_model.reward_manager` names, over the configured reward function, with its
+    options: dapo's overlong buffer (`reward_model.overlong_buffer`, or verl's example-script spelling
+    `reward_model.reward_kwargs.overlong_buffer_cfg` / `max_resp_len`, max_resp_len defaulting to
+    data.max_response_length); batch's keyword arguments (`reward_model.reward_kwargs`)."""
+    rm = cfg.reward_model
+    fn = reward_fn_from(cfg.custom_reward_function)  # first: a user's file may register its manager
+    kwargs: dict[str, Any] = dict(rm.reward_kwargs or {})
+    options: dict[str, Any] = {"on_error": rm.on_error}
+    if rm.reward_manager == "dapo":
+        buffer = kwargs.pop("overlong_buffer_cfg", None)
+        if buffer is None:
+            ob = rm.overlong_buffer
+            buffer = {"enable": ob.enable, "len": ob.len, "penalty_factor": ob.penalty_factor, "log": ob.log}
+        options.update(
+            overlong_buffer_cfg=dict(buffer),
+            max_resp_len=int(kwargs.pop("max_resp_len", None) or cfg.data.max_response_length),
+        )
+    elif rm.reward_manager != "naive":
+        options.update(kwargs)
+    return build_reward_manager(rm.reward_manager, fn, **options)
+
+
+__all__ = [
+    "REWARD_MANAGERS",
+    "as_result",
+    "build_reward_manager",
+    "manager_from_config",
+    "register_reward_manager",
+]

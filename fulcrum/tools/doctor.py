@@ -166,6 +166,10 @@ def check_model_paths(ctx: Context) -> list[Finding]:
         findings += _model_folder("critic.model.path", cfg.critic.model.path)
     if cfg.data.tokenizer:
         findings += _model_folder("data.tokenizer", cfg.data.tokenizer)
+    if cfg.reward_model.enable:
+        findings += _model_folder(
+            "reward_model.model.path", cfg.reward_model.model.path, needs_tokenizer=True
+        )
     ref_model = cfg.actor_rollout_ref.ref.model
     if uses_reference(cfg) and ref_model and ref_model.get("path"):
         findings += _model_folder("actor_rollout_ref.ref.model.path", ref_model["path"])

@@ -31,10 +31,13 @@ from fulcrum.config import FulcrumConfig, to_dict, uses_critic, uses_reference
 from fulcrum.config.sections import actor_section, critic_section, reference_section
 from fulcrum.data.dataset import rl_datasets
 from fulcrum.models.load import load_tokenizer
-from fulcrum.reward.manager import reward_manager_from, score_batch
+from fulcrum.reward.manager import RewardResult, score_batch
+from fulcrum.reward.managers import manager_from_config
 from fulcrum.rollout import SamplingParams, build_rollout, logprob_diff, sampling_params
 from fulcrum.trainer import metrics as M
+from fulcrum.trainer import recipes
 from fulcrum.trainer.checkpoint import CheckpointManager
+from fulcrum.trainer.dynamic_sampling import GroupFilter, group_metric_values
 from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, explain_oom
 from fulcrum.trainer.loggers import Tracking
 from fulcrum.trainer.run_dir import open_run_dir
@@ -110,7 +113,9 @@ class PPOTrainer:
         cfg.critic.optim.total_training_steps = self.total_training_steps
 
         # The custom reward file is imported (run as Python) here, before any model is loaded.
-        self.reward_manager = reward_manager_from(cfg.custom_reward_function, cfg.reward_model.on_error)
+        self.reward_manager = manager_from_config(cfg)
+        for line in recipes.startup_lines(cfg):
+            print(line, flush=True)
         print(kl_startup_line(cfg), flush=True)
         if arr.model.use_remove_padding:
             print(
@@ -125,6 +130,10 @@ class PPOTrainer:
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.rollout = build_rollout(arr.rollout, self.actor.model, self.tokenizer, device)
         self.pad_id = int(self.tokenizer.pad_token_id)
+        self.reward_model = recipes.reward_model_of(cfg, self.tokenizer, device)
+        self.correction = recipes.rollout_correction_of(cfg)
+        if self.correction is not None and self.correction.bypass_mode:
+            self.actor.bypass = self.correction
         self.tracking = Tracking(
             list(cfg.trainer.logger),
             self.run_dir,
@@ -138,6 +147,7 @@ class PPOTrainer:
         self.global_step = 0
         self.epoch = 0
         self.saved_step: int | None = None  # the last step this run checkpointed
+        self._prompt_stream: Any = None  # fit's prompt batches; dynamic sampling draws extra rounds from it
 
     # -------------------------------------------------------------------------------- the loop
     def roles(self) -> dict[str, Any]:
@@ -191,7 +201,8 @@ class PPOTrainer:
         if cfg.save_on_interrupt and self.checkpoints is not None:
             interrupt.install()
         try:
-            for items in self._batches():
+            self._prompt_stream = self._batches()
+            for items in self._prompt_stream:
                 self.global_step += 1
                 is_last = self.global_step >= self.total_training_steps
                 with explain_oom(self.cfg, device=self.device):
@@ -234,31 +245,28 @@ class PPOTrainer:
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
         with M.timer("step", timing):
-            # 1. generate
-            with M.timer("gen", timing):
-                batch = self.generate(items, self.sampling_params(validate=False), f"s{self.global_step}")
-            engine_metrics = getattr(self.rollout, "metrics", None)
-            if engine_metrics is not None:  # the engine's own figures (prefill/decode time, preemptions, KV)
-                metrics.update({k: float(v) for k, v in engine_metrics().items()})
-            if cfg.algorithm.adv_estimator == "remax":
-                with M.timer("gen_max", timing):
-                    batch["reward_baselines"] = self.remax_baselines(items, batch)
-            # 2. reward: the score sits on the last response token
-            with M.timer("reward", timing):
-                batch["token_level_scores"], reward = score_batch(batch, self.tokenizer, self.reward_manager)
+            # 1-2. generate and score (the score sits on the last response token); with dynamic sampling,
+            # rounds are added until enough prompt groups have responses that differ
+            batch, reward = self.generate_and_score(items, timing, metrics)
             metrics["reward/num_errors"] = float(reward.num_errors)  # reward_model.on_error=zero
             metrics["reward/num_nonfinite"] = float(reward.num_nonfinite)  # NaN/inf scores among them
             for message in reward.errors:
                 logger.warning("step %d: reward scored 0 after an error: %s", self.global_step, message)
             # 3. old log-probs (and entropy), reference log-probs, values
-            with M.timer("old_log_prob", timing):
-                old_log_probs, entropys = self.actor.compute_log_prob(batch)
-                batch["old_log_probs"] = old_log_probs
-                mask = batch["response_mask"].float()
-                metrics["actor/entropy"] = agg_loss(entropys, mask, arr.actor.loss_agg_mode).item()
-                metrics.update(
-                    logprob_diff(batch["rollout_log_probs"], old_log_probs, batch["response_mask"])
-                )
+            if self.correction is not None and self.correction.bypass_mode:
+                batch["old_log_probs"] = batch["rollout_log_probs"]  # bypass: no old-log-prob pass (verl)
+            else:
+                with M.timer("old_log_prob", timing):
+                    old_log_probs, entropys = self.actor.compute_log_prob(batch)
+                    batch["old_log_probs"] = old_log_probs
+                    mask = batch["response_mask"].float()
+                    metrics["actor/entropy"] = agg_loss(entropys, mask, arr.actor.loss_agg_mode).item()
+                    metrics.update(
+                        logprob_diff(batch["rollout_log_probs"], old_log_probs, batch["response_mask"])
+                    )
+            if arr.actor.calculate_sum_pi_squared:
+                with M.timer("old_log_prob", timing):
+                    batch["sum_pi_squared"] = self.actor.compute_sum_pi_squared(batch)
             if self.ref is not None:
                 with M.timer("ref", timing):
                     batch["ref_log_prob"] = self.ref.compute_ref_log_prob(batch)
@@ -272,7 +280,11 @@ class PPOTrainer:
                     metrics.update(kl_metrics)
                 else:
                     batch["token_level_rewards"] = batch["token_level_scores"]
+                if self.correction is not None and not self.correction.bypass_mode:
+                    metrics.update(recipes.correct_batch(batch, self.correction))
                 batch["advantages"], batch["returns"] = self.compute_advantage(batch)
+                if cfg.algorithm.use_pf_ppo and cfg.algorithm.adv_estimator == "gae":
+                    batch = recipes.pf_ppo_resample(batch, cfg.algorithm.pf_ppo)
             # 5. updates: critic first (its loss uses the pre-update values), then the actor
             if self.critic is not None:
                 with M.timer("update_critic", timing):
@@ -382,14 +394,74 @@ class PPOTrainer:
             gamma=float(alg.gamma),
             lam=float(alg.lam),
             norm_adv_by_std_in_grpo=bool(alg.norm_adv_by_std_in_grpo),
+            old_log_probs=batch.tensors.get("old_log_probs"),
+            sum_pi_squared=batch.tensors.get("sum_pi_squared"),
+            rollout_is_weights=batch.tensors.get("rollout_is_weights"),
         )
+
+    def score(self, batch: Batch) -> tuple[torch.Tensor, RewardResult]:
+        """token_level_scores (B, R) and the result: reward model and/or reward manager (recipes.score)."""
+        return recipes.score(
+            batch,
+            lambda b: score_batch(b, self.tokenizer, self.reward_manager),
+            self.reward_model,
+            bool(self.cfg.custom_reward_function.path),
+        )
+
+    def generate_and_score(
+        self, items: list[dict[str, Any]], timing: dict[str, float], metrics: dict[str, float]
+    ) -> tuple[Batch, RewardResult]:
+        """Stages 1-2. With algorithm.filter_groups.enable (DAPO), further prompt batches are generated
+        and scored until data.train_batch_size prompts have responses whose metric differs."""
+        fg = self.cfg.algorithm.filter_groups
+        gate = (
+            GroupFilter(int(self.cfg.data.train_batch_size), int(fg.max_num_gen_batches))
+            if fg.enable
+            else None
+        )
+        errors = RewardResult(scores=[])
+        round_no = 0
+        while True:
+            with M.timer("gen", timing):
+                # Prompt uids are unique per step and per round (rows group by uid).
+                prefix = f"s{self.global_step}" + (f"r{round_no}" if round_no else "")
+                batch = self.generate(items, self.sampling_params(validate=False), prefix)
+            engine_metrics = getattr(self.rollout, "metrics", None)
+            if engine_metrics is not None:  # the engine's own figures (prefill/decode time, preemptions, KV)
+                metrics.update({k: float(v) for k, v in engine_metrics().items()})
+            if self.cfg.algorithm.adv_estimator == "remax":
+                with M.timer("gen_max", timing):
+                    batch["reward_baselines"] = self.remax_baselines(items, batch)
+            with M.timer("reward", timing):
+                batch["token_level_scores"], reward = self.score(batch)
+            if gate is None:
+                return batch, reward
+            errors.num_errors += reward.num_errors
+            errors.num_nonfinite += reward.num_nonfinite
+            errors.errors += reward.errors
+            gate.add(
+                batch,
+                group_metric_values(fg.metric, batch["token_level_scores"], reward.scores, reward.extra),
+            )
+            if gate.enough:
+                break
+            if not gate.may_generate_more():
+                raise gate.too_many_rounds()
+            items = next(self._prompt_stream, None) if self._prompt_stream is not None else None
+            if items is None:  # the step budget's data is spent: train on what was kept
+                break
+            round_no += 1
+        metrics.update(gate.metrics())
+        batch = gate.take()
+        errors.scores = batch["token_level_scores"].sum(-1).tolist()
+        return batch, errors
 
     def remax_baselines(self, items: list[dict[str, Any]], batch: Batch) -> torch.Tensor:
         """ReMax's baseline: the score of a greedy response to the same prompt, per row (B,)."""
         rc = self.cfg.actor_rollout_ref.rollout
         params = SamplingParams(n=1, temperature=0.0, max_tokens=self.response_length)
         greedy = self.generate(items, params, "remax")
-        _, greedy = score_batch(greedy, self.tokenizer, self.reward_manager)
+        _, greedy = self.score(greedy)
         per_prompt = torch.tensor(greedy.scores, dtype=torch.float32)
         n = int(rc.n)
         return per_prompt.repeat_interleave(n)[: len(batch)]
@@ -399,7 +471,7 @@ class PPOTrainer:
         assert self.val_dataset is not None
         items = [self.val_dataset[i] for i in range(len(self.val_dataset))]
         batch = self.generate(items, self.sampling_params(validate=True), "val")
-        _, result = score_batch(batch, self.tokenizer, self.reward_manager)
+        _, result = self.score(batch)
         return M.validation_metrics(
             batch, result.scores, int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
         )

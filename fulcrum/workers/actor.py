@@ -19,11 +19,13 @@ from torch import nn
 from fulcrum.algo.kl import kl_penalty
 from fulcrum.algo.losses import agg_loss
 from fulcrum.algo.policy_losses import compute_policy_loss
+from fulcrum.algo.rollout_correction import RolloutCorrection, bypass_policy_loss
 from fulcrum.batch import Batch
 from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
 from fulcrum.workers.micro_batch import forward_log_prob, make_micro_batches, restore_order
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
+from fulcrum.workers.recipes import compute_sum_pi_squared
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,8 @@ class ActorWorker:
         self.micro_batch_size = section.micro_batch_size
         self.log_prob_sizes = section.log_prob
         self.shuffle_seed = section.seed
+        # Rollout correction's bypass mode (set by the trainer): the loss corrects against the engine.
+        self.bypass: RolloutCorrection | None = None
 
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Old log-probs and entropies (B, R) of the batch's responses under the current policy."""
@@ -104,6 +108,19 @@ class ActorWorker:
         )
         assert ent is not None
         return logp, ent
+
+    def compute_sum_pi_squared(self, batch: Batch) -> torch.Tensor:
+        """sum_v pi_v^2 per response token (B, R) under the current policy (optimal_token_baseline)."""
+        s = self.log_prob_sizes
+        return compute_sum_pi_squared(
+            self.model,
+            batch,
+            s.micro_batch_size,
+            s.use_dynamic_bsz,
+            s.max_token_len,
+            self.temperature,
+            self.device,
+        )
 
     def update_policy(self, batch: Batch, global_step: int = 0) -> dict[str, float]:
         """ppo_epochs × mini-batches (shuffled) × micro-batches; one optimiser step per mini-batch.
@@ -149,20 +166,34 @@ class ActorWorker:
         mask = mb["response_mask"].to(self.device).float()
         with_entropy = float(cfg.entropy_coeff) != 0.0
         log_prob, entropy = forward_log_prob(self.model, mb, self.temperature, with_entropy, self.device)
-        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = compute_policy_loss(
-            old_log_prob=mb["old_log_probs"].to(self.device),
-            log_prob=log_prob,
-            advantages=mb["advantages"].to(self.device),
-            response_mask=mask,
-            cliprange=float(cfg.clip_ratio),
-            cliprange_low=float(clip_low),
-            cliprange_high=float(clip_high),
-            clip_ratio_c=float(cfg.clip_ratio_c),
-            loss_agg_mode=cfg.loss_agg_mode,
-            loss_mode=cfg.policy_loss.loss_mode,
+        old_log_prob, advantages = mb["old_log_probs"].to(self.device), mb["advantages"].to(self.device)
+        clip = dict(
+            cliprange=float(cfg.clip_ratio), cliprange_low=float(clip_low), cliprange_high=float(clip_high)
         )
-        policy_loss = pg_loss
         out: dict[str, float] = {}
+        if self.bypass is not None:  # old log-probs are the engine's; correct against the current policy
+            loss_out, corr_metrics = bypass_policy_loss(
+                old_log_prob, log_prob, advantages, mask, self.bypass, **clip,
+                clip_ratio_c=float(cfg.clip_ratio_c), loss_agg_mode=cfg.loss_agg_mode,
+            )  # fmt: skip
+            out.update(corr_metrics)
+        else:
+            weights = mb.tensors.get("rollout_is_weights")
+            loss_out = compute_policy_loss(
+                old_log_prob=old_log_prob,
+                log_prob=log_prob,
+                advantages=advantages,
+                response_mask=mask,
+                **clip,
+                clip_ratio_c=float(cfg.clip_ratio_c),
+                loss_agg_mode=cfg.loss_agg_mode,
+                loss_mode=cfg.policy_loss.loss_mode,
+                rollout_is_weights=weights.to(self.device) if weights is not None else None,
+                tau_pos=float(cfg.tau_pos),
+                tau_neg=float(cfg.tau_neg),
+            )
+        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = loss_out
+        policy_loss = pg_loss
         if entropy is not None:
             entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
             policy_loss = policy_loss - float(cfg.entropy_coeff) * entropy_loss
