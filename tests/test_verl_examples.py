@@ -112,3 +112,19 @@ def test_ulysses_sequence_parallelism_is_refused_with_a_reason(
     out = capsys.readouterr().out
     assert "actor_rollout_ref.actor.ulysses_sequence_parallel_size" in out
     assert "sequence parallelism" in out
+
+
+def test_keys_without_effect_are_accepted_and_named(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    keys = [
+        "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2",
+        "actor_rollout_ref.rollout.data_parallel_size=2",
+        "actor_rollout_ref.rollout.expert_parallel_size=4",
+        "actor_rollout_ref.actor.use_prefix_grouper=True",
+        "reward_model.use_reward_loop=True",
+    ]
+    argv = as_user_would(EXAMPLES["scripts"]["examples/grpo_trainer/run_qwen2-7b.sh"], files)
+    assert doctor.main([*argv, *keys]) == 0
+    out = capsys.readouterr().out
+    listed = out[out.index("accepted for compatibility, no effect:") :]
+    for item in keys:
+        assert item in listed, item

@@ -142,6 +142,7 @@ class OptimConfig:
 
 @dataclass
 class FSDPConfig:
+    strategy: str = opt("fsdp", "fsdp or fsdp2 (no effect: one device per process)")
     wrap_policy: dict[str, Any] = opt({"min_num_params": 0}, "FSDP wrap policy (no effect)")
     param_offload: bool = opt(False, "offload parameters to CPU (no effect on one device)")
     optimizer_offload: bool = opt(False, "offload optimizer state to CPU (no effect on one device)")
