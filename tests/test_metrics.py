@@ -101,6 +101,10 @@ def test_flops_estimate_qwen2_0_5b_shape() -> None:
     assert M.dense_param_count(cfg) == n == 630_095_872
     flops = M.estimate_train_flops(cfg, [100, 200])
     assert flops == pytest.approx(6 * n * 300 + 12 * (100**2 + 200**2) * 64 * 14 * 24)
+    # The critic (perf/mfu/critic): no LM head, the embedding counted once.
+    assert M.dense_param_count(cfg, lm_head=False) == n - 151936 * 896
+    critic_flops = M.estimate_train_flops(cfg, [100, 200], lm_head=False)
+    assert flops - critic_flops == pytest.approx(6 * 151936 * 896 * 300)
 
 
 def test_mfu_is_zero_on_cpu_and_memory_metrics_present() -> None:

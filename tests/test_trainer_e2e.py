@@ -27,11 +27,11 @@ prompt_length/clip_ratio timing_s/step timing_s/gen timing_s/reward timing_s/old
 timing_s/values timing_s/adv timing_s/update_critic timing_s/update_actor timing_s/update_weights timing_s/testing
 timing_s/save_checkpoint timing_per_token_ms/gen timing_per_token_ms/ref timing_per_token_ms/values
 timing_per_token_ms/adv timing_per_token_ms/update_critic timing_per_token_ms/update_actor perf/total_num_tokens
-perf/time_per_step perf/throughput perf/mfu/actor perf/max_memory_allocated_gb perf/max_memory_reserved_gb
+perf/time_per_step perf/throughput perf/mfu/actor perf/mfu/critic perf/max_memory_allocated_gb perf/max_memory_reserved_gb
 perf/cpu_memory_used_gb actor/reward_kl_penalty actor/reward_kl_penalty_coeff training/global_step
 training/epoch""".split()
 CRITIC_ONLY = ("critic/v", "critic/grad_norm", "critic/lr", "timing_s/values", "timing_s/update_critic")
-CRITIC_ONLY += ("timing_per_token_ms/values", "timing_per_token_ms/update_critic")
+CRITIC_ONLY += ("timing_per_token_ms/values", "timing_per_token_ms/update_critic", "perf/mfu/critic")
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
 
 

@@ -89,7 +89,7 @@ class ModelConfig:
     override_config: dict[str, Any] = opt({}, "overrides applied to the model's config.json")
     enable_gradient_checkpointing: bool = opt(True, "recompute activations in backward to save memory")
     enable_activation_offload: bool = opt(False, "offload activations to CPU (no effect)")
-    use_remove_padding: bool = opt(False, "pack sequences without padding for the forward passes")
+    use_remove_padding: bool = opt(True, "pack sequences without padding (as verl's HFModelConfig)")
     lora_rank: int = opt(0, "LoRA rank; 0 trains all weights (LoRA not supported yet)")
     lora_alpha: int = opt(16, "LoRA alpha")
     target_modules: Any = opt("all-linear", "LoRA target modules")
@@ -178,7 +178,7 @@ class ActorConfig:
     )
     entropy_coeff: float = opt(0.0, "entropy bonus coefficient")
     use_kl_loss: bool = opt(False, "add KL(actor||ref) to the loss (GRPO style)")
-    use_torch_compile: bool = opt(True, "torch.compile hot functions (no effect)")
+    use_torch_compile: bool = opt(True, "torch.compile the packed decoder layers (CUDA)")
     kl_loss_coef: float = opt(0.001, "coefficient of the KL loss")
     kl_loss_type: str = opt(
         "low_var_kl",
@@ -324,7 +324,7 @@ class CriticModelConfig:
     use_shm: bool = opt(False, "shared-memory loading (no effect)")
     enable_gradient_checkpointing: bool = opt(True, "recompute activations in backward")
     enable_activation_offload: bool = opt(False, "offload activations (no effect)")
-    use_remove_padding: bool = opt(False, "pack sequences without padding")
+    use_remove_padding: bool = opt(True, "pack sequences without padding (as verl's HFModelConfig)")
     fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP settings")
     lora_rank: int = opt(0, "LoRA rank (not supported)")
     lora_alpha: int = opt(16, "LoRA alpha")

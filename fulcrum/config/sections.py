@@ -61,6 +61,8 @@ class ReferenceSection:
     model_path: str  # the actor's initial weights
     temperature: float  # scoring_temperature()
     log_prob: ForwardSizes  # actor_rollout_ref.ref.log_prob_*
+    use_remove_padding: bool  # actor_rollout_ref.model.use_remove_padding (the actor's model)
+    use_torch_compile: bool  # actor_rollout_ref.ref.use_torch_compile (follows the actor's)
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class CriticSection:
     micro_batch_size: int | None  # responses per forward/backward
     values: ForwardSizes  # the values pass (critic.forward_*)
     seed: int  # mini-batch shuffles (trainer.seed + 7: not the actor's order)
+    use_torch_compile: bool  # actor_rollout_ref.actor.use_torch_compile (verl's critic has no key)
 
 
 def actor_section(cfg: FulcrumConfig) -> ActorSection:
@@ -104,6 +107,8 @@ def reference_section(cfg: FulcrumConfig) -> ReferenceSection:
             ref.log_prob_max_token_len_per_gpu,
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
         ),
+        use_remove_padding=bool(cfg.actor_rollout_ref.model.use_remove_padding),
+        use_torch_compile=bool(ref.use_torch_compile),
     )
 
 
@@ -124,4 +129,5 @@ def critic_section(cfg: FulcrumConfig) -> CriticSection:
             "critic.forward_micro_batch_size_per_gpu",
         ),
         seed=cfg.trainer.seed + 7,
+        use_torch_compile=bool(cfg.actor_rollout_ref.actor.use_torch_compile),
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fulcrum.models.packed import PACKED_ATTENTION
+
 # Rows of (T, V) logits turned into float32 at once in no-grad mode (about 0.6 GB at V=152k, T=1024).
 _NO_GRAD_ROW_CHUNK = 1
 
@@ -110,7 +112,10 @@ def no_empty_rows_mask(model: nn.Module, attention_mask: torch.Tensor) -> torch.
     (they still never attend to pads) and leaves no row empty. Other attention implementations
     (eager, flash) get the 2-D mask unchanged.
     """
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa":
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) not in (
+        "sdpa",
+        PACKED_ATTENTION,
+    ):
         return attention_mask
     length = attention_mask.shape[1]
     real = attention_mask.bool()  # (B, T)

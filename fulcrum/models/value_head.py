@@ -43,8 +43,9 @@ class CriticModel(nn.Module):
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
-        hidden = out.last_hidden_state  # (B, T, H)
-        # The head runs in float32 so the value estimate is not rounded to bf16 under autocast.
+        return self.value_from_hidden(out.last_hidden_state)  # (B, T)
+
+    def value_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """score(hidden) in float32: (..., H) → (...), so the value is not rounded to bf16."""
         with torch.autocast(device_type=hidden.device.type, enabled=False):
-            values = self.score(hidden.float())  # (B, T, 1)
-        return values.squeeze(-1)  # (B, T)
+            return self.score(hidden.float()).squeeze(-1)

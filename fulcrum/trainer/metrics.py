@@ -5,11 +5,11 @@
 - timing: `timing_s/<stage>` and `timing_per_token_ms/<stage>` (gen per response token, the other
   stages per prompt + response token);
 - throughput: tokens (prompt + response, every sample) ÷ (step seconds × devices);
-- MFU of the actor update: verl's FLOPs estimate (6·N·tokens + 12·Σ seqlen²·head_dim·heads·layers) ×
-  ppo_epochs ÷ (update seconds × devices × peak FLOP/s). The CPU has no known peak, so MFU is 0 there,
+- MFU of the actor and critic updates: verl's FLOPs estimate (6·N·tokens + 12·Σ seqlen²·head_dim·heads·layers)
+  × ppo_epochs ÷ (update seconds × devices × peak FLOP/s). The CPU has no known peak, so MFU is 0 there,
   as in verl for an unknown device;
-- memory: peak CUDA allocated/reserved (0 on the CPU), the machine's used RAM (total - available,
-  like verl's psutil figure) and this process's peak resident memory.
+- memory: peak CUDA allocated/reserved over the step and per phase (0 on the CPU), the machine's used
+  RAM (total - available, like verl's psutil figure) and this process's peak resident memory.
 
 Docs for each metric and the lever it points to: docs/metrics.md.
 """
@@ -52,14 +52,20 @@ PHASE_ATTRIBUTE = "fulcrum_phase"
 
 
 @contextlib.contextmanager
-def timer(name: str, timing_raw: dict[str, float]) -> Iterator[None]:
+def timer(name: str, timing_raw: dict[str, float], peaks: dict[str, float] | None = None) -> Iterator[None]:
     """Add the wall seconds of the block to `timing_raw[name]` (CUDA work is synchronised first).
 
     An error leaving the block carries the phase `name` (the innermost one), so a failure report
     (`faults.explain_oom`) names the phase from this fact rather than guessing (`phase_of`).
+    With `peaks`, also the block's peak CUDA memory allocated (GiB) into `peaks[name]` (the peak
+    counter is reset at the block's start; `memory_metrics` folds the phases back together).
     """
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
         torch.cuda.synchronize()
+        if peaks is not None:
+            _fold_peaks(peaks, "_before")
+            torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
         yield
@@ -69,14 +75,27 @@ def timer(name: str, timing_raw: dict[str, float]) -> Iterator[None]:
                 setattr(error, PHASE_ATTRIBUTE, name)
         raise
     finally:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if cuda:
             torch.cuda.synchronize()
+            if peaks is not None:
+                _fold_peaks(peaks, name)
         timing_raw[name] = timing_raw.get(name, 0.0) + time.perf_counter() - start
 
 
 def phase_of(error: BaseException) -> str | None:
     """The innermost `timer` phase `error` escaped from; None when it was raised outside every timer."""
     return getattr(error, PHASE_ATTRIBUTE, None)
+
+
+def _fold_peaks(peaks: dict[str, float], name: str) -> None:
+    """Fold the CUDA peak counters since their last reset into `peaks[name]` and `peaks["_reserved"]`."""
+    peaks[name] = max(peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / GiB)
+    peaks["_reserved"] = max(peaks.get("_reserved", 0.0), torch.cuda.max_memory_reserved() / GiB)
+
+
+def phase_memory_metrics(peaks: dict[str, float]) -> dict[str, float]:
+    """perf/max_memory_allocated_gb/<phase>: the peak CUDA memory allocated during each timed phase (GiB)."""
+    return {f"perf/max_memory_allocated_gb/{k}": v for k, v in peaks.items() if not k.startswith("_")}
 
 
 def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
@@ -144,20 +163,22 @@ def validation_metrics(batch: Batch, scores: list[float], n: int) -> dict[str, f
 def step_metrics(
     batch: Batch,
     timing_raw: dict[str, float],
-    model_config: Any,
-    ppo_epochs: int,
+    actor: tuple[Any, int],
+    critic: tuple[Any, int] | None,
     device: torch.device,
     n_devices: int,
-    use_critic: bool,
+    peaks: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """Everything a step logs about its data, time, throughput, MFU and memory (verl's names)."""
-    metrics = compute_data_metrics(batch, use_critic=use_critic)
+    """Everything a step logs about its data, time, throughput, MFU and memory (verl's names).
+
+    `actor`, `critic` = (model config, ppo_epochs), critic None without one; `peaks` from `timer`.
+    """
+    metrics = compute_data_metrics(batch, use_critic=critic is not None)
     metrics.update(compute_timing_metrics(batch, timing_raw))
     metrics.update(compute_throughput_metrics(batch, timing_raw, n_devices))
-    metrics["perf/mfu/actor"] = compute_mfu(
-        model_config, batch, timing_raw.get("update_actor", 0.0), ppo_epochs, device, n_devices
-    )
-    metrics.update(memory_metrics(device))
+    metrics.update(update_mfu_metrics(batch, timing_raw, actor, critic, device, n_devices))
+    metrics.update(memory_metrics(device, peaks))
+    metrics.update(phase_memory_metrics(peaks or {}))
     return metrics
 
 
@@ -199,8 +220,11 @@ def compute_throughput_metrics(
     }
 
 
-def dense_param_count(config: Any) -> int:
-    """verl's N for a decoder-only transformer: per-layer attention + MLP linears, plus embedding and LM head."""
+def dense_param_count(config: Any, lm_head: bool = True) -> int:
+    """verl's N for a decoder-only transformer: per-layer attention + MLP linears, plus embedding and LM head.
+
+    `lm_head=False` (the critic: a scalar value head instead) counts the embedding once.
+    """
     hidden = int(config.hidden_size)
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -210,18 +234,21 @@ def dense_param_count(config: Any) -> int:
     vocab = int(config.vocab_size)
     attn = hidden * (heads * head_dim + 2 * kv_heads * head_dim + heads * head_dim)
     mlp = 3 * hidden * intermediate  # gate, up, down (SwiGLU)
-    return (attn + mlp) * layers + 2 * vocab * hidden
+    return (attn + mlp) * layers + (2 if lm_head else 1) * vocab * hidden
 
 
-def estimate_train_flops(config: Any, seq_lengths: list[int]) -> float:
-    """FLOPs of one forward + backward over sequences of these lengths: 6·N·Σℓ + 12·Σℓ²·head_dim·heads·layers."""
+def estimate_train_flops(config: Any, seq_lengths: list[int], lm_head: bool = True) -> float:
+    """FLOPs of one forward + backward over sequences of these lengths: 6·N·Σℓ + 12·Σℓ²·head_dim·heads·layers.
+
+    N = `dense_param_count(config, lm_head)`; gradient-checkpoint recomputation is not counted (as verl).
+    """
     hidden = int(config.hidden_size)
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
     layers = int(config.num_hidden_layers)
     tokens = sum(seq_lengths)
     square_sum = sum(s * s for s in seq_lengths)
-    return 6.0 * dense_param_count(config) * tokens + 12.0 * square_sum * head_dim * heads * layers
+    return 6.0 * dense_param_count(config, lm_head) * tokens + 12.0 * square_sum * head_dim * heads * layers
 
 
 def device_peak_flops(device: torch.device) -> float | None:
@@ -236,23 +263,67 @@ def device_peak_flops(device: torch.device) -> float | None:
 
 
 def compute_mfu(
-    config: Any, batch: Batch, update_seconds: float, ppo_epochs: int, device: torch.device, n_devices: int
+    config: Any,
+    batch: Batch,
+    update_seconds: float,
+    ppo_epochs: int,
+    device: torch.device,
+    n_devices: int,
+    lm_head: bool = True,
 ) -> float:
-    """Model FLOPs utilisation of the actor update; 0.0 where the device's peak is unknown (the CPU)."""
+    """Model FLOPs utilisation of an update (`perf/mfu/actor`, `perf/mfu/critic` with lm_head=False).
+
+        MFU = (6·N·T + 12·Σℓ²·d·h·L) · ppo_epochs / (update seconds · devices · peak)
+
+    T = Σℓ the real (prompt + response) tokens of the batch, ℓ each sample's length, N =
+    `dense_param_count` (embedding and LM head both counted, as verl; the critic: embedding once),
+    d·h·L head dim × query heads × layers, peak the device's dense bf16 FLOP/s (H100/H200: 989e12).
+    Recomputation under gradient checkpointing is not counted. 0.0 where the peak is unknown (the CPU).
+    """
     peak = device_peak_flops(device)
     if peak is None or update_seconds <= 0:
         return 0.0
     lengths = batch["attention_mask"].sum(-1).long().tolist()
-    flops = estimate_train_flops(config, lengths) * ppo_epochs
+    flops = estimate_train_flops(config, lengths, lm_head) * ppo_epochs
     return flops / (update_seconds * n_devices * peak)
 
 
-def memory_metrics(device: torch.device) -> dict[str, float]:
-    """Peak CUDA memory (0 on the CPU), the machine's used RAM, and this process's peak resident memory."""
+def update_mfu_metrics(
+    batch: Batch,
+    timing_raw: dict[str, float],
+    actor: tuple[Any, int],
+    critic: tuple[Any, int] | None,
+    device: torch.device,
+    n_devices: int,
+) -> dict[str, float]:
+    """perf/mfu/actor and (with a critic) perf/mfu/critic; `actor`, `critic` = (model config, ppo_epochs)."""
+    out = {
+        "perf/mfu/actor": compute_mfu(
+            actor[0], batch, timing_raw.get("update_actor", 0.0), actor[1], device, n_devices
+        )
+    }
+    if critic is not None:
+        seconds = timing_raw.get("update_critic", 0.0)
+        out["perf/mfu/critic"] = compute_mfu(
+            critic[0], batch, seconds, critic[1], device, n_devices, lm_head=False
+        )
+    return out
+
+
+def memory_metrics(device: torch.device, peaks: dict[str, float] | None = None) -> dict[str, float]:
+    """Peak CUDA memory (0 on the CPU), the machine's used RAM, and this process's peak resident memory.
+
+    `peaks` (from `timer`, whose phases reset the CUDA peak counters) are folded in, so the peak
+    covers every phase of the step.
+    """
     out = {"perf/max_memory_allocated_gb": 0.0, "perf/max_memory_reserved_gb": 0.0}
     if device.type == "cuda":
-        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / GiB
-        out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(device) / GiB
+        peaks = peaks or {}
+        allocated = [v for k, v in peaks.items() if k != "_reserved"]
+        out["perf/max_memory_allocated_gb"] = max([torch.cuda.max_memory_allocated(device) / GiB, *allocated])
+        out["perf/max_memory_reserved_gb"] = max(
+            torch.cuda.max_memory_reserved(device) / GiB, peaks.get("_reserved", 0.0)
+        )
     out["perf/cpu_memory_used_gb"] = _system_memory_used_gb()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     out["perf/cpu_memory_peak_rss_gb"] = peak_rss / (GiB if sys.platform == "darwin" else 1024**2)

@@ -243,11 +243,12 @@ class PPOTrainer:
         timer, so `timing_s/step` and `perf/throughput` include them on those steps."""
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         timing: dict[str, float] = {}
+        peaks: dict[str, float] = {}  # peak CUDA memory per phase
         metrics: dict[str, float] = {}
         with M.timer("step", timing):
             # 1-2. generate and score (the score sits on the last response token); with dynamic sampling,
             # rounds are added until enough prompt groups have responses that differ
-            batch, reward = self.generate_and_score(items, timing, metrics)
+            batch, reward = self.generate_and_score(items, timing, metrics, peaks)
             metrics["reward/num_errors"] = float(reward.num_errors)  # reward_model.on_error=zero
             metrics["reward/num_nonfinite"] = float(reward.num_nonfinite)  # NaN/inf scores among them
             for message in reward.errors:
@@ -256,7 +257,7 @@ class PPOTrainer:
             if self.correction is not None and self.correction.bypass_mode:
                 batch["old_log_probs"] = batch["rollout_log_probs"]  # bypass: no old-log-prob pass (verl)
             else:
-                with M.timer("old_log_prob", timing):
+                with M.timer("old_log_prob", timing, peaks):
                     old_log_probs, entropys = self.actor.compute_log_prob(batch)
                     batch["old_log_probs"] = old_log_probs
                     mask = batch["response_mask"].float()
@@ -268,10 +269,10 @@ class PPOTrainer:
                 with M.timer("old_log_prob", timing):
                     batch["sum_pi_squared"] = self.actor.compute_sum_pi_squared(batch)
             if self.ref is not None:
-                with M.timer("ref", timing):
+                with M.timer("ref", timing, peaks):
                     batch["ref_log_prob"] = self.ref.compute_ref_log_prob(batch)
             if self.critic is not None:
-                with M.timer("values", timing):
+                with M.timer("values", timing, peaks):
                     batch["values"] = self.critic.compute_values(batch)
             # 4. KL in reward, then advantages
             with M.timer("adv", timing):
@@ -287,10 +288,10 @@ class PPOTrainer:
                     batch = recipes.pf_ppo_resample(batch, cfg.algorithm.pf_ppo)
             # 5. updates: critic first (its loss uses the pre-update values), then the actor
             if self.critic is not None:
-                with M.timer("update_critic", timing):
+                with M.timer("update_critic", timing, peaks):
                     metrics.update(self.critic.update_critic(batch, self.global_step))
             if int(cfg.trainer.critic_warmup) <= self.global_step:
-                with M.timer("update_actor", timing):
+                with M.timer("update_actor", timing, peaks):
                     metrics.update(self.actor.update_policy(batch, self.global_step))
                 # 6. the new weights into the engine (in place; the hf backend shares the module)
                 with M.timer("update_weights", timing):
@@ -321,15 +322,16 @@ class PPOTrainer:
                     )
                 self.saved_step = self.global_step
         # 8. metrics
+        critic = (self.critic.model.config, self.critic.ppo_epochs) if self.critic is not None else None
         metrics.update(
             M.step_metrics(
                 batch,
                 timing,
-                self.actor.model.config,
-                int(arr.actor.ppo_epochs),
+                (self.actor.model.config, int(arr.actor.ppo_epochs)),
+                critic,
                 self.device,
                 self.n_devices,
-                use_critic=self.critic is not None,
+                peaks,
             )
         )
         # Integers, as verl logs them ("training/global_step": 3, not 3.0): scripts grep and compare them.
@@ -409,7 +411,11 @@ class PPOTrainer:
         )
 
     def generate_and_score(
-        self, items: list[dict[str, Any]], timing: dict[str, float], metrics: dict[str, float]
+        self,
+        items: list[dict[str, Any]],
+        timing: dict[str, float],
+        metrics: dict[str, float],
+        peaks: dict[str, float] | None = None,
     ) -> tuple[Batch, RewardResult]:
         """Stages 1-2. With algorithm.filter_groups.enable (DAPO), further prompt batches are generated
         and scored until data.train_batch_size prompts have responses whose metric differs."""
@@ -422,7 +428,7 @@ class PPOTrainer:
         errors = RewardResult(scores=[])
         round_no = 0
         while True:
-            with M.timer("gen", timing):
+            with M.timer("gen", timing, peaks):
                 # Prompt uids are unique per step and per round (rows group by uid).
                 prefix = f"s{self.global_step}" + (f"r{round_no}" if round_no else "")
                 batch = self.generate(items, self.sampling_params(validate=False), prefix)

@@ -23,23 +23,26 @@ from fulcrum.algo.rollout_correction import RolloutCorrection, bypass_policy_los
 from fulcrum.batch import Batch
 from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
-from fulcrum.workers.micro_batch import forward_log_prob, make_micro_batches, restore_order
+from fulcrum.workers.micro_batch import restore_order
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.recipes import compute_sum_pi_squared
+from fulcrum.workers.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 def compute_log_prob(
-    model: nn.Module,
+    runner: ModelRunner,
     batch: Batch,
     sizes: ForwardSizes,
     temperature: float,
-    device: torch.device,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(response) (B, R) and entropy (B, R) on the CPU, float32, no gradient, micro-batched."""
-    micro, order = make_micro_batches(
+    """log π(response) (B, R) and entropy (B, R) on the CPU, float32, no gradient, micro-batched.
+
+    Results stay on the device until the pass ends: one host copy, no sync per micro-batch.
+    """
+    micro, order = runner.micro_batches(
         batch,
         sizes.micro_batch_size,
         sizes.use_dynamic_bsz,
@@ -47,19 +50,21 @@ def compute_log_prob(
         sizes.key,
         sort_by_length=True,
     )
+    model = runner.model
     was_training = model.training
     model.eval()  # no dropout: log-probs must match what the update's ratio starts from
     logps, ents = [], []
     try:
-        with torch.no_grad():
+        with torch.no_grad(), runner.active():
             for mb in micro:
-                logp, ent = forward_log_prob(model, mb, temperature, with_entropy, device)
-                logps.append(logp.cpu())
+                logp, ent = runner.log_prob(mb, temperature, with_entropy)
+                logps.append(logp)
                 if ent is not None:
-                    ents.append(ent.cpu())
+                    ents.append(ent)
     finally:
         model.train(was_training)
-    return restore_order(logps, order), (restore_order(ents, order) if with_entropy else None)
+    logp_all = restore_order(logps, order).cpu()
+    return logp_all, (restore_order(ents, order).cpu() if with_entropy else None)
 
 
 class ReferenceWorker:
@@ -69,11 +74,18 @@ class ReferenceWorker:
         self.device = device
         self.model = load_causal_lm(section.model_path, device).eval()
         self.model.requires_grad_(False)
+        self.runner = ModelRunner(
+            self.model,
+            device,
+            section.use_remove_padding,
+            "reference",
+            use_torch_compile=section.use_torch_compile,
+        )
         self.temperature = section.temperature
         self.sizes = section.log_prob
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
-        logp, _ = compute_log_prob(self.model, batch, self.sizes, self.temperature, self.device, False)
+        logp, _ = compute_log_prob(self.runner, batch, self.sizes, self.temperature, False)
         return logp
 
 
@@ -89,6 +101,13 @@ class ActorWorker:
         model = section.model
         self.model = load_causal_lm(model.path, device, model.enable_gradient_checkpointing)
         self.model.train()
+        self.runner = ModelRunner(
+            self.model,
+            device,
+            bool(model.use_remove_padding),
+            "actor",
+            use_torch_compile=bool(self.cfg.use_torch_compile),
+        )
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optim, device)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, self.cfg.optim, total_training_steps, "actor_rollout_ref.actor.optim"
@@ -103,9 +122,7 @@ class ActorWorker:
 
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Old log-probs and entropies (B, R) of the batch's responses under the current policy."""
-        logp, ent = compute_log_prob(
-            self.model, batch, self.log_prob_sizes, self.temperature, self.device, True
-        )
+        logp, ent = compute_log_prob(self.runner, batch, self.log_prob_sizes, self.temperature, True)
         assert ent is not None
         return logp, ent
 
@@ -126,8 +143,11 @@ class ActorWorker:
         """ppo_epochs × mini-batches (shuffled) × micro-batches; one optimiser step per mini-batch.
 
         The shuffle is seeded by (trainer.seed, global_step) so a resumed run repeats it exactly.
-        Needs `old_log_probs`, `advantages` (and `ref_log_prob` with use_kl_loss). Metrics are means
-        over micro-batches (losses, clip fractions) or mini-batches (grad_norm), as verl reduces them.
+        Needs `old_log_probs`, `advantages` (and `ref_log_prob` with use_kl_loss). The loss of each
+        micro-batch is its share of the mini-batch loss (global-token normalisation, verl 0.9.1: the
+        token or sequence count of `loss_agg_mode` is the mini-batch's), so the gradient does not
+        depend on how the mini-batch is cut. Metrics: losses are per mini-batch, clip fractions and
+        KL means over micro-batches, grad_norm per mini-batch, each then averaged (as verl reduces).
         """
         cfg = self.cfg
         if len(batch) % self.mini_batch_size != 0 and len(batch) > self.mini_batch_size:
@@ -135,46 +155,56 @@ class ActorWorker:
                 "actor: %d responses do not divide into mini-batches of %d", len(batch), self.mini_batch_size
             )
         self.model.train()
-        metrics: dict[str, list[float]] = defaultdict(list)
+        metrics: dict[str, list[torch.Tensor | float]] = defaultdict(list)
         generator = torch.Generator().manual_seed(self.shuffle_seed * 1_000_003 + global_step)
         clip_low, clip_high = cfg.clip_ratio_low, cfg.clip_ratio_high  # resolved: follow clip_ratio when null
         assert clip_low is not None and clip_high is not None
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator)
             for mini in batch.select(order).split(self.mini_batch_size):
-                micro, _ = make_micro_batches(
+                micro, _ = self.runner.micro_batches(
                     mini,
                     self.micro_batch_size,
                     cfg.use_dynamic_bsz,
                     cfg.ppo_max_token_len_per_gpu,
                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
                 )
+                agg = global_agg_kwargs(mini["response_mask"])
                 self.optimizer.zero_grad(set_to_none=True)
-                for mb in micro:
-                    # verl: loss / gradient_accumulation, or the micro-batch's share of the mini-batch (dynamic bsz).
-                    scale = len(mb) / len(mini)
-                    step_metrics = self._micro_step(mb, scale, clip_low, clip_high)
-                    for k, v in step_metrics.items():
-                        metrics[k].append(v)
+                shares: dict[str, list[torch.Tensor]] = defaultdict(list)
+                with self.runner.active():
+                    for mb in micro:
+                        step_metrics = self._micro_step(mb, agg, clip_low, clip_high)
+                        self.runner.accumulate_grads()
+                        for k, v in step_metrics.items():
+                            if k in _LOSS_SHARES:
+                                shares[k].append(v)  # type: ignore[arg-type]
+                            else:
+                                metrics[k].append(v)
+                for k, parts in shares.items():
+                    metrics[k].append(torch.stack(parts).sum())
                 metrics["actor/grad_norm"].append(self._optimizer_step(float(cfg.grad_clip), "actor"))
         metrics["actor/lr"].append(self.lr_scheduler.get_last_lr()[0])
         self.lr_scheduler.step()
-        return {k: float(sum(v) / len(v)) for k, v in metrics.items()}
+        return mean_metrics(metrics)
 
-    def _micro_step(self, mb: Batch, scale: float, clip_low: float, clip_high: float) -> dict[str, float]:
+    def _micro_step(
+        self, mb: Batch, agg: dict[str, float], clip_low: float, clip_high: float
+    ) -> dict[str, torch.Tensor | float]:
+        """Forward, loss (this micro-batch's share of the mini-batch loss), backward; detached metrics."""
         cfg = self.cfg
         mask = mb["response_mask"].to(self.device).float()
         with_entropy = float(cfg.entropy_coeff) != 0.0
-        log_prob, entropy = forward_log_prob(self.model, mb, self.temperature, with_entropy, self.device)
+        log_prob, entropy = self.runner.log_prob(mb, self.temperature, with_entropy)
         old_log_prob, advantages = mb["old_log_probs"].to(self.device), mb["advantages"].to(self.device)
         clip = dict(
             cliprange=float(cfg.clip_ratio), cliprange_low=float(clip_low), cliprange_high=float(clip_high)
         )
-        out: dict[str, float] = {}
+        out: dict[str, torch.Tensor | float] = {}
         if self.bypass is not None:  # old log-probs are the engine's; correct against the current policy
             loss_out, corr_metrics = bypass_policy_loss(
                 old_log_prob, log_prob, advantages, mask, self.bypass, **clip,
-                clip_ratio_c=float(cfg.clip_ratio_c), loss_agg_mode=cfg.loss_agg_mode,
+                clip_ratio_c=float(cfg.clip_ratio_c), loss_agg_mode=cfg.loss_agg_mode, **agg,
             )  # fmt: skip
             out.update(corr_metrics)
         else:
@@ -191,25 +221,26 @@ class ActorWorker:
                 rollout_is_weights=weights.to(self.device) if weights is not None else None,
                 tau_pos=float(cfg.tau_pos),
                 tau_neg=float(cfg.tau_neg),
+                **agg,
             )
         pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = loss_out
         policy_loss = pg_loss
         if entropy is not None:
-            entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
+            entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
             policy_loss = policy_loss - float(cfg.entropy_coeff) * entropy_loss
         if cfg.use_kl_loss:
             kld = kl_penalty(log_prob, mb["ref_log_prob"].to(self.device), cfg.kl_loss_type)
-            kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode)
+            kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, **agg)
             policy_loss = policy_loss + float(cfg.kl_loss_coef) * kl_loss
-            out["actor/kl_loss"] = kl_loss.item()
+            out["actor/kl_loss"] = kl_loss.detach()
             out["actor/kl_coef"] = float(cfg.kl_loss_coef)
-        (policy_loss * scale).backward()
+        policy_loss.backward()
         out.update(
             {
-                "actor/pg_loss": pg_loss.item(),
-                "actor/pg_clipfrac": float(pg_clipfrac),
-                "actor/ppo_kl": float(ppo_kl),
-                "actor/pg_clipfrac_lower": float(pg_clipfrac_lower),
+                "actor/pg_loss": pg_loss.detach(),
+                "actor/pg_clipfrac": pg_clipfrac,
+                "actor/ppo_kl": ppo_kl,
+                "actor/pg_clipfrac_lower": pg_clipfrac_lower,
             }
         )
         return out
@@ -220,6 +251,34 @@ class ActorWorker:
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The policy's weights under Hugging Face names, for `RolloutEngine.update_weights`."""
         return list(self.model.state_dict().items())
+
+
+# Metrics that are a micro-batch's share of the mini-batch loss: summed per mini-batch.
+_LOSS_SHARES = frozenset({"actor/pg_loss", "actor/kl_loss", "critic/vf_loss"})
+
+
+def global_agg_kwargs(response_mask: torch.Tensor) -> dict[str, float]:
+    """`agg_loss` keywords for a micro-batch of this mini-batch: its token and sequence counts.
+
+    token-mean divides by the mini-batch's tokens, seq-mean-* by its sequences with a token, so the
+    micro-batch losses add up to the mini-batch loss however it is cut (verl 0.9.1's global-token
+    normalisation). Counted on the host (the batch lives there): no device sync.
+    """
+    tokens_per_seq = response_mask.sum(-1)  # (B,)
+    return {
+        "batch_num_tokens": max(float(tokens_per_seq.sum()), 1.0),
+        "global_batch_size": max(float((tokens_per_seq > 0).sum()), 1.0),
+    }
+
+
+def mean_metrics(metrics: dict[str, list[torch.Tensor | float]]) -> dict[str, float]:
+    """Mean of each metric's values; device tensors are brought to the host in one copy."""
+    tensors = [(k, i) for k, v in metrics.items() for i, x in enumerate(v) if isinstance(x, torch.Tensor)]
+    if tensors:
+        stacked = torch.stack([metrics[k][i].detach().float().reshape(()) for k, i in tensors])  # type: ignore[union-attr]
+        for (k, i), value in zip(tensors, stacked.cpu().tolist(), strict=True):
+            metrics[k][i] = value
+    return {k: float(sum(float(x) for x in v) / len(v)) for k, v in metrics.items()}
 
 
 def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, role: str) -> float:

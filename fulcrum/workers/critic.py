@@ -17,9 +17,10 @@ from fulcrum.batch import Batch
 from fulcrum.config.sections import CriticSection
 from fulcrum.models.load import load_backbone
 from fulcrum.models.value_head import CriticModel
-from fulcrum.workers.actor import clip_and_step
-from fulcrum.workers.micro_batch import forward_values, make_micro_batches, restore_order
+from fulcrum.workers.actor import clip_and_step, global_agg_kwargs, mean_metrics
+from fulcrum.workers.micro_batch import restore_order
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
+from fulcrum.workers.runner import ModelRunner
 
 
 class CriticWorker:
@@ -34,6 +35,15 @@ class CriticWorker:
         if c.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable({"use_reentrant": False})
         self.model.train()
+        # The value head stays float32 (keep): values are not rounded to bf16.
+        self.runner = ModelRunner(
+            self.model,
+            device,
+            bool(c.model.use_remove_padding),
+            "critic",
+            keep=("score",),
+            use_torch_compile=section.use_torch_compile,
+        )
         self.optimizer = build_optimizer(self.model.parameters(), c.optim, device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, c.optim, total_training_steps, "critic.optim")
         self.mini_batch_size = section.mini_batch_size
@@ -48,7 +58,7 @@ class CriticWorker:
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """V(s_t) for every response position (B, R), float32 on the CPU, zero outside the response mask."""
         sizes = self.values_sizes
-        micro, order = make_micro_batches(
+        micro, order = self.runner.micro_batches(
             batch,
             sizes.micro_batch_size,
             sizes.use_dynamic_bsz,
@@ -59,49 +69,58 @@ class CriticWorker:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
-                parts = [forward_values(self.model, mb, self.device).cpu() for mb in micro]
+            with torch.no_grad(), self.runner.active():
+                parts = [self.runner.values(mb) for mb in micro]
         finally:
             self.model.train(was_training)
-        return restore_order(parts, order)
+        return restore_order(parts, order).cpu()
 
     def update_critic(self, batch: Batch, global_step: int = 0) -> dict[str, float]:
-        """ppo_epochs × shuffled mini-batches × micro-batches of the clipped value loss (needs values, returns)."""
+        """ppo_epochs × shuffled mini-batches × micro-batches of the clipped value loss (needs values, returns).
+
+        Each micro-batch's loss is its share of the mini-batch loss (global-token normalisation, as the actor).
+        """
         c = self.cfg
         self.model.train()
-        metrics: dict[str, list[float]] = defaultdict(list)
+        metrics: dict[str, list[torch.Tensor | float]] = defaultdict(list)
         generator = torch.Generator().manual_seed(self.shuffle_seed * 1_000_003 + global_step)
         for _ in range(self.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator)
             for mini in batch.select(order).split(self.mini_batch_size):
-                micro, _ = make_micro_batches(
+                micro, _ = self.runner.micro_batches(
                     mini,
                     self.micro_batch_size,
                     self.use_dynamic_bsz,
                     c.ppo_max_token_len_per_gpu,
                     "critic.ppo_micro_batch_size_per_gpu",
                 )
+                agg = global_agg_kwargs(mini["response_mask"])
                 self.optimizer.zero_grad(set_to_none=True)
-                for mb in micro:
-                    mask = mb["response_mask"].to(self.device).float()
-                    vpreds = forward_values(self.model, mb, self.device)
-                    vf_loss, vf_clipfrac = compute_value_loss(
-                        vpreds=vpreds,
-                        values=mb["values"].to(self.device),
-                        returns=mb["returns"].to(self.device),
-                        response_mask=mask,
-                        cliprange_value=float(c.cliprange_value),
-                        loss_agg_mode=self.loss_agg_mode,
-                    )
-                    (vf_loss * (len(mb) / len(mini))).backward()
-                    metrics["critic/vf_loss"].append(vf_loss.item())
-                    metrics["critic/vf_clipfrac"].append(float(vf_clipfrac))
-                    metrics["critic/vpred_mean"].append(
-                        ((vpreds.detach() * mask).sum() / mask.sum().clamp(min=1)).item()
-                    )
+                loss_shares: list[torch.Tensor] = []
+                with self.runner.active():
+                    for mb in micro:
+                        mask = mb["response_mask"].to(self.device).float()
+                        vpreds = self.runner.values(mb)
+                        vf_loss, vf_clipfrac = compute_value_loss(
+                            vpreds=vpreds,
+                            values=mb["values"].to(self.device),
+                            returns=mb["returns"].to(self.device),
+                            response_mask=mask,
+                            cliprange_value=float(c.cliprange_value),
+                            loss_agg_mode=self.loss_agg_mode,
+                            **agg,
+                        )
+                        vf_loss.backward()
+                        self.runner.accumulate_grads()
+                        loss_shares.append(vf_loss.detach())
+                        metrics["critic/vf_clipfrac"].append(vf_clipfrac)
+                        metrics["critic/vpred_mean"].append(
+                            (vpreds.detach() * mask).sum() / mask.sum().clamp(min=1)
+                        )
+                metrics["critic/vf_loss"].append(torch.stack(loss_shares).sum())
                 metrics["critic/grad_norm"].append(
                     clip_and_step(self.model, self.optimizer, float(c.grad_clip), "critic")
                 )
         metrics["critic/lr"].append(self.lr_scheduler.get_last_lr()[0])
         self.lr_scheduler.step()
-        return {k: float(sum(v) / len(v)) for k, v in metrics.items()}
+        return mean_metrics(metrics)

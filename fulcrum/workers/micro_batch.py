@@ -1,5 +1,12 @@
 """Splitting a batch into micro-batches (fixed count or packed by a token budget) and the forwards
 that every worker runs on one micro-batch: response log-probs (actor, reference) and values (critic).
+
+Two layouts. Padded (`use_remove_padding=False`): rows of (B, P + R) with all-padding columns
+trimmed, autocast on CUDA. Packed (`use_remove_padding=True`): only the real tokens, one stream per
+micro-batch (`fulcrum.models.packed`), the LM head and log-softmax fused and chunked
+(`fulcrum.models.linear_logprob`); packed micro-batches are cut by tokens, not rows: a fixed size of
+n rows becomes a budget of n × (P + R) tokens, the most that n padded rows could hold, so a packed
+micro-batch never needs more activation memory than the padded one the user sized.
 """
 
 from __future__ import annotations
@@ -8,8 +15,10 @@ import torch
 from torch import nn
 
 from fulcrum.batch import Batch
+from fulcrum.models.linear_logprob import linear_log_softmax
 from fulcrum.models.load import autocast_for
 from fulcrum.models.logprob import logprob_and_entropy, response_logits, trim_padding
+from fulcrum.models.packed import pack_micro_batch, packed_hidden_states
 
 
 def sequence_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +58,44 @@ def token_budget_groups(
     return groups
 
 
+def packed_token_groups(lengths: list[int], max_token_len: int, key: str) -> list[list[int]]:
+    """Sample indices in groups of at most `max_token_len` real tokens (first-fit decreasing).
+
+    Longest first, each into the first group with room: few groups (close to Σ lengths / budget),
+    hence few micro-batches.
+    """
+    groups: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if lengths[i] > max_token_len:
+            raise ValueError(
+                f"{key}: a token budget of {max_token_len} is smaller than one sequence ({lengths[i]} tokens); "
+                "raise it to at least max_prompt_length + max_response_length"
+            )
+        for g, free in enumerate(room):
+            if lengths[i] <= free:
+                groups[g].append(i)
+                room[g] -= lengths[i]
+                break
+        else:
+            groups.append([i])
+            room.append(max_token_len - lengths[i])
+    return groups
+
+
+def packed_budget(
+    batch: Batch, size: int | None, use_dynamic_bsz: bool, max_token_len: int | None, key: str
+) -> int:
+    """Tokens per packed micro-batch: the dynamic budget, or `size` rows of the batch's padded width."""
+    if use_dynamic_bsz:
+        if not max_token_len or max_token_len <= 0:
+            raise ValueError(f"{key}: use_dynamic_bsz=True needs a positive max token length")
+        return int(max_token_len)
+    if not size or size <= 0:
+        raise ValueError(f"{key}: micro-batch size must be a positive integer, got {size}")
+    return int(size) * (batch.prompt_length + batch.response_length)
+
+
 def make_micro_batches(
     batch: Batch,
     size: int | None,
@@ -56,12 +103,19 @@ def make_micro_batches(
     max_token_len: int | None,
     key: str,
     sort_by_length: bool = False,
+    packed: bool = False,
 ) -> tuple[list[Batch], list[int] | None]:
     """Micro-batches and, when samples were reordered, the order they hold (to undo it).
 
     `sort_by_length` (for no-grad passes, where grouping cannot change the result) puts samples of
-    similar length together so each trimmed micro-batch carries little padding.
+    similar length together so each trimmed micro-batch carries little padding. `packed` cuts by
+    real tokens (`packed_budget`, `packed_token_groups`) for the padding-free forwards.
     """
+    if packed:
+        budget = packed_budget(batch, size, use_dynamic_bsz, max_token_len, key)
+        groups = packed_token_groups(batch["attention_mask"].sum(-1).tolist(), budget, key)
+        order = [i for g in groups for i in g]
+        return [batch.select(g) for g in groups], order
     if use_dynamic_bsz:
         if not max_token_len or max_token_len <= 0:
             raise ValueError(f"{key}: use_dynamic_bsz=True needs a positive max token length")
@@ -107,9 +161,16 @@ def trimmed_inputs(mb: Batch, device: torch.device) -> tuple[torch.Tensor, torch
 
 
 def forward_log_prob(
-    model: nn.Module, mb: Batch, temperature: float, with_entropy: bool, device: torch.device
+    model: nn.Module,
+    mb: Batch,
+    temperature: float,
+    with_entropy: bool,
+    device: torch.device,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(response tokens) (B, R), float32, logits divided by the rollout temperature as verl; entropy too."""
+    if packed:
+        return packed_log_prob(model, mb, temperature, with_entropy, device)
     r = mb.response_length
     ids, mask, pos, r_kept = trimmed_inputs(mb, device)
     with autocast_for(device):
@@ -122,11 +183,43 @@ def forward_log_prob(
     return logp, (_pad_right(entropy, r) * mask if entropy is not None else None)
 
 
-def forward_values(model: nn.Module, mb: Batch, device: torch.device) -> torch.Tensor:
+def forward_values(model: nn.Module, mb: Batch, device: torch.device, packed: bool = False) -> torch.Tensor:
     """V(state before each response token) (B, R), float32, zero outside the response mask."""
+    if packed:
+        return packed_values(model, mb, device)
     r = mb.response_length
     ids, mask, pos, r_kept = trimmed_inputs(mb, device)
     with autocast_for(device):
         values = model(input_ids=ids, attention_mask=mask, position_ids=pos)  # (B, T')
     values = values[:, -r_kept - 1 : -1].float()  # (B, R'), as verl's critic slices
     return _pad_right(values, r) * mb["response_mask"].to(device)
+
+
+def packed_log_prob(
+    model: nn.Module, mb: Batch, temperature: float, with_entropy: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`forward_log_prob` without padding: the decoder over the packed stream, then the LM head and
+    log-softmax on the M response-predicting positions only, chunked (no (M, V) float32 tensor)."""
+    packed = pack_micro_batch(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb.prompt_length)
+    packed = packed.to(device)
+    hidden = packed_hidden_states(model.model, packed)  # (N, H)
+    head = model.get_output_embeddings()
+    logp, entropy = linear_log_softmax(
+        hidden.index_select(0, packed.predictor),
+        head.weight,
+        packed.labels,
+        temperature,
+        with_entropy,
+        head.bias,
+    )
+    mask = mb["response_mask"].to(device)
+    return packed.scatter(logp) * mask, (packed.scatter(entropy) * mask if entropy is not None else None)
+
+
+def packed_values(model: nn.Module, mb: Batch, device: torch.device) -> torch.Tensor:
+    """`forward_values` without padding: the value head on the M positions before response tokens."""
+    packed = pack_micro_batch(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb.prompt_length)
+    packed = packed.to(device)
+    hidden = packed_hidden_states(model.model, packed).index_select(0, packed.predictor)  # (M, H)
+    values = model.value_from_hidden(hidden)  # (M,) float32
+    return packed.scatter(values) * mb["response_mask"].to(device)

@@ -1,0 +1,242 @@
+"""Benchmark: each training-side pass alone, on one GPU, with a Qwen2.5-0.5B-shaped random model.
+
+    python bench/passes.py --model .bench/qwen05 [--rows 512] [--mini 128] [--repeat 3] \
+        [--json out.json] [KEY=VALUE ...]
+
+Passes, each timed after a warm-up call (median of --repeat, CUDA synchronised around each call):
+old log-probs with entropy (`ActorWorker.compute_log_prob`), values (`CriticWorker.compute_values`),
+the actor update and the critic update (`update_policy` / `update_critic`, one PPO epoch). The batch
+is --rows synthetic samples: prompts of the GSM8K-like lengths `bench/rollout.py` uses (70–239
+tokens, mean 110) and --response response tokens, all real. Defaults are the seed command's sizes
+(actor and critic micro-batches 8, log-prob micro-batches 16, mini-batch 128, gradient
+checkpointing on); KEY=VALUE overrides go to the configuration (e.g.
+`actor_rollout_ref.model.use_remove_padding=False` for the padded path).
+
+Per pass: seconds, tokens/s (all real tokens), MFU for updates (the trainer's `perf/mfu/*` formula:
+`fulcrum.trainer.metrics.estimate_train_flops` over 989 TFLOP/s) and the pass's peak allocated memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fulcrum.batch import Batch
+from fulcrum.config import load_config
+from fulcrum.trainer.metrics import estimate_train_flops
+
+H200_BF16_FLOPS = 989e12
+GiB = 1024**3
+
+
+def prompt_lengths(count: int, seed: int = 0) -> list[int]:
+    """bench/rollout.py's synthetic GSM8K-like prompt lengths: 50 template tokens + lognormal(4.005, 0.379).
+
+    Not imported from there: that script puts its own tree first on sys.path, and this one must
+    measure whichever tree PYTHONPATH names (e.g. an older commit, for before/after).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    question = torch.empty(count).log_normal_(4.005, 0.379, generator=generator)
+    return (50 + question.ceil()).clamp(60, 300).long().tolist()
+
+
+def synthetic_batch(rows: int, prompt_width: int, response: int, vocab: int, seed: int = 0) -> Batch:
+    """verl layout: prompts left-padded to `prompt_width`, responses of `response` real tokens."""
+    lengths = prompt_lengths(rows, seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.zeros(rows, prompt_width, dtype=torch.long)
+    prompt_mask = torch.zeros(rows, prompt_width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        prompts[i, prompt_width - n :] = torch.randint(3, vocab, (n,), generator=g)
+        prompt_mask[i, prompt_width - n :] = 1
+    responses = torch.randint(3, vocab, (rows, response), generator=g)
+    response_mask = torch.ones(rows, response, dtype=torch.long)
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    shape = (rows, response)
+    return Batch(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "response_mask": response_mask,
+            "advantages": torch.randn(shape, generator=g),
+            "returns": torch.randn(shape, generator=g),
+            "values": torch.randn(shape, generator=g),
+        }
+    )
+
+
+def _section(cfg, role: str):
+    """The worker's typed section (fulcrum.config.sections); older trees take the whole configuration."""
+    try:
+        from fulcrum.config import sections
+    except ImportError:
+        return cfg
+    return getattr(sections, f"{role}_section")(cfg)
+
+
+def measure(fn, repeat: int) -> tuple[float, float]:
+    """(median seconds over `repeat` calls after one warm-up, peak allocated GiB during those calls)."""
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    print(f"  warm-up (compilation included) {time.perf_counter() - start:.1f} s", flush=True)
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), torch.cuda.max_memory_allocated() / GiB
+
+
+def record(
+    results: dict, label: str, name: str, tokens: int, seconds: float, peak: float, flops: float | None = None
+) -> None:
+    row = {"seconds": seconds, "tokens_per_s": tokens / seconds, "peak_allocated_gib": peak}
+    if flops is not None:
+        row["mfu"] = flops / seconds / H200_BF16_FLOPS
+    results[name] = row
+    print(f"{label} {name}: {json.dumps(row)}", flush=True)
+
+
+def bench_actor(
+    cfg, device: torch.device, args: argparse.Namespace, passes: list[str], results: dict
+) -> Batch:
+    """Old log-probs and the actor update; returns the batch (with old_log_probs) for the critic."""
+    from fulcrum.workers.actor import ActorWorker
+
+    actor = ActorWorker(_section(cfg, "actor"), device, total_training_steps=100)
+    batch = synthetic_batch(args.rows, args.prompt_width, args.response, actor.model.config.vocab_size)
+    tokens = int(batch["attention_mask"].sum())
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    batch["old_log_probs"], _ = actor.compute_log_prob(batch)
+    if "log_prob" in passes:
+        record(
+            results,
+            args.label,
+            "log_prob",
+            tokens,
+            *measure(lambda: actor.compute_log_prob(batch), args.repeat),
+        )
+    if "update_actor" in passes:
+        flops = estimate_train_flops(actor.model.config, lengths)
+        seconds, peak = measure(lambda: actor.update_policy(batch), args.repeat)
+        record(results, args.label, "update_actor", tokens, seconds, peak, flops)
+    if args.profile:
+        profile_update(actor, batch, args.profile)
+    return batch
+
+
+def profile_update(actor, batch: Batch, out: Path) -> None:
+    """One actor update under torch.profiler: GPU-busy share of the wall time, kernel count, top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        actor.update_policy(batch)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    # Kernels only: an operator's "self CUDA" time is its kernels' time again.
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.self_device_time_total for e in kernels)
+    launches = sum(e.count for e in kernels)
+    head = f"wall {wall:.3f} s (profiled), GPU busy {gpu_us / 1e6:.3f} s, {launches} kernels\n"
+    print(head, flush=True)
+    out.write_text(
+        head
+        + events.table(sort_by="self_device_time_total", row_limit=25)
+        + events.table(sort_by="self_cpu_time_total", row_limit=25)
+    )
+
+
+def bench_critic(
+    cfg, device: torch.device, batch: Batch, args: argparse.Namespace, passes: list[str], results: dict
+) -> None:
+    from fulcrum.workers.critic import CriticWorker
+
+    critic = CriticWorker(_section(cfg, "critic"), device, total_training_steps=100)
+    tokens = int(batch["attention_mask"].sum())
+    if "values" in passes:
+        record(
+            results, args.label, "values", tokens, *measure(lambda: critic.compute_values(batch), args.repeat)
+        )
+    if "update_critic" in passes:
+        config = critic.model.config
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        # No LM head: the embedding counted once (as `estimate_train_flops(..., lm_head=False)`,
+        # written out so that this script also runs on trees from before that argument).
+        flops = estimate_train_flops(config, lengths) - 6.0 * config.vocab_size * config.hidden_size * tokens
+        seconds, peak = measure(lambda: critic.update_critic(batch), args.repeat)
+        record(results, args.label, "update_critic", tokens, seconds, peak, flops)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--rows", type=int, default=512)
+    parser.add_argument("--prompt-width", type=int, default=512)
+    parser.add_argument("--response", type=int, default=256)
+    parser.add_argument("--mini", type=int, default=128, help="ppo_mini_batch_size (prompts; n = 1)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--passes", default="log_prob,values,update_actor,update_critic")
+    parser.add_argument("--label", default="")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="write a torch.profiler table of one actor update"
+    )
+    args, overrides = parser.parse_known_args(argv)
+    device = torch.device("cuda")
+    cfg = load_config(
+        [
+            f"actor_rollout_ref.model.path={args.model}",
+            f"critic.model.path={args.model}",
+            f"data.max_prompt_length={args.prompt_width}",
+            f"data.max_response_length={args.response}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.mini}",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+            "critic.ppo_micro_batch_size_per_gpu=8",
+            "critic.forward_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.actor.optim.lr=1e-7",
+            "critic.optim.lr=1e-7",
+            *overrides,
+        ]
+    )
+    passes = args.passes.split(",")
+    results: dict[str, dict[str, float]] = {}
+    batch = bench_actor(cfg, device, args, passes, results)
+    torch.cuda.empty_cache()
+    if "values" in passes or "update_critic" in passes:
+        bench_critic(cfg, device, batch, args, passes, results)
+    tokens = int(batch["attention_mask"].sum())
+    summary = {
+        "label": args.label,
+        "rows": args.rows,
+        "tokens": tokens,
+        "overrides": overrides,
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "passes": results,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

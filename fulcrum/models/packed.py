@@ -1,0 +1,262 @@
+"""Padding-free (packed) forwards over a Hugging Face decoder (`use_remove_padding=True`).
+
+A micro-batch of padded rows (B, P + R) becomes one stream of its N real tokens, each sequence's
+positions restarting at 0, with `cu_seqlens` (S + 1,) marking where sequences start. The decoder's
+own layers run over the stream (Hugging Face modules and weights, nothing re-implemented but the
+outer loop); attention goes through `packed_attention`, registered with transformers under
+`PACKED_ATTENTION`: flash-style varlen attention on CUDA (`torch.nn.attention.varlen.varlen_attn`,
+causal, GQA), one causal SDPA per sequence elsewhere (the CPU reference the tests compare against).
+Calls without packing metadata fall through to transformers' SDPA, so a model switched to packed
+attention still runs padded batches as before.
+
+Only the positions that predict a response token are then read (`PackedMicroBatch.predictor`), so
+the LM head or value head runs on M ≤ N rows, and padding costs no compute anywhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn
+
+    _VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
+except ImportError:  # pragma: no cover - older torch: CUDA packing falls back to per-sequence SDPA
+    varlen_attn = None
+    _VARLEN_PARAMS = frozenset()
+# aten's flash kernel with its own derivative (varlen when given cumulative sequence offsets).
+_ATEN_FLASH = getattr(torch.ops.aten, "_flash_attention_forward", None)
+
+# The name under which `packed_attention` is registered with transformers' attention interfaces.
+PACKED_ATTENTION = "fulcrum_packed"
+# Decoders whose base-model forward is exactly embed → rotary → layers → final norm (what
+# `packed_hidden_states` replays); others keep the padded path.
+PACKABLE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+
+@dataclass
+class PackedMicroBatch:
+    """A micro-batch without padding. N tokens in S sequences; M response tokens of a (B, R) grid."""
+
+    input_ids: torch.Tensor  # (N,) long
+    position_ids: torch.Tensor  # (N,) long, restarting at 0 in each sequence
+    cu_seqlens: torch.Tensor  # (S + 1,) int32, start offsets of the sequences in the stream
+    max_seqlen: (
+        int  # a bound on the longest sequence: the padded width P + R (constant, so compiled code is reused)
+    )
+    predictor: torch.Tensor  # (M,) long: stream index of the position that predicts response token m
+    labels: torch.Tensor  # (M,) long: response token m
+    rows: torch.Tensor  # (M,) long: its row in the (B, R) grid
+    cols: torch.Tensor  # (M,) long: its column in the (B, R) grid
+    shape: tuple[int, int]  # (B, R)
+
+    def to(self, device: torch.device) -> PackedMicroBatch:
+        moved = {
+            f.name: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+            for f in fields(self)
+            for v in [getattr(self, f.name)]
+        }
+        return PackedMicroBatch(**moved)
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """(M,) per-response-token values → (B, R) float32, zero where no response token is."""
+        out = torch.zeros(self.shape, dtype=torch.float32, device=values.device)
+        return out.index_put_((self.rows, self.cols), values.float())
+
+
+def pack_micro_batch(
+    input_ids: torch.Tensor,  # (B, P + R): left-padded prompt, right-padded response
+    attention_mask: torch.Tensor,  # (B, P + R), 1 = real token
+    position_ids: torch.Tensor,  # (B, P + R)
+    prompt_length: int,
+) -> PackedMicroBatch:
+    """Drop every padding token and index the response tokens in the packed stream (pure index work).
+
+    Stream index of real token (b, t): cu[b] + (number of real tokens in row b up to t) - 1; response
+    token (b, j) is predicted by the stream position just before it, which must be in the same
+    sequence (every row needs at least one prompt token).
+    """
+    real = attention_mask.bool()  # (B, T)
+    lengths = real.sum(-1)  # (B,)
+    starts = lengths.cumsum(0) - lengths  # (B,) where each row's tokens start in the stream
+    stream_index = real.long().cumsum(-1) - 1 + starts[:, None]  # (B, T), valid where real
+    response_real = real[:, prompt_length:]  # (B, R)
+    no_prompt = (real[:, :prompt_length].sum(-1) == 0) & response_real.any(-1)
+    if bool(no_prompt.any()):
+        row = int(no_prompt.nonzero()[0, 0])
+        raise ValueError(
+            f"row {row} has response tokens but no prompt token: nothing predicts its first token"
+        )
+    rows, cols = response_real.nonzero(as_tuple=True)  # (M,), (M,)
+    predictor = stream_index[:, prompt_length:][rows, cols] - 1  # (M,)
+    nonempty = lengths[lengths > 0]
+    cu_seqlens = torch.zeros(len(nonempty) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = nonempty.cumsum(0)
+    return PackedMicroBatch(
+        input_ids=input_ids[real],
+        position_ids=position_ids[real],
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(input_ids.shape[1]),
+        predictor=predictor,
+        labels=input_ids[:, prompt_length:][rows, cols],
+        rows=rows,
+        cols=cols,
+        shape=(input_ids.shape[0], input_ids.shape[1] - prompt_length),
+    )
+
+
+def packing_unsupported_reason(config: object) -> str | None:
+    """Why `packed_hidden_states` cannot run this Hugging Face config, or None when it can."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in PACKABLE_MODEL_TYPES:
+        return f"model_type={model_type!r} (packed: {', '.join(PACKABLE_MODEL_TYPES)})"
+    if getattr(config, "use_sliding_window", False):
+        return "use_sliding_window=True"
+    return None
+
+
+def enable_packed_attention(model: nn.Module) -> None:
+    """Route the model's attention through `packed_attention` (padded calls still get SDPA)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)  # padded calls build SDPA's mask
+    model.config._attn_implementation = PACKED_ATTENTION
+
+
+def compile_decoder_layers(base: nn.Module, backend: str = "inductor") -> None:
+    """`torch.compile` each decoder layer (regional compilation: one compiled graph, reused by all
+    layers), with gradient checkpointing taken over by `packed_hidden_states`.
+
+    Fusing RMSNorm, rotary embedding, SwiGLU and the residual adds cuts the layer's kernels several
+    times over, and with them the Python and launch cost that bounds small micro-batches. Sizes
+    are dynamic (every micro-batch has its own token count). Transformers' own checkpoint wrapper
+    sits inside the layer's forward, where the compiler would have to trace it; the layer is
+    checkpointed from outside instead (`base.fulcrum_checkpoint`).
+    """
+    checkpointed = False
+    for layer in base.layers:
+        checkpointed |= bool(getattr(layer, "gradient_checkpointing", False))
+        layer.gradient_checkpointing = False
+        layer.compile(dynamic=True, backend=backend)
+    base.fulcrum_checkpoint = checkpointed
+
+
+def packed_attention(
+    module: nn.Module,
+    query: torch.Tensor,  # (1, Hq, N, D)
+    key: torch.Tensor,  # (1, Hkv, N, D)
+    value: torch.Tensor,  # (1, Hkv, N, D)
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface signature; returns ((1, N, Hq, D), None) for packed calls.
+
+    Packed calls carry `fulcrum_cu_seqlens` and `fulcrum_max_seqlen`; any other call is SDPA's.
+    """
+    cu_seqlens = kwargs.pop("fulcrum_cu_seqlens", None)
+    max_seqlen = kwargs.pop("fulcrum_max_seqlen", None)
+    if cu_seqlens is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if dropout:
+        raise ValueError("packed attention has no attention dropout: set the model's attention_dropout to 0")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (N, H, D)
+    assert isinstance(cu_seqlens, torch.Tensor) and isinstance(max_seqlen, int)
+    if q.is_cuda and (_ATEN_FLASH is not None or varlen_attn is not None):
+        out = varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scaling)
+    else:
+        out = per_sequence_causal_attention(q, k, v, cu_seqlens, scaling)
+    return out.unsqueeze(0), None  # (1, N, Hq, D)
+
+
+def per_sequence_causal_attention(
+    q: torch.Tensor,  # (N, Hq, D)
+    k: torch.Tensor,  # (N, Hkv, D)
+    v: torch.Tensor,  # (N, Hkv, D)
+    cu_seqlens: torch.Tensor,  # (S + 1,)
+    scale: float | None,
+) -> torch.Tensor:
+    """Reference varlen attention: causal SDPA on each sequence alone (GQA by repeating K/V heads)."""
+    groups = q.shape[1] // k.shape[1]
+    bounds = cu_seqlens.tolist()
+    out = torch.empty_like(q)
+    for start, end in itertools.pairwise(bounds):
+        qs = q[start:end].transpose(0, 1)  # (Hq, L, D)
+        ks = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        vs = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(
+            0, 1
+        )
+    return out
+
+
+def varlen_causal_attention(
+    q: torch.Tensor,  # (N, Hq, D)
+    k: torch.Tensor,  # (N, Hkv, D)
+    v: torch.Tensor,  # (N, Hkv, D)
+    cu_seqlens: torch.Tensor,  # (S + 1,) int32
+    max_seqlen: int,
+    scale: float | None,
+) -> torch.Tensor:
+    """Flash varlen attention, causal, grouped-query heads handled by the kernel: (N, Hq, D).
+
+    The aten flash kernel is called directly (what `torch.nn.attention.varlen.varlen_attn` calls;
+    its derivative is aten's): the Python custom-op layer of `varlen_attn` costs ~0.2 ms of CPU per
+    call, which at 24 layers × (forward, recomputation, backward) bounded small micro-batches.
+    """
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if _ATEN_FLASH is not None:
+        return _ATEN_FLASH(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale
+        )[0]
+    kwargs: dict[str, object] = {"scale": scale}
+    if "is_causal" in _VARLEN_PARAMS:  # torch 2.10–2.12
+        kwargs["is_causal"] = True
+    else:  # later: causal is a window (left unbounded, right 0)
+        kwargs["window_size"] = (-1, 0)
+    if "enable_gqa" in _VARLEN_PARAMS:
+        kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+
+
+def packed_hidden_states(base: nn.Module, packed: PackedMicroBatch) -> torch.Tensor:
+    """The decoder's final-norm hidden states of the packed stream: (N, H).
+
+    `base` is the Hugging Face base model (`AutoModel`, or `model.model` of a causal LM) with
+    `embed_tokens`, `rotary_emb`, `layers` and `norm`, switched to `PACKED_ATTENTION`. Each layer is
+    called as the base model calls it, so gradient checkpointing set on the layers still applies;
+    after `compile_decoder_layers` it is applied here (non-reentrant), around each compiled layer.
+    """
+    ids = packed.input_ids[None]  # (1, N)
+    positions = packed.position_ids[None]  # (1, N)
+    hidden = base.embed_tokens(ids)  # (1, N, H)
+    position_embeddings = base.rotary_emb(hidden, positions)
+    kwargs = {
+        "attention_mask": None,
+        "position_ids": positions,
+        "position_embeddings": position_embeddings,
+        "use_cache": False,
+        "fulcrum_cu_seqlens": packed.cu_seqlens,
+        "fulcrum_max_seqlen": packed.max_seqlen,
+    }
+    recompute = getattr(base, "fulcrum_checkpoint", False) and base.training and torch.is_grad_enabled()
+    for layer in base.layers[: base.config.num_hidden_layers]:
+        if recompute:
+            out = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+        else:
+            out = layer(hidden, **kwargs)
+        hidden = out[0] if isinstance(out, tuple) else out
+    return base.norm(hidden)[0]  # (N, H)

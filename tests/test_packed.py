@@ -1,0 +1,194 @@
+"""Padding-free (packed) forwards agree with the padded ones on the CPU in float32: log-probs,
+entropies, values, the policy and value losses and their gradients; the chunked LM-head log-softmax
+matches the dense one with gradients; compute-weight copies accumulate gradients into the masters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_workers_units import make_batch  # tests/ is on sys.path under pytest
+
+from fulcrum.algo.losses import compute_value_loss
+from fulcrum.algo.policy_losses import compute_policy_loss
+from fulcrum.models.linear_logprob import linear_log_softmax
+from fulcrum.models.load import load_backbone, load_causal_lm
+from fulcrum.models.packed import enable_packed_attention, pack_micro_batch
+from fulcrum.models.precision import ComputeWeights
+from fulcrum.models.value_head import CriticModel
+from fulcrum.workers.micro_batch import (
+    forward_log_prob,
+    forward_values,
+    make_micro_batches,
+    packed_token_groups,
+)
+
+CPU = torch.device("cpu")
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    from fulcrum.models.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), arch=request.param, seed=0))
+
+
+def rl_batch(seed: int = 0, b: int = 6):
+    batch = make_batch(b=b, p=10, r=7, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    mask = batch["response_mask"].float()
+    batch["advantages"] = torch.randn(batch["responses"].shape, generator=g) * mask
+    batch["old_log_probs"] = (torch.randn(batch["responses"].shape, generator=g) * 0.1 - 5.0) * mask
+    batch["values"] = torch.randn(batch["responses"].shape, generator=g) * mask
+    batch["returns"] = torch.randn(batch["responses"].shape, generator=g) * mask
+    return batch
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_pack_indexes_every_response_token() -> None:
+    batch = make_batch(b=4, p=6, r=5)
+    packed = pack_micro_batch(batch["input_ids"], batch["attention_mask"], batch["position_ids"], 6)
+    lengths = batch["attention_mask"].sum(-1)
+    assert packed.input_ids.numel() == int(lengths.sum())
+    assert packed.cu_seqlens.tolist() == [0, *lengths.cumsum(0).tolist()]
+    assert packed.max_seqlen >= int(lengths.max())  # a bound (the padded width), constant per run
+    # The label of each response token is the token right after its predictor in the stream.
+    assert torch.equal(packed.input_ids[packed.predictor + 1], packed.labels)
+    assert torch.equal(packed.labels, batch["responses"][packed.rows, packed.cols])
+    # Positions restart at 0 in every sequence.
+    starts = packed.cu_seqlens[:-1].long()
+    assert (packed.position_ids[starts] == 0).all()
+
+
+def test_pack_rejects_a_row_without_prompt() -> None:
+    batch = make_batch(b=2, p=6, r=5)
+    mask = batch["attention_mask"].clone()
+    mask[1, :6] = 0
+    with pytest.raises(ValueError, match="row 1"):
+        pack_micro_batch(batch["input_ids"], mask, batch["position_ids"], 6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_log_probs_and_policy_gradients_equal_padded(tiny_dir: str, temperature: float) -> None:
+    padded = load_causal_lm(tiny_dir, CPU)
+    packed_model = load_causal_lm(tiny_dir, CPU)
+    enable_packed_attention(packed_model)
+    batch = rl_batch()
+    mask = batch["response_mask"].float()
+    results = {}
+    for name, model, packed in (("padded", padded, False), ("packed", packed_model, True)):
+        model.zero_grad()
+        logp, ent = forward_log_prob(model, batch, temperature, True, CPU, packed=packed)
+        loss, *_ = compute_policy_loss(batch["old_log_probs"], logp, batch["advantages"], mask, cliprange=0.2)
+        (loss - 0.01 * (ent * mask).sum() / mask.sum()).backward()
+        results[name] = (logp.detach(), ent.detach(), loss.detach(), grads(model))
+    (lp_a, ent_a, loss_a, g_a), (lp_b, ent_b, loss_b, g_b) = results["padded"], results["packed"]
+    assert torch.allclose(lp_a, lp_b, atol=TOL, rtol=0)
+    assert torch.allclose(ent_a, ent_b, atol=TOL, rtol=0)
+    assert (lp_b[~batch["response_mask"].bool()] == 0).all()
+    assert torch.allclose(loss_a, loss_b, atol=TOL, rtol=0)
+    assert g_a.keys() == g_b.keys()
+    for name in g_a:
+        assert torch.allclose(g_a[name], g_b[name], atol=TOL, rtol=1e-4), name
+
+
+def test_packed_values_and_value_gradients_equal_padded(tiny_dir: str) -> None:
+    torch.manual_seed(0)
+    padded = CriticModel(load_backbone(tiny_dir, CPU))
+    packed_model = CriticModel(load_backbone(tiny_dir, CPU))
+    packed_model.load_state_dict(padded.state_dict())
+    enable_packed_attention(packed_model.model)
+    batch = rl_batch(seed=3)
+    mask = batch["response_mask"].float()
+    results = {}
+    for name, model, packed in (("padded", padded, False), ("packed", packed_model, True)):
+        values = forward_values(model, batch, CPU, packed=packed)
+        loss, _ = compute_value_loss(values, batch["returns"], batch["values"], mask, cliprange_value=0.5)
+        loss.backward()
+        results[name] = (values.detach(), loss.detach(), grads(model))
+    (v_a, loss_a, g_a), (v_b, loss_b, g_b) = results["padded"], results["packed"]
+    assert torch.allclose(v_a, v_b, atol=TOL, rtol=0)
+    assert torch.allclose(loss_a, loss_b, atol=TOL, rtol=0)
+    for name in g_a:
+        assert torch.allclose(g_a[name], g_b[name], atol=TOL, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_chunked_linear_log_softmax_matches_dense_with_gradients(with_entropy: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    m, h, v, tau = 11, 8, 37, 0.8
+    hidden = torch.randn(m, h, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, v, (m,), generator=g)
+    w_lp, w_ent = (
+        torch.randn(m, generator=g, dtype=torch.float64),
+        torch.randn(m, generator=g, dtype=torch.float64),
+    )
+
+    z = (hidden @ weight.T + bias) / tau
+    ref_lp = torch.log_softmax(z, -1).gather(1, labels[:, None]).squeeze(1)
+    ref_ent = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    ref_loss = (ref_lp * w_lp).sum() + ((ref_ent * w_ent).sum() if with_entropy else 0.0)
+    ref_grads = torch.autograd.grad(ref_loss, (hidden, weight, bias))
+
+    lp, ent = linear_log_softmax(hidden, weight, labels, tau, with_entropy, bias=bias, rows=4)  # 3 chunks
+    assert torch.allclose(lp.double(), ref_lp, atol=1e-5)
+    loss = (lp.double() * w_lp).sum()
+    if with_entropy:
+        assert ent is not None and torch.allclose(ent.double(), ref_ent, atol=1e-5)
+        loss = loss + (ent.double() * w_ent).sum()
+    else:
+        assert ent is None
+    for got, want in zip(torch.autograd.grad(loss, (hidden, weight, bias)), ref_grads, strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
+    with torch.no_grad():  # the no-grad path gives the same numbers
+        lp2, _ = linear_log_softmax(hidden, weight, labels, tau, False, bias=bias, rows=5)
+    assert torch.allclose(lp2, lp.detach(), atol=1e-6)
+
+
+def test_packed_micro_batches_fit_the_budget_of_n_padded_rows(tiny_dir: str) -> None:
+    batch = make_batch(b=8, p=12, r=9)
+    micro, order = make_micro_batches(batch, 2, False, None, "k", packed=True)
+    assert sorted(order) == list(range(8))
+    budget = 2 * (12 + 9)
+    assert all(int(mb["attention_mask"].sum()) <= budget for mb in micro)
+    assert sum(len(mb) for mb in micro) == 8
+    # Fewer micro-batches than fixed rows of 2 (4): the rows are short, so several share a budget.
+    assert len(micro) < 4
+    assert packed_token_groups([5, 4, 3, 3, 1], 8, "k") == [[0, 2], [1, 3, 4]]
+    with pytest.raises(ValueError, match="k: a token budget of 4"):
+        packed_token_groups([5], 4, "k")
+
+
+def test_compute_weights_accumulate_float32_grads_into_masters(tiny_dir: str) -> None:
+    """float64 copies stand in for bf16 ones on the CPU: same gradients as computing on the masters."""
+    reference = load_causal_lm(tiny_dir, CPU)
+    model = load_causal_lm(tiny_dir, CPU)
+    enable_packed_attention(model)
+    compute = ComputeWeights(model, dtype=torch.float64)
+    batch = rl_batch(seed=5, b=8)
+    mask = batch["response_mask"].float()
+    for mb in batch.split(3):  # gradient accumulation over micro-batches
+        logp, _ = forward_log_prob(reference, mb, 1.0, False, CPU)
+        compute_policy_loss(mb["old_log_probs"], logp, mb["advantages"], mb["response_mask"].float())[
+            0
+        ].backward()
+    compute.refresh()
+    with compute.swapped_in():
+        assert model.get_output_embeddings().weight.dtype == torch.float64
+        for mb in batch.split(3):
+            logp, _ = forward_log_prob(model, mb, 1.0, False, CPU, packed=True)
+            compute_policy_loss(mb["old_log_probs"], logp, mb["advantages"], mb["response_mask"].float())[
+                0
+            ].backward()
+            compute.accumulate_grads()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    want, got = grads(reference), grads(model)
+    assert want.keys() == got.keys() and mask.sum() > 0
+    for name in want:
+        assert got[name].dtype == torch.float32
+        assert torch.allclose(got[name], want[name], atol=TOL, rtol=1e-4), name
