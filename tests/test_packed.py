@@ -192,3 +192,39 @@ def test_compute_weights_accumulate_float32_grads_into_masters(tiny_dir: str) ->
     for name in want:
         assert got[name].dtype == torch.float32
         assert torch.allclose(got[name], want[name], atol=TOL, rtol=1e-4), name
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from fulcrum.models.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2", seed=0))
+
+
+def test_compiled_layer_twins_match_and_leave_the_model_alone(qwen2_dir: str) -> None:
+    """compile_decoder_layers (dynamo's eager backend here: the CPU has no inductor toolchain in CI)
+    takes over gradient checkpointing, gives the same log-probs and gradients as HF's own checkpointed
+    layers, and registers nothing: same state-dict keys, the layers themselves uncompiled."""
+    from fulcrum.models.packed import compile_decoder_layers
+
+    results = []
+    for compiled in (False, True):
+        model = load_causal_lm(qwen2_dir, CPU, gradient_checkpointing=True).train()
+        keys = list(model.state_dict())
+        enable_packed_attention(model)
+        if compiled:
+            compile_decoder_layers(model.model, backend="eager")
+            assert model.model.fulcrum_checkpoint and not any(
+                layer.gradient_checkpointing for layer in model.model.layers
+            )
+        assert list(model.state_dict()) == keys
+        batch = rl_batch(seed=7, b=5)
+        logp, _ = forward_log_prob(model, batch, 1.0, False, CPU, packed=True)
+        compute_policy_loss(
+            batch["old_log_probs"], logp, batch["advantages"], batch["response_mask"].float()
+        )[0].backward()
+        results.append((logp.detach(), grads(model)))
+    (lp_a, g_a), (lp_b, g_b) = results
+    assert torch.allclose(lp_a, lp_b, atol=TOL, rtol=0)
+    for name in g_a:
+        assert torch.allclose(g_a[name], g_b[name], atol=TOL, rtol=1e-4), name

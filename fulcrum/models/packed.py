@@ -134,21 +134,24 @@ def enable_packed_attention(model: nn.Module) -> None:
 
 
 def compile_decoder_layers(base: nn.Module, backend: str = "inductor") -> None:
-    """`torch.compile` each decoder layer (regional compilation: one compiled graph, reused by all
-    layers), with gradient checkpointing taken over by `packed_hidden_states`.
+    """Compiled twins of the decoder layers for `packed_hidden_states` (regional compilation: the
+    layers share one compiled graph), with gradient checkpointing taken over by that function.
 
     Fusing RMSNorm, rotary embedding, SwiGLU and the residual adds cuts the layer's kernels several
     times over, and with them the Python and launch cost that bounds small micro-batches. Sizes
-    are dynamic (every micro-batch has its own token count). Transformers' own checkpoint wrapper
-    sits inside the layer's forward, where the compiler would have to trace it; the layer is
-    checkpointed from outside instead (`base.fulcrum_checkpoint`).
+    are dynamic (every micro-batch has its own token count). The twins are kept in a plain list,
+    not registered as submodules (state dicts are unchanged), and the layers themselves stay
+    uncompiled, so padded calls (e.g. the hf rollout backend's `generate`, with its KV cache) run
+    as before. Transformers' own checkpoint wrapper sits inside the layer's forward, where the
+    compiler would have to trace it; the twins are checkpointed from outside instead.
     """
-    checkpointed = False
+    checkpointed = any(bool(getattr(layer, "gradient_checkpointing", False)) for layer in base.layers)
     for layer in base.layers:
-        checkpointed |= bool(getattr(layer, "gradient_checkpointing", False))
         layer.gradient_checkpointing = False
-        layer.compile(dynamic=True, backend=backend)
     base.fulcrum_checkpoint = checkpointed
+    base.fulcrum_compiled_layers = [
+        torch.compile(layer, dynamic=True, backend=backend) for layer in base.layers
+    ]
 
 
 def packed_attention(
@@ -182,6 +185,7 @@ def packed_attention(
     return out.unsqueeze(0), None  # (1, N, Hq, D)
 
 
+@torch.compiler.disable  # a Python loop over sequences: left to eager rather than traced and unrolled
 def per_sequence_causal_attention(
     q: torch.Tensor,  # (N, Hq, D)
     k: torch.Tensor,  # (N, Hkv, D)
@@ -253,7 +257,8 @@ def packed_hidden_states(base: nn.Module, packed: PackedMicroBatch) -> torch.Ten
         "fulcrum_max_seqlen": packed.max_seqlen,
     }
     recompute = getattr(base, "fulcrum_checkpoint", False) and base.training and torch.is_grad_enabled()
-    for layer in base.layers[: base.config.num_hidden_layers]:
+    layers = getattr(base, "fulcrum_compiled_layers", None) or base.layers
+    for layer in layers[: base.config.num_hidden_layers]:
         if recompute:
             out = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
         else:
