@@ -124,7 +124,9 @@ def test_tune_on_the_cpu_with_a_tiny_model(assets: Path, tmp_path: Path, capsys)
     assert code == 0, out
     rows = [line for line in out.splitlines() if line[:2].strip().isdigit()]
     assert len(rows) == 2 and all(" ran " in row for row in rows), out
-    assert "micro: ppo_micro_batch_size_per_gpu=4" in rows[1]
+    assert (
+        "micro: actor.ppo_micro_batch_size_per_gpu=4 rollout.log_prob_micro_batch_size_per_gpu=8" in rows[1]
+    )
     assert "add these overrides:" in out or "your configuration (" in out
     if "add these overrides:" in out:
         assert out.strip().splitlines()[-1].startswith(f"{MICRO}=4 ")

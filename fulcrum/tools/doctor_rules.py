@@ -177,7 +177,7 @@ def check_token_limits(ctx: DoctorContext) -> list[Finding]:
                     (key, "data.max_prompt_length", "data.max_response_length"),
                     "with dynamic batching a micro-batch holds at most this many tokens, so a full-length "
                     "sequence fits in none and the step fails",
-                    f"{key}>={longest} (verl's rule of thumb: 2-3x that, e.g. {3 * longest})",
+                    f"{key}>={longest}; a budget of several sequences (e.g. {4 * longest}) lets short ones share a micro-batch",
                 )
             )
     max_tokens = arr.rollout.max_num_batched_tokens

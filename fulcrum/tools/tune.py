@@ -228,7 +228,9 @@ def search(
             changes = {**best.changes, **candidate}
             if changes == best.changes:
                 continue
-            probe = f"{lever.name}: " + " ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in candidate.items())
+            probe = f"{lever.name}: " + " ".join(
+                f"{k.removeprefix('actor_rollout_ref.')}={v}" for k, v in candidate.items()
+            )
             trial = run(Trial(changes, probe))
             trials.append(trial)
             if trial.outcome == "out of memory":
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-trials",
         type=int,
-        help="stop after this many trials (default 12; 4 on the CPU, where probes are slow)",
+        help="stop after this many trials (default 12; 3 on the CPU, where probes are slow)",
     )
     parser.add_argument("--trial-timeout", type=float, default=900.0, help="seconds per trial (default 900)")
     parser.add_argument(
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     on_cuda = cfg.trainer.device != "cpu"
     args.steps = args.steps or (3 if on_cuda else 2)
-    args.max_trials = args.max_trials or (12 if on_cuda else 4)
+    args.max_trials = args.max_trials or (12 if on_cuda else 3)
     levers = levers_for(cfg, on_cuda)
     if args.levers:
         wanted = [name.strip() for name in args.levers.split(",") if name.strip()]
