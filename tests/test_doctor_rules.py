@@ -202,3 +202,19 @@ def test_out_of_memory_predicted_on_a_small_card(files: Path, capsys) -> None:
     code, out = run([*seed_command(files), "--device-memory-gib", "140"], capsys)
     assert code == 0 and "predicted out of memory" not in out
     assert "memory estimate per device (device 140.0 GiB): peak 102.5 GiB while in generation" in out
+
+
+def test_reference_and_hf_backend_in_the_estimate(files: Path) -> None:
+    shape = ModelShape.from_config(QWEN25_05B)
+    cfg = load_config([*seed_command(files), "actor_rollout_ref.rollout.name=hf"])
+    without = estimate(
+        cfg, shape, 140 * 2**30, True, uses_critic=True, uses_reference=False, responses_per_device=512
+    )
+    with_ref = estimate(
+        cfg, shape, 140 * 2**30, True, uses_critic=True, uses_reference=True, responses_per_device=512
+    )
+    generation = with_ref.phases[0]
+    assert generation.items["reference weights (fp32)"] == 4 * param_count(shape)
+    assert with_ref.peak.total - without.peak.total == 4 * param_count(shape)
+    # hf: the cache of the decoding batch, 512 sequences x 768 tokens x 24 layers x K and V x 2 heads x 64 x 2 bytes
+    assert generation.items["KV cache of generate (bf16)"] == 512 * 768 * 24 * 2 * 2 * 64 * 2

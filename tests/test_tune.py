@@ -117,18 +117,39 @@ def test_tune_on_the_cpu_with_a_tiny_model(assets: Path, tmp_path: Path, capsys)
         "trainer.device=cpu",
         "trainer.n_gpus_per_node=1",
     ]
-    code = tune.main(
-        [*argv, "--levers", "micro", "--max-trials", "2", "--steps", "1", "--work-dir", str(tmp_path)]
-    )
+    code = tune.main([*argv, "--max-trials", "1", "--steps", "1", "--work-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
     rows = [line for line in out.splitlines() if line[:2].strip().isdigit()]
-    assert len(rows) == 2 and all(" ran " in row for row in rows), out
-    assert (
-        "micro: actor.ppo_micro_batch_size_per_gpu=4 rollout.log_prob_micro_batch_size_per_gpu=8" in rows[1]
-    )
-    assert "add these overrides:" in out or "your configuration (" in out
-    if "add these overrides:" in out:
-        assert out.strip().splitlines()[-1].startswith(f"{MICRO}=4 ")
-    assert (tmp_path / "trial-1" / "metrics.jsonl").is_file()
+    assert len(rows) == 1 and " ran " in rows[0] and "your configuration" in rows[0], out
+    throughput, peak = rows[0].split()[1:3]
+    assert float(throughput) > 0 and float(peak) > 0  # the trainer's own perf/ metrics, read back
+    assert "fastest that fits: your configuration" in out
+    assert (tmp_path / "trial-0" / "metrics.jsonl").is_file()
     assert not list(tmp_path.glob("trial-*/global_step_*"))  # probes write no checkpoint
+
+
+def test_main_prints_the_overrides_of_the_fastest_trial_that_fits(
+    monkeypatch, capsys, tmp_path: Path
+) -> None:
+    """The search and the printing, with each trial's training replaced by figures (micro 32 runs out of memory)."""
+
+    def fake_trial(base: list[str], trial: tune.Trial, work: Path, steps: int, timeout: float) -> tune.Trial:
+        micro = int(trial.changes.get(MICRO, 8))
+        if micro >= 32:
+            trial.outcome = "out of memory"
+        else:
+            trial.outcome, trial.throughput, trial.peak_memory_gb = "ran", 100.0 * micro, 10.0 + micro
+        return trial
+
+    monkeypatch.setattr(tune, "run_trial", fake_trial)
+    code = tune.main([*seed_command(), "--levers", "micro", "--work-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "out of memory" in out and "   1600.0" in out
+    assert "fastest that fits: 1600.0 tok/s/device, 2.00x your configuration; add these overrides:" in out
+    assert (
+        out.strip()
+        .splitlines()[-1]
+        .startswith(f"{MICRO}=16 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32")
+    )
