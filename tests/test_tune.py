@@ -86,6 +86,32 @@ def test_search_keeps_the_best_and_stops_a_lever_at_out_of_memory() -> None:
     assert "out of memory" in table and "your configuration" in table
 
 
+def test_a_configuration_that_runs_out_of_memory_is_shrunk_until_it_fits() -> None:
+    cfg = load_config([*seed_command(), "actor_rollout_ref.model.enable_gradient_checkpointing=False"])
+    shrink = tune.shrink_lever(cfg)
+    assert [c.get(MICRO) for c in shrink.candidates] == [None, "4", "2", "1"]  # checkpointing first
+    assert all(
+        c["actor_rollout_ref.model.enable_gradient_checkpointing"] == "True" for c in shrink.candidates
+    )
+
+    def fake_run(trial: tune.Trial) -> tune.Trial:  # fits from micro-batch 2 on, faster when larger
+        micro = int(trial.changes.get(MICRO, 8))
+        trial.outcome = "ran" if micro <= 2 else "out of memory"
+        trial.throughput = 100.0 * micro if micro <= 2 else None
+        return trial
+
+    best, trials = tune.search([], [tune.Lever("micro", [{MICRO: "16"}])], fake_run, 12, shrink)
+    assert best.changes[MICRO] == "2"
+    assert [t.outcome for t in trials] == [
+        "out of memory",
+        "out of memory",
+        "out of memory",
+        "ran",
+        "out of memory",
+    ]
+    assert trials[3].probe.startswith("shrink: model.enable_gradient_checkpointing=True")
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tune")

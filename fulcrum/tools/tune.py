@@ -5,7 +5,8 @@ Each trial is the user's configuration plus one change, trained for a few steps 
 in its own process (so its peak memory is its own and an out-of-memory cannot poison the next trial),
 with validation, checkpoints and resuming off. The levers are tried one after another (coordinate
 search): each keeps the best value found so far, and within a lever the candidates run from the least
-memory to the most, stopping at the first out-of-memory. A trial's throughput is the median
+memory to the most, stopping at the first out-of-memory. A configuration that runs out of memory itself
+is first shrunk (checkpointing on, micro-batches halved) until it fits. A trial's throughput is the median
 `perf/throughput` of its steps after the first (the first compiles and allocates); its memory the
 peak reserved CUDA memory (the trainer process's peak resident memory on the CPU).
 
@@ -142,6 +143,21 @@ def levers_for(cfg: FulcrumConfig, on_cuda: bool) -> list[Lever]:
     return [lever for lever in levers if lever.candidates]
 
 
+def shrink_lever(cfg: FulcrumConfig) -> Lever:
+    """What to try when the user's configuration runs out of memory: gradient checkpointing on, then
+    the micro-batches halved down to 1 (least memory last)."""
+    arr = cfg.actor_rollout_ref
+    checkpointing = {"actor_rollout_ref.model.enable_gradient_checkpointing": "True"}
+    if uses_critic(cfg):
+        checkpointing["critic.model.enable_gradient_checkpointing"] = "True"
+    candidates = [] if arr.model.enable_gradient_checkpointing else [dict(checkpointing)]
+    micro = (arr.actor.ppo_micro_batch_size_per_gpu or 1) // 2
+    while micro >= 1:
+        candidates.append({**checkpointing, **micro_batch_overrides(cfg, micro)})
+        micro //= 2
+    return Lever("shrink", candidates)
+
+
 # ------------------------------------------------------------------------------------------ trials
 def classify(returncode: int, output: str) -> str:
     """A finished trial's outcome from its exit status and output."""
@@ -204,6 +220,10 @@ def run_trial(base: list[str], trial: Trial, work: Path, steps: int, timeout: fl
     return trial
 
 
+def _short(overrides: Overrides) -> str:
+    return " ".join(f"{k.removeprefix('actor_rollout_ref.')}={v}" for k, v in overrides.items())
+
+
 def better(candidate: Trial, best: Trial) -> bool:
     return (
         candidate.outcome == "ran"
@@ -217,10 +237,21 @@ def search(
     levers: list[Lever],
     run: Callable[[Trial], Trial],
     max_trials: int,
+    shrink: Lever | None = None,
 ) -> tuple[Trial, list[Trial]]:
-    """Coordinate search: the base first, then each lever's candidates on top of the best so far."""
+    """Coordinate search: the base first, then each lever's candidates on top of the best so far. When
+    the base runs out of memory, `shrink`'s candidates come first, until one fits."""
     best = run(Trial({}))
     trials = [best]
+    if best.outcome == "out of memory" and shrink is not None:
+        for candidate in shrink.candidates:
+            if len(trials) >= max_trials:
+                return best, trials
+            trial = run(Trial(dict(candidate), f"{shrink.name}: " + _short(candidate)))
+            trials.append(trial)
+            if trial.outcome == "ran":
+                best = trial
+                break
     for lever in levers:
         for candidate in lever.candidates:
             if len(trials) >= max_trials:
@@ -228,10 +259,7 @@ def search(
             changes = {**best.changes, **candidate}
             if changes == best.changes:
                 continue
-            probe = f"{lever.name}: " + " ".join(
-                f"{k.removeprefix('actor_rollout_ref.')}={v}" for k, v in candidate.items()
-            )
-            trial = run(Trial(changes, probe))
+            trial = run(Trial(changes, f"{lever.name}: " + _short(candidate)))
             trials.append(trial)
             if trial.outcome == "out of memory":
                 break  # the lever's later candidates take more memory still
@@ -311,12 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return trial
 
-    best, trials = search(overrides, levers, run, args.max_trials)
+    best, trials = search(overrides, levers, run, args.max_trials, shrink_lever(cfg))
     print("\n".join(table(trials)))
     if best.outcome != "ran":
-        print(
-            f"fulcrum tune: your configuration did not run ({best.outcome}); see {best.log}", file=sys.stderr
-        )
+        print(f"fulcrum tune: no trial ran; the first: {best.outcome} (its log: {best.log})", file=sys.stderr)
         return 1
     base = trials[0]
     if not best.changes:
@@ -324,11 +350,12 @@ def main(argv: list[str] | None = None) -> int:
             f"fastest that fits: your configuration ({_fmt(best.throughput, '.1f')} tok/s/device); no change"
         )
         return 0
-    gain = best.throughput / base.throughput if base.throughput and best.throughput else math.nan
-    print(
-        f"fastest that fits: {_fmt(best.throughput, '.1f')} tok/s/device, {gain:.2f}x your configuration; "
-        "add these overrides:"
-    )
+    if base.outcome == "ran":
+        gain = best.throughput / base.throughput if base.throughput and best.throughput else math.nan
+        versus = f"{gain:.2f}x your configuration"
+    else:
+        versus = f"your configuration: {base.outcome}"
+    print(f"fastest that fits: {_fmt(best.throughput, '.1f')} tok/s/device, {versus}; add these overrides:")
     print(" ".join(f"{k}={v}" for k, v in best.changes.items()))
     return 0
 
