@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("fulcrum.data.cli", "prepare data sets: `fulcrum data gsm8k --src SRC --out DIR`"),
     "doctor": ("fulcrum.tools.doctor", "check a configuration before spending GPU time"),
     "report": ("fulcrum.tools.report", "write RUN_DIR/report.html with plots and a diagnosis"),
+    "tune": ("fulcrum.tools.tune", "short probes over the throughput levers; prints the fastest that fits"),
     "export": ("fulcrum.tools.export", "a checkpoint's actor or critic as a Hugging Face folder"),
     "tiny-model": ("fulcrum.models.tiny", "write a small random-initialised model with a tokenizer"),
 }

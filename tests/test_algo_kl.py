@@ -52,7 +52,9 @@ def test_k3_is_clamped() -> None:
 def test_k3_is_nonnegative_and_matches_formula(d: float, ref: float) -> None:
     logp = torch.tensor([ref + d], dtype=torch.float64)
     k3 = kl_penalty(logp, torch.tensor([ref], dtype=torch.float64), "k3").item()
-    assert k3 >= 0
+    assert (
+        k3 >= -1e-15
+    )  # e^-d + d - 1 >= 0; float64 rounding gives -1.1e-16 at d = -2.6e-11 (hypothesis found it)
     assert k3 == pytest.approx(min(math.exp(-d) + d - 1, 10.0), rel=1e-9, abs=1e-12)
 
 

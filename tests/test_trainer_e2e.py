@@ -108,6 +108,8 @@ def test_ppo_gae_with_kl_in_reward(assets: Path, tmp_path: Path, capsys: pytest.
     assert (run / "global_step_2" / "critic").is_dir()
     out = capsys.readouterr().out
     assert "KL: KL in reward" in out and "step 2 |" in out
+    # Live diagnosis: a random tiny model's 12-token responses run to the limit; said once, not every step.
+    assert out.count("diagnosis (length_limit)") == 1, out
     assert rows[0]["actor/reward_kl_penalty_coeff"] == 0.0005
 
 

@@ -38,8 +38,9 @@ from fulcrum.config import (
 from fulcrum.config.compat import ROLLOUT_NAME_ALIASES, UNSUPPORTED
 from fulcrum.config.device import cuda_device_count
 from fulcrum.models.folder import looks_like_path, model_folder_problems, vocab_problems
+from fulcrum.tools.doctor_rules import LEVER_CHECKS, Finding, memory_lines
 
-USAGE = """usage: fulcrum doctor [--config FILE] [KEY=VALUE ...]
+USAGE = """usage: fulcrum doctor [--config FILE] [--device-memory-gib GIB] [KEY=VALUE ...]
        fulcrum doctor --keys        list every configuration key with its default and meaning
 
 Checks a training configuration (verl's keys and override spelling) without starting a run.
@@ -49,17 +50,14 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 @dataclass
-class Finding:
-    level: str  # "error" or "warning"
-    text: str
-
-
-@dataclass
 class Context:
     cfg: FulcrumConfig
     device: str  # "cuda" or "cpu", after resolving trainer.device
     n_visible: int  # CUDA devices visible
     overrides: list[str] = field(default_factory=list)
+    device_memory_gib: float | None = (
+        None  # --device-memory-gib: the card to compare the memory estimate with
+    )
 
 
 def _error(text: str) -> Finding:
@@ -321,6 +319,7 @@ CHECKS: list[Callable[[Context], list[Finding]]] = [
     check_rollout_engine,
     check_logger_packages,
     check_rollout_alias,
+    *LEVER_CHECKS,  # fulcrum/tools/doctor_rules.py: data, generation and memory levers
 ]
 
 
@@ -390,12 +389,20 @@ def summary(ctx: Context) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------- main
-def diagnose(cfg: FulcrumConfig, overrides: list[str] | None = None) -> tuple[Context, list[Finding]]:
+def diagnose(
+    cfg: FulcrumConfig, overrides: list[str] | None = None, device_memory_gib: float | None = None
+) -> tuple[Context, list[Finding]]:
     """Run every check on a resolved configuration."""
     # As the trainer does: only trainer.device=cpu runs on the CPU; auto and cuda need the CUDA devices asked for.
     device = "cpu" if cfg.trainer.device == "cpu" else "cuda"
     n_visible = cuda_device_count() if device == "cuda" else 0
-    ctx = Context(cfg=cfg, device=device, n_visible=n_visible, overrides=list(overrides or []))
+    ctx = Context(
+        cfg=cfg,
+        device=device,
+        n_visible=n_visible,
+        overrides=list(overrides or []),
+        device_memory_gib=device_memory_gib,
+    )
     findings: list[Finding] = []
     for check in CHECKS:
         findings.extend(check(ctx))
@@ -420,6 +427,15 @@ def main(argv: list[str] | None = None) -> int:
         del args[i : i + 2]
     else:
         config_path = None
+    device_memory_gib = None
+    if "--device-memory-gib" in args:
+        i = args.index("--device-memory-gib")
+        try:
+            device_memory_gib = float(args[i + 1])
+        except (IndexError, ValueError):
+            print("fulcrum doctor: --device-memory-gib needs a number of GiB (e.g. 80)", file=sys.stderr)
+            return 1
+        del args[i : i + 2]
     config_log = logging.getLogger("fulcrum.config")
     level = config_log.level
     config_log.setLevel(logging.ERROR)  # check_rollout_alias reports the backend mapping instead
@@ -432,17 +448,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         config_log.setLevel(level)
-    ctx, findings = diagnose(cfg, args)
+    ctx, findings = diagnose(cfg, args, device_memory_gib)
     errors = [f for f in findings if f.level == "error"]
     warnings = [f for f in findings if f.level == "warning"]
     if errors:
         print(f"fulcrum doctor: {len(errors)} problem(s); the run would fail or waste compute:")
-        print("\n".join(f"  error: {f.text}" for f in errors))
+        print("\n".join(f"  {line}" for f in errors for line in f.lines()))
     else:
         print("fulcrum doctor: the configuration can run")
         print("\n".join(f"  {line}" for line in summary(ctx)))
     if warnings:
-        print("\n".join(f"  warning: {f.text}" for f in warnings))
+        print("\n".join(f"  {line}" for f in warnings for line in f.lines()))
+    print("\n".join(f"  {line}" for line in memory_lines(ctx)))
     return 1 if errors else 0
 
 

@@ -37,6 +37,7 @@ from fulcrum.rollout import SamplingParams, build_rollout, logprob_diff, samplin
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer import recipes
 from fulcrum.trainer.checkpoint import CheckpointManager
+from fulcrum.trainer.diagnosis import LiveDiagnosis
 from fulcrum.trainer.dynamic_sampling import GroupFilter, group_metric_values
 from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, explain_oom
 from fulcrum.trainer.loggers import Tracking
@@ -142,6 +143,7 @@ class PPOTrainer:
             to_dict(cfg),
         )
         self.nan_guard = NonFiniteGuard(int(cfg.trainer.max_nan_steps))
+        self.live_diagnosis = LiveDiagnosis()  # one line the first time each rule fires (docs/levers.md)
         self.exit_code = 0  # 128 + signal number when Ctrl-C / SIGTERM stopped the run (helper G)
         self._interrupt: GracefulInterrupt | None = None
         self.global_step = 0
@@ -208,6 +210,8 @@ class PPOTrainer:
                 with explain_oom(self.cfg, device=self.device):
                     metrics = self.train_step(items, is_last)
                 self.tracking.log(metrics, step=self.global_step)
+                for line in self.live_diagnosis.observe(metrics, self.global_step):
+                    tqdm.write(line)
                 last = metrics
                 bar.update(1)
                 if self.nan_guard.exceeded:

@@ -1,0 +1,350 @@
+"""`fulcrum doctor`'s lever rules: settings that run but waste data, generation or memory, and the memory
+estimate. Each rule is a function of the doctor's context returning findings with their severity, the
+keys involved, why it matters and the fix (docs/levers.md explains each lever).
+
+Kept apart from fulcrum/tools/doctor.py (files, models, the config's own rules) so each file stays one
+concern; doctor.py runs LEVER_CHECKS after its own.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fulcrum.config import FulcrumConfig, uses_critic, uses_reference, world_size
+from fulcrum.tools.memory_estimate import (
+    DEFAULT_DEVICE_GIB,
+    Estimate,
+    GiB,
+    ModelShape,
+    estimate,
+    format_estimate,
+    read_model_shape,
+)
+
+
+@dataclass
+class Finding:
+    """One doctor finding. `text` is the one-line statement; keys, why and fix are printed under it."""
+
+    level: str  # "error" (exit 1) or "warning"
+    text: str
+    keys: tuple[str, ...] = ()
+    why: str = ""
+    fix: str = ""
+
+    def lines(self) -> list[str]:
+        out = [f"{self.level}: {self.text}"]
+        if self.keys:
+            out.append(f"    keys: {', '.join(self.keys)}")
+        if self.why:
+            out.append(f"    why:  {self.why}")
+        if self.fix:
+            out.append(f"    fix:  {self.fix}")
+        return out
+
+
+class DoctorContext(Protocol):
+    cfg: FulcrumConfig
+    device: str  # "cuda" or "cpu"
+    n_visible: int
+    overrides: list[str]
+    device_memory_gib: float | None
+
+
+def _set_by_user(ctx: DoctorContext, key: str) -> bool:
+    return any(text.lstrip("+").split("=", 1)[0].strip() == key for text in ctx.overrides)
+
+
+# --------------------------------------------------------------------------------------------- rules
+def check_response_length(ctx: DoctorContext) -> list[Finding]:
+    """rollout.response_length different from data.max_response_length."""
+    cfg = ctx.cfg
+    generated, data_limit = cfg.actor_rollout_ref.rollout.response_length, cfg.data.max_response_length
+    if generated == data_limit:
+        return []
+    return [
+        Finding(
+            "warning",
+            f"actor_rollout_ref.rollout.response_length={generated} differs from data.max_response_length={data_limit}",
+            ("actor_rollout_ref.rollout.response_length", "data.max_response_length"),
+            f"the rollout generates at most {generated} tokens and the batches, response_length/clip_ratio and "
+            f"the memory follow it; data.max_response_length={data_limit} then only misleads whoever reads "
+            "the configuration (verl derives one from the other)",
+            f"set data.max_response_length={generated} and drop rollout.response_length (it follows data)",
+        )
+    ]
+
+
+def _train_rows(files: str | list[str]) -> int | None:
+    """Rows of the training files from their parquet footers (no data read); None if one is unreadable."""
+    import pyarrow.parquet as pq
+
+    total = 0
+    for name in [files] if isinstance(files, str) else list(files):
+        try:
+            total += pq.read_metadata(os.path.expanduser(name)).num_rows
+        except Exception:  # reported by check_data_files
+            return None
+    return total
+
+
+def _nearby_divisors(n: int, around: int) -> list[int]:
+    return [b for b in range(max(1, around // 2), 2 * around + 1) if n % b == 0]
+
+
+def check_epoch_drop(ctx: DoctorContext) -> list[Finding]:
+    """Prompts of each epoch that no step uses: the loader drops the last partial batch (verl: drop_last)."""
+    cfg = ctx.cfg
+    prompts = _train_rows(cfg.data.train_files)
+    batch = cfg.data.train_batch_size
+    if prompts is None or batch <= 0 or prompts < batch:  # fewer rows than a batch: doctor's check_data_rows
+        return []
+    keys = ("data.train_batch_size",)
+    dropped = prompts % batch
+    if dropped == 0:
+        return []
+    divisors = _nearby_divisors(prompts, batch)
+    fix = (
+        f"a train_batch_size dividing {prompts:,}, e.g. {', '.join(map(str, divisors[:4]))}"
+        if divisors
+        else f"none between {batch // 2} and {2 * batch} divides {prompts:,}: accept the loss, or add or "
+        "filter prompts to a multiple of the batch"
+    )
+    shuffled = " with data.shuffle=True a different set is dropped each epoch, so none is lost for good"
+    return [
+        Finding(
+            "warning",
+            f"{prompts:,} training prompts at {batch} a step = {prompts // batch} steps per epoch; {dropped:,} "
+            f"prompts ({dropped / prompts:.1%}) dropped (unused) each epoch",
+            keys,
+            "the loader drops the last partial batch (as verl's drop_last);"
+            + (shuffled if cfg.data.shuffle else " without shuffling the same prompts are never trained on"),
+            fix,
+        )
+    ]
+
+
+def check_token_limits(ctx: DoctorContext) -> list[Finding]:
+    """Dynamic-batch token budgets and the engine's prefill budget against the longest sequence."""
+    cfg = ctx.cfg
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    longest = arr.rollout.prompt_length + arr.rollout.response_length
+    budgets = [
+        (
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+            arr.actor.use_dynamic_bsz,
+            arr.actor.ppo_max_token_len_per_gpu,
+        ),
+        (
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+            bool(arr.rollout.log_prob_use_dynamic_bsz),
+            arr.rollout.log_prob_max_token_len_per_gpu,
+        ),
+    ]
+    if uses_reference(cfg):
+        budgets.append(
+            (
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                bool(arr.ref.log_prob_use_dynamic_bsz),
+                arr.ref.log_prob_max_token_len_per_gpu,
+            )
+        )
+    if uses_critic(cfg):
+        budgets += [
+            (
+                "critic.ppo_max_token_len_per_gpu",
+                bool(critic.use_dynamic_bsz),
+                critic.ppo_max_token_len_per_gpu,
+            ),
+            (
+                "critic.forward_max_token_len_per_gpu",
+                bool(critic.use_dynamic_bsz),
+                critic.forward_max_token_len_per_gpu,
+            ),
+        ]
+    findings = []
+    for key, dynamic, limit in budgets:
+        if dynamic and limit is not None and limit < longest:
+            findings.append(
+                Finding(
+                    "error",
+                    f"{key}={limit} is below one sequence of up to {longest} tokens "
+                    f"(data.max_prompt_length + response_length)",
+                    (key, "data.max_prompt_length", "data.max_response_length"),
+                    "with dynamic batching a micro-batch holds at most this many tokens, so a full-length "
+                    "sequence fits in none and the step fails",
+                    f"{key}>={longest}; a budget of several sequences (e.g. {4 * longest}) lets short ones share a micro-batch",
+                )
+            )
+    max_tokens = arr.rollout.max_num_batched_tokens
+    if arr.rollout.name == "native" and 0 < max_tokens < arr.rollout.prompt_length:
+        findings.append(
+            Finding(
+                "warning",
+                f"actor_rollout_ref.rollout.max_num_batched_tokens={max_tokens} is below the longest prompt "
+                f"({arr.rollout.prompt_length} tokens)",
+                ("actor_rollout_ref.rollout.max_num_batched_tokens", "data.max_prompt_length"),
+                "the engine prefills at most this many tokens a step, so long prompts are split over several "
+                "steps (slower prefill); vLLM without chunked prefill refuses this",
+                f"actor_rollout_ref.rollout.max_num_batched_tokens>={longest}",
+            )
+        )
+    return findings
+
+
+def check_tensor_parallel_heads(ctx: DoctorContext) -> list[Finding]:
+    """Rollout tensor parallelism must split the attention and KV heads evenly (vLLM's rule)."""
+    tp = ctx.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    shape = read_model_shape(ctx.cfg.actor_rollout_ref.model.path)
+    if shape is None or tp <= 1:
+        return []
+    bad = [
+        f"{n} {what}"
+        for n, what in ((shape.heads, "attention heads"), (shape.kv_heads, "KV heads"))
+        if n % tp
+    ]
+    if not bad:
+        return []
+    good = [t for t in (1, 2, 4, 8) if shape.heads % t == 0 and shape.kv_heads % t == 0]
+    return [
+        Finding(
+            "warning",
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the model's {' and '.join(bad)}",
+            ("actor_rollout_ref.rollout.tensor_model_parallel_size", "actor_rollout_ref.model.path"),
+            "each tensor-parallel rank takes an equal share of the heads; verl's vLLM refuses this model at "
+            "this size (fulcrum's rollout runs one engine per device and ignores the key today)",
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size in {good}",
+        )
+    ]
+
+
+def check_target_kl_fixed(ctx: DoctorContext) -> list[Finding]:
+    """target_kl (or horizon) set with the fixed KL controller, which never reads them."""
+    kl = ctx.cfg.algorithm.kl_ctrl
+    if kl.type != "fixed":
+        return []
+    set_keys = [
+        k for k in ("algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.horizon") if _set_by_user(ctx, k)
+    ]
+    if not set_keys:
+        return []
+    return [
+        Finding(
+            "warning",
+            f"{' and '.join(set_keys)} set with algorithm.kl_ctrl.type=fixed: no effect",
+            (*set_keys, "algorithm.kl_ctrl.type"),
+            f"only the adaptive controller moves the coefficient towards target_kl; the fixed one keeps "
+            f"kl_coef={kl.kl_coef} for the whole run",
+            "algorithm.kl_ctrl.type=adaptive with algorithm.use_kl_in_reward=True, or drop target_kl",
+        )
+    ]
+
+
+def check_rollout_waves(ctx: DoctorContext) -> list[Finding]:
+    """max_num_seqs below the responses one device generates in a step: the rollout runs in waves."""
+    cfg = ctx.cfg
+    rollout = cfg.actor_rollout_ref.rollout
+    per_device = cfg.data.train_batch_size * rollout.n // max(world_size(cfg), 1)
+    if rollout.max_num_seqs <= 0 or per_device <= rollout.max_num_seqs:
+        return []
+    waves = math.ceil(per_device / rollout.max_num_seqs)
+    return [
+        Finding(
+            "warning",
+            f"actor_rollout_ref.rollout.max_num_seqs={rollout.max_num_seqs} is below the {per_device} responses "
+            f"a device generates per step: the rollout runs in about {waves} waves",
+            (
+                "actor_rollout_ref.rollout.max_num_seqs",
+                "data.train_batch_size",
+                "actor_rollout_ref.rollout.n",
+            ),
+            "decoding is bound by reading the weights and KV cache once per token for the whole batch, so a "
+            "larger decode batch is nearly free until memory runs out; waves repeat the long tail",
+            f"actor_rollout_ref.rollout.max_num_seqs={per_device} if the KV cache holds it (see the memory "
+            "estimate), else a larger gpu_memory_utilization",
+        )
+    ]
+
+
+# ---------------------------------------------------------------------------------------- memory
+def device_memory(ctx: DoctorContext) -> tuple[float, bool]:
+    """(bytes, known): --device-memory-gib, else the visible CUDA device, else an assumed H200."""
+    if ctx.device_memory_gib:
+        return ctx.device_memory_gib * GiB, True
+    if ctx.device == "cuda" and ctx.n_visible > 0:
+        import torch
+
+        return float(torch.cuda.get_device_properties(0).total_memory), True
+    return DEFAULT_DEVICE_GIB * GiB, False
+
+
+def memory_estimate(ctx: DoctorContext) -> Estimate | None:
+    cfg = ctx.cfg
+    shape: ModelShape | None = read_model_shape(cfg.actor_rollout_ref.model.path)
+    if shape is None:
+        return None
+    device_bytes, known = device_memory(ctx)
+    per_device = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n // max(world_size(cfg), 1)
+    return estimate(cfg, shape, device_bytes, known, uses_critic(cfg), uses_reference(cfg), per_device)
+
+
+def check_memory(ctx: DoctorContext) -> list[Finding]:
+    """An out-of-memory predicted before the run: a phase's estimate above the device's memory."""
+    est = memory_estimate(ctx)
+    if est is None:
+        return []
+    findings = []
+    rollout = ctx.cfg.actor_rollout_ref.rollout
+    if rollout.name == "native" and est.kv_cache_bytes <= 0:
+        findings.append(
+            Finding(
+                "error" if est.device_known else "warning",
+                f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} leaves no "
+                "room for the KV cache",
+                ("actor_rollout_ref.rollout.gpu_memory_utilization",),
+                "the engine's share of the device must hold its weights, its workspace and the cache",
+                "a larger gpu_memory_utilization, or a smaller max_num_batched_tokens / max_num_seqs",
+            )
+        )
+    over = [p for p in est.phases if p.total > est.device_bytes]
+    if over:
+        worst = max(over, key=lambda p: p.total)
+        top = sorted(worst.items.items(), key=lambda kv: -kv[1])[:3]
+        findings.append(
+            Finding(
+                "error" if est.device_known else "warning",
+                f"predicted out of memory in {worst.name}: {worst.total / GiB:.1f} GiB estimated on a "
+                f"{est.device_bytes / GiB:.1f} GiB device",
+                (
+                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                    "actor_rollout_ref.model.enable_gradient_checkpointing",
+                    "actor_rollout_ref.rollout.gpu_memory_utilization",
+                ),
+                "largest items: " + "; ".join(f"{name} {size / GiB:.1f} GiB" for name, size in top),
+                "smaller micro-batches, enable_gradient_checkpointing=True, a lower gpu_memory_utilization, "
+                "or more devices (trainer.n_gpus_per_node)",
+            )
+        )
+    return findings
+
+
+def memory_lines(ctx: DoctorContext) -> list[str]:
+    est = memory_estimate(ctx)
+    if est is None:
+        return ["memory estimate: no model config.json to read (actor_rollout_ref.model.path)"]
+    return format_estimate(est)
+
+
+LEVER_CHECKS: list[Callable[[Any], list[Finding]]] = [
+    check_response_length,
+    check_epoch_drop,
+    check_token_limits,
+    check_tensor_parallel_heads,
+    check_target_kl_fixed,
+    check_rollout_waves,
+    check_memory,
+]

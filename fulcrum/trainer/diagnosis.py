@@ -1,0 +1,328 @@
+"""Diagnosis rules over a run's metrics rows: which phase bounds the step, and which signal says the run is
+going wrong, each with the lever to pull.
+
+Pure functions over `rows` (one dict per `metrics.jsonl` line, oldest first; values may be the strings
+"nan"/"inf" the JSON logger writes). No torch, no I/O: `fulcrum report` calls `diagnose(rows)` on a
+finished run, and the trainer calls `LiveDiagnosis.observe(row)` after each step to print a one-line
+diagnosis the first time a rule fires. docs/metrics.md and docs/levers.md explain the metrics and levers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Row = dict[str, Any]
+
+# Step phases (timing_s/<phase>) and the lever for each when it bounds the step.
+PHASE_LEVERS: dict[str, str] = {
+    "gen": "actor_rollout_ref.rollout.name=native, a larger rollout.max_num_seqs, rollout.gpu_memory_utilization "
+    "(more KV cache, fewer preemptions), or a shorter data.max_response_length",
+    "gen_max": "ReMax's greedy baseline generation: as for gen",
+    "reward": "a faster custom reward function (it runs on the CPU, one response at a time)",
+    "old_log_prob": "a larger rollout.log_prob_micro_batch_size_per_gpu, or use_dynamic_bsz=True",
+    "ref": "a larger ref.log_prob_micro_batch_size_per_gpu, or use_dynamic_bsz=True",
+    "values": "a larger critic.forward_micro_batch_size_per_gpu, or critic.use_dynamic_bsz=True",
+    "adv": "advantage estimation should be cheap; report it as a bug",
+    "update_critic": "a larger critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz=True, or "
+    "critic.model.enable_gradient_checkpointing=False if memory allows (`fulcrum tune` measures them)",
+    "update_actor": "a larger actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz=True, or "
+    "model.enable_gradient_checkpointing=False if memory allows (`fulcrum tune` measures them)",
+    "update_weights": "weight sync to the engine should be milliseconds; report it as a bug",
+    "testing": "a larger trainer.test_freq (validation runs inside the step that does it)",
+    "save_checkpoint": "a larger trainer.save_freq (checkpoints are written inside the step)",
+}
+NON_FINITE_KEYS = (
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "critic/vf_loss",
+    "critic/grad_norm",
+)
+KL_KEYS = ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty")
+MEMORY_KEYS = ("perf/max_memory_reserved_gb", "perf/max_memory_allocated_gb", "perf/cpu_memory_peak_rss_gb")
+
+KL_SPIKE_FACTOR = 10.0  # a value this many times its running median is a spike
+KL_SPIKE_FLOOR = 1e-3  # ... and above this absolute value (tiny KLs jitter by large factors)
+KL_MIN_HISTORY = 5
+LENGTH_CLIP_LIMIT = 0.2  # share of responses at the length limit
+ADV_DRIFT_LIMIT = 0.1  # |mean advantage| ...
+ADV_DRIFT_STEPS = 3  # ... for this many steps in a row
+CRITIC_MIN_STEPS = 10
+MEMORY_MIN_STEPS = 6  # warm steps needed before calling memory growth a creep
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One diagnosis: `rule` names it, `step` is where it first showed, `lever` says what to change."""
+
+    rule: str
+    severity: str  # "info" (how the run spends its time) or "warning" (something is going wrong)
+    step: int | None
+    message: str
+    lever: str
+
+    def one_line(self) -> str:
+        where = f"step {self.step}: " if self.step is not None else ""
+        return f"diagnosis ({self.rule}) {where}{self.message} -> {self.lever}"
+
+
+def as_float(value: Any) -> float | None:
+    """A metric value as a float: numbers, and the "nan"/"inf" strings of metrics.jsonl; None otherwise."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def training_rows(rows: Sequence[Row]) -> list[Row]:
+    """The rows of training steps (those with a step time); a validation-only row (step 0) is not one."""
+    return [r for r in rows if as_float(r.get("timing_s/step")) is not None]
+
+
+def series(rows: Sequence[Row], key: str) -> list[tuple[int, float]]:
+    """(step, value) of every row that has `key` with a numeric value (NaN included)."""
+    out = []
+    for i, row in enumerate(rows):
+        value = as_float(row.get(key))
+        if value is not None:
+            out.append((int(row.get("step", i + 1)), value))
+    return out
+
+
+def _step(row: Row, default: int) -> int:
+    step = as_float(row.get("step"))
+    return int(step) if step is not None else default
+
+
+# ------------------------------------------------------------------------------------------ rules
+def phase_shares(rows: Sequence[Row]) -> dict[str, float]:
+    """Share of step time per phase: Σ timing_s/<phase> ÷ Σ timing_s/step over the warm training steps
+    (the first step, which compiles and allocates, is left out when there are others)."""
+    train = training_rows(rows)
+    warm = train[1:] if len(train) > 1 else train
+    total = sum(as_float(r["timing_s/step"]) or 0.0 for r in warm)
+    if total <= 0:
+        return {}
+    shares = {}
+    for phase in PHASE_LEVERS:
+        spent = sum(v for r in warm if (v := as_float(r.get(f"timing_s/{phase}"))) is not None and v == v)
+        if spent > 0:
+            shares[phase] = spent / total
+    return dict(sorted(shares.items(), key=lambda kv: -kv[1]))
+
+
+def bottleneck(rows: Sequence[Row]) -> list[Finding]:
+    """The phase with the largest share of the warm steps' time, and the lever that shortens it."""
+    shares = phase_shares(rows)
+    if not shares:
+        return []
+    phase, share = next(iter(shares.items()))
+    train = training_rows(rows)
+    first = _step(train[1] if len(train) > 1 else train[0], 1)
+    others = ", ".join(f"{p} {s:.0%}" for p, s in list(shares.items())[1:4])
+    return [
+        Finding(
+            "bottleneck",
+            "info",
+            first,
+            f"the bottleneck is {phase}: {share:.0%} of step time" + (f" (then {others})" if others else ""),
+            PHASE_LEVERS[phase],
+        )
+    ]
+
+
+def kl_spikes(rows: Sequence[Row]) -> list[Finding]:
+    """A KL value above KL_SPIKE_FACTOR × the median of the values before it (and above KL_SPIKE_FLOOR)."""
+    findings = []
+    for key in KL_KEYS:
+        points = [(s, v) for s, v in series(training_rows(rows), key) if math.isfinite(v)]
+        for i in range(KL_MIN_HISTORY, len(points)):
+            step, value = points[i]
+            median = statistics.median(abs(v) for _, v in points[:i])
+            if abs(value) > KL_SPIKE_FLOOR and abs(value) > KL_SPIKE_FACTOR * median:
+                findings.append(
+                    Finding(
+                        "kl_spike",
+                        "warning",
+                        step,
+                        f"{key} = {value:.3g}, {abs(value) / max(median, 1e-12):.0f}x its running median {median:.3g}",
+                        "a smaller actor.optim.lr, fewer actor.ppo_epochs, a larger ppo_mini_batch_size, a lower "
+                        "actor.grad_clip, or a stronger KL (kl_loss_coef / kl_ctrl.kl_coef)",
+                    )
+                )
+                break
+    return findings
+
+
+def critic_not_learning(rows: Sequence[Row]) -> list[Finding]:
+    """After CRITIC_MIN_STEPS steps: the median vf_explained_var of the last 5 steps <= 0 and vf_loss not
+    below 80% of its median over the first 5 (the critic predicts returns no better than their mean)."""
+    train = training_rows(rows)
+    explained = series(train, "critic/vf_explained_var")
+    loss = [(s, v) for s, v in series(train, "critic/vf_loss") if math.isfinite(v)]
+    if len(explained) < CRITIC_MIN_STEPS or len(loss) < CRITIC_MIN_STEPS:
+        return []
+    recent_ev = statistics.median(v for _, v in explained[-5:])
+    early_loss = statistics.median(v for _, v in loss[:5])
+    recent_loss = statistics.median(v for _, v in loss[-5:])
+    if recent_ev > 0.0 or recent_loss < 0.8 * early_loss:
+        return []
+    return [
+        Finding(
+            "critic_not_learning",
+            "warning",
+            explained[-1][0],
+            f"critic/vf_explained_var {recent_ev:.2f} (median of the last 5 steps) and critic/vf_loss "
+            f"{recent_loss:.3g}, not below its early {early_loss:.3g}",
+            "a larger critic.optim.lr, more critic.ppo_epochs, trainer.critic_warmup steps before the actor "
+            "moves, or a looser critic.cliprange_value",
+        )
+    ]
+
+
+def advantage_drift(rows: Sequence[Row]) -> list[Finding]:
+    """|critic/advantages/mean| above ADV_DRIFT_LIMIT for ADV_DRIFT_STEPS steps in a row (whitened or
+    group-normalised advantages stay near 0)."""
+    run = 0
+    for step, value in series(training_rows(rows), "critic/advantages/mean"):
+        run = run + 1 if math.isfinite(value) and abs(value) > ADV_DRIFT_LIMIT else 0
+        if run >= ADV_DRIFT_STEPS:
+            return [
+                Finding(
+                    "advantage_drift",
+                    "warning",
+                    step,
+                    f"critic/advantages/mean = {value:.3g}, away from 0 for {run} steps",
+                    "check the reward's scale and sign, the critic (critic.optim.lr, critic_warmup), "
+                    "algorithm.gamma / lam, and algorithm.norm_adv_by_std_in_grpo for GRPO",
+                )
+            ]
+    return []
+
+
+def length_limit(rows: Sequence[Row]) -> list[Finding]:
+    """response_length/clip_ratio: the mean over the last 3 steps at or above LENGTH_CLIP_LIMIT."""
+    points = [
+        (s, v) for s, v in series(training_rows(rows), "response_length/clip_ratio") if math.isfinite(v)
+    ]
+    if not points:
+        return []
+    recent = [v for _, v in points[-3:]]
+    share = sum(recent) / len(recent)
+    if share < LENGTH_CLIP_LIMIT:
+        return []
+    first = next(s for s, v in points if v >= LENGTH_CLIP_LIMIT)
+    return [
+        Finding(
+            "length_limit",
+            "warning",
+            first,
+            f"{share:.0%} of responses hit the length limit (response_length/clip_ratio): their reward is "
+            "for a cut-off answer",
+            "a larger data.max_response_length (costs generation time and memory), or a reward that "
+            "favours shorter answers",
+        )
+    ]
+
+
+def memory_creep(rows: Sequence[Row]) -> list[Finding]:
+    """Peak memory still rising after warm-up: past the first 2 steps, at least MEMORY_MIN_STEPS steps, a
+    rise in >= 75% of step pairs, and a total rise above max(5%, 0.25 GiB)."""
+    train = training_rows(rows)
+    for key in MEMORY_KEYS:
+        points = [(s, v) for s, v in series(train, key) if math.isfinite(v) and v > 0][2:]
+        if len(points) < MEMORY_MIN_STEPS:
+            continue
+        rises = sum(1 for (_, a), (_, b) in itertools.pairwise(points) if b > a)
+        growth = points[-1][1] - points[0][1]
+        if rises >= 0.75 * (len(points) - 1) and growth > max(0.05 * points[0][1], 0.25):
+            return [
+                Finding(
+                    "memory_creep",
+                    "warning",
+                    points[-1][0],
+                    f"{key} rose in {rises} of {len(points) - 1} warm steps, {points[0][1]:.2f} -> "
+                    f"{points[-1][1]:.2f} GiB: something grows every step",
+                    "look for tensors kept across steps (metrics holding graphs, growing caches); for "
+                    "fragmentation, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                )
+            ]
+    return []
+
+
+def non_finite(rows: Sequence[Row]) -> list[Finding]:
+    """NaN/Inf in a loss or gradient norm, and steps the trainer skipped for it (training/nan_skipped_steps)."""
+    for i, row in enumerate(training_rows(rows)):
+        bad = [k for k in NON_FINITE_KEYS if (v := as_float(row.get(k))) is not None and not math.isfinite(v)]
+        skipped = as_float(row.get("training/nan_skipped_steps")) or 0.0
+        if bad or skipped > 0:
+            total_skipped = max(as_float(r.get("training/nan_skipped_steps")) or 0.0 for r in rows)
+            what = f"non-finite {', '.join(bad)}" if bad else "a skipped update"
+            return [
+                Finding(
+                    "non_finite",
+                    "warning",
+                    _step(row, i + 1),
+                    f"{what}; {int(total_skipped)} step(s) skipped in the run (training/nan_skipped_steps)",
+                    "a smaller actor.optim.lr / critic.optim.lr, a lower grad_clip, and check the reward "
+                    "function's output for NaN",
+                )
+            ]
+    return []
+
+
+RULES: list[Callable[[Sequence[Row]], list[Finding]]] = [
+    bottleneck,
+    non_finite,
+    kl_spikes,
+    critic_not_learning,
+    advantage_drift,
+    length_limit,
+    memory_creep,
+]
+
+
+def diagnose(rows: Sequence[Row]) -> list[Finding]:
+    """Every rule's findings over the run's rows (oldest first)."""
+    return [finding for rule in RULES for finding in rule(rows)]
+
+
+class LiveDiagnosis:
+    """Feed it each step's metrics; it returns the one-line diagnosis of each rule the first time it fires.
+
+    It keeps the first KEEP_FIRST rows (the rules' early baselines) and the last KEEP_LAST."""
+
+    KEEP_FIRST = 10
+    KEEP_LAST = 200
+
+    def __init__(self, min_steps_for_bottleneck: int = 3) -> None:
+        self.rows: list[Row] = []
+        self.fired: set[str] = set()
+        # The bottleneck is always there: name it once the warm steps say which phase it is.
+        self.min_steps_for_bottleneck = min_steps_for_bottleneck
+
+    def observe(self, metrics: Row, step: int) -> list[str]:
+        self.rows.append({"step": step, **metrics})
+        if len(self.rows) > self.KEEP_FIRST + self.KEEP_LAST:  # bounded work per step in a long run
+            self.rows = self.rows[: self.KEEP_FIRST] + self.rows[-self.KEEP_LAST :]
+        lines = []
+        for finding in diagnose(self.rows):
+            if finding.rule in self.fired:
+                continue
+            if finding.rule == "bottleneck" and len(training_rows(self.rows)) < self.min_steps_for_bottleneck:
+                continue
+            self.fired.add(finding.rule)
+            lines.append(finding.one_line())
+        return lines

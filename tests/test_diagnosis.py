@@ -1,0 +1,130 @@
+"""The diagnosis rules over metrics rows: each fires on the pattern it names and stays silent on a
+healthy run; the live wrapper says each one once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fulcrum.trainer.diagnosis import LiveDiagnosis, diagnose, phase_shares
+
+
+def healthy_rows(n: int = 12) -> list[dict[str, Any]]:
+    """A run that learns: flat KL, a critic whose explained variance rises, short answers, flat memory."""
+    rows = []
+    for step in range(1, n + 1):
+        rows.append(
+            {
+                "step": step,
+                "timing_s/step": 10.0,
+                "timing_s/gen": 2.0,
+                "timing_s/update_actor": 5.0,
+                "timing_s/update_critic": 3.0,
+                "actor/ppo_kl": 0.002 + 0.0001 * (step % 3),
+                "actor/pg_loss": 0.01,
+                "actor/grad_norm": 1.0,
+                "critic/vf_loss": 1.0 / step,
+                "critic/vf_explained_var": min(0.9, 0.1 * step),
+                "critic/advantages/mean": 0.01 * (-1) ** step,
+                "response_length/clip_ratio": 0.02,
+                "perf/max_memory_reserved_gb": 40.0 if step > 1 else 30.0,
+                "training/nan_skipped_steps": 0.0,
+            }
+        )
+    return rows
+
+
+def rules(rows: list[dict[str, Any]]) -> set[str]:
+    return {f.rule for f in diagnose(rows)}
+
+
+def test_healthy_run_only_names_its_bottleneck() -> None:
+    findings = diagnose(healthy_rows())
+    assert [f.rule for f in findings] == ["bottleneck"]
+    assert "update_actor: 50% of step time" in findings[0].message
+    assert "ppo_micro_batch_size_per_gpu" in findings[0].lever
+
+
+def test_bottleneck_leaves_out_the_warm_up_step() -> None:
+    rows = healthy_rows(3)
+    rows[0]["timing_s/gen"] = 100.0  # compiling on step 1
+    rows[0]["timing_s/step"] = 108.0
+    assert next(iter(phase_shares(rows))) == "update_actor"
+    assert phase_shares(rows)["gen"] == 0.2
+
+
+def test_kl_spike_far_above_its_running_median() -> None:
+    rows = healthy_rows()
+    rows[8]["actor/ppo_kl"] = 0.05  # 25x the median of ~0.002
+    findings = [f for f in diagnose(rows) if f.rule == "kl_spike"]
+    assert len(findings) == 1 and findings[0].step == 9
+    assert "actor/ppo_kl" in findings[0].message and "optim.lr" in findings[0].lever
+    rows[8]["actor/ppo_kl"] = 0.006  # 3x: noise, not a spike
+    assert "kl_spike" not in rules(rows)
+
+
+def test_critic_that_does_not_learn() -> None:
+    rows = healthy_rows()
+    for row in rows:
+        row["critic/vf_explained_var"] = -0.05
+        row["critic/vf_loss"] = 0.5
+    findings = [f for f in diagnose(rows) if f.rule == "critic_not_learning"]
+    assert findings and "critic.optim.lr" in findings[0].lever
+    assert "critic_not_learning" not in rules(rows[:9])  # too early to tell
+
+
+def test_advantages_drifting_from_zero() -> None:
+    rows = healthy_rows()
+    for row in rows[4:7]:
+        row["critic/advantages/mean"] = 0.4
+    assert [f.step for f in diagnose(rows) if f.rule == "advantage_drift"] == [7]
+    rows[5]["critic/advantages/mean"] = 0.0  # not 3 steps in a row
+    assert "advantage_drift" not in rules(rows)
+
+
+def test_responses_at_the_length_limit() -> None:
+    rows = healthy_rows()
+    for row in rows[-3:]:
+        row["response_length/clip_ratio"] = 0.5
+    findings = [f for f in diagnose(rows) if f.rule == "length_limit"]
+    assert findings and "50% of responses" in findings[0].message
+    assert "data.max_response_length" in findings[0].lever
+    rows[-1]["response_length/clip_ratio"] = rows[-2]["response_length/clip_ratio"] = 0.0
+    assert "length_limit" not in rules(rows)  # the last 3 steps average 17%
+
+
+def test_memory_creeping_up_after_warm_up() -> None:
+    rows = healthy_rows()
+    for i, row in enumerate(rows):
+        row["perf/max_memory_reserved_gb"] = 40.0 + 0.5 * i
+    findings = [f for f in diagnose(rows) if f.rule == "memory_creep"]
+    assert findings and "expandable_segments" in findings[0].lever
+    for i, row in enumerate(rows):  # growth only in the first steps: allocation, not a leak
+        row["perf/max_memory_reserved_gb"] = 40.0 + min(i, 2) * 5.0
+    assert "memory_creep" not in rules(rows)
+
+
+def test_nan_and_skipped_steps() -> None:
+    rows = healthy_rows()
+    rows[5]["actor/grad_norm"] = "nan"  # as metrics.jsonl writes it
+    for row in rows[5:]:
+        row["training/nan_skipped_steps"] = 1.0
+    findings = [f for f in diagnose(rows) if f.rule == "non_finite"]
+    assert findings[0].step == 6
+    assert "actor/grad_norm" in findings[0].message and "1 step(s) skipped" in findings[0].message
+    rows[5]["actor/grad_norm"] = 1.0
+    for row in rows:
+        row["training/nan_skipped_steps"] = 0.0
+    assert "non_finite" not in rules(rows)
+
+
+def test_live_diagnosis_says_each_rule_once() -> None:
+    live = LiveDiagnosis()
+    printed = []
+    for row in healthy_rows():
+        row = dict(row)
+        row["response_length/clip_ratio"] = 0.9
+        step = row.pop("step")
+        printed += live.observe(row, step)
+    assert len(printed) == 2
+    assert printed[0].startswith("diagnosis (length_limit) step 1:")
+    assert printed[1].startswith("diagnosis (bottleneck)")  # once the warm steps tell

@@ -1,0 +1,220 @@
+"""`fulcrum doctor`'s lever rules and memory estimate: each rule fires on the setting it names (with keys,
+why and fix) and stays silent on the seed command; the estimate matches the model's size and predicts an
+out-of-memory on a card too small."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fulcrum.config import load_config
+from fulcrum.models.tiny import build_tiny_model
+from fulcrum.tools import doctor
+from fulcrum.tools.memory_estimate import ModelShape, estimate, param_count
+
+# The seed command lives in test_config.py; load it by path so this works however pytest is invoked.
+_spec = importlib.util.spec_from_file_location("_test_config", Path(__file__).with_name("test_config.py"))
+_test_config = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_test_config)
+seed_command = _test_config.seed_command
+
+# Qwen2.5-0.5B's shape (the keys the rules and the estimate read).
+QWEN25_05B = {
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 32768,
+}
+ROW = {
+    "data_source": "openai/gsm8k",
+    "prompt": [{"role": "user", "content": "1 + 1?"}],
+    "ability": "math",
+    "reward_model": {"style": "rule", "ground_truth": "2"},
+    "extra_info": {"split": "train", "index": 0},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "model",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+    )
+
+
+@pytest.fixture
+def files(tmp_path: Path, tiny_model: Path) -> Path:
+    """GSM8K-sized parquet files (7,473 training and 1,319 test rows) and a model folder whose config.json
+    says Qwen2.5-0.5B (doctor reads the shape; it loads no weights)."""
+    for name, rows in (("train.parquet", 7473), ("test.parquet", 1319)):
+        pq.write_table(pa.Table.from_pylist([ROW] * rows), tmp_path / name)
+    shutil.copytree(tiny_model, tmp_path / "model")
+    config_file = tmp_path / "model" / "config.json"
+    config = {k: v for k, v in json.loads(config_file.read_text()).items() if k != "layer_types"}  # per layer
+    config_file.write_text(json.dumps({**config, **QWEN25_05B}))
+    return tmp_path
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = doctor.main(argv)
+    return code, capsys.readouterr().out
+
+
+def test_response_length_differing_from_data(files: Path, capsys) -> None:
+    code, out = run([*seed_command(files), "actor_rollout_ref.rollout.response_length=200"], capsys)
+    assert code == 0
+    assert "actor_rollout_ref.rollout.response_length=200 differs from data.max_response_length=256" in out
+    assert "fix:  set data.max_response_length=200" in out
+    _, out = run(seed_command(files), capsys)
+    assert "differs from data.max_response_length" not in out
+
+
+def test_prompts_dropped_each_epoch(files: Path, capsys) -> None:
+    _, out = run(seed_command(files), capsys)  # GSM8K: 7,473 = 14 x 512 + 305
+    assert "7,473 training prompts at 512 a step = 14 steps per epoch; 305 prompts (4.1%) dropped" in out
+    _, out = run(
+        [
+            *seed_command(files),
+            "data.train_batch_size=141",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=141",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+            "critic.ppo_micro_batch_size_per_gpu=3",
+        ],
+        capsys,
+    )
+    assert "dropped" not in out  # 7,473 = 53 x 141
+
+
+def test_dynamic_batch_token_limit_below_one_sequence(files: Path, capsys) -> None:
+    dynamic = [*seed_command(files), "actor_rollout_ref.actor.use_dynamic_bsz=True"]
+    code, out = run([*dynamic, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=300"], capsys)
+    assert code == 1
+    assert (
+        "error: actor_rollout_ref.actor.ppo_max_token_len_per_gpu=300 is below one sequence of up to 768 tokens"
+        in out
+    )
+    code, out = run([*dynamic, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2304"], capsys)
+    assert code == 0 and "is below one sequence" not in out
+    code, out = run(
+        [*seed_command(files), "critic.use_dynamic_bsz=True", "critic.ppo_max_token_len_per_gpu=500"], capsys
+    )
+    assert code == 1 and "critic.ppo_max_token_len_per_gpu=500" in out
+
+
+def test_prefill_budget_below_the_longest_prompt(files: Path, capsys) -> None:
+    _, out = run([*seed_command(files), "actor_rollout_ref.rollout.max_num_batched_tokens=256"], capsys)
+    assert "max_num_batched_tokens=256 is below the longest prompt (512 tokens)" in out
+    _, out = run(seed_command(files), capsys)  # 16,384
+    assert "below the longest prompt" not in out
+
+
+def test_tensor_parallel_size_must_divide_the_heads(files: Path, capsys) -> None:
+    # Qwen2.5-0.5B: 14 attention heads, 2 KV heads.
+    _, out = run([*seed_command(files), "actor_rollout_ref.rollout.tensor_model_parallel_size=4"], capsys)
+    assert "tensor_model_parallel_size=4 does not divide the model's 14 attention heads and 2 KV heads" in out
+    assert "tensor_model_parallel_size in [1, 2]" in out
+    _, out = run([*seed_command(files), "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], capsys)
+    assert "does not divide the model's" not in out
+
+
+def test_target_kl_with_the_fixed_controller(files: Path, capsys) -> None:
+    _, out = run(seed_command(files), capsys)  # the seed sets target_kl=0.05, type stays fixed
+    assert "algorithm.kl_ctrl.target_kl set with algorithm.kl_ctrl.type=fixed: no effect" in out
+    argv = [c for c in seed_command(files) if not c.startswith("algorithm.kl_ctrl.target_kl")]
+    _, out = run(argv, capsys)
+    assert "type=fixed: no effect" not in out
+    _, out = run(
+        [*seed_command(files), "algorithm.kl_ctrl.type=adaptive", "algorithm.use_kl_in_reward=True"], capsys
+    )
+    assert "type=fixed: no effect" not in out
+
+
+def test_more_devices_than_the_machine_has(files: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(doctor, "cuda_device_count", lambda: 1)
+    cuda = [*seed_command(files), "trainer.device=cuda", "trainer.n_gpus_per_node=2"]
+    code, out = run([*cuda, "--device-memory-gib", "140"], capsys)
+    assert (
+        code == 1 and "the run asks for 2 device(s) but 1 are visible; set trainer.n_gpus_per_node=1" in out
+    )
+    code, out = run([*seed_command(files), "trainer.device=cuda", "--device-memory-gib", "140"], capsys)
+    assert code == 0 and "device(s) but" not in out
+
+
+def test_max_num_seqs_below_one_steps_responses(files: Path, capsys) -> None:
+    _, out = run([*seed_command(files), "actor_rollout_ref.rollout.max_num_seqs=200"], capsys)
+    assert "max_num_seqs=200 is below the 512 responses a device generates per step" in out
+    assert "about 3 waves" in out
+    _, out = run(seed_command(files), capsys)  # 1,896
+    assert "waves" not in out
+
+
+# ---------------------------------------------------------------------------------------- memory
+def test_parameter_count_of_qwen25_05b() -> None:
+    assert param_count(ModelShape.from_config(QWEN25_05B)) == 494_032_768  # the published 0.49B
+
+
+def seed_estimate(files: Path, *extra: str, device_gib: float = 140.0):
+    cfg = load_config([*seed_command(files), *extra])
+    shape = ModelShape.from_config(QWEN25_05B)
+    return estimate(
+        cfg, shape, device_gib * 2**30, True, uses_critic=True, uses_reference=False, responses_per_device=512
+    )
+
+
+def test_seed_estimate_against_the_measured_h200_peak(files: Path) -> None:
+    """BENCHMARKS.md: the seed command on one H200 peaked at 102.4 GiB allocated (step 2, generating)."""
+    est = seed_estimate(files)
+    assert est.peak.name == "generation"
+    assert abs(est.peak.total / 2**30 - 102.4) / 102.4 < 0.05
+
+
+def test_checkpointing_and_micro_batch_move_the_update_estimate(files: Path) -> None:
+    def actor_update(*extra: str) -> float:
+        return next(p.total for p in seed_estimate(files, *extra).phases if p.name == "actor update")
+
+    base = actor_update()
+    no_checkpointing = actor_update("actor_rollout_ref.model.enable_gradient_checkpointing=False")
+    bigger_micro = actor_update("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32")
+    assert no_checkpointing > base and bigger_micro > base
+    # 24 layers' activations instead of one layer's fp32 inputs: 8 x 768 tokens x (24 - 1) x ~50 kB more
+    assert 4e9 < no_checkpointing - base < 8e9
+
+
+def test_out_of_memory_predicted_on_a_small_card(files: Path, capsys) -> None:
+    code, out = run([*seed_command(files), "--device-memory-gib", "24"], capsys)
+    assert code == 1
+    assert "predicted out of memory in generation" in out and "24.0 GiB device" in out
+    code, out = run([*seed_command(files), "--device-memory-gib", "140"], capsys)
+    assert code == 0 and "predicted out of memory" not in out
+    assert "memory estimate per device (device 140.0 GiB): peak 102.5 GiB while in generation" in out
+
+
+def test_reference_and_hf_backend_in_the_estimate(files: Path) -> None:
+    shape = ModelShape.from_config(QWEN25_05B)
+    cfg = load_config([*seed_command(files), "actor_rollout_ref.rollout.name=hf"])
+    without = estimate(
+        cfg, shape, 140 * 2**30, True, uses_critic=True, uses_reference=False, responses_per_device=512
+    )
+    with_ref = estimate(
+        cfg, shape, 140 * 2**30, True, uses_critic=True, uses_reference=True, responses_per_device=512
+    )
+    generation = with_ref.phases[0]
+    assert generation.items["reference weights (fp32)"] == 4 * param_count(shape)
+    assert with_ref.peak.total - without.peak.total == 4 * param_count(shape)
+    # hf: the cache of the decoding batch, 512 sequences x 768 tokens x 24 layers x K and V x 2 heads x 64 x 2 bytes
+    assert generation.items["KV cache of generate (bf16)"] == 512 * 768 * 24 * 2 * 2 * 64 * 2
