@@ -164,6 +164,13 @@ def test_max_num_seqs_below_one_steps_responses(files: Path, capsys) -> None:
 
 
 # ---------------------------------------------------------------------------------------- memory
+def test_logit_chunk_matches_the_training_code() -> None:
+    from fulcrum.models.linear_logprob import CHUNK_ELEMENTS
+    from fulcrum.tools.memory_estimate import LOGIT_CHUNK_ELEMENTS
+
+    assert LOGIT_CHUNK_ELEMENTS == CHUNK_ELEMENTS
+
+
 def test_parameter_count_of_qwen25_05b() -> None:
     assert param_count(ModelShape.from_config(QWEN25_05B)) == 494_032_768  # the published 0.49B
 

@@ -28,6 +28,9 @@ GiB = 1024**3
 # visible and none is named (`fulcrum doctor --device-memory-gib`).
 DEFAULT_DEVICE_GIB = 140.0
 CUDA_CONTEXT_BYTES = 512 * 1024**2  # CUDA context, cuBLAS workspaces, allocator slack (rough)
+# fulcrum.models.linear_logprob.CHUNK_ELEMENTS (a test keeps them equal; not imported, to keep torch out
+# of `fulcrum doctor`): the LM head and log-softmax run on float32 (chunk, V) blocks of at most this many.
+LOGIT_CHUNK_ELEMENTS = 1 << 27
 
 
 @dataclass(frozen=True)
@@ -195,14 +198,16 @@ def update_activation_bytes(shape: ModelShape, rows: int, seq_len: int, checkpoi
 
 
 def update_logits_bytes(shape: ModelShape, rows: int, response_len: int, with_entropy: bool) -> float:
-    """The LM head's output on the response positions while training: bf16 logits, their fp32 copy and
-    the gradients of both (2 + 4 + 4 + 2 bytes per element), + the fp32 softmax for an entropy bonus."""
-    return rows * response_len * shape.vocab * (12 + (4 if with_entropy else 0))
+    """The LM head on the response positions while training, chunk by chunk (fulcrum.models.linear_logprob):
+    one float32 block of min(rows · R · V, LOGIT_CHUNK_ELEMENTS) elements, about four of them alive in the
+    backward (logits, probabilities, their gradient, a temporary), one more for an entropy bonus."""
+    elements = min(rows * response_len * shape.vocab, LOGIT_CHUNK_ELEMENTS)
+    return elements * 4 * (4 + (1 if with_entropy else 0))
 
 
 def forward_logits_bytes(shape: ModelShape, rows: int, response_len: int) -> float:
-    """No-grad log-probs: the micro-batch's bf16 logits, then fp32 log-softmax and softmax one row at a time."""
-    return rows * response_len * shape.vocab * 2 + 3 * response_len * shape.vocab * 4
+    """No-grad log-probs and entropy, chunk by chunk: the logits and probabilities of one float32 block."""
+    return min(rows * response_len * shape.vocab, LOGIT_CHUNK_ELEMENTS) * 4 * 2
 
 
 def engine_workspace_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num_seqs: int) -> float:
@@ -268,7 +273,7 @@ def estimate(
     actor_rows = sizes.update_rows["actor"]
     actor_update = Phase("actor update", {**resident, **training_extra})
     actor_update.items["actor gradients (fp32)"] = 4 * p_actor
-    actor_update.items["bf16 weight copies (autocast)"] = 2 * p_actor
+    actor_update.items["bf16 compute weights"] = 2 * p_actor
     actor_update.items[
         f"activations, micro-batch of {actor_rows} x {sizes.seq_len} tokens "
         f"(checkpointing {'on' if sizes.checkpointing['actor'] else 'off'})"
@@ -281,7 +286,7 @@ def estimate(
         critic_rows = sizes.update_rows["critic"]
         critic_update = Phase("critic update", {**resident, **training_extra})
         critic_update.items["critic gradients (fp32)"] = 4 * p_critic
-        critic_update.items["bf16 weight copies (autocast)"] = 2 * p_critic
+        critic_update.items["bf16 compute weights"] = 2 * p_critic
         critic_update.items[
             f"activations, micro-batch of {critic_rows} x {sizes.seq_len} tokens "
             f"(checkpointing {'on' if sizes.checkpointing['critic'] else 'off'})"
