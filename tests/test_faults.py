@@ -58,6 +58,13 @@ def test_guard_counts_skips_resets_on_finite_and_stops_after_max() -> None:
     assert "last finite metrics (step 4)" in message and "actor/pg_loss=0.5" in message
 
 
+def first_lever(message: str) -> str:
+    """The line after the levers header: the most relevant lever, whether or not a figures line came first
+    (explain_oom adds the device's memory figures on a CUDA machine)."""
+    lines = message.splitlines()
+    return lines[next(i for i, line in enumerate(lines) if line.startswith("levers that cut memory")) + 1]
+
+
 def test_oom_message_names_figures_levers_and_their_values() -> None:
     cfg = load_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"])
     text = oom_message(
@@ -68,8 +75,7 @@ def test_oom_message_names_figures_levers_and_their_values() -> None:
     )
     assert "during update_actor" in text and "Tried to allocate 2.00 GiB" in text
     assert "allocated 70.50" in text and "total 79.10" in text
-    first_lever = text.splitlines()[3]
-    assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu [8]" in first_lever
+    assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu [8]" in first_lever(text)
     for key in (
         "gpu_memory_utilization",
         "ppo_max_token_len_per_gpu",
@@ -85,7 +91,7 @@ def test_explain_oom_rewrites_only_out_of_memory_errors() -> None:
         with explain_oom(cfg, "gen"):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
     assert isinstance(info.value.__cause__, torch.cuda.OutOfMemoryError)
-    assert "actor_rollout_ref.rollout.gpu_memory_utilization" in str(info.value).splitlines()[2]
+    assert "actor_rollout_ref.rollout.gpu_memory_utilization" in first_lever(str(info.value))
     with pytest.raises(ValueError), explain_oom(cfg, "gen"):
         raise ValueError("not memory")
 
@@ -107,7 +113,7 @@ def test_explain_oom_names_the_innermost_timed_phase() -> None:
         with M.timer("step", timing), M.timer("gen_max", timing):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
     # ReMax's greedy generation gets generation's levers; both timers still counted their time.
-    assert "actor_rollout_ref.rollout.gpu_memory_utilization" in str(info.value).splitlines()[2]
+    assert "actor_rollout_ref.rollout.gpu_memory_utilization" in first_lever(str(info.value))
     assert set(timing) == {"step", "gen_max"}
     with pytest.raises(OutOfMemoryHelp) as info, explain_oom(load_config([])):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory.")  # outside every timed phase
