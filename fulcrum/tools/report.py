@@ -4,6 +4,8 @@ Reads `RUN_DIR/metrics.jsonl` (and `config.yaml` when there), plots every metric
 in the page (base64 `data:` URIs, inline CSS, no script, nothing fetched from the network), and writes
 the diagnosis of `fulcrum.trainer.diagnosis` (the rules the trainer also applies live) with the lever for
 each finding. With `--compare`, the other run is drawn dashed on every plot and diagnosed beside it.
+Over 400 lines because the page is one file by design: its layout, inline styles and every plot group
+live together so a change to one section is seen with the rest.
 """
 
 from __future__ import annotations

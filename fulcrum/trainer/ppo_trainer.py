@@ -10,16 +10,16 @@ verl's rules, owned by `fulcrum.config.validate` (`uses_reference`, `uses_critic
 exists only when the KL is used (`use_kl_in_reward` or `actor.use_kl_loss`); with neither on, no KL is
 applied even if `kl_ctrl.kl_coef` is set. A critic is used when `critic.enable` says so, else only for
 an estimator that needs values (gae). Each worker is built from its typed section (fulcrum.config.sections).
+Over 400 lines because each stage of `train_step` is a method here (generation with DAPO's rounds,
+scoring, KL in reward, advantages, validation); what is decided before the first step is in startup.py.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -42,46 +42,11 @@ from fulcrum.trainer.dynamic_sampling import GroupFilter, group_metric_values
 from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, explain_oom
 from fulcrum.trainer.loggers import Tracking
 from fulcrum.trainer.run_dir import open_run_dir
+from fulcrum.trainer.startup import kl_startup_line, resolve_total_steps, seed_everything
 from fulcrum.workers.actor import ActorWorker, ReferenceWorker
 from fulcrum.workers.critic import CriticWorker
 
 logger = logging.getLogger(__name__)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def kl_startup_line(cfg: FulcrumConfig) -> str:
-    """The one line that says which KL (if any) this run applies."""
-    alg, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
-    parts = []
-    if alg.use_kl_in_reward:
-        parts.append(f"KL in reward ({alg.kl_penalty}, {alg.kl_ctrl.type} coef {alg.kl_ctrl.kl_coef})")
-    if actor.use_kl_loss:
-        parts.append(f"KL loss ({actor.kl_loss_type}, coef {actor.kl_loss_coef})")
-    if parts:
-        return "KL: " + " and ".join(parts) + "; reference policy loaded"
-    return (
-        "KL: none (algorithm.use_kl_in_reward and actor.use_kl_loss are both off, so "
-        f"algorithm.kl_ctrl.kl_coef={alg.kl_ctrl.kl_coef} has no effect, as in verl); no reference policy"
-    )
-
-
-def resolve_total_steps(cfg: FulcrumConfig, steps_per_epoch: int) -> int:
-    """trainer.total_training_steps when set, else steps_per_epoch × total_epochs (verl)."""
-    total = steps_per_epoch * int(cfg.trainer.total_epochs)
-    if cfg.trainer.total_training_steps is not None:
-        total = int(cfg.trainer.total_training_steps)
-    if total <= 0:
-        raise ValueError(
-            f"no training steps: {steps_per_epoch} steps per epoch × trainer.total_epochs={cfg.trainer.total_epochs} "
-            f"(trainer.total_training_steps={cfg.trainer.total_training_steps}); is data.train_batch_size larger "
-            "than the training set?"
-        )
-    return total
 
 
 # ------------------------------------------------------------------------------------------ trainer

@@ -17,6 +17,8 @@ field; where the prompt column holds chat messages (verl's RL `prompt` column), 
 Departures from verl: one device only (FSDP and sequence parallelism keys are accepted without
 effect), the loss is averaged over the response tokens of the whole global batch rather than per
 device, `trainer.device` (auto|cpu|cuda) is ours.
+Over 400 lines because it is a whole command (data, loop, evaluation, saving) in one file, as cleanrl
+keeps an algorithm; its loading, schedule and metrics writer are the PPO trainer's.
 """
 
 from __future__ import annotations
