@@ -13,14 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cpu_ppo_overrides, make_assets
 
 from fulcrum.config import load_config
-from fulcrum.data.synthetic import write_splits
-from fulcrum.models.tiny import build_tiny_model
 from fulcrum.trainer.checkpoint import read_latest_step
 from fulcrum.trainer.ppo_trainer import PPOTrainer
 
-TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
 # Metrics that measure time or memory differ between any two runs; everything else must repeat.
 UNREPEATABLE = ("timing_s/", "timing_per_token_ms/", "perf/")
 # `fulcrum train` whose save of step 2 stops for 120 s once the actor is written, so the test can kill it there.
@@ -40,47 +38,32 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("assets")
-    build_tiny_model(root / "model", intermediate_size=64, **TINY)
-    write_splits(root / "data", num_train=4, num_test=2)  # 4 prompts, batch 2: an epoch is 2 steps
-    return root
+    # 4 prompts, batch 2: an epoch is 2 steps
+    return make_assets(tmp_path_factory.mktemp("assets"), num_train=4)
 
 
 def overrides(assets: Path, run_dir: Path, **extra: object) -> list[str]:
     """PPO with a critic, adaptive KL in the reward (reference + KL controller state) and a cosine LR."""
     keys = {
-        "data.train_files": assets / "data/train.parquet",
-        "data.val_files": assets / "data/test.parquet",
-        "data.train_batch_size": 2,
-        "data.max_prompt_length": 128,
         "data.max_response_length": 8,
-        "actor_rollout_ref.model.path": assets / "model",
-        "critic.model.path": assets / "model",
-        "actor_rollout_ref.rollout.name": "hf",
         "actor_rollout_ref.rollout.n": 2,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 1,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 4,
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": 4,
         "actor_rollout_ref.actor.optim.lr": 1e-3,
         "actor_rollout_ref.actor.optim.warmup_style": "cosine",
         "actor_rollout_ref.actor.optim.lr_warmup_steps": 1,
-        "critic.ppo_micro_batch_size_per_gpu": 2,
         "critic.optim.lr": 1e-3,
         "algorithm.use_kl_in_reward": True,
         "algorithm.kl_ctrl.type": "adaptive",
         "algorithm.kl_ctrl.kl_coef": 0.01,
-        "trainer.device": "cpu",
-        "trainer.n_gpus_per_node": 1,
         "trainer.val_before_train": False,
         "trainer.test_freq": -1,
         "trainer.save_freq": 2,
         "trainer.total_training_steps": 4,
         "trainer.logger": "[console]",
-        "trainer.default_local_dir": run_dir,
-        **extra,
     }
-    return [f"{k}={v}" for k, v in keys.items()]
+    return cpu_ppo_overrides(assets, run_dir, {**keys, **extra})
 
 
 def read_metrics(run_dir: Path) -> dict[int, dict[str, float]]:

@@ -12,23 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cpu_ppo_overrides, make_assets
 from safetensors.torch import load_file
 
-from fulcrum.data.synthetic import write_splits
-from fulcrum.models.tiny import build_tiny_model
 from fulcrum.trainer import ppo_trainer
 from fulcrum.trainer.checkpoint import is_complete, read_latest_step
 from fulcrum.trainer.main_ppo import main as train_main
 from fulcrum.trainer.ppo_trainer import score_batch
 
-TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
-
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("assets")
-    build_tiny_model(root / "model", intermediate_size=64, **TINY)
-    write_splits(root / "data", num_train=8, num_test=2)
+    root = make_assets(tmp_path_factory.mktemp("assets"))
     (root / "nan_reward.py").write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n"
     )
@@ -41,27 +36,13 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def overrides(assets: Path, run_dir: Path, **extra: object) -> list[str]:
     keys = {
-        "data.train_files": assets / "data/train.parquet",
-        "data.val_files": assets / "data/test.parquet",
-        "data.train_batch_size": 2,
-        "data.max_prompt_length": 128,
         "data.max_response_length": 8,
-        "actor_rollout_ref.model.path": assets / "model",
-        "critic.model.path": assets / "model",
-        "actor_rollout_ref.rollout.name": "hf",
-        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 2,
-        "critic.ppo_micro_batch_size_per_gpu": 2,
-        "trainer.device": "cpu",
-        "trainer.n_gpus_per_node": 1,
         "trainer.val_before_train": False,
         "trainer.test_freq": -1,
         "trainer.logger": "[console]",
-        "trainer.default_local_dir": run_dir,
-        **extra,
     }
-    return [f"{k}={v}" for k, v in keys.items()]
+    return cpu_ppo_overrides(assets, run_dir, {**keys, **extra})
 
 
 def logged_steps(run_dir: Path) -> list[dict]:

@@ -8,52 +8,32 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cpu_ppo_overrides, make_assets
 
 from fulcrum.config import ConfigError, load_config
 from fulcrum.data.cli import main as data_main
-from fulcrum.data.synthetic import write_splits
-from fulcrum.models.tiny import build_tiny_model
 from fulcrum.models.tiny import main as tiny_main
 from fulcrum.trainer.checkpoint import read_latest_step
 from fulcrum.trainer.ppo_trainer import PPOTrainer
 from fulcrum.trainer.run_dir import RunDirError, config_changes
 from fulcrum.trainer.sft import load_sft_config, run_sft
 
-TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
-
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("assets")
-    build_tiny_model(root / "model", intermediate_size=64, **TINY)
-    write_splits(root / "data", num_train=8, num_test=2)
-    return root
+    return make_assets(tmp_path_factory.mktemp("assets"))
 
 
 def overrides(assets: Path, run_dir: Path, **extra: object) -> list[str]:
     """PPO with a critic on 8 prompts, batch 2, a checkpoint every step."""
     keys = {
-        "data.train_files": assets / "data/train.parquet",
-        "data.val_files": assets / "data/test.parquet",
-        "data.train_batch_size": 2,
-        "data.max_prompt_length": 128,
         "data.max_response_length": 4,
-        "actor_rollout_ref.model.path": assets / "model",
-        "critic.model.path": assets / "model",
-        "actor_rollout_ref.rollout.name": "hf",
-        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
-        "critic.ppo_micro_batch_size_per_gpu": 2,
-        "trainer.device": "cpu",
-        "trainer.n_gpus_per_node": 1,
         "trainer.val_before_train": False,
         "trainer.test_freq": -1,
         "trainer.save_freq": 1,
         "trainer.total_training_steps": 2,
-        "trainer.default_local_dir": run_dir,
-        **extra,
     }
-    return [f"{k}={v}" for k, v in keys.items()]
+    return cpu_ppo_overrides(assets, run_dir, {**keys, **extra})
 
 
 def train(assets: Path, run_dir: Path, **extra: object) -> PPOTrainer:

@@ -10,46 +10,24 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import cpu_ppo_overrides, make_assets
 
 from fulcrum.config import load_config
 from fulcrum.config.validate import advise
-from fulcrum.data.synthetic import write_splits
 from fulcrum.models import folder as model_folder
-from fulcrum.models.tiny import build_tiny_model
 from fulcrum.trainer.main_ppo import main as train_main
-
-TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("assets")
-    build_tiny_model(root / "model", intermediate_size=64, **TINY)
-    write_splits(root / "data", num_train=8, num_test=2)
+    root = make_assets(tmp_path_factory.mktemp("assets"))
     pq.write_table(pq.read_table(root / "data/test.parquet").slice(0, 0), root / "empty.parquet")
     return root
 
 
 def args(assets: Path, run_dir: Path, **extra: object) -> list[str]:
-    keys = {
-        "data.train_files": assets / "data/train.parquet",
-        "data.val_files": assets / "data/test.parquet",
-        "data.train_batch_size": 2,
-        "data.max_prompt_length": 128,
-        "data.max_response_length": 4,
-        "actor_rollout_ref.model.path": assets / "model",
-        "critic.model.path": assets / "model",
-        "actor_rollout_ref.rollout.name": "hf",
-        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
-        "critic.ppo_micro_batch_size_per_gpu": 2,
-        "trainer.device": "cpu",
-        "trainer.n_gpus_per_node": 1,
-        "trainer.total_training_steps": 1,
-        "trainer.default_local_dir": run_dir,
-        **extra,
-    }
-    return [f"{k}={v}" for k, v in keys.items()]
+    keys = {"data.max_response_length": 4, "trainer.total_training_steps": 1}
+    return cpu_ppo_overrides(assets, run_dir, {**keys, **extra})
 
 
 def setup_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:

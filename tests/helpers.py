@@ -1,0 +1,80 @@
+"""Set-up shared by the end-to-end tests: a tiny model with synthetic data, and the CPU PPO overrides."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from fulcrum.algo.policy_losses import PolicyLossOutput, compute_policy_loss
+from fulcrum.data.synthetic import write_splits
+from fulcrum.models.tiny import build_tiny_model
+
+TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+def make_assets(root: Path, num_train: int = 8, num_test: int = 2) -> Path:
+    """`root/model` (the TINY model) and `root/data/{train,test}.parquet` (synthetic GSM8K rows)."""
+    build_tiny_model(root / "model", intermediate_size=64, **TINY)
+    write_splits(root / "data", num_train=num_train, num_test=num_test)
+    return root
+
+
+def cpu_ppo_overrides(assets: Path, run_dir: Path, keys: dict[str, object]) -> list[str]:
+    """PPO with a critic on the CPU with the hf engine, batch 2, micro-batches of 2; `keys` add or replace keys."""
+    base: dict[str, object] = {
+        "data.train_files": assets / "data/train.parquet",
+        "data.val_files": assets / "data/test.parquet",
+        "data.train_batch_size": 2,
+        "data.max_prompt_length": 128,
+        "actor_rollout_ref.model.path": assets / "model",
+        "critic.model.path": assets / "model",
+        "actor_rollout_ref.rollout.name": "hf",
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
+        "critic.ppo_micro_batch_size_per_gpu": 2,
+        "trainer.device": "cpu",
+        "trainer.n_gpus_per_node": 1,
+        "trainer.default_local_dir": run_dir,
+    }
+    return [f"{k}={v}" for k, v in {**base, **keys}.items()]
+
+
+# The seed command lives in test_config.py; load it by path so this works however pytest is invoked.
+_spec = importlib.util.spec_from_file_location("_test_config", Path(__file__).with_name("test_config.py"))
+_test_config = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_test_config)
+seed_command = _test_config.seed_command
+
+# One verl-schema GSM8K row (the columns `fulcrum doctor` and the dataset read).
+GSM8K_ROW = {
+    "data_source": "openai/gsm8k",
+    "prompt": [{"role": "user", "content": "1 + 1?"}],
+    "ability": "math",
+    "reward_model": {"style": "rule", "ground_truth": "2"},
+    "extra_info": {"split": "train", "index": 0},
+}
+
+
+def verl_fixture_policy_loss(
+    p: dict[str, torch.Tensor], loss_agg_mode: str, loss_mode: str, **extra: object
+) -> tuple[PolicyLossOutput, torch.Tensor]:
+    """`compute_policy_loss` on a verl fixture's `policy` inputs (cliprange 0.2, the fixture's clip_low and
+    clip_high, `extra` keywords), with the loss backpropagated; returns the output and the log-prob tensor
+    (float [B, T], its `.grad` the loss's gradient)."""
+    log_prob = p["log_prob"].clone().requires_grad_(True)
+    out = compute_policy_loss(
+        p["old_log_prob"],
+        log_prob,
+        p["advantages"],
+        p["mask"],
+        cliprange=0.2,
+        cliprange_low=p["clip_low"],
+        cliprange_high=p["clip_high"],
+        loss_agg_mode=loss_agg_mode,
+        loss_mode=loss_mode,
+        **extra,
+    )
+    out.pg_loss.backward()
+    return out, log_prob
