@@ -1,4 +1,4 @@
-"""Shared pytest setup: GPU tests are skipped where no CUDA device is present."""
+"""Shared pytest setup: GPU tests are skipped where no CUDA device is present; the one-layer tiny model."""
 
 import os
 
@@ -7,8 +7,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from pathlib import Path
+
 import pytest
 import torch
+
+from fulcrum.models.tiny import build_tiny_model
 
 # Two cores in CI: keep torch from oversubscribing them.
 torch.set_num_threads(min(torch.get_num_threads(), 2))
@@ -21,3 +25,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer tiny model folder (read-only: copy it before changing it)."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "model",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=2048,
+    )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -10,37 +9,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import GSM8K_ROW as ROW
+from helpers import seed_command
 
-from fulcrum.models.tiny import build_tiny_model
 from fulcrum.tools import doctor
-
-# The seed command lives in test_config.py; load it by path so this works however pytest is invoked.
-_spec = importlib.util.spec_from_file_location("_test_config", Path(__file__).with_name("test_config.py"))
-_test_config = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_test_config)
-seed_command = _test_config.seed_command
-
-
-ROW = {
-    "data_source": "openai/gsm8k",
-    "prompt": [{"role": "user", "content": "1 + 1?"}],
-    "ability": "math",
-    "reward_model": {"style": "rule", "ground_truth": "2"},
-    "extra_info": {"split": "train", "index": 0},
-}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(
-        tmp_path_factory.mktemp("tiny") / "model",
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        max_position_embeddings=2048,
-    )
 
 
 @pytest.fixture

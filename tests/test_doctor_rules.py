@@ -4,7 +4,6 @@ out-of-memory on a card too small."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -12,17 +11,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import GSM8K_ROW as ROW
+from helpers import seed_command
 
 from fulcrum.config import load_config
-from fulcrum.models.tiny import build_tiny_model
 from fulcrum.tools import doctor
 from fulcrum.tools.memory_estimate import ModelShape, estimate, param_count
-
-# The seed command lives in test_config.py; load it by path so this works however pytest is invoked.
-_spec = importlib.util.spec_from_file_location("_test_config", Path(__file__).with_name("test_config.py"))
-_test_config = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_test_config)
-seed_command = _test_config.seed_command
 
 # Qwen2.5-0.5B's shape (the keys the rules and the estimate read).
 QWEN25_05B = {
@@ -36,25 +30,6 @@ QWEN25_05B = {
     "tie_word_embeddings": True,
     "max_position_embeddings": 32768,
 }
-ROW = {
-    "data_source": "openai/gsm8k",
-    "prompt": [{"role": "user", "content": "1 + 1?"}],
-    "ability": "math",
-    "reward_model": {"style": "rule", "ground_truth": "2"},
-    "extra_info": {"split": "train", "index": 0},
-}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(
-        tmp_path_factory.mktemp("tiny") / "model",
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-    )
 
 
 @pytest.fixture
