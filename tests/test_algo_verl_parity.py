@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import verl_fixture_policy_loss
 from packaging.version import Version
 
 from fulcrum.algo.advantages import compute_advantage
@@ -116,20 +117,7 @@ def test_agg_loss_matches_verl(mode: str) -> None:
 @pytest.mark.parametrize("loss_mode", ["vanilla", "gspo"])
 def test_policy_losses_match_verl_values_and_gradients(loss_mode: str, mode: str) -> None:
     p = FIXTURE["policy"]
-    log_prob = p["log_prob"].clone().requires_grad_(True)
-    out = compute_policy_loss(
-        p["old_log_prob"],
-        log_prob,
-        p["advantages"],
-        p["mask"],
-        cliprange=0.2,
-        cliprange_low=p["clip_low"],
-        cliprange_high=p["clip_high"],
-        clip_ratio_c=p["clip_ratio_c"],
-        loss_agg_mode=mode,
-        loss_mode=loss_mode,
-    )
-    out.pg_loss.backward()
+    out, log_prob = verl_fixture_policy_loss(p, mode, loss_mode, clip_ratio_c=p["clip_ratio_c"])
     expected = p[f"{loss_mode}_{mode}"]
     close(out.pg_loss.detach(), expected[0])
     close(out.pg_clipfrac, expected[1])

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import verl_fixture_policy_loss
 
 from fulcrum.algo.advantages import compute_advantage
 from fulcrum.algo.pf_ppo import pf_ppo_resample_indices
-from fulcrum.algo.policy_losses import compute_policy_loss
 from fulcrum.algo.rollout_correction import (
     RolloutCorrection,
     bypass_policy_loss,
@@ -53,22 +53,10 @@ def test_recipe_policy_losses_match_verl_values_metrics_and_gradients(
     loss_mode: str, mode: str, weighted: bool
 ) -> None:
     p = FIXTURE["policy"]
-    log_prob = p["log_prob"].clone().requires_grad_(True)
-    out = compute_policy_loss(
-        p["old_log_prob"],
-        log_prob,
-        p["advantages"],
-        p["mask"],
-        cliprange=0.2,
-        cliprange_low=p["clip_low"],
-        cliprange_high=p["clip_high"],
-        loss_agg_mode=mode,
-        loss_mode=loss_mode,
-        rollout_is_weights=p["rollout_is_weights"] if weighted else None,
-        tau_pos=p["tau_pos"],
-        tau_neg=p["tau_neg"],
+    weights = p["rollout_is_weights"] if weighted else None
+    out, log_prob = verl_fixture_policy_loss(
+        p, mode, loss_mode, rollout_is_weights=weights, tau_pos=p["tau_pos"], tau_neg=p["tau_neg"]
     )
-    out.pg_loss.backward()
     expected = p[f"{loss_mode}_{mode}_w{int(weighted)}"]
     close(out.pg_loss.detach(), expected["loss"], "pg_loss")
     close(log_prob.grad, expected["grad"], "gradient")
