@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY
 from transformers import AutoModelForSequenceClassification
 
 from fulcrum.config import load_config
@@ -19,7 +20,7 @@ from fulcrum.trainer.ppo_trainer import PPOTrainer
 _spec = importlib.util.spec_from_file_location("_e2e", Path(__file__).with_name("test_trainer_e2e.py"))
 _e2e = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_e2e)
-seed_like, read_rows, TINY = _e2e.seed_like, _e2e.read_rows, _e2e.TINY
+seed_like, read_rows = _e2e.seed_like, _e2e.read_rows
 assets = _e2e.assets  # the module-scoped fixture: tiny model and synthetic data
 
 GRPO = (

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_assets
 
 from fulcrum.config.device import select_device
-from fulcrum.data.synthetic import write_splits
-from fulcrum.models.tiny import build_tiny_model
 from fulcrum.trainer.main_ppo import main, wants_demo
 
 # docs/metrics.md: the metrics every PPO step writes (critic ones dropped for critic-free runs).
@@ -32,15 +31,11 @@ perf/cpu_memory_used_gb actor/reward_kl_penalty actor/reward_kl_penalty_coeff tr
 training/epoch""".split()
 CRITIC_ONLY = ("critic/v", "critic/grad_norm", "critic/lr", "timing_s/values", "timing_s/update_critic")
 CRITIC_ONLY += ("timing_per_token_ms/values", "timing_per_token_ms/update_critic", "perf/mfu/critic")
-TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("assets")
-    build_tiny_model(root / "model", intermediate_size=64, **TINY)
-    write_splits(root / "data", num_train=16, num_test=4)
-    return root
+    return make_assets(tmp_path_factory.mktemp("assets"), num_train=16, num_test=4)
 
 
 def seed_like(assets: Path, run_dir: Path, *extra: str) -> list[str]:
