@@ -75,31 +75,6 @@ def geo_mean_policy_loss(
     return PolicyLossOutput(pg_loss, pg_clipfrac.detach(), ppo_kl.detach(), pg_clipfrac_lower.detach())
 
 
-def gpg_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    loss_agg_mode: str = "token-mean",
-    rollout_is_weights: torch.Tensor | None = None,
-    **agg_kwargs: float | torch.Tensor | None,
-) -> PolicyLossOutput:
-    """Group Policy Gradient (GPG, Chu et al. 2025); verl `compute_policy_loss_gpg`.
-
-    A plain policy gradient, no ratio and no clip: L = -logp * A (* w with rollout IS weights), then
-    agg_loss(L, loss_agg_mode). Pair it with algorithm.adv_estimator=gpg. verl reports no metrics
-    for it; here pg_clipfrac and pg_clipfrac_lower are 0 and ppo_kl = masked mean of (logp_old - logp).
-    """
-    agg_kwargs = {k: v for k, v in agg_kwargs.items() if k in _AGG_KEYS}
-    pg_losses = -log_prob * advantages
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)  # type: ignore[arg-type]
-    ppo_kl = masked_mean(old_log_prob - log_prob, response_mask)
-    return PolicyLossOutput(pg_loss, _zero(pg_loss), ppo_kl.detach(), _zero(pg_loss))
-
-
 def cispo_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -185,6 +160,8 @@ def reinforce_policy_loss(
     L = -A * logp * w (w = rollout IS weights, 1 without), pg_loss = agg_loss(L, loss_agg_mode);
     ppo_kl = masked mean of (logp_old - logp), where `old_log_prob` is the rollout engine's log-prob
     (rollout correction's bypass mode with loss_type=reinforce). The clip fractions are 0.
+    It is also Group Policy Gradient's loss (GPG, Chu et al. 2025; verl `compute_policy_loss_gpg`,
+    loss_mode=gpg, paired with algorithm.adv_estimator=gpg): verl's -logp * A equals -A * logp to the bit.
     """
     agg_kwargs = {k: v for k, v in agg_kwargs.items() if k in _AGG_KEYS}
     pg_losses = -advantages * log_prob
@@ -210,13 +187,13 @@ class PolicyLossFn(Protocol):
     ) -> PolicyLossOutput: ...
 
 
-# actor.policy_loss.loss_mode -> loss function (verl's names). `reinforce_policy_loss` is not listed:
-# verl reaches it only through rollout correction's bypass mode (fulcrum.algo.rollout_correction).
+# actor.policy_loss.loss_mode -> loss function (verl's names). Plain REINFORCE has no mode of its own:
+# verl reaches it through rollout correction's bypass mode (fulcrum.algo.rollout_correction) and as gpg.
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "vanilla": vanilla_policy_loss,  # type: ignore[dict-item]
     "gspo": gspo_policy_loss,  # type: ignore[dict-item]
     "geo_mean": geo_mean_policy_loss,  # type: ignore[dict-item]
-    "gpg": gpg_policy_loss,  # type: ignore[dict-item]
+    "gpg": reinforce_policy_loss,  # type: ignore[dict-item]
     "cispo": cispo_policy_loss,  # type: ignore[dict-item]
     "sapo": sapo_policy_loss,  # type: ignore[dict-item]
 }

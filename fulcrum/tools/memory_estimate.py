@@ -222,6 +222,21 @@ def kv_bytes_per_token(shape: ModelShape) -> int:
     return shape.layers * 2 * shape.kv_heads * shape.head_dim * 2
 
 
+def update_phase(role: str, n_params: int, base: dict[str, float], shape: ModelShape, sizes: Sizes) -> Phase:
+    """`role`'s ("actor" or "critic") update phase: `base` (what stays resident, name -> bytes), then
+    its fp32 gradients (4 B x n_params), its bf16 compute weights (2 B x n_params) and the activations
+    of its largest training micro-batch (sizes.update_rows[role] x sizes.seq_len tokens)."""
+    rows, checkpointing = sizes.update_rows[role], sizes.checkpointing[role]
+    phase = Phase(f"{role} update", dict(base))
+    phase.items[f"{role} gradients (fp32)"] = 4 * n_params
+    phase.items["bf16 compute weights"] = 2 * n_params
+    phase.items[
+        f"activations, micro-batch of {rows} x {sizes.seq_len} tokens "
+        f"(checkpointing {'on' if checkpointing else 'off'})"
+    ] = update_activation_bytes(shape, rows, sizes.seq_len, checkpointing)
+    return phase
+
+
 def estimate(
     cfg: Any,
     shape: ModelShape,
@@ -270,28 +285,13 @@ def estimate(
     kv_tokens = int(kv // kv_bytes_per_token(shape))
 
     phases = [generation]
-    actor_rows = sizes.update_rows["actor"]
-    actor_update = Phase("actor update", {**resident, **training_extra})
-    actor_update.items["actor gradients (fp32)"] = 4 * p_actor
-    actor_update.items["bf16 compute weights"] = 2 * p_actor
-    actor_update.items[
-        f"activations, micro-batch of {actor_rows} x {sizes.seq_len} tokens "
-        f"(checkpointing {'on' if sizes.checkpointing['actor'] else 'off'})"
-    ] = update_activation_bytes(shape, actor_rows, sizes.seq_len, sizes.checkpointing["actor"])
+    actor_update = update_phase("actor", p_actor, {**resident, **training_extra}, shape, sizes)
     actor_update.items["logits of the response tokens"] = update_logits_bytes(
-        shape, actor_rows, sizes.response_len, sizes.with_entropy
+        shape, sizes.update_rows["actor"], sizes.response_len, sizes.with_entropy
     )
     phases.append(actor_update)
     if uses_critic:
-        critic_rows = sizes.update_rows["critic"]
-        critic_update = Phase("critic update", {**resident, **training_extra})
-        critic_update.items["critic gradients (fp32)"] = 4 * p_critic
-        critic_update.items["bf16 compute weights"] = 2 * p_critic
-        critic_update.items[
-            f"activations, micro-batch of {critic_rows} x {sizes.seq_len} tokens "
-            f"(checkpointing {'on' if sizes.checkpointing['critic'] else 'off'})"
-        ] = update_activation_bytes(shape, critic_rows, sizes.seq_len, sizes.checkpointing["critic"])
-        phases.append(critic_update)
+        phases.append(update_phase("critic", p_critic, {**resident, **training_extra}, shape, sizes))
     forward_rows = sizes.forward_rows["actor"]
     log_prob = Phase("old log-prob forward", {**resident, **training_extra})
     log_prob.items[f"logits, micro-batch of {forward_rows}"] = forward_logits_bytes(

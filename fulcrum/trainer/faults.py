@@ -29,17 +29,12 @@ from typing import Any
 
 import torch
 
+from fulcrum.trainer.diagnosis import NON_FINITE_KEYS
 from fulcrum.trainer.metrics import phase_of
 
-# Metrics whose non-finite value means the step's update was (at least partly) skipped.
-WATCHED_METRICS = (
-    "actor/pg_loss",
-    "actor/kl_loss",
-    "actor/entropy",
-    "actor/grad_norm",
-    "critic/vf_loss",
-    "critic/grad_norm",
-)
+# Metrics whose non-finite value means the step's update was (at least partly) skipped: the keys
+# `fulcrum report`'s non-finite rule reads back, so the guard and the report watch the same ones.
+WATCHED_METRICS = NON_FINITE_KEYS
 NAN_SKIPPED_METRIC = "training/nan_skipped_steps"
 
 
