@@ -42,6 +42,15 @@ class RewardResult:
     num_nonfinite: int = 0  # of num_errors: scores that were NaN or infinite
     errors: list[str] = field(default_factory=list)  # "sample i (data_source): exception", first few only
 
+    def add_error(self, index: int, data_source: str, err: Exception, max_messages: int = 5) -> str:
+        """Count sample `index` as failed (one of num_errors) and keep its message among the first
+        `max_messages`; returns the message: "sample i (data_source 'x'): ExceptionType: text"."""
+        message = f"sample {index} (data_source {data_source!r}): {type(err).__name__}: {err}"
+        self.num_errors += 1
+        if len(self.errors) < max_messages:
+            self.errors.append(message)
+        return message
+
 
 @dataclass
 class NaiveRewardManager:
@@ -85,12 +94,10 @@ class NaiveRewardManager:
             except Exception as err:
                 if isinstance(err, NonFiniteRewardError):
                     result.num_nonfinite += 1
-                message = f"sample {i} (data_source {data_sources[i]!r}): {type(err).__name__}: {err}"
+                # On "raise" the result (and its count) is dropped: only the message matters.
+                message = result.add_error(i, data_sources[i], err, self.max_error_messages)
                 if self.on_error == "raise":
                     raise RewardError(f"reward function failed on {message}") from err
-                result.num_errors += 1
-                if len(result.errors) < self.max_error_messages:
-                    result.errors.append(message)
         return result
 
     @staticmethod

@@ -222,11 +222,7 @@ class PrimeRewardManager:
                         value = value[0]
                     result.scores[i] = NaiveRewardManager._to_score(value, i, result)
                 except Exception as err:  # a timeout or the function's own error: 0, as verl
-                    result.num_errors += 1
-                    if len(result.errors) < 5:
-                        result.errors.append(
-                            f"sample {i} (data_source {data_sources[i]!r}): {type(err).__name__}: {err}"
-                        )
+                    result.add_error(i, data_sources[i], err)
         finally:
             pool.terminate()  # also stops calls still running past their timeout
             pool.join()
