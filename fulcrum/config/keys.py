@@ -142,6 +142,17 @@ def unknown_key_error(key: str, root_cls: type, hint: str = "") -> ConfigError:
     return ConfigError(message + hint, key)
 
 
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict (e.g. `to_dict(cfg)`) as {"a.b.c": value}; lists, scalars and empty dicts are leaves."""
+    flat: dict[str, Any] = {}
+    for name, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
 def get_path(cfg: Any, key: str) -> Any:
     """cfg.a.b.c for key 'a.b.c' (mappings included); raises ConfigError for an unknown key."""
     node = cfg

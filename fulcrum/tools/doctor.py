@@ -20,7 +20,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from fulcrum.config import (
     ConfigError,
@@ -39,6 +38,7 @@ from fulcrum.config import (
 )
 from fulcrum.config.compat import ROLLOUT_NAME_ALIASES, UNSUPPORTED
 from fulcrum.config.device import cuda_device_count
+from fulcrum.config.keys import flatten
 from fulcrum.models.folder import looks_like_path, model_folder_problems, vocab_problems
 from fulcrum.tools.doctor_rules import LEVER_CHECKS, Finding, memory_lines
 
@@ -326,26 +326,16 @@ CHECKS: list[Callable[[Context], list[Finding]]] = [
 
 
 # ------------------------------------------------------------------------------------------ summary
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for name, value in data.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{name}."))
-        else:
-            flat[f"{prefix}{name}"] = value
-    return flat
-
-
 def keys_without_effect(cfg: FulcrumConfig) -> list[str]:
     """'key=value' for every key accepted for compatibility that this configuration sets.
 
     Compared unresolved, so a key that merely follows another (critic.model.tokenizer_path) is not listed.
     """
-    defaults = _flatten(to_dict(FulcrumConfig()))
+    defaults = flatten(to_dict(FulcrumConfig()))
     missing = object()
     return [
         f"{key}={value}"
-        for key, value in _flatten(to_dict(unresolve(copy.deepcopy(cfg)))).items()
+        for key, value in flatten(to_dict(unresolve(copy.deepcopy(cfg)))).items()
         if is_no_effect(key) and key not in UNSUPPORTED and defaults.get(key, missing) != value
     ]
 

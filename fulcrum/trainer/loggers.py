@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from fulcrum.config.keys import flatten
+
 KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab", "vemlp_wandb", "clearml")
 
 # (metric, short name, format) shown on the console line when present.
@@ -119,7 +121,7 @@ class MlflowLogger:
         self.mlflow = mlflow
         mlflow.set_experiment(project)
         mlflow.start_run(run_name=name)
-        flat = _flatten(config)
+        flat = flatten(config)
         mlflow.log_params({k: str(v)[:250] for k, v in list(flat.items())[:100]})
 
     def log(self, data: dict[str, float], step: int) -> None:
@@ -128,16 +130,6 @@ class MlflowLogger:
 
     def close(self) -> None:
         self.mlflow.end_run()
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 class Tracking:

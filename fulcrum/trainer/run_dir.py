@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fulcrum.config import save_config, to_dict
+from fulcrum.config.keys import flatten
 from fulcrum.trainer.checkpoint import LATEST_FILE, ResumeChoice, read_run_config, step_folders
 from fulcrum.trainer.checkpoint.atomic import fsync_dir
 
@@ -72,17 +73,6 @@ HARMLESS_KEYS = (
 
 class RunDirError(RuntimeError):
     """The run directory holds another run, or a resume would change the run; the message says what to do."""
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts as {"a.b.c": value}; lists and scalars are leaves."""
-    flat: dict[str, Any] = {}
-    for name, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{prefix}{name}."))
-        else:
-            flat[f"{prefix}{name}"] = value
-    return flat
 
 
 def is_harmless(key: str) -> bool:
