@@ -199,7 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", type=Path, default=None, help="write a torch.profiler table of one actor update"
     )
+    parser.add_argument(
+        "--layers-per-region",
+        type=int,
+        default=None,
+        help="decoder layers per compiled region (fulcrum.models.packed.LAYERS_PER_REGION), to compare",
+    )
     args, overrides = parser.parse_known_args(argv)
+    if args.layers_per_region:
+        from fulcrum.models import packed
+
+        packed.LAYERS_PER_REGION = args.layers_per_region
     device = torch.device("cuda")
     cfg = load_config(
         [
@@ -229,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": args.rows,
         "tokens": tokens,
         "overrides": overrides,
+        "layers_per_region": args.layers_per_region,
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "passes": results,
