@@ -11,7 +11,7 @@ import pytest
 from fulcrum.config import load_config
 from fulcrum.data.synthetic import write_splits
 from fulcrum.models.tiny import build_tiny_model
-from fulcrum.tools import tune
+from fulcrum.tools import tune, tune_trial
 
 _spec = importlib.util.spec_from_file_location("_test_config", Path(__file__).with_name("test_config.py"))
 _test_config = importlib.util.module_from_spec(_spec)
@@ -55,10 +55,10 @@ def test_levers_of_the_seed_command() -> None:
 
 
 def test_outcome_of_a_trial() -> None:
-    assert tune.classify(0, "step 3 | ...") == "ran"
+    assert tune_trial.classify(0, "step 3 | ...") == "ran"
     oom = "fulcrum train: out of device memory during update_actor: CUDA out of memory. Tried to allocate 2.00 GiB"
-    assert tune.classify(1, oom) == "out of memory"
-    assert tune.classify(1, "Traceback ...\nValueError: bad thing\n") == "failed: ValueError: bad thing"
+    assert tune_trial.classify(1, oom) == "out of memory"
+    assert tune_trial.classify(1, "Traceback ...\nValueError: bad thing\n") == "failed: ValueError: bad thing"
 
 
 def test_search_keeps_the_best_and_stops_a_lever_at_out_of_memory() -> None:
@@ -160,7 +160,9 @@ def test_main_prints_the_overrides_of_the_fastest_trial_that_fits(
 ) -> None:
     """The search and the printing, with each trial's training replaced by figures (micro 32 runs out of memory)."""
 
-    def fake_trial(base: list[str], trial: tune.Trial, work: Path, steps: int, timeout: float) -> tune.Trial:
+    def fake_trial(
+        base: list[str], trial: tune.Trial, work: Path, steps: int, timeout: float, budget_left: float | None
+    ) -> tune.Trial:
         micro = int(trial.changes.get(MICRO, 8))
         if micro >= 32:
             trial.outcome = "out of memory"

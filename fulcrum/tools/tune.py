@@ -1,5 +1,5 @@
-"""`fulcrum tune [--steps N] [--levers a,b] [--max-trials N] KEY=VALUE ...`: short probes over the throughput
-levers; prints the fastest configuration that fits in memory as overrides to paste, and every trial.
+"""`fulcrum tune [--steps N] [--levers a,b] [--max-trials N] [--time-budget S] KEY=VALUE ...`: short probes over
+the throughput levers; prints the fastest configuration that fits in memory as overrides to paste, and every trial.
 
 Each trial is the user's configuration plus one change, trained for a few steps (`--steps`, default 3)
 in its own process (so its peak memory is its own and an out-of-memory cannot poison the next trial),
@@ -9,6 +9,12 @@ memory to the most, stopping at the first out-of-memory. A configuration that ru
 is first shrunk (checkpointing on, micro-batches halved) until it fits. A trial's throughput is the median
 `perf/throughput` of its steps after the first (the first compiles and allocates); its memory the
 peak reserved CUDA memory (the trainer process's peak resident memory on the CPU).
+
+`--time-budget S` bounds the whole search: no trial starts once the time left is below the quickest trial
+so far, a trial still running when it is spent is stopped, and the table and the best overrides found by
+then are printed (as they are on SIGTERM or Ctrl-C). A trial runs in its own process group, so stopping it
+also stops its compile workers. Every trial is also written to `trials.json` in the work folder as it
+ends, with its warm step's phase times (`timing_s/*`) and per-phase peak memory, for the record.
 
 Levers (docs/levers.md): micro (every micro-batch size together), checkpointing, dynamic (dynamic batches
 with token budgets of 2-8 longest sequences), max_num_seqs, max_num_batched_tokens and
@@ -20,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import statistics
-import subprocess
+import signal
 import sys
 import tempfile
 import time
@@ -31,36 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fulcrum.config import ConfigError, FulcrumConfig, load_config, uses_critic, uses_reference, world_size
+from fulcrum.tools.tune_trial import STOPPED, Overrides, Trial, run_trial
 
-USAGE = "fulcrum tune [--steps N] [--levers L1,L2] [--max-trials N] [--trial-timeout S] [KEY=VALUE ...]"
-OOM_MARKERS = (
-    "out of device memory",  # the trainer's OutOfMemoryHelp
-    "CUDA out of memory",
-    "OutOfMemoryError",
-    "leaves no room for the KV cache",
-    "cannot hold a single decoding sequence",
+USAGE = (
+    "fulcrum tune [--steps N] [--levers L1,L2] [--max-trials N] [--trial-timeout S] [--time-budget S] "
+    "[--work-dir DIR] [KEY=VALUE ...]"
 )
-# Keys a probe sets so that it only trains: no validation, no checkpoint, no resume.
-PROBE_KEYS = (
-    "trainer.test_freq=-1",
-    "trainer.save_freq=-1",
-    "trainer.val_before_train=False",
-    "trainer.resume_mode=disable",
-    "trainer.logger=[console]",
-)
-
-Overrides = dict[str, str]
-
-
-@dataclass
-class Trial:
-    changes: Overrides  # overrides on top of the user's, as they would be pasted
-    probe: str = "your configuration"  # what this trial changed on top of the best before it
-    outcome: str = "not run"  # "ran", "out of memory", or "failed: <last line>"
-    throughput: float | None = None  # tokens / s / device, median of the warm steps
-    peak_memory_gb: float | None = None
-    seconds: float = 0.0
-    log: Path | None = None
 
 
 @dataclass
@@ -158,68 +138,6 @@ def shrink_lever(cfg: FulcrumConfig) -> Lever:
     return Lever("shrink", candidates)
 
 
-# ------------------------------------------------------------------------------------------ trials
-def classify(returncode: int, output: str) -> str:
-    """A finished trial's outcome from its exit status and output."""
-    if returncode == 0:
-        return "ran"
-    if any(marker in output for marker in OOM_MARKERS):
-        return "out of memory"
-    last = next((line for line in reversed(output.splitlines()) if line.strip()), f"exit status {returncode}")
-    return f"failed: {last.strip()[:160]}"
-
-
-def measure(run_dir: Path) -> tuple[float | None, float | None]:
-    """(median throughput of the steps after the first, peak memory in GB) from the trial's metrics.jsonl."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return None, None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if isinstance(r.get("perf/throughput"), (int, float))]
-    if not rows:
-        return None, None
-    warm = rows[1:] or rows
-    throughput = statistics.median(r["perf/throughput"] for r in warm)
-    gpu = max((r.get("perf/max_memory_reserved_gb") or 0.0) for r in rows)
-    cpu = max((r.get("perf/cpu_memory_peak_rss_gb") or 0.0) for r in rows)
-    return float(throughput), float(gpu if gpu > 0 else cpu)
-
-
-def run_trial(base: list[str], trial: Trial, work: Path, steps: int, timeout: float) -> Trial:
-    """Train `steps` steps of base + trial.changes in a child process; fill in outcome and figures."""
-    index = len(list(work.glob("trial-*")))
-    run_dir = work / f"trial-{index}"
-    run_dir.mkdir(parents=True)
-    argv = [
-        *base,
-        *(f"{k}={v}" for k, v in trial.changes.items()),
-        *PROBE_KEYS,
-        f"trainer.total_training_steps={steps}",
-        f"trainer.default_local_dir={run_dir}",
-    ]
-    trial.log = run_dir / "trial.log"
-    start = time.perf_counter()
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "fulcrum.trainer.main_ppo", *argv],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env={**os.environ, "TQDM_DISABLE": "1"},
-        )
-        output = done.stdout + done.stderr
-        trial.outcome = classify(done.returncode, output)
-    except subprocess.TimeoutExpired as exc:
-        output = f"{exc.stdout or ''}{exc.stderr or ''}"
-        trial.outcome = f"failed: over --trial-timeout {timeout:.0f} s"
-    trial.seconds = time.perf_counter() - start
-    trial.log.write_text(output if isinstance(output, str) else str(output))
-    trial.throughput, trial.peak_memory_gb = measure(run_dir)
-    if trial.outcome == "ran" and trial.throughput is None:
-        trial.outcome = "failed: no step was logged"
-    return trial
-
-
 def _short(overrides: Overrides) -> str:
     return " ".join(f"{k.removeprefix('actor_rollout_ref.')}={v}" for k, v in overrides.items())
 
@@ -238,14 +156,20 @@ def search(
     run: Callable[[Trial], Trial],
     max_trials: int,
     shrink: Lever | None = None,
+    time_left: Callable[[], bool] = lambda: True,
 ) -> tuple[Trial, list[Trial]]:
     """Coordinate search: the base first, then each lever's candidates on top of the best so far. When
-    the base runs out of memory, `shrink`'s candidates come first, until one fits."""
+    the base runs out of memory, `shrink`'s candidates come first, until one fits. No trial starts
+    once `max_trials` have run or `time_left()` says no."""
     best = run(Trial({}))
     trials = [best]
+
+    def may_start() -> bool:
+        return len(trials) < max_trials and trials[-1].outcome != STOPPED and time_left()
+
     if best.outcome == "out of memory" and shrink is not None:
         for candidate in shrink.candidates:
-            if len(trials) >= max_trials:
+            if not may_start():
                 return best, trials
             trial = run(Trial(dict(candidate), f"{shrink.name}: " + _short(candidate)))
             trials.append(trial)
@@ -254,7 +178,7 @@ def search(
                 break
     for lever in levers:
         for candidate in lever.candidates:
-            if len(trials) >= max_trials:
+            if not may_start():
                 return best, trials
             changes = {**best.changes, **candidate}
             if changes == best.changes:
@@ -268,20 +192,85 @@ def search(
     return best, trials
 
 
+def fastest(trials: list[Trial]) -> Trial | None:
+    """The trial with the highest throughput among those that ran (what `search` returns as its best
+    when it runs to the end; used for the trials done when the tune itself is stopped)."""
+    ran = [t for t in trials if t.outcome == "ran" and t.throughput is not None]
+    return max(ran, key=lambda t: t.throughput or 0.0) if ran else None
+
+
 # ------------------------------------------------------------------------------------------ output
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
 def table(trials: list[Trial]) -> list[str]:
-    """One line per trial; `probe` is its change on top of the best configuration found before it."""
-    lines = [f"{'#':>2}  {'tok/s/dev':>10}  {'peak GB':>8}  {'seconds':>7}  {'outcome':<16}  probe"]
+    """One line per trial; `probe` is its change on top of the best configuration found before it.
+    `peak GB` is the run's peak (reserved CUDA memory, or resident memory on the CPU); `train GB` the
+    largest per-phase CUDA peak allocated outside generation (the updates and forwards)."""
+    lines = [
+        f"{'#':>2}  {'tok/s/dev':>10}  {'peak GB':>8}  {'step s':>7}  {'train GB':>8}  {'seconds':>7}  "
+        f"{'outcome':<20}  probe"
+    ]
     for i, t in enumerate(trials):
         lines.append(
-            f"{i:>2}  {_fmt(t.throughput, '10.1f')}  {_fmt(t.peak_memory_gb, '8.2f')}  {t.seconds:7.1f}  "
-            f"{t.outcome:<16}  {t.probe}"
+            f"{i:>2}  {_fmt(t.throughput, '10.1f')}  {_fmt(t.peak_memory_gb, '8.2f')}  "
+            f"{_fmt(t.step_seconds, '7.2f')}  {_fmt(t.train_memory_gb, '8.2f')}  {t.seconds:7.1f}  "
+            f"{t.outcome:<20}  {t.probe}"
         )
     return lines
+
+
+def write_trials(path: Path, trials: list[Trial]) -> None:
+    """Every trial so far as JSON (rewritten after each, so a stopped tune leaves its record)."""
+    rows = [
+        {
+            "probe": t.probe,
+            "changes": t.changes,
+            "outcome": t.outcome,
+            "throughput": t.throughput,
+            "peak_memory_gb": t.peak_memory_gb,
+            "step_seconds": t.step_seconds,
+            "train_memory_gb": t.train_memory_gb,
+            "seconds": round(t.seconds, 1),
+            "phases": t.phases,
+            "log": str(t.log) if t.log else None,
+        }
+        for t in trials
+    ]
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def report(best: Trial | None, trials: list[Trial]) -> int:
+    """Print the table and the overrides of `best`; 1 when no trial ran."""
+    print("\n".join(table(trials)), flush=True)
+    if best is None or best.outcome != "ran":
+        first = trials[0] if trials else None
+        why = f"the first: {first.outcome} (its log: {first.log})" if first else "none started"
+        print(f"fulcrum tune: no trial ran; {why}", file=sys.stderr)
+        return 1
+    base = trials[0]
+    if not best.changes:
+        print(
+            f"fastest that fits: your configuration ({_fmt(best.throughput, '.1f')} tok/s/device); no change"
+        )
+        return 0
+    if base.outcome == "ran":
+        gain = best.throughput / base.throughput if base.throughput and best.throughput else math.nan
+        versus = f"{gain:.2f}x your configuration"
+    else:
+        versus = f"your configuration: {base.outcome}"
+    print(f"fastest that fits: {_fmt(best.throughput, '.1f')} tok/s/device, {versus}; add these overrides:")
+    print(" ".join(f"{k}={v}" for k, v in best.changes.items()), flush=True)
+    return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM of the tune (e.g. `timeout`): stop the running trial, print what was found."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,12 +284,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--trial-timeout", type=float, default=900.0, help="seconds per trial (default 900)")
     parser.add_argument(
+        "--time-budget",
+        type=float,
+        help="seconds for the whole search: stop starting trials and stop the running one when spent, "
+        "then print what was found (default: no limit)",
+    )
+    parser.add_argument(
         "--work-dir", help="where the trials' run directories go (default: a temporary folder)"
     )
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     unknown = [a for a in overrides if "=" not in a]
     if unknown:
         parser.error(f"not KEY=VALUE: {unknown}")
+    if args.time_budget is not None and args.time_budget <= 0:
+        parser.error(f"--time-budget must be positive seconds, got {args.time_budget}")
     try:
         cfg = load_config(overrides)
     except ConfigError as exc:
@@ -324,40 +321,46 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="fulcrum-tune-")).expanduser()
     work.mkdir(parents=True, exist_ok=True)
     total = 1 + sum(len(lever.candidates) for lever in levers)
+    budget = f", within {args.time_budget:.0f} s" if args.time_budget else ""
     print(
         f"fulcrum tune: up to {min(total, args.max_trials)} trials of {args.steps} steps "
-        f"({', '.join(lever.name for lever in levers) or 'no lever'}); runs in {work}",
+        f"({', '.join(lever.name for lever in levers) or 'no lever'}){budget}; runs in {work}",
         flush=True,
     )
+    deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
+    done: list[Trial] = []
+
+    def budget_left() -> float | None:
+        return None if deadline is None else deadline - time.monotonic()
+
+    def time_left() -> bool:
+        """Start another trial only if the time left could hold the quickest one so far."""
+        left = budget_left()
+        quickest = min((t.seconds for t in done), default=0.0)
+        return left is None or left > max(quickest, 1.0)
 
     def run(trial: Trial) -> Trial:
-        run_trial(overrides, trial, work, args.steps, args.trial_timeout)
+        run_trial(overrides, trial, work, args.steps, args.trial_timeout, budget_left())
+        done.append(trial)
+        write_trials(work / "trials.json", done)
         print(
             f"  {trial.outcome}: {_fmt(trial.throughput, '.1f')} tok/s/device, peak {_fmt(trial.peak_memory_gb, '.2f')} "
-            f"GB  ({trial.probe})",
+            f"GB, {trial.seconds:.0f} s  ({trial.probe})",
             flush=True,
         )
         return trial
 
-    best, trials = search(overrides, levers, run, args.max_trials, shrink_lever(cfg))
-    print("\n".join(table(trials)))
-    if best.outcome != "ran":
-        print(f"fulcrum tune: no trial ran; the first: {best.outcome} (its log: {best.log})", file=sys.stderr)
-        return 1
-    base = trials[0]
-    if not best.changes:
-        print(
-            f"fastest that fits: your configuration ({_fmt(best.throughput, '.1f')} tok/s/device); no change"
-        )
-        return 0
-    if base.outcome == "ran":
-        gain = best.throughput / base.throughput if base.throughput and best.throughput else math.nan
-        versus = f"{gain:.2f}x your configuration"
-    else:
-        versus = f"your configuration: {base.outcome}"
-    print(f"fastest that fits: {_fmt(best.throughput, '.1f')} tok/s/device, {versus}; add these overrides:")
-    print(" ".join(f"{k}={v}" for k, v in best.changes.items()))
-    return 0
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        best, trials = search(overrides, levers, run, args.max_trials, shrink_lever(cfg), time_left)
+    except (KeyboardInterrupt, _Terminated):
+        print("fulcrum tune: stopped; the trials that finished:", file=sys.stderr, flush=True)
+        best, trials = fastest(done), done
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if deadline is not None and len(trials) < min(total, args.max_trials):
+        print(f"fulcrum tune: --time-budget {args.time_budget:.0f} s spent after {len(trials)} trials")
+    return report(best, trials)
 
 
 if __name__ == "__main__":
