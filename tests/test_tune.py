@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,89 @@ def test_main_prints_the_overrides_of_the_fastest_trial_that_fits(
         .splitlines()[-1]
         .startswith(f"{MICRO}=16 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32")
     )
+
+
+def test_time_budget_stops_the_search_and_prints_what_was_found(monkeypatch, capsys, tmp_path: Path) -> None:
+    """Fake trials of 40, 25 and 45 s against a 100 s budget (a fake clock): the third starts (35 s left,
+    more than the quickest trial) and is cut short, and none starts after it; the table, trials.json and
+    the best overrides of the two that ran are still printed. A trial is not started when the time left
+    is below the quickest trial so far."""
+    clock = [0.0]
+    monkeypatch.setattr(tune.time, "monotonic", lambda: clock[0])
+    started: list[float | None] = []
+
+    def fake_trial(
+        base: list[str], trial: tune.Trial, work: Path, steps: int, timeout: float, budget_left: float | None
+    ) -> tune.Trial:
+        started.append(budget_left)
+        assert budget_left is not None
+        needs = (40.0, 25.0, 45.0)[len(started) - 1]
+        spent = min(needs, budget_left)
+        clock[0] += spent
+        trial.seconds = spent
+        if spent < needs:
+            trial.outcome = tune.STOPPED
+        else:
+            micro = int(trial.changes.get(MICRO, 8))
+            trial.outcome, trial.throughput = "ran", 100.0 * micro
+        return trial
+
+    monkeypatch.setattr(tune, "run_trial", fake_trial)
+    code = tune.main(
+        [
+            *seed_command(),
+            "--levers",
+            "micro",
+            "--max-trials",
+            "12",
+            "--time-budget",
+            "100",
+            "--work-dir",
+            str(tmp_path),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert started == [100.0, 60.0, 35.0]  # the budget left handed to each trial; no fourth trial
+    assert "--time-budget 100 s spent after 3 trials" in out
+    assert tune.STOPPED in out
+    assert "fastest that fits: 1600.0 tok/s/device, 2.00x your configuration" in out
+    assert out.strip().splitlines()[-1].startswith(f"{MICRO}=16 ")
+    record = json.loads((tmp_path / "trials.json").read_text())
+    assert [r["outcome"] for r in record] == ["ran", "ran", tune.STOPPED]
+
+
+def test_a_trial_past_the_time_budget_is_stopped(assets: Path, tmp_path: Path) -> None:
+    """A real trial (the trainer in its own process) given 2 s of budget is stopped, not waited for."""
+    argv = [
+        f"data.train_files={assets}/data/train.parquet",
+        f"actor_rollout_ref.model.path={assets}/model",
+        "actor_rollout_ref.rollout.name=hf",
+        "trainer.device=cpu",
+    ]
+    trial = tune.run_trial(argv, tune.Trial({}), tmp_path, steps=50, timeout=900.0, budget_left=2.0)
+    assert trial.outcome == tune.STOPPED
+    assert trial.throughput is None  # no warm step was measured
+    assert trial.log is not None and trial.log.is_file()
+
+
+def test_trial_figures_are_read_from_the_warm_steps(tmp_path: Path) -> None:
+    rows = [
+        {"perf/throughput": 10.0, "timing_s/step": 9.0, "perf/max_memory_reserved_gb": 50.0},
+        {
+            "perf/throughput": 100.0,
+            "timing_s/step": 2.0,
+            "perf/max_memory_reserved_gb": 60.0,
+            "perf/max_memory_allocated_gb/gen": 55.0,
+            "perf/max_memory_allocated_gb/update_actor": 20.0,
+            "perf/max_memory_allocated_gb/values": 12.0,
+        },
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + '\n{"perf/thr')
+    trial = tune_trial.measure(tmp_path, tune.Trial({}))
+    assert (trial.throughput, trial.step_seconds, trial.peak_memory_gb) == (100.0, 2.0, 60.0)
+    assert trial.train_memory_gb == 20.0  # generation's KV cache left out
+    assert trial.phases["perf/max_memory_allocated_gb/update_actor"] == 20.0
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert tune_trial.measure(tmp_path, tune.Trial({}), warm_only=True).throughput is None
+    assert tune_trial.measure(tmp_path, tune.Trial({})).throughput == 10.0
