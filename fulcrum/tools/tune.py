@@ -201,7 +201,10 @@ def fastest(trials: list[Trial]) -> Trial | None:
 
 # ------------------------------------------------------------------------------------------ output
 def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    if value is None:
+        width = spec.split(".")[0]
+        return "-".rjust(int(width)) if width.isdigit() else "-"
+    return format(value, spec)
 
 
 def table(trials: list[Trial]) -> list[str]:
