@@ -18,6 +18,8 @@
 # The output goes to $OUT/tune-<levers>.txt (also printed at the end), each trial's run directory and
 # trials.json (phase times, per-phase peaks) to $OUT/tune-<levers>/.
 set -uo pipefail
+# On SIGTERM (an outer `timeout`) bash runs this after `fulcrum tune` has printed its table, then goes on.
+trap 'echo "tune_levers.sh: SIGTERM; the tune printed what finished" >&2' TERM
 LEVERS=${1:-}
 MAX_TRIALS=${2:-12}
 shift $(($# < 2 ? $# : 2))  # the rest: overrides after the seed command's (a CPU check: trainer.device=cpu ...)
