@@ -137,7 +137,7 @@ def enable_packed_attention(model: nn.Module) -> None:
 # micro-batches: each layer call pays dynamo's guards, AOTAutograd's runtime wrapper and, with
 # checkpointing, a separate recomputation call (~1.2 ms of CPU a layer against ~0.8 ms of GPU work at
 # 6k tokens). A region of several layers pays that once; larger regions cost compile time.
-LAYERS_PER_REGION = 4
+LAYERS_PER_REGION = 1
 
 
 def compile_decoder_layers(
