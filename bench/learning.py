@@ -1,6 +1,6 @@
 """Benchmark: does RL learn? PPO (GAE, with a critic) and GRPO from one supervised warm start, side by side.
 
-    python bench/learning.py --out .bench/learning                 # one H200: all runs share the card
+    python bench/learning.py --out /tmp/learning --results $OUT    # one H200, one call of < 10 min
     python bench/learning.py --out /tmp/learning-smoke --smoke     # the whole pipeline, tiny, CPU, ~2 min
     python bench/learning.py --plot .bench/learning/summary.json   # PNG curves from a summary (needs matplotlib)
 
@@ -15,11 +15,13 @@ is already there (a second call resumes):
    start (the gain must be in the answers, not the format);
 4. RL: `fulcrum train` with `algorithm.adv_estimator=gae` (critic from the warm start, fresh value head)
    and `=grpo`, for each seed, as separate processes started together, each stopped (SIGTERM) after
-   `--budget-min` minutes of training (counted from its first, step-0 validation); greedy validation
-   every `--test-freq` steps, GSM8K strict reward;
+   `--budget-min` minutes of training (counted from its first, step-0 validation; 6.5 by default) and
+   all of them `--deadline-min` minutes after the script started (9 by default: the whole benchmark
+   fits one 10-minute device call); greedy validation every `--test-freq` steps, GSM8K strict reward;
 5. summary: `summary.json` (warm start, per algorithm and seed the step-0 / final / best validation
    accuracy, mean ± std and range over seeds, every run's curves) and `summary.md`; `--plot` draws
-   reward, validation accuracy, KL, entropy, response length and critic explained variance per run.
+   reward, validation accuracy, KL, entropy, response length and critic explained variance per run;
+6. with `--results DIR` (a device call's $OUT): at most 6 files copied there (`pack`).
 
 Every RL run is a normal run directory (`rl/<algo>-s<seed>/metrics.jsonl`, `config.yaml`, `train.log`),
 so `fulcrum report` works on it. Extra `KEY=VALUE` arguments go to every `fulcrum train` run.

@@ -79,10 +79,10 @@ part rollout 110 $PY bench/rollout.py $ROLLOUT_ARGS --json "$WORK/rollout.json"
 # GRPO step (64 prompts x 8, micro 32, gradient checkpointing), fulcrum's side of the TRL comparison; each
 # side has its own limit inside (vs_trl --timeout-s), so a slow TRL still leaves fulcrum's figure.
 # shellcheck disable=SC2086
-part vs_trl 230 $PY bench/vs_trl.py --model "$MODEL" --data "$DATA" --out "$WORK/vs_trl" --timeout-s 110 $TRL_ARGS
+part vs_trl 235 $PY bench/vs_trl.py --model "$MODEL" --data "$DATA" --out "$WORK/vs_trl" --timeout-s 110 $TRL_ARGS
 # The seed command on one device, native rollout, 2 steps (the second is the warm one), no validation/save.
 # shellcheck disable=SC2086
-part seed 130 $PY bench/train_step.py run --data "$DATA" --model "$MODEL" --run "$WORK/seed_run" --steps 2 \
+part seed 150 $PY bench/train_step.py run --data "$DATA" --model "$MODEL" --run "$WORK/seed_run" --steps 2 \
   --summary "$WORK/seed.json" actor_rollout_ref.rollout.name=native trainer.test_freq=-1 trainer.save_freq=-1 \
   trainer.resume_mode=disable $STEP_ARGS
 if [ -f bench/passes.py ] && [ "$SMOKE" != 1 ]; then  # GPU only: it times CUDA passes

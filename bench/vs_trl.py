@@ -16,7 +16,9 @@ With random weights the completions run to the full 256 tokens on both sides: a 
 
 The figure: prompt + completion tokens of a step over that step's wall time (generation, scoring,
 log-probs, update), the median over warm steps (all but the first). Each side runs in its own
-process, one after the other. Output: `--out`/vs_trl.json and a table on stdout.
+process, one after the other, each stopped after `--timeout-s` seconds if given (a side that fails or
+is stopped is reported as such and the other side still runs). Output: `--out`/vs_trl.json (with
+`failed` per side and `ratio_fulcrum_over_trl`, null unless both sides ran) and a table on stdout.
 """
 
 from __future__ import annotations
