@@ -79,7 +79,7 @@ part rollout 110 $PY bench/rollout.py $ROLLOUT_ARGS --json "$WORK/rollout.json"
 # GRPO step (64 prompts x 8, micro 32, gradient checkpointing), fulcrum's side of the TRL comparison; each
 # side has its own limit inside (vs_trl --timeout-s), so a slow TRL still leaves fulcrum's figure.
 # shellcheck disable=SC2086
-part vs_trl 235 $PY bench/vs_trl.py --model "$MODEL" --data "$DATA" --out "$WORK/vs_trl" --timeout-s 110 $TRL_ARGS
+part vs_trl 265 $PY bench/vs_trl.py --model "$MODEL" --data "$DATA" --out "$WORK/vs_trl" --timeout-s 125 $TRL_ARGS
 # The seed command on one device, native rollout, 2 steps (the second is the warm one), no validation/save.
 # shellcheck disable=SC2086
 part seed 150 $PY bench/train_step.py run --data "$DATA" --model "$MODEL" --run "$WORK/seed_run" --steps 2 \
