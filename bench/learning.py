@@ -126,10 +126,17 @@ def fulcrum(*args: str) -> list[str]:
     return [sys.executable, "-m", "fulcrum.cli", *args]
 
 
-def _run(cmd: list[str], log: Path, plan: Plan) -> None:
+def _run(cmd: list[str], log: Path, plan: Plan, stop_at: float) -> None:
+    """Run a preparation step; stopped when `stop_at` (time.monotonic()) comes first."""
     print(f"$ {' '.join(cmd)}", flush=True)
     with log.open("w") as out:
-        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(plan.threads_per_run))
+        env = _env(plan.threads_per_run)
+        code: int | str
+        try:
+            timeout = max(stop_at - time.monotonic(), 1.0)
+            code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = "stopped: out of time"
     if code != 0:
         tail = "\n".join(log.read_text().splitlines()[-30:])
         raise SystemExit(f"failed (exit {code}): {' '.join(cmd)}\n--- {log} (last lines) ---\n{tail}")
@@ -140,7 +147,7 @@ def _last_checkpoint(sft: Path) -> Path | None:
     return done[-1].parent if done else None
 
 
-def sft_round(out: Path, name: str, init: Path, steps: int, lr: float, plan: Plan) -> Path:
+def sft_round(out: Path, name: str, init: Path, steps: int, lr: float, plan: Plan, stop_at: float) -> Path:
     """`fulcrum sft` from `init` for `steps` steps into `out/name`; returns its last checkpoint (kept)."""
     sft, data = out / name, out / "data"
     if (done := _last_checkpoint(sft)) is not None:
@@ -165,6 +172,7 @@ def sft_round(out: Path, name: str, init: Path, steps: int, lr: float, plan: Pla
         ),
         out / f"{name}.log",
         plan,
+        stop_at,
     )
     done = _last_checkpoint(sft)
     if done is None:
@@ -172,15 +180,15 @@ def sft_round(out: Path, name: str, init: Path, steps: int, lr: float, plan: Pla
     return done
 
 
-def prepare(out: Path, plan: Plan) -> Path:
+def prepare(out: Path, plan: Plan, stop_at: float) -> Path:
     """Data, base model and warm start; returns the warm-start model folder."""
     data, base = out / "data", out / "base_model"
     if not (data / "test.parquet").exists():
         args = ["--out", str(data), "--train", str(plan.num_train), "--test", str(plan.num_test)]
-        _run([sys.executable, "-m", "fulcrum.data.multistep", *args], out / "data.log", plan)
+        _run([sys.executable, "-m", "fulcrum.data.multistep", *args], out / "data.log", plan, stop_at)
     if not (base / "config.json").exists():
-        _run(fulcrum("tiny-model", "--out", str(base), "--size", plan.size), out / "model.log", plan)
-    return sft_round(out, "sft", base, plan.sft_steps, plan.sft_lr, plan)
+        _run(fulcrum("tiny-model", "--out", str(base), "--size", plan.size), out / "model.log", plan, stop_at)
+    return sft_round(out, "sft", base, plan.sft_steps, plan.sft_lr, plan, stop_at)
 
 
 def warm_start_check(model_dir: Path, test_file: Path, plan: Plan) -> dict[str, float]:
@@ -430,7 +438,7 @@ def _elapsed(started: float) -> str:
 
 
 def learn(args: argparse.Namespace, plan: Plan, extra: list[str], started: float, stop_at: float) -> int:
-    model = prepare(args.out, plan)
+    model = prepare(args.out, plan, stop_at)
     warm_file = args.out / "warm_start.json"
     if not warm_file.exists():
         warm = warm_start_check(model, args.out / "data" / "test.parquet", plan)
@@ -439,7 +447,7 @@ def learn(args: argparse.Namespace, plan: Plan, extra: list[str], started: float
             print(
                 f"format accuracy {warm['format_accuracy']:.3f} after SFT: {plan.sft_extra_steps} more steps"
             )
-            model = sft_round(args.out, "sft2", model, plan.sft_extra_steps, plan.sft_lr / 3, plan)
+            model = sft_round(args.out, "sft2", model, plan.sft_extra_steps, plan.sft_lr / 3, plan, stop_at)
             warm = warm_start_check(model, args.out / "data" / "test.parquet", plan)
         warm["model"] = str(model.relative_to(args.out))
         warm_file.write_text(json.dumps(warm))
