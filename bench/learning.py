@@ -1,6 +1,6 @@
 """Benchmark: does RL learn? PPO (GAE, with a critic) and GRPO from one supervised warm start, side by side.
 
-    python bench/learning.py --out .bench/learning                 # one H200: all runs share the card
+    python bench/learning.py --out /tmp/learning --results $OUT    # one H200, one call of < 10 min
     python bench/learning.py --out /tmp/learning-smoke --smoke     # the whole pipeline, tiny, CPU, ~2 min
     python bench/learning.py --plot .bench/learning/summary.json   # PNG curves from a summary (needs matplotlib)
 
@@ -15,11 +15,13 @@ is already there (a second call resumes):
    start (the gain must be in the answers, not the format);
 4. RL: `fulcrum train` with `algorithm.adv_estimator=gae` (critic from the warm start, fresh value head)
    and `=grpo`, for each seed, as separate processes started together, each stopped (SIGTERM) after
-   `--budget-min` minutes of training (counted from its first, step-0 validation); greedy validation
-   every `--test-freq` steps, GSM8K strict reward;
+   `--budget-min` minutes of training (counted from its first, step-0 validation; 6.5 by default) and
+   all of them `--deadline-min` minutes after the script started (9 by default: the whole benchmark
+   fits one 10-minute device call); greedy validation every `--test-freq` steps, GSM8K strict reward;
 5. summary: `summary.json` (warm start, per algorithm and seed the step-0 / final / best validation
    accuracy, mean ± std and range over seeds, every run's curves) and `summary.md`; `--plot` draws
-   reward, validation accuracy, KL, entropy, response length and critic explained variance per run.
+   reward, validation accuracy, KL, entropy, response length and critic explained variance per run;
+6. with `--results DIR` (a device call's $OUT): at most 6 files copied there (`pack`).
 
 Every RL run is a normal run directory (`rl/<algo>-s<seed>/metrics.jsonl`, `config.yaml`, `train.log`),
 so `fulcrum report` works on it. Extra `KEY=VALUE` arguments go to every `fulcrum train` run.
@@ -30,43 +32,58 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from learning_report import RunResult, curves_of, markdown, plot, summarise
+from learning_report import VAL_KEY, RunResult, curves_of, markdown, plot, summarise
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Every setting; `--smoke` replaces them with SMOKE's."""
+    """Every setting; `--smoke` replaces them with SMOKE's.
+
+    Sized for ONE device call of at most 10 minutes on one H200 (`deadline_s`, counted from the script's
+    start, stops everything in time to write the summary): data + model + SFT + check about 2 minutes,
+    then the six RL runs side by side for `budget_s` each."""
 
     size: str = "medium"
     num_train: int = 20000
     num_test: int = 500
     sft_steps: int = 1500
+    sft_extra_steps: int = 500  # one more SFT round (from the last checkpoint) if format is below target
     sft_batch_size: int = 64
     sft_lr: float = 5e-4
     min_format_accuracy: float = 0.95
     seeds: tuple[int, ...] = (1, 2, 3)
     algos: tuple[str, ...] = ("gae", "grpo")
-    budget_s: float = 600.0
+    budget_s: float = 390.0  # RL wall time per run, from its step-0 validation
+    deadline_s: float = 540.0  # the whole script, from its start: runs still going are stopped then
+    summary_reserve_s: float = 25.0  # kept free before the deadline for the summary, plot and pack
     test_freq: int = 5
     max_response_length: int = 96  # worked solutions are 20-58 tokens (tiny tokenizer)
     prompts_per_step: int = 128  # GRPO: this many prompts x n; PPO: the same number of responses, n = 1
     grpo_n: int = 8
-    actor_lr: float = 5e-5  # a first guess for a 27 M model warm-started at 5e-4; --actor-lr to tune
+    actor_lr: float = 1e-4  # a 27 M model warm-started at 5e-4 (cosine to 0); few steps fit the budget
     critic_lr: float = 1e-4  # verl's default is 1e-5 (a pretrained critic); the value head here is fresh
     critic_warmup: int = 3  # steps that train only the critic (trainer.critic_warmup)
     kl_loss_coef: float = 0.001
     micro_batch: int = 256
     rollout: str = "native"
-    gpu_memory_utilization: float = 0.1  # each of the six runs on one card
+    # Six runs on one card: each engine keeps a fixed 7 GiB (weights, workspace, a KV cache of ~800k
+    # tokens against the ~200k a step needs) and never releases it (free_cache_engine=False), so its
+    # CUDA graphs are captured once rather than after every step.
+    gpu_memory_utilization: float = 0.05
+    # torch.compile per run: six processes compiling at once on 16 cores costs minutes of the budget,
+    # and a 27 M model's step is small; eager it is.
+    use_torch_compile: bool = False
     device: str = "cuda"
     threads_per_run: int = 2  # CPU threads per process: six runs share the H200 machine's 16 cores
 
@@ -76,10 +93,12 @@ SMOKE = Plan(
     num_train=300,
     num_test=24,
     sft_steps=40,
+    sft_extra_steps=20,
     sft_batch_size=16,
     sft_lr=2e-3,
     seeds=(1,),
     budget_s=30.0,
+    deadline_s=900.0,
     test_freq=1,
     max_response_length=48,
     prompts_per_step=8,
@@ -107,26 +126,32 @@ def fulcrum(*args: str) -> list[str]:
     return [sys.executable, "-m", "fulcrum.cli", *args]
 
 
-def _run(cmd: list[str], log: Path, plan: Plan) -> None:
+def _run(cmd: list[str], log: Path, plan: Plan, stop_at: float) -> None:
+    """Run a preparation step; stopped when `stop_at` (time.monotonic()) comes first."""
     print(f"$ {' '.join(cmd)}", flush=True)
     with log.open("w") as out:
-        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(plan.threads_per_run))
+        env = _env(plan.threads_per_run)
+        code: int | str
+        try:
+            timeout = max(stop_at - time.monotonic(), 1.0)
+            code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = "stopped: out of time"
     if code != 0:
         tail = "\n".join(log.read_text().splitlines()[-30:])
         raise SystemExit(f"failed (exit {code}): {' '.join(cmd)}\n--- {log} (last lines) ---\n{tail}")
 
 
-def prepare(out: Path, plan: Plan) -> Path:
-    """Data, base model and warm start; returns the warm-start model folder."""
-    data, base, sft = out / "data", out / "base_model", out / "sft"
-    if not (data / "test.parquet").exists():
-        args = ["--out", str(data), "--train", str(plan.num_train), "--test", str(plan.num_test)]
-        _run([sys.executable, "-m", "fulcrum.data.multistep", *args], out / "data.log", plan)
-    if not (base / "config.json").exists():
-        _run(fulcrum("tiny-model", "--out", str(base), "--size", plan.size), out / "model.log", plan)
+def _last_checkpoint(sft: Path) -> Path | None:
     done = sorted(sft.glob("global_step_*/config.json"), key=lambda p: int(p.parent.name.split("_")[-1]))
-    if done:
-        return done[-1].parent
+    return done[-1].parent if done else None
+
+
+def sft_round(out: Path, name: str, init: Path, steps: int, lr: float, plan: Plan, stop_at: float) -> Path:
+    """`fulcrum sft` from `init` for `steps` steps into `out/name`; returns its last checkpoint (kept)."""
+    sft, data = out / name, out / "data"
+    if (done := _last_checkpoint(sft)) is not None:
+        return done
     _run(
         fulcrum(
             "sft",
@@ -138,17 +163,32 @@ def prepare(out: Path, plan: Plan) -> Path:
             f"data.train_batch_size={plan.sft_batch_size}",
             f"data.micro_batch_size_per_gpu={plan.sft_batch_size}",
             "data.max_length=320",
-            f"model.partial_pretrain={base}",
-            f"optim.lr={plan.sft_lr}",
+            f"model.partial_pretrain={init}",
+            f"optim.lr={lr}",
             "optim.warmup_steps_ratio=0.05",
-            f"trainer.total_training_steps={plan.sft_steps}",
+            f"trainer.total_training_steps={steps}",
             f"trainer.default_local_dir={sft}",
             f"trainer.device={plan.device}",
         ),
-        out / "sft.log",
+        out / f"{name}.log",
         plan,
+        stop_at,
     )
-    return prepare(out, plan)
+    done = _last_checkpoint(sft)
+    if done is None:
+        raise SystemExit(f"fulcrum sft wrote no checkpoint under {sft}: see {out / f'{name}.log'}")
+    return done
+
+
+def prepare(out: Path, plan: Plan, stop_at: float) -> Path:
+    """Data, base model and warm start; returns the warm-start model folder."""
+    data, base = out / "data", out / "base_model"
+    if not (data / "test.parquet").exists():
+        args = ["--out", str(data), "--train", str(plan.num_train), "--test", str(plan.num_test)]
+        _run([sys.executable, "-m", "fulcrum.data.multistep", *args], out / "data.log", plan, stop_at)
+    if not (base / "config.json").exists():
+        _run(fulcrum("tiny-model", "--out", str(base), "--size", plan.size), out / "model.log", plan, stop_at)
+    return sft_round(out, "sft", base, plan.sft_steps, plan.sft_lr, plan, stop_at)
 
 
 def warm_start_check(model_dir: Path, test_file: Path, plan: Plan) -> dict[str, float]:
@@ -198,6 +238,7 @@ def rl_overrides(algo: str, seed: int, model: Path, data: Path, run: Path, plan:
         f"data.max_response_length={plan.max_response_length}",
         f"actor_rollout_ref.model.path={model}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",  # a 27 M model's activations fit
+        f"actor_rollout_ref.actor.use_torch_compile={plan.use_torch_compile}",  # the critic follows it
         f"actor_rollout_ref.actor.optim.lr={plan.actor_lr}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mb}",
@@ -209,6 +250,7 @@ def rl_overrides(algo: str, seed: int, model: Path, data: Path, run: Path, plan:
         "actor_rollout_ref.rollout.temperature=1.0",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         f"actor_rollout_ref.rollout.gpu_memory_utilization={plan.gpu_memory_utilization}",
+        "actor_rollout_ref.rollout.free_cache_engine=False",  # see Plan.gpu_memory_utilization
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={mb}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={mb}",
         "trainer.total_training_steps=100000",  # the wall-time budget stops the run
@@ -252,9 +294,19 @@ def read_metrics(run: Path) -> list[dict]:
     return rows
 
 
-def run_all(model: Path, out: Path, plan: Plan, extra: list[str]) -> list[RunResult]:
-    """Start every (algo, seed) run at once; stop each `budget_s` after its step-0 validation."""
-    procs: dict[tuple[str, int], tuple[subprocess.Popen, Path, float]] = {}
+def _progress(run: Path) -> str:
+    rows = read_metrics(run)
+    if not rows:
+        return "starting"
+    val = [r[VAL_KEY] for r in rows if VAL_KEY in r]
+    step = int(rows[-1].get("training/global_step", 0))
+    return f"step {step}, val {val[-1]:.3f}" if val else f"step {step}"
+
+
+def run_all(model: Path, out: Path, plan: Plan, extra: list[str], stop_at: float) -> list[RunResult]:
+    """Start every (algo, seed) run at once; stop each `budget_s` after its step-0 validation, and every
+    one still going at `stop_at` (time.monotonic()); SIGKILL what SIGTERM has not ended within 20 s."""
+    procs: dict[tuple[str, int], tuple[subprocess.Popen, Path]] = {}
     results = []
     for algo in plan.algos:
         for seed in plan.seeds:
@@ -269,22 +321,39 @@ def run_all(model: Path, out: Path, plan: Plan, extra: list[str]) -> list[RunRes
             (run / "command.txt").write_text(" ".join(cmd) + "\n")
             log = (run / "train.log").open("w")
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(plan.threads_per_run))
-            procs[(algo, seed)] = (proc, run, time.monotonic())
-    print(f"started {len(procs)} runs; budget {plan.budget_s / 60:.1f} min each", flush=True)
+            procs[(algo, seed)] = (proc, run)
+    left = stop_at - time.monotonic()
+    print(
+        f"started {len(procs)} runs; budget {plan.budget_s / 60:.1f} min each, all stopped within "
+        f"{left / 60:.1f} min",
+        flush=True,
+    )
     started_training: dict[tuple[str, int], float] = {}
-    stopped: set[tuple[str, int]] = set()
-    while any(p.poll() is None for p, _, _ in procs.values()):
+    stopped: dict[tuple[str, int], float] = {}
+    last_report = time.monotonic()
+    while any(p.poll() is None for p, _ in procs.values()):
         time.sleep(2)
-        for key, (proc, run, _) in procs.items():
+        now = time.monotonic()
+        for key, (proc, run) in procs.items():
             if proc.poll() is not None:
                 continue
+            if key in stopped:
+                if now - stopped[key] > 20:
+                    proc.kill()
+                continue
             if key not in started_training and read_metrics(run):
-                started_training[key] = time.monotonic()
+                started_training[key] = now
                 print(f"{key[0]} seed {key[1]}: step-0 validation done, budget starts", flush=True)
-            if key in started_training and time.monotonic() - started_training[key] > plan.budget_s:
+            over_budget = key in started_training and now - started_training[key] > plan.budget_s
+            if over_budget or now > stop_at:
                 proc.send_signal(signal.SIGTERM)
-                stopped.add(key)
-    for (algo, seed), (proc, run, _) in procs.items():
+                stopped[key] = now
+        if now - last_report > 60:
+            last_report = now
+            print(
+                "  " + "; ".join(f"{a}-s{s}: {_progress(r)}" for (a, s), (_, r) in procs.items()), flush=True
+            )
+    for (algo, seed), (proc, run) in procs.items():
         curves, val = curves_of(read_metrics(run))
         result = RunResult(algo, seed, proc.returncode, (algo, seed) in stopped, curves, val)
         if not result.stopped_by_budget and proc.returncode != 0:
@@ -296,16 +365,34 @@ def run_all(model: Path, out: Path, plan: Plan, extra: list[str]) -> list[RunRes
     return results
 
 
+def pack(out: Path, results_dir: Path) -> None:
+    """At most 8 files into `results_dir` (a device call's $OUT): the summary, the warm-start check, the
+    curves and one tar.gz of every run's metrics, config, command and log (no weights, no data)."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("summary.json", "summary.md", "warm_start.json", "learning_curves.png"):
+        if (out / name).exists():
+            shutil.copy(out / name, results_dir / name)
+    keep = {"metrics.jsonl", "config.yaml", "command.txt", "train.log", "result.json"}
+    with tarfile.open(results_dir / "learning_runs.tar.gz", "w:gz") as tar:
+        for path in sorted(out.rglob("*")):
+            top_log = path.parent == out and path.suffix == ".log"
+            if path.is_file() and (path.name in keep or top_log) and "global_step_" not in str(path):
+                tar.add(path, arcname=str(path.relative_to(out)))
+    print(f"packed results into {results_dir}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, help="working folder (resumable)")
+    parser.add_argument("--results", type=Path, help="also copy the results (<= 8 files) here, e.g. $OUT")
     parser.add_argument("--smoke", action="store_true", help="everything tiny, on the CPU")
     parser.add_argument("--plot", type=Path, help="draw the curves of this summary.json and exit")
     parser.add_argument("--seeds", type=int, nargs="+")
     parser.add_argument("--algos", nargs="+", choices=("gae", "grpo"))
     parser.add_argument("--budget-min", type=float, help="minutes of RL training per run")
+    parser.add_argument("--deadline-min", type=float, help="minutes for the whole script (runs stopped)")
     parser.add_argument("--size", choices=("tiny", "small", "medium", "large"))
     parser.add_argument("--device", choices=("cuda", "cpu"))
     parser.add_argument("--actor-lr", type=float)
@@ -319,11 +406,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out is required (or --plot)")
+    started = time.perf_counter()
     plan = SMOKE if args.smoke else Plan()
     chosen = {
         "seeds": tuple(args.seeds) if args.seeds else None,
         "algos": tuple(args.algos) if args.algos else None,
         "budget_s": args.budget_min * 60 if args.budget_min else None,
+        "deadline_s": args.deadline_min * 60 if args.deadline_min else None,
         "size": args.size,
         "device": args.device,
         "actor_lr": args.actor_lr,
@@ -334,17 +423,39 @@ def main(argv: list[str] | None = None) -> int:
     plan = replace(plan, **{k: v for k, v in chosen.items() if v is not None})
     if plan.device == "cpu" and plan.rollout == "native" and not args.smoke:
         plan = replace(plan, rollout="hf")
+    stop_at = time.monotonic() + plan.deadline_s - plan.summary_reserve_s
     args.out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
+    try:
+        code = learn(args, plan, extra, started, stop_at)
+    finally:
+        if args.results:
+            pack(args.out, args.results)
+    return code
 
-    model = prepare(args.out, plan)
+
+def _elapsed(started: float) -> str:
+    return f"{time.perf_counter() - started:.0f} s so far"
+
+
+def learn(args: argparse.Namespace, plan: Plan, extra: list[str], started: float, stop_at: float) -> int:
+    model = prepare(args.out, plan, stop_at)
     warm_file = args.out / "warm_start.json"
     if not warm_file.exists():
-        warm_file.write_text(json.dumps(warm_start_check(model, args.out / "data" / "test.parquet", plan)))
+        warm = warm_start_check(model, args.out / "data" / "test.parquet", plan)
+        if warm["format_accuracy"] < plan.min_format_accuracy and plan.sft_extra_steps:
+            # One more, gentler round from the last checkpoint rather than a lost GPU call.
+            print(
+                f"format accuracy {warm['format_accuracy']:.3f} after SFT: {plan.sft_extra_steps} more steps"
+            )
+            model = sft_round(args.out, "sft2", model, plan.sft_extra_steps, plan.sft_lr / 3, plan, stop_at)
+            warm = warm_start_check(model, args.out / "data" / "test.parquet", plan)
+        warm["model"] = str(model.relative_to(args.out))
+        warm_file.write_text(json.dumps(warm))
     warm = json.loads(warm_file.read_text())
+    model = args.out / warm.get("model", str(model.relative_to(args.out)))
     print(
         f"warm start {model}: accuracy {warm['accuracy']:.3f}, format accuracy {warm['format_accuracy']:.3f} "
-        f"on {warm['num_problems']} held-out problems ({time.perf_counter() - started:.0f} s so far)",
+        f"on {warm['num_problems']} held-out problems ({_elapsed(started)})",
         flush=True,
     )
     if warm["format_accuracy"] < plan.min_format_accuracy:
@@ -356,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"note: {message} (allowed here)", flush=True)
 
-    results = run_all(model, args.out, plan, extra)
+    results = run_all(model, args.out, plan, extra, stop_at)
+    print(f"RL done ({_elapsed(started)})", flush=True)
     summary = summarise(warm, results, plan)
     (args.out / "summary.json").write_text(json.dumps(summary))
     text = markdown(summary)

@@ -16,7 +16,9 @@ With random weights the completions run to the full 256 tokens on both sides: a 
 
 The figure: prompt + completion tokens of a step over that step's wall time (generation, scoring,
 log-probs, update), the median over warm steps (all but the first). Each side runs in its own
-process, one after the other. Output: `--out`/vs_trl.json and a table on stdout.
+process, one after the other, each stopped after `--timeout-s` seconds if given (a side that fails or
+is stopped is reported as such and the other side still runs). Output: `--out`/vs_trl.json (with
+`failed` per side and `ratio_fulcrum_over_trl`, null unless both sides ran) and a table on stdout.
 """
 
 from __future__ import annotations
@@ -210,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--side", choices=("both", "trl", "fulcrum"), default="both")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--steps", type=int)
+    parser.add_argument(
+        "--timeout-s", type=float, help="wall-clock limit per side (a side past it is stopped and reported)"
+    )
     args = parser.parse_args(argv)
     shape = SMOKE if args.smoke else Shape()
     if args.steps:
@@ -224,27 +229,38 @@ def main(argv: list[str] | None = None) -> int:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
     }
-    results = {}
+    results, failed = {}, {}
     for side in ("trl", "fulcrum"):
         cmd = [sys.executable, __file__, "--side", side, "--model", str(args.model), "--data", str(args.data)]
         cmd += ["--out", str(args.out), "--steps", str(shape.steps)] + (["--smoke"] if args.smoke else [])
         print(f"$ {' '.join(cmd)}", flush=True)
-        if subprocess.call(cmd, env=env) != 0:
-            print(f"vs_trl: the {side} side failed; see above", file=sys.stderr)
-            return 1
+        (args.out / f"{side}.json").unlink(missing_ok=True)
+        try:
+            code = subprocess.call(cmd, env=env, timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:  # call() has killed it
+            code = f"stopped after {args.timeout_s:.0f} s"
+        if code != 0 or not (args.out / f"{side}.json").exists():
+            failed[side] = f"failed ({code})"
+            print(f"vs_trl: the {side} side {failed[side]}; see above", file=sys.stderr, flush=True)
+            continue
         results[side] = json.loads((args.out / f"{side}.json").read_text())
-    for side in results.values():
-        side["tokens_per_s"] = warm_tokens_per_s(side["steps"])
-    ratio = results["fulcrum"]["tokens_per_s"] / results["trl"]["tokens_per_s"]
-    summary = {"shape": asdict(shape), **results, "ratio_fulcrum_over_trl": ratio}
+        results[side]["tokens_per_s"] = warm_tokens_per_s(results[side]["steps"])
+    ratio = results["fulcrum"]["tokens_per_s"] / results["trl"]["tokens_per_s"] if len(results) == 2 else None
+    summary = {"shape": asdict(shape), **results, "failed": failed, "ratio_fulcrum_over_trl": ratio}
     (args.out / "vs_trl.json").write_text(json.dumps(summary, indent=1))
     print(
         "| side | version | step seconds | tokens a step | tokens/s (warm median) |\n| --- | --- | --- | --- | --- |"
     )
-    for name, side in (("TRL GRPOTrainer", results["trl"]), ("fulcrum GRPO", results["fulcrum"])):
+    for name, key in (("TRL GRPOTrainer", "trl"), ("fulcrum GRPO", "fulcrum")):
+        if key not in results:
+            print(f"| {name} | | {failed[key]} | | |")
+            continue
+        side = results[key]
         secs = ", ".join(f"{s['seconds']:.2f}" for s in side["steps"])
         toks = ", ".join(str(int(s["tokens"])) for s in side["steps"])
         print(f"| {name} | {side['version']} | {secs} | {toks} | {side['tokens_per_s']:,.0f} |")
+    if ratio is None:
+        return 1
     print(f"fulcrum / TRL = {ratio:.2f}x")
     return 0
 
