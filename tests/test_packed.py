@@ -12,7 +12,12 @@ from fulcrum.algo.losses import compute_value_loss
 from fulcrum.algo.policy_losses import compute_policy_loss
 from fulcrum.models.linear_logprob import linear_log_softmax
 from fulcrum.models.load import load_backbone, load_causal_lm
-from fulcrum.models.packed import enable_packed_attention, pack_micro_batch
+from fulcrum.models.packed import (
+    enable_packed_attention,
+    pack_micro_batch,
+    per_sequence_causal_attention,
+    right_padded_causal_attention,
+)
 from fulcrum.models.precision import ComputeWeights
 from fulcrum.models.value_head import CriticModel
 from fulcrum.workers.micro_batch import (
@@ -228,3 +233,26 @@ def test_compiled_layer_twins_match_and_leave_the_model_alone(qwen2_dir: str) ->
     assert torch.allclose(lp_a, lp_b, atol=TOL, rtol=0)
     for name in g_a:
         assert torch.allclose(g_a[name], g_b[name], atol=TOL, rtol=1e-4), name
+
+
+def test_right_padded_attention_equals_one_sdpa_per_sequence() -> None:
+    """The CPU's one-call packed attention (sequences right-padded side by side) gives the per-sequence
+    reference's outputs and gradients, grouped-query heads included, lengths 1 to 9."""
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    n = int(cu[-1])
+    q = torch.randn(n, 4, 8, generator=g, requires_grad=True)
+    k = torch.randn(n, 2, 8, generator=g, requires_grad=True)
+    v = torch.randn(n, 2, 8, generator=g, requires_grad=True)
+    weight = torch.randn(n, 4, 8, generator=g)
+    outs, grads_ = [], []
+    for attention in (per_sequence_causal_attention, right_padded_causal_attention):
+        out = attention(q, k, v, cu, 0.3)
+        (out * weight).sum().backward()
+        outs.append(out.detach())
+        grads_.append([x.grad.clone() for x in (q, k, v)])
+        for x in (q, k, v):
+            x.grad = None
+    assert torch.allclose(outs[0], outs[1], atol=1e-6)
+    for want, got in zip(grads_[0], grads_[1], strict=True):
+        assert torch.allclose(want, got, atol=1e-5)

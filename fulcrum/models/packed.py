@@ -5,7 +5,9 @@ positions restarting at 0, with `cu_seqlens` (S + 1,) marking where sequences st
 own layers run over the stream (Hugging Face modules and weights, nothing re-implemented but the
 outer loop); attention goes through `packed_attention`, registered with transformers under
 `PACKED_ATTENTION`: flash-style varlen attention on CUDA (`torch.nn.attention.varlen.varlen_attn`,
-causal, GQA), one causal SDPA per sequence elsewhere (the CPU reference the tests compare against).
+causal, GQA); elsewhere one causal SDPA over the sequences laid out side by side, right-padded to
+the longest (`right_padded_causal_attention`: one call per layer, where a Python loop of one SDPA
+per sequence made many small ops; `per_sequence_causal_attention` stays as the reference).
 Calls without packing metadata fall through to transformers' SDPA, so a model switched to packed
 attention still runs padded batches as before.
 
@@ -209,7 +211,7 @@ def packed_attention(
     if q.is_cuda and (_ATEN_FLASH is not None or varlen_attn is not None):
         out = varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scaling)
     else:
-        out = per_sequence_causal_attention(q, k, v, cu_seqlens, scaling)
+        out = right_padded_causal_attention(q, k, v, cu_seqlens, scaling)
     return out.unsqueeze(0), None  # (1, N, Hq, D)
 
 
@@ -233,6 +235,36 @@ def per_sequence_causal_attention(
             0, 1
         )
     return out
+
+
+def right_padded_causal_attention(
+    q: torch.Tensor,  # (N, Hq, D)
+    k: torch.Tensor,  # (N, Hkv, D)
+    v: torch.Tensor,  # (N, Hkv, D)
+    cu_seqlens: torch.Tensor,  # (S + 1,)
+    scale: float | None,
+) -> torch.Tensor:
+    """Varlen causal attention as one SDPA call: (N, Hq, D), equal to `per_sequence_causal_attention`.
+
+    Token t of sequence s goes to row s, column t - cu[s] of an (S, L) grid, L the longest length;
+    the rest is zeros. Each sequence starts at column 0, so under the causal mask a real query only
+    sees its own sequence's earlier keys (the padding lies after it); the padding queries' outputs
+    are dropped. Cost S × L² per head against Σ L_s²: on the CPU the one call beats S small ones.
+    """
+    n, heads, dim = q.shape
+    lengths = cu_seqlens.diff().long()  # (S,)
+    s, longest = len(lengths), int(lengths.max())
+    seq = torch.repeat_interleave(torch.arange(s, device=q.device), lengths.to(q.device))  # (N,)
+    flat = seq * longest + torch.arange(n, device=q.device) - cu_seqlens.to(q.device).long()[seq]  # (N,)
+
+    def grid(x: torch.Tensor) -> torch.Tensor:  # (N, H, D) -> (S, H, L, D)
+        out = x.new_zeros(s * longest, x.shape[1], dim).index_copy(0, flat, x)
+        return out.view(s, longest, x.shape[1], dim).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        grid(q), grid(k), grid(v), is_causal=True, scale=scale, enable_gqa=heads != k.shape[1]
+    )  # (S, Hq, L, D)
+    return out.transpose(1, 2).reshape(s * longest, heads, dim).index_select(0, flat)
 
 
 def varlen_causal_attention(
