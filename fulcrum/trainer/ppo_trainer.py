@@ -83,10 +83,6 @@ class PPOTrainer:
         for line in recipes.startup_lines(cfg):
             print(line, flush=True)
         print(kl_startup_line(cfg), flush=True)
-        if arr.model.use_remove_padding:
-            print(
-                "note: use_remove_padding is accepted but has no effect yet (padded forwards, trimmed per micro-batch)"
-            )
         total = self.total_training_steps
         self.actor = ActorWorker(actor_section(cfg), device, total, self.tokenizer)
         self.ref = ReferenceWorker(reference_section(cfg), device) if uses_reference(cfg) else None
