@@ -8,11 +8,16 @@ Stages, each through the public commands (so it tests what users run), each skip
 is already there (a second call resumes):
 
 1. data: `python -m fulcrum.data.multistep` — GSM8K-format word problems of 2–4 operations with worked
-   solutions, 20,000 training and 500 held-out validation problems (no shared question or equation chain);
+   solutions, 20,000 training, 500 held-out validation and 200 dev problems (no two splits share a
+   question or an equation chain);
 2. model: `fulcrum tiny-model --size medium` (27 M parameters, random);
-3. warm start: `fulcrum sft` on the worked solutions, then a greedy check on the validation set:
-   accuracy and format accuracy (a strict `#### N` present); below 95 % format the RL stage does not
-   start (the gain must be in the answers, not the format);
+3. warm start: `fulcrum sft` on the worked solutions (cosine schedule over 1,500 steps), a checkpoint
+   every 25 steps, each checked greedy on the dev set here while SFT trains on; SFT stops at the first
+   checkpoint with format accuracy (a strict `#### N` present) >= 95 % and dev accuracy >= 0.3 (or the
+   one before it if that one overshoots 0.6: `choose_warm_start`). Run to the end (2026-11-30), SFT
+   alone reached 0.996 on this task and RL had nothing left to gain: the benchmark measures what RL
+   adds to a model that has the format but not yet the answers. The chosen checkpoint is then checked
+   on the 500 validation problems; below 95 % format the RL stage does not start;
 4. RL: `fulcrum train` with `algorithm.adv_estimator=gae` (critic from the warm start, fresh value head)
    and `=grpo`, for each seed, as separate processes started together, each stopped (SIGTERM) after
    `--budget-min` minutes of training (counted from its first, step-0 validation; 6.5 by default) and
@@ -22,6 +27,17 @@ is already there (a second call resumes):
    accuracy, mean ± std and range over seeds, every run's curves) and `summary.md`; `--plot` draws
    reward, validation accuracy, KL, entropy, response length and critic explained variance per run;
 6. with `--results DIR` (a device call's $OUT): at most 6 files copied there (`pack`).
+
+MEMORY (six processes on one 140 GiB card; `fulcrum doctor` with the runs' overrides itemises it): per
+process the engine's fixed 0.03 x 140 = 4.2 GiB (KV cache 3.4 GiB), actor + reference (+ critic)
+weights, gradients and AdamW state < 1 GiB, the CUDA context 0.5 GiB, and the activations of one
+128-response micro-batch without checkpointing, 5.9 GiB (+ 0.4 GiB logits): estimated peaks 11.1 GiB
+(PPO) and 10.8 GiB (GRPO). On 2026-11-30 (micro-batch 256, engine 0.05) the estimate was 20.2 / 19.9
+GiB and the processes held 20.8–26.4 / 20.6–22.8 GiB (allocator cache on top, up to +6.2 GiB): six of
+them plus this script's 2 GiB filled the card and one run died of out-of-memory at step 3. Now, even
+with that +6.2 / +2.9 GiB on top: 3 x 17.3 + 3 x 13.7 + this script's context 1 = 94 GiB <= 100,
+so about 45 GiB stay free. The warm-start checks release their model before RL starts, and SFT has
+ended by then.
 
 Every RL run is a normal run directory (`rl/<algo>-s<seed>/metrics.jsonl`, `config.yaml`, `train.log`),
 so `fulcrum report` works on it. Extra `KEY=VALUE` arguments go to every `fulcrum train` run.
@@ -40,6 +56,7 @@ import tarfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from learning_report import VAL_KEY, RunResult, curves_of, markdown, plot, summarise
 
@@ -57,11 +74,17 @@ class Plan:
     size: str = "medium"
     num_train: int = 20000
     num_test: int = 500
-    sft_steps: int = 1500
-    sft_extra_steps: int = 500  # one more SFT round (from the last checkpoint) if format is below target
+    num_dev: int = 200  # problems in neither split, for choosing the warm-start checkpoint
+    sft_steps: int = 1500  # the cosine schedule's length and the most steps; SFT stops at the choice
+    sft_check_every: int = 25  # a checkpoint every this many steps, each checked greedy on the dev set
     sft_batch_size: int = 64
     sft_lr: float = 5e-4
     min_format_accuracy: float = 0.95
+    # The warm start: the first checkpoint with format >= min_format_accuracy and dev accuracy >=
+    # warm_min_accuracy, or the one before it when that one overshoots warm_max_accuracy (see
+    # choose_warm_start). On 2026-11-30 the full 1,500 steps reached 0.996: nothing left for RL.
+    warm_min_accuracy: float = 0.3
+    warm_max_accuracy: float = 0.6
     seeds: tuple[int, ...] = (1, 2, 3)
     algos: tuple[str, ...] = ("gae", "grpo")
     budget_s: float = 390.0  # RL wall time per run, from its step-0 validation
@@ -75,12 +98,12 @@ class Plan:
     critic_lr: float = 1e-4  # verl's default is 1e-5 (a pretrained critic); the value head here is fresh
     critic_warmup: int = 3  # steps that train only the critic (trainer.critic_warmup)
     kl_loss_coef: float = 0.001
-    micro_batch: int = 256
+    micro_batch: int = 128  # see MEMORY in the module docstring: 256 ran the card out of memory
     rollout: str = "native"
-    # Six runs on one card: each engine keeps a fixed 7 GiB (weights, workspace, a KV cache of ~800k
-    # tokens against the ~200k a step needs) and never releases it (free_cache_engine=False), so its
-    # CUDA graphs are captured once rather than after every step.
-    gpu_memory_utilization: float = 0.05
+    # Each engine keeps a fixed 0.03 x 140 = 4.2 GiB (weights, workspace, a KV cache of ~430k tokens
+    # against the 1,024 x 288 = 295k a step can need) and never releases it (free_cache_engine=False), so
+    # its CUDA graphs are captured once rather than after every step.
+    gpu_memory_utilization: float = 0.03
     # torch.compile per run: six processes compiling at once on 16 cores costs minutes of the budget,
     # and a 27 M model's step is small; eager it is.
     use_torch_compile: bool = False
@@ -92,10 +115,12 @@ SMOKE = Plan(
     size="tiny",
     num_train=300,
     num_test=24,
-    sft_steps=40,
-    sft_extra_steps=20,
+    num_dev=16,
+    sft_steps=60,
+    sft_check_every=10,
     sft_batch_size=16,
     sft_lr=2e-3,
+    warm_min_accuracy=0.0,  # a 1.3 M model on 300 problems learns the format, not the sums
     seeds=(1,),
     budget_s=30.0,
     deadline_s=900.0,
@@ -142,57 +167,118 @@ def _run(cmd: list[str], log: Path, plan: Plan, stop_at: float) -> None:
         raise SystemExit(f"failed (exit {code}): {' '.join(cmd)}\n--- {log} (last lines) ---\n{tail}")
 
 
-def _last_checkpoint(sft: Path) -> Path | None:
-    done = sorted(sft.glob("global_step_*/config.json"), key=lambda p: int(p.parent.name.split("_")[-1]))
-    return done[-1].parent if done else None
+def _step(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("_")[-1])
 
 
-def sft_round(out: Path, name: str, init: Path, steps: int, lr: float, plan: Plan, stop_at: float) -> Path:
-    """`fulcrum sft` from `init` for `steps` steps into `out/name`; returns its last checkpoint (kept)."""
-    sft, data = out / name, out / "data"
-    if (done := _last_checkpoint(sft)) is not None:
-        return done
-    _run(
-        fulcrum(
-            "sft",
-            f"data.train_files={data / 'train.parquet'}",
-            f"data.val_files={data / 'test.parquet'}",
-            "data.prompt_key=prompt",  # the very chat messages the RL stage sees
-            "data.response_key=extra_info",
-            "data.response_dict_keys=[answer]",
-            f"data.train_batch_size={plan.sft_batch_size}",
-            f"data.micro_batch_size_per_gpu={plan.sft_batch_size}",
-            "data.max_length=320",
-            f"model.partial_pretrain={init}",
-            f"optim.lr={lr}",
-            "optim.warmup_steps_ratio=0.05",
-            f"trainer.total_training_steps={steps}",
-            f"trainer.default_local_dir={sft}",
-            f"trainer.device={plan.device}",
-        ),
-        out / f"{name}.log",
-        plan,
-        stop_at,
+def _checkpoints(sft: Path) -> list[Path]:
+    """Complete checkpoints in step order (`fulcrum sft` renames each into place once written)."""
+    return sorted((p for p in sft.glob("global_step_*") if p.is_dir()), key=_step)
+
+
+def choose_warm_start(checks: list[dict], plan: Plan) -> dict | None:
+    """The warm start among `checks` (greedy dev checks in step order, each with `accuracy` and
+    `format_accuracy`), or None while none qualifies: the first with format >= min_format_accuracy and
+    accuracy >= warm_min_accuracy; when that one is above warm_max_accuracy (accuracy can jump between
+    two checks) the check before it, if it has the format: room to learn is what RL is measured on."""
+    for i, check in enumerate(checks):
+        if (
+            check["format_accuracy"] >= plan.min_format_accuracy
+            and check["accuracy"] >= plan.warm_min_accuracy
+        ):
+            before = checks[i - 1] if i else None
+            formatted = before is not None and before["format_accuracy"] >= plan.min_format_accuracy
+            return before if check["accuracy"] > plan.warm_max_accuracy and formatted else check
+    return None
+
+
+def sft_command(out: Path, base: Path, plan: Plan) -> list[str]:
+    data = out / "data"
+    return fulcrum(
+        "sft",
+        f"data.train_files={data / 'train.parquet'}",
+        "data.prompt_key=prompt",  # the very chat messages the RL stage sees
+        "data.response_key=extra_info",
+        "data.response_dict_keys=[answer]",
+        f"data.train_batch_size={plan.sft_batch_size}",
+        f"data.micro_batch_size_per_gpu={plan.sft_batch_size}",
+        "data.max_length=320",
+        f"model.partial_pretrain={base}",
+        f"optim.lr={plan.sft_lr}",
+        "optim.warmup_steps_ratio=0.05",
+        f"trainer.total_training_steps={plan.sft_steps}",
+        f"trainer.save_freq={plan.sft_check_every}",
+        f"trainer.default_local_dir={out / 'sft'}",
+        f"trainer.device={plan.device}",
     )
-    done = _last_checkpoint(sft)
-    if done is None:
-        raise SystemExit(f"fulcrum sft wrote no checkpoint under {sft}: see {out / f'{name}.log'}")
-    return done
+
+
+def sft_and_choose(out: Path, base: Path, plan: Plan, stop_at: float) -> tuple[Path, list[dict]]:
+    """`fulcrum sft` for at most `sft_steps`, a checkpoint every `sft_check_every` steps; each checkpoint
+    gets a greedy check on the dev set here while SFT trains on, in step order, until
+    `choose_warm_start` picks one; then SFT is stopped. Returns the chosen checkpoint and every check."""
+    sft, log = out / "sft", out / "sft.log"
+    if sft.exists():  # an SFT whose choice an earlier call did not finish: start it again
+        shutil.rmtree(sft)
+    cmd = sft_command(out, base, plan)
+    print(f"$ {' '.join(cmd)}", flush=True)
+    checks: list[dict] = []
+    chosen: dict | None = None
+    with log.open("w") as log_file:
+        proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, env=_env(plan.threads_per_run)
+        )
+        try:
+            while chosen is None:
+                ended = proc.poll() is not None  # read before listing: the last checkpoint is then there
+                new = [p for p in _checkpoints(sft) if not checks or _step(p) > checks[-1]["step"]]
+                if not new:
+                    if ended:
+                        break
+                    if time.monotonic() > stop_at:
+                        raise SystemExit(f"out of time during SFT (checked {len(checks)} checkpoints)")
+                    time.sleep(0.5)
+                    continue
+                check = warm_start_check(new[0], out / "data" / "dev.parquet", plan)
+                checks.append({"step": _step(new[0]), **check})
+                print(
+                    f"  SFT step {_step(new[0])}: dev accuracy {check['accuracy']:.3f}, "
+                    f"format {check['format_accuracy']:.3f}",
+                    flush=True,
+                )
+                chosen = choose_warm_start(checks, plan)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    if chosen is None and proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        raise SystemExit(f"fulcrum sft failed (exit {proc.returncode})\n--- {log} (last lines) ---\n{tail}")
+    if chosen is None:  # SFT ran out of steps first: the last formatted checkpoint, else the last
+        formatted = [c for c in checks if c["format_accuracy"] >= plan.min_format_accuracy]
+        chosen = (formatted or checks)[-1]
+    model = sft / f"global_step_{chosen['step']}"
+    for other in _checkpoints(sft):  # 100 MB each: keep the chosen one only
+        if other != model:
+            shutil.rmtree(other)
+    return model, checks
 
 
 def prepare(out: Path, plan: Plan, stop_at: float) -> Path:
-    """Data, base model and warm start; returns the warm-start model folder."""
+    """Data (with a dev set) and the base model; returns the base model folder."""
     data, base = out / "data", out / "base_model"
-    if not (data / "test.parquet").exists():
+    if not (data / "dev.parquet").exists():
         args = ["--out", str(data), "--train", str(plan.num_train), "--test", str(plan.num_test)]
+        args += ["--dev", str(plan.num_dev)]
         _run([sys.executable, "-m", "fulcrum.data.multistep", *args], out / "data.log", plan, stop_at)
     if not (base / "config.json").exists():
         _run(fulcrum("tiny-model", "--out", str(base), "--size", plan.size), out / "model.log", plan, stop_at)
-    return sft_round(out, "sft", base, plan.sft_steps, plan.sft_lr, plan, stop_at)
+    return base
 
 
-def warm_start_check(model_dir: Path, test_file: Path, plan: Plan) -> dict[str, float]:
-    """Greedy generation on the validation set: accuracy (strict GSM8K score) and format accuracy."""
+def warm_start_check(model_dir: Path, test_file: Path, plan: Plan) -> dict[str, Any]:
+    """Greedy generation on a parquet set: accuracy (strict GSM8K score) and format accuracy. The
+    model leaves the device afterwards: the RL runs need the memory."""
     import pyarrow.parquet as pq
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -207,11 +293,14 @@ def warm_start_check(model_dir: Path, test_file: Path, plan: Plan) -> dict[str, 
         tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows
     ]
     responses: list[str] = []
-    for start in range(0, len(texts), 128):
-        batch = tokenizer(texts[start : start + 128], return_tensors="pt", padding=True).to(plan.device)
+    for start in range(0, len(texts), 256):
+        batch = tokenizer(texts[start : start + 256], return_tensors="pt", padding=True).to(plan.device)
         with torch.no_grad():
             ids = model.generate(**batch, do_sample=False, max_new_tokens=plan.max_response_length)
         responses += tokenizer.batch_decode(ids[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    del model
+    if plan.device == "cuda":
+        torch.cuda.empty_cache()
     truths = [r["reward_model"]["ground_truth"] for r in rows]
     right = [compute_score(t, g, method="strict") for t, g in zip(responses, truths, strict=True)]
     formatted = [extract_solution(t[-300:], method="strict") is not None for t in responses]
@@ -354,10 +443,16 @@ def run_all(model: Path, out: Path, plan: Plan, extra: list[str], stop_at: float
                 "  " + "; ".join(f"{a}-s{s}: {_progress(r)}" for (a, s), (_, r) in procs.items()), flush=True
             )
     for (algo, seed), (proc, run) in procs.items():
-        curves, val = curves_of(read_metrics(run))
-        result = RunResult(algo, seed, proc.returncode, (algo, seed) in stopped, curves, val)
-        if not result.stopped_by_budget and proc.returncode != 0:
-            tail = "\n".join((run / "train.log").read_text().splitlines()[-20:])
+        rows = read_metrics(run)
+        curves, val = curves_of(rows)
+        last_step = int(rows[-1].get("training/global_step", 0)) if rows else 0
+        result = RunResult(algo, seed, proc.returncode, (algo, seed) in stopped, curves, val, last_step)
+        if result.failed:
+            log_lines = (run / "train.log").read_text().splitlines()
+            result.error = next(
+                (x for x in reversed(log_lines) if x.startswith("fulcrum train:")), "see train.log"
+            )
+            tail = "\n".join(log_lines[-20:])
             print(f"{algo} seed {seed} failed (exit {proc.returncode}):\n{tail}", file=sys.stderr, flush=True)
         else:  # a finished run is kept by a later call; a failed one is not taken as finished
             (run / "result.json").write_text(json.dumps(asdict(result)))
@@ -398,7 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--actor-lr", type=float)
     parser.add_argument("--critic-lr", type=float)
     parser.add_argument("--critic-warmup", type=int)
-    parser.add_argument("--sft-steps", type=int)
+    parser.add_argument("--sft-steps", type=int, help="the most SFT steps (and the cosine schedule's length)")
+    parser.add_argument("--warm-min-accuracy", type=float, help="warm start: first checkpoint at least this")
+    parser.add_argument("--warm-max-accuracy", type=float, help="warm start: ... unless above this")
     parser.add_argument("--allow-low-format", action="store_true", help="run RL even below 95%% format")
     args, extra = parser.parse_known_args(argv)
     if args.plot:
@@ -419,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         "critic_lr": args.critic_lr,
         "critic_warmup": args.critic_warmup,
         "sft_steps": args.sft_steps,
+        "warm_min_accuracy": args.warm_min_accuracy,
+        "warm_max_accuracy": args.warm_max_accuracy,
     }
     plan = replace(plan, **{k: v for k, v in chosen.items() if v is not None})
     if plan.device == "cpu" and plan.rollout == "native" and not args.smoke:
@@ -438,21 +537,17 @@ def _elapsed(started: float) -> str:
 
 
 def learn(args: argparse.Namespace, plan: Plan, extra: list[str], started: float, stop_at: float) -> int:
-    model = prepare(args.out, plan, stop_at)
     warm_file = args.out / "warm_start.json"
     if not warm_file.exists():
+        base = prepare(args.out, plan, stop_at)
+        model, checks = sft_and_choose(args.out, base, plan, stop_at)
         warm = warm_start_check(model, args.out / "data" / "test.parquet", plan)
-        if warm["format_accuracy"] < plan.min_format_accuracy and plan.sft_extra_steps:
-            # One more, gentler round from the last checkpoint rather than a lost GPU call.
-            print(
-                f"format accuracy {warm['format_accuracy']:.3f} after SFT: {plan.sft_extra_steps} more steps"
-            )
-            model = sft_round(args.out, "sft2", model, plan.sft_extra_steps, plan.sft_lr / 3, plan, stop_at)
-            warm = warm_start_check(model, args.out / "data" / "test.parquet", plan)
         warm["model"] = str(model.relative_to(args.out))
+        warm["sft_step"] = _step(model)
+        warm["dev_checks"] = [{k: c[k] for k in ("step", "accuracy", "format_accuracy")} for c in checks]
         warm_file.write_text(json.dumps(warm))
     warm = json.loads(warm_file.read_text())
-    model = args.out / warm.get("model", str(model.relative_to(args.out)))
+    model = args.out / warm["model"]
     print(
         f"warm start {model}: accuracy {warm['accuracy']:.3f}, format accuracy {warm['format_accuracy']:.3f} "
         f"on {warm['num_problems']} held-out problems ({_elapsed(started)})",

@@ -31,6 +31,13 @@ class RunResult:
     stopped_by_budget: bool
     curves: dict[str, list[list[float]]] = field(default_factory=dict)  # metric -> [[minutes, step, value]]
     val: list[list[float]] = field(default_factory=list)  # [[minutes, step, accuracy]]
+    last_step: int = 0  # the last training step it logged
+    error: str = ""  # the run's own last words when it died (e.g. out of device memory)
+
+    @property
+    def failed(self) -> bool:
+        """Ended on its own with an error, not stopped by the budget: its figures are not a result."""
+        return not self.stopped_by_budget and self.exit_code not in (0, None)
 
 
 def curves_of(rows: list[dict]) -> tuple[dict[str, list[list[float]]], list[list[float]]]:
@@ -63,8 +70,16 @@ def summarise(warm: dict, results: list[RunResult], plan: Any) -> dict:
     """Per run: accuracy at step 0, at the last validation and the best; per algorithm mean ± std and range."""
     runs, by_algo = [], {}
     for r in results:
-        if not r.val:
-            runs.append({"algo": r.algo, "seed": r.seed, "exit_code": r.exit_code, "error": "no validation"})
+        if r.failed or not r.val:
+            runs.append(
+                {
+                    "algo": r.algo,
+                    "seed": r.seed,
+                    "exit_code": r.exit_code,
+                    "failed_at_step": r.last_step,
+                    "error": r.error or "no validation",
+                }
+            )
             continue
         ev = [v for _, _, v in r.curves.get("critic/vf_explained_var", [])]
         runs.append(
@@ -82,26 +97,39 @@ def summarise(warm: dict, results: list[RunResult], plan: Any) -> dict:
         )
     for algo in plan.algos:
         mine = [r for r in runs if r["algo"] == algo and "gain" in r]
-        if mine:
+        if mine:  # failed runs are not averaged in (a dead run's "gain" of 0 would hide it): counted apart
             by_algo[algo] = {
                 k: _spread([r[k] for r in mine]) for k in ("final_accuracy", "best_accuracy", "gain")
             }
+            by_algo[algo]["seeds"] = len(mine)
+            by_algo[algo]["failed"] = sum(1 for r in runs if r["algo"] == algo and "gain" not in r)
     curves = {f"{r.algo}-s{r.seed}": r.curves for r in results}
     return {"plan": asdict(plan), "warm_start": warm, "runs": runs, "by_algo": by_algo, "curves": curves}
 
 
 def markdown(summary: dict) -> str:
     warm, names = summary["warm_start"], {"gae": "PPO (GAE, critic)", "grpo": "GRPO"}
+    step = f", step {warm['sft_step']}" if "sft_step" in warm else ""
     lines = [
-        f"Warm start (`fulcrum sft`), greedy on {warm['num_problems']} held-out problems: accuracy "
+        f"Warm start (`fulcrum sft`{step}), greedy on {warm['num_problems']} held-out problems: accuracy "
         f"**{warm['accuracy']:.3f}**, format accuracy {warm['format_accuracy']:.3f}.",
+    ]
+    if warm.get("dev_checks"):
+        checks = ", ".join(
+            f"{c['step']}: {c['accuracy']:.2f}/{c['format_accuracy']:.2f}" for c in warm["dev_checks"]
+        )
+        lines.append(f"SFT checkpoints on the dev set (step: accuracy/format): {checks}.")
+    lines += [
         "",
         "| algorithm | seed | steps | RL minutes | step 0 | final | best | gain | critic explained variance |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in summary["runs"]:
         if "gain" not in r:
-            lines.append(f"| {names[r['algo']]} | {r['seed']} | failed (exit {r['exit_code']}) | | | | | | |")
+            lines.append(
+                f"| {names[r['algo']]} | {r['seed']} | **failed** (exit {r['exit_code']}) at step "
+                f"{r.get('failed_at_step', 0)}: {r['error'][:160]} | | | | | | |"
+            )
             continue
         ev = "—" if r["final_explained_variance"] is None else f"{r['final_explained_variance']:.2f}"
         lines.append(
@@ -110,13 +138,14 @@ def markdown(summary: dict) -> str:
         )
     lines += [
         "",
-        "| algorithm | final accuracy, mean ± std (range) | gain, mean ± std (range) |",
-        "| --- | --- | --- |",
+        "| algorithm | seeds | final accuracy, mean ± std (range) | gain, mean ± std (range) |",
+        "| --- | --- | --- | --- |",
     ]
     for algo, s in summary["by_algo"].items():
         f, g = s["final_accuracy"], s["gain"]
+        seeds = f"{s.get('seeds', '?')}" + (f" (+{s['failed']} failed)" if s.get("failed") else "")
         lines.append(
-            f"| {names[algo]} | {f['mean']:.3f} ± {f['std']:.3f} ({f['min']:.3f}–{f['max']:.3f}) | "
+            f"| {names[algo]} | {seeds} | {f['mean']:.3f} ± {f['std']:.3f} ({f['min']:.3f}–{f['max']:.3f}) | "
             f"{g['mean']:+.3f} ± {g['std']:.3f} ({g['min']:+.3f} … {g['max']:+.3f}) |"
         )
     return "\n".join(lines) + "\n"

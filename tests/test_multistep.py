@@ -102,3 +102,20 @@ def test_cli_writes_both_splits(tmp_path, capsys):
     assert pq.read_table(tmp_path / "train.parquet").num_rows == 40
     test = pq.read_table(tmp_path / "test.parquet").to_pylist()
     assert len(test) == 10 and max(r["extra_info"]["num_steps"] for r in test) <= 3
+
+
+def test_dev_set_shares_no_problem_with_train_or_test(tmp_path):
+    assert main(["--out", str(tmp_path), "--train", "2000", "--test", "300", "--dev", "200"]) == 0
+    splits = {
+        name: pq.read_table(tmp_path / f"{name}.parquet").to_pylist() for name in ("train", "test", "dev")
+    }
+    assert [len(splits[n]) for n in ("train", "test", "dev")] == [2000, 300, 200]
+    dev_chains = {equation_chain(r["extra_info"]["answer"]) for r in splits["dev"]}
+    dev_questions = {r["extra_info"]["question"] for r in splits["dev"]}
+    for other in ("train", "test"):
+        assert not dev_chains & {equation_chain(r["extra_info"]["answer"]) for r in splits[other]}
+        assert not dev_questions & {r["extra_info"]["question"] for r in splits[other]}
+    assert {r["extra_info"]["split"] for r in splits["dev"]} == {"dev"}
+    # The dev set does not change the other two: they are what they were without it.
+    write_splits(tmp_path / "plain", num_train=2000, num_test=300)
+    assert pq.read_table(tmp_path / "plain" / "test.parquet").to_pylist() == splits["test"]

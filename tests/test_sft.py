@@ -155,6 +155,8 @@ def test_short_run_lowers_the_loss_and_writes_a_loadable_folder(tiny, tmp_path):
     assert sum(result.train_losses[-3:]) / 3 < 0.6 * result.train_losses[0], result.train_losses
     assert result.val_loss is not None and result.val_loss < result.train_losses[0]
     assert result.model_dir == out / "global_step_12"
+    # Checkpoints are written under a hidden name and renamed whole: none is left half-written.
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["global_step_12"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13)) and "val/loss" in rows[-1]
     # optim.warmup_steps_ratio=0.1 of 12 steps = 1 warm-up step (at lr/1), then constant.

@@ -20,8 +20,8 @@ here needs every intermediate result right: what RL improves is the arithmetic, 
 Held out: no validation problem shares its question or its chain of equations with a training
 problem (`write_splits`), so validation accuracy is not recall of training answers.
 
-`python -m fulcrum.data.multistep --out DIR [--train 20000 --test 500 --seed 0 ...]` writes
-`DIR/train.parquet` and `DIR/test.parquet`.
+`python -m fulcrum.data.multistep --out DIR [--train 20000 --test 500 --dev 0 --seed 0 ...]` writes
+`DIR/train.parquet` and `DIR/test.parquet` (and `DIR/dev.parquet`, held out from both, with `--dev N`).
 """
 
 from __future__ import annotations
@@ -178,19 +178,22 @@ def write_splits(
     num_test: int = 500,
     seed: int = 0,
     task: MultiStepTask | None = None,
+    num_dev: int = 0,
 ) -> tuple[Path, Path]:
-    """`out_dir/train.parquet` and `out_dir/test.parquet`; no test question or equation chain is in train."""
+    """`out_dir/train.parquet` and `out_dir/test.parquet`; no test question or equation chain is in train.
+    With `num_dev`, also `out_dir/dev.parquet`: problems in neither, for choosing among checkpoints
+    without looking at the test set."""
     task = task or MultiStepTask()
     out_dir = Path(out_dir)
     train = make_rows(num_train, seed, task, "train")
-    test = make_rows(
-        num_test,
-        seed,
-        task,
-        "test",
-        exclude_questions={r["extra_info"]["question"] for r in train},
-        exclude_chains={equation_chain(r["extra_info"]["answer"]) for r in train},
-    )
+    questions = {r["extra_info"]["question"] for r in train}
+    chains = {equation_chain(r["extra_info"]["answer"]) for r in train}
+    test = make_rows(num_test, seed, task, "test", exclude_questions=questions, exclude_chains=chains)
+    if num_dev:
+        questions |= {r["extra_info"]["question"] for r in test}
+        chains |= {equation_chain(r["extra_info"]["answer"]) for r in test}
+        dev = make_rows(num_dev, seed, task, "dev", exclude_questions=questions, exclude_chains=chains)
+        write_parquet(dev, out_dir / "dev.parquet")
     return write_parquet(train, out_dir / "train.parquet"), write_parquet(test, out_dir / "test.parquet")
 
 
@@ -201,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
     parser.add_argument("--train", type=int, default=20000, help="training rows")
     parser.add_argument("--test", type=int, default=500, help="held-out validation rows")
+    parser.add_argument("--dev", type=int, default=0, help="also dev.parquet: rows in neither train nor test")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-steps", type=int, default=MultiStepTask.min_steps)
     parser.add_argument("--max-steps", type=int, default=MultiStepTask.max_steps)
@@ -220,10 +224,11 @@ def main(argv: list[str] | None = None) -> int:
             max_value=args.max_value,
             operations=tuple(args.operations),
         )
-        train, test = write_splits(args.out, args.train, args.test, args.seed, task)
+        train, test = write_splits(args.out, args.train, args.test, args.seed, task, args.dev)
     except ValueError as err:
         parser.error(str(err))
-    print(f"wrote {train} ({args.train} rows) and {test} ({args.test} rows)")
+    dev = f", {train.with_name('dev.parquet')} ({args.dev} rows)" if args.dev else ""
+    print(f"wrote {train} ({args.train} rows) and {test} ({args.test} rows){dev}")
     return 0
 
 

@@ -24,7 +24,9 @@ keeps an algorithm; its loading, schedule and metrics writer are the PPO trainer
 from __future__ import annotations
 
 import math
+import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -331,9 +333,15 @@ def _load(cfg: SFTConfig, device: torch.device) -> tuple[Any, Any]:
 
 
 def _save(model: Any, tokenizer: Any, run_dir: Path, step: int) -> Path:
+    """`run_dir/global_step_{step}`, written under a hidden name and renamed when complete, so a reader
+    that watches the folder during training (`bench/learning.py` checks each checkpoint) never loads a
+    half-written one."""
     out = run_dir / f"global_step_{step}"
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    partial = run_dir / f".global_step_{step}.partial"
+    shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
+    model.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
+    os.replace(partial, out)
     return out
 
 
