@@ -39,6 +39,9 @@ with that +6.2 / +2.9 GiB on top: 3 x 17.3 + 3 x 13.7 + this script's context 1 
 so about 45 GiB stay free. The warm-start checks release their model before RL starts, and SFT has
 ended by then.
 
+The warm start's code is in `learning_warm.py`, the summary's in `learning_report.py`; this file, over
+400 lines, keeps the plan and the stages' order in one place.
+
 Every RL run is a normal run directory (`rl/<algo>-s<seed>/metrics.jsonl`, `config.yaml`, `train.log`),
 so `fulcrum report` works on it. Extra `KEY=VALUE` arguments go to every `fulcrum train` run.
 """
@@ -47,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -56,11 +58,9 @@ import tarfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from learning_report import VAL_KEY, RunResult, curves_of, markdown, plot, summarise
-
-REPO = Path(__file__).resolve().parent.parent
+from learning_warm import _env, _step, fulcrum, sft_and_choose, warm_start_check
 
 
 @dataclass(frozen=True)
@@ -137,20 +137,6 @@ SMOKE = Plan(
 )
 
 
-def _env(threads: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    if threads:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
-    return env
-
-
-def fulcrum(*args: str) -> list[str]:
-    """The `fulcrum` command as this Python runs it (`python -m fulcrum.cli` is the console script)."""
-    return [sys.executable, "-m", "fulcrum.cli", *args]
-
-
 def _run(cmd: list[str], log: Path, plan: Plan, stop_at: float) -> None:
     """Run a preparation step; stopped when `stop_at` (time.monotonic()) comes first."""
     print(f"$ {' '.join(cmd)}", flush=True)
@@ -167,103 +153,6 @@ def _run(cmd: list[str], log: Path, plan: Plan, stop_at: float) -> None:
         raise SystemExit(f"failed (exit {code}): {' '.join(cmd)}\n--- {log} (last lines) ---\n{tail}")
 
 
-def _step(checkpoint: Path) -> int:
-    return int(checkpoint.name.split("_")[-1])
-
-
-def _checkpoints(sft: Path) -> list[Path]:
-    """Complete checkpoints in step order (`fulcrum sft` renames each into place once written)."""
-    return sorted((p for p in sft.glob("global_step_*") if p.is_dir()), key=_step)
-
-
-def choose_warm_start(checks: list[dict], plan: Plan) -> dict | None:
-    """The warm start among `checks` (greedy dev checks in step order, each with `accuracy` and
-    `format_accuracy`), or None while none qualifies: the first with format >= min_format_accuracy and
-    accuracy >= warm_min_accuracy; when that one is above warm_max_accuracy (accuracy can jump between
-    two checks) the check before it, if it has the format: room to learn is what RL is measured on."""
-    for i, check in enumerate(checks):
-        if (
-            check["format_accuracy"] >= plan.min_format_accuracy
-            and check["accuracy"] >= plan.warm_min_accuracy
-        ):
-            before = checks[i - 1] if i else None
-            formatted = before is not None and before["format_accuracy"] >= plan.min_format_accuracy
-            return before if check["accuracy"] > plan.warm_max_accuracy and formatted else check
-    return None
-
-
-def sft_command(out: Path, base: Path, plan: Plan) -> list[str]:
-    data = out / "data"
-    return fulcrum(
-        "sft",
-        f"data.train_files={data / 'train.parquet'}",
-        "data.prompt_key=prompt",  # the very chat messages the RL stage sees
-        "data.response_key=extra_info",
-        "data.response_dict_keys=[answer]",
-        f"data.train_batch_size={plan.sft_batch_size}",
-        f"data.micro_batch_size_per_gpu={plan.sft_batch_size}",
-        "data.max_length=320",
-        f"model.partial_pretrain={base}",
-        f"optim.lr={plan.sft_lr}",
-        "optim.warmup_steps_ratio=0.05",
-        f"trainer.total_training_steps={plan.sft_steps}",
-        f"trainer.save_freq={plan.sft_check_every}",
-        f"trainer.default_local_dir={out / 'sft'}",
-        f"trainer.device={plan.device}",
-    )
-
-
-def sft_and_choose(out: Path, base: Path, plan: Plan, stop_at: float) -> tuple[Path, list[dict]]:
-    """`fulcrum sft` for at most `sft_steps`, a checkpoint every `sft_check_every` steps; each checkpoint
-    gets a greedy check on the dev set here while SFT trains on, in step order, until
-    `choose_warm_start` picks one; then SFT is stopped. Returns the chosen checkpoint and every check."""
-    sft, log = out / "sft", out / "sft.log"
-    if sft.exists():  # an SFT whose choice an earlier call did not finish: start it again
-        shutil.rmtree(sft)
-    cmd = sft_command(out, base, plan)
-    print(f"$ {' '.join(cmd)}", flush=True)
-    checks: list[dict] = []
-    chosen: dict | None = None
-    with log.open("w") as log_file:
-        proc = subprocess.Popen(
-            cmd, stdout=log_file, stderr=subprocess.STDOUT, env=_env(plan.threads_per_run)
-        )
-        try:
-            while chosen is None:
-                ended = proc.poll() is not None  # read before listing: the last checkpoint is then there
-                new = [p for p in _checkpoints(sft) if not checks or _step(p) > checks[-1]["step"]]
-                if not new:
-                    if ended:
-                        break
-                    if time.monotonic() > stop_at:
-                        raise SystemExit(f"out of time during SFT (checked {len(checks)} checkpoints)")
-                    time.sleep(0.5)
-                    continue
-                check = warm_start_check(new[0], out / "data" / "dev.parquet", plan)
-                checks.append({"step": _step(new[0]), **check})
-                print(
-                    f"  SFT step {_step(new[0])}: dev accuracy {check['accuracy']:.3f}, "
-                    f"format {check['format_accuracy']:.3f}",
-                    flush=True,
-                )
-                chosen = choose_warm_start(checks, plan)
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=60)
-    if chosen is None and proc.returncode != 0:
-        tail = "\n".join(log.read_text().splitlines()[-30:])
-        raise SystemExit(f"fulcrum sft failed (exit {proc.returncode})\n--- {log} (last lines) ---\n{tail}")
-    if chosen is None:  # SFT ran out of steps first: the last formatted checkpoint, else the last
-        formatted = [c for c in checks if c["format_accuracy"] >= plan.min_format_accuracy]
-        chosen = (formatted or checks)[-1]
-    model = sft / f"global_step_{chosen['step']}"
-    for other in _checkpoints(sft):  # 100 MB each: keep the chosen one only
-        if other != model:
-            shutil.rmtree(other)
-    return model, checks
-
-
 def prepare(out: Path, plan: Plan, stop_at: float) -> Path:
     """Data (with a dev set) and the base model; returns the base model folder."""
     data, base = out / "data", out / "base_model"
@@ -274,42 +163,6 @@ def prepare(out: Path, plan: Plan, stop_at: float) -> Path:
     if not (base / "config.json").exists():
         _run(fulcrum("tiny-model", "--out", str(base), "--size", plan.size), out / "model.log", plan, stop_at)
     return base
-
-
-def warm_start_check(model_dir: Path, test_file: Path, plan: Plan) -> dict[str, Any]:
-    """Greedy generation on a parquet set: accuracy (strict GSM8K score) and format accuracy. The
-    model leaves the device afterwards: the RL runs need the memory."""
-    import pyarrow.parquet as pq
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from fulcrum.reward.gsm8k import compute_score, extract_solution
-
-    rows = pq.read_table(test_file).to_pylist()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir).to(plan.device).eval()
-    texts = [
-        tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows
-    ]
-    responses: list[str] = []
-    for start in range(0, len(texts), 256):
-        batch = tokenizer(texts[start : start + 256], return_tensors="pt", padding=True).to(plan.device)
-        with torch.no_grad():
-            ids = model.generate(**batch, do_sample=False, max_new_tokens=plan.max_response_length)
-        responses += tokenizer.batch_decode(ids[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-    del model
-    if plan.device == "cuda":
-        torch.cuda.empty_cache()
-    truths = [r["reward_model"]["ground_truth"] for r in rows]
-    right = [compute_score(t, g, method="strict") for t, g in zip(responses, truths, strict=True)]
-    formatted = [extract_solution(t[-300:], method="strict") is not None for t in responses]
-    return {
-        "accuracy": sum(right) / len(rows),
-        "format_accuracy": sum(formatted) / len(rows),
-        "num_problems": len(rows),
-        "example_response": responses[0],
-    }
 
 
 def rl_overrides(algo: str, seed: int, model: Path, data: Path, run: Path, plan: Plan) -> list[str]:
