@@ -118,10 +118,16 @@ def sft_and_choose(out: Path, base: Path, plan: Any, stop_at: float) -> tuple[Pa
         finally:
             if proc.poll() is None:
                 proc.terminate()
-                proc.wait(timeout=60)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
     if chosen is None and proc.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-30:])
         raise SystemExit(f"fulcrum sft failed (exit {proc.returncode})\n--- {log} (last lines) ---\n{tail}")
+    if not checks:
+        raise SystemExit(f"fulcrum sft wrote no checkpoint under {sft}: see {log}")
     if chosen is None:  # SFT ran out of steps first: the last formatted checkpoint, else the last
         formatted = [c for c in checks if c["format_accuracy"] >= plan.min_format_accuracy]
         chosen = (formatted or checks)[-1]
