@@ -1,0 +1,40 @@
+"""Many processes with PyTorch's own distributed stack: torchrun's environment, the process group (NCCL on
+CUDA, gloo on the CPU), each rank's share of a batch, and metrics reduced over the ranks.
+
+This package sits beside `fulcrum.config` at the bottom of the layers: it imports only torch and
+`fulcrum.config`, so rollout, workers and trainer may all use it.
+"""
+
+from fulcrum.parallel.group import (
+    DistInfo,
+    WorldSizeError,
+    barrier,
+    check_world_size,
+    current,
+    init_distributed,
+    launched_by_torchrun,
+    shutdown,
+)
+from fulcrum.parallel.shard import (
+    all_gather_objects,
+    broadcast_object,
+    rank_share,
+    reduce_metrics,
+    share_bounds,
+)
+
+__all__ = [
+    "DistInfo",
+    "WorldSizeError",
+    "all_gather_objects",
+    "barrier",
+    "broadcast_object",
+    "check_world_size",
+    "current",
+    "init_distributed",
+    "launched_by_torchrun",
+    "rank_share",
+    "reduce_metrics",
+    "share_bounds",
+    "shutdown",
+]

@@ -1,0 +1,99 @@
+"""Each rank's share of a batch, and what the ranks exchange: Python objects and step metrics.
+
+Shares are contiguous and as equal as possible: `total` items over `world` ranks give the first
+`total mod world` ranks one item more, so concatenating the shares in rank order restores the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def share_bounds(total: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, stop) of rank's contiguous share of `total` items:
+
+    size_r = total // world + (1 if r < total % world else 0),  start_r = sum_{q<r} size_q
+    """
+    if world <= 0 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a world of size {world}")
+    base, extra = divmod(total, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def rank_share(items: Sequence[T], rank: int | None = None, world: int | None = None) -> list[T]:
+    """This rank's contiguous share of `items` (all of them in a single process)."""
+    if rank is None or world is None:
+        rank, world = _world()
+    start, stop = share_bounds(len(items), rank, world)
+    return list(items[start:stop])
+
+
+def all_gather_objects(obj: T) -> list[T]:
+    """Every rank's `obj`, in rank order (picklable objects; `[obj]` in a single process)."""
+    _, world = _world()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Rank `src`'s `obj` on every rank."""
+    _, world = _world()
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def reduction_of(name: str) -> str:
+    """How a metric combines over ranks: `.../max` takes the max, `.../min` the min, the rest the mean."""
+    if name.endswith("/max") or name.startswith("perf/max_memory"):
+        return "max"
+    if name.endswith("/min"):
+        return "min"
+    return "mean"
+
+
+def reduce_metrics(metrics: dict[str, float], device: torch.device | None = None) -> dict[str, float]:
+    """Each metric combined over the ranks (`reduction_of`); every rank gets the same dict.
+
+    Ranks must log the same names: a name missing on some rank is an error naming it, since a
+    collective over mismatched tensors would hang or mix values up.
+    """
+    _, world = _world()
+    if world == 1 or not metrics:
+        return dict(metrics)
+    names = sorted(metrics)
+    all_names = all_gather_objects(names)
+    if any(n != names for n in all_names):
+        differ = sorted(set().union(*map(set, all_names)) - set.intersection(*map(set, all_names)))
+        raise RuntimeError(f"reduce_metrics: the ranks log different metrics (e.g. {differ[:5]})")
+    device = device or torch.device("cpu")
+    values = torch.tensor([float(metrics[n]) for n in names], dtype=torch.float64, device=device)
+    out: dict[str, float] = {}
+    for how, op in (("mean", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):
+        index = [i for i, n in enumerate(names) if reduction_of(n) == how]
+        if not index:
+            continue
+        part = values[index].clone()
+        dist.all_reduce(part, op=op)
+        if how == "mean":
+            part /= world
+        out.update({names[i]: float(v) for i, v in zip(index, part.tolist(), strict=True)})
+    return {n: out[n] for n in names}
