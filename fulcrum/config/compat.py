@@ -148,7 +148,6 @@ ULYSSES = (
 # Features verl has and fulcrum does not (yet): key -> the only value(s) accepted, and why.
 # `validate()` reports any other value as a problem, because the run would silently differ from verl.
 UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
-    "trainer.nnodes": ((1,), "multi-node training is not supported"),
     "actor_rollout_ref.model.lora_rank": ((0,), "LoRA is not supported yet"),
     "critic.model.lora_rank": ((0,), "LoRA is not supported yet"),
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": ((1,), ULYSSES),

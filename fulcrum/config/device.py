@@ -25,12 +25,16 @@ def cuda_device_count() -> int:
 
 
 def select_device(
-    want: str, n_gpus_per_node: int = 1, nnodes: int = 1, cpu_when_no_cuda: bool = False
+    want: str,
+    n_gpus_per_node: int = 1,
+    nnodes: int = 1,
+    cpu_when_no_cuda: bool = False,
+    local_rank: int = 0,
 ) -> torch.device:
-    """The training device. `cpu` always runs on the CPU; `auto` and `cuda` need n_gpus_per_node × nnodes
-    visible CUDA devices (else DeviceError says what to change) and train on cuda:0 (this version
-    trains on one device, and says so when more are asked). `cpu_when_no_cuda` (the one-device tools:
-    `fulcrum sft`, the demo): `auto` without CUDA runs on the CPU.
+    """The training device. `cpu` always runs on the CPU; `auto` and `cuda` need n_gpus_per_node visible
+    CUDA devices on this machine (else DeviceError says what to change) and train on cuda:local_rank
+    (torchrun's LOCAL_RANK: one GPU per process). `cpu_when_no_cuda` (the one-device tools: `fulcrum
+    sft`, the demo): `auto` without CUDA runs on the CPU.
     """
     import torch
 
@@ -40,22 +44,21 @@ def select_device(
     if want == "auto" and cpu_when_no_cuda and available == 0:
         return torch.device("cpu")
     asked = n_gpus_per_node * nnodes
-    if asked > available == 0:  # advising n_gpus_per_node=1 would not help: there is no device at all
+    if (
+        n_gpus_per_node > available == 0
+    ):  # advising n_gpus_per_node=1 would not help: there is no device at all
         raise DeviceError(
             f"trainer.device={want} with trainer.n_gpus_per_node={n_gpus_per_node} × trainer.nnodes={nnodes} "
             f"asks for {asked} CUDA device(s) but this machine has 0 (no GPU, or CUDA_VISIBLE_DEVICES hides "
             "them). Set trainer.device=cpu to run on the CPU (slowly).",
             "trainer.device",
         )
-    if asked > available:
+    if n_gpus_per_node > available:
         raise DeviceError(
-            f"trainer.n_gpus_per_node={n_gpus_per_node} × trainer.nnodes={nnodes} asks for {asked} CUDA "
-            f"device(s) but this machine has {available}. Set trainer.n_gpus_per_node={max(available, 1)} "
-            "to match, or trainer.device=cpu to run on the CPU (slowly).",
+            f"trainer.n_gpus_per_node={n_gpus_per_node} (× trainer.nnodes={nnodes}) asks for {n_gpus_per_node} "
+            f"CUDA device(s) on each machine but this one has {available}. Set "
+            f"trainer.n_gpus_per_node={max(available, 1)} to match, or trainer.device=cpu to run on the CPU "
+            "(slowly).",
             "trainer.device",
         )
-    if asked > 1:
-        print(
-            f"note: {asked} devices asked; this version trains on one device (cuda:0). Multi-GPU is a later issue."
-        )
-    return torch.device("cuda", 0)
+    return torch.device("cuda", local_rank)

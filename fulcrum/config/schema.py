@@ -439,7 +439,7 @@ class TrainerConfig:
     log_val_generations: int = opt(0, "validation generations to log per validation")
     rollout_data_dir: str | None = opt(None, "dump training rollouts as jsonl here")
     validation_data_dir: str | None = opt(None, "dump validation generations as jsonl here")
-    nnodes: int = opt(1, "machines (only 1 supported)")
+    nnodes: int = opt(1, "machines (each starts its processes with torchrun --nnodes)")
     n_gpus_per_node: int = opt(8, "devices per machine")
     save_freq: int = opt(-1, "checkpoint every N steps; -1 never (except the last step)")
     esi_redundant_time: int = opt(0, "expiry margin for elastic instances (no effect)")

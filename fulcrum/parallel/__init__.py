@@ -1,5 +1,5 @@
 """Many processes with PyTorch's own distributed stack: torchrun's environment, the process group (NCCL on
-CUDA, gloo on the CPU), each rank's share of a batch, and metrics reduced over the ranks.
+CUDA, gloo on the CPU), each rank's share of a batch, and what the ranks exchange.
 
 This package sits beside `fulcrum.config` at the bottom of the layers: it imports only torch and
 `fulcrum.config`, so rollout, workers and trainer may all use it.
@@ -17,7 +17,9 @@ from fulcrum.parallel.group import (
 )
 from fulcrum.parallel.shard import (
     all_gather_objects,
+    all_gather_rows,
     broadcast_object,
+    on_main,
     rank_share,
     reduce_metrics,
     share_bounds,
@@ -27,12 +29,14 @@ __all__ = [
     "DistInfo",
     "WorldSizeError",
     "all_gather_objects",
+    "all_gather_rows",
     "barrier",
     "broadcast_object",
     "check_world_size",
     "current",
     "init_distributed",
     "launched_by_torchrun",
+    "on_main",
     "rank_share",
     "reduce_metrics",
     "share_bounds",

@@ -6,7 +6,8 @@ Shares are contiguous and as equal as possible: `total` items over `world` ranks
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import pickle
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -97,3 +98,33 @@ def reduce_metrics(metrics: dict[str, float], device: torch.device | None = None
             part /= world
         out.update({names[i]: float(v) for i, v in zip(index, part.tolist(), strict=True)})
     return {n: out[n] for n in names}
+
+
+def on_main(fn: Callable[[], T]) -> T:
+    """`fn()` on rank 0 only (writing shared files); every rank returns its result, or raises the error
+    it raised, so that no rank waits in a later collective for a rank that has failed."""
+    rank, world = _world()
+    if world == 1:
+        return fn()
+    outcome: tuple[bool, Any] = (True, None)
+    if rank == 0:
+        try:
+            outcome = (True, fn())
+        except Exception as err:  # re-raised below, on every rank
+            try:
+                pickle.dumps(err)
+            except Exception:
+                err = RuntimeError(f"{type(err).__name__}: {err}")
+            outcome = (False, err)
+    ok, value = broadcast_object(outcome)
+    if not ok:
+        raise value
+    return value
+
+
+def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Every rank's CPU tensor concatenated along dim 0 in rank order (shares may differ in length)."""
+    _, world = _world()
+    if world == 1:
+        return rows
+    return torch.cat(all_gather_objects(rows.cpu()))

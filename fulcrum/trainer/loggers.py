@@ -162,6 +162,13 @@ class Tracking:
         if "mlflow" in backends:
             self.loggers.append(MlflowLogger(project, experiment, config))
 
+    @classmethod
+    def silent(cls) -> Tracking:
+        """No loggers at all: the ranks other than 0 of a torchrun run (rank 0 logs the run's metrics)."""
+        tracking = cls.__new__(cls)
+        tracking.loggers = []
+        return tracking
+
     def log(self, data: dict[str, float], step: int) -> None:
         for logger in self.loggers:
             logger.log(data, step)

@@ -1,5 +1,8 @@
 """`fulcrum train KEY=VALUE ...` ≡ `python -m fulcrum.trainer.main_ppo KEY=VALUE ...` (verl's entry point).
 
+With `trainer.n_gpus_per_node > 1` on CUDA it starts one process per GPU through torchrun
+(fulcrum.trainer.launch); under `torchrun` each process trains its share of every batch.
+
 With no data and no model given (no `data.train_files` and no `actor_rollout_ref.model.path`), it runs
 the built-in demo (`fulcrum.trainer.demo.run_demo`) with the given overrides applied on top.
 
@@ -56,6 +59,22 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
         return run_demo(argv)
+    from fulcrum.trainer.launch import cpu_note, processes_to_launch, relaunch
+
+    try:
+        nproc = processes_to_launch(cfg)
+        if nproc:  # too few GPUs: say so here, once, rather than from every process started
+            from fulcrum.config.device import select_device
+
+            select_device(cfg.trainer.device, cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
+    except ConfigError as err:
+        print(f"fulcrum train: {err}", file=sys.stderr)
+        return 1
+    if nproc:
+        return relaunch(nproc, argv)
+    note = cpu_note(cfg)
+    if note:
+        print(note)
     from fulcrum.trainer.run import run_ppo
 
     return run_ppo(cfg)

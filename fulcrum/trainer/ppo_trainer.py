@@ -1,4 +1,4 @@
-"""The PPO/GRPO training loop on one device. `fit()` reads top to bottom like docs/design.md,
+"""The PPO/GRPO training loop on one device, or as one rank of a torchrun run (trainer/data_parallel.py). `fit()` reads top to bottom like docs/design.md,
 "One training step":
 
     prompts ─► rollout.generate ─► Batch ─► reward (score on the last response token)
@@ -31,12 +31,14 @@ from fulcrum.config import FulcrumConfig, to_dict, uses_critic, uses_reference
 from fulcrum.config.sections import actor_section, critic_section, reference_section
 from fulcrum.data.dataset import rl_datasets
 from fulcrum.models.load import load_tokenizer
+from fulcrum.parallel import DistInfo, on_main
 from fulcrum.reward.manager import RewardResult, score_batch
 from fulcrum.reward.managers import manager_from_config
 from fulcrum.rollout import SamplingParams, build_rollout, logprob_diff, sampling_params
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer import recipes
 from fulcrum.trainer.checkpoint import CheckpointManager
+from fulcrum.trainer.data_parallel import generate_shares, on_shares, startup_line
 from fulcrum.trainer.diagnosis import LiveDiagnosis
 from fulcrum.trainer.dynamic_sampling import GroupFilter, group_metric_values
 from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, explain_oom
@@ -51,10 +53,14 @@ logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------------ trainer
 class PPOTrainer:
-    def __init__(self, cfg: FulcrumConfig, device: torch.device, n_devices: int = 1) -> None:
+    def __init__(
+        self, cfg: FulcrumConfig, device: torch.device, n_devices: int = 1, dist: DistInfo | None = None
+    ) -> None:
         self.cfg = cfg
         self.device = device
         self.n_devices = n_devices
+        # Under torchrun: this rank's place. Rank 0 alone writes the run directory's shared files.
+        self.dist = dist or DistInfo()
         seed = int(cfg.trainer.seed)
         seed_everything(seed)
         arr = cfg.actor_rollout_ref
@@ -63,10 +69,14 @@ class PPOTrainer:
         # anything is loaded: a refusal costs no time.
         self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer)
         role_names = ["actor", "critic"] if uses_critic(cfg) else ["actor"]
-        self.resume_choice = self.checkpoints.choose_resume(role_names)
-        self.attempt = open_run_dir(self.run_dir, cfg, self.resume_choice, self.checkpoints)
+        # Rank 0 verifies and opens; the others take its decision (or its error).
+        self.resume_choice = on_main(lambda: self.checkpoints.choose_resume(role_names))
+        self.attempt = on_main(lambda: open_run_dir(self.run_dir, cfg, self.resume_choice, self.checkpoints))
         for note in self.attempt.notes:
             print(f"note: {note}", flush=True)
+        summary = startup_line(self.dist, cfg)
+        if summary:
+            print(summary, flush=True)
 
         self.tokenizer = load_tokenizer(arr.model.path)
         data = cfg.data
@@ -96,12 +106,16 @@ class PPOTrainer:
         self.correction = recipes.rollout_correction_of(cfg)
         if self.correction is not None and self.correction.bypass_mode:
             self.actor.bypass = self.correction
-        self.tracking = Tracking(
-            list(cfg.trainer.logger),
-            self.run_dir,
-            cfg.trainer.project_name,
-            cfg.trainer.experiment_name,
-            to_dict(cfg),
+        self.tracking = (
+            Tracking(
+                list(cfg.trainer.logger),
+                self.run_dir,
+                cfg.trainer.project_name,
+                cfg.trainer.experiment_name,
+                to_dict(cfg),
+            )
+            if self.dist.is_main
+            else Tracking.silent()
         )
         self.nan_guard = NonFiniteGuard(int(cfg.trainer.max_nan_steps))
         self.live_diagnosis = LiveDiagnosis()  # one line the first time each rule fires (docs/levers.md)
@@ -127,6 +141,16 @@ class PPOTrainer:
             "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
             "nan_guard": self.nan_guard.state_dict(),
         }
+
+    def save_checkpoint(self) -> None:
+        """`global_step_N` of this step. Every rank holds the whole model and optimiser state (the updates
+        are replicated until FSDP2 shards them), so rank 0 writes it; the others wait for the outcome."""
+        on_main(
+            lambda: self.checkpoints.save(
+                self.global_step, self.roles(), self.trainer_state(), run_config=to_dict(self.cfg)
+            )
+        )
+        self.saved_step = self.global_step
 
     def _resume(self) -> None:
         if self.resume_choice.path is None:
@@ -156,7 +180,11 @@ class PPOTrainer:
             if cfg.val_only:
                 return last
         bar = tqdm(
-            total=self.total_training_steps, initial=self.global_step, desc="training steps", unit="step"
+            total=self.total_training_steps,
+            initial=self.global_step,
+            desc="training steps",
+            unit="step",
+            disable=not self.dist.is_main,
         )
         # Ctrl-C / SIGTERM: finish the step, save, exit (trainer.save_on_interrupt); else they stop at once.
         interrupt = GracefulInterrupt()
@@ -180,9 +208,7 @@ class PPOTrainer:
                 if interrupt.requested:
                     # The signal may land after this step's save check (e.g. while it was being logged).
                     if self.checkpoints is not None and self.saved_step != self.global_step:
-                        self.checkpoints.save(
-                            self.global_step, self.roles(), self.trainer_state(), run_config=to_dict(self.cfg)
-                        )
+                        self.save_checkpoint()
                     print(f"stopped after step {self.global_step} (checkpoint saved)", flush=True)
                     self.exit_code = interrupt.exit_code
                     break
@@ -223,7 +249,7 @@ class PPOTrainer:
                 batch["old_log_probs"] = batch["rollout_log_probs"]  # bypass: no old-log-prob pass (verl)
             else:
                 with M.timer("old_log_prob", timing, peaks):
-                    old_log_probs, entropys = self.actor.compute_log_prob(batch)
+                    old_log_probs, entropys = on_shares(self.actor.compute_log_prob, batch)
                     batch["old_log_probs"] = old_log_probs
                     mask = batch["response_mask"].float()
                     metrics["actor/entropy"] = agg_loss(entropys, mask, arr.actor.loss_agg_mode).item()
@@ -232,13 +258,15 @@ class PPOTrainer:
                     )
             if arr.actor.calculate_sum_pi_squared:
                 with M.timer("old_log_prob", timing):
-                    batch["sum_pi_squared"] = self.actor.compute_sum_pi_squared(batch)
+                    batch["sum_pi_squared"] = on_shares(self.actor.compute_sum_pi_squared, batch)
             if self.ref is not None:
                 with M.timer("ref", timing, peaks):
-                    batch["ref_log_prob"] = self.ref.compute_ref_log_prob(batch)
+                    batch["ref_log_prob"] = on_shares(self.ref.compute_ref_log_prob, batch)
+            else:
+                timing["ref"] = 0.0  # timing_s/ref every step (docs/metrics.md): 0 s with no reference
             if self.critic is not None:
                 with M.timer("values", timing, peaks):
-                    batch["values"] = self.critic.compute_values(batch)
+                    batch["values"] = on_shares(self.critic.compute_values, batch)
             # 4. KL in reward, then advantages
             with M.timer("adv", timing):
                 if self.kl_ctrl is not None:
@@ -282,10 +310,7 @@ class PPOTrainer:
                 )
             ):
                 with M.timer("save_checkpoint", timing):
-                    self.checkpoints.save(
-                        self.global_step, self.roles(), self.trainer_state(), run_config=to_dict(self.cfg)
-                    )
-                self.saved_step = self.global_step
+                    self.save_checkpoint()
         # 8. metrics
         critic = (self.critic.model.config, self.critic.ppo_epochs) if self.critic is not None else None
         metrics.update(
@@ -309,7 +334,7 @@ class PPOTrainer:
         """Sample responses for `items` into a Batch: the one path to the engine (training, validation and
         ReMax's greedy baseline). Every backend batches under max_num_seqs by itself (the native engine
         also shares prompt blocks across the whole call) and owns its KV cache (`free_cache_engine`)."""
-        out = self.rollout.generate([it["input_ids"] for it in items], params)
+        out = generate_shares(self.rollout, [it["input_ids"] for it in items], params)
         return assemble_batch(
             items,
             out.token_ids,

@@ -8,12 +8,15 @@ step prints no traceback; set FULCRUM_DEBUG=1 to see it.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
 from fulcrum.config import ConfigError, FulcrumConfig, advise, check, uses_critic
 from fulcrum.config.device import select_device
 from fulcrum.models.folder import ModelPathError, model_folder_problems, resolve_model_path, vocab_problems
+from fulcrum.parallel import DistInfo, check_world_size, init_distributed, shutdown
+from fulcrum.parallel.group import info_from_env
 
 ACTOR_KEY = "actor_rollout_ref.model.path"
 DEBUG_ENV = "FULCRUM_DEBUG"  # =1: set-up errors come with their traceback
@@ -58,12 +61,34 @@ def setup_error_message(err: BaseException) -> str:
     return f"fulcrum train: set-up failed: {body}\n(set {DEBUG_ENV}=1 to see the traceback)"
 
 
+def quiet_other_ranks(info: DistInfo) -> None:
+    """Ranks other than 0 print nothing to stdout and log only warnings: one console, rank 0's.
+    Their errors (stderr) still show, so a failing rank says why."""
+    if info.is_main:
+        return
+    sys.stdout = open(os.devnull, "w")
+    logging.getLogger().setLevel(logging.WARNING)
+
+
 def run_ppo(cfg: FulcrumConfig) -> int:
     """Train as `cfg` (resolved: `load_config`) says; 0 when done, 1 with a message on stderr, or
-    128 + the signal number when Ctrl-C / SIGTERM stopped the run."""
-    trainer_cfg = cfg.trainer
+    128 + the signal number when Ctrl-C / SIGTERM stopped the run. Under torchrun every process
+    calls this; they join one process group and train one run (fulcrum.parallel)."""
     try:
-        device = select_device(trainer_cfg.device, trainer_cfg.n_gpus_per_node, trainer_cfg.nnodes)
+        return _run_ppo(cfg)
+    finally:
+        shutdown()
+
+
+def _run_ppo(cfg: FulcrumConfig) -> int:
+    trainer_cfg = cfg.trainer
+    env = info_from_env()
+    try:
+        if env.distributed:
+            check_world_size(trainer_cfg.n_gpus_per_node, trainer_cfg.nnodes, env.world_size)
+        device = select_device(
+            trainer_cfg.device, trainer_cfg.n_gpus_per_node, trainer_cfg.nnodes, local_rank=env.local_rank
+        )
         # The cross-key rules of `fulcrum doctor` (sizes that do not divide, missing micro-batch sizes...)
         # stop the run before any model is loaded; the device count was checked just above.
         check(cfg, n_devices=None)
@@ -73,6 +98,8 @@ def run_ppo(cfg: FulcrumConfig) -> int:
         if debug_requested():
             raise
         return 1
+    info = init_distributed(device.type)
+    quiet_other_ranks(info)
     for note in advise(cfg):
         print(f"note: {note}")
     from fulcrum.reward.manager import RewardError
@@ -81,7 +108,7 @@ def run_ppo(cfg: FulcrumConfig) -> int:
     from fulcrum.trainer.ppo_trainer import PPOTrainer
 
     try:
-        trainer = PPOTrainer(cfg, device, n_devices=1)
+        trainer = PPOTrainer(cfg, device, n_devices=info.world_size, dist=info)
     except Exception as err:
         print(setup_error_message(err), file=sys.stderr)
         if debug_requested():
