@@ -1,0 +1,64 @@
+"""Two CPU processes (gloo, as torchrun starts them) train one run: the same step as one process.
+
+Greedy rollout, so both runs see the same responses; every loss, grad norm and the saved weights must
+agree with the one-process run, and only rank 0 writes the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import cpu_ppo_overrides, make_assets
+from helpers_dist import run_ranks
+from safetensors.torch import load_file
+
+from fulcrum.trainer.main_ppo import main
+
+COMPARED = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss", "critic/grad_norm")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_assets(tmp_path_factory.mktemp("dp"), num_train=4, num_test=2)
+
+
+def overrides(assets: Path, run_dir: Path) -> list[str]:
+    keys = {
+        "data.train_batch_size": 4,
+        "data.max_response_length": 8,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+        "actor_rollout_ref.rollout.do_sample": False,
+        "trainer.n_gpus_per_node": 2,
+        "trainer.total_training_steps": 2,
+        "trainer.save_freq": 2,
+        "trainer.val_before_train": False,
+        "trainer.logger": "[console]",
+    }
+    return cpu_ppo_overrides(assets, run_dir, keys)
+
+
+def _train(rank: int, world: int, args: list[str]) -> int:
+    return main(args)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_take_the_same_steps_as_one(assets: Path, tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    assert main(overrides(assets, tmp_path / "one")) == 0
+    assert run_ranks(_train, 2, overrides(assets, tmp_path / "two")) == [0, 0]
+    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
+    assert [r["training/global_step"] for r in two] == [1, 2]  # one row per step: rank 0 alone logs
+    for a, b in zip(one, two, strict=True):
+        for key in COMPARED:
+            assert b[key] == pytest.approx(a[key], abs=1e-5, rel=1e-5), key
+        assert b["response_length/mean"] == a["response_length/mean"]
+    saved = [load_file(tmp_path / run / "global_step_2/actor/model.safetensors") for run in ("one", "two")]
+    assert saved[0].keys() == saved[1].keys()
+    for name, weight in saved[0].items():
+        torch.testing.assert_close(saved[1][name], weight, atol=1e-5, rtol=1e-5, msg=name)
