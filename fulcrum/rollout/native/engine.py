@@ -14,11 +14,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from fulcrum.parallel.tensor_parallel import TensorParallel
 from fulcrum.rollout.base import RolloutOutput, SamplingParams
 from fulcrum.rollout.native.block_manager import BlockManager
 from fulcrum.rollout.native.config import EngineConfig
@@ -50,22 +52,25 @@ class NativeEngine:
         pad_token_id: int,
         config: EngineConfig,
         device: torch.device,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.device = torch.device(device)
+        self.tp = tp or TensorParallel()
         self.config = config
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         dtype = config.dtype if self.device.type == "cuda" else next(hf_model.parameters()).dtype
         inv_freq, scaling = rotary_of(hf_model)
-        self.model = DecoderLM(hf_model.config, inv_freq, scaling, dtype, self.device)
+        self.model = DecoderLM(hf_model.config, inv_freq, scaling, dtype, self.device, self.tp)
         self.update_weights(hf_model.state_dict().items(), strict=True)
         self.runner = ModelRunner(self.model, config, self.device)
         self.runner.allocate_cache()
         self.stats: dict[str, float] = {}
         logger.info(
-            "native engine: %s on %s, %d KV blocks of %d tokens (%.2f GiB), triton=%s, cuda graphs=%s",
+            "native engine: %s on %s%s, %d KV blocks of %d tokens (%.2f GiB), triton=%s, cuda graphs=%s",
             hf_model.config.model_type,
             self.device,
+            f" (tensor-parallel rank {self.tp.rank} of {self.tp.size})" if self.tp.size > 1 else "",
             self.runner.num_blocks,
             config.block_size,
             self.runner.cache_bytes() / 2**30,
@@ -121,6 +126,7 @@ class NativeEngine:
         self._check(prompts, params)
         if not prompts:
             return RolloutOutput([], [], [], [])
+        params = replace(params, seed=self.tp.shared_seed(params.seed))
         self.wake_up()
         try:
             return self._generate(prompts, params)

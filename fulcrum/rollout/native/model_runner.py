@@ -51,7 +51,7 @@ class ModelRunner:
         # A window may run past a sequence's last token by up to decode_steps - 1 tokens.
         self.max_blocks_per_seq = blocks_for(config.max_model_len + config.decode_steps, self.block_size)
         model.ensure_positions(config.max_model_len + config.decode_steps)
-        self.num_blocks = self._cache_blocks()
+        self.num_blocks = model.tp.agree_min(self._cache_blocks(), device)
         self.kv_cache: torch.Tensor | None = None
         # Optionally the decode kernels read the cache through its device-held address: graphs survive sleep.
         self.indirect: IndirectCache | None = None

@@ -14,10 +14,12 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from fulcrum.parallel.tensor_parallel import TensorParallel, shard_heads, shard_range
 from fulcrum.rollout.native import ops
 from fulcrum.rollout.native.attention import AttentionMetadata, paged_attention
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+Shard = tuple[int, int, int]  # (dim, start, length) of an HF tensor that one tensor-parallel rank holds
 # Wrappers that prefix parameter names: torch.compile, DDP/FSDP1, activation checkpointing.
 _WRAPPER_PREFIXES = re.compile(r"(_orig_mod\.|module\.|_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.)")
 
@@ -37,16 +39,36 @@ def unsupported_reason(config) -> str | None:
 
 
 class DecoderLM:
-    """A Qwen2/Llama causal LM over the paged KV cache. Weights are plain tensors on `device`."""
+    """A Qwen2/Llama causal LM over the paged KV cache. Weights are plain tensors on `device`.
 
-    def __init__(self, config, inv_freq: torch.Tensor, rope_scaling: float, dtype: torch.dtype, device):
+    With tensor parallelism (`tp.size > 1`, fulcrum.parallel.tensor_parallel) this rank holds its
+    query heads, the K/V heads they read and its slice of the MLP columns; `num_heads`,
+    `num_kv_heads` and the sizes below are this rank's; embedding, norms and LM head are whole.
+    """
+
+    def __init__(
+        self,
+        config,
+        inv_freq: torch.Tensor,
+        rope_scaling: float,
+        dtype: torch.dtype,
+        device,
+        tp: TensorParallel | None = None,
+    ):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.tp = tp or TensorParallel()
         self.hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden // total_heads
+        self.heads = shard_heads(total_heads, total_kv_heads, self.tp.rank, self.tp.size)
+        self.inter_range = shard_range(
+            config.intermediate_size, self.tp.rank, self.tp.size, "intermediate_size"
+        )
+        self.num_heads = self.heads.q_stop - self.heads.q_start
+        self.num_kv_heads = self.heads.kv_stop - self.heads.kv_start
         self.num_layers = config.num_hidden_layers
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
@@ -54,7 +76,7 @@ class DecoderLM:
         self.kv_size = self.num_kv_heads * self.head_dim
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.use_triton = False
-        inter = config.intermediate_size
+        inter = self.inter_range[1] - self.inter_range[0]
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         o_bias = config.model_type == "llama" and bool(getattr(config, "attention_bias", False))
 
@@ -86,43 +108,60 @@ class DecoderLM:
         self._targets = self._weight_targets()
 
     # ------------------------------------------------------------------------------ weights
-    def _weight_targets(self) -> dict[str, torch.Tensor]:
-        """HF parameter name -> the (view of the) engine tensor it is copied into."""
-        q, kv, inter = self.q_size, self.kv_size, self.config.intermediate_size
-        targets = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm}
-        targets["lm_head.weight"] = self.lm_head
+    def _weight_targets(self) -> dict[str, tuple[torch.Tensor, Shard | None]]:
+        """HF parameter name -> (the (view of the) engine tensor it is copied into, the slice of the HF
+        tensor this rank takes: (dim, start, length), None for all of it)."""
+        q, kv, d = self.q_size, self.kv_size, self.head_dim
+        inter = self.inter_range[1] - self.inter_range[0]
+        q_rows: Shard = (0, self.heads.q_start * d, q)  # column-parallel: output rows of local heads
+        kv_rows: Shard = (0, self.heads.kv_start * d, kv)
+        o_cols: Shard = (1, self.heads.q_start * d, q)  # row-parallel: input columns of local heads
+        mlp_rows: Shard = (0, self.inter_range[0], inter)
+        down_cols: Shard = (1, self.inter_range[0], inter)
+        whole = None
+        targets: dict[str, tuple[torch.Tensor, Shard | None]] = {
+            "model.embed_tokens.weight": (self.embed, whole),
+            "model.norm.weight": (self.final_norm, whole),
+            "lm_head.weight": (self.lm_head, whole),
+        }
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            targets[p + "input_layernorm.weight"] = layer["input_norm"]
-            targets[p + "post_attention_layernorm.weight"] = layer["post_norm"]
-            targets[p + "self_attn.q_proj.weight"] = layer["qkv"][:q]
-            targets[p + "self_attn.k_proj.weight"] = layer["qkv"][q : q + kv]
-            targets[p + "self_attn.v_proj.weight"] = layer["qkv"][q + kv :]
+            targets[p + "input_layernorm.weight"] = (layer["input_norm"], whole)
+            targets[p + "post_attention_layernorm.weight"] = (layer["post_norm"], whole)
+            targets[p + "self_attn.q_proj.weight"] = (layer["qkv"][:q], q_rows)
+            targets[p + "self_attn.k_proj.weight"] = (layer["qkv"][q : q + kv], kv_rows)
+            targets[p + "self_attn.v_proj.weight"] = (layer["qkv"][q + kv :], kv_rows)
             if "qkv_bias" in layer:
-                targets[p + "self_attn.q_proj.bias"] = layer["qkv_bias"][:q]
-                targets[p + "self_attn.k_proj.bias"] = layer["qkv_bias"][q : q + kv]
-                targets[p + "self_attn.v_proj.bias"] = layer["qkv_bias"][q + kv :]
-            targets[p + "self_attn.o_proj.weight"] = layer["o"]
-            if "o_bias" in layer:
-                targets[p + "self_attn.o_proj.bias"] = layer["o_bias"]
-            targets[p + "mlp.gate_proj.weight"] = layer["gate_up"][:inter]
-            targets[p + "mlp.up_proj.weight"] = layer["gate_up"][inter:]
-            targets[p + "mlp.down_proj.weight"] = layer["down"]
+                targets[p + "self_attn.q_proj.bias"] = (layer["qkv_bias"][:q], q_rows)
+                targets[p + "self_attn.k_proj.bias"] = (layer["qkv_bias"][q : q + kv], kv_rows)
+                targets[p + "self_attn.v_proj.bias"] = (layer["qkv_bias"][q + kv :], kv_rows)
+            targets[p + "self_attn.o_proj.weight"] = (layer["o"], o_cols)
+            if "o_bias" in layer:  # added once, after the all-reduce
+                targets[p + "self_attn.o_proj.bias"] = (layer["o_bias"], whole)
+            targets[p + "mlp.gate_proj.weight"] = (layer["gate_up"][:inter], mlp_rows)
+            targets[p + "mlp.up_proj.weight"] = (layer["gate_up"][inter:], mlp_rows)
+            targets[p + "mlp.down_proj.weight"] = (layer["down"], down_cols)
         return targets
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the engine's weights in place; returns the names it loaded.
 
-        Unknown names (rotary buffers, a value head) are skipped; a known name with the wrong shape
-        is an error naming it.
+        The tensors are whole (the HF model's shapes); under tensor parallelism each rank copies its
+        slice. Unknown names (rotary buffers, a value head) are skipped; a known name with the wrong
+        shape is an error naming it.
         """
         loaded: set[str] = set()
         with torch.no_grad():
             for raw_name, tensor in named_tensors:
                 name = _WRAPPER_PREFIXES.sub("", raw_name)
-                target = self._targets.get(name)
-                if target is None:
+                entry = self._targets.get(name)
+                if entry is None:
                     continue
+                target, shard = entry
+                if shard is not None and self.tp.size > 1:
+                    dim, start, length = shard
+                    if tensor.dim() > dim and tensor.shape[dim] >= start + length:
+                        tensor = tensor.narrow(dim, start, length)
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise ValueError(
                         f"update_weights: {raw_name} has shape {tuple(tensor.shape)}, the engine expects "
@@ -192,7 +231,12 @@ class DecoderLM:
                 q = ops.apply_rope(q, positions, self.cos_sin)
                 k = ops.apply_rope(k, positions, self.cos_sin)
             attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale)
-            hidden = F.linear(attn.reshape(tokens, self.q_size), layer["o"], layer.get("o_bias"))
+            if self.tp.size == 1:
+                hidden = F.linear(attn.reshape(tokens, self.q_size), layer["o"], layer.get("o_bias"))
+            else:  # row-parallel: sum the ranks' partial products, then the bias once
+                hidden = self.tp.all_reduce(F.linear(attn.reshape(tokens, self.q_size), layer["o"]))
+                if "o_bias" in layer:
+                    hidden = hidden + layer["o_bias"]
             x, residual = self._norm(hidden, residual, layer["post_norm"])
             gate_up = F.linear(x, layer["gate_up"])
             if self.use_triton:
@@ -201,7 +245,7 @@ class DecoderLM:
                 act = kernels.silu_and_mul(gate_up)
             else:
                 act = ops.silu_and_mul(gate_up)
-            hidden = F.linear(act, layer["down"])
+            hidden = self.tp.all_reduce(F.linear(act, layer["down"]))
         out, _ = self._norm(hidden, residual, self.final_norm)
         return out
 
