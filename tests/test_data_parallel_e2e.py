@@ -25,8 +25,9 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_assets(tmp_path_factory.mktemp("dp"), num_train=4, num_test=2)
 
 
-def overrides(assets: Path, run_dir: Path) -> list[str]:
+def overrides(assets: Path, run_dir: Path, engine: dict[str, object]) -> list[str]:
     keys = {
+        **engine,
         "data.train_batch_size": 4,
         "data.max_response_length": 8,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
@@ -48,10 +49,22 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_take_the_same_steps_as_one(assets: Path, tmp_path: Path) -> None:
+# hf: each process generates half of the prompts; native with tensor_model_parallel_size=2: the two
+# processes run one engine (heads and MLP split), weights synced into it as shards after each update.
+ENGINES = {
+    "hf-data-parallel": {"actor_rollout_ref.rollout.name": "hf"},
+    "native-tensor-parallel": {
+        "actor_rollout_ref.rollout.name": "native",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
+    },
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_processes_take_the_same_steps_as_one(assets: Path, tmp_path: Path, engine: str) -> None:
     torch.set_num_threads(1)
-    assert main(overrides(assets, tmp_path / "one")) == 0
-    assert run_ranks(_train, 2, overrides(assets, tmp_path / "two")) == [0, 0]
+    assert main(overrides(assets, tmp_path / "one", ENGINES[engine])) == 0
+    assert run_ranks(_train, 2, overrides(assets, tmp_path / "two", ENGINES[engine])) == [0, 0]
     one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
     assert [r["training/global_step"] for r in two] == [1, 2]  # one row per step: rank 0 alone logs
     for a, b in zip(one, two, strict=True):

@@ -399,15 +399,15 @@ def advise(cfg: FulcrumConfig) -> list[Problem]:
     """Warnings that do not stop a run (verl prints most of them as notices)."""
     notes = []
     arr, algo = cfg.actor_rollout_ref, cfg.algorithm
-    # Rollout tensor parallelism has no effect (one engine per process), so verl's divisibility rule
-    # only warns: verl's default of 2 must not stop a one-device or CPU run.
+    # A tensor-parallel size that does not divide the processes runs one engine per process, so verl's
+    # divisibility rule only warns: verl's default of 2 must not stop a one-device or CPU run.
     tp, n_gpus = arr.rollout.tensor_model_parallel_size, world_size(cfg)
     if tp > 1 and (tp > n_gpus or n_gpus % tp):
         notes.append(
             Problem(
                 ("actor_rollout_ref.rollout.tensor_model_parallel_size", "trainer.n_gpus_per_node"),
                 f"tensor parallel size {tp} does not divide the {n_gpus} device(s) of the run "
-                "(verl would refuse; fulcrum's rollout does not use it)",
+                "(verl would refuse; fulcrum runs one rollout engine per process instead)",
             )
         )
     if cfg.data.val_batch_size is not None:

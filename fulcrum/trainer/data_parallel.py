@@ -3,8 +3,9 @@
 With one process these are plain calls. Under torchrun, the step's batch is the same on every rank
 (the data loader is seeded alike), so:
 
-- generation: rank r samples its contiguous share of the prompts (`fulcrum.parallel.share_bounds`)
-  and the responses are gathered, in prompt order, into the whole batch on every rank;
+- generation: engine g (rank g, or ranks g·t .. g·t+t-1 under tensor parallelism of size t) samples
+  its contiguous share of the prompts (`fulcrum.parallel.share_bounds`) and the responses are
+  gathered, in prompt order, into the whole batch on every rank;
 - the no-gradient passes (old log-probs, reference log-probs, values) run on each rank's share of
   the rows and are gathered likewise;
 - scoring, KL in reward and advantages run on the whole batch on every rank (cheap, and batch-wide
@@ -12,7 +13,7 @@ With one process these are plain calls. Under torchrun, the step's batch is the 
 - the updates still run on the whole batch on every rank (replicated, the same result everywhere)
   until FSDP2 gives each rank its share of each mini-batch.
 
-Prompts for one rank share no sampling noise with another's: rank r samples with seed + r × 7919.
+Engines share no sampling noise: engine g samples with seed + g × 7919.
 """
 
 from __future__ import annotations
@@ -26,26 +27,40 @@ from fulcrum.config import FulcrumConfig
 from fulcrum.parallel import DistInfo, all_gather_objects, all_gather_rows, current, share_bounds
 from fulcrum.rollout import RolloutEngine, RolloutOutput, SamplingParams
 
-SEED_STRIDE = 7919  # a prime: rank r's sampling seed is seed + r × SEED_STRIDE
+SEED_STRIDE = 7919  # a prime: engine g's sampling seed is seed + g × SEED_STRIDE
 
 T = TypeVar("T")
+
+
+def engine_tp_size(rollout: RolloutEngine) -> int:
+    """How many ranks run one engine together (tensor parallelism); 1 for one engine per rank."""
+    tp = getattr(rollout, "tp", None)
+    return int(getattr(tp, "size", 1))
 
 
 def generate_shares(
     rollout: RolloutEngine, prompts: list[list[int]], params: SamplingParams
 ) -> RolloutOutput:
-    """`rollout.generate(prompts, params)` with each rank generating its share of the prompts; every rank
-    returns the whole output (prompt-major, as one process would)."""
+    """`rollout.generate(prompts, params)` with each engine generating its share of the prompts; every rank
+    returns the whole output (prompt-major, as one process would).
+
+    The engines are data-parallel: with tensor parallelism of size t, ranks g·t .. g·t+t-1 form engine
+    g, generate the same share together, and only the first of them hands its output on.
+    """
     info = current()
     if not info.distributed:
         return rollout.generate(prompts, params)
-    start, stop = share_bounds(len(prompts), info.rank, info.world_size)
-    seed = None if params.seed is None else params.seed + info.rank * SEED_STRIDE
+    tp_size = engine_tp_size(rollout)
+    engine, engines = info.rank // tp_size, info.world_size // tp_size
+    start, stop = share_bounds(len(prompts), engine, engines)
+    seed = None if params.seed is None else params.seed + engine * SEED_STRIDE
     out = (
         rollout.generate(prompts[start:stop], replace(params, seed=seed))
         if stop > start
         else RolloutOutput([], [], [], [])
     )
+    if info.rank % tp_size:  # the engine's first rank sends its (identical) output
+        out = RolloutOutput([], [], [], [])
     merged = RolloutOutput([], [], [], [])
     for first, part in all_gather_objects((start, out)):
         merged.token_ids += part.token_ids
@@ -68,18 +83,26 @@ def on_shares(fn: Callable[[Batch], T], batch: Batch) -> T:
     return all_gather_rows(out)
 
 
-def startup_line(info: DistInfo, cfg: FulcrumConfig) -> str | None:
+def share_text(total: int, parts: int) -> str:
+    """Sizes of the shares of `total` over `parts`: "4", or "3-4" when they differ by one."""
+    sizes = sorted({stop - start for start, stop in (share_bounds(total, r, parts) for r in (0, parts - 1))})
+    return "-".join(map(str, sizes))
+
+
+def startup_line(info: DistInfo, cfg: FulcrumConfig, tp_size: int = 1) -> str | None:
     """The summary a distributed run prints first: world size and each rank's share of the batch."""
     if not info.distributed:
         return None
     prompts = int(cfg.data.train_batch_size)
-    n = int(cfg.actor_rollout_ref.rollout.n)
-    low, high = share_bounds(prompts, info.world_size - 1, info.world_size)
-    first = share_bounds(prompts, 0, info.world_size)
-    share = f"{high - low}" if first[1] - first[0] == high - low else f"{high - low}-{first[1] - first[0]}"
+    responses = prompts * int(cfg.actor_rollout_ref.rollout.n)
+    engines = info.world_size // tp_size
+    who = (
+        "each rank generates" if tp_size == 1 else f"each engine of {tp_size} tensor-parallel ranks generates"
+    )
     return (
         f"world size {info.world_size} ({info.local_world_size} process(es) per machine × {info.nnodes} "
-        f"machine(s), {info.backend}): each rank generates {share} of the {prompts} prompts per step "
-        f"(× n={n} responses) and runs the log-prob, reference and value passes on its share of the rows; "
-        "the actor and critic updates run on the whole batch on every rank (replicated)"
+        f"machine(s), {info.backend}): {who} {share_text(prompts, engines)} of the {prompts} prompts per step; "
+        f"each rank runs the log-prob, reference and value passes on {share_text(responses, info.world_size)} "
+        f"of the {responses} responses; the actor and critic updates run on the whole batch on every rank "
+        "(replicated)"
     )

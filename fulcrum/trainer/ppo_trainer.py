@@ -38,7 +38,7 @@ from fulcrum.rollout import SamplingParams, build_rollout, logprob_diff, samplin
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer import recipes
 from fulcrum.trainer.checkpoint import CheckpointManager
-from fulcrum.trainer.data_parallel import generate_shares, on_shares, startup_line
+from fulcrum.trainer.data_parallel import engine_tp_size, generate_shares, on_shares, startup_line
 from fulcrum.trainer.diagnosis import LiveDiagnosis
 from fulcrum.trainer.dynamic_sampling import GroupFilter, group_metric_values
 from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, explain_oom
@@ -74,9 +74,6 @@ class PPOTrainer:
         self.attempt = on_main(lambda: open_run_dir(self.run_dir, cfg, self.resume_choice, self.checkpoints))
         for note in self.attempt.notes:
             print(f"note: {note}", flush=True)
-        summary = startup_line(self.dist, cfg)
-        if summary:
-            print(summary, flush=True)
 
         self.tokenizer = load_tokenizer(arr.model.path)
         data = cfg.data
@@ -101,6 +98,9 @@ class PPOTrainer:
         )
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.rollout = build_rollout(arr.rollout, self.actor.model, self.tokenizer, device)
+        summary = startup_line(self.dist, cfg, engine_tp_size(self.rollout))
+        if summary:
+            print(summary, flush=True)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.reward_model = recipes.reward_model_of(cfg, self.tokenizer, device)
         self.correction = recipes.rollout_correction_of(cfg)
