@@ -18,7 +18,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
+def _entry(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str, device: str
+) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -31,7 +33,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     torch.set_num_threads(1)
     from fulcrum.parallel import init_distributed, shutdown
 
-    init_distributed("cpu")
+    init_distributed(device)
     try:
         result = fn(rank, world, *args)
     finally:
@@ -39,13 +41,16 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any) -> list[Any]:
-    """`fn(rank, world, *args)` in `world` gloo processes; returns each rank's result (torch.save-able).
+def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, device: str = "cpu") -> list[Any]:
+    """`fn(rank, world, *args)` in `world` processes joined by gloo (device "cpu") or NCCL ("cuda", one
+    GPU each); returns each rank's result (torch.save-able, on the CPU).
 
-    The processes are forked (no CUDA in these tests; a spawn re-imports torch and costs seconds each).
+    CPU processes are forked (a spawn re-imports torch and costs seconds each); CUDA ones are spawned
+    (a forked child cannot use CUDA), so there `fn` must be a module-level function.
     """
+    method = "spawn" if device == "cuda" else "fork"
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
-            _entry, args=(world, free_port(), fn, args, out_dir), nprocs=world, start_method="fork"
+            _entry, args=(world, free_port(), fn, args, out_dir, device), nprocs=world, start_method=method
         )
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]

@@ -75,3 +75,51 @@ def test_tensor_parallel_greedy_equals_one_rank(arch: str, kv_heads: int):
         for ours, theirs in zip(out["logprobs"], out["single_logprobs"], strict=True):
             torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=1e-4, rtol=0)
     assert results[0]["tokens"] == results[1]["tokens"]
+
+
+def _generate_tp_cuda(rank: int, world: int) -> dict:
+    from fulcrum.parallel.tensor_parallel import tensor_parallel_group
+
+    cuda = torch.device("cuda", rank)
+    # Qwen2.5-0.5B's attention and MLP shapes (14 query heads, 2 K/V heads, 4864 columns), 4 layers.
+    shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=4, num_attention_heads=14)
+    shape |= dict(num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True)
+    model = random_causal_lm("qwen2", init_std=0.2, **shape).to(cuda)
+    lengths = [1, 300, 7, 64, 16, 150, 33, 2, 95, 17]
+    generator = torch.Generator().manual_seed(0)
+    batch = [torch.randint(3, 4096, (n,), generator=generator).tolist() for n in lengths]
+    config = EngineConfig(
+        max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, num_kv_blocks=24, decode_steps=4,
+        dtype=torch.float32,
+    )  # fmt: skip
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)
+    engine = NativeEngine(model, [EOS], 0, config, cuda, tp=tensor_parallel_group(world))
+    out = engine.generate(batch, params)
+    single = NativeEngine(model, [EOS], 0, config, cuda).generate(batch, params)
+    # New weights land as shards in place; the graphs captured with the all-reduces replay them.
+    changed = random_causal_lm("qwen2", seed=1, init_std=0.2, **shape).to(cuda)
+    engine.update_weights(changed.named_parameters())
+    engine.sleep()
+    after = engine.generate(batch, params)
+    single_after = NativeEngine(changed, [EOS], 0, config, cuda).generate(batch, params)
+    return {
+        "uses": (engine.runner.use_triton, engine.runner.use_graphs, engine.stats["preemptions"] > 0),
+        "equal": (out.token_ids == single.token_ids, after.token_ids == single_after.token_ids),
+        "gap": max(
+            abs(a - b)
+            for x, y in zip(out.logprobs, single.logprobs, strict=True)
+            for a, b in zip(x, y, strict=True)
+        ),
+        "tokens": out.token_ids,
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tensor_parallel_greedy_equals_one_gpu_with_graphs_and_kernels():
+    results = run_ranks(_generate_tp_cuda, 2, device="cuda")
+    for out in results:
+        assert out["uses"] == (True, True, True)
+        assert out["equal"] == (True, True)
+        assert out["gap"] < 1e-3
+    assert results[0]["tokens"] == results[1]["tokens"]
