@@ -1,0 +1,150 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for the actor, critic and reference models.
+
+Each decoder layer is one FSDP unit and the root (embeddings, final norm, head) another: parameters
+are float32 shards (the master weights) on each rank, gathered a layer at a time for compute. On
+CUDA, `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` computes in bf16 and reduces
+gradients in fp32. verl's `fsdp_config.param_offload` keeps the shards (and the optimiser step) on the
+CPU (`CPUOffloadPolicy`); `optimizer_offload` moves the optimiser state to the CPU between updates.
+
+Gradients are summed over ranks (divide factor 1): each rank's loss is its share of the global
+mini-batch loss (the token and sequence counts of `loss_agg_mode` are the global mini-batch's), so
+the summed gradient is the one-process gradient.
+
+The full (unsharded) weights leave FSDP two ways: `full_named_tensors` all-gathers one tensor at a
+time on every rank (the rollout engine's in-memory weight sync), `full_state_dict` gathers every
+tensor to rank 0's CPU (checkpoints, export); `load_full_state_dict` broadcasts rank 0's back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    """verl's `fsdp_config` keys that act here."""
+
+    param_offload: bool = False
+    optimizer_offload: bool = False
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a Hugging Face decoder (`model.model.layers` and alike): one FSDP unit each."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks"):
+            return list(module)
+    raise ValueError(f"{type(model).__name__}: no decoder layer list (layers / h / blocks) to shard")
+
+
+def mixed_precision_for(device: torch.device) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction on CUDA; float32 throughout on the CPU (exact tests)."""
+    if device.type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_model(model: nn.Module, device: torch.device, settings: FSDPSettings = FSDPSettings()) -> nn.Module:
+    """Apply FSDP2 in place (layers, then the root) over the default process group; returns `model`."""
+    kwargs: dict[str, Any] = {
+        "mp_policy": mixed_precision_for(device),
+        "offload_policy": CPUOffloadPolicy() if settings.param_offload else OffloadPolicy(),
+    }
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    for unit in model.modules():  # each unit reduces its own gradients
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)  # summed: each rank's loss is its share of the global loss
+            unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def full_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, whole tensor) for every state-dict entry, all-gathered one at a time on every rank.
+
+    Every rank must consume the whole iterator in the same order (each item is a collective).
+    """
+    for name, tensor in model.state_dict().items():
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def grad_norm_value(norm: torch.Tensor) -> float:
+    """`clip_grad_norm_`'s result as a float (a DTensor over sharded gradients)."""
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+_FULL_TO_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model state on rank 0's CPU (an empty dict on the other ranks); every rank calls it."""
+    return get_model_state_dict(model, options=_FULL_TO_RANK0)
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Rank 0's whole `state` into every rank's shards (the other ranks pass an empty dict). The loaders
+    take ownership of `state`: torch puts its tensors into the model and optimiser as they are."""
+    set_model_state_dict(  # it replaces the dict's values with shards: hand it a copy
+        model,
+        state,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=_distributed()),
+    )
+
+
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimiser state keyed by parameter name, whole, on rank 0's CPU (empty elsewhere).
+
+    Keyed by name, not by position, so that it loads into any world size. Entries that are not
+    sharded (Adam's step count) are the live tensors: write the dict out before the next step."""
+    return get_optimizer_state_dict(model, optimizer, options=_FULL_TO_RANK0)
+
+
+def load_full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    set_optimizer_state_dict(
+        model,
+        optimizer,
+        state,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=_distributed()),
+    )
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move the optimiser's state tensors (Adam's moments, shards under FSDP) to `device` in place:
+    to the CPU after an update under `optimizer_offload`, back before the next step."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+    if device.type == "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()

@@ -1,0 +1,97 @@
+"""FSDP2 over 2 gloo processes takes the one-process optimiser step, and its whole state (weights and
+optimiser, gathered to rank 0) resumes on 2 ranks or on 1 process alike."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from helpers_dist import run_ranks
+
+from fulcrum.parallel.fsdp import load_full_optimizer_state_dict
+from fulcrum.rollout.testing import random_causal_lm
+
+ROWS, LENGTH, LR = 4, 12, 1e-2
+
+
+def batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 256, (ROWS, LENGTH), generator=generator) for _ in range(2)]
+
+
+def loss_share(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """This share's summed next-token NLL over the whole batch's token count (ROWS × (LENGTH - 1))."""
+    logits = model(input_ids=rows).logits[:, :-1].float()
+    nll = -logits.log_softmax(-1).gather(-1, rows[:, 1:, None]).sum()
+    return nll / (ROWS * (LENGTH - 1))
+
+
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: torch.Tensor) -> float:
+    from fulcrum.parallel.fsdp import grad_norm_value
+
+    optimizer.zero_grad(set_to_none=True)
+    loss_share(model, rows).backward()
+    norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    optimizer.step()
+    return norm
+
+
+def _fsdp(rank: int, world: int) -> dict:
+    from fulcrum.parallel import rank_share
+    from fulcrum.parallel.fsdp import (
+        full_optimizer_state_dict,
+        full_state_dict,
+        load_full_optimizer_state_dict,
+        load_full_state_dict,
+        shard_model,
+    )
+
+    first, second = batches()
+    cpu = torch.device("cpu")
+    model = shard_model(random_causal_lm("qwen2").train(), cpu)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    norm = step(model, optimizer, torch.stack(rank_share(list(first))))
+    # A snapshot: unsharded entries (Adam's step count) alias the live state.
+    weights, optim_state = full_state_dict(model), copy.deepcopy(full_optimizer_state_dict(model, optimizer))
+    # Resume on 2 ranks: a differently initialised model takes rank 0's whole state.
+    restored = shard_model(random_causal_lm("qwen2", seed=5).train(), cpu)
+    restored_optimizer = torch.optim.AdamW(restored.parameters(), lr=LR)
+    load_full_state_dict(restored, copy.deepcopy(weights) if rank == 0 else {})
+    load_full_optimizer_state_dict(
+        restored, restored_optimizer, copy.deepcopy(optim_state) if rank == 0 else {}
+    )
+    norm2 = step(restored, restored_optimizer, torch.stack(rank_share(list(second))))
+    return {
+        "norm": norm,
+        "norm2": norm2,
+        "weights": weights,
+        "optim": optim_state,
+        "after": full_state_dict(restored),
+    }
+
+
+def test_fsdp_step_equals_one_process_and_resumes_on_any_world_size():
+    torch.set_num_threads(1)
+    first, second = batches()
+    model = random_causal_lm("qwen2").train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    norm = step(model, optimizer, first)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    norm2 = step(model, optimizer, second)
+
+    rank0, rank1 = run_ranks(_fsdp, 2)
+    assert rank1["weights"] == {} and rank1["optim"] == {}  # gathered to rank 0 only
+    assert abs(rank0["norm"] - norm) < 1e-5 and abs(rank0["norm2"] - norm2) < 1e-5
+    for name, weight in weights.items():
+        torch.testing.assert_close(rank0["weights"][name], weight, atol=1e-5, rtol=1e-5, msg=name)
+    for name, weight in model.state_dict().items():
+        torch.testing.assert_close(rank0["after"][name], weight, atol=1e-5, rtol=1e-5, msg=name)
+
+    # Resume on 1 process from the 2-rank state: the same second step.
+    single = random_causal_lm("qwen2", seed=5).train()
+    single.load_state_dict(rank0["weights"])
+    single_optimizer = torch.optim.AdamW(single.parameters(), lr=LR)
+    load_full_optimizer_state_dict(single, single_optimizer, rank0["optim"])
+    assert abs(step(single, single_optimizer, second) - norm2) < 1e-5
+    for name, weight in model.state_dict().items():
+        torch.testing.assert_close(single.state_dict()[name], weight, atol=1e-5, rtol=1e-5, msg=name)
