@@ -312,4 +312,4 @@ def test_set_aside_keeps_newer_checkpoints_and_points_latest_at_the_resumed_one(
     assert [p.name.split(".")[0] for p in moved] == ["global_step_2", "global_step_3"]
     assert all(p.is_dir() and (p / "checkpoint.json").is_file() for p in moved)  # renamed, not deleted
     assert read_latest_step(tmp_path) == 1
-    assert manager.find_resume_checkpoint(["actor"]) == tmp_path / "global_step_1"
+    assert manager.choose_resume(["actor"]).path == tmp_path / "global_step_1"

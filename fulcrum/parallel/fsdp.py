@@ -102,17 +102,27 @@ _FULL_TO_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model state on rank 0's CPU (an empty dict on the other ranks); every rank calls it."""
-    return get_model_state_dict(model, options=_FULL_TO_RANK0)
+    """The whole model state on rank 0's CPU (an empty dict on the other ranks); every rank calls it.
+
+    Each tensor owns its storage (a gathered tensor may be a view into a larger buffer, which
+    safetensors refuses to write)."""
+    state = get_model_state_dict(model, options=_FULL_TO_RANK0)
+    return {name: _own_storage(tensor) for name, tensor in state.items()}
 
 
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Rank 0's whole `state` into every rank's shards (the other ranks pass an empty dict). The loaders
-    take ownership of `state`: torch puts its tensors into the model and optimiser as they are."""
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    whole = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if whole and tensor.is_contiguous() else tensor.clone()
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], from_rank0: bool = True) -> None:
+    """A whole `state` into every rank's shards: rank 0's, broadcast (`from_rank0`; the other ranks pass
+    an empty dict), or each rank's own (every rank read the same file). The loaders take ownership of
+    `state`: torch puts its tensors into the model and optimiser as they are."""
     set_model_state_dict(  # it replaces the dict's values with shards: hand it a copy
         model,
         state,
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=_distributed()),
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0 and _distributed()),
     )
 
 
@@ -125,13 +135,13 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 def load_full_optimizer_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], from_rank0: bool = True
 ) -> None:
     set_optimizer_state_dict(
         model,
         optimizer,
         state,
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=_distributed()),
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0 and _distributed()),
     )
 
 
@@ -148,3 +158,17 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device)
                 state[key] = value.to(device, non_blocking=True)
     if device.type == "cpu" and torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def name_keyed_optimizer_state(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """`torch.optim.Optimizer.state_dict()` (parameters numbered in the optimiser's order: the model's
+    trainable parameters) keyed by parameter name instead, as FSDP's whole optimiser state is; a
+    state already keyed by name is returned as it is."""
+    groups = state.get("param_groups", [])
+    if not groups or not groups[0].get("params") or isinstance(groups[0]["params"][0], str):
+        return state
+    names = [name for name, param in model.named_parameters() if param.requires_grad]
+    return {
+        "state": {names[int(i)]: value for i, value in state.get("state", {}).items()},
+        "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in groups],
+    }

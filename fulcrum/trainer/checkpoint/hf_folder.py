@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_model
 
+from fulcrum.parallel.fsdp import is_sharded, load_full_state_dict
 from fulcrum.trainer.checkpoint.layout import CheckpointError
 
 
@@ -78,15 +79,21 @@ def load_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    """Where a tensor's data lives (a sharded tensor's local shard): tied weights share it."""
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).data_ptr()
+
+
 def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
-    """Copy the folder's weights into `model` in place. Tied weights (saved once) are allowed to be absent."""
+    """Copy the folder's weights into `model` in place. Tied weights (saved once) are allowed to be absent.
+    A model sharded by FSDP takes its shards of the whole tensors (every rank calls this)."""
     state = load_safetensors_folder(folder)
-    own = model.state_dict()
+    own = model.state_dict()  # a sharded model's entries are DTensors: their shapes are the whole ones
     unexpected = sorted(set(state) - set(own))
     if unexpected:
         raise CheckpointError(f"{folder}: weights {unexpected[:5]} do not exist in {type(model).__name__}")
-    loaded_ptrs = {own[k].data_ptr() for k in state}
-    missing = [k for k in own if k not in state and own[k].data_ptr() not in loaded_ptrs]
+    loaded_ptrs = {_storage_ptr(own[k]) for k in state}
+    missing = [k for k in own if k not in state and _storage_ptr(own[k]) not in loaded_ptrs]
     if missing:
         raise CheckpointError(f"{folder}: weights {missing[:5]} of {type(model).__name__} are missing")
     for key, value in state.items():
@@ -94,4 +101,7 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
             raise CheckpointError(
                 f"{folder}: {key} has shape {tuple(value.shape)}, model has {tuple(own[key].shape)}"
             )
-    model.load_state_dict(state, strict=False)
+    if is_sharded(model):
+        load_full_state_dict(model, state, from_rank0=False)
+    else:
+        model.load_state_dict(state, strict=False)

@@ -48,6 +48,7 @@ from fulcrum.trainer.checkpoint.layout import (
     verify_checkpoint,
 )
 from fulcrum.trainer.checkpoint.rng import capture_rng_state, restore_rng_state
+from fulcrum.trainer.checkpoint.sharded import load_optimizer_state
 
 RESUME_MODES = ("auto", "disable", "resume_path")
 
@@ -333,10 +334,6 @@ class CheckpointManager:
             raise CheckpointError(f"{key}: the checkpoint is damaged:\n  " + "\n  ".join(problems))
         return path
 
-    def find_resume_checkpoint(self, role_names: list[str]) -> Path | None:
-        """The path `choose_resume` selects (None: fresh start)."""
-        return self.choose_resume(role_names).path
-
     def set_aside_newer(self, step: int) -> list[Path]:
         """Rename this run directory's `global_step_N` with N > `step` to `global_step_N.set-aside-<time>`.
 
@@ -375,7 +372,9 @@ class CheckpointManager:
         for name, role in roles.items():
             role_dir = ckpt / name
             load_model_weights(role.model, role_dir)
-            self._load_into(getattr(role, "optimizer", None), role_dir / OPTIMIZER_FILE)
+            if getattr(role, "optimizer", None) is not None:  # numbered or named: any world size
+                path = role_dir / OPTIMIZER_FILE
+                load_optimizer_state(role.model, role.optimizer, _load_torch(path), path)
             self._load_into(getattr(role, "lr_scheduler", None), role_dir / SCHEDULER_FILE)
         restore_rng_state(_load_torch(ckpt / RNG_STATE))
         state = json.loads((ckpt / TRAINER_STATE).read_text())
