@@ -95,3 +95,31 @@ def test_fsdp_step_equals_one_process_and_resumes_on_any_world_size():
     assert abs(step(single, single_optimizer, second) - norm2) < 1e-5
     for name, weight in model.state_dict().items():
         torch.testing.assert_close(single.state_dict()[name], weight, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def packed_like_loss(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """Reaches the root's parameters directly, as the packed forward does: the decoder, then the LM
+    head's weight outside any module call."""
+    hidden = model.model(input_ids=rows).last_hidden_state[:, :-1]
+    logits = torch.nn.functional.linear(hidden, model.lm_head.weight).float()
+    nll = -logits.log_softmax(-1).gather(-1, rows[:, 1:, None]).sum()
+    return nll / (ROWS * (LENGTH - 1))
+
+
+def _root_access(rank: int, world: int) -> float:
+    from fulcrum.parallel import rank_share
+    from fulcrum.parallel.fsdp import grad_norm_value, run_in_root, shard_model
+
+    model = shard_model(random_causal_lm("qwen2").train(), torch.device("cpu"))
+    rows = torch.stack(rank_share(list(batches()[0])))
+    run_in_root(model, packed_like_loss, model, rows).backward()
+    return grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+
+
+def test_code_reaching_root_parameters_runs_on_a_sharded_model():
+    from fulcrum.parallel.fsdp import run_in_root
+
+    model = random_causal_lm("qwen2").train()
+    run_in_root(model, packed_like_loss, model, batches()[0]).backward()  # a plain call without FSDP
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    assert [abs(n - norm) < 1e-5 for n in run_ranks(_root_access, 2)] == [True, True]

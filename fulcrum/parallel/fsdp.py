@@ -17,9 +17,10 @@ tensor to rank 0's CPU (checkpoints, export); `load_full_state_dict` broadcasts 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,8 +38,11 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
+    register_fsdp_forward_method,
 )
 from torch.distributed.tensor import DTensor
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -73,11 +77,29 @@ def shard_model(model: nn.Module, device: torch.device, settings: FSDPSettings =
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    setattr(model, ROOT_METHOD, types.MethodType(_as_forward, model))
+    register_fsdp_forward_method(model, ROOT_METHOD)
     for unit in model.modules():  # each unit reduces its own gradients
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)  # summed: each rank's loss is its share of the global loss
             unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     return model
+
+
+ROOT_METHOD = "fulcrum_run"
+
+
+def run_in_root(model: nn.Module, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)` as if it were the model's forward: under FSDP the root unit's parameters
+    (embeddings, final norm, LM head, a value head) are gathered around it and their gradients reduced
+    after backward, so code that reaches them directly (the packed forward's `embed_tokens` call, the
+    chunked LM head over `lm_head.weight`) works on a sharded model. A plain call otherwise."""
+    method = getattr(model, ROOT_METHOD, None)
+    return method(fn, *args, **kwargs) if method is not None else fn(*args, **kwargs)
+
+
+def _as_forward(self: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
 
 
 def is_sharded(model: nn.Module) -> bool:
