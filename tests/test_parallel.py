@@ -46,7 +46,7 @@ def test_metric_reductions_follow_the_name():
 
 
 def _exchange(rank: int, world: int) -> dict:
-    from fulcrum.parallel import all_gather_objects, broadcast_object, current, reduce_metrics
+    from fulcrum.parallel import all_gather_objects, broadcast_object, current, rank_rows, reduce_metrics
 
     info = current()
     metrics = {
@@ -59,6 +59,8 @@ def _exchange(rank: int, world: int) -> dict:
         "gathered": all_gather_objects({"rank": rank, "tokens": [rank] * (rank + 1)}),
         "broadcast": broadcast_object(f"from {rank}"),
         "metrics": reduce_metrics(metrics),
+        "summed": reduce_metrics(shares, sums=frozenset({"actor/pg_loss"})),
+        "rows": rank_rows(5),
     }
 
 

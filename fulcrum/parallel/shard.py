@@ -71,8 +71,11 @@ def reduction_of(name: str) -> str:
     return "mean"
 
 
-def reduce_metrics(metrics: dict[str, float], device: torch.device | None = None) -> dict[str, float]:
-    """Each metric combined over the ranks (`reduction_of`); every rank gets the same dict.
+def reduce_metrics(
+    metrics: dict[str, float], device: torch.device | None = None, sums: frozenset[str] = frozenset()
+) -> dict[str, float]:
+    """Each metric combined over the ranks (`reduction_of`; the names in `sums` are added up: each rank
+    holds its share of them, e.g. of a loss); every rank gets the same dict.
 
     Ranks must log the same names: a name missing on some rank is an error naming it, since a
     collective over mismatched tensors would hang or mix values up.
@@ -88,8 +91,9 @@ def reduce_metrics(metrics: dict[str, float], device: torch.device | None = None
     device = device or torch.device("cpu")
     values = torch.tensor([float(metrics[n]) for n in names], dtype=torch.float64, device=device)
     out: dict[str, float] = {}
-    for how, op in (("mean", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):
-        index = [i for i, n in enumerate(names) if reduction_of(n) == how]
+    ops = (("mean", dist.ReduceOp.SUM), ("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX))
+    for how, op in (*ops, ("min", dist.ReduceOp.MIN)):
+        index = [i for i, n in enumerate(names) if (("sum" if n in sums else reduction_of(n)) == how)]
         if not index:
             continue
         part = values[index].clone()
@@ -128,3 +132,9 @@ def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
     if world == 1:
         return rows
     return torch.cat(all_gather_objects(rows.cpu()))
+
+
+def rank_rows(total: int) -> list[int]:
+    """The row indices of this rank's share of `total` rows (all of them in a single process)."""
+    rank, world = _world()
+    return list(range(*share_bounds(total, rank, world)))
