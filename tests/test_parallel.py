@@ -54,6 +54,7 @@ def _exchange(rank: int, world: int) -> dict:
         "response_length/max": 10.0 + rank,
         "response_length/min": 5.0 - rank,
     }
+    shares = {"actor/pg_loss": 1.0 + rank, "actor/lr": 0.1}
     return {
         "info": (info.rank, info.world_size, info.backend),
         "gathered": all_gather_objects({"rank": rank, "tokens": [rank] * (rank + 1)}),
