@@ -63,6 +63,7 @@ class ReferenceSection:
     log_prob: ForwardSizes  # actor_rollout_ref.ref.log_prob_*
     use_remove_padding: bool  # actor_rollout_ref.model.use_remove_padding (the actor's model)
     use_torch_compile: bool  # actor_rollout_ref.ref.use_torch_compile (follows the actor's)
+    param_offload: bool = False  # actor_rollout_ref.ref.fsdp_config.param_offload (several processes)
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ def reference_section(cfg: FulcrumConfig) -> ReferenceSection:
         ),
         use_remove_padding=bool(cfg.actor_rollout_ref.model.use_remove_padding),
         use_torch_compile=bool(ref.use_torch_compile),
+        param_offload=bool(ref.fsdp_config.param_offload),
     )
 
 
