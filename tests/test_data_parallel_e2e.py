@@ -17,7 +17,14 @@ from safetensors.torch import load_file
 
 from fulcrum.trainer.main_ppo import main
 
-COMPARED = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss", "critic/grad_norm")
+COMPARED = (
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/grad_norm",
+    "actor/entropy",
+    "critic/vf_loss",
+    "critic/grad_norm",
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +39,7 @@ def overrides(assets: Path, run_dir: Path, engine: dict[str, object]) -> list[st
         "data.max_response_length": 8,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
         "actor_rollout_ref.rollout.do_sample": False,
+        "actor_rollout_ref.actor.use_kl_loss": True,  # a reference policy too
         "trainer.n_gpus_per_node": 2,
         "trainer.total_training_steps": 2,
         "trainer.save_freq": 2,

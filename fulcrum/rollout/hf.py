@@ -67,9 +67,15 @@ class HFRollout:
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Nothing to copy: this backend generates with the actor's own module."""
-        for _ in named_tensors:  # drain a generator so the caller's side effects (if any) happen
-            pass
+        """Nothing to copy when this backend generates with the actor's own module (one process): the
+        tensors are its own. A copy of the module (the actor is sharded over ranks) takes them in place.
+        Every item is consumed: under FSDP each one is a collective."""
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = own.get(name)
+                if target is not None and target.data_ptr() != tensor.data_ptr():
+                    target.copy_(tensor)
 
     def wake_up(self) -> None:
         """No persistent cache: the KV cache lives only inside one `generate` call."""

@@ -30,14 +30,16 @@ from fulcrum.batch import Batch, assemble_batch
 from fulcrum.config import FulcrumConfig, to_dict, uses_critic, uses_reference
 from fulcrum.config.sections import actor_section, critic_section, reference_section
 from fulcrum.data.dataset import rl_datasets
-from fulcrum.models.load import load_tokenizer
+from fulcrum.models.load import load_causal_lm, load_tokenizer
 from fulcrum.parallel import DistInfo, on_main
+from fulcrum.parallel.fsdp import is_sharded
 from fulcrum.reward.manager import RewardResult, score_batch
 from fulcrum.reward.managers import manager_from_config
 from fulcrum.rollout import SamplingParams, build_rollout, logprob_diff, sampling_params
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer import recipes
 from fulcrum.trainer.checkpoint import CheckpointManager
+from fulcrum.trainer.checkpoint.sharded import gather_roles
 from fulcrum.trainer.data_parallel import engine_tp_size, generate_shares, on_shares, startup_line
 from fulcrum.trainer.diagnosis import LiveDiagnosis
 from fulcrum.trainer.dynamic_sampling import GroupFilter, group_metric_values
@@ -97,7 +99,11 @@ class PPOTrainer:
             CriticWorker(critic_section(cfg), device, total, self.tokenizer) if uses_critic(cfg) else None
         )
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
-        self.rollout = build_rollout(arr.rollout, self.actor.model, self.tokenizer, device)
+        # The engine starts from whole weights: the actor's module, or a plain copy when FSDP shards it.
+        engine_model = (
+            load_causal_lm(arr.model.path, device) if is_sharded(self.actor.model) else self.actor.model
+        )
+        self.rollout = build_rollout(arr.rollout, engine_model, self.tokenizer, device)
         summary = startup_line(self.dist, cfg, engine_tp_size(self.rollout))
         if summary:
             print(summary, flush=True)
@@ -143,11 +149,12 @@ class PPOTrainer:
         }
 
     def save_checkpoint(self) -> None:
-        """`global_step_N` of this step. Every rank holds the whole model and optimiser state (the updates
-        are replicated until FSDP2 shards them), so rank 0 writes it; the others wait for the outcome."""
+        """`global_step_N` of this step: every rank gathers the sharded roles' whole state to rank 0
+        (trainer/checkpoint/sharded.py), rank 0 writes it as one process would; the others wait."""
+        roles = gather_roles(self.roles())
         on_main(
             lambda: self.checkpoints.save(
-                self.global_step, self.roles(), self.trainer_state(), run_config=to_dict(self.cfg)
+                self.global_step, roles, self.trainer_state(), run_config=to_dict(self.cfg)
             )
         )
         self.saved_step = self.global_step
