@@ -32,8 +32,8 @@ CONFIGS_DIR = "configs"
 OLD_RUNS_DIR = "old_runs"
 
 # Keys whose change leaves what the run trains on, and how, alone: bookkeeping, frequencies, the step
-# budget, validation, and the throughput levers (micro-batching, engine memory) whose results agree
-# up to floating-point summation order.
+# budget, validation, and the throughput levers (micro-batching, engine memory, the number of ranks)
+# whose results agree up to floating-point summation order.
 HARMLESS_KEYS = (
     "trainer.logger",
     "trainer.project_name",
@@ -68,6 +68,10 @@ HARMLESS_KEYS = (
     "actor_rollout_ref.rollout.max_num_batched_tokens",
     "actor_rollout_ref.rollout.enforce_eager",
     "actor_rollout_ref.rollout.free_cache_engine",
+    # the world size and the engine layout: the same global batches, split over other ranks
+    "trainer.n_gpus_per_node",
+    "trainer.nnodes",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size",
 )
 
 
