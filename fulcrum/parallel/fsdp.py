@@ -68,12 +68,20 @@ def mixed_precision_for(device: torch.device) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def shard_model(model: nn.Module, device: torch.device, settings: FSDPSettings = FSDPSettings()) -> nn.Module:
-    """Apply FSDP2 in place (layers, then the root) over the default process group; returns `model`."""
-    kwargs: dict[str, Any] = {
-        "mp_policy": mixed_precision_for(device),
-        "offload_policy": CPUOffloadPolicy() if settings.param_offload else OffloadPolicy(),
-    }
+def shard_model(
+    model: nn.Module,
+    device: torch.device,
+    settings: FSDPSettings = FSDPSettings(),
+    keep_fp32: tuple[str, ...] = (),
+) -> nn.Module:
+    """Apply FSDP2 in place (layers, then the root) over the default process group; returns `model`.
+
+    `keep_fp32` names submodules that compute in float32 (the critic's value head, `score`): each is
+    a unit of its own without the bf16 cast."""
+    offload = CPUOffloadPolicy() if settings.param_offload else OffloadPolicy()
+    kwargs: dict[str, Any] = {"mp_policy": mixed_precision_for(device), "offload_policy": offload}
+    for name in keep_fp32:
+        fully_shard(model.get_submodule(name), mp_policy=MixedPrecisionPolicy(), offload_policy=offload)
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
