@@ -46,7 +46,14 @@ def test_metric_reductions_follow_the_name():
 
 
 def _exchange(rank: int, world: int) -> dict:
-    from fulcrum.parallel import all_gather_objects, broadcast_object, current, rank_rows, reduce_metrics
+    from fulcrum.parallel import (
+        all_gather_objects,
+        broadcast_object,
+        current,
+        max_over_ranks,
+        rank_rows,
+        reduce_metrics,
+    )
 
     info = current()
     metrics = {
@@ -62,6 +69,7 @@ def _exchange(rank: int, world: int) -> dict:
         "metrics": reduce_metrics(metrics),
         "summed": reduce_metrics(shares, sums=frozenset({"actor/pg_loss"})),
         "rows": rank_rows(5),
+        "max": max_over_ranks(3 - rank),
     }
 
 

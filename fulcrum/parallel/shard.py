@@ -138,3 +138,8 @@ def rank_rows(total: int) -> list[int]:
     """The row indices of this rank's share of `total` rows (all of them in a single process)."""
     rank, world = _world()
     return list(range(*share_bounds(total, rank, world)))
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest `value` any rank holds (e.g. a count of micro-batches that every rank must match)."""
+    return max(all_gather_objects(int(value)))
