@@ -7,12 +7,15 @@ agree with the one-process run, and only rank 0 writes the run directory.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import cpu_ppo_overrides, make_assets
-from helpers_dist import run_ranks
+from helpers_dist import free_port, run_ranks
 from safetensors.torch import load_file
 
 from fulcrum.trainer.main_ppo import main
@@ -83,3 +86,27 @@ def test_two_processes_take_the_same_steps_as_one(assets: Path, tmp_path: Path, 
     assert saved[0].keys() == saved[1].keys()
     for name, weight in saved[0].items():
         torch.testing.assert_close(saved[1][name], weight, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_on_localhost_take_the_same_steps_as_one(assets: Path, tmp_path: Path) -> None:
+    """The multi-machine case: two `torchrun --nnodes=2 --nproc_per_node=1` launches meet at a c10d
+    rendezvous on localhost and train one run."""
+    torch.set_num_threads(1)
+    engine = ENGINES["hf-data-parallel"]
+    assert main(overrides(assets, tmp_path / "one", engine)) == 0
+    args = [*overrides(assets, tmp_path / "two", engine), "trainer.n_gpus_per_node=1", "trainer.nnodes=2"]
+    endpoint = f"localhost:{free_port()}"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
+    launch += ["--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "-m", "fulcrum.trainer.main_ppo", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)
+    ]
+    outputs = [node.communicate(timeout=300)[0].decode() for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    assert sum("× 2 machine(s)" in out for out in outputs) == 1  # rank 0's summary, on one of them
+    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
+    for a, b in zip(one, two, strict=True):
+        for key in COMPARED:
+            assert b[key] == pytest.approx(a[key], abs=1e-5, rel=1e-5), key
