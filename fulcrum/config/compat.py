@@ -63,7 +63,6 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "actor_rollout_ref.ref.fsdp_config",
         "actor_rollout_ref.ref.profiler",
         "actor_rollout_ref.rollout.mode",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size",
         "actor_rollout_ref.rollout.enable_chunked_prefill",
         "actor_rollout_ref.rollout.multi_turn",
         "actor_rollout_ref.rollout.load_format",
