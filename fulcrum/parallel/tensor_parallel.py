@@ -92,6 +92,15 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
+    def agree_any(self, flag: bool, device: torch.device) -> bool:
+        """Whether `flag` holds on any rank of the group: decisions that run collectives (recapturing the
+        CUDA graphs, whose warm-up all-reduces) must be taken by every rank together."""
+        if self.size == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
     def shared_seed(self, seed: int | None) -> int | None:
         """`seed`, or one drawn by the group's first rank: every rank of an engine samples alike."""
         if self.size == 1 or seed is not None:

@@ -116,8 +116,11 @@ class ModelRunner:
         self.kv_cache = torch.zeros(self._cache_shape(), dtype=self.model.dtype, device=self.device)
         if self.indirect is not None:
             self.indirect.point_to(self.kv_cache)
-        elif self.graphs and self.kv_cache.data_ptr() != self._graphs_cache_ptr:
-            # The graphs hold the old cache's address: drop them, the next decodes recapture.
+        elif self.graphs and self.model.tp.agree_any(
+            self.kv_cache.data_ptr() != self._graphs_cache_ptr, self.device
+        ):
+            # The graphs hold the old cache's address: drop them, the next decodes recapture (every
+            # tensor-parallel rank at once: the capture's warm-up forward all-reduces).
             self.graphs.clear()
             self.graph_pool = None
         self._graphs_cache_ptr = self.kv_cache.data_ptr()
