@@ -45,7 +45,7 @@ def overrides(assets: Path, run_dir: Path, engine: dict[str, object]) -> list[st
         "actor_rollout_ref.actor.use_kl_loss": True,  # a reference policy too
         "trainer.n_gpus_per_node": 2,
         "trainer.total_training_steps": 2,
-        "trainer.save_freq": 2,
+        "trainer.save_freq": 1,
         "trainer.val_before_train": False,
         "trainer.logger": "[console]",
     }
@@ -86,6 +86,29 @@ def test_two_processes_take_the_same_steps_as_one(assets: Path, tmp_path: Path, 
     assert saved[0].keys() == saved[1].keys()
     for name, weight in saved[0].items():
         torch.testing.assert_close(saved[1][name], weight, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_a_two_rank_checkpoint_resumes_exactly_on_two_ranks_and_on_one(assets: Path, tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    engine = ENGINES["hf-data-parallel"]
+    assert run_ranks(_train, 2, overrides(assets, tmp_path / "two", engine)) == [0, 0]
+    resume = [
+        "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={tmp_path / 'two' / 'global_step_1'}",
+    ]
+    assert run_ranks(_train, 2, [*overrides(assets, tmp_path / "again", engine), *resume]) == [0, 0]
+    # one process (the world size is a harmless change on resume)
+    assert main([*overrides(assets, tmp_path / "single", engine), *resume, "trainer.n_gpus_per_node=1"]) == 0
+    uninterrupted = rows(tmp_path / "two")[1]
+    for run in ("again", "single"):
+        resumed = rows(tmp_path / run)
+        assert [r["training/global_step"] for r in resumed] == [2], run
+        for key in COMPARED:
+            assert resumed[0][key] == pytest.approx(uninterrupted[key], abs=1e-5, rel=1e-5), (run, key)
+        # the weights after the resumed step: the optimiser state came back too
+        after = load_file(tmp_path / run / "global_step_2/actor/model.safetensors")
+        for name, weight in load_file(tmp_path / "two/global_step_2/actor/model.safetensors").items():
+            torch.testing.assert_close(after[name], weight, atol=1e-5, rtol=1e-5, msg=f"{run}: {name}")
 
 
 @pytest.mark.slow
