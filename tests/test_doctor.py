@@ -38,13 +38,13 @@ def test_seed_command_passes(files, capsys):
 def test_keys_without_effect_are_listed(files, capsys):
     argv = [
         *seed_command(files),
-        "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+        "actor_rollout_ref.actor.fsdp_config.forward_prefetch=True",
         "actor_rollout_ref.rollout.name=vllm",
     ]
     assert doctor.main(argv) == 0
     out = capsys.readouterr().out
     assert "accepted for compatibility, no effect" in out
-    assert "actor_rollout_ref.actor.fsdp_config.param_offload=True" in out
+    assert "actor_rollout_ref.actor.fsdp_config.forward_prefetch=True" in out
     assert "critic.model.tokenizer_path" not in out  # follows the model path: not set by the user
     assert "fulcrum has no vllm backend" in out
 

@@ -142,10 +142,12 @@ class OptimConfig:
 
 @dataclass
 class FSDPConfig:
-    strategy: str = opt("fsdp", "fsdp or fsdp2 (no effect: one device per process)")
+    strategy: str = opt("fsdp", "fsdp or fsdp2 (several processes use FSDP2 either way)")
     wrap_policy: dict[str, Any] = opt({"min_num_params": 0}, "FSDP wrap policy (no effect)")
-    param_offload: bool = opt(False, "offload parameters to CPU (no effect on one device)")
-    optimizer_offload: bool = opt(False, "offload optimizer state to CPU (no effect on one device)")
+    param_offload: bool = opt(
+        False, "keep the FSDP shards and the optimiser step on the CPU (several processes)"
+    )
+    optimizer_offload: bool = opt(False, "optimiser state on the CPU between updates (several processes)")
     offload_policy: bool = opt(False, "FSDP2 CPU offload policy (no effect)")
     reshard_after_forward: bool = opt(True, "FSDP reshard after forward (no effect)")
     fsdp_size: int = opt(-1, "FSDP group size; -1 all devices (no effect)")

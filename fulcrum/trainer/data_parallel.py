@@ -10,8 +10,9 @@ With one process these are plain calls. Under torchrun, the step's batch is the 
   the rows and are gathered likewise;
 - scoring, KL in reward and advantages run on the whole batch on every rank (cheap, and batch-wide
   statistics such as GRPO's groups and GAE's whitening stay exactly those of one process);
-- the updates still run on the whole batch on every rank (replicated, the same result everywhere)
-  until FSDP2 gives each rank its share of each mini-batch.
+- the actor, critic and reference models are sharded by FSDP2 (fulcrum.parallel.fsdp); in the
+  updates each rank takes its share of every mini-batch and the gradients are summed over ranks,
+  each rank's loss being its share of the mini-batch loss (the workers do this).
 
 Engines share no sampling noise: engine g samples with seed + g × 7919.
 """
@@ -103,6 +104,6 @@ def startup_line(info: DistInfo, cfg: FulcrumConfig, tp_size: int = 1) -> str | 
         f"world size {info.world_size} ({info.local_world_size} process(es) per machine × {info.nnodes} "
         f"machine(s), {info.backend}): {who} {share_text(prompts, engines)} of the {prompts} prompts per step; "
         f"each rank runs the log-prob, reference and value passes on {share_text(responses, info.world_size)} "
-        f"of the {responses} responses; the actor and critic updates run on the whole batch on every rank "
-        "(replicated)"
+        f"of the {responses} responses and its {share_text(responses, info.world_size)} of every mini-batch in the "
+        "updates (FSDP2: models sharded over the ranks, gradients summed)"
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ from fulcrum.algo.rollout_correction import RolloutCorrection, bypass_policy_los
 from fulcrum.batch import Batch
 from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
+from fulcrum.parallel import current, rank_rows, reduce_metrics
+from fulcrum.parallel.fsdp import FSDPSettings, full_named_tensors, grad_norm_value, move_optimizer_state
 from fulcrum.workers.micro_batch import restore_order
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.recipes import compute_sum_pi_squared
@@ -74,6 +77,7 @@ class ReferenceWorker:
         self.device = device
         self.model = load_causal_lm(section.model_path, device).eval()
         self.model.requires_grad_(False)
+        shard_if_distributed(self.model, device, FSDPSettings(param_offload=section.param_offload))
         self.runner = ModelRunner(
             self.model,
             device,
@@ -101,6 +105,11 @@ class ActorWorker:
         model = section.model
         self.model = load_causal_lm(model.path, device, model.enable_gradient_checkpointing)
         self.model.train()
+        fsdp = self.cfg.fsdp_config
+        self.optimizer_offload = bool(fsdp.optimizer_offload) and current().distributed
+        shard_if_distributed(
+            self.model, device, FSDPSettings(bool(fsdp.param_offload), self.optimizer_offload)
+        )
         self.runner = ModelRunner(
             self.model,
             device,
@@ -162,14 +171,14 @@ class ActorWorker:
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator)
             for mini in batch.select(order).split(self.mini_batch_size):
+                agg = global_agg_kwargs(mini["response_mask"])  # the whole mini-batch's counts
                 micro, _ = self.runner.micro_batches(
-                    mini,
+                    mini.select(rank_rows(len(mini))),  # this rank's share (all of it in one process)
                     self.micro_batch_size,
                     cfg.use_dynamic_bsz,
                     cfg.ppo_max_token_len_per_gpu,
                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
                 )
-                agg = global_agg_kwargs(mini["response_mask"])
                 self.optimizer.zero_grad(set_to_none=True)
                 shares: dict[str, list[torch.Tensor]] = defaultdict(list)
                 with self.runner.active():
@@ -186,7 +195,7 @@ class ActorWorker:
                 metrics["actor/grad_norm"].append(self._optimizer_step(float(cfg.grad_clip), "actor"))
         metrics["actor/lr"].append(self.lr_scheduler.get_last_lr()[0])
         self.lr_scheduler.step()
-        return mean_metrics(metrics)
+        return reduce_metrics(mean_metrics(metrics), sums=_LOSS_SHARES)
 
     def _micro_step(
         self, mb: Batch, agg: dict[str, float], clip_low: float, clip_high: float
@@ -246,14 +255,25 @@ class ActorWorker:
         return out
 
     def _optimizer_step(self, grad_clip: float, role: str) -> float:
-        return clip_and_step(self.model, self.optimizer, grad_clip, role)
+        return clip_and_step(self.model, self.optimizer, grad_clip, role, self.optimizer_offload)
 
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The policy's weights under Hugging Face names, for `RolloutEngine.update_weights`."""
-        return list(self.model.state_dict().items())
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's whole weights under Hugging Face names, for `RolloutEngine.update_weights`
+        (under FSDP all-gathered one at a time: every rank consumes them all)."""
+        return full_named_tensors(self.model)
 
 
-# Metrics that are a micro-batch's share of the mini-batch loss: summed per mini-batch.
+def shard_if_distributed(
+    model: nn.Module, device: torch.device, settings: FSDPSettings, keep_fp32: tuple[str, ...] = ()
+) -> None:
+    """FSDP2 over the ranks when torchrun started several (fulcrum.parallel.fsdp); nothing in one process."""
+    if current().distributed:
+        from fulcrum.parallel.fsdp import shard_model
+
+        shard_model(model, device, settings, keep_fp32)
+
+
+# Metrics that are a micro-batch's share of the mini-batch loss: summed per mini-batch (and over ranks).
 _LOSS_SHARES = frozenset({"actor/pg_loss", "actor/kl_loss", "critic/vf_loss"})
 
 
@@ -281,8 +301,12 @@ def mean_metrics(metrics: dict[str, list[torch.Tensor | float]]) -> dict[str, fl
     return {k: float(sum(float(x) for x in v) / len(v)) for k, v in metrics.items()}
 
 
-def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, role: str) -> float:
+def clip_and_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, role: str, offload: bool = False
+) -> float:
     """Clip the global gradient norm to `grad_clip` and step; skip the step if the norm is not finite.
+    Under FSDP the norm is over every rank's shards; with `offload` (fsdp_config.optimizer_offload) the
+    optimiser state lives on the CPU between steps.
 
     Returns the norm before clipping (what verl logs as `<role>/grad_norm`).
     """
@@ -290,10 +314,14 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip:
     if not params:
         return 0.0
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=grad_clip)
-    norm = float(grad_norm)
+    norm = grad_norm_value(grad_norm)
     if not math.isfinite(norm):
         logger.warning("%s: grad_norm is %s, skipping this optimiser step", role, norm)
         optimizer.zero_grad(set_to_none=True)
         return norm
+    if offload:
+        move_optimizer_state(optimizer, params[0].device)
     optimizer.step()
+    if offload:
+        move_optimizer_state(optimizer, torch.device("cpu"))
     return norm

@@ -17,7 +17,9 @@ from fulcrum.batch import Batch
 from fulcrum.config.sections import CriticSection
 from fulcrum.models.load import load_backbone
 from fulcrum.models.value_head import CriticModel
-from fulcrum.workers.actor import clip_and_step, global_agg_kwargs, mean_metrics
+from fulcrum.parallel import current, rank_rows, reduce_metrics
+from fulcrum.parallel.fsdp import FSDPSettings
+from fulcrum.workers.actor import clip_and_step, global_agg_kwargs, mean_metrics, shard_if_distributed
 from fulcrum.workers.micro_batch import restore_order
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.runner import ModelRunner
@@ -35,6 +37,10 @@ class CriticWorker:
         if c.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable({"use_reentrant": False})
         self.model.train()
+        fsdp = c.model.fsdp_config
+        self.optimizer_offload = bool(fsdp.optimizer_offload) and current().distributed
+        settings = FSDPSettings(bool(fsdp.param_offload), self.optimizer_offload)
+        shard_if_distributed(self.model, device, settings, keep_fp32=("score",))  # a float32 value head
         # The value head stays float32 (keep): values are not rounded to bf16.
         self.runner = ModelRunner(
             self.model,
@@ -87,14 +93,14 @@ class CriticWorker:
         for _ in range(self.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator)
             for mini in batch.select(order).split(self.mini_batch_size):
+                agg = global_agg_kwargs(mini["response_mask"])  # the whole mini-batch's counts
                 micro, _ = self.runner.micro_batches(
-                    mini,
+                    mini.select(rank_rows(len(mini))),  # this rank's share (all of it in one process)
                     self.micro_batch_size,
                     self.use_dynamic_bsz,
                     c.ppo_max_token_len_per_gpu,
                     "critic.ppo_micro_batch_size_per_gpu",
                 )
-                agg = global_agg_kwargs(mini["response_mask"])
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_shares: list[torch.Tensor] = []
                 with self.runner.active():
@@ -119,8 +125,10 @@ class CriticWorker:
                         )
                 metrics["critic/vf_loss"].append(torch.stack(loss_shares).sum())
                 metrics["critic/grad_norm"].append(
-                    clip_and_step(self.model, self.optimizer, float(c.grad_clip), "critic")
+                    clip_and_step(
+                        self.model, self.optimizer, float(c.grad_clip), "critic", self.optimizer_offload
+                    )
                 )
         metrics["critic/lr"].append(self.lr_scheduler.get_last_lr()[0])
         self.lr_scheduler.step()
-        return mean_metrics(metrics)
+        return reduce_metrics(mean_metrics(metrics), sums=frozenset({"critic/vf_loss"}))

@@ -19,6 +19,7 @@ from fulcrum.models.linear_logprob import linear_log_softmax
 from fulcrum.models.load import autocast_for
 from fulcrum.models.logprob import logprob_and_entropy, response_logits, trim_padding
 from fulcrum.models.packed import pack_micro_batch, packed_hidden_states
+from fulcrum.parallel.fsdp import run_in_root
 
 
 def sequence_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +133,23 @@ def make_micro_batches(
     return batch.split(int(size)), None
 
 
+def split_to_count(micro: list[Batch], count: int) -> list[Batch]:
+    """`micro` cut further, in order, until it holds `count` micro-batches: the one with the most rows is
+    halved each time (so each still fits its size or token budget). Under FSDP every rank must run as
+    many forwards as the others (each is a collective), whatever its rows' lengths."""
+    micro = list(micro)
+    while len(micro) < count:
+        widest = max(range(len(micro)), key=lambda i: len(micro[i]))
+        rows = len(micro[widest])
+        if rows < 2:
+            raise RuntimeError(f"cannot cut {len(micro)} micro-batches of one row into {count}")
+        micro[widest : widest + 1] = [
+            micro[widest].select(list(range(rows // 2))),
+            micro[widest].select(list(range(rows // 2, rows))),
+        ]
+    return micro
+
+
 def restore_order(parts: list[torch.Tensor], order: list[int] | None) -> torch.Tensor:
     """Concatenate per-micro-batch results and undo the token-budget permutation."""
     out = torch.cat(parts)
@@ -169,8 +187,8 @@ def forward_log_prob(
     packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(response tokens) (B, R), float32, logits divided by the rollout temperature as verl; entropy too."""
-    if packed:
-        return packed_log_prob(model, mb, temperature, with_entropy, device)
+    if packed:  # reaches embeddings and LM head directly: under FSDP, inside the root unit's forward
+        return run_in_root(model, packed_log_prob, model, mb, temperature, with_entropy, device)
     r = mb.response_length
     ids, mask, pos, r_kept = trimmed_inputs(mb, device)
     with autocast_for(device):
@@ -186,7 +204,7 @@ def forward_log_prob(
 def forward_values(model: nn.Module, mb: Batch, device: torch.device, packed: bool = False) -> torch.Tensor:
     """V(state before each response token) (B, R), float32, zero outside the response mask."""
     if packed:
-        return packed_values(model, mb, device)
+        return run_in_root(model, packed_values, model, mb, device)
     r = mb.response_length
     ids, mask, pos, r_kept = trimmed_inputs(mb, device)
     with autocast_for(device):

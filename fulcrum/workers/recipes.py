@@ -9,7 +9,15 @@ from torch import nn
 from fulcrum.batch import Batch
 from fulcrum.models.load import autocast_for
 from fulcrum.models.logprob import response_logits, sum_pi_squared
-from fulcrum.workers.micro_batch import _pad_right, make_micro_batches, restore_order, trimmed_inputs
+from fulcrum.parallel import max_over_ranks
+from fulcrum.parallel.fsdp import is_sharded
+from fulcrum.workers.micro_batch import (
+    _pad_right,
+    make_micro_batches,
+    restore_order,
+    split_to_count,
+    trimmed_inputs,
+)
 
 
 @torch.no_grad()
@@ -34,6 +42,8 @@ def compute_sum_pi_squared(
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
         sort_by_length=True,
     )
+    if is_sharded(model):  # as many forwards on every rank (runner.micro_batches does the same)
+        micro = split_to_count(micro, max_over_ranks(len(micro)))
     was_training = model.training
     model.eval()
     parts = []

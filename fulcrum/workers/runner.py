@@ -18,7 +18,9 @@ from fulcrum.batch import Batch
 from fulcrum.models.linear_logprob import use_compiled_chunks
 from fulcrum.models.packed import compile_decoder_layers, enable_packed_attention, packing_unsupported_reason
 from fulcrum.models.precision import ComputeWeights
-from fulcrum.workers.micro_batch import forward_log_prob, forward_values, make_micro_batches
+from fulcrum.parallel import max_over_ranks
+from fulcrum.parallel.fsdp import is_sharded
+from fulcrum.workers.micro_batch import forward_log_prob, forward_values, make_micro_batches, split_to_count
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +48,16 @@ class ModelRunner:
         self.packed = use_remove_padding and reason is None
         if self.packed:
             enable_packed_attention(model)
-        if self.packed and use_torch_compile and device.type == "cuda":
+        sharded = is_sharded(model)  # FSDP2's mixed precision makes the bf16 compute weights
+        if sharded and use_torch_compile and self.packed:
+            logger.info("%s: use_torch_compile is off under FSDP (not combined yet)", role)
+        if self.packed and use_torch_compile and device.type == "cuda" and not sharded:
             # Actor, reference and critic layers, train and eval, grad and no-grad: more variants
             # of one compiled layer than dynamo's default cache of 8 holds.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             compile_decoder_layers(model.model)
             use_compiled_chunks(True)
-        self.compute = ComputeWeights(model, keep=keep) if device.type == "cuda" else None
+        self.compute = ComputeWeights(model, keep=keep) if device.type == "cuda" and not sharded else None
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -84,7 +89,7 @@ class ModelRunner:
         key: str,
         sort_by_length: bool = False,
     ) -> tuple[list[Batch], list[int] | None]:
-        return make_micro_batches(
+        micro, order = make_micro_batches(
             batch,
             size,
             use_dynamic_bsz,
@@ -93,6 +98,9 @@ class ModelRunner:
             sort_by_length=sort_by_length,
             packed=self.packed,
         )
+        if is_sharded(self.model):  # as many forwards on every rank: each gathers the layers' shards
+            micro = split_to_count(micro, max_over_ranks(len(micro)))
+        return micro, order
 
     def log_prob(
         self, mb: Batch, temperature: float, with_entropy: bool
