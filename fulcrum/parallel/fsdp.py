@@ -78,7 +78,8 @@ def shard_model(
 
     `keep_fp32` names submodules that compute in float32 (the critic's value head, `score`): each is
     a unit of its own without the bf16 cast."""
-    offload = CPUOffloadPolicy() if settings.param_offload else OffloadPolicy()
+    # On the CPU the shards are there already (and CPUOffloadPolicy wants an accelerator).
+    offload = CPUOffloadPolicy() if settings.param_offload and device.type == "cuda" else OffloadPolicy()
     kwargs: dict[str, Any] = {"mp_policy": mixed_precision_for(device), "offload_policy": offload}
     for name in keep_fp32:
         fully_shard(model.get_submodule(name), mp_policy=MixedPrecisionPolicy(), offload_policy=offload)
