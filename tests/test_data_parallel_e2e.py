@@ -134,3 +134,18 @@ def test_two_torchrun_nodes_on_localhost_take_the_same_steps_as_one(assets: Path
     for a, b in zip(one, two, strict=True):
         for key in COMPARED:
             assert b[key] == pytest.approx(a[key], abs=1e-5, rel=1e-5), key
+
+
+def test_start_up_summary_names_the_world_size_and_each_share():
+    from fulcrum.config import load_config
+    from fulcrum.parallel import DistInfo
+    from fulcrum.trainer.data_parallel import startup_line
+
+    cfg = load_config(["data.train_batch_size=7", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+    assert startup_line(DistInfo(), cfg) is None  # one process: nothing to say
+    line = startup_line(DistInfo(0, 4, 0, 2, "nccl"), cfg, tp_size=2)
+    assert line is not None and line.startswith(
+        "world size 4 (2 process(es) per machine × 2 machine(s), nccl)"
+    )
+    assert "each engine of 2 tensor-parallel ranks generates 3-4 of the 7 prompts" in line
+    assert "on 1-2 of the 7 responses, and 1 of every mini-batch of 4" in line

@@ -95,7 +95,8 @@ def startup_line(info: DistInfo, cfg: FulcrumConfig, tp_size: int = 1) -> str | 
     if not info.distributed:
         return None
     prompts = int(cfg.data.train_batch_size)
-    responses = prompts * int(cfg.actor_rollout_ref.rollout.n)
+    n = int(cfg.actor_rollout_ref.rollout.n)
+    responses, mini = prompts * n, int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size) * n
     engines = info.world_size // tp_size
     who = (
         "each rank generates" if tp_size == 1 else f"each engine of {tp_size} tensor-parallel ranks generates"
@@ -104,6 +105,6 @@ def startup_line(info: DistInfo, cfg: FulcrumConfig, tp_size: int = 1) -> str | 
         f"world size {info.world_size} ({info.local_world_size} process(es) per machine × {info.nnodes} "
         f"machine(s), {info.backend}): {who} {share_text(prompts, engines)} of the {prompts} prompts per step; "
         f"each rank runs the log-prob, reference and value passes on {share_text(responses, info.world_size)} "
-        f"of the {responses} responses and its {share_text(responses, info.world_size)} of every mini-batch in the "
+        f"of the {responses} responses, and {share_text(mini, info.world_size)} of every mini-batch of {mini} in the "
         "updates (FSDP2: models sharded over the ranks, gradients summed)"
     )
