@@ -88,7 +88,7 @@ def reduce_metrics(
     if any(n != names for n in all_names):
         differ = sorted(set().union(*map(set, all_names)) - set.intersection(*map(set, all_names)))
         raise RuntimeError(f"reduce_metrics: the ranks log different metrics (e.g. {differ[:5]})")
-    device = device or torch.device("cpu")
+    device = device or collective_device()
     values = torch.tensor([float(metrics[n]) for n in names], dtype=torch.float64, device=device)
     out: dict[str, float] = {}
     ops = (("mean", dist.ReduceOp.SUM), ("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX))
@@ -143,3 +143,10 @@ def rank_rows(total: int) -> list[int]:
 def max_over_ranks(value: int) -> int:
     """The largest `value` any rank holds (e.g. a count of micro-batches that every rank must match)."""
     return max(all_gather_objects(int(value)))
+
+
+def collective_device() -> torch.device:
+    """Where a tensor must live for a collective: the rank's GPU under NCCL, the CPU under gloo."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
