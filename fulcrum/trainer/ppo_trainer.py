@@ -17,6 +17,7 @@ scoring, KL in reward, advantages, validation); what is decided before the first
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from fulcrum.config import FulcrumConfig, to_dict, uses_critic, uses_reference
 from fulcrum.config.sections import actor_section, critic_section, reference_section
 from fulcrum.data.dataset import rl_datasets
 from fulcrum.models.load import load_causal_lm, load_tokenizer
-from fulcrum.parallel import DistInfo, on_main
+from fulcrum.parallel import DistInfo, max_over_ranks, on_main
 from fulcrum.parallel.fsdp import is_sharded
 from fulcrum.reward.manager import RewardResult, score_batch
 from fulcrum.reward.managers import manager_from_config
@@ -148,6 +149,12 @@ class PPOTrainer:
             "nan_guard": self.nan_guard.state_dict(),
         }
 
+    def interrupt_requested(self) -> bool:
+        """Ctrl-C / SIGTERM seen by this process, or by any rank: every rank takes the same path (the
+        save that follows gathers from all of them)."""
+        asked = self._interrupt is not None and self._interrupt.requested
+        return bool(max_over_ranks(int(asked))) if self.dist.distributed else asked
+
     def save_checkpoint(self) -> None:
         """`global_step_N` of this step: every rank gathers the sharded roles' whole state to rank 0
         (trainer/checkpoint/sharded.py), rank 0 writes it as one process would; the others wait."""
@@ -212,12 +219,12 @@ class PPOTrainer:
                 bar.update(1)
                 if self.nan_guard.exceeded:
                     raise self.nan_guard.error()
-                if interrupt.requested:
+                if self.interrupt_requested():
                     # The signal may land after this step's save check (e.g. while it was being logged).
                     if self.checkpoints is not None and self.saved_step != self.global_step:
                         self.save_checkpoint()
                     print(f"stopped after step {self.global_step} (checkpoint saved)", flush=True)
-                    self.exit_code = interrupt.exit_code
+                    self.exit_code = interrupt.exit_code if interrupt.requested else 128 + signal.SIGTERM
                     break
                 if is_last:
                     break
@@ -307,7 +314,7 @@ class PPOTrainer:
             ):
                 with M.timer("testing", timing):
                     metrics.update(self.validate())
-            interrupted = self._interrupt is not None and self._interrupt.requested
+            interrupted = self.interrupt_requested()
             if (
                 self.checkpoints is not None
                 and not self.nan_guard.exceeded
