@@ -149,3 +149,22 @@ def test_start_up_summary_names_the_world_size_and_each_share():
     )
     assert "each engine of 2 tensor-parallel ranks generates 3-4 of the 7 prompts" in line
     assert "on 1-2 of the 7 responses, and 1 of every mini-batch of 4" in line
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_train_like_one(assets: Path, tmp_path: Path) -> None:
+    """FSDP2 over NCCL with bf16 compute and one TP=2 native engine (CUDA graphs, Triton kernels):
+    the same steps as one GPU, up to bf16 rounding."""
+    gpu = {
+        "actor_rollout_ref.rollout.name": "native",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
+        "trainer.device": "cuda",
+    }
+    assert main([*overrides(assets, tmp_path / "one", gpu), "trainer.n_gpus_per_node=1"]) == 0
+    assert run_ranks(_train, 2, overrides(assets, tmp_path / "two", gpu), device="cuda") == [0, 0]
+    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
+    assert [r["training/global_step"] for r in two] == [1, 2]
+    for a, b in zip(one, two, strict=True):
+        for key in ("actor/grad_norm", "critic/grad_norm", "critic/vf_loss", "actor/entropy"):
+            assert b[key] == pytest.approx(a[key], rel=0.05), key
