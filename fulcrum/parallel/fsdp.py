@@ -43,6 +43,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 T = TypeVar("T")
+ROOT_METHOD = "fulcrum_run"  # registered as an FSDP forward method on every sharded root (run_in_root)
 
 
 @dataclass(frozen=True)
@@ -95,12 +96,9 @@ def shard_model(
     return model
 
 
-ROOT_METHOD = "fulcrum_run"
-
-
 def run_in_root(model: nn.Module, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """`fn(*args, **kwargs)` as if it were the model's forward: under FSDP the root unit's parameters
-    (embeddings, final norm, LM head, a value head) are gathered around it and their gradients reduced
+    (embeddings, final norm, LM head) are gathered around it and their gradients reduced
     after backward, so code that reaches them directly (the packed forward's `embed_tokens` call, the
     chunked LM head over `lm_head.weight`) works on a sharded model. A plain call otherwise."""
     method = getattr(model, ROOT_METHOD, None)
