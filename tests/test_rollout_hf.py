@@ -156,3 +156,26 @@ def test_build_rollout_rejects_unknown_backend_naming_the_key(model):
     cfg.name = "tgi"
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.name"):
         build_rollout(cfg, model, _Tok(), CPU)
+
+
+def test_decoding_writes_into_a_preallocated_cache(model):
+    """The backend's cache (preallocated_cache) is really used with this transformers version, fills one
+    position per decoded token, and gives the logits of transformers' own growing cache."""
+    import inspect
+
+    from fulcrum.rollout.hf import PreallocatedLayer, cache_of, preallocated_cache
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = preallocated_cache(model, capacity=8)
+    assert cache is not None and all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+    ids, step = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[4]])
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{name: cache})
+        ours = model(input_ids=step, use_cache=True, **{name: cache})
+        theirs = model(input_ids=ids, use_cache=True)
+        theirs = model(input_ids=step, use_cache=True, **{name: cache_of(theirs)})
+    assert [layer.filled for layer in cache.layers] == [6] * len(cache.layers)
+    assert cache.get_seq_length() == 6
+    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="is full"), torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{name: cache})

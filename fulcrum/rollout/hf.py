@@ -2,7 +2,8 @@
 
 It wraps the actor's own module (hybrid engine: no copy, so `update_weights` has nothing to do),
 left-pads the prompts, repeats each one `n` times (prompt-major, sample j of prompt i at i * n + j),
-and decodes with the model's own KV cache in chunks of at most `max_num_seqs` sequences. Sampling
+and decodes with the model's own KV cache in chunks of at most `max_num_seqs` sequences (its layers
+pre-allocated for the chunk's whole length where the model allows, `preallocated_cache`). Sampling
 and log-probs come from `fulcrum.rollout.sampling` (shared with the native engine), so both backends
 sample from exactly the same distribution with the same log-prob convention.
 
@@ -21,10 +22,65 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm import tqdm
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from fulcrum.data.dataset import left_pad
 from fulcrum.rollout.base import FinishReason, RolloutOutput, SamplingParams
 from fulcrum.rollout.sampling import sample_next
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A `DynamicLayer` that writes into buffers of `capacity` positions instead of growing by `torch.cat`.
+
+    transformers' dynamic layer concatenates its keys and values with each new token, copying the
+    whole cache every decode step: O(B · L²) copies over a generation, 31% of a 1,319-prompt CPU
+    validation (profiled). Here each step writes one position; `keys`/`values` are views of the
+    filled part, so the rest of the cache machinery (sequence length, masks) reads them as before.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.filled = 0
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        new = key_states.shape[-2]
+        if self.key_buffer is None:
+            batch, heads, _, dim = key_states.shape
+            self.key_buffer = key_states.new_empty(batch, heads, self.capacity, dim)
+            self.value_buffer = value_states.new_empty(batch, value_states.shape[1], self.capacity, dim)
+            self.device = key_states.device
+        assert self.value_buffer is not None
+        if self.filled + new > self.capacity:
+            raise RuntimeError(f"KV cache of {self.capacity} positions is full ({self.filled} + {new})")
+        self.key_buffer[:, :, self.filled : self.filled + new].copy_(key_states)
+        self.value_buffer[:, :, self.filled : self.filled + new].copy_(value_states)
+        self.filled += new
+        self.keys = self.key_buffer[:, :, : self.filled]
+        self.values = self.value_buffer[:, :, : self.filled]
+        self.is_initialized = True
+        return self.keys, self.values
+
+
+def preallocated_cache(model: nn.Module, capacity: int) -> DynamicCache | None:
+    """A `DynamicCache` for `model` whose layers are `PreallocatedLayer`s of `capacity` positions, or
+    None (the model then makes its own cache) when its layers are not all plain dynamic ones
+    (sliding-window or other special layers) or this transformers version builds caches otherwise."""
+    config = getattr(model, "config", None)
+    try:
+        cache = DynamicCache(config=config)
+    except (TypeError, ValueError, AttributeError):
+        return None
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        return None
+    cache.layers = [PreallocatedLayer(capacity) for _ in layers]
+    return cache
 
 
 def cache_of(output: Any) -> Any:
@@ -138,12 +194,14 @@ class HFRollout:
         steps_tokens: list[torch.Tensor] = []
         steps_logprobs: list[torch.Tensor] = []
 
+        cache = preallocated_cache(self.model, input_ids.shape[1] + params.max_tokens)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=True,
             logits_to_keep=1,
+            **({self._cache_kwarg: cache} if cache is not None else {}),
         )
         past = cache_of(out)
         logits = out.logits[:, -1, :]
