@@ -34,8 +34,9 @@ def token_budget_groups(
 ) -> list[list[int]]:
     """Pack sample indices into groups whose padded cost fits the token budget.
 
-    A group's cost is `len(group) × (max prompt + max response)`: what its trimmed padded forward
-    really processes (we do not remove padding yet), so the budget bounds memory honestly. Samples
+    A group's cost is `len(group) × (max prompt + max response)`: what the padded path's trimmed
+    forward really processes (every row is as wide as the group's widest), so the budget bounds
+    memory honestly. (Packed micro-batches are cut by `packed_token_groups` instead.) Samples
     are taken longest first, which keeps the padding inside each group small.
     """
     order = sorted(range(len(prompt_len)), key=lambda i: prompt_len[i] + response_len[i], reverse=True)
