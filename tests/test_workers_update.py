@@ -52,6 +52,18 @@ def rl_batch(seed: int = 0):
     return batch
 
 
+def gradient_at_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Filled with the flattened gradient the optimiser steps on (the update releases it afterwards)."""
+    seen: list[torch.Tensor] = []
+
+    def grab(opt: torch.optim.Optimizer, *_: object) -> None:
+        params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        seen.append(torch.cat([p.grad.flatten() for p in params]))
+
+    optimizer.register_step_pre_hook(grab)
+    return seen
+
+
 def test_actor_update_metrics_and_weights_change(tiny_dir: str) -> None:
     cfg = cfg_for(tiny_dir)
     actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=10)
@@ -73,6 +85,8 @@ def test_actor_update_metrics_and_weights_change(tiny_dir: str) -> None:
     assert metrics["actor/pg_clipfrac"] == 0.0 and abs(metrics["actor/ppo_kl"]) < 1e-5
     assert metrics["actor/lr"] == pytest.approx(1e-3)
     assert any(not torch.equal(b, p) for b, p in zip(before, actor.model.parameters(), strict=True))
+    # Spent gradients are not kept (they would sit in memory through generation and the critic's passes).
+    assert all(p.grad is None for p in actor.model.parameters())
 
 
 def test_gradient_accumulation_matches_one_big_micro_batch(tiny_dir: str) -> None:
@@ -87,10 +101,11 @@ def test_gradient_accumulation_matches_one_big_micro_batch(tiny_dir: str) -> Non
         )
         torch.manual_seed(0)
         actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=10)
+        stepped = gradient_at_step(actor.optimizer)
         batch = rl_batch()
         batch["old_log_probs"] = actor.compute_log_prob(batch)[0] - 0.05  # ratio ≠ 1
         actor.update_policy(batch, global_step=1)
-        grads.append(torch.cat([p.grad.flatten() for p in actor.model.parameters() if p.grad is not None]))
+        grads.append(stepped[0])
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)
 
 
@@ -110,10 +125,11 @@ def test_packed_update_does_not_depend_on_the_micro_batch_cut(tiny_dir: str, mod
         torch.manual_seed(0)
         actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=10)
         assert actor.runner.packed == packed
+        stepped = gradient_at_step(actor.optimizer)
         batch = rl_batch()
         batch["old_log_probs"] = actor.compute_log_prob(batch)[0] - 0.05
         metrics = actor.update_policy(batch, global_step=1)
-        grads.append(torch.cat([p.grad.flatten() for p in actor.model.parameters() if p.grad is not None]))
+        grads.append(stepped[0])
         if micro == 8 and not packed:
             loss = metrics["actor/pg_loss"]
         else:  # the logged loss is the mini-batch's, whatever the cut
@@ -159,3 +175,4 @@ def test_critic_values_and_update_reduce_value_loss(tiny_dir: str) -> None:
     batch["values"] = critic.compute_values(batch)
     second = critic.update_critic(batch, global_step=2)
     assert second["critic/vf_loss"] < first["critic/vf_loss"]
+    assert all(p.grad is None for p in critic.model.parameters())

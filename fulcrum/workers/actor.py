@@ -308,7 +308,8 @@ def clip_and_step(
     Under FSDP the norm is over every rank's shards; with `offload` (fsdp_config.optimizer_offload) the
     optimiser state lives on the CPU between steps.
 
-    Returns the norm before clipping (what verl logs as `<role>/grad_norm`).
+    The gradients are released after the step. Returns the norm before clipping (what verl logs as
+    `<role>/grad_norm`).
     """
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
@@ -322,6 +323,9 @@ def clip_and_step(
     if offload:
         move_optimizer_state(optimizer, params[0].device)
     optimizer.step()
+    # The gradients are spent: kept until the next update's zero_grad, they held 4 B per parameter
+    # (1.8 GiB for a 0.5B model) through generation and the other model's passes.
+    optimizer.zero_grad(set_to_none=True)
     if offload:
         move_optimizer_state(optimizer, torch.device("cpu"))
     return norm
