@@ -127,7 +127,13 @@ def test_two_torchrun_nodes_on_localhost_take_the_same_steps_as_one(assets: Path
     nodes = [
         subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)
     ]
-    outputs = [node.communicate(timeout=300)[0].decode() for node in nodes]
+    try:
+        outputs = [node.communicate(timeout=600)[0].decode() for node in nodes]
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            node.kill()
+        tails = [node.communicate()[0].decode()[-2000:] for node in nodes]
+        raise AssertionError("the two nodes did not finish (hung?):\n" + "\n---\n".join(tails)) from None
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     assert sum("× 2 machine(s)" in out for out in outputs) == 1  # rank 0's summary, on one of them
     one, two = rows(tmp_path / "one"), rows(tmp_path / "two")

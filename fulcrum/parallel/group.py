@@ -9,8 +9,13 @@ is a world of one and creates no group.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import Mapping
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -24,6 +29,13 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 # fail with a message instead of hanging until the job is killed. Generation of a long batch on a
 # slow CPU is the longest legitimate wait between two collectives.
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+# Leaving the group at the end of a run waits at most this long (the slowest rank's last work, e.g. rank
+# 0 closing its loggers, then NCCL's teardown). Past it the run's outputs are already written: a rank
+# that cannot leave says so and exits anyway, rather than hanging until a job timeout kills it.
+TEARDOWN_TIMEOUT_S = 120.0
+TEARDOWN_TIMEOUT_ENV = "FULCRUM_TEARDOWN_TIMEOUT_S"  # seconds; overrides TEARDOWN_TIMEOUT_S
+
+logger = logging.getLogger(__name__)
 
 
 class WorldSizeError(ConfigError):
@@ -127,7 +139,106 @@ def barrier() -> None:
         dist.barrier()
 
 
-def shutdown() -> None:
-    """Leave the process group (at the end of a run, so that NCCL does not warn about a leak)."""
-    if dist.is_available() and dist.is_initialized():
+def _bounded(fn: Callable[[], None], timeout_s: float) -> str | None:
+    """Run `fn` in a daemon thread; None when it returned within `timeout_s`, else why not.
+
+    The torch.distributed calls used here release the GIL while they wait, so this thread keeps
+    running and can give up on them; a daemon thread left blocked does not keep the process alive.
+    """
+    failed: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as err:  # reported from the caller's thread
+            failed.append(err)
+
+    thread = threading.Thread(target=target, name="fulcrum-teardown", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return f"not done after {timeout_s:g} s"
+    if failed:
+        return f"{type(failed[0]).__name__}: {failed[0]}"
+    return None
+
+
+def teardown_timeout_s() -> float:
+    """How long leaving the group may take: $FULCRUM_TEARDOWN_TIMEOUT_S, else TEARDOWN_TIMEOUT_S."""
+    raw = os.environ.get(TEARDOWN_TIMEOUT_ENV, "")
+    try:
+        return float(raw) if raw else TEARDOWN_TIMEOUT_S
+    except ValueError:
+        raise ConfigError(
+            f"{TEARDOWN_TIMEOUT_ENV}={raw!r} is not a number of seconds", TEARDOWN_TIMEOUT_ENV
+        ) from None
+
+
+def shutdown(timeout_s: float | None = None, wait_for_peers: bool = True) -> bool:
+    """Leave the process group (every subgroup with it); True when that finished within `timeout_s`
+    (default `teardown_timeout_s()`).
+
+    In order: this rank's device work finishes (`torch.cuda.synchronize`), the ranks meet in a barrier
+    (`wait_for_peers`: on success every rank gets here; after an error the others may never come, so
+    skip it), then `destroy_process_group` tears down every group, subgroups first. NCCL's teardown can
+    block for good (a communicator whose calls a live CUDA graph captured: pytorch/pytorch#115388;
+    a peer that never arrives), so all of it runs under a bound; False means it did not finish and the
+    caller should end the process without further teardown (`os._exit`), with the run's exit code.
+    Whoever captured collectives in CUDA graphs must release those graphs before calling this.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    timeout_s = teardown_timeout_s() if timeout_s is None else timeout_s
+    multi = dist.get_world_size() > 1
+    on_cuda = dist.get_backend() == "nccl" and torch.cuda.is_available()
+    device = torch.cuda.current_device() if on_cuda else None
+
+    def teardown() -> None:
+        if device is not None:
+            torch.cuda.set_device(device)  # the current device is per thread
+            torch.cuda.synchronize(device)
+        if wait_for_peers and multi:
+            try:
+                dist.barrier()
+            except RuntimeError as err:  # a peer gone (gloo: connection closed): leave all the same
+                logger.warning("the ranks' last barrier failed: %s", err)
         dist.destroy_process_group()
+
+    problem = _bounded(teardown, timeout_s)
+    if problem is not None:
+        logger.warning(
+            "rank %d could not leave the process group (%s: a peer still busy or gone, or NCCL's teardown "
+            "blocked); exiting without it, the run's outputs are already written",
+            info_from_env().rank,
+            problem,
+        )
+    return problem is None
+
+
+def run_then_leave(body: Callable[[], int], timeout_s: float | None = None) -> int:
+    """`body()`'s exit code, after leaving the process group (`shutdown`).
+
+    On success every rank meets in the final barrier; after an error (a non-zero code or an exception)
+    the others may be anywhere, even inside a collective, so this rank leaves without waiting for them.
+    When the group cannot be left within the bound, the process ends here with the code it would have
+    returned (130 after Ctrl-C, 1 after another exception, whose traceback is printed first): the rest
+    of the interpreter's teardown would meet the same stuck communicator.
+    """
+    try:
+        code = body()
+    except BaseException as err:
+        if not shutdown(timeout_s, wait_for_peers=False):
+            traceback.print_exc()
+            exit_now(130 if isinstance(err, KeyboardInterrupt) else 1)
+        raise
+    if not shutdown(timeout_s, wait_for_peers=code == 0):
+        exit_now(code)
+    return code
+
+
+def exit_now(code: int) -> None:
+    """End the process with `code` at once (output streams flushed), skipping the interpreter's teardown."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

@@ -76,3 +76,8 @@ class RolloutEngine(Protocol):
     def sleep(self) -> None:
         """Release the KV cache now (`generate` does it itself under `free_cache_engine`)."""
         ...
+
+    def close(self) -> None:
+        """Release what the backend holds on the device (cache, CUDA graphs) at the end of a run, before
+        the process group is left: graphs that captured collectives would block its teardown."""
+        ...

@@ -139,6 +139,9 @@ class HFRollout:
     def sleep(self) -> None:
         """No persistent cache to free."""
 
+    def close(self) -> None:
+        """Nothing held between calls: no cache, no CUDA graphs."""
+
     def _autocast(self) -> contextlib.AbstractContextManager:
         # The actor keeps fp32 master weights on GPU; generating in fp32 there would be needlessly slow.
         dtype = next(self.model.parameters()).dtype

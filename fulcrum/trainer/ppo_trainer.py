@@ -232,7 +232,16 @@ class PPOTrainer:
             interrupt.uninstall()
             bar.close()
             self.tracking.close()
+            # The suspended generator holds this trainer (a reference cycle that only the garbage
+            # collector would break): drop it, so nothing outlives the run by accident.
+            self._prompt_stream = None
         return last
+
+    def close(self) -> None:
+        """Release what must go before the process group does: the engine's CUDA graphs (under tensor
+        parallelism they captured NCCL all-reduces, and NCCL's teardown waits for such graphs to be
+        destroyed: pytorch/pytorch#115388) and its KV cache. Every rank calls it, on every way out."""
+        self.rollout.close()
 
     def _batches(self):
         """Prompt batches epoch after epoch until the step budget is spent."""

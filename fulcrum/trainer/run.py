@@ -15,8 +15,8 @@ import sys
 from fulcrum.config import ConfigError, FulcrumConfig, advise, check, uses_critic
 from fulcrum.config.device import select_device
 from fulcrum.models.folder import ModelPathError, model_folder_problems, resolve_model_path, vocab_problems
-from fulcrum.parallel import DistInfo, check_world_size, init_distributed, shutdown
-from fulcrum.parallel.group import info_from_env
+from fulcrum.parallel import DistInfo, check_world_size, init_distributed
+from fulcrum.parallel.group import info_from_env, run_then_leave
 
 ACTOR_KEY = "actor_rollout_ref.model.path"
 DEBUG_ENV = "FULCRUM_DEBUG"  # =1: set-up errors come with their traceback
@@ -73,11 +73,9 @@ def quiet_other_ranks(info: DistInfo) -> None:
 def run_ppo(cfg: FulcrumConfig) -> int:
     """Train as `cfg` (resolved: `load_config`) says; 0 when done, 1 with a message on stderr, or
     128 + the signal number when Ctrl-C / SIGTERM stopped the run. Under torchrun every process
-    calls this; they join one process group and train one run (fulcrum.parallel)."""
-    try:
-        return _run_ppo(cfg)
-    finally:
-        shutdown()
+    calls this; they join one process group and train one run (fulcrum.parallel), and leave it within
+    a bound (`run_then_leave`): a finished run never hangs at exit."""
+    return run_then_leave(lambda: _run_ppo(cfg))
 
 
 def _run_ppo(cfg: FulcrumConfig) -> int:
@@ -119,4 +117,6 @@ def _run_ppo(cfg: FulcrumConfig) -> int:
     except (CheckpointError, NonFiniteTrainingError, OutOfMemoryHelp, RewardError) as err:
         print(f"fulcrum train: {err}", file=sys.stderr)
         return 1
+    finally:
+        trainer.close()  # before the process group goes (run_ppo): see PPOTrainer.close
     return trainer.exit_code

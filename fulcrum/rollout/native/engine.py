@@ -100,6 +100,12 @@ class NativeEngine:
         """Take the KV cache back; graphs are recaptured on first use."""
         self.runner.allocate_cache()
 
+    def close(self) -> None:
+        """Release the device resources (KV cache, CUDA graphs) before the process group is left; the
+        engine stays usable (the next `generate` takes them again)."""
+        self.runner.release_graphs()
+        self.runner.free_cache()
+
     @property
     def awake(self) -> bool:
         """Whether the KV cache is allocated."""

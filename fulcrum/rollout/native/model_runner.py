@@ -132,6 +132,20 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def release_graphs(self) -> None:
+        """Destroy the captured decode graphs and their memory pool now (the next decode recaptures).
+
+        Under tensor parallelism the graphs captured NCCL all-reduces, and NCCL cannot destroy a
+        communicator while a graph that captured its calls is alive (pytorch/pytorch#115388): leaving
+        the process group with the graphs still held hangs every rank at the end of the run."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no replay still running
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.graph_pool = None
+        self._graphs_cache_ptr = 0
+
     def cache_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block()
 
