@@ -17,8 +17,10 @@ the LM head or value head runs on M ≤ N rows, and padding costs no compute any
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -168,6 +170,57 @@ def compile_decoder_layers(
         layers[i : i + layers_per_region] for i in range(0, len(layers), layers_per_region)
     ]
     base.fulcrum_compiled_run = torch.compile(run_decoder_layers, dynamic=True, backend=backend)
+
+
+def compile_inside_layers(base: nn.Module, backend: str = "inductor") -> None:
+    """`compile_decoder_layers` for layers that are FSDP2 units (`fully_shard`), as torchtitan orders
+    them (checkpoint inside compile inside FSDP): each layer keeps its own call, so FSDP's hooks run
+    eagerly around it (gather the layer's shards before, free them after, and their backward
+    counterparts), and only the body of a packed call is compiled, checkpointed inside when the layers
+    had gradient checkpointing, exactly as one region of `compile_decoder_layers`. FSDP keeps the
+    gathered parameters' tensor objects across the free and the re-gather before the backward, so what
+    the compiled graph saved stays valid for the recomputation.
+
+    Every layer shares one compiled graph (the layer is an input). Calls without packing metadata
+    (padded forwards) run the layer's own forward, uncompiled. State dicts are unchanged: the layers
+    get an instance `forward`, nothing registered.
+    """
+    checkpointed = any(bool(getattr(layer, "gradient_checkpointing", False)) for layer in base.layers)
+    compiled = torch.compile(run_layer_body, dynamic=True, backend=backend)
+    for layer in base.layers[: base.config.num_hidden_layers]:
+        layer.gradient_checkpointing = False  # transformers' wrapper sits outside FSDP's hooks: ours inside
+        layer.forward = functools.partial(
+            _packed_layer_call, compiled, layer, type(layer).forward, checkpointed
+        )
+    base.fulcrum_checkpoint = checkpointed
+
+
+def _packed_layer_call(
+    compiled: Callable[..., torch.Tensor],
+    layer: nn.Module,
+    forward: Callable[..., object],
+    checkpointed: bool,
+    hidden: torch.Tensor,
+    **kwargs: object,
+) -> object:
+    if "fulcrum_cu_seqlens" not in kwargs:
+        return forward(layer, hidden, **kwargs)
+    recompute = checkpointed and layer.training and torch.is_grad_enabled()
+    return compiled(forward, layer, hidden, recompute, kwargs)
+
+
+def run_layer_body(
+    forward: Callable[..., object],
+    layer: nn.Module,
+    hidden: torch.Tensor,
+    recompute: bool,
+    kwargs: dict[str, object],
+) -> torch.Tensor:
+    """`forward(layer, hidden, **kwargs)` (the layer class's own forward, below its hooks): (1, N, H);
+    with `recompute`, under non-reentrant gradient checkpointing."""
+    body = functools.partial(forward, layer)
+    out = checkpoint(body, hidden, use_reentrant=False, **kwargs) if recompute else body(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def run_decoder_layers(

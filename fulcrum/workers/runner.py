@@ -16,7 +16,12 @@ from torch import nn
 
 from fulcrum.batch import Batch
 from fulcrum.models.linear_logprob import use_compiled_chunks
-from fulcrum.models.packed import compile_decoder_layers, enable_packed_attention, packing_unsupported_reason
+from fulcrum.models.packed import (
+    compile_decoder_layers,
+    compile_inside_layers,
+    enable_packed_attention,
+    packing_unsupported_reason,
+)
 from fulcrum.models.precision import ComputeWeights
 from fulcrum.parallel import max_over_ranks
 from fulcrum.parallel.fsdp import is_sharded
@@ -49,13 +54,14 @@ class ModelRunner:
         if self.packed:
             enable_packed_attention(model)
         sharded = is_sharded(model)  # FSDP2's mixed precision makes the bf16 compute weights
-        if sharded and use_torch_compile and self.packed:
-            logger.info("%s: use_torch_compile is off under FSDP (not combined yet)", role)
-        if self.packed and use_torch_compile and device.type == "cuda" and not sharded:
+        if self.packed and use_torch_compile and device.type == "cuda":
             # Actor, reference and critic layers, train and eval, grad and no-grad: more variants
             # of one compiled layer than dynamo's default cache of 8 holds.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            compile_decoder_layers(model.model)
+            if sharded:  # each layer an FSDP unit: compile inside its hooks (torchtitan's order)
+                compile_inside_layers(model.model)
+            else:
+                compile_decoder_layers(model.model)
             use_compiled_chunks(True)
         self.compute = ComputeWeights(model, keep=keep) if device.type == "cuda" and not sharded else None
 
