@@ -41,6 +41,7 @@ def _entry(
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
     )
+    os.environ.setdefault("FULCRUM_TEARDOWN_TIMEOUT_S", "60")  # a rank that cannot leave fails soon
     torch.set_num_threads(1)
     from fulcrum.parallel import init_distributed, shutdown
 
