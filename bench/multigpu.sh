@@ -4,6 +4,7 @@
 # per-GPU perf/throughput and the phase breakdown of each (JSON summaries and logs under $OUT).
 #   bash bench/multigpu.sh            # all three
 #   bash bench/multigpu.sh tp2        # one of: 1gpu dp2 tp2
+#   EXTRA="actor_rollout_ref.actor.use_torch_compile=False" bash bench/multigpu.sh tp2   # more overrides
 set -u
 OUT=${OUT:-/tmp/multigpu}; mkdir -p "$OUT"
 MODEL=${MODEL:-/tmp/q05}; DATA=${DATA:-runs/bench_data}
@@ -14,7 +15,7 @@ NATIVE="actor_rollout_ref.rollout.name=native trainer.test_freq=-1 trainer.save_
 step() {  # name, overrides...
   local name=$1; shift
   python bench/train_step.py run --data "$DATA" --model "$MODEL" --run /tmp/run_$name --steps 3 \
-      --summary "$OUT/step_$name.json" $NATIVE "$@" >"$OUT/log_$name.txt" 2>&1 \
+      --summary "$OUT/step_$name.json" $NATIVE ${EXTRA:-} "$@" >"$OUT/log_$name.txt" 2>&1 \
    && python -c "import json,sys; s=json.load(open(sys.argv[1]))['mean_after_first']; \
 print(sys.argv[2], {k: round(v, 3) for k, v in s.items() if k.startswith(('timing_s/', 'perf/'))})" \
      "$OUT/step_$name.json" "$name" || { echo "$name FAILED"; tail -30 "$OUT/log_$name.txt"; }
