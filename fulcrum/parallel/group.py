@@ -164,14 +164,16 @@ def _bounded(fn: Callable[[], None], timeout_s: float) -> str | None:
 
 
 def teardown_timeout_s() -> float:
-    """How long leaving the group may take: $FULCRUM_TEARDOWN_TIMEOUT_S, else TEARDOWN_TIMEOUT_S."""
+    """How long leaving the group may take: $FULCRUM_TEARDOWN_TIMEOUT_S, else TEARDOWN_TIMEOUT_S (read
+    at the end of a run, so a bad value is a warning, not an error after the work is done)."""
     raw = os.environ.get(TEARDOWN_TIMEOUT_ENV, "")
     try:
         return float(raw) if raw else TEARDOWN_TIMEOUT_S
     except ValueError:
-        raise ConfigError(
-            f"{TEARDOWN_TIMEOUT_ENV}={raw!r} is not a number of seconds", TEARDOWN_TIMEOUT_ENV
-        ) from None
+        logger.warning(
+            "%s=%r is not a number of seconds: using %g", TEARDOWN_TIMEOUT_ENV, raw, TEARDOWN_TIMEOUT_S
+        )
+        return TEARDOWN_TIMEOUT_S
 
 
 def shutdown(timeout_s: float | None = None, wait_for_peers: bool = True) -> bool:
