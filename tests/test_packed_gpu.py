@@ -108,3 +108,47 @@ def test_compiled_checkpointed_layers_match_eager_on_cuda() -> None:
             (a - b).abs().max(),
         )
     assert torch.nn.functional.cosine_similarity(g_eager, g_compiled, dim=0) > 0.999
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from fulcrum.models.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen2", seed=0))
+
+
+def stream_syncs(fn) -> int:
+    """How many times `fn()` made the host wait for the GPU's stream (cudaStreamSynchronize calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+    return sum(1 for event in prof.events() if event.name == "cudaStreamSynchronize")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_micro_batches_do_not_make_the_host_wait_for_the_gpu(tiny_dir: str) -> None:
+    """Each blocking host-to-device copy waits for the GPU's queue to drain, which leaves it idle while
+    the host launches the next micro-batch: the update may wait once per mini-batch (its grad norm),
+    not per micro-batch."""
+    from test_workers_update import cfg_for, rl_batch
+
+    from fulcrum.config.sections import actor_section
+    from fulcrum.workers.actor import ActorWorker
+
+    cfg = cfg_for(
+        tiny_dir,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    )
+    actor = ActorWorker(actor_section(cfg), CUDA, total_training_steps=10)
+    batch = rl_batch()  # 8 rows: one mini-batch, micro-batches of one padded row's token budget
+    batch["old_log_probs"] = actor.compute_log_prob(batch)[0]
+    actor.update_policy(batch, global_step=1)  # warm-up: allocator and pinned-memory caches
+    micro, _ = actor.runner.micro_batches(batch, 1, False, None, "micro")
+    assert len(micro) >= 4  # four blocking copies each made 16+ waits before (133 in a seed-size update)
+    syncs = stream_syncs(lambda: actor.update_policy(batch, global_step=2))
+    assert syncs <= 4, (
+        f"{syncs} stream synchronisations in an update of one mini-batch, {len(micro)} micro-batches"
+    )
+    assert stream_syncs(lambda: actor.compute_log_prob(batch)) <= 2

@@ -29,6 +29,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from fulcrum.batch import host_to_device
+
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
 
@@ -64,7 +66,7 @@ class PackedMicroBatch:
 
     def to(self, device: torch.device) -> PackedMicroBatch:
         moved = {
-            f.name: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+            f.name: (host_to_device(v, device) if isinstance(v, torch.Tensor) else v)
             for f in fields(self)
             for v in [getattr(self, f.name)]
         }

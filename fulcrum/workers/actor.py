@@ -21,7 +21,7 @@ from fulcrum.algo.kl import kl_penalty
 from fulcrum.algo.losses import agg_loss
 from fulcrum.algo.policy_losses import compute_policy_loss
 from fulcrum.algo.rollout_correction import RolloutCorrection, bypass_policy_loss
-from fulcrum.batch import Batch
+from fulcrum.batch import Batch, host_to_device
 from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
 from fulcrum.parallel import current, rank_rows, reduce_metrics
@@ -202,10 +202,11 @@ class ActorWorker:
     ) -> dict[str, torch.Tensor | float]:
         """Forward, loss (this micro-batch's share of the mini-batch loss), backward; detached metrics."""
         cfg = self.cfg
-        mask = mb["response_mask"].to(self.device).float()
+        mask = host_to_device(mb["response_mask"], self.device).float()
         with_entropy = float(cfg.entropy_coeff) != 0.0
         log_prob, entropy = self.runner.log_prob(mb, self.temperature, with_entropy)
-        old_log_prob, advantages = mb["old_log_probs"].to(self.device), mb["advantages"].to(self.device)
+        old_log_prob = host_to_device(mb["old_log_probs"], self.device)
+        advantages = host_to_device(mb["advantages"], self.device)
         clip = dict(
             cliprange=float(cfg.clip_ratio), cliprange_low=float(clip_low), cliprange_high=float(clip_high)
         )
@@ -227,7 +228,7 @@ class ActorWorker:
                 clip_ratio_c=float(cfg.clip_ratio_c),
                 loss_agg_mode=cfg.loss_agg_mode,
                 loss_mode=cfg.policy_loss.loss_mode,
-                rollout_is_weights=weights.to(self.device) if weights is not None else None,
+                rollout_is_weights=host_to_device(weights, self.device) if weights is not None else None,
                 tau_pos=float(cfg.tau_pos),
                 tau_neg=float(cfg.tau_neg),
                 **agg,
@@ -238,7 +239,7 @@ class ActorWorker:
             entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
             policy_loss = policy_loss - float(cfg.entropy_coeff) * entropy_loss
         if cfg.use_kl_loss:
-            kld = kl_penalty(log_prob, mb["ref_log_prob"].to(self.device), cfg.kl_loss_type)
+            kld = kl_penalty(log_prob, host_to_device(mb["ref_log_prob"], self.device), cfg.kl_loss_type)
             kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, **agg)
             policy_loss = policy_loss + float(cfg.kl_loss_coef) * kl_loss
             out["actor/kl_loss"] = kl_loss.detach()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fulcrum.algo.losses import compute_value_loss
-from fulcrum.batch import Batch
+from fulcrum.batch import Batch, host_to_device
 from fulcrum.config.sections import CriticSection
 from fulcrum.models.load import load_backbone
 from fulcrum.models.value_head import CriticModel
@@ -105,12 +105,12 @@ class CriticWorker:
                 loss_shares: list[torch.Tensor] = []
                 with self.runner.active():
                     for mb in micro:
-                        mask = mb["response_mask"].to(self.device).float()
+                        mask = host_to_device(mb["response_mask"], self.device).float()
                         vpreds = self.runner.values(mb)
                         vf_loss, vf_clipfrac = compute_value_loss(
                             vpreds=vpreds,
-                            values=mb["values"].to(self.device),
-                            returns=mb["returns"].to(self.device),
+                            values=host_to_device(mb["values"], self.device),
+                            returns=host_to_device(mb["returns"], self.device),
                             response_mask=mask,
                             cliprange_value=float(c.cliprange_value),
                             loss_agg_mode=self.loss_agg_mode,

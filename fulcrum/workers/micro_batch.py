@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fulcrum.batch import Batch
+from fulcrum.batch import Batch, host_to_device
 from fulcrum.models.linear_logprob import linear_log_softmax
 from fulcrum.models.load import autocast_for
 from fulcrum.models.logprob import logprob_and_entropy, response_logits, trim_padding
@@ -172,9 +172,9 @@ def trimmed_inputs(mb: Batch, device: torch.device) -> tuple[torch.Tensor, torch
     """The micro-batch's (input_ids, attention_mask, position_ids) on `device` with all-padding columns
     trimmed (see trim_padding), and how many response columns remain."""
     return trim_padding(
-        mb["input_ids"].to(device),
-        mb["attention_mask"].to(device),
-        mb["position_ids"].to(device),
+        host_to_device(mb["input_ids"], device),
+        host_to_device(mb["attention_mask"], device),
+        host_to_device(mb["position_ids"], device),
         mb.prompt_length,
     )
 
@@ -194,10 +194,10 @@ def forward_log_prob(
     ids, mask, pos, r_kept = trimmed_inputs(mb, device)
     with autocast_for(device):
         logits = response_logits(model, ids, mask, pos, r_kept)  # (B, R', V)
-    labels = mb["responses"][:, :r_kept].to(device)
+    labels = host_to_device(mb["responses"][:, :r_kept], device)
     logp, entropy = logprob_and_entropy(logits, labels, temperature, with_entropy)
     # Zero outside the response mask: padding positions carry no meaning and must not leak into sums.
-    mask = mb["response_mask"].to(device)
+    mask = host_to_device(mb["response_mask"], device)
     logp = _pad_right(logp, r) * mask
     return logp, (_pad_right(entropy, r) * mask if entropy is not None else None)
 
@@ -211,7 +211,7 @@ def forward_values(model: nn.Module, mb: Batch, device: torch.device, packed: bo
     with autocast_for(device):
         values = model(input_ids=ids, attention_mask=mask, position_ids=pos)  # (B, T')
     values = values[:, -r_kept - 1 : -1].float()  # (B, R'), as verl's critic slices
-    return _pad_right(values, r) * mb["response_mask"].to(device)
+    return _pad_right(values, r) * host_to_device(mb["response_mask"], device)
 
 
 def packed_log_prob(
@@ -231,7 +231,7 @@ def packed_log_prob(
         with_entropy,
         head.bias,
     )
-    mask = mb["response_mask"].to(device)
+    mask = host_to_device(mb["response_mask"], device)
     return packed.scatter(logp) * mask, (packed.scatter(entropy) * mask if entropy is not None else None)
 
 
@@ -241,4 +241,4 @@ def packed_values(model: nn.Module, mb: Batch, device: torch.device) -> torch.Te
     packed = packed.to(device)
     hidden = packed_hidden_states(model.model, packed).index_select(0, packed.predictor)  # (M, H)
     values = model.value_from_hidden(hidden)  # (M,) float32
-    return packed.scatter(values) * mb["response_mask"].to(device)
+    return packed.scatter(values) * host_to_device(mb["response_mask"], device)
