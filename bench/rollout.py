@@ -88,6 +88,7 @@ def bench_native(args, model, prompts, device, summary: dict) -> NativeEngine:
         decode_steps=args.decode_steps,
         enforce_eager=args.enforce_eager,
         indirect_kv_cache=args.indirect_kv_cache,
+        num_kv_blocks=getattr(args, "num_kv_blocks", None),  # set by bench/rollout_levers.py only
     )
     tick = time.perf_counter()
     engine = NativeEngine(model, [1], 0, config, device)
