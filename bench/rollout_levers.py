@@ -222,19 +222,21 @@ def main(argv: list[str] | None = None) -> int:
     }
     seed = run_row(base, model, prompts, device, seed_setting, "seed", None)
     rows = [seed]
-    ran = seed["outcome"] == "ran"  # without the seed's figures, no estimate: every row runs
+    ran = seed["outcome"] == "ran"  # without the seed's figures, no estimate: only the deadline itself
+    summary["rows"] = rows
     for lever, values in sweep.items():
         for value in values:
             setting = dict(seed_setting, **{lever: value})
             left = args.deadline_s - (time.perf_counter() - started)
             last_start = next(r["start_s"] for r in reversed(rows) if r["outcome"] == "ran") if ran else 0
-            if ran and estimated_s(setting, seed, last_start, count, args.repeats) > left:
+            if left <= 0 or (ran and estimated_s(setting, seed, last_start, count, args.repeats) > left):
                 rows.append(
                     {"lever": lever, "value": value, "setting": setting, "outcome": "skipped (deadline)"}
                 )
                 continue
             rows.append(run_row(base, model, prompts, device, setting, lever, value))
-    summary["rows"] = rows
+            if args.json:  # each row as it comes: an outer timeout still leaves the rows done
+                Path(args.json).write_text(json.dumps(summary, indent=1))
     summary["skipped"] = [f"{r['lever']}={r['value']}" for r in rows if r["outcome"].startswith("skipped")]
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     table = markdown(rows, seed.get("tok_per_s"))
