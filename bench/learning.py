@@ -3,6 +3,7 @@
     python bench/learning.py --out /tmp/learning --results $OUT    # one H200, one call of < 10 min
     python bench/learning.py --out /tmp/learning-smoke --smoke     # the whole pipeline, tiny, CPU, ~2 min
     python bench/learning.py --plot .bench/learning/summary.json   # PNG curves from a summary (needs matplotlib)
+    python bench/learning.py --out /tmp/learning --results $OUT --variants levers   # lever variants, one call
 
 Stages, each through the public commands (so it tests what users run), each skipped when its output
 is already there (a second call resumes):
@@ -28,6 +29,12 @@ is already there (a second call resumes):
    reward, validation accuracy, KL, entropy, response length and critic explained variance per run;
 6. with `--results DIR` (a device call's $OUT): at most 6 files copied there (`pack`).
 
+`--variants NAME=KEY=VALUE[,KEY=VALUE...] ...` (or `--variants levers`, a built-in set) replaces stage
+4's grid: one run per variant (the first of `--seeds`, the algorithm the variant names), all started
+together from the same warm start under the same budget and deadline, at most six (MEMORY); the
+summary, its table and the curves name each run by its variant, with its KL at the end and at its
+peak. The variants, and why the built-in set is what it is: `learning_variants.py`.
+
 MEMORY (six processes on one 140 GiB card; `fulcrum doctor` with the runs' overrides itemises it): per
 process the engine's fixed 0.03 x 140 = 4.2 GiB (KV cache 3.4 GiB), actor + reference (+ critic)
 weights, gradients and AdamW state < 1 GiB, the CUDA context 0.5 GiB, and the activations of one
@@ -39,11 +46,12 @@ with that +6.2 / +2.9 GiB on top: 3 x 17.3 + 3 x 13.7 + this script's context 1 
 so about 45 GiB stay free. The warm-start checks release their model before RL starts, and SFT has
 ended by then.
 
-The warm start's code is in `learning_warm.py`, the summary's in `learning_report.py`; this file, over
-400 lines, keeps the plan and the stages' order in one place.
+The warm start's code is in `learning_warm.py`, the summary's in `learning_report.py`, the variants'
+in `learning_variants.py`; this file, over 400 lines, keeps the plan and the stages' order in one place.
 
-Every RL run is a normal run directory (`rl/<algo>-s<seed>/metrics.jsonl`, `config.yaml`, `train.log`),
-so `fulcrum report` works on it. Extra `KEY=VALUE` arguments go to every `fulcrum train` run.
+Every RL run is a normal run directory (`rl/<algo>-s<seed>/` or `rl/<variant>/`: `metrics.jsonl`,
+`config.yaml`, `train.log`), so `fulcrum report` works on it. Extra `KEY=VALUE` arguments go to every
+`fulcrum train` run (after a variant's own, so they win).
 """
 
 from __future__ import annotations
@@ -56,10 +64,12 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from learning_report import VAL_KEY, RunResult, curves_of, markdown, plot, summarise
+from learning_variants import Variant, check_overrides, merge_overrides, parse_variants
 from learning_warm import _env, _step, fulcrum, sft_and_choose, warm_start_check
 
 
@@ -245,38 +255,57 @@ def _progress(run: Path) -> str:
     return f"step {step}, val {val[-1]:.3f}" if val else f"step {step}"
 
 
-def run_all(model: Path, out: Path, plan: Plan, extra: list[str], stop_at: float) -> list[RunResult]:
-    """Start every (algo, seed) run at once; stop each `budget_s` after its step-0 validation, and every
-    one still going at `stop_at` (time.monotonic()); SIGKILL what SIGTERM has not ended within 20 s."""
-    procs: dict[tuple[str, int], tuple[subprocess.Popen, Path]] = {}
+def planned_runs(plan: Plan, variants: list[Variant]) -> list[tuple[str, int, Variant | None]]:
+    """(algorithm, seed, variant) of each RL run: the algorithms x seeds grid, or one run per variant
+    with the first seed."""
+    if variants:
+        return [(v.algo, plan.seeds[0], v) for v in variants]
+    return [(algo, seed, None) for algo in plan.algos for seed in plan.seeds]
+
+
+def run_all(
+    model: Path, out: Path, plan: Plan, extra: list[str], stop_at: float, variants: Sequence[Variant] = ()
+) -> list[RunResult]:
+    """Start every run at once (`planned_runs`); stop each `budget_s` after its step-0 validation, and
+    every one still going at `stop_at` (time.monotonic()); SIGKILL what SIGTERM has not ended within 20 s."""
+    procs: dict[str, tuple[subprocess.Popen, Path, RunResult]] = {}  # by the run's label
     results = []
-    for algo in plan.algos:
-        for seed in plan.seeds:
-            run = out / "rl" / f"{algo}-s{seed}"
-            if (run / "result.json").exists():  # finished by an earlier call
-                results.append(RunResult(**json.loads((run / "result.json").read_text())))
-                continue
-            if run.exists():
-                raise SystemExit(f"{run} holds an unfinished run: move it away to run it again")
-            run.mkdir(parents=True)
-            cmd = fulcrum("train", *rl_overrides(algo, seed, model, out / "data", run, plan), *extra)
-            (run / "command.txt").write_text(" ".join(cmd) + "\n")
-            log = (run / "train.log").open("w")
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(plan.threads_per_run))
-            procs[(algo, seed)] = (proc, run)
+    for algo, seed, variant in planned_runs(plan, list(variants)):
+        pending = RunResult(algo, seed, None, False, variant=variant.name if variant else "")
+        run = out / "rl" / pending.label
+        overrides = rl_overrides(algo, seed, model, out / "data", run, plan)
+        if variant:
+            overrides = merge_overrides(
+                overrides, [*variant.overrides, f"trainer.experiment_name={variant.name}"]
+            )
+        cmd = fulcrum("train", *overrides, *extra)
+        if (run / "result.json").exists():  # finished by an earlier call
+            if variant and (run / "command.txt").read_text() != " ".join(cmd) + "\n":
+                raise SystemExit(
+                    f"{run} finished with other overrides than variant {variant.name}: move it away"
+                )
+            results.append(RunResult(**json.loads((run / "result.json").read_text())))
+            continue
+        if run.exists():
+            raise SystemExit(f"{run} holds an unfinished run: move it away to run it again")
+        run.mkdir(parents=True)
+        (run / "command.txt").write_text(" ".join(cmd) + "\n")
+        log = (run / "train.log").open("w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(plan.threads_per_run))
+        procs[pending.label] = (proc, run, pending)
     left = stop_at - time.monotonic()
     print(
         f"started {len(procs)} runs; budget {plan.budget_s / 60:.1f} min each, all stopped within "
         f"{left / 60:.1f} min",
         flush=True,
     )
-    started_training: dict[tuple[str, int], float] = {}
-    stopped: dict[tuple[str, int], float] = {}
+    started_training: dict[str, float] = {}
+    stopped: dict[str, float] = {}
     last_report = time.monotonic()
-    while any(p.poll() is None for p, _ in procs.values()):
+    while any(p.poll() is None for p, _, _ in procs.values()):
         time.sleep(2)
         now = time.monotonic()
-        for key, (proc, run) in procs.items():
+        for key, (proc, run, pending) in procs.items():
             if proc.poll() is not None:
                 continue
             if key in stopped:
@@ -285,7 +314,7 @@ def run_all(model: Path, out: Path, plan: Plan, extra: list[str], stop_at: float
                 continue
             if key not in started_training and read_metrics(run):
                 started_training[key] = now
-                print(f"{key[0]} seed {key[1]}: step-0 validation done, budget starts", flush=True)
+                print(f"{_who(pending)}: step-0 validation done, budget starts", flush=True)
             over_budget = key in started_training and now - started_training[key] > plan.budget_s
             if over_budget or now > stop_at:
                 proc.send_signal(signal.SIGTERM)
@@ -293,24 +322,39 @@ def run_all(model: Path, out: Path, plan: Plan, extra: list[str], stop_at: float
         if now - last_report > 60:
             last_report = now
             print(
-                "  " + "; ".join(f"{a}-s{s}: {_progress(r)}" for (a, s), (_, r) in procs.items()), flush=True
+                "  " + "; ".join(f"{key}: {_progress(run)}" for key, (_, run, _) in procs.items()), flush=True
             )
-    for (algo, seed), (proc, run) in procs.items():
+    for key, (proc, run, pending) in procs.items():
         rows = read_metrics(run)
         curves, val = curves_of(rows)
         last_step = int(rows[-1].get("training/global_step", 0)) if rows else 0
-        result = RunResult(algo, seed, proc.returncode, (algo, seed) in stopped, curves, val, last_step)
+        result = replace(
+            pending,
+            exit_code=proc.returncode,
+            stopped_by_budget=key in stopped,
+            curves=curves,
+            val=val,
+            last_step=last_step,
+        )
         if result.failed:
             log_lines = (run / "train.log").read_text().splitlines()
             result.error = next(
                 (x for x in reversed(log_lines) if x.startswith("fulcrum train:")), "see train.log"
             )
             tail = "\n".join(log_lines[-20:])
-            print(f"{algo} seed {seed} failed (exit {proc.returncode}):\n{tail}", file=sys.stderr, flush=True)
+            print(f"{_who(result)} failed (exit {proc.returncode}):\n{tail}", file=sys.stderr, flush=True)
         else:  # a finished run is kept by a later call; a failed one is not taken as finished
-            (run / "result.json").write_text(json.dumps(asdict(result)))
+            record = asdict(result)
+            if not result.variant:  # the grid's result.json as before
+                del record["variant"]
+            (run / "result.json").write_text(json.dumps(record))
         results.append(result)
     return results
+
+
+def _who(result: RunResult) -> str:
+    """How the progress lines name a run."""
+    return result.variant or f"{result.algo} seed {result.seed}"
 
 
 def pack(out: Path, results_dir: Path) -> None:
@@ -350,12 +394,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-min-accuracy", type=float, help="warm start: first checkpoint at least this")
     parser.add_argument("--warm-max-accuracy", type=float, help="warm start: ... unless above this")
     parser.add_argument("--allow-low-format", action="store_true", help="run RL even below 95%% format")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        metavar="NAME=KEY=VALUE[,KEY=VALUE...]",
+        help="one run per variant (or `levers`, a built-in set; learning_variants.py) instead of the grid",
+    )
     args, extra = parser.parse_known_args(argv)
     if args.plot:
         print(f"wrote {plot(args.plot)}")
         return 0
     if args.out is None:
         parser.error("--out is required (or --plot)")
+    args.variants = variants_of(args, parser)
     started = time.perf_counter()
     plan = SMOKE if args.smoke else Plan()
     chosen = {
@@ -383,6 +434,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.results:
             pack(args.out, args.results)
     return code
+
+
+def variants_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Variant]:
+    """The checked `--variants` ([] without them); a bad one stops here, before any stage runs."""
+    if not args.variants:
+        return []
+    if args.algos:
+        parser.error("--algos: each of --variants names its own algorithm")
+    if args.seeds and len(args.seeds) > 1:
+        parser.error("--seeds: one run per variant, so one seed with --variants")
+    try:
+        variants = parse_variants(args.variants)
+        check_overrides(variants)
+    except ValueError as err:
+        parser.error(str(err))
+    return variants
 
 
 def _elapsed(started: float) -> str:
@@ -415,9 +482,9 @@ def learn(args: argparse.Namespace, plan: Plan, extra: list[str], started: float
             return 1
         print(f"note: {message} (allowed here)", flush=True)
 
-    results = run_all(model, args.out, plan, extra, stop_at)
+    results = run_all(model, args.out, plan, extra, stop_at, args.variants)
     print(f"RL done ({_elapsed(started)})", flush=True)
-    summary = summarise(warm, results, plan)
+    summary = summarise(warm, results, plan, {v.name: list(v.overrides) for v in args.variants} or None)
     (args.out / "summary.json").write_text(json.dumps(summary))
     text = markdown(summary)
     (args.out / "summary.md").write_text(text)

@@ -1,5 +1,9 @@
 """bench/learning.py's results: curves from run directories, the summary, its markdown and the plot.
 
+One code path for both modes: the algorithms x seeds grid (per run, then mean +/- std per algorithm)
+and `--variants` (one run per variant, labelled by its name, with the KL at the end and its peak; no
+averages, since each variant is one seed).
+
 python bench/learning.py --plot SUMMARY.json     # draws learning_curves.png beside it (matplotlib)
 """
 
@@ -33,6 +37,12 @@ class RunResult:
     val: list[list[float]] = field(default_factory=list)  # [[minutes, step, accuracy]]
     last_step: int = 0  # the last training step it logged
     error: str = ""  # the run's own last words when it died (e.g. out of device memory)
+    variant: str = ""  # its --variants name; "" in the algorithms x seeds grid
+
+    @property
+    def label(self) -> str:
+        """Its name in the summary and the curves, and its folder under `rl/`."""
+        return self.variant or f"{self.algo}-s{self.seed}"
 
     @property
     def failed(self) -> bool:
@@ -66,36 +76,47 @@ def _spread(values: list[float]) -> dict[str, float]:
     }
 
 
-def summarise(warm: dict, results: list[RunResult], plan: Any) -> dict:
-    """Per run: accuracy at step 0, at the last validation and the best; per algorithm mean ± std and range."""
-    runs, by_algo = [], {}
-    for r in results:
-        if r.failed or not r.val:
-            runs.append(
-                {
-                    "algo": r.algo,
-                    "seed": r.seed,
-                    "exit_code": r.exit_code,
-                    "failed_at_step": r.last_step,
-                    "error": r.error or "no validation",
-                }
-            )
-            continue
-        ev = [v for _, _, v in r.curves.get("critic/vf_explained_var", [])]
-        runs.append(
-            {
-                "algo": r.algo,
-                "seed": r.seed,
-                "steps": int(r.val[-1][1]),
-                "minutes": r.val[-1][0],
-                "step0_accuracy": r.val[0][2],
-                "final_accuracy": r.val[-1][2],
-                "best_accuracy": max(v for _, _, v in r.val),
-                "gain": r.val[-1][2] - r.val[0][2],
-                "final_explained_variance": statistics.fmean(ev[-5:]) if ev else None,
-            }
-        )
-    for algo in plan.algos:
+def _tail_mean(points: list[list[float]]) -> float | None:
+    """Mean of the last 5 values of a curve ([[minutes, step, value]]): its level at the end."""
+    return statistics.fmean(v for _, _, v in points[-5:]) if points else None
+
+
+def _run_row(r: RunResult) -> dict:
+    """One run's summary row; a variant's also has its name and its KL at the end and at its peak."""
+    if r.failed or not r.val:
+        row: dict[str, Any] = {
+            "algo": r.algo,
+            "seed": r.seed,
+            "exit_code": r.exit_code,
+            "failed_at_step": r.last_step,
+            "error": r.error or "no validation",
+        }
+    else:
+        row = {
+            "algo": r.algo,
+            "seed": r.seed,
+            "steps": int(r.val[-1][1]),
+            "minutes": r.val[-1][0],
+            "step0_accuracy": r.val[0][2],
+            "final_accuracy": r.val[-1][2],
+            "best_accuracy": max(v for _, _, v in r.val),
+            "gain": r.val[-1][2] - r.val[0][2],
+            "final_explained_variance": _tail_mean(r.curves.get("critic/vf_explained_var", [])),
+        }
+        if r.variant:  # the grid's rows keep their keys
+            kl = r.curves.get("actor/kl_loss", [])
+            row["final_kl"] = _tail_mean(kl)
+            row["peak_kl"] = max((v for _, _, v in kl), default=None)
+    return {"variant": r.variant, **row} if r.variant else row
+
+
+def summarise(
+    warm: dict, results: list[RunResult], plan: Any, variants: dict[str, list[str]] | None = None
+) -> dict:
+    """Per run: accuracy at step 0, at the last validation and the best; per algorithm mean ± std and
+    range; with `variants` (name -> its overrides; one run each) no averages, and the variants listed."""
+    runs, by_algo = [_run_row(r) for r in results], {}
+    for algo in () if variants else plan.algos:
         mine = [r for r in runs if r["algo"] == algo and "gain" in r]
         if mine:  # failed runs are not averaged in (a dead run's "gain" of 0 would hide it): counted apart
             by_algo[algo] = {
@@ -103,8 +124,13 @@ def summarise(warm: dict, results: list[RunResult], plan: Any) -> dict:
             }
             by_algo[algo]["seeds"] = len(mine)
             by_algo[algo]["failed"] = sum(1 for r in runs if r["algo"] == algo and "gain" not in r)
-    curves = {f"{r.algo}-s{r.seed}": r.curves for r in results}
-    return {"plan": asdict(plan), "warm_start": warm, "runs": runs, "by_algo": by_algo, "curves": curves}
+    curves = {r.label: r.curves for r in results}
+    summary = {"plan": asdict(plan), "warm_start": warm, "runs": runs, "by_algo": by_algo, "curves": curves}
+    return {**summary, "variants": variants} if variants else summary
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
 
 
 def markdown(summary: dict) -> str:
@@ -119,23 +145,37 @@ def markdown(summary: dict) -> str:
             f"{c['step']}: {c['accuracy']:.2f}/{c['format_accuracy']:.2f}" for c in warm["dev_checks"]
         )
         lines.append(f"SFT checkpoints on the dev set (step: accuracy/format): {checks}.")
+    variants = summary.get("variants")
+    if variants:
+        listed = "; ".join(f"`{name}`: `{' '.join(o)}`" for name, o in variants.items())
+        seed = summary["runs"][0]["seed"] if summary["runs"] else "?"
+        lines.append(
+            f"Variants, one run each (seed {seed}) from this warm start, over the plan's overrides: {listed}."
+        )
+    who = ["variant", "algorithm"] if variants else ["algorithm", "seed"]
+    measures = ["steps", "RL minutes", "step 0", "final", "best", "gain"]
+    measures += ["KL at the end", "KL peak"] if variants else []
+    measures += ["critic explained variance"]
     lines += [
         "",
-        "| algorithm | seed | steps | RL minutes | step 0 | final | best | gain | critic explained variance |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| " + " | ".join(who + measures) + " |",
+        "| " + " | ".join(["---"] * len(who + measures)) + " |",
     ]
     for r in summary["runs"]:
+        cells = [r["variant"], names[r["algo"]]] if variants else [names[r["algo"]], str(r["seed"])]
         if "gain" not in r:
-            lines.append(
-                f"| {names[r['algo']]} | {r['seed']} | **failed** (exit {r['exit_code']}) at step "
-                f"{r.get('failed_at_step', 0)}: {r['error'][:160]} | | | | | | |"
+            failed = (
+                f"**failed** (exit {r['exit_code']}) at step {r.get('failed_at_step', 0)}: {r['error'][:160]}"
             )
+            lines.append("| " + " | ".join([*cells, failed]) + " |" + " |" * (len(measures) - 1))
             continue
-        ev = "—" if r["final_explained_variance"] is None else f"{r['final_explained_variance']:.2f}"
-        lines.append(
-            f"| {names[r['algo']]} | {r['seed']} | {r['steps']} | {r['minutes']:.1f} | {r['step0_accuracy']:.3f} | "
-            f"{r['final_accuracy']:.3f} | {r['best_accuracy']:.3f} | {r['gain']:+.3f} | {ev} |"
-        )
+        accuracy = [f"{r[k]:.3f}" for k in ("step0_accuracy", "final_accuracy", "best_accuracy")]
+        cells += [str(r["steps"]), f"{r['minutes']:.1f}", *accuracy, f"{r['gain']:+.3f}"]
+        cells += [_number(r["final_kl"], ".3f"), _number(r["peak_kl"], ".3f")] if variants else []
+        cells += [_number(r["final_explained_variance"], ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    if variants:  # one seed each: no averages
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         "| algorithm | seeds | final accuracy, mean ± std (range) | gain, mean ± std (range) |",
@@ -151,6 +191,17 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _line_style(name: str, index: int, variants: bool) -> tuple[str, str]:
+    """(colour, legend label) of run `name`: the grid colours by algorithm and labels `PPO s1`; variants
+    each get their own colour and their name."""
+    if variants:
+        return f"C{index % 10}", name
+    algo = name.split("-s")[0]
+    return {"gae": "tab:blue", "grpo": "tab:orange"}[
+        algo
+    ], f"{'PPO' if algo == 'gae' else 'GRPO'} {name.split('-')[-1]}"
+
+
 def plot(summary_file: Path) -> Path:
     """`learning_curves.png` beside the summary: one panel per CURVES entry, one line per run."""
     import matplotlib
@@ -160,20 +211,12 @@ def plot(summary_file: Path) -> Path:
 
     summary = json.loads(summary_file.read_text())
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    colours = {"gae": "tab:blue", "grpo": "tab:orange"}
     for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
-        for name, curves in summary["curves"].items():
+        for i, (name, curves) in enumerate(summary["curves"].items()):
             points = curves.get(key, [])
             if points:
-                algo = name.split("-s")[0]
-                label = f"{'PPO' if algo == 'gae' else 'GRPO'} {name.split('-')[-1]}"
-                ax.plot(
-                    [p[0] for p in points],
-                    [p[2] for p in points],
-                    color=colours[algo],
-                    alpha=0.8,
-                    label=label,
-                )
+                colour, label = _line_style(name, i, bool(summary.get("variants")))
+                ax.plot([p[0] for p in points], [p[2] for p in points], color=colour, alpha=0.8, label=label)
         if key == "critic/vf_explained_var":  # it starts far below 0 while returns barely vary
             ax.set_ylim(-1.0, 1.0)
         ax.set_title(title)
