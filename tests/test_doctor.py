@@ -40,12 +40,14 @@ def test_keys_without_effect_are_listed(files, capsys):
         *seed_command(files),
         "actor_rollout_ref.actor.fsdp_config.forward_prefetch=True",
         "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.actor.use_torch_compile=False",  # acts (compiled layers): not listed
     ]
     assert doctor.main(argv) == 0
     out = capsys.readouterr().out
     assert "accepted for compatibility, no effect" in out
     assert "actor_rollout_ref.actor.fsdp_config.forward_prefetch=True" in out
     assert "critic.model.tokenizer_path" not in out  # follows the model path: not set by the user
+    assert "use_torch_compile" not in out
     assert "fulcrum has no vllm backend" in out
 
 

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-# Keys verl accepts that fulcrum takes and ignores: one process on one device (no ray, FSDP sharding,
-# tensor parallelism or load balancing), no profiler, and options of features fulcrum does not have.
+# Keys verl accepts that fulcrum takes and ignores: no ray, FSDP layout knobs or load balancing, no
+# profiler, and options of features fulcrum does not have.
 # A key is "without effect" when it equals one of these paths or lies under one. `fulcrum doctor`
 # lists the ones a configuration sets to a non-default value. When a part starts acting on a key,
 # remove it here (and from docs/configuration.md).
+FSDP_LAYOUT_KEYS = (
+    "strategy",
+    "wrap_policy",
+    "offload_policy",
+    "reshard_after_forward",
+    "fsdp_size",
+    "forward_prefetch",
+    "model_dtype",
+)
 NO_EFFECT_KEYS: frozenset[str] = frozenset(
     {
         "data.use_shm",
@@ -53,26 +62,10 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "actor_rollout_ref.ref.entropy_from_logits_with_chunking",
         "actor_rollout_ref.ref.entropy_checkpointing",
         "actor_rollout_ref.actor.strategy",
-        "actor_rollout_ref.actor.use_torch_compile",
-        "actor_rollout_ref.actor.fsdp_config.strategy",
-        "actor_rollout_ref.actor.fsdp_config.wrap_policy",
-        "actor_rollout_ref.actor.fsdp_config.offload_policy",
-        "actor_rollout_ref.actor.fsdp_config.reshard_after_forward",
-        "actor_rollout_ref.actor.fsdp_config.fsdp_size",
-        "actor_rollout_ref.actor.fsdp_config.forward_prefetch",
-        "actor_rollout_ref.actor.fsdp_config.model_dtype",
         "actor_rollout_ref.actor.checkpoint.async_save",
         "actor_rollout_ref.actor.checkpoint.load_contents",
         "actor_rollout_ref.actor.profiler",
         "actor_rollout_ref.ref.strategy",
-        "actor_rollout_ref.ref.use_torch_compile",
-        "actor_rollout_ref.ref.fsdp_config.strategy",
-        "actor_rollout_ref.ref.fsdp_config.wrap_policy",
-        "actor_rollout_ref.ref.fsdp_config.offload_policy",
-        "actor_rollout_ref.ref.fsdp_config.reshard_after_forward",
-        "actor_rollout_ref.ref.fsdp_config.fsdp_size",
-        "actor_rollout_ref.ref.fsdp_config.forward_prefetch",
-        "actor_rollout_ref.ref.fsdp_config.model_dtype",
         "actor_rollout_ref.ref.profiler",
         "actor_rollout_ref.rollout.mode",
         "actor_rollout_ref.rollout.enable_chunked_prefill",
@@ -116,13 +109,6 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "critic.strategy",
         "critic.model.use_shm",
         "critic.model.enable_activation_offload",
-        "critic.model.fsdp_config.strategy",
-        "critic.model.fsdp_config.wrap_policy",
-        "critic.model.fsdp_config.offload_policy",
-        "critic.model.fsdp_config.reshard_after_forward",
-        "critic.model.fsdp_config.fsdp_size",
-        "critic.model.fsdp_config.forward_prefetch",
-        "critic.model.fsdp_config.model_dtype",
         "critic.model.tokenizer_path",
         "critic.model.override_config",
         "critic.model.external_lib",
@@ -154,6 +140,12 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "global_profiler",
         "ray_kwargs",
         "ray_init",
+        # FSDP's layout knobs: fulcrum shards one unit per decoder layer (only the offload keys act)
+        *(
+            f"{role}.fsdp_config.{key}"
+            for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
+            for key in FSDP_LAYOUT_KEYS
+        ),
     }
 )
 
