@@ -90,7 +90,7 @@ class Batch:
         return [self.select(list(range(s, min(s + size, n)))) for s in range(0, n, size)]
 
     def to(self, device: torch.device) -> Batch:
-        return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.non_tensors))
+        return Batch({k: host_to_device(v, device) for k, v in self.tensors.items()}, dict(self.non_tensors))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)

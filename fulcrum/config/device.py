@@ -44,9 +44,8 @@ def select_device(
     if want == "auto" and cpu_when_no_cuda and available == 0:
         return torch.device("cpu")
     asked = n_gpus_per_node * nnodes
-    if (
-        n_gpus_per_node > available == 0
-    ):  # advising n_gpus_per_node=1 would not help: there is no device at all
+    # No device at all: advising n_gpus_per_node=1 would not help.
+    if n_gpus_per_node > available == 0:
         raise DeviceError(
             f"trainer.device={want} with trainer.n_gpus_per_node={n_gpus_per_node} × trainer.nnodes={nnodes} "
             f"asks for {asked} CUDA device(s) but this machine has 0 (no GPU, or CUDA_VISIBLE_DEVICES hides "

@@ -178,9 +178,7 @@ def compile_decoder_layers(
     recorded per shape, so `packed_hidden_states` pads each stream to one of a few shapes
     (`pad_to_buckets`, `GRAPH_BUCKETS`).
     """
-    checkpointed = any(bool(getattr(layer, "gradient_checkpointing", False)) for layer in base.layers)
-    for layer in base.layers:
-        layer.gradient_checkpointing = False
+    checkpointed = take_over_checkpointing(base)
     layers = list(base.layers[: base.config.num_hidden_layers])
     layers_per_region = layers_per_region or LAYERS_PER_REGION
     base.fulcrum_checkpoint = checkpointed
@@ -205,10 +203,9 @@ def compile_inside_layers(base: nn.Module, backend: str = "inductor") -> None:
     (padded forwards) run the layer's own forward, uncompiled. State dicts are unchanged: the layers
     get an instance `forward`, nothing registered.
     """
-    checkpointed = any(bool(getattr(layer, "gradient_checkpointing", False)) for layer in base.layers)
+    checkpointed = take_over_checkpointing(base)  # transformers' wrapper would sit outside FSDP's hooks
     compiled = torch.compile(run_layer_body, dynamic=True, backend=backend)
     for layer in base.layers[: base.config.num_hidden_layers]:
-        layer.gradient_checkpointing = False  # transformers' wrapper sits outside FSDP's hooks: ours inside
         layer.forward = functools.partial(
             _packed_layer_call, compiled, layer, type(layer).forward, checkpointed
         )
@@ -238,22 +235,34 @@ def run_layer_body(
 ) -> torch.Tensor:
     """`forward(layer, hidden, **kwargs)` (the layer class's own forward, below its hooks): (1, N, H);
     with `recompute`, under non-reentrant gradient checkpointing."""
-    body = functools.partial(forward, layer)
-    out = checkpoint(body, hidden, use_reentrant=False, **kwargs) if recompute else body(hidden, **kwargs)
+    return call_layer(functools.partial(forward, layer), hidden, recompute, kwargs)
+
+
+def call_layer(
+    layer: Callable[..., object], hidden: torch.Tensor, recompute: bool, kwargs: dict[str, object]
+) -> torch.Tensor:
+    """`layer(hidden, **kwargs)`'s hidden states (1, N, H); with `recompute`, under non-reentrant
+    gradient checkpointing (only its input is kept for the backward)."""
+    out = checkpoint(layer, hidden, use_reentrant=False, **kwargs) if recompute else layer(hidden, **kwargs)
     return out[0] if isinstance(out, tuple) else out
+
+
+def take_over_checkpointing(base: nn.Module) -> bool:
+    """Whether the layers had transformers' gradient checkpointing, which is switched off: its wrapper
+    sits inside each layer's forward, where the compiler would have to trace it; the compiled paths
+    apply checkpointing themselves (`call_layer`)."""
+    checkpointed = any(bool(getattr(layer, "gradient_checkpointing", False)) for layer in base.layers)
+    for layer in base.layers:
+        layer.gradient_checkpointing = False
+    return checkpointed
 
 
 def run_decoder_layers(
     layers: list[nn.Module], hidden: torch.Tensor, recompute: bool, kwargs: dict[str, object]
 ) -> torch.Tensor:
-    """`hidden` (1, N, H) through `layers` in turn; with `recompute`, each layer under non-reentrant
-    gradient checkpointing (only its input is kept for the backward)."""
+    """`hidden` (1, N, H) through `layers` in turn (`call_layer`)."""
     for layer in layers:
-        if recompute:
-            out = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
-        else:
-            out = layer(hidden, **kwargs)
-        hidden = out[0] if isinstance(out, tuple) else out
+        hidden = call_layer(layer, hidden, recompute, kwargs)
     return hidden
 
 

@@ -8,7 +8,6 @@ This package sits beside `fulcrum.config` at the bottom of the layers: it import
 from fulcrum.parallel.group import (
     DistInfo,
     WorldSizeError,
-    barrier,
     check_world_size,
     current,
     init_distributed,
@@ -32,7 +31,6 @@ __all__ = [
     "WorldSizeError",
     "all_gather_objects",
     "all_gather_rows",
-    "barrier",
     "broadcast_object",
     "check_world_size",
     "current",

@@ -133,12 +133,6 @@ def current() -> DistInfo:
     )
 
 
-def barrier() -> None:
-    """Wait for every rank (nothing to wait for in a single process)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def _bounded(fn: Callable[[], None], timeout_s: float) -> str | None:
     """Run `fn` in a daemon thread; None when it returned within `timeout_s`, else why not.
 

@@ -91,8 +91,13 @@ def reduce_metrics(
     device = device or collective_device()
     values = torch.tensor([float(metrics[n]) for n in names], dtype=torch.float64, device=device)
     out: dict[str, float] = {}
-    ops = (("mean", dist.ReduceOp.SUM), ("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX))
-    for how, op in (*ops, ("min", dist.ReduceOp.MIN)):
+    ops = (
+        ("mean", dist.ReduceOp.SUM),
+        ("sum", dist.ReduceOp.SUM),
+        ("max", dist.ReduceOp.MAX),
+        ("min", dist.ReduceOp.MIN),
+    )
+    for how, op in ops:
         index = [i for i, n in enumerate(names) if (("sum" if n in sums else reduction_of(n)) == how)]
         if not index:
             continue

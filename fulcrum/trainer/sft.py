@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
+from fulcrum.batch import host_to_device
 from fulcrum.config import ConfigError, load_structured, save_config, to_dict
 from fulcrum.config.device import select_device
 from fulcrum.models.load import load_causal_lm, load_tokenizer
@@ -306,7 +307,9 @@ def evaluate_loss(
     model.eval()
     total, count = 0.0, 0
     for start in range(0, len(examples), micro):
-        ids, attn, mask = (t.to(device) for t in collate(examples[start : start + micro], pad_id))
+        ids, attn, mask = (
+            host_to_device(t, device) for t in collate(examples[start : start + micro], pad_id)
+        )
         with _autocast(device):
             logits = model(input_ids=ids, attention_mask=attn).logits
         total += response_token_nll(logits, ids, mask).item()
@@ -412,7 +415,7 @@ def run_sft(cfg: SFTConfig, log: Any = print) -> SFTResult:
             group["lr"] = lr
         step_nll = 0.0
         for m in range(0, batch, micro):
-            ids, attn, mask = (t.to(device) for t in collate(chosen[m : m + micro], pad_id))
+            ids, attn, mask = (host_to_device(t, device) for t in collate(chosen[m : m + micro], pad_id))
             with _autocast(device):
                 logits = model(input_ids=ids, attention_mask=attn).logits
             # Dividing by the batch's target count makes the accumulated gradient that of the token mean.

@@ -77,7 +77,7 @@ class ReferenceWorker:
         self.device = device
         self.model = load_causal_lm(section.model_path, device).eval()
         self.model.requires_grad_(False)
-        shard_if_distributed(self.model, device, FSDPSettings(param_offload=section.param_offload))
+        shard_if_distributed(self.model, device, section.param_offload)
         self.runner = ModelRunner(
             self.model,
             device,
@@ -106,9 +106,8 @@ class ActorWorker:
         self.model = load_causal_lm(model.path, device, model.enable_gradient_checkpointing)
         self.model.train()
         fsdp = self.cfg.fsdp_config
-        self.optimizer_offload = bool(fsdp.optimizer_offload) and current().distributed
-        shard_if_distributed(
-            self.model, device, FSDPSettings(bool(fsdp.param_offload), self.optimizer_offload)
+        self.optimizer_offload = shard_if_distributed(
+            self.model, device, fsdp.param_offload, fsdp.optimizer_offload
         )
         self.runner = ModelRunner(
             self.model,
@@ -265,13 +264,21 @@ class ActorWorker:
 
 
 def shard_if_distributed(
-    model: nn.Module, device: torch.device, settings: FSDPSettings, keep_fp32: tuple[str, ...] = ()
-) -> None:
-    """FSDP2 over the ranks when torchrun started several (fulcrum.parallel.fsdp); nothing in one process."""
-    if current().distributed:
-        from fulcrum.parallel.fsdp import shard_model
+    model: nn.Module,
+    device: torch.device,
+    param_offload: bool,
+    optimizer_offload: bool = False,
+    keep_fp32: tuple[str, ...] = (),
+) -> bool:
+    """FSDP2 over the ranks when torchrun started several (fulcrum.parallel.fsdp), with verl's
+    `fsdp_config` offload keys; nothing in one process. Returns whether the optimiser state is
+    offloaded (`optimizer_offload` acts only when sharded)."""
+    if not current().distributed:
+        return False
+    from fulcrum.parallel.fsdp import shard_model
 
-        shard_model(model, device, settings, keep_fp32)
+    shard_model(model, device, FSDPSettings(bool(param_offload), bool(optimizer_offload)), keep_fp32)
+    return bool(optimizer_offload)
 
 
 # Metrics that are a micro-batch's share of the mini-batch loss: summed per mini-batch (and over ranks).
@@ -319,14 +326,13 @@ def clip_and_step(
     norm = grad_norm_value(grad_norm)
     if not math.isfinite(norm):
         logger.warning("%s: grad_norm is %s, skipping this optimiser step", role, norm)
-        optimizer.zero_grad(set_to_none=True)
-        return norm
-    if offload:
-        move_optimizer_state(optimizer, params[0].device)
-    optimizer.step()
+    else:
+        if offload:
+            move_optimizer_state(optimizer, params[0].device)
+        optimizer.step()
+        if offload:
+            move_optimizer_state(optimizer, torch.device("cpu"))
     # The gradients are spent: kept until the next update's zero_grad, they held 4 B per parameter
     # (1.8 GiB for a 0.5B model) through generation and the other model's passes.
     optimizer.zero_grad(set_to_none=True)
-    if offload:
-        move_optimizer_state(optimizer, torch.device("cpu"))
     return norm

@@ -17,8 +17,7 @@ from fulcrum.batch import Batch, host_to_device
 from fulcrum.config.sections import CriticSection
 from fulcrum.models.load import load_backbone
 from fulcrum.models.value_head import CriticModel
-from fulcrum.parallel import current, rank_rows, reduce_metrics
-from fulcrum.parallel.fsdp import FSDPSettings
+from fulcrum.parallel import rank_rows, reduce_metrics
 from fulcrum.workers.actor import clip_and_step, global_agg_kwargs, mean_metrics, shard_if_distributed
 from fulcrum.workers.micro_batch import restore_order
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
@@ -38,9 +37,9 @@ class CriticWorker:
             self.model.gradient_checkpointing_enable({"use_reentrant": False})
         self.model.train()
         fsdp = c.model.fsdp_config
-        self.optimizer_offload = bool(fsdp.optimizer_offload) and current().distributed
-        settings = FSDPSettings(bool(fsdp.param_offload), self.optimizer_offload)
-        shard_if_distributed(self.model, device, settings, keep_fp32=("score",))  # a float32 value head
+        self.optimizer_offload = shard_if_distributed(  # the value head a float32 unit of its own
+            self.model, device, fsdp.param_offload, fsdp.optimizer_offload, keep_fp32=("score",)
+        )
         # The value head stays float32 (keep): values are not rounded to bf16.
         self.runner = ModelRunner(
             self.model,

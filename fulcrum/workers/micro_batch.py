@@ -19,7 +19,8 @@ from fulcrum.models.linear_logprob import linear_log_softmax
 from fulcrum.models.load import autocast_for
 from fulcrum.models.logprob import logprob_and_entropy, response_logits, trim_padding
 from fulcrum.models.packed import pack_micro_batch, packed_hidden_states
-from fulcrum.parallel.fsdp import run_in_root
+from fulcrum.parallel import max_over_ranks
+from fulcrum.parallel.fsdp import is_sharded, run_in_root
 
 
 def sequence_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,6 +150,14 @@ def split_to_count(micro: list[Batch], count: int) -> list[Batch]:
             micro[widest].select(list(range(rows // 2, rows))),
         ]
     return micro
+
+
+def as_many_as_other_ranks(model: nn.Module, micro: list[Batch]) -> list[Batch]:
+    """`micro`, cut further (`split_to_count`) to the largest micro-batch count of any rank when FSDP
+    shards `model`: each forward gathers the layers' shards, a collective every rank must join."""
+    if not is_sharded(model):
+        return micro
+    return split_to_count(micro, max_over_ranks(len(micro)))
 
 
 def restore_order(parts: list[torch.Tensor], order: list[int] | None) -> torch.Tensor:

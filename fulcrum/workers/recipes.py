@@ -6,16 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fulcrum.batch import Batch
+from fulcrum.batch import Batch, host_to_device
 from fulcrum.models.load import autocast_for
 from fulcrum.models.logprob import response_logits, sum_pi_squared
-from fulcrum.parallel import max_over_ranks
-from fulcrum.parallel.fsdp import is_sharded
 from fulcrum.workers.micro_batch import (
     _pad_right,
+    as_many_as_other_ranks,
     make_micro_batches,
     restore_order,
-    split_to_count,
     trimmed_inputs,
 )
 
@@ -42,8 +40,7 @@ def compute_sum_pi_squared(
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
         sort_by_length=True,
     )
-    if is_sharded(model):  # as many forwards on every rank (runner.micro_batches does the same)
-        micro = split_to_count(micro, max_over_ranks(len(micro)))
+    micro = as_many_as_other_ranks(model, micro)
     was_training = model.training
     model.eval()
     parts = []
@@ -53,7 +50,7 @@ def compute_sum_pi_squared(
             with autocast_for(device):
                 logits = response_logits(model, ids, mask, pos, r_kept)
             values = _pad_right(sum_pi_squared(logits, temperature), mb.response_length)
-            parts.append((values * mb["response_mask"].to(device)).cpu())
+            parts.append(values * host_to_device(mb["response_mask"], device))
     finally:
         model.train(was_training)
-    return restore_order(parts, order)
+    return restore_order(parts, order).cpu()  # one copy back, not one (and a wait) per micro-batch

@@ -24,9 +24,13 @@ from fulcrum.models.packed import (
     packing_unsupported_reason,
 )
 from fulcrum.models.precision import ComputeWeights
-from fulcrum.parallel import max_over_ranks
 from fulcrum.parallel.fsdp import is_sharded
-from fulcrum.workers.micro_batch import forward_log_prob, forward_values, make_micro_batches, split_to_count
+from fulcrum.workers.micro_batch import (
+    as_many_as_other_ranks,
+    forward_log_prob,
+    forward_values,
+    make_micro_batches,
+)
 
 logger = logging.getLogger(__name__)
 CUDA_GRAPHS_ENV = "FULCRUM_TRAIN_CUDA_GRAPHS"  # =1: the compiled decoder regions replay as CUDA graphs
@@ -106,9 +110,7 @@ class ModelRunner:
             sort_by_length=sort_by_length,
             packed=self.packed,
         )
-        if is_sharded(self.model):  # as many forwards on every rank: each gathers the layers' shards
-            micro = split_to_count(micro, max_over_ranks(len(micro)))
-        return micro, order
+        return as_many_as_other_ranks(self.model, micro), order
 
     def log_prob(
         self, mb: Batch, temperature: float, with_entropy: bool

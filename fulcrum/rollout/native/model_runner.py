@@ -121,8 +121,7 @@ class ModelRunner:
         ):
             # The graphs hold the old cache's address: drop them, the next decodes recapture (every
             # tensor-parallel rank at once: the capture's warm-up forward all-reduces).
-            self.graphs.clear()
-            self.graph_pool = None
+            self.release_graphs()
         self._graphs_cache_ptr = self.kv_cache.data_ptr()
 
     def free_cache(self) -> None:
