@@ -4,6 +4,8 @@ matches the dense one with gradients; compute-weight copies accumulate gradients
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from test_workers_units import make_batch  # tests/ is on sys.path under pytest
@@ -16,7 +18,6 @@ from fulcrum.models.packed import (
     enable_packed_attention,
     pack_micro_batch,
     pad_to_buckets,
-    per_sequence_causal_attention,
     right_padded_causal_attention,
 )
 from fulcrum.models.precision import ComputeWeights
@@ -269,6 +270,27 @@ def test_compiled_layer_twins_match_and_leave_the_model_alone(qwen2_dir: str) ->
     assert torch.allclose(lp_a, lp_b, atol=TOL, rtol=0)
     for name in g_a:
         assert torch.allclose(g_a[name], g_b[name], atol=TOL, rtol=1e-4), name
+
+
+def per_sequence_causal_attention(
+    q: torch.Tensor,  # (N, Hq, D)
+    k: torch.Tensor,  # (N, Hkv, D)
+    v: torch.Tensor,  # (N, Hkv, D)
+    cu_seqlens: torch.Tensor,  # (S + 1,)
+    scale: float | None,
+) -> torch.Tensor:
+    """The reference varlen attention: causal SDPA on each sequence alone (GQA by repeating K/V heads)."""
+    groups = q.shape[1] // k.shape[1]
+    bounds = cu_seqlens.tolist()
+    out = torch.empty_like(q)
+    for start, end in itertools.pairwise(bounds):
+        qs = q[start:end].transpose(0, 1)  # (Hq, L, D)
+        ks = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        vs = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        out[start:end] = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale
+        ).transpose(0, 1)
+    return out
 
 
 def test_right_padded_attention_equals_one_sdpa_per_sequence() -> None:

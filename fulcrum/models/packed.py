@@ -7,7 +7,7 @@ outer loop); attention goes through `packed_attention`, registered with transfor
 `PACKED_ATTENTION`: flash-style varlen attention on CUDA (`torch.nn.attention.varlen.varlen_attn`,
 causal, GQA); elsewhere one causal SDPA over the sequences laid out side by side, right-padded to
 the longest (`right_padded_causal_attention`: one call per layer, where a Python loop of one SDPA
-per sequence made many small ops; `per_sequence_causal_attention` stays as the reference).
+per sequence made many small ops; that loop is the tests' reference).
 Calls without packing metadata fall through to transformers' SDPA, so a model switched to packed
 attention still runs padded batches as before.
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -297,28 +296,6 @@ def packed_attention(
     return out.unsqueeze(0), None  # (1, N, Hq, D)
 
 
-@torch.compiler.disable  # a Python loop over sequences: left to eager rather than traced and unrolled
-def per_sequence_causal_attention(
-    q: torch.Tensor,  # (N, Hq, D)
-    k: torch.Tensor,  # (N, Hkv, D)
-    v: torch.Tensor,  # (N, Hkv, D)
-    cu_seqlens: torch.Tensor,  # (S + 1,)
-    scale: float | None,
-) -> torch.Tensor:
-    """Reference varlen attention: causal SDPA on each sequence alone (GQA by repeating K/V heads)."""
-    groups = q.shape[1] // k.shape[1]
-    bounds = cu_seqlens.tolist()
-    out = torch.empty_like(q)
-    for start, end in itertools.pairwise(bounds):
-        qs = q[start:end].transpose(0, 1)  # (Hq, L, D)
-        ks = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
-        vs = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
-        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(
-            0, 1
-        )
-    return out
-
-
 def right_padded_causal_attention(
     q: torch.Tensor,  # (N, Hq, D)
     k: torch.Tensor,  # (N, Hkv, D)
@@ -326,7 +303,7 @@ def right_padded_causal_attention(
     cu_seqlens: torch.Tensor,  # (S + 1,)
     scale: float | None,
 ) -> torch.Tensor:
-    """Varlen causal attention as one SDPA call: (N, Hq, D), equal to `per_sequence_causal_attention`.
+    """Varlen causal attention as one SDPA call: (N, Hq, D), equal to one causal SDPA per sequence.
 
     Token t of sequence s goes to row s, column t - cu[s] of an (S, L) grid, L the longest length;
     the rest is zeros. Each sequence starts at column 0, so under the causal mask a real query only
