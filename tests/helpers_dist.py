@@ -43,17 +43,19 @@ def _entry(
     )
     os.environ.setdefault("FULCRUM_TEARDOWN_TIMEOUT_S", "60")  # a rank that cannot leave fails soon
     torch.set_num_threads(1)
-    from fulcrum.parallel import init_distributed, shutdown
+    from fulcrum.parallel import init_distributed
+    from fulcrum.parallel.group import run_then_leave
 
     init_distributed(device)
-    try:
-        result = fn(rank, world, *args)
-    except BaseException:
-        shutdown(timeout_s=60.0, wait_for_peers=False)
-        raise
-    if not shutdown(timeout_s=60.0):
-        raise RuntimeError(f"rank {rank} could not leave the process group")
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    results: list[Any] = []
+
+    def body() -> int:
+        results.append(fn(rank, world, *args))
+        return 0
+
+    # As `fulcrum train` ends a rank: a rank that cannot leave ends without a result (see run_ranks).
+    run_then_leave(body, timeout_s=60.0)
+    torch.save(results[0], os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def log_tails(out_dir: str | Path, world: int) -> str:
