@@ -147,16 +147,11 @@ def enable_packed_attention(model: nn.Module) -> None:
 # 6k tokens). A region of several layers pays that once; larger regions cost compile time.
 LAYERS_PER_REGION = 1
 
-# With CUDA graphs, streams are padded to a multiple of this many tokens and cu_seqlens to a multiple
-# of this many entries: about a dozen shapes cover a 6k-token micro-batch budget, each recorded once.
-GRAPH_BUCKETS = (512, 16)
-
 
 def compile_decoder_layers(
     base: nn.Module,
     backend: str = "inductor",
     layers_per_region: int | None = None,
-    cuda_graphs: bool = False,
 ) -> None:
     """Compile `run_decoder_layers` for `packed_hidden_states`: the layers run in regions of
     `layers_per_region` (default `LAYERS_PER_REGION`), each region one compiled call, with gradient checkpointing (when the layers
@@ -170,12 +165,6 @@ def compile_decoder_layers(
     stay uncompiled, so padded calls (e.g. the hf rollout backend's `generate`, with its KV cache) run
     as before. Transformers' own checkpoint wrapper sits inside the layer's forward, where the
     compiler would have to trace it; it is switched off and applied by `run_decoder_layers` instead.
-
-    With `cuda_graphs` (experimental, `FULCRUM_TRAIN_CUDA_GRAPHS=1`) the regions run as CUDA graphs
-    (`mode="reduce-overhead"`): one recorded graph per input shape replays the layer's kernels with no
-    per-kernel host cost, for micro-batches too small to keep the GPU busy from Python. Graphs are
-    recorded per shape, so `packed_hidden_states` pads each stream to one of a few shapes
-    (`pad_to_buckets`, `GRAPH_BUCKETS`).
     """
     checkpointed = take_over_checkpointing(base)
     layers = list(base.layers[: base.config.num_hidden_layers])
@@ -184,9 +173,7 @@ def compile_decoder_layers(
     base.fulcrum_regions = [
         layers[i : i + layers_per_region] for i in range(0, len(layers), layers_per_region)
     ]
-    base.fulcrum_graph_buckets = GRAPH_BUCKETS if cuda_graphs else None
-    mode = "reduce-overhead" if cuda_graphs else None
-    base.fulcrum_compiled_run = torch.compile(run_decoder_layers, dynamic=True, backend=backend, mode=mode)
+    base.fulcrum_compiled_run = torch.compile(run_decoder_layers, dynamic=True, backend=backend)
 
 
 def compile_inside_layers(base: nn.Module, backend: str = "inductor") -> None:
@@ -355,38 +342,6 @@ def varlen_causal_attention(
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
 
 
-def pad_to_buckets(
-    input_ids: torch.Tensor,  # (N,)
-    position_ids: torch.Tensor,  # (N,)
-    cu_seqlens: torch.Tensor,  # (S + 1,) int32
-    max_seqlen: int,
-    token_multiple: int,
-    sequence_multiple: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The packed stream padded to one of a few shapes (CUDA graphs are recorded per shape).
-
-    Tokens: N → the next multiple of `token_multiple`, the padding as extra sequences of token 0 with
-    positions from 0, none longer than `max_seqlen` (the bound the attention kernel is given).
-    cu_seqlens: then to a multiple of `sequence_multiple` entries by repeating its last offset (empty
-    sequences). Attention stays within a sequence, so the first N outputs are what they were unpadded;
-    the padding's outputs are finite and are cut off by the caller.
-    """
-    n, device = input_ids.numel(), input_ids.device
-    pad = -n % token_multiple
-    if pad:
-        input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
-        offsets = torch.arange(pad, device=device)
-        position_ids = torch.cat([position_ids, (offsets % max_seqlen).to(position_ids.dtype)])
-        splits = (pad - 1) // max_seqlen  # padding sequences of max_seqlen, then the rest
-        ends = torch.arange(1, splits + 1, device=device) * max_seqlen
-        ends = torch.cat([ends, torch.full((1,), pad, device=device)])
-        cu_seqlens = torch.cat([cu_seqlens, (n + ends).to(cu_seqlens.dtype)])
-    empty = -cu_seqlens.numel() % sequence_multiple
-    if empty:
-        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:].expand(empty)])
-    return input_ids, position_ids, cu_seqlens
-
-
 def packed_hidden_states(base: nn.Module, packed: PackedMicroBatch) -> torch.Tensor:
     """The decoder's final-norm hidden states of the packed stream: (N, H).
 
@@ -395,13 +350,7 @@ def packed_hidden_states(base: nn.Module, packed: PackedMicroBatch) -> torch.Ten
     called as the base model calls it, so gradient checkpointing set on the layers still applies;
     after `compile_decoder_layers` the layers run in compiled regions, checkpointed inside.
     """
-    n = packed.input_ids.numel()
-    ids, positions, cu_seqlens = packed.input_ids, packed.position_ids, packed.cu_seqlens
-    buckets = getattr(base, "fulcrum_graph_buckets", None)
-    if buckets is not None:  # CUDA graphs: one of a few shapes; a new replay of the graphs begins
-        ids, positions, cu_seqlens = pad_to_buckets(ids, positions, cu_seqlens, packed.max_seqlen, *buckets)
-        torch.compiler.cudagraph_mark_step_begin()
-    ids, positions = ids[None], positions[None]  # (1, N)
+    ids, positions = packed.input_ids[None], packed.position_ids[None]  # (1, N)
     hidden = base.embed_tokens(ids)  # (1, N, H)
     position_embeddings = base.rotary_emb(hidden, positions)
     kwargs = {
@@ -409,7 +358,7 @@ def packed_hidden_states(base: nn.Module, packed: PackedMicroBatch) -> torch.Ten
         "position_ids": positions,
         "position_embeddings": position_embeddings,
         "use_cache": False,
-        "fulcrum_cu_seqlens": cu_seqlens,
+        "fulcrum_cu_seqlens": packed.cu_seqlens,
         "fulcrum_max_seqlen": packed.max_seqlen,
     }
     compiled = getattr(base, "fulcrum_compiled_run", None)
@@ -419,4 +368,4 @@ def packed_hidden_states(base: nn.Module, packed: PackedMicroBatch) -> torch.Ten
         recompute = base.fulcrum_checkpoint and base.training and torch.is_grad_enabled()
         for region in base.fulcrum_regions:
             hidden = compiled(region, hidden, recompute, kwargs)
-    return base.norm(hidden)[0, :n]  # (N, H): the real tokens
+    return base.norm(hidden)[0]  # (N, H)

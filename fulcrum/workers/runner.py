@@ -8,7 +8,6 @@ call `accumulate_grads()` after each backward.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -33,7 +32,6 @@ from fulcrum.workers.micro_batch import (
 )
 
 logger = logging.getLogger(__name__)
-CUDA_GRAPHS_ENV = "FULCRUM_TRAIN_CUDA_GRAPHS"  # =1: the compiled decoder regions replay as CUDA graphs
 
 
 class ModelRunner:
@@ -66,8 +64,8 @@ class ModelRunner:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             if sharded:  # each layer an FSDP unit: compile inside its hooks (torchtitan's order)
                 compile_inside_layers(model.model)
-            else:  # CUDA graphs over the compiled regions: experimental, opt-in until measured
-                compile_decoder_layers(model.model, cuda_graphs=os.environ.get(CUDA_GRAPHS_ENV) == "1")
+            else:
+                compile_decoder_layers(model.model)
             use_compiled_chunks(True)
         self.compute = ComputeWeights(model, keep=keep) if device.type == "cuda" and not sharded else None
 
