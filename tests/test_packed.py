@@ -9,9 +9,11 @@ import itertools
 import pytest
 import torch
 from test_workers_units import make_batch  # tests/ is on sys.path under pytest
+from torch import nn
 
 from fulcrum.algo.losses import compute_value_loss
 from fulcrum.algo.policy_losses import compute_policy_loss
+from fulcrum.models import precision
 from fulcrum.models.linear_logprob import linear_log_softmax
 from fulcrum.models.load import load_backbone, load_causal_lm
 from fulcrum.models.packed import (
@@ -198,6 +200,43 @@ def test_compute_weights_accumulate_float32_grads_into_masters(tiny_dir: str) ->
     for name in want:
         assert got[name].dtype == torch.float32
         assert torch.allclose(got[name], want[name], atol=TOL, rtol=1e-4), name
+
+
+def test_compute_weights_gradients_live_in_one_buffer_that_the_optimiser_release_frees(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Accumulation into one float32 buffer, added in chunks (here of 10 elements, so the 3 × 4 weight
+    is a chunk alone and the others share one): two micro-batches give twice one micro-batch's
+    gradient; once the optimiser drops the gradients (`zero_grad`, set to None) the next accumulation
+    starts afresh; a micro-batch that reaches only part of the model adds to that part only."""
+    monkeypatch.setattr(precision, "FLAT_CHUNK", 10)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    compute = ComputeWeights(model, dtype=torch.float64)
+    compute.refresh()
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def micro_batch(inputs: torch.Tensor, module: nn.Module = model) -> None:
+        with compute.swapped_in():
+            module(inputs).square().sum().backward()
+        compute.accumulate_grads()
+
+    micro_batch(x)
+    once = {name: p.grad.clone() for name, p in model.named_parameters()}
+    micro_batch(x)
+    assert len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+    for name, p in model.named_parameters():
+        assert p.grad.dtype == torch.float32
+        assert torch.allclose(p.grad, 2 * once[name], rtol=1e-6), name
+    torch.optim.SGD(model.parameters(), lr=0.0).zero_grad(set_to_none=True)
+    assert compute._flat_grad() is None  # nothing holds the buffer any more
+    micro_batch(x)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, once[name], rtol=1e-6), name
+    hidden = torch.randn(5, 4, dtype=torch.float64)
+    micro_batch(hidden, model[1])  # the first layer's copies get no gradient: per-parameter path
+    assert torch.equal(model[0].weight.grad, once["0.weight"].float())
+    assert not torch.allclose(model[1].weight.grad, once["1.weight"])
 
 
 @pytest.fixture(scope="module")
