@@ -128,6 +128,26 @@ def test_code_reaching_root_parameters_runs_on_a_sharded_model():
     assert [abs(n - norm) < 1e-5 for n in run_ranks(_root_access, 2)] == [True, True]
 
 
+def _layer_gathered_after_forward(rank: int, world: int) -> list[bool]:
+    from torch.distributed.tensor import DTensor
+
+    from fulcrum.parallel.fsdp import FSDPSettings, shard_model
+
+    gathered = []
+    for reshard in (True, False):
+        settings = FSDPSettings(reshard_after_forward=reshard)
+        model = shard_model(random_causal_lm("qwen2").train(), CPU, settings)
+        model(input_ids=batches()[0][:2])
+        gathered.append(not isinstance(model.model.layers[0].mlp.up_proj.weight, DTensor))
+    return gathered
+
+
+def test_reshard_after_forward_false_keeps_the_layers_gathered_until_backward():
+    """verl's fsdp_config.reshard_after_forward: true frees a layer's gathered weights after its forward
+    (the parameter is the DTensor shard again), false keeps them gathered for the backward."""
+    assert run_ranks(_layer_gathered_after_forward, 2) == [[False, True], [False, True]]
+
+
 def packed_step(
     model: torch.nn.Module, rows: list[int], device: torch.device = CPU
 ) -> tuple[float, dict[str, torch.Tensor]]:

@@ -149,7 +149,10 @@ class FSDPConfig:
     )
     optimizer_offload: bool = opt(False, "optimiser state on the CPU between updates (several processes)")
     offload_policy: bool = opt(False, "FSDP2 CPU offload policy (no effect)")
-    reshard_after_forward: bool = opt(True, "FSDP reshard after forward (no effect)")
+    reshard_after_forward: bool = opt(
+        True,
+        "free each layer's gathered weights after its forward (several processes); false: keep them to the backward",
+    )
     fsdp_size: int = opt(-1, "FSDP group size; -1 all devices (no effect)")
     forward_prefetch: bool = opt(False, "FSDP forward prefetch (no effect)")
     model_dtype: str | None = opt(

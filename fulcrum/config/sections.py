@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fulcrum.config.keys import ConfigError
-from fulcrum.config.schema import ActorConfig, CriticConfig, FulcrumConfig, ModelConfig
+from fulcrum.config.schema import ActorConfig, CriticConfig, FSDPConfig, FulcrumConfig, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class ReferenceSection:
     log_prob: ForwardSizes  # actor_rollout_ref.ref.log_prob_*
     use_remove_padding: bool  # actor_rollout_ref.model.use_remove_padding (the actor's model)
     use_torch_compile: bool  # actor_rollout_ref.ref.use_torch_compile (follows the actor's)
-    param_offload: bool = False  # actor_rollout_ref.ref.fsdp_config.param_offload (several processes)
+    fsdp: FSDPConfig  # actor_rollout_ref.ref.fsdp_config (several processes)
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def reference_section(cfg: FulcrumConfig) -> ReferenceSection:
         ),
         use_remove_padding=bool(cfg.actor_rollout_ref.model.use_remove_padding),
         use_torch_compile=bool(ref.use_torch_compile),
-        param_offload=bool(ref.fsdp_config.param_offload),
+        fsdp=ref.fsdp_config,
     )
 
 

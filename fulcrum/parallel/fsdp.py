@@ -4,7 +4,8 @@ Each decoder layer is one FSDP unit and the root (embeddings, final norm, head) 
 are float32 shards (the master weights) on each rank, gathered a layer at a time for compute. On
 CUDA, `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` computes in bf16 and reduces
 gradients in fp32. verl's `fsdp_config.param_offload` keeps the shards (and the optimiser step) on the
-CPU (`CPUOffloadPolicy`); `optimizer_offload` moves the optimiser state to the CPU between updates.
+CPU (`CPUOffloadPolicy`); `optimizer_offload` moves the optimiser state to the CPU between updates;
+`reshard_after_forward=False` keeps each layer gathered from its forward to its backward.
 
 Gradients are summed over ranks (divide factor 1): each rank's loss is its share of the global
 mini-batch loss (the token and sequence counts of `loss_agg_mode` are the global mini-batch's), so
@@ -52,6 +53,10 @@ class FSDPSettings:
 
     param_offload: bool = False
     optimizer_offload: bool = False
+    # False keeps each unit's gathered parameters from its forward to its backward: no second
+    # all-gather (nor a third for gradient checkpointing's recomputation), at the cost of the whole
+    # model's bf16 parameters resident on every rank during a micro-batch.
+    reshard_after_forward: bool = True
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -81,7 +86,11 @@ def shard_model(
     a unit of its own without the bf16 cast."""
     # On the CPU the shards are there already (and CPUOffloadPolicy wants an accelerator).
     offload = CPUOffloadPolicy() if settings.param_offload and device.type == "cuda" else OffloadPolicy()
-    kwargs: dict[str, Any] = {"mp_policy": mixed_precision_for(device), "offload_policy": offload}
+    kwargs: dict[str, Any] = {
+        "mp_policy": mixed_precision_for(device),
+        "offload_policy": offload,
+        "reshard_after_forward": settings.reshard_after_forward,
+    }
     for name in keep_fp32:
         fully_shard(model.get_submodule(name), mp_policy=MixedPrecisionPolicy(), offload_policy=offload)
     for layer in decoder_layers(model):

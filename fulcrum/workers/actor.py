@@ -22,6 +22,7 @@ from fulcrum.algo.losses import agg_loss
 from fulcrum.algo.policy_losses import compute_policy_loss
 from fulcrum.algo.rollout_correction import RolloutCorrection, bypass_policy_loss
 from fulcrum.batch import Batch, host_to_device
+from fulcrum.config.schema import FSDPConfig
 from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
 from fulcrum.parallel import current, rank_rows, reduce_metrics
@@ -77,7 +78,7 @@ class ReferenceWorker:
         self.device = device
         self.model = load_causal_lm(section.model_path, device).eval()
         self.model.requires_grad_(False)
-        shard_if_distributed(self.model, device, section.param_offload)
+        shard_if_distributed(self.model, device, section.fsdp)
         self.runner = ModelRunner(
             self.model,
             device,
@@ -105,10 +106,7 @@ class ActorWorker:
         model = section.model
         self.model = load_causal_lm(model.path, device, model.enable_gradient_checkpointing)
         self.model.train()
-        fsdp = self.cfg.fsdp_config
-        self.optimizer_offload = shard_if_distributed(
-            self.model, device, fsdp.param_offload, fsdp.optimizer_offload
-        )
+        self.optimizer_offload = shard_if_distributed(self.model, device, self.cfg.fsdp_config)
         self.runner = ModelRunner(
             self.model,
             device,
@@ -264,21 +262,22 @@ class ActorWorker:
 
 
 def shard_if_distributed(
-    model: nn.Module,
-    device: torch.device,
-    param_offload: bool,
-    optimizer_offload: bool = False,
-    keep_fp32: tuple[str, ...] = (),
+    model: nn.Module, device: torch.device, fsdp: FSDPConfig, keep_fp32: tuple[str, ...] = ()
 ) -> bool:
-    """FSDP2 over the ranks when torchrun started several (fulcrum.parallel.fsdp), with verl's
-    `fsdp_config` offload keys; nothing in one process. Returns whether the optimiser state is
-    offloaded (`optimizer_offload` acts only when sharded)."""
+    """FSDP2 over the ranks when torchrun started several (fulcrum.parallel.fsdp), with the keys of
+    verl's `fsdp_config` that act (offloads, reshard_after_forward); nothing in one process. Returns
+    whether the optimiser state is offloaded (`optimizer_offload` acts only when sharded)."""
     if not current().distributed:
         return False
     from fulcrum.parallel.fsdp import shard_model
 
-    shard_model(model, device, FSDPSettings(bool(param_offload), bool(optimizer_offload)), keep_fp32)
-    return bool(optimizer_offload)
+    settings = FSDPSettings(
+        param_offload=bool(fsdp.param_offload),
+        optimizer_offload=bool(fsdp.optimizer_offload),
+        reshard_after_forward=bool(fsdp.reshard_after_forward),
+    )
+    shard_model(model, device, settings, keep_fp32)
+    return settings.optimizer_offload
 
 
 # Metrics that are a micro-batch's share of the mini-batch loss: summed per mini-batch (and over ranks).

@@ -36,9 +36,8 @@ class CriticWorker:
         if c.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable({"use_reentrant": False})
         self.model.train()
-        fsdp = c.model.fsdp_config
         self.optimizer_offload = shard_if_distributed(  # the value head a float32 unit of its own
-            self.model, device, fsdp.param_offload, fsdp.optimizer_offload, keep_fp32=("score",)
+            self.model, device, c.model.fsdp_config, keep_fp32=("score",)
         )
         # The value head stays float32 (keep): values are not rounded to bf16.
         self.runner = ModelRunner(
