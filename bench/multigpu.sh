@@ -4,7 +4,8 @@
 # per-GPU perf/throughput and the phase breakdown of each (JSON summaries and logs under $OUT).
 #   bash bench/multigpu.sh            # all three
 #   bash bench/multigpu.sh tp2        # one of: 1gpu dp2 tp2
-#   EXTRA="actor_rollout_ref.actor.use_torch_compile=False" bash bench/multigpu.sh tp2   # more overrides
+#   EXTRA="actor_rollout_ref.actor.use_torch_compile=False" TAG=nocompile bash bench/multigpu.sh tp2   # more overrides
+#   (TAG names the variant's files: step_tp2_nocompile.json)
 set -u
 OUT=${OUT:-/tmp/multigpu}; mkdir -p "$OUT"
 MODEL=${MODEL:-/tmp/q05}; DATA=${DATA:-runs/bench_data}
@@ -13,7 +14,7 @@ MODEL=${MODEL:-/tmp/q05}; DATA=${DATA:-runs/bench_data}
   || python -m fulcrum.data.cli gsm8k --src ../shared/data/gsm8k --out "$DATA" >/dev/null
 NATIVE="actor_rollout_ref.rollout.name=native trainer.test_freq=-1 trainer.save_freq=-1"
 step() {  # name, overrides...
-  local name=$1; shift
+  local name=$1${TAG:+_$TAG}; shift
   python bench/train_step.py run --data "$DATA" --model "$MODEL" --run /tmp/run_$name --steps 3 \
       --summary "$OUT/step_$name.json" $NATIVE ${EXTRA:-} "$@" >"$OUT/log_$name.txt" 2>&1 \
    && python -c "import json,sys; s=json.load(open(sys.argv[1]))['mean_after_first']; \
