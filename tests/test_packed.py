@@ -223,7 +223,13 @@ def test_compute_weights_gradients_live_in_one_buffer_that_the_optimiser_release
 
     micro_batch(x)
     once = {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    def per_parameter(grads: list) -> None:
+        raise AssertionError("a whole-model micro-batch took the per-parameter path")
+
+    monkeypatch.setattr(compute, "_add_each", per_parameter)
     micro_batch(x)
+    monkeypatch.undo()
     assert len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}) == 1
     for name, p in model.named_parameters():
         assert p.grad.dtype == torch.float32
@@ -233,6 +239,7 @@ def test_compute_weights_gradients_live_in_one_buffer_that_the_optimiser_release
     micro_batch(x)
     for name, p in model.named_parameters():
         assert torch.allclose(p.grad, once[name], rtol=1e-6), name
+    monkeypatch.setattr(precision, "FLAT_CHUNK", 10)
     hidden = torch.randn(5, 4, dtype=torch.float64)
     micro_batch(hidden, model[1])  # the first layer's copies get no gradient: per-parameter path
     assert torch.equal(model[0].weight.grad, once["0.weight"].float())
