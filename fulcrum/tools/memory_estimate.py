@@ -1,18 +1,37 @@
 """Per-device memory of a run, estimated before it starts, from the model's config.json and the sizes.
 
-fulcrum keeps on each device, for the whole run: the actor (fp32 weights + AdamW's two fp32 moments;
-fp32 gradients while it updates), the critic likewise (GAE only), the reference policy (fp32 weights,
-only when a KL uses it) and the rollout engine. The native engine takes `gpu_memory_utilization` of
-the device for its bf16 weights, a workspace and the KV cache (filling the rest); the KV cache is
-released while the models train (`free_cache_engine`). So the step peaks either while generating
-(every model's resident state + the engine's share) or while training (+ gradients, activations of
-the largest micro-batch and its logits). `estimate()` returns both phases, itemised.
+fulcrum keeps on each device, for the whole run: the actor (fp32 weights + AdamW's two fp32 moments),
+the critic likewise (GAE only), the reference policy (fp32 weights, only when a KL uses it) and the
+rollout engine. The native engine takes `gpu_memory_utilization` of the device for its bf16 weights, a
+workspace and the KV cache (filling the rest); the KV cache is released while the models train
+(`free_cache_engine`), its bf16 weights stay. Gradients exist only inside a model's own update: each
+optimiser step releases them (`fulcrum.workers.actor.clip_and_step`), so no phase holds the other
+model's. `estimate()` returns every phase, itemised:
 
-Shapes: P parameters, h hidden, L layers, H / K query / KV heads of dim d, I intermediate, V vocab; a
-micro-batch of m rows of at most T = prompt + response tokens, R of them response tokens (the LM head
-only runs on those). The per-token activation bytes of a layer are counted tensor by tensor under bf16
-autocast with an fp32 residual stream (see `layer_activation_bytes`). docs/levers.md compares the
-estimate with the measured peak of the seed run.
+    generation    = resident + engine weights (2P) + engine workspace + KV cache
+    forward pass  = resident + engine weights + bf16 compute weights (2P)
+                    + T·2h (the residual stream) + max(T·2(h + 3I), one bf16 logits block)
+    update        = resident + engine weights + fp32 gradients (4P) + bf16 compute weights (2P)
+                    + their bf16 gradients (2P) + activations + (actor) the LM head's blocks
+
+with resident = 12 B per parameter of each trained model (+ 4 B of the reference's) + the CUDA
+context. The passes run the decoder in bf16 on compute copies of the fp32 weights
+(`fulcrum.models.precision`), so every activation is bf16: with gradient checkpointing the backward
+keeps each layer's bf16 input (L·2h per token); without, every layer's tensors
+(`layer_activation_bytes`, L·2(6h + q + 2kv + 3I) per token). The LM head runs chunk by chunk
+(`fulcrum.models.linear_logprob`, compiled on CUDA): one bf16 (chunk, V) block of logits in a no-grad
+forward; in the backward that block, its bf16 gradient and the head's fp32 weight-gradient
+accumulator (4·V·h). Recomputing one checkpointed layer in the backward is not counted: it did not
+show in the measured peaks (below).
+
+Shapes: P parameters, h hidden, L layers, H / K query / KV heads of dim d (q = H·d, kv = K·d), I
+intermediate, V vocab; a micro-batch of m rows of at most T = m × (prompt + response) tokens (a packed
+micro-batch's budget), R response tokens a row (the LM head only runs on those).
+
+Checked against the 0.5B seed run on one H200 (2026-12-01, BENCHMARKS.md "Lever tuning"; the phases'
+`perf/max_memory_allocated_gb/<phase>`): every training phase within +6% / -3% at micro-batches of 8
+to 64 rows (6k to 49k tokens) and with dynamic batches; docs/levers.md, "The memory estimate", has
+the table. torch's allocated figure leaves out the CUDA context (0.5 GiB here).
 """
 
 from __future__ import annotations
@@ -85,12 +104,19 @@ def param_count(shape: ModelShape, lm_head: bool = True) -> int:
 
 
 def layer_activation_bytes(shape: ModelShape) -> int:
-    """Bytes one token keeps for the backward of one decoder layer under bf16 autocast:
-    fp32 residual inputs of the two norms (2·4h), bf16 normed inputs (2·2h), q, k, v and the attention
-    output (2·(2q + 2kv)), the MLP's gate, up, activation and product (4·2I), plus fp32 norm statistics."""
+    """Bytes one token keeps for the backward of one decoder layer, all bf16 (compute copies, no autocast):
+    the layer input and its normed copy, q, k, v, the attention output, the residual after attention and
+    its normed copy (2·(6h + q + 2kv) together), the MLP's gate, up and their product (2·3I), plus the
+    float32 statistics of the two norms and the attention's log-sum-exp per head (4·(2 + H))."""
     h, i = shape.hidden, shape.intermediate
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    return 2 * 4 * h + 2 * 2 * h + 2 * (2 * q + 2 * kv) + 4 * 2 * i + 16
+    return 2 * (6 * h + q + 2 * kv + 3 * i) + 4 * (2 + shape.heads)
+
+
+def forward_working_bytes(shape: ModelShape) -> int:
+    """Bytes a token needs inside one layer of a no-grad forward: the MLP's gate, up and their product
+    beside the layer's output, bf16: 2·(h + 3I) (what came before is freed as the layer goes)."""
+    return 2 * (shape.hidden + 3 * shape.intermediate)
 
 
 @dataclass
@@ -188,26 +214,30 @@ def sizes_from(cfg: Any) -> Sizes:
 
 
 def update_activation_bytes(shape: ModelShape, rows: int, seq_len: int, checkpointing: bool) -> float:
-    """Activations of one training micro-batch: with checkpointing, each layer's fp32 input (4h per
-    token) plus one layer recomputed in full; without, every layer in full."""
+    """Activations of one training micro-batch of T = rows · seq_len tokens: with checkpointing, each
+    layer's bf16 input (L · 2h · T); without, every layer's tensors (L · layer_activation_bytes · T)."""
     tokens = rows * seq_len
-    full_layer = layer_activation_bytes(shape) * tokens
     if checkpointing:
-        return shape.layers * 4 * shape.hidden * tokens + full_layer
-    return shape.layers * full_layer
+        return shape.layers * 2 * shape.hidden * tokens
+    return shape.layers * layer_activation_bytes(shape) * tokens
+
+
+def logits_block_elements(shape: ModelShape, rows: int, response_len: int) -> int:
+    """Elements of the largest (chunk, V) block of logits: min(rows · R · V, LOGIT_CHUNK_ELEMENTS)."""
+    return min(rows * response_len * shape.vocab, LOGIT_CHUNK_ELEMENTS)
 
 
 def update_logits_bytes(shape: ModelShape, rows: int, response_len: int, with_entropy: bool) -> float:
-    """The LM head on the response positions while training, chunk by chunk (fulcrum.models.linear_logprob):
-    one float32 block of min(rows · R · V, LOGIT_CHUNK_ELEMENTS) elements, about four of them alive in the
-    backward (logits, probabilities, their gradient, a temporary), one more for an entropy bonus."""
-    elements = min(rows * response_len * shape.vocab, LOGIT_CHUNK_ELEMENTS)
-    return elements * 4 * (4 + (1 if with_entropy else 0))
+    """The LM head's backward on the response positions, chunk by chunk (fulcrum.models.linear_logprob):
+    one bf16 block of logits recomputed and its bf16 gradient (2 · 2 B a block element; an entropy bonus
+    adds one more block, not measured), and the head's float32 weight-gradient accumulator (4 · V · h)."""
+    blocks = 2 + (1 if with_entropy else 0)
+    return blocks * 2 * logits_block_elements(shape, rows, response_len) + 4 * shape.vocab * shape.hidden
 
 
 def forward_logits_bytes(shape: ModelShape, rows: int, response_len: int) -> float:
-    """No-grad log-probs and entropy, chunk by chunk: the logits and probabilities of one float32 block."""
-    return min(rows * response_len * shape.vocab, LOGIT_CHUNK_ELEMENTS) * 4 * 2
+    """No-grad log-probs, chunk by chunk: one bf16 block of logits (the softmax is fused over it)."""
+    return 2 * logits_block_elements(shape, rows, response_len)
 
 
 def engine_workspace_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num_seqs: int) -> float:
@@ -224,16 +254,43 @@ def kv_bytes_per_token(shape: ModelShape) -> int:
 
 def update_phase(role: str, n_params: int, base: dict[str, float], shape: ModelShape, sizes: Sizes) -> Phase:
     """`role`'s ("actor" or "critic") update phase: `base` (what stays resident, name -> bytes), then
-    its fp32 gradients (4 B x n_params), its bf16 compute weights (2 B x n_params) and the activations
-    of its largest training micro-batch (sizes.update_rows[role] x sizes.seq_len tokens)."""
+    its fp32 gradients (4 B x n_params), its bf16 compute weights and their bf16 gradients (2 + 2 B x
+    n_params) and the activations of its largest training micro-batch (sizes.update_rows[role] x
+    sizes.seq_len tokens)."""
     rows, checkpointing = sizes.update_rows[role], sizes.checkpointing[role]
     phase = Phase(f"{role} update", dict(base))
     phase.items[f"{role} gradients (fp32)"] = 4 * n_params
     phase.items["bf16 compute weights"] = 2 * n_params
+    phase.items["gradients of the bf16 compute weights"] = 2 * n_params
     phase.items[
         f"activations, micro-batch of {rows} x {sizes.seq_len} tokens "
         f"(checkpointing {'on' if checkpointing else 'off'})"
     ] = update_activation_bytes(shape, rows, sizes.seq_len, checkpointing)
+    return phase
+
+
+def forward_phase(
+    name: str,
+    n_params: int,
+    rows: int,
+    base: dict[str, float],
+    shape: ModelShape,
+    sizes: Sizes,
+    lm_head: bool,
+) -> Phase:
+    """A no-grad forward (old log-probs, values) over micro-batches of `rows` x sizes.seq_len tokens:
+    `base`, the bf16 compute weights (2 B x n_params), the residual stream (2h a token) and the larger of
+    one layer's working set (`forward_working_bytes`) and, with the LM head, one bf16 block of logits."""
+    tokens = rows * sizes.seq_len
+    phase = Phase(name, dict(base))
+    phase.items["bf16 compute weights"] = 2 * n_params
+    phase.items[f"hidden states, micro-batch of {rows} x {sizes.seq_len} tokens"] = 2 * shape.hidden * tokens
+    working = forward_working_bytes(shape) * tokens
+    logits = forward_logits_bytes(shape, rows, sizes.response_len) if lm_head else 0.0
+    if logits > working:
+        phase.items["one block of logits (bf16)"] = logits
+    else:
+        phase.items["one layer's working set"] = working
     return phase
 
 
@@ -285,22 +342,22 @@ def estimate(
     kv_tokens = int(kv // kv_bytes_per_token(shape))
 
     phases = [generation]
-    actor_update = update_phase("actor", p_actor, {**resident, **training_extra}, shape, sizes)
-    actor_update.items["logits of the response tokens"] = update_logits_bytes(
+    base = {**resident, **training_extra}
+    actor_update = update_phase("actor", p_actor, base, shape, sizes)
+    actor_update.items["LM head on the response tokens"] = update_logits_bytes(
         shape, sizes.update_rows["actor"], sizes.response_len, sizes.with_entropy
     )
     phases.append(actor_update)
     if uses_critic:
-        phases.append(update_phase("critic", p_critic, {**resident, **training_extra}, shape, sizes))
-    forward_rows = sizes.forward_rows["actor"]
-    log_prob = Phase("old log-prob forward", {**resident, **training_extra})
-    log_prob.items[f"logits, micro-batch of {forward_rows}"] = forward_logits_bytes(
-        shape, forward_rows, sizes.response_len
+        phases.append(update_phase("critic", p_critic, base, shape, sizes))
+    actor_rows, critic_rows = sizes.forward_rows["actor"], sizes.forward_rows["critic"]
+    phases.append(
+        forward_phase("old log-prob forward", p_actor, actor_rows, base, shape, sizes, lm_head=True)
     )
-    log_prob.items["hidden states of one layer"] = (
-        layer_activation_bytes(shape) * forward_rows * sizes.seq_len
-    )
-    phases.append(log_prob)
+    if uses_critic:
+        phases.append(
+            forward_phase("values forward", p_critic, critic_rows, base, shape, sizes, lm_head=False)
+        )
     return Estimate(device_bytes, device_known, phases, kv, kv_tokens)
 
 
