@@ -159,8 +159,9 @@ def seed_estimate(files: Path, *extra: str, device_gib: float = 140.0):
 
 
 def test_seed_estimate_against_the_measured_h200_peak(files: Path) -> None:
-    """BENCHMARKS.md ("Lever tuning", 2026-12-01): the seed command on one H200 peaked at 98.7 GiB
-    allocated, while generating (the engine's workspace is counted whole, hence a few % over)."""
+    """BENCHMARKS.md ("The predictions checked, on a slower host", 2026-12-01): the seed command on one
+    H200 peaked at 98.7 GiB allocated, while generating (the engine's workspace is counted whole, hence a
+    few % over)."""
     est = seed_estimate(files)
     assert est.peak.name == "generation"
     assert abs(est.peak.total / 2**30 - 98.7) / 98.7 < 0.05
@@ -173,8 +174,9 @@ MICRO = (
     "critic.forward_micro_batch_size_per_gpu",
 )
 # perf/max_memory_allocated_gb/<phase> of the 0.5B seed command on one H200, warm step, tree 4facc41
-# (BENCHMARKS.md, "Lever tuning", 2026-12-01): the seed's sizes, fulcrum tune's micro-batch 64 row and
-# dynamic batches of 16,384 tokens (the critic's budget stays at its default 32,768).
+# (BENCHMARKS.md, "The predictions checked, on a slower host" and "Lever tuning", 2026-12-01): the seed's
+# sizes, fulcrum tune's micro-batch 64 row and dynamic batches of 16,384 tokens (the critic's budget stays
+# at its default 32,768).
 MEASURED_PEAKS_GIB = [
     (
         (),
