@@ -15,7 +15,7 @@ from helpers import GSM8K_ROW as ROW
 from helpers import seed_command
 
 from fulcrum.config import load_config
-from fulcrum.tools import doctor
+from fulcrum.tools import doctor, doctor_rules
 from fulcrum.tools.memory_estimate import ModelShape, estimate, param_count
 
 # Qwen2.5-0.5B's shape (the keys the rules and the estimate read).
@@ -136,6 +136,24 @@ def test_max_num_seqs_below_one_steps_responses(files: Path, capsys) -> None:
     assert "about 3 waves" in out
     _, out = run(seed_command(files), capsys)  # 1,896
     assert "waves" not in out
+
+
+def test_kv_cache_too_small_for_a_steps_sequences(files: Path, capsys) -> None:
+    """0.05 of an H200 was measured to preempt at the seed's 512 × 256 (docs/levers.md); 0.65 holds
+    every sequence at its longest many times over."""
+    _, out = run([*seed_command(files), "actor_rollout_ref.rollout.gpu_memory_utilization=0.05"], capsys)
+    assert "a step's sequences at their longest need 393,216: the rollout preempts" in out
+    assert "fix:  actor_rollout_ref.rollout.gpu_memory_utilization=0.0" in out
+    _, out = run(seed_command(files), capsys)
+    assert "preempts" not in out
+
+
+def test_kv_tokens_needed_counts_a_shared_prompt_once_and_only_the_sequences_at_once() -> None:
+    assert doctor_rules.kv_tokens_needed(512, 1, 1896, 512, 256) == 512 * (512 + 256)
+    assert (
+        doctor_rules.kv_tokens_needed(64, 8, 1896, 512, 256) == 64 * 512 + 512 * 256
+    )  # GRPO: n share a prompt
+    assert doctor_rules.kv_tokens_needed(64, 8, 128, 512, 256) == 16 * 512 + 128 * 256  # waves of 128
 
 
 # ---------------------------------------------------------------------------------------- memory
