@@ -83,13 +83,24 @@ def _section(cfg, role: str):
     return getattr(sections, f"{role}_section")(cfg)
 
 
+def compilations() -> int:
+    """Graphs dynamo has compiled so far in this process (its `unique_graphs` counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def measure(fn, repeat: int) -> tuple[float, float]:
-    """(median seconds over `repeat` calls after one warm-up, peak allocated GiB during those calls)."""
+    """(median seconds over `repeat` calls after one warm-up, peak allocated GiB during those calls).
+
+    Prints each timed call and how many graphs were compiled during them: a timed call that still
+    compiles (a recompilation on a new shape, or after dynamo's cache limit) is not a warm figure."""
     start = time.perf_counter()
     fn()
     torch.cuda.synchronize()
     print(f"  warm-up (compilation included) {time.perf_counter() - start:.1f} s", flush=True)
     torch.cuda.reset_peak_memory_stats()
+    compiled_before = compilations()
     times = []
     for _ in range(repeat):
         torch.cuda.synchronize()
@@ -97,6 +108,11 @@ def measure(fn, repeat: int) -> tuple[float, float]:
         fn()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    calls = ", ".join(f"{t:.3f}" for t in times)
+    print(
+        f"  timed calls {calls} s; graphs compiled during them: {compilations() - compiled_before}",
+        flush=True,
+    )
     return statistics.median(times), torch.cuda.max_memory_allocated() / GiB
 
 
