@@ -71,11 +71,28 @@ ENGINES = {
 }
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_two_processes_take_the_same_steps_as_one(assets: Path, tmp_path: Path, engine: str) -> None:
+# Each model replicated on both ranks (verl's fsdp_size=1; on the CPU the default shards them).
+REPLICATED = {
+    f"{role}.fsdp_config.fsdp_size": 1
+    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
+}
+
+
+@pytest.mark.parametrize(
+    "engine, layout",
+    [
+        ("hf-data-parallel", "sharded"),
+        ("native-tensor-parallel", "sharded"),
+        ("hf-data-parallel", "replicated"),
+    ],
+)
+def test_two_processes_take_the_same_steps_as_one(
+    assets: Path, tmp_path: Path, engine: str, layout: str
+) -> None:
     torch.set_num_threads(1)
-    assert main(overrides(assets, tmp_path / "one", ENGINES[engine])) == 0
-    assert run_ranks(_train, 2, overrides(assets, tmp_path / "two", ENGINES[engine])) == [0, 0]
+    keys = {**ENGINES[engine], **(REPLICATED if layout == "replicated" else {})}
+    assert main(overrides(assets, tmp_path / "one", keys)) == 0
+    assert run_ranks(_train, 2, overrides(assets, tmp_path / "two", keys)) == [0, 0]
     one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
     assert [r["training/global_step"] for r in two] == [1, 2]  # one row per step: rank 0 alone logs
     for a, b in zip(one, two, strict=True):

@@ -11,7 +11,6 @@ FSDP_LAYOUT_KEYS = (
     "strategy",
     "wrap_policy",
     "offload_policy",
-    "fsdp_size",
     "forward_prefetch",
     "model_dtype",
 )

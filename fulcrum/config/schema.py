@@ -153,7 +153,9 @@ class FSDPConfig:
         True,
         "free each layer's gathered weights after its forward (several processes); false: keep them to the backward",
     )
-    fsdp_size: int = opt(-1, "FSDP group size; -1 all devices (no effect)")
+    fsdp_size: int = opt(
+        -1, "several processes: 1 replicates the model, the world size shards it, -1 chooses by its size"
+    )
     forward_prefetch: bool = opt(False, "FSDP forward prefetch (no effect)")
     model_dtype: str | None = opt(
         None, "dtype the trained weights are kept in; null: fp32 (verl: fp32 actor)"

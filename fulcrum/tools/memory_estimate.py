@@ -5,7 +5,7 @@ the critic likewise (GAE only), the reference policy (fp32 weights, only when a 
 rollout engine. The native engine takes `gpu_memory_utilization` of the device for its bf16 weights, a
 workspace and the KV cache (filling the rest); the KV cache is released while the models train
 (`free_cache_engine`), its bf16 weights stay. Gradients exist only inside a model's own update: each
-optimiser step releases them (`fulcrum.workers.actor.clip_and_step`), so no phase holds the other
+optimiser step releases them (`fulcrum.workers.optim.clip_and_step`), so no phase holds the other
 model's. `estimate()` returns every phase, itemised:
 
     generation    = resident + engine weights (2P) + engine workspace + KV cache

@@ -10,7 +10,8 @@ With one process these are plain calls. Under torchrun, the step's batch is the 
   the rows and are gathered likewise;
 - scoring, KL in reward and advantages run on the whole batch on every rank (cheap, and batch-wide
   statistics such as GRPO's groups and GAE's whitening stay exactly those of one process);
-- the actor, critic and reference models are sharded by FSDP2 (fulcrum.parallel.fsdp); in the
+- the actor, critic and reference models are replicated on every rank or sharded by FSDP2
+  (fulcrum.parallel.layout chooses, from fsdp_size and the model's size); in the
   updates each rank takes its share of every mini-batch and the gradients are summed over ranks,
   each rank's loss being its share of the mini-batch loss (the workers do this).
 
@@ -106,5 +107,5 @@ def startup_line(info: DistInfo, cfg: FulcrumConfig, tp_size: int = 1) -> str | 
         f"machine(s), {info.backend}): {who} {share_text(prompts, engines)} of the {prompts} prompts per step; "
         f"each rank runs the log-prob, reference and value passes on {share_text(responses, info.world_size)} "
         f"of the {responses} responses, and {share_text(mini, info.world_size)} of every mini-batch of {mini} in the "
-        "updates (FSDP2: models sharded over the ranks, gradients summed)"
+        "updates (each model replicated or FSDP2-sharded by its size, fsdp_size; gradients summed)"
     )

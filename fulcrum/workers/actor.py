@@ -1,34 +1,32 @@
 """The actor (policy) worker and the reference worker: a Hugging Face causal LM, its log-probs, and
 the PPO policy update (ppo_epochs × shuffled mini-batches × micro-batches with gradient accumulation).
 
-No global state: everything lives on the instance (`model`, `optimizer`, `lr_scheduler`), so a
-data-parallel wrapper (FSDP2's `fully_shard(worker.model)`) can be applied later without touching
-the update loop.
+No global state: everything lives on the instance (`model`, `optimizer`, `lr_scheduler`). With several
+ranks the model is replicated or FSDP2-sharded in place (`fulcrum.workers.placement`) and the update
+loop is the same.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 
 from fulcrum.algo.kl import kl_penalty
 from fulcrum.algo.losses import agg_loss
 from fulcrum.algo.policy_losses import compute_policy_loss
 from fulcrum.algo.rollout_correction import RolloutCorrection, bypass_policy_loss
 from fulcrum.batch import Batch, host_to_device
-from fulcrum.config.schema import FSDPConfig
 from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
-from fulcrum.parallel import current, rank_rows, reduce_metrics
-from fulcrum.parallel.fsdp import FSDPSettings, full_named_tensors, grad_norm_value, move_optimizer_state
+from fulcrum.parallel import rank_rows, reduce_metrics
+from fulcrum.parallel.fsdp import full_named_tensors
 from fulcrum.workers.micro_batch import restore_order
-from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
+from fulcrum.workers.optim import build_lr_scheduler, build_optimizer, clip_and_step
+from fulcrum.workers.placement import place_on_ranks
 from fulcrum.workers.recipes import compute_sum_pi_squared
 from fulcrum.workers.runner import ModelRunner
 
@@ -78,7 +76,7 @@ class ReferenceWorker:
         self.device = device
         self.model = load_causal_lm(section.model_path, device).eval()
         self.model.requires_grad_(False)
-        shard_if_distributed(self.model, device, section.fsdp)
+        place_on_ranks(self.model, device, section.fsdp, "actor_rollout_ref.ref.fsdp_config")
         self.runner = ModelRunner(
             self.model,
             device,
@@ -106,7 +104,9 @@ class ActorWorker:
         model = section.model
         self.model = load_causal_lm(model.path, device, model.enable_gradient_checkpointing)
         self.model.train()
-        self.optimizer_offload = shard_if_distributed(self.model, device, self.cfg.fsdp_config)
+        self.placement = place_on_ranks(
+            self.model, device, self.cfg.fsdp_config, "actor_rollout_ref.actor.fsdp_config"
+        )
         self.runner = ModelRunner(
             self.model,
             device,
@@ -253,31 +253,12 @@ class ActorWorker:
         return out
 
     def _optimizer_step(self, grad_clip: float, role: str) -> float:
-        return clip_and_step(self.model, self.optimizer, grad_clip, role, self.optimizer_offload)
+        return clip_and_step(self.model, self.optimizer, grad_clip, role, self.placement)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's whole weights under Hugging Face names, for `RolloutEngine.update_weights`
         (under FSDP all-gathered one at a time: every rank consumes them all)."""
         return full_named_tensors(self.model)
-
-
-def shard_if_distributed(
-    model: nn.Module, device: torch.device, fsdp: FSDPConfig, keep_fp32: tuple[str, ...] = ()
-) -> bool:
-    """FSDP2 over the ranks when torchrun started several (fulcrum.parallel.fsdp), with the keys of
-    verl's `fsdp_config` that act (offloads, reshard_after_forward); nothing in one process. Returns
-    whether the optimiser state is offloaded (`optimizer_offload` acts only when sharded)."""
-    if not current().distributed:
-        return False
-    from fulcrum.parallel.fsdp import shard_model
-
-    settings = FSDPSettings(
-        param_offload=bool(fsdp.param_offload),
-        optimizer_offload=bool(fsdp.optimizer_offload),
-        reshard_after_forward=bool(fsdp.reshard_after_forward),
-    )
-    shard_model(model, device, settings, keep_fp32)
-    return settings.optimizer_offload
 
 
 # Metrics that are a micro-batch's share of the mini-batch loss: summed per mini-batch (and over ranks).
@@ -306,32 +287,3 @@ def mean_metrics(metrics: dict[str, list[torch.Tensor | float]]) -> dict[str, fl
         for (k, i), value in zip(tensors, stacked.cpu().tolist(), strict=True):
             metrics[k][i] = value
     return {k: float(sum(float(x) for x in v) / len(v)) for k, v in metrics.items()}
-
-
-def clip_and_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, role: str, offload: bool = False
-) -> float:
-    """Clip the global gradient norm to `grad_clip` and step; skip the step if the norm is not finite.
-    Under FSDP the norm is over every rank's shards; with `offload` (fsdp_config.optimizer_offload) the
-    optimiser state lives on the CPU between steps.
-
-    The gradients are released after the step. Returns the norm before clipping (what verl logs as
-    `<role>/grad_norm`).
-    """
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
-        return 0.0
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=grad_clip)
-    norm = grad_norm_value(grad_norm)
-    if not math.isfinite(norm):
-        logger.warning("%s: grad_norm is %s, skipping this optimiser step", role, norm)
-    else:
-        if offload:
-            move_optimizer_state(optimizer, params[0].device)
-        optimizer.step()
-        if offload:
-            move_optimizer_state(optimizer, torch.device("cpu"))
-    # The gradients are spent: kept until the next update's zero_grad, they held 4 B per parameter
-    # (1.8 GiB for a 0.5B model) through generation and the other model's passes.
-    optimizer.zero_grad(set_to_none=True)
-    return norm

@@ -18,9 +18,10 @@ from fulcrum.config.sections import CriticSection
 from fulcrum.models.load import load_backbone
 from fulcrum.models.value_head import CriticModel
 from fulcrum.parallel import rank_rows, reduce_metrics
-from fulcrum.workers.actor import clip_and_step, global_agg_kwargs, mean_metrics, shard_if_distributed
+from fulcrum.workers.actor import global_agg_kwargs, mean_metrics
 from fulcrum.workers.micro_batch import restore_order
-from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
+from fulcrum.workers.optim import build_lr_scheduler, build_optimizer, clip_and_step
+from fulcrum.workers.placement import place_on_ranks
 from fulcrum.workers.runner import ModelRunner
 
 
@@ -36,8 +37,8 @@ class CriticWorker:
         if c.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable({"use_reentrant": False})
         self.model.train()
-        self.optimizer_offload = shard_if_distributed(  # the value head a float32 unit of its own
-            self.model, device, c.model.fsdp_config, keep_fp32=("score",)
+        self.placement = place_on_ranks(  # sharded: the value head a float32 unit of its own
+            self.model, device, c.model.fsdp_config, "critic.model.fsdp_config", keep_fp32=("score",)
         )
         # The value head stays float32 (keep): values are not rounded to bf16.
         self.runner = ModelRunner(
@@ -123,9 +124,7 @@ class CriticWorker:
                         )
                 metrics["critic/vf_loss"].append(torch.stack(loss_shares).sum())
                 metrics["critic/grad_norm"].append(
-                    clip_and_step(
-                        self.model, self.optimizer, float(c.grad_clip), "critic", self.optimizer_offload
-                    )
+                    clip_and_step(self.model, self.optimizer, float(c.grad_clip), "critic", self.placement)
                 )
         metrics["critic/lr"].append(self.lr_scheduler.get_last_lr()[0])
         self.lr_scheduler.step()

@@ -1,0 +1,83 @@
+"""Replicated or sharded: the layout each fsdp_size (and a model's size) gives, and the gradients of a
+replicated model summed over the ranks in as few collectives as their buffers allow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers_dist import run_ranks
+
+from fulcrum.config.keys import ConfigError
+from fulcrum.parallel.layout import choose_layout
+
+H200 = 141 * 10**9
+KEY = "actor_rollout_ref.actor.fsdp_config.fsdp_size"
+
+
+def test_fsdp_size_chooses_the_layout() -> None:
+    qwen_05b, qwen_15b = 494_032_768, 1_543_714_304
+    assert choose_layout(-1, 2, qwen_05b, H200, False, KEY) == "replicated"  # 7.9 GB <= 1/16 of 141 GB
+    assert choose_layout(-1, 2, qwen_15b, H200, False, KEY) == "sharded"  # 24.7 GB
+    assert choose_layout(-1, 2, qwen_05b, None, False, KEY) == "sharded"  # the CPU: FSDP as before
+    assert choose_layout(1, 2, qwen_15b, H200, False, KEY) == "replicated"  # asked for
+    assert choose_layout(2, 2, qwen_05b, H200, False, KEY) == "sharded"  # asked for
+    assert choose_layout(-1, 2, qwen_05b, H200, True, KEY) == "sharded"  # param_offload is FSDP's
+    with pytest.raises(ConfigError, match=f"{KEY}=2: .* all 4 ranks .* -1 .*, 1 .* or 4"):
+        choose_layout(2, 4, qwen_05b, H200, False, KEY)
+
+
+def _reduced(rank: int, world: int) -> list[torch.Tensor]:
+    from fulcrum.parallel.layout import all_reduce_gradients
+
+    flat = torch.arange(7, dtype=torch.float32) * (rank + 1)  # two gradients viewing one buffer
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))
+    a.grad, b.grad = flat[:3], flat[3:].view(2, 2)
+    loose = torch.nn.Parameter(torch.zeros(2))  # a gradient of its own
+    loose.grad = torch.full((2,), 10.0 * (rank + 1))
+    unused = torch.nn.Parameter(torch.zeros(1))  # no gradient on rank 0, one on rank 1
+    if rank == 1:
+        unused.grad = torch.ones(1)
+    frozen = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+    all_reduce_gradients([a, b, loose, unused, frozen])
+    assert a.grad._base is flat  # reduced in place, still views of the buffer
+    return [a.grad, b.grad, loose.grad, unused.grad]
+
+
+def test_replicated_gradients_are_summed_over_the_ranks() -> None:
+    for got in run_ranks(_reduced, 2):
+        assert torch.equal(got[0], torch.arange(3.0) * 3)
+        assert torch.equal(got[1], torch.arange(3.0, 7.0).view(2, 2) * 3)
+        assert torch.equal(got[2], torch.full((2,), 30.0))
+        assert torch.equal(got[3], torch.ones(1))
+
+
+def _worker_layouts(rank: int, world: int, model_dir: str) -> list[tuple[str | None, bool]]:
+    from torch.distributed.tensor import DTensor
+
+    from fulcrum.config import load_config
+    from fulcrum.config.sections import actor_section
+    from fulcrum.workers.actor import ActorWorker
+
+    out = []
+    for size in (1, 2):
+        cfg = load_config(
+            [
+                f"actor_rollout_ref.model.path={model_dir}",
+                f"critic.model.path={model_dir}",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                f"actor_rollout_ref.actor.fsdp_config.fsdp_size={size}",
+                "trainer.n_gpus_per_node=2",
+            ]
+        )
+        worker = ActorWorker(actor_section(cfg), torch.device("cpu"), total_training_steps=1)
+        weight = worker.model.get_input_embeddings().weight
+        out.append((worker.placement.layout, isinstance(weight, DTensor)))
+    return out
+
+
+def test_the_actor_worker_lays_its_model_out_as_fsdp_size_says(tmp_path) -> None:
+    from fulcrum.models.tiny import build_tiny_model
+
+    model_dir = str(build_tiny_model(tmp_path / "tiny", arch="qwen2", seed=0))
+    for layouts in run_ranks(_worker_layouts, 2, model_dir):
+        assert layouts == [("replicated", False), ("sharded", True)]
