@@ -72,7 +72,7 @@ ENGINES = {
 
 
 # Each model replicated on both ranks (verl's fsdp_size=1; on the CPU the default shards them).
-REPLICATED = {
+REPLICATED: dict[str, object] = {
     f"{role}.fsdp_config.fsdp_size": 1
     for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
 }
@@ -176,13 +176,17 @@ def test_start_up_summary_names_the_world_size_and_each_share():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_two_gpus_train_like_one(assets: Path, tmp_path: Path) -> None:
-    """FSDP2 over NCCL with bf16 compute and one TP=2 native engine (CUDA graphs, Triton kernels):
-    the same steps as one GPU, up to bf16 rounding."""
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+def test_two_gpus_train_like_one(assets: Path, tmp_path: Path, layout: str) -> None:
+    """Each model replicated (the default for a small model on a GPU: one gradient all-reduce per
+    optimiser step) or FSDP2-sharded (fsdp_size=2), over NCCL with bf16 compute and one TP=2 native
+    engine (CUDA graphs, Triton kernels): the same steps as one GPU, up to bf16 rounding."""
+    sharded = {k: 2 for k in REPLICATED} if layout == "sharded" else {}
     gpu = {
         "actor_rollout_ref.rollout.name": "native",
         "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
         "trainer.device": "cuda",
+        **sharded,
     }
     assert main([*overrides(assets, tmp_path / "one", gpu), "trainer.n_gpus_per_node=1"]) == 0
     assert run_ranks(_train, 2, overrides(assets, tmp_path / "two", gpu), device="cuda") == [0, 0]
