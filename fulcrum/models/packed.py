@@ -14,8 +14,8 @@ attention still runs padded batches as before.
 Only the positions that predict a response token are then read (`PackedMicroBatch.predictor`), so
 the LM head or value head runs on M ≤ N rows, and padding costs no compute anywhere.
 
-Over 400 lines: the packing, the three attention paths and the compiled (optionally graphed) regions
-all depend on the stream's layout (`cu_seqlens`, `max_seqlen`), which this one module defines.
+Over 400 lines: the packing, the three attention paths and the compiled regions (plain, and inside
+FSDP units) all depend on the stream's layout (`cu_seqlens`, `max_seqlen`), which this one module defines.
 """
 
 from __future__ import annotations
@@ -149,9 +149,7 @@ LAYERS_PER_REGION = 1
 
 
 def compile_decoder_layers(
-    base: nn.Module,
-    backend: str = "inductor",
-    layers_per_region: int | None = None,
+    base: nn.Module, backend: str = "inductor", layers_per_region: int | None = None
 ) -> None:
     """Compile `run_decoder_layers` for `packed_hidden_states`: the layers run in regions of
     `layers_per_region` (default `LAYERS_PER_REGION`), each region one compiled call, with gradient checkpointing (when the layers

@@ -201,7 +201,7 @@ class ActorWorker:
         cfg = self.cfg
         mask = host_to_device(mb["response_mask"], self.device).float()
         with_entropy = float(cfg.entropy_coeff) != 0.0
-        log_prob, entropy = self.runner.log_prob(mb, self.temperature, with_entropy)
+        log_prob, entropy = self.runner.log_prob(mb, self.temperature, with_entropy, mask)
         old_log_prob = host_to_device(mb["old_log_probs"], self.device)
         advantages = host_to_device(mb["advantages"], self.device)
         clip = dict(

@@ -105,7 +105,7 @@ class CriticWorker:
                 with self.runner.active():
                     for mb in micro:
                         mask = host_to_device(mb["response_mask"], self.device).float()
-                        vpreds = self.runner.values(mb)
+                        vpreds = self.runner.values(mb, mask)
                         vf_loss, vf_clipfrac = compute_value_loss(
                             vpreds=vpreds,
                             values=host_to_device(mb["values"], self.device),

@@ -195,10 +195,16 @@ def forward_log_prob(
     with_entropy: bool,
     device: torch.device,
     packed: bool = False,
+    response_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(response tokens) (B, R), float32, logits divided by the rollout temperature as verl; entropy too."""
+    """log π(response tokens) (B, R), float32, logits divided by the rollout temperature as verl; entropy too.
+
+    `response_mask`: the micro-batch's mask already on `device` (an update has it for its loss), so it
+    is not copied a second time; None copies `mb["response_mask"]`."""
     if packed:  # reaches embeddings and LM head directly: under FSDP, inside the root unit's forward
-        return run_in_root(model, packed_log_prob, model, mb, temperature, with_entropy, device)
+        return run_in_root(
+            model, packed_log_prob, model, mb, temperature, with_entropy, device, response_mask
+        )
     r = mb.response_length
     ids, mask, pos, r_kept = trimmed_inputs(mb, device)
     with autocast_for(device):
@@ -206,25 +212,42 @@ def forward_log_prob(
     labels = host_to_device(mb["responses"][:, :r_kept], device)
     logp, entropy = logprob_and_entropy(logits, labels, temperature, with_entropy)
     # Zero outside the response mask: padding positions carry no meaning and must not leak into sums.
-    mask = host_to_device(mb["response_mask"], device)
+    mask = response_mask_on(mb, device, response_mask)
     logp = _pad_right(logp, r) * mask
     return logp, (_pad_right(entropy, r) * mask if entropy is not None else None)
 
 
-def forward_values(model: nn.Module, mb: Batch, device: torch.device, packed: bool = False) -> torch.Tensor:
-    """V(state before each response token) (B, R), float32, zero outside the response mask."""
+def forward_values(
+    model: nn.Module,
+    mb: Batch,
+    device: torch.device,
+    packed: bool = False,
+    response_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """V(state before each response token) (B, R), float32, zero outside the response mask
+    (`response_mask` as in `forward_log_prob`)."""
     if packed:
-        return run_in_root(model, packed_values, model, mb, device)
+        return run_in_root(model, packed_values, model, mb, device, response_mask)
     r = mb.response_length
     ids, mask, pos, r_kept = trimmed_inputs(mb, device)
     with autocast_for(device):
         values = model(input_ids=ids, attention_mask=mask, position_ids=pos)  # (B, T')
     values = values[:, -r_kept - 1 : -1].float()  # (B, R'), as verl's critic slices
-    return _pad_right(values, r) * host_to_device(mb["response_mask"], device)
+    return _pad_right(values, r) * response_mask_on(mb, device, response_mask)
+
+
+def response_mask_on(mb: Batch, device: torch.device, given: torch.Tensor | None) -> torch.Tensor:
+    """The micro-batch's response mask on `device`: `given` when the caller already moved it."""
+    return given if given is not None else host_to_device(mb["response_mask"], device)
 
 
 def packed_log_prob(
-    model: nn.Module, mb: Batch, temperature: float, with_entropy: bool, device: torch.device
+    model: nn.Module,
+    mb: Batch,
+    temperature: float,
+    with_entropy: bool,
+    device: torch.device,
+    response_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`forward_log_prob` without padding: the decoder over the packed stream, then the LM head and
     log-softmax on the M response-predicting positions only, chunked (no (M, V) float32 tensor)."""
@@ -240,14 +263,16 @@ def packed_log_prob(
         with_entropy,
         head.bias,
     )
-    mask = host_to_device(mb["response_mask"], device)
+    mask = response_mask_on(mb, device, response_mask)
     return packed.scatter(logp) * mask, (packed.scatter(entropy) * mask if entropy is not None else None)
 
 
-def packed_values(model: nn.Module, mb: Batch, device: torch.device) -> torch.Tensor:
+def packed_values(
+    model: nn.Module, mb: Batch, device: torch.device, response_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """`forward_values` without padding: the value head on the M positions before response tokens."""
     packed = pack_micro_batch(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb.prompt_length)
     packed = packed.to(device)
     hidden = packed_hidden_states(model.model, packed).index_select(0, packed.predictor)  # (M, H)
     values = model.value_from_hidden(hidden)  # (M,) float32
-    return packed.scatter(values) * host_to_device(mb["response_mask"], device)
+    return packed.scatter(values) * response_mask_on(mb, device, response_mask)

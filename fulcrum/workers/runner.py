@@ -111,9 +111,11 @@ class ModelRunner:
         return as_many_as_other_ranks(self.model, micro), order
 
     def log_prob(
-        self, mb: Batch, temperature: float, with_entropy: bool
+        self, mb: Batch, temperature: float, with_entropy: bool, response_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return forward_log_prob(self.model, mb, temperature, with_entropy, self.device, packed=self.packed)
+        return forward_log_prob(
+            self.model, mb, temperature, with_entropy, self.device, self.packed, response_mask
+        )
 
-    def values(self, mb: Batch) -> torch.Tensor:
-        return forward_values(self.model, mb, self.device, packed=self.packed)
+    def values(self, mb: Batch, response_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return forward_values(self.model, mb, self.device, self.packed, response_mask)
