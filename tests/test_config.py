@@ -270,6 +270,16 @@ def test_seed_command_is_valid_on_one_device():
     check(cfg, n_devices=1)
 
 
+def test_fsdp_size_other_than_replicated_sharded_or_chosen_stops_the_run_before_loading():
+    key = "critic.model.fsdp_config.fsdp_size"
+    cfg = load_config([*seed_command(), "trainer.n_gpus_per_node=4", f"{key}=2"])
+    (problem,) = validate(cfg, n_devices=4)
+    assert problem.keys == (key,) and f"{key}=2: fulcrum shards over all 4 ranks" in problem.message
+    for size in (-1, 1, 4):
+        assert validate(load_config([*seed_command(), "trainer.n_gpus_per_node=4", f"{key}={size}"]), 4) == []
+    assert validate(load_config([*seed_command(), f"{key}=2"]), n_devices=1) == []  # one process
+
+
 def test_rules_name_the_keys():
     cfg = load_config([*seed_command(), "trainer.n_gpus_per_node=2"])
     problems = [str(p) for p in validate(cfg, n_devices=1)]

@@ -18,6 +18,7 @@ from helpers import cpu_ppo_overrides, make_assets
 from helpers_dist import free_port, run_ranks
 from safetensors.torch import load_file
 
+from fulcrum.config.compat import FSDP_ROLES
 from fulcrum.trainer.main_ppo import main
 
 COMPARED = (
@@ -72,10 +73,7 @@ ENGINES = {
 
 
 # Each model replicated on both ranks (verl's fsdp_size=1; on the CPU the default shards them).
-REPLICATED: dict[str, object] = {
-    f"{role}.fsdp_config.fsdp_size": 1
-    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
-}
+REPLICATED: dict[str, object] = {f"{role}.fsdp_config.fsdp_size": 1 for role in FSDP_ROLES}
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,8 @@ from __future__ import annotations
 # A key is "without effect" when it equals one of these paths or lies under one. `fulcrum doctor`
 # lists the ones a configuration sets to a non-default value. When a part starts acting on a key,
 # remove it here (and from docs/configuration.md).
+# The roles whose models FSDP shards (or replicates) with several processes, by their fsdp_config's prefix.
+FSDP_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
 FSDP_LAYOUT_KEYS = (
     "strategy",
     "wrap_policy",
@@ -138,12 +140,9 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "global_profiler",
         "ray_kwargs",
         "ray_init",
-        # FSDP's layout knobs: fulcrum shards one unit per decoder layer (only the offload keys act)
-        *(
-            f"{role}.fsdp_config.{key}"
-            for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
-            for key in FSDP_LAYOUT_KEYS
-        ),
+        # FSDP's layout knobs: one unit per decoder layer (fsdp_size, reshard_after_forward and the
+        # offload keys act)
+        *(f"{role}.fsdp_config.{key}" for role in FSDP_ROLES for key in FSDP_LAYOUT_KEYS),
     }
 )
 

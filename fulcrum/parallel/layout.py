@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fulcrum.config.keys import ConfigError
+from fulcrum.config.validate import fsdp_size_problem
 
 Layout = Literal["replicated", "sharded"]
 
@@ -50,13 +51,12 @@ def choose_layout(
       `device_bytes` (a CUDA device's memory), else sharded; sharded on the CPU (`device_bytes` None);
     - `param_offload` (FSDP's CPU offload) always shards.
 
-    Other sizes (hybrid sharding over groups of devices) are not supported: a ConfigError naming `key`.
+    Other sizes (hybrid sharding over groups of devices) are not supported: a ConfigError naming `key`
+    (`fulcrum.config.validate.fsdp_size_problem`, which the run's configuration check applies first).
     """
-    if fsdp_size not in (-1, 1, world_size):
-        raise ConfigError(
-            f"{key}={fsdp_size}: fulcrum shards over all {world_size} ranks or replicates the model; "
-            f"use -1 (chosen by size), 1 (replicated) or {world_size} (sharded)"
-        )
+    problem = fsdp_size_problem(fsdp_size, world_size)  # the run's config check says so first
+    if problem is not None:
+        raise ConfigError(f"{key}={fsdp_size}: {problem}")
     if param_offload or fsdp_size == world_size:
         return "sharded"
     if fsdp_size == 1:
