@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+# The roles whose models FSDP shards (or replicates) with several processes, by their fsdp_config's prefix.
+FSDP_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
+
+
+def fsdp_size_problem(size: int, world: int) -> str | None:
+    """Why verl's `fsdp_size` cannot be honoured over `world` ranks, or None. fulcrum replicates a model
+    (1), shards it over every rank (the world size) or chooses by its size (-1); hybrid sharding over
+    groups of ranks (any other size) is not supported. One process: nothing to lay out."""
+    if world <= 1 or size in (-1, 1, world):
+        return None
+    return (
+        f"fulcrum shards over all {world} ranks or replicates the model; "
+        f"use -1 (chosen by size), 1 (replicated) or {world} (sharded)"
+    )
+
+
 # Keys verl accepts that fulcrum takes and ignores: no ray, FSDP layout knobs or load balancing, no
 # profiler, and options of features fulcrum does not have.
 # A key is "without effect" when it equals one of these paths or lies under one. `fulcrum doctor`
 # lists the ones a configuration sets to a non-default value. When a part starts acting on a key,
 # remove it here (and from docs/configuration.md).
-# The roles whose models FSDP shards (or replicates) with several processes, by their fsdp_config's prefix.
-FSDP_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
 FSDP_LAYOUT_KEYS = (
     "strategy",
     "wrap_policy",

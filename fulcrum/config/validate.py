@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fulcrum.config.compat import FSDP_ROLES, UNSUPPORTED
+from fulcrum.config.compat import FSDP_ROLES, UNSUPPORTED, fsdp_size_problem
 from fulcrum.config.keys import ConfigError
 from fulcrum.config.keys import get_path as _get
 from fulcrum.config.schema import FulcrumConfig, KLControlConfig
@@ -142,18 +142,6 @@ def _ranges(cfg: FulcrumConfig) -> list[Problem]:
             Problem(("reward_model.on_error",), f"expected raise or zero, got {cfg.reward_model.on_error!r}")
         )
     return problems
-
-
-def fsdp_size_problem(size: int, world: int) -> str | None:
-    """Why verl's `fsdp_size` cannot be honoured over `world` ranks, or None. fulcrum replicates a model
-    (1), shards it over every rank (the world size) or chooses by its size (-1); hybrid sharding over
-    groups of ranks (any other size) is not supported. One process: nothing to lay out."""
-    if world <= 1 or size in (-1, 1, world):
-        return None
-    return (
-        f"fulcrum shards over all {world} ranks or replicates the model; "
-        f"use -1 (chosen by size), 1 (replicated) or {world} (sharded)"
-    )
 
 
 def _devices(cfg: FulcrumConfig, n_devices: int | None) -> list[Problem]:

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from fulcrum.config.compat import fsdp_size_problem
 from fulcrum.config.keys import ConfigError
-from fulcrum.config.validate import fsdp_size_problem
 
 Layout = Literal["replicated", "sharded"]
 
@@ -52,7 +52,7 @@ def choose_layout(
     - `param_offload` (FSDP's CPU offload) always shards.
 
     Other sizes (hybrid sharding over groups of devices) are not supported: a ConfigError naming `key`
-    (`fulcrum.config.validate.fsdp_size_problem`, which the run's configuration check applies first).
+    (`fulcrum.config.compat.fsdp_size_problem`, which the run's configuration check applies first).
     """
     problem = fsdp_size_problem(fsdp_size, world_size)  # the run's config check says so first
     if problem is not None:
