@@ -3,27 +3,35 @@ replicated model summed over the ranks in as few collectives as their buffers al
 
 from __future__ import annotations
 
-import pytest
 import torch
 from helpers_dist import run_ranks
 
-from fulcrum.config.keys import ConfigError
+from fulcrum.config.compat import fsdp_size_note
 from fulcrum.parallel.layout import choose_layout
 
 H200 = 141 * 10**9
-KEY = "actor_rollout_ref.actor.fsdp_config.fsdp_size"
 
 
 def test_fsdp_size_chooses_the_layout() -> None:
     qwen_05b, qwen_15b = 494_032_768, 1_543_714_304
-    assert choose_layout(-1, 2, qwen_05b, H200, False, KEY) == "replicated"  # 7.9 GB <= 1/16 of 141 GB
-    assert choose_layout(-1, 2, qwen_15b, H200, False, KEY) == "sharded"  # 24.7 GB
-    assert choose_layout(-1, 2, qwen_05b, None, False, KEY) == "sharded"  # the CPU: FSDP as before
-    assert choose_layout(1, 2, qwen_15b, H200, False, KEY) == "replicated"  # asked for
-    assert choose_layout(2, 2, qwen_05b, H200, False, KEY) == "sharded"  # asked for
-    assert choose_layout(-1, 2, qwen_05b, H200, True, KEY) == "sharded"  # param_offload is FSDP's
-    with pytest.raises(ConfigError, match=f"{KEY}=2: .* all 4 ranks .* -1 .*, 1 .* or 4"):
-        choose_layout(2, 4, qwen_05b, H200, False, KEY)
+    assert choose_layout(-1, qwen_05b, H200, False) == "replicated"  # 7.9 GB <= 1/16 of 141 GB
+    assert choose_layout(-1, qwen_15b, H200, False) == "sharded"  # 24.7 GB
+    assert choose_layout(-1, qwen_05b, None, False) == "sharded"  # the CPU: FSDP as before
+    assert choose_layout(1, qwen_15b, H200, False) == "replicated"  # asked for
+    assert choose_layout(2, qwen_05b, H200, False) == "sharded"  # asked for (the world size)
+    assert choose_layout(32, qwen_05b, H200, False) == "sharded"  # above the world size: verl shards over all
+    assert choose_layout(-1, qwen_05b, H200, True) == "sharded"  # param_offload is FSDP's
+
+
+def test_hybrid_fsdp_size_is_a_note_not_an_error() -> None:
+    """verl's recipes set fsdp_size for hybrid sharding (e.g. 32 over 4 nodes of 8); a pasted command
+    must run: fulcrum shards over all ranks and says so at start."""
+    assert fsdp_size_note(2, 4) == (
+        "hybrid sharding over groups of 2 ranks is not supported: fulcrum shards over all 4 ranks "
+        "(fsdp_size=1 replicates the model instead)"
+    )
+    assert [fsdp_size_note(size, 4) for size in (-1, 1, 4, 32)] == [None] * 4
+    assert fsdp_size_note(2, 1) is None  # one process
 
 
 def _reduced(rank: int, world: int) -> list[torch.Tensor]:

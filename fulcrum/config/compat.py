@@ -6,15 +6,16 @@ from __future__ import annotations
 FSDP_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
 
 
-def fsdp_size_problem(size: int, world: int) -> str | None:
-    """Why verl's `fsdp_size` cannot be honoured over `world` ranks, or None. fulcrum replicates a model
-    (1), shards it over every rank (the world size) or chooses by its size (-1); hybrid sharding over
-    groups of ranks (any other size) is not supported. One process: nothing to lay out."""
-    if world <= 1 or size in (-1, 1, world):
+def fsdp_size_note(size: int, world: int) -> str | None:
+    """What fulcrum does instead of verl's hybrid sharding, or None. verl's `fsdp_size` of s with
+    1 < s < the world size shards over groups of s ranks and replicates across groups (HSDP); fulcrum
+    has no hybrid layout and shards over every rank (the same result, less memory, more collectives).
+    One process, -1, 1 and sizes of at least the world size (verl: shard over all) need no note."""
+    if world <= 1 or size in (-1, 1) or size >= world:
         return None
     return (
-        f"fulcrum shards over all {world} ranks or replicates the model; "
-        f"use -1 (chosen by size), 1 (replicated) or {world} (sharded)"
+        f"hybrid sharding over groups of {size} ranks is not supported: "
+        f"fulcrum shards over all {world} ranks (fsdp_size=1 replicates the model instead)"
     )
 
 

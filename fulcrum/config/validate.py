@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fulcrum.config.compat import FSDP_ROLES, UNSUPPORTED, fsdp_size_problem
+from fulcrum.config.compat import FSDP_ROLES, UNSUPPORTED, fsdp_size_note
 from fulcrum.config.keys import ConfigError
 from fulcrum.config.keys import get_path as _get
 from fulcrum.config.schema import FulcrumConfig, KLControlConfig
@@ -147,12 +147,6 @@ def _ranges(cfg: FulcrumConfig) -> list[Problem]:
 def _devices(cfg: FulcrumConfig, n_devices: int | None) -> list[Problem]:
     problems = []
     n_gpus = world_size(cfg)
-    for role in FSDP_ROLES:
-        key = f"{role}.fsdp_config.fsdp_size"
-        size = int(_get(cfg, key))
-        why = fsdp_size_problem(size, n_gpus)
-        if why is not None:
-            problems.append(Problem((key,), f"{key}={size}: {why}"))
     if n_devices is not None and n_gpus > n_devices:
         problems.append(
             Problem(
@@ -416,6 +410,12 @@ def advise(cfg: FulcrumConfig) -> list[Problem]:
                 "(verl would refuse; fulcrum runs one rollout engine per process instead)",
             )
         )
+    for role in FSDP_ROLES:
+        key = f"{role}.fsdp_config.fsdp_size"
+        size = int(_get(cfg, key))
+        note = fsdp_size_note(size, n_gpus)
+        if note is not None:
+            notes.append(Problem((key,), f"{key}={size}: {note}"))
     if cfg.data.val_batch_size is not None:
         notes.append(
             Problem(("data.val_batch_size",), "deprecated in verl and ignored: validation runs as one batch")

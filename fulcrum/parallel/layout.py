@@ -22,9 +22,6 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from fulcrum.config.compat import fsdp_size_problem
-from fulcrum.config.keys import ConfigError
-
 Layout = Literal["replicated", "sharded"]
 
 # Bytes a trained parameter holds: fp32 weight, fp32 gradient, Adam's two fp32 moments.
@@ -35,29 +32,17 @@ TRAINING_STATE_BYTES = 16
 REPLICATE_MAX_SHARE = 1 / 16
 
 
-def choose_layout(
-    fsdp_size: int,
-    world_size: int,
-    n_params: int,
-    device_bytes: int | None,
-    param_offload: bool,
-    key: str,
-) -> Layout:
-    """The layout of one model over `world_size` ranks, from verl's `fsdp_config.fsdp_size` (`key`):
+def choose_layout(fsdp_size: int, n_params: int, device_bytes: int | None, param_offload: bool) -> Layout:
+    """The layout of one model over the ranks, from verl's `fsdp_config.fsdp_size`:
 
     - 1: replicated (verl: shard groups of one device, i.e. no sharding);
-    - the world size: sharded over all ranks;
     - -1 (verl's default, "all devices"): replicated when 16 B × `n_params` ≤ `REPLICATE_MAX_SHARE` ×
       `device_bytes` (a CUDA device's memory), else sharded; sharded on the CPU (`device_bytes` None);
+    - any other size: sharded over every rank (verl shards over all from the world size up; below it,
+      its hybrid groups have no counterpart here: `fulcrum.config.compat.fsdp_size_note` says so at start);
     - `param_offload` (FSDP's CPU offload) always shards.
-
-    Other sizes (hybrid sharding over groups of devices) are not supported: a ConfigError naming `key`
-    (`fulcrum.config.compat.fsdp_size_problem`, which the run's configuration check applies first).
     """
-    problem = fsdp_size_problem(fsdp_size, world_size)  # the run's config check says so first
-    if problem is not None:
-        raise ConfigError(f"{key}={fsdp_size}: {problem}")
-    if param_offload or fsdp_size == world_size:
+    if param_offload or fsdp_size not in (-1, 1):
         return "sharded"
     if fsdp_size == 1:
         return "replicated"

@@ -76,7 +76,7 @@ class ReferenceWorker:
         self.device = device
         self.model = load_causal_lm(section.model_path, device).eval()
         self.model.requires_grad_(False)
-        place_on_ranks(self.model, device, section.fsdp, "actor_rollout_ref.ref.fsdp_config")
+        place_on_ranks(self.model, device, section.fsdp, "actor_rollout_ref.ref")
         self.runner = ModelRunner(
             self.model,
             device,
@@ -104,9 +104,7 @@ class ActorWorker:
         model = section.model
         self.model = load_causal_lm(model.path, device, model.enable_gradient_checkpointing)
         self.model.train()
-        self.placement = place_on_ranks(
-            self.model, device, self.cfg.fsdp_config, "actor_rollout_ref.actor.fsdp_config"
-        )
+        self.placement = place_on_ranks(self.model, device, self.cfg.fsdp_config, "actor_rollout_ref.actor")
         self.runner = ModelRunner(
             self.model,
             device,

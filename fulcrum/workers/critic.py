@@ -38,7 +38,7 @@ class CriticWorker:
             self.model.gradient_checkpointing_enable({"use_reentrant": False})
         self.model.train()
         self.placement = place_on_ranks(  # sharded: the value head a float32 unit of its own
-            self.model, device, c.model.fsdp_config, "critic.model.fsdp_config", keep_fp32=("score",)
+            self.model, device, c.model.fsdp_config, "critic.model", keep_fp32=("score",)
         )
         # The value head stays float32 (keep): values are not rounded to bf16.
         self.runner = ModelRunner(

@@ -39,22 +39,17 @@ def device_memory_bytes(device: torch.device) -> int | None:
 
 
 def place_on_ranks(
-    model: nn.Module, device: torch.device, fsdp: FSDPConfig, prefix: str, keep_fp32: tuple[str, ...] = ()
+    model: nn.Module, device: torch.device, fsdp: FSDPConfig, role: str, keep_fp32: tuple[str, ...] = ()
 ) -> Placement:
     """Lay `model` out over the ranks (in place): replicated, or FSDP2 with the keys of verl's
-    `fsdp_config` that act (offloads, reshard_after_forward). `prefix` names the role's fsdp_config
-    in errors and the log line. One process: nothing to do."""
+    `fsdp_config` that act (offloads, reshard_after_forward). `role` (its config prefix, e.g.
+    `actor_rollout_ref.actor`) names it in the log line. One process: nothing to do."""
     info = current()
     if not info.distributed:
         return ONE_PROCESS
     n_params = sum(p.numel() for p in model.parameters())
     layout = choose_layout(
-        int(fsdp.fsdp_size),
-        info.world_size,
-        n_params,
-        device_memory_bytes(device),
-        bool(fsdp.param_offload),
-        f"{prefix}.fsdp_size",
+        int(fsdp.fsdp_size), n_params, device_memory_bytes(device), bool(fsdp.param_offload)
     )
     if layout == "sharded":
         from fulcrum.parallel.fsdp import shard_model
@@ -68,7 +63,7 @@ def place_on_ranks(
     if info.rank == 0:
         logger.info(
             "%s: %s over %d ranks (%.2fB parameters, %.1f GB of weights, gradients and Adam state)",
-            prefix.rsplit(".", 1)[0],
+            role,
             "replicated" if layout == "replicated" else "FSDP2-sharded",
             info.world_size,
             n_params / 1e9,
