@@ -161,13 +161,16 @@ def as_many_as_other_ranks(model: nn.Module, micro: list[Batch]) -> list[Batch]:
 
 
 def restore_order(parts: list[torch.Tensor], order: list[int] | None) -> torch.Tensor:
-    """Concatenate per-micro-batch results and undo the token-budget permutation."""
+    """Concatenate per-micro-batch results and undo the token-budget permutation.
+
+    The inverse permutation goes to the device as an asynchronous copy: a plain `.to(device)` would
+    make the host wait for every queued micro-batch (`host_to_device`)."""
     out = torch.cat(parts)
     if order is None:
         return out
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.as_tensor(order, dtype=torch.long)] = torch.arange(len(order))
-    return out[inverse.to(out.device)]
+    return out[host_to_device(inverse, out.device)]
 
 
 def _pad_right(x: torch.Tensor, length: int) -> torch.Tensor:
