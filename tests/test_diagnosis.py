@@ -62,6 +62,79 @@ def test_kl_spike_far_above_its_running_median() -> None:
     assert "kl_spike" not in rules(rows)
 
 
+def test_kl_high_from_the_first_steps_which_the_spike_rule_cannot_see() -> None:
+    """bench/learning.py at actor lr 3e-4 (2026-12-01): actor/ppo_kl 0.17, 0.04, 0.04, ... from step 1,
+    so its running median was high too and kl_spike stayed silent while the run lost the task."""
+    rows = healthy_rows()
+    for row, kl in zip(
+        rows, [0.17, 0.04, 0.037, 0.043, 0.0056, 0.04, 0.06, 0.017, 0.066, 0.05, 0.04, 0.03], strict=True
+    ):
+        row["actor/ppo_kl"] = kl
+    assert "kl_spike" not in rules(rows)
+    findings = [f for f in diagnose(rows) if f.rule == "kl_high"]
+    assert [f.step for f in findings] == [3]
+    assert "actor/ppo_kl = 0.04" in findings[0].message and "actor.optim.lr" in findings[0].lever
+    rows = healthy_rows()
+    rows[3]["actor/ppo_kl"] = rows[7]["actor/ppo_kl"] = 0.03  # single steps: the spike rule's part
+    assert "kl_high" not in rules(rows)
+    for row in rows:
+        row["actor/kl_loss"] = 0.09  # the KL to the reference of a healthy run
+    assert "kl_high" not in rules(rows)
+    for row in rows[4:]:
+        row["actor/kl_loss"] = 2.5
+    assert [f.step for f in diagnose(rows) if f.rule == "kl_high"] == [6]  # steps 4-6: 0.09, 2.5, 2.5
+
+
+def test_reward_collapse_against_its_best_stretch() -> None:
+    rows = healthy_rows(20)
+    scores = [
+        0.3,
+        0.4,
+        0.5,
+        0.6,
+        0.7,
+        0.7,
+        0.75,
+        0.7,
+        0.8,
+        0.75,
+        0.7,
+        0.72,
+        0.2,
+        0.1,
+        0.15,
+        0.1,
+        0.2,
+        0.1,
+        0.1,
+        0.1,
+    ]
+    for row, score in zip(rows, scores, strict=True):
+        row["critic/score/mean"] = score
+    findings = [f for f in diagnose(rows) if f.rule == "reward_collapse"]
+    assert [f.step for f in findings] == [15]  # steps 11-15's median 0.2 < half of steps 6-10's 0.75
+    assert "0.2 (median" in findings[0].message and "resume_from_path" in findings[0].lever
+    for row, score in zip(rows, scores, strict=True):
+        row["critic/score/mean"] = min(score, 0.5) if score > 0.3 else 0.4  # noisy, never halved
+    assert "reward_collapse" not in rules(rows)
+    for row in rows:
+        row["critic/score/mean"] = -0.5 - 0.01 * row["step"]  # a negative reward has no "half"
+    assert "reward_collapse" not in rules(rows)
+
+
+def test_validation_drop_below_half_its_best() -> None:
+    rows = healthy_rows()
+    key = "val-core/gsm8k/reward/mean@1"
+    rows.insert(0, {"step": 0, key: 0.41})  # validation before training, as the trainer logs it
+    for row, score in zip(rows[5::5], [0.58, 0.57], strict=True):
+        row[key] = score
+    assert "validation_drop" not in rules(rows)
+    rows[10][key] = 0.026
+    findings = [f for f in diagnose(rows) if f.rule == "validation_drop"]
+    assert [f.step for f in findings] == [10]
+    assert "0.026, below half of its best 0.58" in findings[0].message
+
+
 def test_critic_that_does_not_learn() -> None:
     rows = healthy_rows()
     for row in rows:

@@ -50,6 +50,15 @@ MEMORY_KEYS = ("perf/max_memory_reserved_gb", "perf/max_memory_allocated_gb", "p
 KL_SPIKE_FACTOR = 10.0  # a value this many times its running median is a spike
 KL_SPIKE_FLOOR = 1e-3  # ... and above this absolute value (tiny KLs jitter by large factors)
 KL_MIN_HISTORY = 5
+# A policy that moves this far, steadily (median of KL_HIGH_STEPS steps), is running away from the start;
+# the spike rule cannot see it, as its running median is high too. Measured on bench/learning.py's
+# 27 M model (2026-12-01): actor lr 3e-4 gave actor/ppo_kl 0.04-0.17 and actor/kl_loss 2.3-6.2 from the
+# first steps and lost the task (validation 0.41 -> 0.06); lr 1e-4 and 3e-5 stayed at ppo_kl <= 0.012
+# (one step of 0.022) and kl_loss <= 0.09.
+KL_HIGH_LIMITS = {"actor/ppo_kl": 0.02, "actor/kl_loss": 1.0, "actor/reward_kl_penalty": 1.0}
+KL_HIGH_STEPS = 3
+REWARD_WINDOW = 5  # steps per median of the training reward
+REWARD_COLLAPSE_SHARE = 0.5  # a reward or validation score below this share of its best so far
 LENGTH_CLIP_LIMIT = 0.2  # share of responses at the length limit
 ADV_DRIFT_LIMIT = 0.1  # |mean advantage| ...
 ADV_DRIFT_STEPS = 3  # ... for this many steps in a row
@@ -164,6 +173,79 @@ def kl_spikes(rows: Sequence[Row]) -> list[Finding]:
                 )
                 break
     return findings
+
+
+def kl_high(rows: Sequence[Row]) -> list[Finding]:
+    """A KL whose median over KL_HIGH_STEPS steps in a row is above its KL_HIGH_LIMITS value: each update
+    (`actor/ppo_kl`) or the policy as a whole (the KL to the reference) moves too far, step after step."""
+    findings = []
+    for key, limit in KL_HIGH_LIMITS.items():
+        points = [(s, v) for s, v in series(training_rows(rows), key) if math.isfinite(v)]
+        for i in range(KL_HIGH_STEPS, len(points) + 1):
+            window = [abs(v) for _, v in points[i - KL_HIGH_STEPS : i]]
+            median = statistics.median(window)
+            if median > limit:
+                findings.append(
+                    Finding(
+                        "kl_high",
+                        "warning",
+                        points[i - 1][0],
+                        f"{key} = {median:.3g} (median of {KL_HIGH_STEPS} steps), above {limit:g}: the "
+                        "policy moves too far, step after step",
+                        "a smaller actor.optim.lr first (3x smaller is a good step), then a lower "
+                        "actor.grad_clip or a larger ppo_mini_batch_size; for the KL to the reference, a "
+                        "stronger kl_loss_coef / kl_ctrl.kl_coef",
+                    )
+                )
+                break
+    return findings
+
+
+def reward_collapse(rows: Sequence[Row]) -> list[Finding]:
+    """The median `critic/score/mean` of REWARD_WINDOW steps below REWARD_COLLAPSE_SHARE × the best such
+    median before them (which was above 0): the policy unlearns the task."""
+    points = [(s, v) for s, v in series(training_rows(rows), "critic/score/mean") if math.isfinite(v)]
+    values = [v for _, v in points]
+    best = -math.inf
+    for end in range(2 * REWARD_WINDOW, len(values) + 1):
+        best = max(best, statistics.median(values[end - 2 * REWARD_WINDOW : end - REWARD_WINDOW]))
+        recent = statistics.median(values[end - REWARD_WINDOW : end])
+        if best > 0 and recent < REWARD_COLLAPSE_SHARE * best:
+            return [
+                Finding(
+                    "reward_collapse",
+                    "warning",
+                    points[end - 1][0],
+                    f"critic/score/mean {recent:.3g} (median of the last 5 steps), below half of its best "
+                    f"5-step median {best:.3g}",
+                    "a smaller actor.optim.lr (see kl_high and kl_spike), and a restart from a checkpoint "
+                    "saved before the fall (trainer.resume_mode=resume_path trainer.resume_from_path=...)",
+                )
+            ]
+    return []
+
+
+def validation_drop(rows: Sequence[Row]) -> list[Finding]:
+    """A validation score (`val-core/.../mean@N`, verl's main validation metrics) below
+    REWARD_COLLAPSE_SHARE × its best earlier value (above 0)."""
+    keys = sorted({k for row in rows for k in row if k.startswith("val-core/") and "/mean@" in k})
+    for key in keys:
+        best = -math.inf
+        for step, value in series(rows, key):
+            if math.isfinite(value) and best > 0 and value < REWARD_COLLAPSE_SHARE * best:
+                return [
+                    Finding(
+                        "validation_drop",
+                        "warning",
+                        step,
+                        f"{key} = {value:.3g}, below half of its best {best:.3g}",
+                        "a smaller actor.optim.lr (see kl_high and kl_spike); the checkpoint saved at the "
+                        "best validation is the one to keep or restart from",
+                    )
+                ]
+            if math.isfinite(value):
+                best = max(best, value)
+    return []
 
 
 def critic_not_learning(rows: Sequence[Row]) -> list[Finding]:
@@ -287,6 +369,9 @@ RULES: list[Callable[[Sequence[Row]], list[Finding]]] = [
     bottleneck,
     non_finite,
     kl_spikes,
+    kl_high,
+    reward_collapse,
+    validation_drop,
     critic_not_learning,
     advantage_drift,
     length_limit,
