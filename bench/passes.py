@@ -3,7 +3,8 @@
     python bench/passes.py --model .bench/qwen05 [--rows 512] [--mini 128] [--repeat 3] \
         [--json out.json] [KEY=VALUE ...]
 
-Passes, each timed after warm-up calls until two agree within 10% (median of --repeat, CUDA synchronised around each call):
+Passes, each timed after warm-up calls (at least --warmup-s seconds after the first, until two agree
+within 10%; median of --repeat, CUDA synchronised around each call):
 old log-probs with entropy (`ActorWorker.compute_log_prob`), values (`CriticWorker.compute_values`),
 the actor update and the critic update (`update_policy` / `update_critic`, one PPO epoch). The batch
 is --rows synthetic samples: prompts of the GSM8K-like lengths `bench/rollout.py` uses (70–239
@@ -90,23 +91,29 @@ def compilations() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def measure(fn, repeat: int, max_warmup: int = 8, steady: float = 0.1) -> tuple[float, float]:
+def measure(
+    fn, repeat: int, warmup_s: float = 15.0, max_warmup: int = 12, steady: float = 0.1
+) -> tuple[float, float]:
     """(median seconds over `repeat` calls after warm-up, peak allocated GiB during those calls).
 
-    Warm-up calls run until two in a row agree within `steady` (at most `max_warmup` calls): the first
-    call compiles, and on the H200 the next few were still up to 4x slower with no compilation in them
-    (session 6: 5.2, 1.9, 1.8, 1.3, then 0.43 s for the same log-prob pass), while the trainer's own
-    pass ran at the steady figure. One warm-up call left the script reporting half the trainer's
-    throughput. Prints every call and how many graphs were compiled during the timed ones: a timed
-    call that still compiles (a new shape, or dynamo's cache limit) is not a warm figure."""
+    Warm-up: after the first call (which compiles), calls go on for at least `warmup_s` seconds and until
+    two in a row agree within `steady` (at most `max_warmup` calls). On the H200, for several seconds
+    after a compilation the same pass ran up to 4x slower with nothing compiled in it (session 6: 5.2,
+    1.9, 1.8, 1.3, then 0.43 s for one log-prob pass; and 1.88, 1.84, 1.79, then 0.51, 0.42 s), while the
+    trainer's own pass ran at the steady figure; two slow calls can agree, so agreement alone is not
+    enough. Prints every call and how many graphs were compiled during the timed ones: a timed call
+    that still compiles (a new shape, or dynamo's cache limit) is not a warm figure."""
     warmup: list[float] = []
+    settled_from = None
     while len(warmup) < max_warmup:
         torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
         torch.cuda.synchronize()
         warmup.append(time.perf_counter() - start)
-        if len(warmup) >= 2 and abs(warmup[-1] - warmup[-2]) <= steady * warmup[-2]:
+        settled_from = settled_from or time.perf_counter()  # the end of the compiling call
+        agree = len(warmup) >= 3 and abs(warmup[-1] - warmup[-2]) <= steady * warmup[-2]
+        if agree and time.perf_counter() - settled_from >= warmup_s:
             break
     print(f"  warm-up calls (compilation in the first) {', '.join(f'{t:.2f}' for t in warmup)} s", flush=True)
     torch.cuda.reset_peak_memory_stats()
@@ -153,11 +160,11 @@ def bench_actor(
             args.label,
             "log_prob",
             tokens,
-            *measure(lambda: actor.compute_log_prob(batch), args.repeat),
+            *measure(lambda: actor.compute_log_prob(batch), args.repeat, args.warmup_s),
         )
     if "update_actor" in passes:
         flops = estimate_train_flops(actor.model.config, lengths)
-        seconds, peak = measure(lambda: actor.update_policy(batch), args.repeat)
+        seconds, peak = measure(lambda: actor.update_policy(batch), args.repeat, args.warmup_s)
         record(results, args.label, "update_actor", tokens, seconds, peak, flops)
     if args.profile:
         profile_update(actor, batch, args.profile)
@@ -197,7 +204,11 @@ def bench_critic(
     tokens = int(batch["attention_mask"].sum())
     if "values" in passes:
         record(
-            results, args.label, "values", tokens, *measure(lambda: critic.compute_values(batch), args.repeat)
+            results,
+            args.label,
+            "values",
+            tokens,
+            *measure(lambda: critic.compute_values(batch), args.repeat, args.warmup_s),
         )
     if "update_critic" in passes:
         config = critic.model.config
@@ -205,7 +216,7 @@ def bench_critic(
         # No LM head: the embedding counted once (as `estimate_train_flops(..., lm_head=False)`,
         # written out so that this script also runs on trees from before that argument).
         flops = estimate_train_flops(config, lengths) - 6.0 * config.vocab_size * config.hidden_size * tokens
-        seconds, peak = measure(lambda: critic.update_critic(batch), args.repeat)
+        seconds, peak = measure(lambda: critic.update_critic(batch), args.repeat, args.warmup_s)
         record(results, args.label, "update_critic", tokens, seconds, peak, flops)
 
 
@@ -219,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--response", type=int, default=256)
     parser.add_argument("--mini", type=int, default=128, help="ppo_mini_batch_size (prompts; n = 1)")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--warmup-s", type=float, default=15.0, help="seconds of warm-up calls after the compiling one"
+    )
     parser.add_argument("--passes", default="log_prob,values,update_actor,update_critic")
     parser.add_argument("--label", default="")
     parser.add_argument("--json", type=Path, default=None)
@@ -253,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
             *overrides,
         ]
     )
+    from host_speed import host_speed
+
+    host = host_speed()
+    print(f"host: {host}", flush=True)
     passes = args.passes.split(",")
     results: dict[str, dict[str, float]] = {}
     if "log_prob" in passes or "update_actor" in passes:
@@ -275,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "passes": results,
+        "host": {"before": host, "after": host_speed()},
     }
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))

@@ -13,6 +13,9 @@ The model is random (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4
 tied embeddings, bf16 on disk) with the tiny byte-level tokenizer of `fulcrum tiny-model`: the ids
 the tokenizer does not know decode to nothing, so responses run to max length (a fixed, worst-case
 load) and every reward is 0. Throughput and time are what this measures, not learning.
+
+The summary's `host` holds `bench/host_speed.py`'s probe before and after the run (Python loop ms,
+µs per kernel launch, load): the seed command's updates are host-bound, so its figure moves with them.
 """
 
 from __future__ import annotations
@@ -120,12 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "make-model":
         print(f"wrote {make_model(args.out)}")
         return 0
+    from host_speed import host_speed
+
     from fulcrum.trainer.main_ppo import main as train_main
 
+    host_before = host_speed()
+    print(f"host before the run: {host_before}", flush=True)
     code = train_main(seed_overrides(args.data, args.model, args.run, args.steps) + extra)
     if code != 0:
         return code
     summary = summarise(args.run)
+    summary["host"] = {"before": host_before, "after": host_speed()}
     summary["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     summary["torch"] = torch.__version__
     text = json.dumps(summary, indent=1)
