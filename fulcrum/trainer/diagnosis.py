@@ -190,7 +190,7 @@ def kl_high(rows: Sequence[Row]) -> list[Finding]:
                         "kl_high",
                         "warning",
                         points[i - 1][0],
-                        f"{key} = {median:.3g} (median of {KL_HIGH_STEPS} steps), above {limit:g}: the "
+                        f"{key} = {median:.4g} (median of {KL_HIGH_STEPS} steps), above {limit:g}: the "
                         "policy moves too far, step after step",
                         "a smaller actor.optim.lr first (3x smaller is a good step), then a lower "
                         "actor.grad_clip or a larger ppo_mini_batch_size; for the KL to the reference, a "
