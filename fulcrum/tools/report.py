@@ -66,7 +66,8 @@ SECTIONS: list[tuple[str, list[Panel]]] = [
             Panel(
                 "Reward (training) and validation accuracy",
                 ("critic/score/mean", "critic/rewards/mean"),
-                "flat at 0: the task is too hard for the model (SFT first, a larger rollout.n)",
+                "flat at 0: the task is too hard for the model (SFT first, a larger rollout.n); falling: "
+                "the policy unlearns it (a smaller actor lr)",
                 prefix="val-core/",
             ),
             Panel(
