@@ -24,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -92,7 +93,7 @@ def compilations() -> int:
 
 
 def measure(
-    fn, repeat: int, warmup_s: float = 15.0, max_warmup: int = 12, steady: float = 0.1
+    fn: Callable[[], object], repeat: int, warmup_s: float = 15.0, max_warmup: int = 12, steady: float = 0.1
 ) -> tuple[float, float]:
     """(median seconds over `repeat` calls after warm-up, peak allocated GiB during those calls).
 
@@ -104,7 +105,7 @@ def measure(
     enough. Prints every call and how many graphs were compiled during the timed ones: a timed call
     that still compiles (a new shape, or dynamo's cache limit) is not a warm figure."""
     warmup: list[float] = []
-    settled_from = None
+    settled_from: float | None = None
     while len(warmup) < max_warmup:
         torch.cuda.synchronize()
         start = time.perf_counter()
