@@ -119,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     rn.add_argument("--run", type=Path, required=True)
     rn.add_argument("--steps", type=int, default=3)
     rn.add_argument("--summary", type=Path, default=None)
+    rn.add_argument(
+        "--layers-per-region",
+        type=int,
+        default=None,
+        help="decoder layers per compiled region (fulcrum.models.packed.LAYERS_PER_REGION), to compare",
+    )
     args, extra = parser.parse_known_args(argv)
     if args.cmd == "make-model":
         print(f"wrote {make_model(args.out)}")
@@ -127,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from fulcrum.trainer.main_ppo import main as train_main
 
+    if args.layers_per_region:
+        from fulcrum.models import packed
+
+        packed.LAYERS_PER_REGION = args.layers_per_region
     host_before = host_speed()
     print(f"host before the run: {host_before}", flush=True)
     code = train_main(seed_overrides(args.data, args.model, args.run, args.steps) + extra)
@@ -134,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     summary = summarise(args.run)
     summary["host"] = {"before": host_before, "after": host_speed()}
+    summary["layers_per_region"] = args.layers_per_region
     summary["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     summary["torch"] = torch.__version__
     text = json.dumps(summary, indent=1)

@@ -253,10 +253,12 @@ def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2", seed=0))
 
 
-def test_compiled_layer_twins_match_and_leave_the_model_alone(qwen2_dir: str) -> None:
+@pytest.mark.parametrize("layers_per_region", [1, 2])
+def test_compiled_layer_twins_match_and_leave_the_model_alone(qwen2_dir: str, layers_per_region: int) -> None:
     """compile_decoder_layers (dynamo's eager backend here: the CPU has no inductor toolchain in CI)
     takes over gradient checkpointing, gives the same log-probs and gradients as HF's own checkpointed
-    layers, and registers nothing: same state-dict keys, the layers themselves uncompiled."""
+    layers, and registers nothing: same state-dict keys, the layers themselves uncompiled. Regions of
+    one layer (the default) and of two (the size `bench/train_step.py --layers-per-region` compares)."""
     from fulcrum.models.packed import compile_decoder_layers
 
     results = []
@@ -265,7 +267,8 @@ def test_compiled_layer_twins_match_and_leave_the_model_alone(qwen2_dir: str) ->
         keys = list(model.state_dict())
         enable_packed_attention(model)
         if compiled:
-            compile_decoder_layers(model.model, backend="eager")
+            compile_decoder_layers(model.model, backend="eager", layers_per_region=layers_per_region)
+            assert len(model.model.fulcrum_regions[0]) == layers_per_region
             assert model.model.fulcrum_checkpoint and not any(
                 layer.gradient_checkpointing for layer in model.model.layers
             )
