@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="decoder layers per compiled region (fulcrum.models.packed.LAYERS_PER_REGION), to compare",
     )
+    rn.add_argument(
+        "--save-attention",
+        action="store_true",
+        help="checkpointing also keeps the attention kernel's outputs (packed.SAVE_ATTENTION_OUTPUTS), to compare",
+    )
     args, extra = parser.parse_known_args(argv)
     if args.cmd == "make-model":
         print(f"wrote {make_model(args.out)}")
@@ -133,10 +138,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from fulcrum.trainer.main_ppo import main as train_main
 
-    if args.layers_per_region:
+    if args.layers_per_region or args.save_attention:
         from fulcrum.models import packed
 
-        packed.LAYERS_PER_REGION = args.layers_per_region
+        packed.LAYERS_PER_REGION = args.layers_per_region or packed.LAYERS_PER_REGION
+        packed.SAVE_ATTENTION_OUTPUTS = args.save_attention
     host_before = host_speed()
     print(f"host before the run: {host_before}", flush=True)
     code = train_main(seed_overrides(args.data, args.model, args.run, args.steps) + extra)
@@ -145,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(args.run)
     summary["host"] = {"before": host_before, "after": host_speed()}
     summary["layers_per_region"] = args.layers_per_region
+    summary["save_attention"] = args.save_attention
     summary["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     summary["torch"] = torch.__version__
     text = json.dumps(summary, indent=1)

@@ -253,13 +253,30 @@ def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2", seed=0))
 
 
-@pytest.mark.parametrize("layers_per_region", [1, 2])
-def test_compiled_layer_twins_match_and_leave_the_model_alone(qwen2_dir: str, layers_per_region: int) -> None:
+@pytest.mark.parametrize(("layers_per_region", "save_attention"), [(1, False), (2, False), (1, True)])
+def test_compiled_layer_twins_match_and_leave_the_model_alone(
+    qwen2_dir: str, layers_per_region: int, save_attention: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """compile_decoder_layers (dynamo's eager backend here: the CPU has no inductor toolchain in CI)
     takes over gradient checkpointing, gives the same log-probs and gradients as HF's own checkpointed
     layers, and registers nothing: same state-dict keys, the layers themselves uncompiled. Regions of
-    one layer (the default) and of two (the size `bench/train_step.py --layers-per-region` compares)."""
+    one layer (the default) and of two (the size `bench/train_step.py --layers-per-region` compares),
+    and the checkpoint keeping the attention kernel's outputs (`SAVE_ATTENTION_OUTPUTS`: the CPU's
+    SDPA kernel is one of `ATTENTION_OPS`, so the selective policy does save here)."""
+    from fulcrum.models import packed
     from fulcrum.models.packed import compile_decoder_layers
+
+    monkeypatch.setattr(packed, "SAVE_ATTENTION_OUTPUTS", save_attention)
+    saved: list[object] = []
+    keep = packed.keep_attention_outputs
+
+    def recording_policy(ctx: object, op: object, *args: object, **kwargs: object) -> object:
+        decision = keep(ctx, op, *args, **kwargs)
+        if decision == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE:
+            saved.append(op)
+        return decision
+
+    monkeypatch.setattr(packed, "keep_attention_outputs", recording_policy)
 
     results = []
     for compiled in (False, True):
@@ -280,6 +297,7 @@ def test_compiled_layer_twins_match_and_leave_the_model_alone(qwen2_dir: str, la
         )[0].backward()
         results.append((logp.detach(), grads(model)))
     (lp_a, g_a), (lp_b, g_b) = results
+    assert bool(saved) == save_attention  # the policy ran, and saved the attention kernel's outputs
     assert torch.allclose(lp_a, lp_b, atol=TOL, rtol=0)
     for name in g_a:
         assert torch.allclose(g_a[name], g_b[name], atol=TOL, rtol=1e-4), name

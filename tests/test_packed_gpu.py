@@ -78,10 +78,18 @@ def test_packed_bf16_values_match_padded_fp32() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_compiled_checkpointed_layers_match_eager_on_cuda() -> None:
+@pytest.mark.parametrize("save_attention", [False, True])
+def test_compiled_checkpointed_layers_match_eager_on_cuda(
+    save_attention: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The trainer's default on CUDA (decoder layers compiled, each checkpointed inside its compiled
     call) against the same bf16 packed path uncompiled and without checkpointing: the same log-probs
-    and gradients up to bf16 rounding, over two micro-batches of different token counts (dynamic sizes)."""
+    and gradients up to bf16 rounding, over two micro-batches of different token counts (dynamic sizes).
+    Also with the flash kernel's outputs kept by the checkpoint (`SAVE_ATTENTION_OUTPUTS`)."""
+    from fulcrum.models import packed
+
+    monkeypatch.setattr(packed, "SAVE_ATTENTION_OUTPUTS", save_attention)
+    torch._dynamo.reset()  # the setting is read while tracing
     results = []
     for compiled in (False, True):
         model = random_causal_lm("qwen2", seed=0, init_std=0.05, **SHAPE).to(CUDA).train()

@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fulcrum.batch import host_to_device
@@ -147,6 +147,35 @@ def enable_packed_attention(model: nn.Module) -> None:
 # 6k tokens). A region of several layers pays that once; larger regions cost compile time.
 LAYERS_PER_REGION = 1
 
+# Checkpointing keeps each layer's input and recomputes the rest in the backward. With this set, it
+# also keeps the attention kernel's outputs (selective checkpointing, as torchtitan does), for 1.8 kB
+# a token a layer more (bf16 output and float32 log-sum-exp at Qwen2.5-0.5B's width): the backward
+# skips recomputing attention, and the compiler has no random kernel to replay in the recomputation
+# (it wraps the flash kernel, which takes an RNG state even at dropout 0, in GraphSafeRunWithRngState,
+# which inductor's C++ wrapper refused in session 6). Off until an A/B on the GPU says it pays
+# (`bench/train_step.py --save-attention`).
+SAVE_ATTENTION_OUTPUTS = False
+ATTENTION_OPS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_flash_attention_forward",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(torch.ops.aten, name)
+)
+
+
+def keep_attention_outputs(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    """Selective-checkpointing policy: save what the attention kernels return, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _attention_saving_contexts() -> tuple[object, object]:
+    return create_selective_checkpoint_contexts(keep_attention_outputs)
+
 
 def compile_decoder_layers(
     base: nn.Module, backend: str = "inductor", layers_per_region: int | None = None
@@ -226,8 +255,14 @@ def call_layer(
     layer: Callable[..., object], hidden: torch.Tensor, recompute: bool, kwargs: dict[str, object]
 ) -> torch.Tensor:
     """`layer(hidden, **kwargs)`'s hidden states (1, N, H); with `recompute`, under non-reentrant
-    gradient checkpointing (only its input is kept for the backward)."""
-    out = checkpoint(layer, hidden, use_reentrant=False, **kwargs) if recompute else layer(hidden, **kwargs)
+    gradient checkpointing (only its input is kept for the backward, and the attention kernel's
+    outputs with `SAVE_ATTENTION_OUTPUTS`)."""
+    if not recompute:
+        out = layer(hidden, **kwargs)
+    elif SAVE_ATTENTION_OUTPUTS:
+        out = checkpoint(layer, hidden, use_reentrant=False, context_fn=_attention_saving_contexts, **kwargs)
+    else:
+        out = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
 
