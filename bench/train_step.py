@@ -136,13 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from host_speed import host_speed
 
+    from fulcrum.models import packed
     from fulcrum.trainer.main_ppo import main as train_main
 
-    if args.layers_per_region or args.save_attention:
-        from fulcrum.models import packed
-
-        packed.LAYERS_PER_REGION = args.layers_per_region or packed.LAYERS_PER_REGION
-        packed.SAVE_ATTENTION_OUTPUTS = args.save_attention
+    if args.layers_per_region:
+        packed.LAYERS_PER_REGION = args.layers_per_region
+    packed.SAVE_ATTENTION_OUTPUTS = args.save_attention
     host_before = host_speed()
     print(f"host before the run: {host_before}", flush=True)
     code = train_main(seed_overrides(args.data, args.model, args.run, args.steps) + extra)

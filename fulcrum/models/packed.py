@@ -257,12 +257,13 @@ def call_layer(
     """`layer(hidden, **kwargs)`'s hidden states (1, N, H); with `recompute`, under non-reentrant
     gradient checkpointing (only its input is kept for the backward, and the attention kernel's
     outputs with `SAVE_ATTENTION_OUTPUTS`)."""
-    if not recompute:
-        out = layer(hidden, **kwargs)
-    elif SAVE_ATTENTION_OUTPUTS:
-        out = checkpoint(layer, hidden, use_reentrant=False, context_fn=_attention_saving_contexts, **kwargs)
+    if recompute:
+        # The keyword only when selective: dynamo (torch 2.13) refused torch's default context_fn passed
+        # explicitly ("checkpoint not implemented for ... LazyVariableTracker context_fn").
+        selective = {"context_fn": _attention_saving_contexts} if SAVE_ATTENTION_OUTPUTS else {}
+        out = checkpoint(layer, hidden, use_reentrant=False, **selective, **kwargs)
     else:
-        out = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+        out = layer(hidden, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
 

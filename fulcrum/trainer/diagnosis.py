@@ -110,6 +110,11 @@ def series(rows: Sequence[Row], key: str) -> list[tuple[int, float]]:
     return out
 
 
+def finite_series(rows: Sequence[Row], key: str) -> list[tuple[int, float]]:
+    """(step, value) of the training steps that have a finite `key` (NaN and Inf are `non_finite`'s)."""
+    return [(s, v) for s, v in series(training_rows(rows), key) if math.isfinite(v)]
+
+
 def _step(row: Row, default: int) -> int:
     step = as_float(row.get("step"))
     return int(step) if step is not None else default
@@ -156,7 +161,7 @@ def kl_spikes(rows: Sequence[Row]) -> list[Finding]:
     """A KL value above KL_SPIKE_FACTOR × the median of the values before it (and above KL_SPIKE_FLOOR)."""
     findings = []
     for key in KL_KEYS:
-        points = [(s, v) for s, v in series(training_rows(rows), key) if math.isfinite(v)]
+        points = finite_series(rows, key)
         for i in range(KL_MIN_HISTORY, len(points)):
             step, value = points[i]
             median = statistics.median(abs(v) for _, v in points[:i])
@@ -180,7 +185,7 @@ def kl_high(rows: Sequence[Row]) -> list[Finding]:
     (`actor/ppo_kl`) or the policy as a whole (the KL to the reference) moves too far, step after step."""
     findings = []
     for key, limit in KL_HIGH_LIMITS.items():
-        points = [(s, v) for s, v in series(training_rows(rows), key) if math.isfinite(v)]
+        points = finite_series(rows, key)
         for i in range(KL_HIGH_STEPS, len(points) + 1):
             window = [abs(v) for _, v in points[i - KL_HIGH_STEPS : i]]
             median = statistics.median(window)
@@ -204,7 +209,7 @@ def kl_high(rows: Sequence[Row]) -> list[Finding]:
 def reward_collapse(rows: Sequence[Row]) -> list[Finding]:
     """The median `critic/score/mean` of REWARD_WINDOW steps below REWARD_COLLAPSE_SHARE × the best such
     median before them (which was above 0): the policy unlearns the task."""
-    points = [(s, v) for s, v in series(training_rows(rows), "critic/score/mean") if math.isfinite(v)]
+    points = finite_series(rows, "critic/score/mean")
     values = [v for _, v in points]
     best = -math.inf
     for end in range(2 * REWARD_WINDOW, len(values) + 1):
@@ -216,8 +221,8 @@ def reward_collapse(rows: Sequence[Row]) -> list[Finding]:
                     "reward_collapse",
                     "warning",
                     points[end - 1][0],
-                    f"critic/score/mean {recent:.3g} (median of the last 5 steps), below half of its best "
-                    f"5-step median {best:.3g}",
+                    f"critic/score/mean {recent:.3g} (median of the last {REWARD_WINDOW} steps), below half "
+                    f"of its best {REWARD_WINDOW}-step median {best:.3g}",
                     "a smaller actor.optim.lr (see kl_high and kl_spike), and a restart from a checkpoint "
                     "saved before the fall (trainer.resume_mode=resume_path trainer.resume_from_path=...)",
                 )
@@ -253,7 +258,7 @@ def critic_not_learning(rows: Sequence[Row]) -> list[Finding]:
     below 80% of its median over the first 5 (the critic predicts returns no better than their mean)."""
     train = training_rows(rows)
     explained = series(train, "critic/vf_explained_var")
-    loss = [(s, v) for s, v in series(train, "critic/vf_loss") if math.isfinite(v)]
+    loss = finite_series(train, "critic/vf_loss")
     if len(explained) < CRITIC_MIN_STEPS or len(loss) < CRITIC_MIN_STEPS:
         return []
     recent_ev = statistics.median(v for _, v in explained[-5:])
@@ -296,9 +301,7 @@ def advantage_drift(rows: Sequence[Row]) -> list[Finding]:
 
 def length_limit(rows: Sequence[Row]) -> list[Finding]:
     """response_length/clip_ratio: the mean over the last 3 steps at or above LENGTH_CLIP_LIMIT."""
-    points = [
-        (s, v) for s, v in series(training_rows(rows), "response_length/clip_ratio") if math.isfinite(v)
-    ]
+    points = finite_series(rows, "response_length/clip_ratio")
     if not points:
         return []
     recent = [v for _, v in points[-3:]]
@@ -324,7 +327,7 @@ def memory_creep(rows: Sequence[Row]) -> list[Finding]:
     rise in >= 75% of step pairs, and a total rise above max(5%, 0.25 GiB)."""
     train = training_rows(rows)
     for key in MEMORY_KEYS:
-        points = [(s, v) for s, v in series(train, key) if math.isfinite(v) and v > 0][2:]
+        points = [(s, v) for s, v in finite_series(train, key) if v > 0][2:]
         if len(points) < MEMORY_MIN_STEPS:
             continue
         rises = sum(1 for (_, a), (_, b) in itertools.pairwise(points) if b > a)
