@@ -92,46 +92,100 @@ def compilations() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def measure(
-    fn: Callable[[], object], repeat: int, warmup_s: float = 15.0, max_warmup: int = 12, steady: float = 0.1
-) -> tuple[float, float]:
-    """(median seconds over `repeat` calls after warm-up, peak allocated GiB during those calls).
+def timed_call(fn: Callable[[], object]) -> float:
+    """Seconds of one call, the GPU synchronised before and after."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def warm_up(
+    fn: Callable[[], object], warmup_s: float = 15.0, max_warmup: int = 12, steady: float = 0.1
+) -> None:
+    """Calls `fn` until warm (see `measure`) and prints the calls' seconds.
 
     Warm-up: after the first call (which compiles), calls go on for at least `warmup_s` seconds and until
     two in a row agree within `steady` (at most `max_warmup` calls). On the H200, for several seconds
     after a compilation the same pass ran up to 4x slower with nothing compiled in it (session 6: 5.2,
     1.9, 1.8, 1.3, then 0.43 s for one log-prob pass; and 1.88, 1.84, 1.79, then 0.51, 0.42 s), while the
     trainer's own pass ran at the steady figure; two slow calls can agree, so agreement alone is not
-    enough. Prints every call and how many graphs were compiled during the timed ones: a timed call
-    that still compiles (a new shape, or dynamo's cache limit) is not a warm figure."""
+    enough."""
     warmup: list[float] = []
     settled_from: float | None = None
     while len(warmup) < max_warmup:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        warmup.append(time.perf_counter() - start)
+        warmup.append(timed_call(fn))
         settled_from = settled_from or time.perf_counter()  # the end of the compiling call
         agree = len(warmup) >= 3 and abs(warmup[-1] - warmup[-2]) <= steady * warmup[-2]
         if agree and time.perf_counter() - settled_from >= warmup_s:
             break
     print(f"  warm-up calls (compilation in the first) {', '.join(f'{t:.2f}' for t in warmup)} s", flush=True)
+
+
+def measure(fn: Callable[[], object], repeat: int, warmup_s: float = 15.0) -> tuple[float, float]:
+    """(median seconds over `repeat` calls after `warm_up`, peak allocated GiB during those calls).
+
+    Prints every call and how many graphs were compiled during the timed ones: a timed call that still
+    compiles (a new shape, or dynamo's cache limit) is not a warm figure."""
+    warm_up(fn, warmup_s)
     torch.cuda.reset_peak_memory_stats()
     compiled_before = compilations()
-    times = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    times = [timed_call(fn) for _ in range(repeat)]
     calls = ", ".join(f"{t:.3f}" for t in times)
     print(
         f"  timed calls {calls} s; graphs compiled during them: {compilations() - compiled_before}",
         flush=True,
     )
     return statistics.median(times), torch.cuda.max_memory_allocated() / GiB
+
+
+def measure_ab(
+    fn: Callable[[], object], switch: Callable[[bool], None], repeat: int, warmup_s: float
+) -> dict[bool, tuple[float, float]]:
+    """`measure` of `fn` with `switch(False)` and `switch(True)`, the timed calls interleaved (off, on,
+    off, on, ...) so that the host's drift, which moved host-bound passes 1.6-2.2x within an hour in
+    session 6, falls on both alike. {setting: (median seconds, peak allocated GiB)}."""
+    for setting in (False, True):
+        switch(setting)
+        warm_up(fn, warmup_s)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    peaks = dict.fromkeys(times, 0.0)
+    compiled_before = compilations()
+    for _ in range(repeat):
+        for setting in (False, True):
+            switch(setting)
+            torch.cuda.reset_peak_memory_stats()
+            times[setting].append(timed_call(fn))
+            peaks[setting] = max(peaks[setting], torch.cuda.max_memory_allocated() / GiB)
+    for setting, calls in times.items():
+        print(f"  {setting}: timed calls {', '.join(f'{t:.3f}' for t in calls)} s", flush=True)
+    print(f"  graphs compiled during the timed calls: {compilations() - compiled_before}", flush=True)
+    return {setting: (statistics.median(calls), peaks[setting]) for setting, calls in times.items()}
+
+
+def timed_pass(
+    fn: Callable[[], object],
+    args: argparse.Namespace,
+    results: dict,
+    name: str,
+    tokens: int,
+    flops: float | None = None,
+) -> None:
+    """Time one pass and record it; with --ab-save-attention, the A/B of packed.SAVE_ATTENTION_OUTPUTS
+    (recorded as `name` and `name+save_attention`)."""
+    if not args.ab_save_attention:
+        record(results, args.label, name, tokens, *measure(fn, args.repeat, args.warmup_s), flops)
+        return
+    from fulcrum.models import packed
+
+    def switch(on: bool) -> None:
+        packed.SAVE_ATTENTION_OUTPUTS = on  # dynamo guards on the global: one compiled graph for each
+
+    ab = measure_ab(fn, switch, args.repeat, args.warmup_s)
+    switch(False)
+    for setting, suffix in ((False, ""), (True, "+save_attention")):
+        record(results, args.label, name + suffix, tokens, *ab[setting], flops)
 
 
 def record(
@@ -165,8 +219,7 @@ def bench_actor(
         )
     if "update_actor" in passes:
         flops = estimate_train_flops(actor.model.config, lengths)
-        seconds, peak = measure(lambda: actor.update_policy(batch), args.repeat, args.warmup_s)
-        record(results, args.label, "update_actor", tokens, seconds, peak, flops)
+        timed_pass(lambda: actor.update_policy(batch), args, results, "update_actor", tokens, flops)
     if args.profile:
         profile_update(actor, batch, args.profile)
     return batch
@@ -217,8 +270,7 @@ def bench_critic(
         # No LM head: the embedding counted once (as `estimate_train_flops(..., lm_head=False)`,
         # written out so that this script also runs on trees from before that argument).
         flops = estimate_train_flops(config, lengths) - 6.0 * config.vocab_size * config.hidden_size * tokens
-        seconds, peak = measure(lambda: critic.update_critic(batch), args.repeat, args.warmup_s)
-        record(results, args.label, "update_critic", tokens, seconds, peak, flops)
+        timed_pass(lambda: critic.update_critic(batch), args, results, "update_critic", tokens, flops)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="decoder layers per compiled region (fulcrum.models.packed.LAYERS_PER_REGION), to compare",
+    )
+    parser.add_argument(
+        "--ab-save-attention",
+        action="store_true",
+        help="time the updates with packed.SAVE_ATTENTION_OUTPUTS off and on, calls interleaved",
     )
     args, overrides = parser.parse_known_args(argv)
     if args.layers_per_region:
@@ -291,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": tokens,
         "overrides": overrides,
         "layers_per_region": args.layers_per_region,
+        "ab_save_attention": args.ab_save_attention,
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "passes": results,
