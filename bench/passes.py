@@ -304,10 +304,14 @@ def main(argv: list[str] | None = None) -> int:
         help="time the updates with packed.SAVE_ATTENTION_OUTPUTS off and on, calls interleaved",
     )
     args, overrides = parser.parse_known_args(argv)
-    if args.layers_per_region:
-        from fulcrum.models import packed
+    from fulcrum.models import packed
 
+    if args.layers_per_region:
         packed.LAYERS_PER_REGION = args.layers_per_region
+    if args.ab_save_attention:
+        # The C++ wrapper refuses the checkpointed regions without the attention outputs kept: the A/B
+        # compares the two under inductor's Python wrapper. Set before the workers compile.
+        packed.CPP_WRAPPER = False
     device = torch.device("cuda")
     cfg = load_config(
         [
@@ -349,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         "overrides": overrides,
         "layers_per_region": args.layers_per_region,
         "ab_save_attention": args.ab_save_attention,
+        "cpp_wrapper": packed.compile_options() is not None,
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "passes": results,

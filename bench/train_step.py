@@ -127,8 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     rn.add_argument(
         "--save-attention",
-        action="store_true",
-        help="checkpointing also keeps the attention kernel's outputs (packed.SAVE_ATTENTION_OUTPUTS), to compare",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="checkpointing also keeps the attention kernel's outputs (packed.SAVE_ATTENTION_OUTPUTS, on by "
+        "default), to compare",
+    )
+    rn.add_argument(
+        "--cpp-wrapper",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="inductor's C++ wrapper for the compiled regions (packed.CPP_WRAPPER, on by default), to compare",
     )
     args, extra = parser.parse_known_args(argv)
     if args.cmd == "make-model":
@@ -141,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.layers_per_region:
         packed.LAYERS_PER_REGION = args.layers_per_region
-    packed.SAVE_ATTENTION_OUTPUTS = args.save_attention
+    if args.save_attention is not None:
+        packed.SAVE_ATTENTION_OUTPUTS = args.save_attention
+    if args.cpp_wrapper is not None:
+        packed.CPP_WRAPPER = args.cpp_wrapper
     host_before = host_speed()
     print(f"host before the run: {host_before}", flush=True)
     code = train_main(seed_overrides(args.data, args.model, args.run, args.steps) + extra)
@@ -150,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(args.run)
     summary["host"] = {"before": host_before, "after": host_speed()}
     summary["layers_per_region"] = args.layers_per_region
-    summary["save_attention"] = args.save_attention
+    summary["save_attention"] = packed.SAVE_ATTENTION_OUTPUTS
+    summary["cpp_wrapper"] = packed.compile_options() is not None
     summary["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     summary["torch"] = torch.__version__
     text = json.dumps(summary, indent=1)

@@ -78,17 +78,22 @@ def test_packed_bf16_values_match_padded_fp32() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("save_attention", [False, True])
+@pytest.mark.parametrize(
+    ("save_attention", "cpp_wrapper"), [(True, True), (False, False)], ids=["default", "recompute-attention"]
+)
 def test_compiled_checkpointed_layers_match_eager_on_cuda(
-    save_attention: bool, monkeypatch: pytest.MonkeyPatch
+    save_attention: bool, cpp_wrapper: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The trainer's default on CUDA (decoder layers compiled, each checkpointed inside its compiled
-    call) against the same bf16 packed path uncompiled and without checkpointing: the same log-probs
-    and gradients up to bf16 rounding, over two micro-batches of different token counts (dynamic sizes).
-    Also with the flash kernel's outputs kept by the checkpoint (`SAVE_ATTENTION_OUTPUTS`)."""
+    call, the flash kernel's outputs kept by the checkpoint, inductor's C++ wrapper) against the same
+    bf16 packed path uncompiled and without checkpointing: the same log-probs and gradients up to bf16
+    rounding, over two micro-batches of different token counts (dynamic sizes). Also with attention
+    recomputed in the backward (`SAVE_ATTENTION_OUTPUTS` off) under inductor's Python wrapper."""
     from fulcrum.models import packed
 
     monkeypatch.setattr(packed, "SAVE_ATTENTION_OUTPUTS", save_attention)
+    monkeypatch.setattr(packed, "CPP_WRAPPER", cpp_wrapper)
+    assert (packed.compile_options() is not None) == cpp_wrapper
     torch._dynamo.reset()  # the setting is read while tracing
     results = []
     for compiled in (False, True):

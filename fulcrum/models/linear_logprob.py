@@ -85,11 +85,12 @@ def _chunk_logit_grad(
 _CHUNK_FNS = {"forward": _chunk_forward, "grad": _chunk_logit_grad}
 
 
-def use_compiled_chunks(enabled: bool) -> None:
-    """Switch the per-chunk functions to `torch.compile`d ones (dynamic chunk sizes) or back."""
+def use_compiled_chunks(enabled: bool, options: dict[str, object] | None = None) -> None:
+    """Switch the per-chunk functions to `torch.compile`d ones (dynamic chunk sizes, inductor `options`)
+    or back."""
     if enabled:
-        _CHUNK_FNS["forward"] = torch.compile(_chunk_forward, dynamic=True)
-        _CHUNK_FNS["grad"] = torch.compile(_chunk_logit_grad, dynamic=True)
+        _CHUNK_FNS["forward"] = torch.compile(_chunk_forward, dynamic=True, options=options)
+        _CHUNK_FNS["grad"] = torch.compile(_chunk_logit_grad, dynamic=True, options=options)
     else:
         _CHUNK_FNS.update(forward=_chunk_forward, grad=_chunk_logit_grad)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -147,14 +148,21 @@ def enable_packed_attention(model: nn.Module) -> None:
 # 6k tokens). A region of several layers pays that once; larger regions cost compile time.
 LAYERS_PER_REGION = 1
 
-# Checkpointing keeps each layer's input and recomputes the rest in the backward. With this set, it
-# also keeps the attention kernel's outputs (selective checkpointing, as torchtitan does), for 1.8 kB
-# a token a layer more (bf16 output and float32 log-sum-exp at Qwen2.5-0.5B's width): the backward
-# skips recomputing attention, and the compiler has no random kernel to replay in the recomputation
-# (it wraps the flash kernel, which takes an RNG state even at dropout 0, in GraphSafeRunWithRngState,
-# which inductor's C++ wrapper refused in session 6). Off until an A/B on the GPU says it pays
-# (`bench/train_step.py --save-attention`).
-SAVE_ATTENTION_OUTPUTS = False
+# Checkpointing keeps each layer's input and recomputes the rest in the backward. It also keeps the
+# attention kernel's outputs (selective checkpointing, as torchtitan does), for 1.8 kB a token a layer
+# more (bf16 output and float32 log-sum-exp at Qwen2.5-0.5B's width; +0.25 GiB at the seed command's
+# micro-batches): the backward skips recomputing attention, and the compiler has no random kernel to
+# replay in the recomputation (it wraps the flash kernel, which takes an RNG state even at dropout 0, in
+# GraphSafeRunWithRngState, which inductor's C++ wrapper refuses). Measured on the H200 at the seed
+# command's sizes, calls interleaved in one process: actor update 3.24 -> 2.32 s, critic update
+# 1.87 -> 1.47 s (BENCHMARKS.md, "Session 7").
+SAVE_ATTENTION_OUTPUTS = True
+
+# Inductor's C++ wrapper for the compiled regions on CUDA: their kernels are launched from compiled C++
+# instead of generated Python, whose per-kernel cost bounded the seed command's micro-batches (seed step
+# 28.8k -> 35.0k tok/s, BENCHMARKS.md, "Session 7"). Needs SAVE_ATTENTION_OUTPUTS (above).
+# TORCHINDUCTOR_CPP_WRAPPER=0 in the environment turns it off.
+CPP_WRAPPER = os.environ.get("TORCHINDUCTOR_CPP_WRAPPER", "1") != "0"
 ATTENTION_OPS = frozenset(
     getattr(torch.ops.aten, name).default
     for name in (
@@ -175,6 +183,15 @@ def keep_attention_outputs(ctx: object, op: object, *args: object, **kwargs: obj
 
 def _attention_saving_contexts() -> tuple[object, object]:
     return create_selective_checkpoint_contexts(keep_attention_outputs)
+
+
+def compile_options(backend: str = "inductor") -> dict[str, object] | None:
+    """`torch.compile` options for the training passes' compiled code: inductor's C++ wrapper when
+    `CPP_WRAPPER` and the attention outputs are kept (`SAVE_ATTENTION_OUTPUTS`; without them the
+    checkpointed regions hold the RNG-replay op the wrapper refuses), else inductor's defaults."""
+    if backend == "inductor" and CPP_WRAPPER and SAVE_ATTENTION_OUTPUTS:
+        return {"cpp_wrapper": True}
+    return None
 
 
 def compile_decoder_layers(
@@ -200,7 +217,9 @@ def compile_decoder_layers(
     base.fulcrum_regions = [
         layers[i : i + layers_per_region] for i in range(0, len(layers), layers_per_region)
     ]
-    base.fulcrum_compiled_run = torch.compile(run_decoder_layers, dynamic=True, backend=backend)
+    base.fulcrum_compiled_run = torch.compile(
+        run_decoder_layers, dynamic=True, backend=backend, options=compile_options(backend)
+    )
 
 
 def compile_inside_layers(base: nn.Module, backend: str = "inductor") -> None:
@@ -217,7 +236,7 @@ def compile_inside_layers(base: nn.Module, backend: str = "inductor") -> None:
     get an instance `forward`, nothing registered.
     """
     checkpointed = take_over_checkpointing(base)  # transformers' wrapper would sit outside FSDP's hooks
-    compiled = torch.compile(run_layer_body, dynamic=True, backend=backend)
+    compiled = torch.compile(run_layer_body, dynamic=True, backend=backend, options=compile_options(backend))
     for layer in base.layers[: base.config.num_hidden_layers]:
         layer.forward = functools.partial(
             _packed_layer_call, compiled, layer, type(layer).forward, checkpointed

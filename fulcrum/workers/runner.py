@@ -19,6 +19,7 @@ from fulcrum.models.linear_logprob import use_compiled_chunks
 from fulcrum.models.packed import (
     compile_decoder_layers,
     compile_inside_layers,
+    compile_options,
     enable_packed_attention,
     packing_unsupported_reason,
 )
@@ -66,7 +67,7 @@ class ModelRunner:
                 compile_inside_layers(model.model)
             else:
                 compile_decoder_layers(model.model)
-            use_compiled_chunks(True)
+            use_compiled_chunks(True, compile_options())
         self.compute = ComputeWeights(model, keep=keep) if device.type == "cuda" and not sharded else None
 
     @contextmanager
