@@ -160,7 +160,8 @@ SAVE_ATTENTION_OUTPUTS = True
 
 # Inductor's C++ wrapper for the compiled regions on CUDA: their kernels are launched from compiled C++
 # instead of generated Python, whose per-kernel cost bounded the seed command's micro-batches (seed step
-# 28.8k -> 35.0k tok/s, BENCHMARKS.md, "Session 7"). Needs SAVE_ATTENTION_OUTPUTS (above).
+# 35.0k tok/s with it, 28.8k without in another call of the same kind, BENCHMARKS.md, "Session 7").
+# Needs SAVE_ATTENTION_OUTPUTS (above).
 # TORCHINDUCTOR_CPP_WRAPPER=0 in the environment turns it off.
 CPP_WRAPPER = os.environ.get("TORCHINDUCTOR_CPP_WRAPPER", "1") != "0"
 ATTENTION_OPS = frozenset(

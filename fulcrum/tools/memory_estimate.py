@@ -17,7 +17,8 @@ model's. `estimate()` returns every phase, itemised:
 with resident = 12 B per parameter of each trained model (+ 4 B of the reference's) + the CUDA
 context. The passes run the decoder in bf16 on compute copies of the fp32 weights
 (`fulcrum.models.precision`), so every activation is bf16: with gradient checkpointing the backward
-keeps each layer's bf16 input (L·2h per token); without, every layer's tensors
+keeps each layer's bf16 input and its attention kernel's output and log-sum-exp (L·(2h + 2q + 4H) per
+token, `fulcrum.models.packed.SAVE_ATTENTION_OUTPUTS`); without, every layer's tensors
 (`layer_activation_bytes`, L·2(6h + q + 2kv + 3I) per token). The LM head runs chunk by chunk
 (`fulcrum.models.linear_logprob`, compiled on CUDA): one bf16 (chunk, V) block of logits in a no-grad
 forward; in the backward that block, its bf16 gradient and the head's fp32 weight-gradient
@@ -51,6 +52,9 @@ CUDA_CONTEXT_BYTES = 512 * 1024**2  # CUDA context, cuBLAS workspaces, allocator
 # fulcrum.models.linear_logprob.CHUNK_ELEMENTS (a test keeps them equal; not imported, to keep torch out
 # of `fulcrum doctor`): the LM head and log-softmax run on float32 (chunk, V) blocks of at most this many.
 LOGIT_CHUNK_ELEMENTS = 1 << 27
+# fulcrum.models.packed.SAVE_ATTENTION_OUTPUTS (a test keeps them equal; not imported, as above): the
+# checkpointed layers also keep the attention kernel's outputs for the backward.
+ATTENTION_OUTPUTS_KEPT = True
 
 
 @dataclass(frozen=True)
@@ -216,10 +220,13 @@ def sizes_from(cfg: Any) -> Sizes:
 
 def update_activation_bytes(shape: ModelShape, rows: int, seq_len: int, checkpointing: bool) -> float:
     """Activations of one training micro-batch of T = rows · seq_len tokens: with checkpointing, each
-    layer's bf16 input (L · 2h · T); without, every layer's tensors (L · layer_activation_bytes · T)."""
+    layer's bf16 input and the attention kernel's bf16 output and float32 log-sum-exp, which the
+    checkpoint keeps (L · (2h + 2q + 4H) · T); without, every layer's tensors
+    (L · layer_activation_bytes · T)."""
     tokens = rows * seq_len
     if checkpointing:
-        return shape.layers * 2 * shape.hidden * tokens
+        attention = 2 * shape.heads * shape.head_dim + 4 * shape.heads if ATTENTION_OUTPUTS_KEPT else 0
+        return shape.layers * (2 * shape.hidden + attention) * tokens
     return shape.layers * layer_activation_bytes(shape) * tokens
 
 
