@@ -356,6 +356,7 @@ def test_the_cpp_wrapper_only_where_it_compiles(monkeypatch: pytest.MonkeyPatch)
     backends, and `TORCHINDUCTOR_CPP_WRAPPER=0` in the environment, get inductor's defaults."""
     from fulcrum.models import packed
 
+    monkeypatch.setattr(packed, "cpp_compiler_found", lambda: True)
     assert packed.SAVE_ATTENTION_OUTPUTS and packed.compile_options() == {"cpp_wrapper": True}
     assert packed.compile_options("eager") is None
     monkeypatch.setattr(packed, "SAVE_ATTENTION_OUTPUTS", False)
@@ -364,3 +365,22 @@ def test_the_cpp_wrapper_only_where_it_compiles(monkeypatch: pytest.MonkeyPatch)
     env = {**os.environ, "TORCHINDUCTOR_CPP_WRAPPER": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "None"
+
+
+def test_no_cpp_compiler_keeps_the_python_wrapper(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A machine without a C++ compiler (inductor's search finds none) compiles with inductor's Python
+    wrapper and says so, instead of failing at the first compiled call."""
+    from torch._inductor import config as inductor_config
+
+    from fulcrum.models import packed
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
+    packed.cpp_compiler_found.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="fulcrum.models.packed"):
+            assert packed.compile_options() is None
+        assert "no C++ compiler for inductor's C++ wrapper" in caplog.text
+    finally:
+        packed.cpp_compiler_found.cache_clear()

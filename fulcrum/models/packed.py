@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -33,6 +34,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fulcrum.batch import host_to_device
+
+logger = logging.getLogger(__name__)
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
@@ -190,9 +193,32 @@ def compile_options(backend: str = "inductor") -> dict[str, object] | None:
     """`torch.compile` options for the training passes' compiled code: inductor's C++ wrapper when
     `CPP_WRAPPER` and the attention outputs are kept (`SAVE_ATTENTION_OUTPUTS`; without them the
     checkpointed regions hold the RNG-replay op the wrapper refuses), else inductor's defaults."""
-    if backend == "inductor" and CPP_WRAPPER and SAVE_ATTENTION_OUTPUTS:
+    if backend == "inductor" and CPP_WRAPPER and SAVE_ATTENTION_OUTPUTS and cpp_compiler_found():
         return {"cpp_wrapper": True}
     return None
+
+
+@functools.cache
+def cpp_compiler_found() -> bool:
+    """Whether inductor finds a C++ compiler for its C++ wrapper (its own search: `$CXX`, else `g++`).
+
+    Without one the compiled passes keep inductor's Python wrapper, with a warning, rather than fail at
+    their first call after the models have loaded (Triton needs only a C compiler, so a machine can run
+    the rest and lack this)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # a torch without the helper: inductor decides at the first call
+        return True
+    try:
+        get_cpp_compiler()
+    except RuntimeError as err:  # torch._inductor.exc.InvalidCxxCompiler
+        logger.warning(
+            "no C++ compiler for inductor's C++ wrapper (%s): the compiled training passes use its Python "
+            "wrapper, slower at small micro-batches; install g++ (or set CXX) for the faster path",
+            str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__,
+        )
+        return False
+    return True
 
 
 def compile_decoder_layers(
