@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from packed_knobs import add_packed_knobs, apply_packed_knobs, knob_summary
 
 from fulcrum.batch import Batch
 from fulcrum.config import load_config
@@ -292,26 +293,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", type=Path, default=None, help="write a torch.profiler table of one actor update"
     )
-    parser.add_argument(
-        "--layers-per-region",
-        type=int,
-        default=None,
-        help="decoder layers per compiled region (fulcrum.models.packed.LAYERS_PER_REGION), to compare",
-    )
+    add_packed_knobs(parser)
     parser.add_argument(
         "--ab-save-attention",
         action="store_true",
         help="time the updates with packed.SAVE_ATTENTION_OUTPUTS off and on, calls interleaved",
     )
     args, overrides = parser.parse_known_args(argv)
-    from fulcrum.models import packed
-
-    if args.layers_per_region:
-        packed.LAYERS_PER_REGION = args.layers_per_region
     if args.ab_save_attention:
         # The C++ wrapper refuses the checkpointed regions without the attention outputs kept: the A/B
-        # compares the two under inductor's Python wrapper. Set before the workers compile.
-        packed.CPP_WRAPPER = False
+        # compares the two under inductor's Python wrapper.
+        args.cpp_wrapper = False
+    apply_packed_knobs(args)
     device = torch.device("cuda")
     cfg = load_config(
         [
@@ -351,9 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": args.rows,
         "tokens": tokens,
         "overrides": overrides,
-        "layers_per_region": args.layers_per_region,
+        **knob_summary(),
         "ab_save_attention": args.ab_save_attention,
-        "cpp_wrapper": packed.compile_options() is not None,
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "passes": results,

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import torch
+from packed_knobs import add_packed_knobs, apply_packed_knobs, knob_summary
 
 from fulcrum.rollout.testing import QWEN25_05B_SHAPE
 
@@ -119,40 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     rn.add_argument("--run", type=Path, required=True)
     rn.add_argument("--steps", type=int, default=3)
     rn.add_argument("--summary", type=Path, default=None)
-    rn.add_argument(
-        "--layers-per-region",
-        type=int,
-        default=None,
-        help="decoder layers per compiled region (fulcrum.models.packed.LAYERS_PER_REGION), to compare",
-    )
-    rn.add_argument(
-        "--save-attention",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="checkpointing also keeps the attention kernel's outputs (packed.SAVE_ATTENTION_OUTPUTS, on by "
-        "default), to compare",
-    )
-    rn.add_argument(
-        "--cpp-wrapper",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="inductor's C++ wrapper for the compiled regions (packed.CPP_WRAPPER, on by default), to compare",
-    )
+    add_packed_knobs(rn)
     args, extra = parser.parse_known_args(argv)
     if args.cmd == "make-model":
         print(f"wrote {make_model(args.out)}")
         return 0
     from host_speed import host_speed
 
-    from fulcrum.models import packed
     from fulcrum.trainer.main_ppo import main as train_main
 
-    if args.layers_per_region:
-        packed.LAYERS_PER_REGION = args.layers_per_region
-    if args.save_attention is not None:
-        packed.SAVE_ATTENTION_OUTPUTS = args.save_attention
-    if args.cpp_wrapper is not None:
-        packed.CPP_WRAPPER = args.cpp_wrapper
+    apply_packed_knobs(args)
     host_before = host_speed()
     print(f"host before the run: {host_before}", flush=True)
     code = train_main(seed_overrides(args.data, args.model, args.run, args.steps) + extra)
@@ -160,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     summary = summarise(args.run)
     summary["host"] = {"before": host_before, "after": host_speed()}
-    summary["layers_per_region"] = args.layers_per_region
-    summary["save_attention"] = packed.SAVE_ATTENTION_OUTPUTS
-    summary["cpp_wrapper"] = packed.compile_options() is not None
+    summary.update(knob_summary())
     summary["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     summary["torch"] = torch.__version__
     text = json.dumps(summary, indent=1)

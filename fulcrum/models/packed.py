@@ -215,7 +215,7 @@ def cpp_compiler_found() -> bool:
         logger.warning(
             "no C++ compiler for inductor's C++ wrapper (%s): the compiled training passes use its Python "
             "wrapper, slower at small micro-batches; install g++ (or set CXX) for the faster path",
-            str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__,
+            err,
         )
         return False
     return True

@@ -237,7 +237,9 @@ def validation_drop(rows: Sequence[Row]) -> list[Finding]:
     for key in keys:
         best = -math.inf
         for step, value in series(rows, key):
-            if math.isfinite(value) and best > 0 and value < REWARD_COLLAPSE_SHARE * best:
+            if not math.isfinite(value):
+                continue
+            if best > 0 and value < REWARD_COLLAPSE_SHARE * best:
                 return [
                     Finding(
                         "validation_drop",
@@ -248,8 +250,7 @@ def validation_drop(rows: Sequence[Row]) -> list[Finding]:
                         "best validation is the one to keep or restart from",
                     )
                 ]
-            if math.isfinite(value):
-                best = max(best, value)
+            best = max(best, value)
     return []
 
 
