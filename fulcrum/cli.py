@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("fulcrum.tools.tune", "short probes over the throughput levers; prints the fastest that fits"),
     "export": ("fulcrum.tools.export", "a checkpoint's actor or critic as a Hugging Face folder"),
     "tiny-model": ("fulcrum.models.tiny", "write a small random-initialised model with a tokenizer"),
+    "import-gguf": ("fulcrum.models.gguf_import", "a GGUF checkpoint (Llama, Qwen2) as a plain Hugging Face folder"),
+    "pretrained": ("fulcrum.models.pretrained", "fetch a known real pretrained model and convert it"),
 }
 
 
