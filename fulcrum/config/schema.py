@@ -416,6 +416,11 @@ class RewardModelConfig:
         "a reward function that raises: raise (stop, naming the sample) or zero (score 0, count in "
         "reward/num_errors) (fulcrum)",
     )
+    timeout_s: float | None = opt(
+        600.0,
+        "seconds the reward function may take to score one batch; past it, handled by on_error; null: "
+        "no limit (fulcrum)",
+    )
     launch_reward_fn_async: bool = opt(False, "score in a background process (no effect)")
     sandbox_fusion: SandboxFusionConfig = sub(SandboxFusionConfig, "code sandbox")
     reward_kwargs: dict[str, Any] = opt(
