@@ -11,7 +11,12 @@ import difflib
 import functools
 import types
 import typing
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+if TYPE_CHECKING:
+    from fulcrum.config.domains import Domain
+
+DOMAIN = "domain"  # the field metadata entry holding a numeric key's Domain (fulcrum.config.domains)
 
 
 class ConfigError(ValueError):
@@ -22,11 +27,13 @@ class ConfigError(ValueError):
         self.key = key
 
 
-def opt(default: Any, help: str) -> Any:
-    """A config field with its default and one-line help (mutable defaults are copied per instance)."""
+def opt(default: Any, help: str, domain: Domain | None = None) -> Any:
+    """A config field with its default, one-line help and, for a number, the values it accepts
+    (mutable defaults are copied per instance)."""
+    metadata = {"help": help} if domain is None else {"help": help, DOMAIN: domain}
     if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def sub(cls: type, help: str) -> Any:

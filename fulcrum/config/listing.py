@@ -1,4 +1,5 @@
-"""Every key with its type, default and one-line help: `fulcrum doctor --keys` and docs/configuration.md."""
+"""Every key with its type, domain, default and one-line help: `fulcrum doctor --keys` and
+docs/configuration.md."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fulcrum.config.compat import is_no_effect
+from fulcrum.config.domains import domain_of
 from fulcrum.config.keys import field_types, is_group, type_name
 from fulcrum.config.schema import FulcrumConfig
 
@@ -18,6 +20,7 @@ class KeyInfo:
     default: Any
     help: str
     no_effect: bool
+    domain: str | None = None  # the values a number accepts (fulcrum.config.domains); None: not a number
 
 
 def describe(root: Any = None, prefix: str = "") -> list[KeyInfo]:
@@ -36,7 +39,17 @@ def describe(root: Any = None, prefix: str = "") -> list[KeyInfo]:
         if is_group(tp):
             infos.extend(describe(value, key + "."))
         else:
-            infos.append(KeyInfo(key, type_name(tp), value, f.metadata.get("help", ""), is_no_effect(key)))
+            domain = domain_of(f)
+            infos.append(
+                KeyInfo(
+                    key,
+                    type_name(tp),
+                    value,
+                    f.metadata.get("help", ""),
+                    is_no_effect(key),
+                    None if domain is None else str(domain),
+                )
+            )
     return infos
 
 
@@ -52,21 +65,23 @@ def _show(value: Any) -> str:
 
 
 def format_keys(infos: list[KeyInfo] | None = None) -> str:
-    """describe() as text, one key a line: `key = default  # help  [type]`."""
+    """describe() as text, one key a line: `key = default  # help  [type, domain]`."""
     lines = []
     for info in infos if infos is not None else describe():
         note = " (no effect)" if info.no_effect and "no effect" not in info.help else ""
-        lines.append(f"{info.key} = {_show(info.default)}  # {info.help}{note}  [{info.type}]")
+        kind = info.type if info.domain is None else f"{info.type}, {info.domain}"
+        lines.append(f"{info.key} = {_show(info.default)}  # {info.help}{note}  [{kind}]")
     return "\n".join(lines)
 
 
 def markdown_rows(keys: list[str]) -> str:
-    """`| key | default | meaning |` rows for docs/configuration.md, from the schema (the one place)."""
+    """`| key | default | domain | meaning |` rows for docs/configuration.md, from the schema (the one place)."""
     infos = {info.key: info for info in describe()}
     rows = []
     for key in keys:
         info = infos[key]
         shown = _show(info.default)
+        domain = "" if info.domain is None else f"`{info.domain}`"
         meaning = info.help + (" (no effect)" if info.no_effect and "no effect" not in info.help else "")
-        rows.append(f"| `{key}` | `{shown}` | {meaning.replace('|', '/')} |")
+        rows.append(f"| `{key}` | `{shown}` | {domain} | {meaning.replace('|', '/')} |")
     return "\n".join(rows)

@@ -2,13 +2,15 @@
 """The key tree of a fulcrum run: typed dataclasses whose attribute paths are verl's keys.
 
 One place defines each key: the dataclass field, its default (verl's `ppo_trainer.yaml` unless the
-comment says otherwise) and a one-line `help` for `fulcrum doctor --keys`. Over 400 lines for that
+comment says otherwise), a one-line `help` for `fulcrum doctor --keys` and, for a number, its domain
+(the values it accepts, fulcrum.config.domains; `validate` refuses any other). Over 400 lines for that
 reason: one definition per key of verl's tree (~300 keys); splitting would scatter one table.
 `fulcrum.config.loader` makes OmegaConf structured configs of these classes, so each type is one
 OmegaConf holds (`Any` where verl takes a path or a list); a `None` default that "follows" another
 key is filled when resolved (`DERIVED`, like verl's `${oc.select:...}`). `dict[str, Any]` fields
 are free-form: any sub-key may be set (`+reward_model.reward_kwargs.x=1`). The `algorithm` section
-and verl's recipe groups are in fulcrum.config.schema_recipes, to keep this file under 500 lines.
+and verl's recipe groups are in fulcrum.config.schema_recipes, `actor_rollout_ref.rollout` in
+fulcrum.config.schema_rollout, to keep this file under 500 lines.
 """
 
 from __future__ import annotations
@@ -16,9 +18,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fulcrum.config.domains import (
+    ABOVE_0,
+    ANY_NUMBER,
+    AT_LEAST_0,
+    AT_LEAST_1,
+    FRACTION,
+    OFF_OR_COUNT,
+    SEED,
+    SHARE,
+    SIZE_OR_AUTO,
+    Domain,
+)
 from fulcrum.config.keys import opt, sub
 from fulcrum.config.schema_recipes import AlgorithmConfig, OverlongBufferConfig
 from fulcrum.config.schema_recipes import KLControlConfig as KLControlConfig  # re-exported
+from fulcrum.config.schema_rollout import RolloutConfig
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -48,24 +63,28 @@ class DataConfig:
     val_files: Any = opt("~/data/rlhf/gsm8k/test.parquet", "validation parquet file(s)")
     prompt_key: str = opt("prompt", "parquet column holding the chat-message prompt")
     reward_fn_key: str = opt("data_source", "column used to pick the reward function")
-    max_prompt_length: int = opt(512, "longest prompt in tokens (after the chat template)")
-    max_response_length: int = opt(512, "longest generated response in tokens")
-    train_batch_size: int = opt(1024, "prompts per training step (responses = this x rollout.n)")
-    gen_batch_size: int | None = opt(None, "DAPO's round size (no effect: a round draws train_batch_size)")
-    val_batch_size: int | None = opt(None, "deprecated in verl: validation uses the whole set at once")
+    max_prompt_length: int = opt(512, "longest prompt in tokens (after the chat template)", AT_LEAST_1)
+    max_response_length: int = opt(512, "longest generated response in tokens", AT_LEAST_1)
+    train_batch_size: int = opt(1024, "prompts per training step (responses = this x rollout.n)", AT_LEAST_1)
+    gen_batch_size: int | None = opt(
+        None, "DAPO's round size (no effect: a round draws train_batch_size)", AT_LEAST_1
+    )
+    val_batch_size: int | None = opt(
+        None, "deprecated in verl: validation uses the whole set at once", AT_LEAST_1
+    )
     return_raw_input_ids: bool = opt(False, "also return prompt ids without chat template (verl)")
     return_raw_chat: bool = opt(False, "also return the raw chat messages")
     return_full_prompt: bool = opt(False, "also return the templated prompt text")
     shuffle: bool = opt(True, "shuffle training prompts each epoch")
-    seed: int | None = opt(None, "shuffle seed; null uses trainer.seed (verl: 1)")
+    seed: int | None = opt(None, "shuffle seed; null uses trainer.seed (verl: 1)", SEED)
     dataloader_num_workers: int = opt(
-        8, "data loader worker processes (no effect: prompts are pre-tokenised)"
+        8, "data loader worker processes (no effect: prompts are pre-tokenised)", AT_LEAST_0
     )
     validation_shuffle: bool = opt(False, "shuffle validation prompts")
     filter_overlong_prompts: bool = opt(
         True, "drop prompts longer than max_prompt_length (verl: false; fulcrum tokenises all at load anyway)"
     )
-    filter_overlong_prompts_workers: int = opt(1, "processes used for filtering (no effect)")
+    filter_overlong_prompts_workers: int = opt(1, "processes used for filtering (no effect)", AT_LEAST_1)
     truncation: Literal["error", "left", "right", "middle"] = opt(
         "error", "what to do with a prompt over max_prompt_length"
     )
@@ -90,8 +109,8 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = opt(True, "recompute activations in backward to save memory")
     enable_activation_offload: bool = opt(False, "offload activations to CPU (no effect)")
     use_remove_padding: bool = opt(True, "pack sequences without padding (as verl's HFModelConfig)")
-    lora_rank: int = opt(0, "LoRA rank; 0 trains all weights (LoRA not supported yet)")
-    lora_alpha: int = opt(16, "LoRA alpha")
+    lora_rank: int = opt(0, "LoRA rank; 0 trains all weights (LoRA not supported yet)", AT_LEAST_0)
+    lora_alpha: int = opt(16, "LoRA alpha", AT_LEAST_1)
     target_modules: Any = opt("all-linear", "LoRA target modules")
     exclude_modules: str | None = opt(None, "LoRA excluded modules")
     use_liger: bool = opt(False, "use Liger kernels (no effect)")
@@ -104,11 +123,11 @@ class ModelConfig:
 @dataclass
 class PolicyLossConfig:
     loss_mode: str = opt("vanilla", "policy loss: vanilla (PPO clip), gspo, geo_mean, gpg, cispo, sapo")
-    clip_cov_ratio: float = opt(0.0002, "fraction of tokens clipped by clip-cov")
-    clip_cov_lb: float = opt(1.0, "lower bound for clip-cov")
-    clip_cov_ub: float = opt(5.0, "upper bound for clip-cov")
-    kl_cov_ratio: float = opt(0.0002, "fraction of tokens given a KL penalty by kl-cov")
-    ppo_kl_coef: float = opt(0.1, "KL coefficient of kl-cov")
+    clip_cov_ratio: float = opt(0.0002, "fraction of tokens clipped by clip-cov", SHARE)
+    clip_cov_lb: float = opt(1.0, "lower bound for clip-cov", ANY_NUMBER)
+    clip_cov_ub: float = opt(5.0, "upper bound for clip-cov", ANY_NUMBER)
+    kl_cov_ratio: float = opt(0.0002, "fraction of tokens given a KL penalty by kl-cov", SHARE)
+    ppo_kl_coef: float = opt(0.1, "KL coefficient of kl-cov", AT_LEAST_0)
 
 
 @dataclass
@@ -120,21 +139,25 @@ class CheckpointConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = opt(1e-6, "peak learning rate")
+    lr: float = opt(1e-6, "peak learning rate", AT_LEAST_0)
     lr_warmup_steps_ratio: float = opt(
-        0.0, "warm-up steps as a fraction of total steps (if lr_warmup_steps<=0)"
+        0.0, "warm-up steps as a fraction of total steps (if lr_warmup_steps<=0)", FRACTION
     )
-    total_training_steps: int = opt(-1, "steps for the LR schedule; -1 is filled in by the trainer")
-    weight_decay: float = opt(0.01, "AdamW weight decay")
-    lr_warmup_steps: int | None = opt(-1, "warm-up steps; null, 0 or negative use lr_warmup_steps_ratio")
+    total_training_steps: int = opt(
+        -1, "steps for the LR schedule; -1 is filled in by the trainer", ANY_NUMBER
+    )
+    weight_decay: float = opt(0.01, "AdamW weight decay", AT_LEAST_0)
+    lr_warmup_steps: int | None = opt(
+        -1, "warm-up steps; null, 0 or negative use lr_warmup_steps_ratio", ANY_NUMBER
+    )
     lr_scheduler_type: Literal["constant", "cosine"] = opt("constant", "LR schedule after warm-up")
     warmup_style: Literal["constant", "cosine"] | None = opt(
         None, "older verl name of lr_scheduler_type; when set it wins"
     )
-    min_lr_ratio: float | None = opt(0.0, "cosine schedule floor as a fraction of lr")
-    num_cycles: float = opt(0.5, "cosine cycles over the schedule")
-    betas: list[float] = opt([0.9, 0.999], "AdamW betas")
-    clip_grad: float | None = opt(None, "older name of the role's grad_clip; when set it wins")
+    min_lr_ratio: float | None = opt(0.0, "cosine schedule floor as a fraction of lr", FRACTION)
+    num_cycles: float = opt(0.5, "cosine cycles over the schedule", AT_LEAST_0)
+    betas: list[float] = opt([0.9, 0.999], "AdamW betas", Domain(0, 1, high_open=True))
+    clip_grad: float | None = opt(None, "older name of the role's grad_clip; when set it wins", ABOVE_0)
     optimizer: str = opt("AdamW", "optimizer class name (AdamW only)")
     optimizer_impl: str = opt("torch.optim", "module holding the optimizer class")
     override_optimizer_config: dict[str, Any] | None = opt(None, "extra optimizer kwargs")
@@ -154,7 +177,9 @@ class FSDPConfig:
         "free each layer's gathered weights after its forward (several processes); false: keep them to the backward",
     )
     fsdp_size: int = opt(
-        -1, "several processes: 1 replicates the model, the world size shards it, -1 chooses by its size"
+        -1,
+        "several processes: 1 replicates the model, the world size shards it, -1 chooses by its size",
+        SIZE_OR_AUTO,
     )
     forward_prefetch: bool = opt(False, "FSDP forward prefetch (no effect)")
     model_dtype: str | None = opt(
@@ -167,44 +192,50 @@ class ActorConfig:
     strategy: Literal["fsdp", "fsdp2"] = opt(
         "fsdp", "data-parallel strategy (fsdp and fsdp2 mean the same here)"
     )
-    ppo_mini_batch_size: int = opt(256, "prompts per optimiser step (x rollout.n responses)")
+    ppo_mini_batch_size: int = opt(256, "prompts per optimiser step (x rollout.n responses)", AT_LEAST_1)
     ppo_micro_batch_size: int | None = opt(
-        None, "deprecated global micro batch; use ppo_micro_batch_size_per_gpu"
+        None, "deprecated global micro batch; use ppo_micro_batch_size_per_gpu", AT_LEAST_1
     )
-    ppo_micro_batch_size_per_gpu: int | None = opt(None, "responses per forward/backward per device")
+    ppo_micro_batch_size_per_gpu: int | None = opt(
+        None, "responses per forward/backward per device", AT_LEAST_1
+    )
     use_dynamic_bsz: bool = opt(False, "pack micro-batches by token count instead of a fixed size")
-    ppo_max_token_len_per_gpu: int = opt(16384, "token budget per micro-batch with use_dynamic_bsz")
-    clip_ratio: float = opt(0.2, "PPO clip epsilon")
-    clip_ratio_low: float | None = opt(0.2, "lower clip epsilon; null follows clip_ratio")
-    clip_ratio_high: float | None = opt(0.2, "upper clip epsilon; null follows clip_ratio")
+    ppo_max_token_len_per_gpu: int = opt(
+        16384, "token budget per micro-batch with use_dynamic_bsz", AT_LEAST_1
+    )
+    clip_ratio: float = opt(0.2, "PPO clip epsilon", ABOVE_0)
+    clip_ratio_low: float | None = opt(0.2, "lower clip epsilon; null follows clip_ratio", ABOVE_0)
+    clip_ratio_high: float | None = opt(0.2, "upper clip epsilon; null follows clip_ratio", ABOVE_0)
     policy_loss: PolicyLossConfig = sub(PolicyLossConfig, "policy loss variant")
-    clip_ratio_c: float = opt(3.0, "dual-clip constant C (clips when advantage < 0)")
+    clip_ratio_c: float = opt(
+        3.0, "dual-clip constant C (clips when advantage < 0)", Domain(1, low_open=True)
+    )
     loss_agg_mode: str = opt(
         "token-mean",
         "how token losses are averaged: token-mean, seq-mean-token-sum, seq-mean-token-mean, ...",
     )
-    entropy_coeff: float = opt(0.0, "entropy bonus coefficient")
+    entropy_coeff: float = opt(0.0, "entropy bonus coefficient", AT_LEAST_0)
     use_kl_loss: bool = opt(False, "add KL(actor||ref) to the loss (GRPO style)")
     use_torch_compile: bool = opt(True, "torch.compile the packed decoder layers (CUDA)")
-    kl_loss_coef: float = opt(0.001, "coefficient of the KL loss")
+    kl_loss_coef: float = opt(0.001, "coefficient of the KL loss", AT_LEAST_0)
     kl_loss_type: str = opt(
         "low_var_kl",
         "KL estimator of the loss: kl (k1), abs, mse (k2), low_var_kl (k3), full; +: k2 gradient",
     )
-    ppo_epochs: int = opt(1, "passes over each batch")
+    ppo_epochs: int = opt(1, "passes over each batch", AT_LEAST_1)
     shuffle: bool = opt(False, "shuffle mini-batches across PPO epochs")
     checkpoint: CheckpointConfig = sub(CheckpointConfig, "checkpoint contents")
     optim: OptimConfig = sub(OptimConfig, "optimiser and LR schedule")
-    grad_clip: float = opt(1.0, "max global gradient norm")
-    ulysses_sequence_parallel_size: int = opt(1, "sequence parallel size (only 1 supported)")
+    grad_clip: float = opt(1.0, "max global gradient norm", ABOVE_0)
+    ulysses_sequence_parallel_size: int = opt(1, "sequence parallel size (only 1 supported)", AT_LEAST_1)
     entropy_from_logits_with_chunking: bool = opt(False, "compute entropy in chunks to save memory")
     entropy_checkpointing: bool = opt(False, "recompute entropy in backward")
     fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP settings")
     use_remove_padding: bool | None = opt(None, "null follows actor_rollout_ref.model.use_remove_padding")
     use_fused_kernels: bool | None = opt(None, "null follows actor_rollout_ref.model.use_fused_kernels")
     profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
-    tau_pos: float = opt(1.0, "SAPO gate temperature where the advantage is positive")
-    tau_neg: float = opt(1.05, "SAPO gate temperature where the advantage is not positive")
+    tau_pos: float = opt(1.0, "SAPO gate temperature where the advantage is positive", ABOVE_0)
+    tau_neg: float = opt(1.05, "SAPO gate temperature where the advantage is not positive", ABOVE_0)
     calculate_sum_pi_squared: bool = opt(False, "compute sum_v pi_v^2 per token (optimal_token_baseline)")
     use_prefix_grouper: bool = opt(False, "share prompt prefixes across a group's forwards (no effect)")
 
@@ -213,13 +244,19 @@ class ActorConfig:
 class RefConfig:
     strategy: str | None = opt(None, "null follows actor.strategy")
     use_torch_compile: bool | None = opt(None, "null follows actor.use_torch_compile")
-    log_prob_micro_batch_size: int | None = opt(None, "deprecated; use log_prob_micro_batch_size_per_gpu")
-    log_prob_micro_batch_size_per_gpu: int | None = opt(None, "responses per reference forward per device")
+    log_prob_micro_batch_size: int | None = opt(
+        None, "deprecated; use log_prob_micro_batch_size_per_gpu", AT_LEAST_1
+    )
+    log_prob_micro_batch_size_per_gpu: int | None = opt(
+        None, "responses per reference forward per device", AT_LEAST_1
+    )
     log_prob_use_dynamic_bsz: bool | None = opt(None, "null follows actor.use_dynamic_bsz")
-    log_prob_max_token_len_per_gpu: int | None = opt(None, "null follows actor.ppo_max_token_len_per_gpu")
+    log_prob_max_token_len_per_gpu: int | None = opt(
+        None, "null follows actor.ppo_max_token_len_per_gpu", AT_LEAST_1
+    )
     fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP settings")
     ulysses_sequence_parallel_size: int | None = opt(
-        None, "null follows actor.ulysses_sequence_parallel_size"
+        None, "null follows actor.ulysses_sequence_parallel_size", AT_LEAST_1
     )
     entropy_from_logits_with_chunking: bool = opt(False, "compute entropy in chunks")
     entropy_checkpointing: bool = opt(False, "recompute entropy in backward")
@@ -230,90 +267,9 @@ class RefConfig:
 
 
 @dataclass
-class SamplingConfig:
-    n: int = opt(1, "responses per validation prompt")
-    do_sample: bool = opt(False, "sample (true) or greedy (false) at validation")
-    temperature: float = opt(0.0, "validation temperature")
-    top_p: float = opt(1.0, "validation nucleus sampling")
-    top_k: int = opt(-1, "validation top-k; -1 off")
-
-
-@dataclass
-class MultiTurnConfig:
-    enable: bool = opt(False, "multi-turn rollouts with tools (not supported)")
-    max_assistant_turns: int | None = opt(None, "multi-turn limit")
-    tool_config_path: str | None = opt(None, "tool config")
-    max_user_turns: int | None = opt(None, "multi-turn limit")
-    max_parallel_calls: int = opt(1, "parallel tool calls")
-    max_tool_response_length: int = opt(256, "tool response limit")
-    tool_response_truncate_side: str = opt("middle", "tool response truncation")
-    interaction_config_path: str | None = opt(None, "interaction config")
-    use_inference_chat_template: bool = opt(False, "chat template at inference")
-    tokenization_sanity_check_mode: str = opt("strict", "tokenisation check")
-    format: str = opt("hermes", "tool-call format")
-
-
-@dataclass
-class RolloutConfig:
-    name: Literal["native", "hf"] = opt(
-        "native", "generation backend: native (ours) or hf; vllm/sglang are mapped to native (verl: vllm)"
-    )
-    mode: str = opt("async", "verl's sync/async rollout mode (no effect)")
-    temperature: float = opt(1.0, "sampling temperature; 0 is greedy")
-    top_k: int = opt(-1, "top-k sampling; -1 off")
-    top_p: float = opt(1.0, "nucleus sampling")
-    prompt_length: int | None = opt(None, "null follows data.max_prompt_length")
-    response_length: int | None = opt(None, "null follows data.max_response_length")
-    dtype: str = opt("bfloat16", "rollout weights dtype")
-    gpu_memory_utilization: float = opt(
-        0.5, "fraction of device memory the engine may use (weights + KV cache)"
-    )
-    ignore_eos: bool = opt(False, "keep generating past EOS")
-    enforce_eager: bool = opt(False, "no CUDA graphs for decode")
-    cudagraph_capture_sizes: list[int] | None = opt(None, "batch sizes captured as CUDA graphs")
-    free_cache_engine: bool = opt(True, "release the KV cache while training")
-    load_format: str = opt("dummy_dtensor", "how the engine first gets weights (no effect: shared in place)")
-    layered_summon: bool = opt(False, "FSDP layered summon (no effect)")
-    tensor_model_parallel_size: int = opt(2, "tensor-parallel size of the engine")
-    max_num_batched_tokens: int = opt(8192, "token budget per engine step")
-    max_model_len: int | None = opt(None, "engine's longest sequence; null: prompt_length + response_length")
-    max_num_seqs: int = opt(1024, "sequences scheduled at once")
-    log_prob_micro_batch_size: int | None = opt(None, "deprecated; use log_prob_micro_batch_size_per_gpu")
-    log_prob_micro_batch_size_per_gpu: int | None = opt(None, "responses per old-log-prob forward per device")
-    log_prob_use_dynamic_bsz: bool | None = opt(None, "null follows actor.use_dynamic_bsz")
-    log_prob_max_token_len_per_gpu: int | None = opt(None, "null follows actor.ppo_max_token_len_per_gpu")
-    disable_log_stats: bool = opt(True, "silence engine statistics")
-    enable_chunked_prefill: bool = opt(True, "split long prefills across engine steps")
-    do_sample: bool = opt(True, "sample (true) or greedy (false) in training rollouts")
-    use_fire_sampling: bool = opt(
-        False, "older verl: FIRE sampling (temperature-scheduled first token); not supported"
-    )
-    n: int = opt(1, "responses per prompt (GRPO/RLOO need > 1)")
-    over_sample_rate: float = opt(0.0, "over-sampling for partial rollouts (no effect)")
-    multi_stage_wake_up: bool = opt(False, "wake weights and KV cache in stages (no effect)")
-    calculate_log_probs: bool = opt(False, "log rollout_corr/*: the engine's vs the trainer's log-probs")
-    update_weights_bucket_megabytes: int = opt(512, "weight-sync bucket size (no effect)")
-    skip_rollout: bool = opt(False, "reuse dumped rollouts (no effect)")
-    skip_dump_dir: str = opt("/tmp/rollout_dump", "where skipped rollouts live (no effect)")
-    engine_kwargs: dict[str, Any] = opt(
-        {"vllm": {}, "sglang": {}, "native": {}},
-        "backend kwargs; native: block_size, num_kv_blocks, decode_steps (vllm/sglang: no effect)",
-    )
-    val_kwargs: SamplingConfig = sub(SamplingConfig, "sampling at validation")
-    multi_turn: MultiTurnConfig = sub(MultiTurnConfig, "multi-turn rollouts (not supported)")
-    data_parallel_size: int = opt(1, "engine data-parallel replicas (no effect: one engine per process)")
-    expert_parallel_size: int = opt(1, "engine expert-parallel size (no effect)")
-    pipeline_model_parallel_size: int = opt(1, "engine pipeline-parallel size (no effect)")
-    agent: dict[str, Any] = opt({}, "agent loop settings (no effect)")
-    trace: dict[str, Any] = opt({}, "rollout tracing (no effect)")
-    profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
-    seed: int | None = opt(None, "sampling seed; null follows trainer.seed (ours)")
-
-
-@dataclass
 class ActorRolloutRefConfig:
     hybrid_engine: bool = opt(True, "actor, reference and rollout share devices (always true here)")
-    nccl_timeout: int = opt(600, "collective timeout in seconds")
+    nccl_timeout: int = opt(600, "collective timeout in seconds", AT_LEAST_1)
     model: ModelConfig = sub(ModelConfig, "the policy model")
     actor: ActorConfig = sub(ActorConfig, "policy training")
     ref: RefConfig = sub(RefConfig, "reference policy")
@@ -333,8 +289,8 @@ class CriticModelConfig:
     enable_activation_offload: bool = opt(False, "offload activations (no effect)")
     use_remove_padding: bool = opt(True, "pack sequences without padding (as verl's HFModelConfig)")
     fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP settings")
-    lora_rank: int = opt(0, "LoRA rank (not supported)")
-    lora_alpha: int = opt(16, "LoRA alpha")
+    lora_rank: int = opt(0, "LoRA rank (not supported)", AT_LEAST_0)
+    lora_alpha: int = opt(16, "LoRA alpha", AT_LEAST_1)
     target_modules: Any = opt("all-linear", "LoRA target modules")
 
 
@@ -346,26 +302,36 @@ def _critic_optim() -> OptimConfig:
 class CriticConfig:
     enable: bool | None = opt(None, "null: use a critic when algorithm.adv_estimator is gae")
     strategy: Literal["fsdp", "fsdp2"] = opt("fsdp", "data-parallel strategy")
-    rollout_n: int | None = opt(None, "null follows actor_rollout_ref.rollout.n")
+    rollout_n: int | None = opt(None, "null follows actor_rollout_ref.rollout.n", AT_LEAST_1)
     optim: OptimConfig = field(
         default_factory=_critic_optim,
         metadata={"help": "critic optimiser (verl: lr 1e-5, min_lr_ratio null)"},
     )
     model: CriticModelConfig = sub(CriticModelConfig, "critic model")
-    ppo_mini_batch_size: int | None = opt(None, "null follows actor.ppo_mini_batch_size")
-    ppo_micro_batch_size: int | None = opt(None, "deprecated; use ppo_micro_batch_size_per_gpu")
-    ppo_micro_batch_size_per_gpu: int | None = opt(None, "responses per critic forward/backward per device")
-    forward_micro_batch_size: int | None = opt(None, "deprecated; use forward_micro_batch_size_per_gpu")
-    forward_micro_batch_size_per_gpu: int | None = opt(None, "null follows ppo_micro_batch_size_per_gpu")
+    ppo_mini_batch_size: int | None = opt(None, "null follows actor.ppo_mini_batch_size", AT_LEAST_1)
+    ppo_micro_batch_size: int | None = opt(None, "deprecated; use ppo_micro_batch_size_per_gpu", AT_LEAST_1)
+    ppo_micro_batch_size_per_gpu: int | None = opt(
+        None, "responses per critic forward/backward per device", AT_LEAST_1
+    )
+    forward_micro_batch_size: int | None = opt(
+        None, "deprecated; use forward_micro_batch_size_per_gpu", AT_LEAST_1
+    )
+    forward_micro_batch_size_per_gpu: int | None = opt(
+        None, "null follows ppo_micro_batch_size_per_gpu", AT_LEAST_1
+    )
     use_dynamic_bsz: bool | None = opt(None, "null follows actor.use_dynamic_bsz")
-    ppo_max_token_len_per_gpu: int = opt(32768, "token budget per micro-batch with use_dynamic_bsz")
-    forward_max_token_len_per_gpu: int | None = opt(None, "null follows ppo_max_token_len_per_gpu")
-    ppo_epochs: int | None = opt(None, "null follows actor.ppo_epochs")
+    ppo_max_token_len_per_gpu: int = opt(
+        32768, "token budget per micro-batch with use_dynamic_bsz", AT_LEAST_1
+    )
+    forward_max_token_len_per_gpu: int | None = opt(
+        None, "null follows ppo_max_token_len_per_gpu", AT_LEAST_1
+    )
+    ppo_epochs: int | None = opt(None, "null follows actor.ppo_epochs", AT_LEAST_1)
     shuffle: bool | None = opt(None, "null follows actor.shuffle")
-    grad_clip: float = opt(1.0, "max global gradient norm")
-    cliprange_value: float = opt(0.5, "value clipping range")
+    grad_clip: float = opt(1.0, "max global gradient norm", ABOVE_0)
+    cliprange_value: float = opt(0.5, "value clipping range", ABOVE_0)
     loss_agg_mode: str | None = opt(None, "null follows actor.loss_agg_mode")
-    ulysses_sequence_parallel_size: int = opt(1, "sequence parallel size (only 1 supported)")
+    ulysses_sequence_parallel_size: int = opt(1, "sequence parallel size (only 1 supported)", AT_LEAST_1)
     checkpoint: CheckpointConfig = sub(CheckpointConfig, "checkpoint contents")
     profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
 
@@ -386,8 +352,8 @@ class RewardModelModelConfig:
 @dataclass
 class SandboxFusionConfig:
     url: str | None = opt(None, "sandbox URL for code rewards (not supported)")
-    max_concurrent: int = opt(64, "concurrent sandbox requests")
-    memory_limit_mb: int = opt(1024, "sandbox memory limit")
+    max_concurrent: int = opt(64, "concurrent sandbox requests", AT_LEAST_1)
+    memory_limit_mb: int = opt(1024, "sandbox memory limit", AT_LEAST_1)
 
 
 @dataclass
@@ -395,18 +361,24 @@ class RewardModelConfig:
     enable: bool = opt(False, "score responses with reward_model.model.path (at the last token)")
     strategy: str = opt("fsdp", "strategy of the reward model")
     model: RewardModelModelConfig = sub(RewardModelModelConfig, "reward model")
-    micro_batch_size: int | None = opt(None, "deprecated; use micro_batch_size_per_gpu")
-    micro_batch_size_per_gpu: int | None = opt(None, "responses per reward-model forward")
-    max_length: int | None = opt(None, "longest reward-model input in tokens (cut from the right)")
+    micro_batch_size: int | None = opt(None, "deprecated; use micro_batch_size_per_gpu", AT_LEAST_1)
+    micro_batch_size_per_gpu: int | None = opt(None, "responses per reward-model forward", AT_LEAST_1)
+    max_length: int | None = opt(
+        None, "longest reward-model input in tokens (cut from the right)", AT_LEAST_1
+    )
     use_dynamic_bsz: bool | None = opt(None, "null follows critic.use_dynamic_bsz")
-    forward_max_token_len_per_gpu: int | None = opt(None, "null follows critic.forward_max_token_len_per_gpu")
+    forward_max_token_len_per_gpu: int | None = opt(
+        None, "null follows critic.forward_max_token_len_per_gpu", AT_LEAST_1
+    )
     reward_manager: str = opt("naive", "naive, dapo (overlong penalty), batch, prime, or a registered name")
     overlong_buffer: OverlongBufferConfig = sub(OverlongBufferConfig, "DAPO soft overlong penalty")
-    num_workers: int | None = opt(None, "reward-loop workers (no effect: rewards are scored in-process)")
+    num_workers: int | None = opt(
+        None, "reward-loop workers (no effect: rewards are scored in-process)", AT_LEAST_1
+    )
     use_reward_loop: bool = opt(False, "verl's asynchronous reward loop (no effect: scored in-process)")
     enable_resource_pool: bool = opt(False, "separate GPUs for the reward model (no effect)")
-    n_gpus_per_node: int | None = opt(None, "reward-model pool devices (no effect)")
-    nnodes: int | None = opt(None, "reward-model pool nodes (no effect)")
+    n_gpus_per_node: int | None = opt(None, "reward-model pool devices (no effect)", AT_LEAST_1)
+    nnodes: int | None = opt(None, "reward-model pool nodes (no effect)", AT_LEAST_1)
     reward_loop_source: str | None = opt(None, "reward-loop class source (no effect)")
     reward_loop_module_path: str | None = opt(None, "reward-loop module path (no effect)")
     reward_loop_class_name: str | None = opt(None, "reward-loop class name (no effect)")
@@ -420,13 +392,14 @@ class RewardModelConfig:
         600.0,
         "seconds the reward function may take to score one batch; past it, handled by on_error; null: "
         "no limit (fulcrum)",
+        ABOVE_0,
     )
     launch_reward_fn_async: bool = opt(False, "score in a background process (no effect)")
     sandbox_fusion: SandboxFusionConfig = sub(SandboxFusionConfig, "code sandbox")
     reward_kwargs: dict[str, Any] = opt(
         {}, "manager options (dapo: overlong_buffer_cfg, max_resp_len; batch)"
     )
-    ulysses_sequence_parallel_size: int = opt(1, "sequence parallel size")
+    ulysses_sequence_parallel_size: int = opt(1, "sequence parallel size", AT_LEAST_1)
     profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
 
 
@@ -441,41 +414,45 @@ class CustomRewardFunctionConfig:
 @dataclass
 class TrainerConfig:
     balance_batch: bool = opt(True, "reorder responses so devices get equal token counts")
-    total_epochs: int = opt(30, "passes over the training data")
-    total_training_steps: int | None = opt(None, "stop after this many steps (null: epochs decide)")
+    total_epochs: int = opt(30, "passes over the training data", AT_LEAST_1)
+    total_training_steps: int | None = opt(
+        None, "stop after this many steps (null: epochs decide)", AT_LEAST_1
+    )
     project_name: str = opt("verl_examples", "project name (loggers, run directory)")
     experiment_name: str = opt("gsm8k", "experiment name (loggers, run directory)")
     logger: list[str] = opt(
         ["console"], "loggers: console, tensorboard, wandb, jsonl (verl: [console, wandb])"
     )
-    log_val_generations: int = opt(0, "validation generations to log per validation")
+    log_val_generations: int = opt(0, "validation generations to log per validation", AT_LEAST_0)
     rollout_data_dir: str | None = opt(None, "dump training rollouts as jsonl here")
     validation_data_dir: str | None = opt(None, "dump validation generations as jsonl here")
-    nnodes: int = opt(1, "machines (each starts its processes with torchrun --nnodes)")
-    n_gpus_per_node: int = opt(8, "devices per machine")
-    save_freq: int = opt(-1, "checkpoint every N steps; -1 never (except the last step)")
-    esi_redundant_time: int = opt(0, "expiry margin for elastic instances (no effect)")
+    nnodes: int = opt(1, "machines (each starts its processes with torchrun --nnodes)", AT_LEAST_1)
+    n_gpus_per_node: int = opt(8, "devices per machine", AT_LEAST_1)
+    save_freq: int = opt(-1, "checkpoint every N steps; -1 never (except the last step)", OFF_OR_COUNT)
+    esi_redundant_time: int = opt(0, "expiry margin for elastic instances (no effect)", AT_LEAST_0)
     resume_mode: Literal["auto", "disable", "resume_path"] = opt("auto", "auto, disable or resume_path")
     resume_from_path: str | None = opt(None, "checkpoint folder for resume_mode=resume_path")
     val_before_train: bool = opt(True, "validate before the first step")
     val_only: bool = opt(False, "validate and exit")
-    test_freq: int = opt(-1, "validate every N steps; -1 never")
-    critic_warmup: int = opt(0, "steps that train only the critic")
+    test_freq: int = opt(-1, "validate every N steps; -1 never", OFF_OR_COUNT)
+    critic_warmup: int = opt(0, "steps that train only the critic", AT_LEAST_0)
     default_hdfs_dir: str | None = opt(None, "HDFS copy of checkpoints (no effect)")
     del_local_ckpt_after_load: bool = opt(False, "delete local checkpoint after loading (no effect)")
     default_local_dir: str | None = opt(
         None, "run directory; null: checkpoints/{project_name}/{experiment_name}"
     )
-    max_actor_ckpt_to_keep: int | None = opt(None, "keep only the newest N actor checkpoints")
-    max_critic_ckpt_to_keep: int | None = opt(None, "keep only the newest N critic checkpoints")
-    ray_wait_register_center_timeout: int = opt(300, "ray timeout (no effect: no ray)")
+    max_actor_ckpt_to_keep: int | None = opt(None, "keep only the newest N actor checkpoints", OFF_OR_COUNT)
+    max_critic_ckpt_to_keep: int | None = opt(None, "keep only the newest N critic checkpoints", OFF_OR_COUNT)
+    ray_wait_register_center_timeout: int = opt(300, "ray timeout (no effect: no ray)", AT_LEAST_0)
     device: Literal["auto", "cpu", "cuda"] = opt(
         "auto", "cpu runs everything on the CPU; auto and cuda use the CUDA devices asked for (verl: cuda)"
     )
     use_legacy_worker_impl: str = opt("auto", "verl worker implementation switch (no effect)")
-    seed: int = opt(1, "seed for model init, sampling and data order (ours)")
+    seed: int = opt(1, "seed for model init, sampling and data order (ours)", SEED)
     save_on_interrupt: bool = opt(True, "write a checkpoint on Ctrl-C / SIGTERM (ours)")
-    max_nan_steps: int = opt(3, "stop after this many consecutive steps with a NaN/inf loss (ours)")
+    max_nan_steps: int = opt(
+        3, "stop after this many consecutive steps with a NaN/inf loss (ours)", AT_LEAST_1
+    )
     overwrite_run: bool = opt(
         False, "start afresh where another run is: move it into old_runs/<time>/ (never deleted) (ours)"
     )

@@ -8,14 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from fulcrum.config.domains import ABOVE_0, ANY_NUMBER, AT_LEAST_0, AT_LEAST_1, FRACTION
 from fulcrum.config.keys import opt, sub
 
 
 @dataclass
 class OverlongBufferConfig:
     enable: bool = opt(False, "DAPO soft overlong penalty (reward_manager=dapo)")
-    len: int = opt(0, "buffer length in tokens before max_response_length where the penalty grows")
-    penalty_factor: float = opt(1.0, "penalty at max_response_length")
+    len: int = opt(
+        0, "buffer length in tokens before max_response_length where the penalty grows", AT_LEAST_0
+    )
+    penalty_factor: float = opt(1.0, "penalty at max_response_length", AT_LEAST_0)
     log: bool = opt(False, "log overlong_reward / overlong per response")
 
 
@@ -23,15 +26,15 @@ class OverlongBufferConfig:
 @dataclass
 class KLControlConfig:
     type: Literal["fixed", "adaptive"] = opt("fixed", "KL coefficient controller")
-    kl_coef: float = opt(0.001, "(initial) KL coefficient of the in-reward penalty")
-    horizon: int = opt(10000, "adaptive controller horizon")
-    target_kl: float = opt(0.1, "adaptive controller target KL")
+    kl_coef: float = opt(0.001, "(initial) KL coefficient of the in-reward penalty", AT_LEAST_0)
+    horizon: int = opt(10000, "adaptive controller horizon", AT_LEAST_1)
+    target_kl: float = opt(0.1, "adaptive controller target KL", ABOVE_0)
 
 
 @dataclass
 class PFPPOConfig:
     reweight_method: Literal["pow", "max_min", "max_random"] = opt("pow", "PF-PPO reweighting")
-    weight_pow: float = opt(2.0, "PF-PPO power")
+    weight_pow: float = opt(2.0, "PF-PPO power", AT_LEAST_0)
 
 
 @dataclass
@@ -43,8 +46,12 @@ class FilterGroupsConfig:
         "reward",
         "what must vary in a group: reward (= seq_reward), seq_final_reward, acc, score or a reward extra key",
     )
-    max_num_gen_batches: int = opt(0, "generation rounds per step before giving up; <= 0: no limit")
-    max_inflight_gen_batches: int = opt(1, "asynchronous generation batches in flight (no effect)")
+    max_num_gen_batches: int = opt(
+        0, "generation rounds per step before giving up; <= 0: no limit", ANY_NUMBER
+    )
+    max_inflight_gen_batches: int = opt(
+        1, "asynchronous generation batches in flight (no effect)", AT_LEAST_1
+    )
 
 
 @dataclass
@@ -64,8 +71,8 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class AlgorithmConfig:
-    gamma: float = opt(1.0, "discount factor")
-    lam: float = opt(1.0, "GAE lambda")
+    gamma: float = opt(1.0, "discount factor", FRACTION)
+    lam: float = opt(1.0, "GAE lambda", FRACTION)
     adv_estimator: str = opt("gae", "advantage estimator: gae, grpo, rloo, reinforce_plus_plus, remax, ...")
     norm_adv_by_std_in_grpo: bool = opt(True, "divide GRPO advantages by the group std (false: Dr. GRPO)")
     use_kl_in_reward: bool = opt(False, "subtract a KL penalty from the reward")

@@ -1,4 +1,6 @@
-"""Cross-key rules of a resolved configuration (verl's `_validate_config` and worker asserts, and ours).
+"""Rules of a resolved configuration: each number inside its key's domain (fulcrum.config.domains),
+the cross-key rules (verl's `_validate_config` and worker asserts, and ours), and prompt + response
+within the actor's `max_position_embeddings` (its config.json, read without loading the model).
 
 `validate(cfg, n_devices)` returns the problems that make a run fail or waste compute; `advise(cfg)`
 returns warnings that do not stop a run. Each problem names the key(s) it is about. The trainer
@@ -9,10 +11,14 @@ it is the one list of cross-key rules (one short function per family), which bot
 from __future__ import annotations
 
 import importlib
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from fulcrum.config.compat import FSDP_ROLES, UNSUPPORTED, fsdp_size_note
+from fulcrum.config.domains import domain_problems
 from fulcrum.config.keys import ConfigError
 from fulcrum.config.keys import get_path as _get
 from fulcrum.config.schema import FulcrumConfig, KLControlConfig
@@ -65,74 +71,14 @@ def adv_estimator_names() -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------------------------ error rules
-def _positive(cfg: FulcrumConfig) -> list[Problem]:
-    keys = [
-        "data.train_batch_size",
-        "data.max_prompt_length",
-        "data.max_response_length",
-        "actor_rollout_ref.actor.ppo_mini_batch_size",
-        "actor_rollout_ref.actor.ppo_epochs",
-        "actor_rollout_ref.rollout.n",
-        "actor_rollout_ref.rollout.val_kwargs.n",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size",
-        "actor_rollout_ref.rollout.max_num_seqs",
-        "actor_rollout_ref.rollout.max_num_batched_tokens",
-        "trainer.n_gpus_per_node",
-        "trainer.nnodes",
-        "trainer.total_epochs",
-    ]
-    optional = [
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-        "actor_rollout_ref.actor.ppo_micro_batch_size",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size",
-        "critic.ppo_micro_batch_size_per_gpu",
-        "critic.ppo_micro_batch_size",
-        "critic.forward_micro_batch_size_per_gpu",
-        "critic.ppo_mini_batch_size",
-        "critic.ppo_epochs",
-        "trainer.total_training_steps",
-        "trainer.max_nan_steps",
-    ]
-    problems = []
-    for key in keys + optional:
-        value = _get(cfg, key)
-        if value is not None and value <= 0:
-            problems.append(Problem((key,), f"must be a positive integer, got {value}"))
-    return problems
+def _domains(cfg: FulcrumConfig) -> list[Problem]:
+    """Every number inside the domain its key declares (fulcrum.config.domains, beside each key)."""
+    return [Problem(keys, message) for keys, message in domain_problems(cfg)]
 
 
-def _ranges(cfg: FulcrumConfig) -> list[Problem]:
+def _choices(cfg: FulcrumConfig) -> list[Problem]:
+    """Values a field's type cannot restrict: names the algorithm package implements, list lengths."""
     problems = []
-    rollout = cfg.actor_rollout_ref.rollout
-    if not 0.0 < rollout.gpu_memory_utilization <= 1.0:
-        problems.append(
-            Problem(
-                ("actor_rollout_ref.rollout.gpu_memory_utilization",),
-                f"must be in (0, 1], got {rollout.gpu_memory_utilization}",
-            )
-        )
-    for key in ("actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.val_kwargs.temperature"):
-        if _get(cfg, key) < 0:
-            problems.append(Problem((key,), f"must be >= 0, got {_get(cfg, key)}"))
-    for key in ("actor_rollout_ref.rollout.top_p", "actor_rollout_ref.rollout.val_kwargs.top_p"):
-        if not 0.0 < _get(cfg, key) <= 1.0:
-            problems.append(Problem((key,), f"must be in (0, 1], got {_get(cfg, key)}"))
-    for key in ("actor_rollout_ref.actor.optim.lr", "critic.optim.lr"):
-        if _get(cfg, key) < 0:
-            problems.append(Problem((key,), f"must be >= 0, got {_get(cfg, key)}"))
-    actor = cfg.actor_rollout_ref.actor
-    for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
-        if getattr(actor, name) is not None and getattr(actor, name) <= 0:
-            problems.append(Problem((f"actor_rollout_ref.actor.{name}",), "must be > 0"))
-    if actor.clip_ratio_c <= 1.0:
-        problems.append(
-            Problem(("actor_rollout_ref.actor.clip_ratio_c",), "dual-clip constant must be > 1.0")
-        )
-    if not 0.0 <= cfg.algorithm.lam <= 1.0 or not 0.0 <= cfg.algorithm.gamma <= 1.0:
-        problems.append(Problem(("algorithm.gamma", "algorithm.lam"), "must lie in [0, 1]"))
     agg_modes = _names("fulcrum.algo.losses", "LOSS_AGG_MODES")
     for key in ("actor_rollout_ref.actor.loss_agg_mode", "critic.loss_agg_mode"):
         if _get(cfg, key) not in agg_modes:
@@ -141,7 +87,31 @@ def _ranges(cfg: FulcrumConfig) -> list[Problem]:
         problems.append(
             Problem(("reward_model.on_error",), f"expected raise or zero, got {cfg.reward_model.on_error!r}")
         )
+    for key in ("actor_rollout_ref.actor.optim.betas", "critic.optim.betas"):
+        if len(_get(cfg, key)) != 2:
+            problems.append(Problem((key,), f"AdamW takes two betas [beta1, beta2], got {_get(cfg, key)}"))
     return problems
+
+
+def _context_length(cfg: FulcrumConfig) -> list[Problem]:
+    """prompt + response fit the actor's position embeddings, read from its config.json (no weights):
+    past them the model runs on positions it was never trained on, without a word."""
+    path = Path(os.path.expanduser(str(cfg.actor_rollout_ref.model.path))) / "config.json"
+    try:
+        limit = json.loads(path.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return []  # a hub id, or a folder the model-folder checks name as broken
+    rollout = cfg.actor_rollout_ref.rollout
+    needed = rollout.prompt_length + rollout.response_length
+    if not isinstance(limit, int) or needed <= limit:
+        return []
+    return [
+        Problem(
+            ("data.max_prompt_length", "data.max_response_length"),
+            f"prompt + response = {needed} tokens exceeds actor_rollout_ref.model.path's "
+            f"max_position_embeddings = {limit} ({path})",
+        )
+    ]
 
 
 def _devices(cfg: FulcrumConfig, n_devices: int | None) -> list[Problem]:
@@ -218,7 +188,7 @@ def _batch_divisibility(cfg: FulcrumConfig) -> list[Problem]:
     n_gpus = world_size(cfg)
     train = cfg.data.train_batch_size
     if n_gpus <= 0 or n <= 0 or train <= 0:
-        return problems  # reported by _positive
+        return problems  # reported by _domains
     if (train * n) % n_gpus:
         problems.append(
             Problem(
@@ -362,8 +332,9 @@ def _recipes(cfg: FulcrumConfig) -> list[Problem]:
 
 
 RULES: list[Callable[[FulcrumConfig], list[Problem]]] = [
-    _positive,
-    _ranges,
+    _domains,
+    _choices,
+    _context_length,
     _micro_batch_pairs,
     _batch_divisibility,
     _algorithm,
@@ -475,6 +446,7 @@ def advise(cfg: FulcrumConfig) -> list[Problem]:
             )
         )
     notes += zero_learning_rates(cfg)
+    notes += lower_clip_off(cfg)
     notes.extend(Problem(keys, message) for keys, message in recipe_notes(cfg))
     return notes
 
@@ -488,4 +460,24 @@ def zero_learning_rates(cfg: FulcrumConfig) -> list[Problem]:
         Problem((key,), f"{key}=0: the optimiser steps change nothing, so the model never trains")
         for key, lr in roles
         if lr == 0
+    ]
+
+
+# Losses that clip the ratio itself to [1 - clip_ratio_low, 1 + clip_ratio_high] (geo_mean clips its
+# logarithm, and CISPO runs a low of 10 on purpose in verl's example: no lower bound, as meant).
+RATIO_CLIPPING_LOSSES = ("vanilla", "gspo")
+
+
+def lower_clip_off(cfg: FulcrumConfig) -> list[Problem]:
+    """clip_ratio_low >= 1 puts the lower clip at a ratio <= 0, which a ratio never reaches."""
+    actor = cfg.actor_rollout_ref.actor
+    low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+    if actor.policy_loss.loss_mode not in RATIO_CLIPPING_LOSSES or low < 1:
+        return []
+    return [
+        Problem(
+            ("actor_rollout_ref.actor.clip_ratio_low",),
+            f"{low} >= 1: the lower clip bound 1 - {low} <= 0 never acts, so the {actor.policy_loss.loss_mode} "
+            "loss does not limit how far a token's probability falls in one update",
+        )
     ]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import copy
 import importlib.util
-import json
 import logging
 import os
 import re
@@ -72,7 +71,8 @@ def _warning(text: str) -> Finding:
 
 # ------------------------------------------------------------------------------------------ checks
 def check_rules(ctx: Context) -> list[Finding]:
-    """The cross-key rules shared with the trainer (fulcrum.config.validate)."""
+    """The rules shared with the trainer (fulcrum.config.validate): key domains, cross-key rules, the
+    actor's context length; `fulcrum train` runs the same function before any model loads."""
     n_devices = ctx.n_visible if ctx.device == "cuda" else None
     return [_error(str(p)) for p in validate(ctx.cfg, n_devices)] + [
         _warning(str(p)) for p in advise(ctx.cfg)
@@ -134,34 +134,11 @@ def _model_folder(key: str, name: str | None, needs_tokenizer: bool = False) -> 
     return [_error(f"{key}: {name} does not exist")]
 
 
-def _context_length(key: str, name: str, needed: int) -> list[Finding]:
-    """prompt + response must fit the model's position embeddings (else it fails or extrapolates badly)."""
-    config_file = Path(os.path.expanduser(name)) / "config.json"
-    if not config_file.is_file():
-        return []
-    try:
-        model_config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        return [_error(f"{key}: {config_file} is not valid JSON ({exc})")]
-    limit = model_config.get("max_position_embeddings") if isinstance(model_config, dict) else None
-    if isinstance(limit, int) and needed > limit:
-        return [
-            _error(
-                f"data.max_prompt_length + data.max_response_length = {needed} tokens exceeds "
-                f"{key}'s max_position_embeddings = {limit}"
-            )
-        ]
-    return []
-
-
 def check_model_paths(ctx: Context) -> list[Finding]:
     cfg = ctx.cfg
     findings = _model_folder(
         "actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path, needs_tokenizer=True
     )
-    rollout = cfg.actor_rollout_ref.rollout
-    needed = rollout.prompt_length + rollout.response_length
-    findings += _context_length("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path, needed)
     if uses_critic(cfg):
         findings += _model_folder("critic.model.path", cfg.critic.model.path)
     if cfg.data.tokenizer:
