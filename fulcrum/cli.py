@@ -1,13 +1,16 @@
 """The `fulcrum` command: one sub-command per job, each implemented by a module's `main(argv) -> int`.
 
 Modules are imported only when their sub-command runs, so `fulcrum --help` stays fast and one broken
-optional piece never stops the others.
+optional piece never stops the others. Ctrl-C or SIGTERM anywhere in a command ends it with one line
+(what the command removed, when it says so) and exit 130 or 143, never a traceback.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+
+from fulcrum.tools.interrupts import Terminated, interrupt_line, sigterm_raises
 
 # sub-command -> (module, one-line help). The module defines `main(argv: list[str]) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -19,12 +22,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("fulcrum.tools.tune", "short probes over the throughput levers; prints the fastest that fits"),
     "export": ("fulcrum.tools.export", "a checkpoint's actor or critic as a Hugging Face folder"),
     "tiny-model": ("fulcrum.models.tiny", "write a small random-initialised model with a tokenizer"),
-    "import-gguf": ("fulcrum.models.gguf_import", "a GGUF checkpoint (Llama, Qwen2) as a plain Hugging Face folder"),
+    "import-gguf": (
+        "fulcrum.models.gguf_import",
+        "a GGUF checkpoint (Llama, Qwen2) as a plain Hugging Face folder",
+    ),
     "pretrained": ("fulcrum.models.pretrained", "fetch a known real pretrained model and convert it"),
 }
 
 
 def usage() -> str:
+    """The help text: every sub-command with its one-line description."""
     width = max(len(c) for c in COMMANDS)
     lines = ["usage: fulcrum COMMAND [ARGS ...]", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
@@ -32,6 +39,7 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Dispatch `fulcrum COMMAND ARGS...`; returns the exit code."""
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage())
@@ -40,6 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"fulcrum: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    try:
+        with sigterm_raises():
+            return run_command(name, rest)
+    except (KeyboardInterrupt, Terminated) as exc:
+        line, code = interrupt_line(name, exc)
+        print(line, file=sys.stderr)
+        return code
+
+
+def run_command(name: str, rest: list[str]) -> int:
+    """Import sub-command `name`'s module and run its `main(rest)`; 2 when it is not in this version."""
     module_name = COMMANDS[name][0]
     try:
         module = importlib.import_module(module_name)

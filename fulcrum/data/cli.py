@@ -3,35 +3,72 @@
     fulcrum data gsm8k --src SRC --out DIR
 
 SRC is a folder holding GSM8K's `train.jsonl` and `test.jsonl`, or the hub name `openai/gsm8k`.
+Existing output files are never replaced. The files are written into a temporary folder inside DIR and
+moved in when both are whole: an error, Ctrl-C or SIGTERM leaves nothing behind (not even DIR, when
+this command created it).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
 
 def _gsm8k(args: argparse.Namespace) -> int:
-    from fulcrum.data.gsm8k import GSM8KError, prepare_gsm8k
+    from fulcrum.data.gsm8k import SPLITS, GSM8KError, prepare_gsm8k
 
-    taken = [
-        p for p in (Path(args.out).expanduser() / f"{s}.parquet" for s in ("train", "test")) if p.exists()
-    ]
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        print(f"fulcrum data gsm8k: --out {out}: is a file, not a folder", file=sys.stderr)
+        return 1
+    taken = [p for p in (out / f"{s}.parquet" for s in SPLITS) if p.exists() or p.is_symlink()]
     if taken:  # never overwrite data files: they may be a user's own
         names = ", ".join(str(p) for p in taken)
         print(f"fulcrum data gsm8k: {names} already exist(s); choose another --out", file=sys.stderr)
         return 1
     try:
-        paths = prepare_gsm8k(args.src, args.out)
+        paths = write_whole(out, lambda staging: prepare_gsm8k(args.src, staging))
     except (GSM8KError, OSError) as err:
-        print(f"fulcrum data gsm8k: {err}", file=sys.stderr)
+        print(f"fulcrum data gsm8k: {err}; nothing was written to {out}", file=sys.stderr)
         return 1
     for split, path in paths.items():
         print(f"{split}: {pq.ParquetFile(path).metadata.num_rows} rows -> {path}")
     return 0
+
+
+def _top_missing(folder: Path) -> Path | None:
+    """The outermost of `folder` and its parents that does not exist yet: what to remove after a failure."""
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]
+    return missing[-1] if missing else None
+
+
+def write_whole(out: Path, write: Callable[[Path], dict[str, Path]]) -> dict[str, Path]:
+    """Run `write(staging)` (it returns {name: file it wrote}) in a temporary folder inside `out`, then
+    move the files into `out`; on any failure or interrupt remove all of it (and `out` when created
+    here) and say so on the exception. Returns {name: final path}."""
+    created = _top_missing(out)
+    staging = out / f".fulcrum-data.tmp-{os.getpid()}"
+    moved: dict[str, Path] = {}
+    try:
+        staging.mkdir(parents=True)
+        for name, path in write(staging).items():
+            os.rename(path, out / path.name)
+            moved[name] = out / path.name
+        staging.rmdir()
+    except BaseException as exc:
+        for path in moved.values():
+            path.unlink(missing_ok=True)
+        shutil.rmtree(created or staging, ignore_errors=True)
+        if not isinstance(exc, Exception):  # Ctrl-C / SIGTERM: the one line is printed by `fulcrum`
+            exc.add_note(f"nothing was written to {out}")
+        raise
+    return moved
 
 
 def build_parser() -> argparse.ArgumentParser:

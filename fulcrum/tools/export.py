@@ -6,9 +6,14 @@ scheduler state; `--dtype` casts the floating-point weights (e.g. to bfloat16 fo
 actor loads with `AutoModelForCausalLM`, the critic with `AutoModelForTokenClassification`
 (backbone + 1-output `score` head: the value of every token is `logits[..., 0]`).
 
+Only the role's files that the checkpoint's manifest lists (and `verify_checkpoint` has just checked)
+are copied: a file added to the folder later is left out, and named.
+
 Export writes only its own output: `--out` may not be, contain, or lie inside the source run
-directory, and `--force` replaces only a folder that a previous export wrote (it holds
-`fulcrum_export.json`); anything else is refused, never deleted.
+directory, nor be a file or a symbolic link, and `--force` replaces only a folder that a previous
+export wrote (it holds `fulcrum_export.json`); anything else is refused, never deleted. The export is
+written beside `--out` and renamed when whole; Ctrl-C, SIGTERM or a full disk removes the partial
+folder (and puts back a previous export being replaced).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from fulcrum.trainer.checkpoint import (
     is_complete,
     verify_checkpoint,
 )
+from fulcrum.trainer.checkpoint.layout import read_manifest
 
 # Files of a role folder that belong to training only.
 TRAINING_ONLY = {OPTIMIZER_FILE, SCHEDULER_FILE}
@@ -67,6 +73,12 @@ def resolve_checkpoint(path: Path, role: str) -> Path:
 
 def check_out_folder(out_dir: Path, run_dir: Path, force: bool) -> None:
     """Refuse an --out that would delete or overwrite anything but a previous export."""
+    if out_dir.is_symlink():
+        raise CheckpointError(
+            f"--out {out_dir}: is a symbolic link (to {os.readlink(out_dir)}); name a real folder"
+        )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"--out {out_dir}: is a file, not a folder; choose a new folder")
     out, run = out_dir.resolve(), run_dir.resolve()
     if out == run or run in out.parents:
         raise CheckpointError(
@@ -134,28 +146,93 @@ def export_checkpoint(
         raise CheckpointError(f"{source}: no config.json or *.safetensors; not a Hugging Face folder")
     out_dir = Path(out).expanduser()
     check_out_folder(out_dir, source.parent.parent, force)
+    files = manifest_files(checkpoint, role)
     # Written beside the target and renamed when whole, like the checkpoints themselves; a previous
     # export is swapped out only once the new one is complete.
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
     if tmp.exists() or old.exists():
         raise CheckpointError(f"--out {out_dir}: {tmp.name} or {old.name} is in the way; remove it first")
+    created = create_parents(out_dir.parent)
     try:
-        shutil.copytree(source, tmp, ignore=lambda _d, names: [n for n in names if n in TRAINING_ONLY])
-        if dtype is not None:
-            cast_weights(tmp, DTYPES[dtype])
-        enable_kv_cache(tmp)
-        marker = {"source": str(source.resolve()), "role": role, "dtype": dtype}
-        (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        write_export(source, files, tmp, {"source": str(source.resolve()), "role": role, "dtype": dtype})
         if out_dir.exists():
             os.rename(out_dir, old)
         os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        undo_export(tmp, old, out_dir, created, exc)
+        if isinstance(exc, OSError):
+            raise CheckpointError(
+                f"--out {out_dir}: cannot write {exc.filename or tmp} ({_reason(exc)}); the partial export "
+                "was removed"
+            ) from exc
         raise
-    if old.exists():
-        shutil.rmtree(old)  # a previous export (it held EXPORT_MARKER), now replaced
+    try:
+        shutil.rmtree(old, ignore_errors=True)  # a previous export (it held EXPORT_MARKER), now replaced
+    except BaseException as exc:  # interrupted while removing it: finish, the new export is whole
+        shutil.rmtree(old, ignore_errors=True)
+        exc.add_note(f"the export in {out_dir} is complete")
+        raise
     return out_dir
+
+
+def _reason(exc: OSError) -> str:
+    return (exc.strerror or str(exc)).lower()
+
+
+def manifest_files(checkpoint: Path, role: str) -> list[str]:
+    """The role's files as the checkpoint's manifest lists them (relative to the role folder), but the
+    training-only ones: what export copies."""
+    prefix = f"{role}/"
+    listed = [
+        rel.removeprefix(prefix)
+        for rel in read_manifest(checkpoint).get("files", {})
+        if rel.startswith(prefix)
+    ]
+    # ".." in a (tampered) manifest would copy from and write to outside the two folders
+    return sorted(
+        rel for rel in listed if Path(rel).name not in TRAINING_ONLY and ".." not in Path(rel).parts
+    )
+
+
+def unlisted_files(checkpoint: Path, role: str) -> list[str]:
+    """Files in the role folder that its manifest does not list (added after the save; never exported)."""
+    source = checkpoint / role
+    listed = set(manifest_files(checkpoint, role)) | TRAINING_ONLY
+    present = (str(p.relative_to(source)) for p in source.rglob("*") if p.is_file() or p.is_symlink())
+    return sorted(rel for rel in present if rel not in listed)
+
+
+def create_parents(folder: Path) -> Path | None:
+    """Create `folder` and its missing parents; the top-most folder created (removed if the export
+    fails), or None when it existed."""
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing[-1] if missing else None
+
+
+def write_export(source: Path, files: list[str], tmp: Path, marker: dict[str, str | None]) -> None:
+    """The export's whole content in `tmp`: the listed files, cast and with the KV cache on, and its marker."""
+    tmp.mkdir()
+    for rel in files:
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source / rel, tmp / rel)
+    if marker["dtype"] is not None:
+        cast_weights(tmp, DTYPES[marker["dtype"]])
+    enable_kv_cache(tmp)
+    (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def undo_export(tmp: Path, old: Path, out_dir: Path, created: Path | None, exc: BaseException) -> None:
+    """After a failed or interrupted export: remove the partial folder, put a previous export back where
+    it was, remove the folders created for it; say so on `exc`."""
+    if tmp.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        exc.add_note(f"removed the partial export {tmp}")
+    if old.exists() and not out_dir.exists():
+        os.rename(old, out_dir)
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fulcrum export: {exc}", file=sys.stderr)
         return 1
     print(f"exported {args.role} to {out}")
+    left_out = unlisted_files(resolve_checkpoint(Path(args.checkpoint).expanduser(), args.role), args.role)
+    if left_out:
+        print(
+            f"left out {len(left_out)} file(s) its manifest does not list (unchecked): {', '.join(left_out)}"
+        )
     print(f"load it with: transformers.{AUTO_CLASS[args.role]}.from_pretrained({str(out)!r})")
     return 0
 

@@ -4,6 +4,8 @@ Reads `RUN_DIR/metrics.jsonl` (and `config.yaml` when there), plots every metric
 in the page (base64 `data:` URIs, inline CSS, no script, nothing fetched from the network), and writes
 the diagnosis of `fulcrum.trainer.diagnosis` (the rules the trainer also applies live) with the lever for
 each finding. With `--compare`, the other run is drawn dashed on every plot and diagnosed beside it.
+The page replaces an earlier report; any other existing file only with `--force`, and never the run's
+own metrics, configurations, checkpoints or inputs (`fulcrum.tools.report_files`).
 Over 400 lines because the page is one file by design: its layout, inline styles and every plot group
 live together so a change to one section is seen with the rest.
 """
@@ -14,14 +16,14 @@ import argparse
 import base64
 import html
 import io
-import json
 import math
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fulcrum.tools.report_files import ReportError, Run, check_out_file, load_run, write_report
 from fulcrum.trainer.diagnosis import (
     PHASE_LEVERS,
     Finding,
@@ -32,19 +34,7 @@ from fulcrum.trainer.diagnosis import (
     training_rows,
 )
 
-USAGE = "fulcrum report RUN_DIR [--compare OTHER_RUN] [--out FILE]"
-
-
-class ReportError(Exception):
-    """A run directory or metrics file that cannot be read; the message names it."""
-
-
-@dataclass
-class Run:
-    name: str
-    path: Path
-    rows: list[dict[str, Any]]
-    config: dict[str, Any] = field(default_factory=dict)
+USAGE = "fulcrum report RUN_DIR [--compare OTHER_RUN] [--out FILE [--force]]"
 
 
 @dataclass(frozen=True)
@@ -144,38 +134,6 @@ SECTIONS: list[tuple[str, list[Panel]]] = [
     ),
 ]
 LINE_STYLES = ("-", "--")
-
-
-# ------------------------------------------------------------------------------------------ input
-def load_run(path: str | Path) -> Run:
-    """The run's metrics rows (oldest first) and its resolved configuration, if saved."""
-    run_dir = Path(path).expanduser()
-    if not run_dir.is_dir():
-        raise ReportError(f"{run_dir}: no such run directory")
-    metrics_file = run_dir / "metrics.jsonl"
-    if not metrics_file.is_file():
-        raise ReportError(f"{metrics_file}: not found (is {run_dir} a run directory?)")
-    rows = []
-    for number, line in enumerate(metrics_file.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ReportError(f"{metrics_file} line {number}: not JSON ({exc.msg})") from exc
-        if not isinstance(row, dict):
-            raise ReportError(f"{metrics_file} line {number}: not a JSON object")
-        rows.append(row)
-    if not rows:
-        raise ReportError(f"{metrics_file}: no rows (the run logged no step)")
-    config: dict[str, Any] = {}
-    config_file = run_dir / "config.yaml"
-    if config_file.is_file():
-        from omegaconf import OmegaConf
-
-        loaded = OmegaConf.to_container(OmegaConf.load(config_file), resolve=False)
-        config = loaded if isinstance(loaded, dict) else {}
-    return Run(run_dir.resolve().name, run_dir, rows, config)
 
 
 # ------------------------------------------------------------------------------------------ plots
@@ -410,14 +368,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", help="a run directory (trainer.default_local_dir) holding metrics.jsonl")
     parser.add_argument("--compare", metavar="OTHER_RUN", help="a second run drawn dashed beside the first")
     parser.add_argument("--out", help="the HTML file to write (default RUN_DIR/report.html)")
+    parser.add_argument(
+        "--force", action="store_true", help="replace an existing --out file (never the run's own files)"
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         runs = [load_run(args.run_dir)] + ([load_run(args.compare)] if args.compare else [])
+        out = Path(args.out).expanduser() if args.out else runs[0].path / "report.html"
+        check_out_file(out, runs, args.force, f"--out {out}" if args.out else str(out))
+        write_report(out, render(runs), suggest_out=not args.out)
     except ReportError as exc:
         print(f"fulcrum report: {exc}", file=sys.stderr)
         return 1
-    out = Path(args.out).expanduser() if args.out else runs[0].path / "report.html"
-    out.write_text(render(runs), encoding="utf-8")
     print(f"wrote {out}")
     for run in runs:
         for finding in diagnose(run.rows):

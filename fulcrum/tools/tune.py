@@ -14,7 +14,9 @@ peak reserved CUDA memory (the trainer process's peak resident memory on the CPU
 so far, a trial still running when it is spent is stopped, and the table and the best overrides found by
 then are printed (as they are on SIGTERM or Ctrl-C). A trial runs in its own process group, so stopping it
 also stops its compile workers. Every trial is also written to `trials.json` in the work folder as it
-ends, with its warm step's phase times (`timing_s/*`) and per-phase peak memory, for the record.
+ends, with its warm step's phase times (`timing_s/*`) and per-phase peak memory, for the record. A work
+folder reused from an earlier tune keeps that tune's trials: new ones are numbered after them and added
+to its `trials.json`.
 
 Levers (docs/levers.md): micro (every micro-batch size together), checkpointing, dynamic (dynamic batches
 with token budgets of 2-8 longest sequences), max_num_seqs, max_num_batched_tokens and
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import sys
 import tempfile
@@ -33,9 +36,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fulcrum.config import ConfigError, FulcrumConfig, load_config, uses_critic, uses_reference, world_size
-from fulcrum.tools.tune_trial import STOPPED, Overrides, Trial, run_trial
+from fulcrum.tools.tune_trial import (
+    STOPPED,
+    TRIALS_FILE,
+    Overrides,
+    Trial,
+    WorkDirError,
+    open_work_dir,
+    run_trial,
+)
 
 USAGE = (
     "fulcrum tune [--steps N] [--levers L1,L2] [--max-trials N] [--trial-timeout S] [--time-budget S] "
@@ -224,9 +236,11 @@ def table(trials: list[Trial]) -> list[str]:
     return lines
 
 
-def write_trials(path: Path, trials: list[Trial]) -> None:
-    """Every trial so far as JSON (rewritten after each, so a stopped tune leaves its record)."""
-    rows = [
+def write_trials(path: Path, trials: list[Trial], earlier: list[dict[str, Any]] | None = None) -> None:
+    """Every trial so far as JSON, after an earlier tune's `earlier` rows (rewritten after each trial,
+    so a stopped tune leaves its record; through a file renamed when whole, so an interrupt cannot
+    leave half of it)."""
+    rows = list(earlier or []) + [
         {
             "probe": t.probe,
             "changes": t.changes,
@@ -241,7 +255,12 @@ def write_trials(path: Path, trials: list[Trial]) -> None:
         }
         for t in trials
     ]
-    path.write_text(json.dumps(rows, indent=1) + "\n")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(rows, indent=1) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def report(best: Trial | None, trials: list[Trial]) -> int:
@@ -322,7 +341,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         levers = [lever for lever in levers if lever.name in wanted]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="fulcrum-tune-")).expanduser()
-    work.mkdir(parents=True, exist_ok=True)
+    try:
+        earlier = open_work_dir(work)
+    except WorkDirError as exc:
+        print(f"fulcrum tune: {exc}", file=sys.stderr)
+        return 1
     total = 1 + sum(len(lever.candidates) for lever in levers)
     budget = f", within {args.time_budget:.0f} s" if args.time_budget else ""
     print(
@@ -345,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(trial: Trial) -> Trial:
         run_trial(overrides, trial, work, args.steps, args.trial_timeout, budget_left())
         done.append(trial)
-        write_trials(work / "trials.json", done)
+        write_trials(work / TRIALS_FILE, done, earlier)
         print(
             f"  {trial.outcome}: {_fmt(trial.throughput, '.1f')} tok/s/device, peak {_fmt(trial.peak_memory_gb, '.2f')} "
             f"GB, {trial.seconds:.0f} s  ({trial.probe})",

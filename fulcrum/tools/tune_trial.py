@@ -1,12 +1,13 @@
 """One `fulcrum tune` trial: the user's configuration plus one change, trained for a few steps in its own
 process group (so its peak memory is its own, an out-of-memory cannot poison the next trial, and
 stopping it stops its compile workers too), and its outcome and figures read back from its
-metrics.jsonl."""
+metrics.jsonl. The trials live in a work folder, one `trial-N` folder each, beside `trials.json`."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 STOPPED = "stopped: time budget"  # the outcome of a trial cut short by --time-budget
 OOM_MARKERS = (
@@ -33,6 +35,12 @@ PROBE_KEYS = (
 )
 
 Overrides = dict[str, str]
+TRIALS_FILE = "trials.json"
+TRIAL_DIR = re.compile(r"^trial-(\d+)$")
+
+
+class WorkDirError(Exception):
+    """A work folder that cannot hold the trials; the one-line message names it."""
 
 
 @dataclass
@@ -47,6 +55,39 @@ class Trial:
     step_seconds: float | None = None  # timing_s/step, median of the warm steps
     train_memory_gb: float | None = None  # the largest per-phase CUDA peak outside generation
     phases: dict[str, float] = field(default_factory=dict)  # timing_s/* and per-phase peaks, warm median
+
+
+def open_work_dir(work: Path) -> list[dict[str, Any]]:
+    """Create `work` if missing; the trials an earlier tune recorded in its trials.json, kept so that
+    this tune adds its own after them. Refuses a file, a folder it cannot write, and a trials.json
+    that no tune wrote (it would be overwritten)."""
+    if work.exists() and not work.is_dir():
+        raise WorkDirError(f"--work-dir {work}: is a file, not a folder; choose a folder")
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise WorkDirError(f"--work-dir {work}: cannot create it ({exc.strerror or exc})") from exc
+    if not os.access(work, os.W_OK | os.X_OK):
+        raise WorkDirError(f"--work-dir {work}: not writable; choose another folder")
+    record = work / TRIALS_FILE
+    if not record.exists():
+        return []
+    try:
+        rows = json.loads(record.read_text())
+    except (OSError, ValueError):
+        rows = None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "probe" in r for r in rows):
+        raise WorkDirError(
+            f"--work-dir {work}: holds a {TRIALS_FILE} that fulcrum tune did not write; choose another folder"
+        )
+    return rows
+
+
+def next_trial_dir(work: Path) -> Path:
+    """`work/trial-N` with N one past the highest taken: earlier trials stay, and a gap (a folder
+    removed by hand) is never filled over a later one."""
+    taken = [int(m.group(1)) for p in work.iterdir() if (m := TRIAL_DIR.match(p.name))]
+    return work / f"trial-{max(taken, default=-1) + 1}"
 
 
 def classify(returncode: int, output: str) -> str:
@@ -113,8 +154,7 @@ def run_trial(
 ) -> Trial:
     """Train `steps` steps of base + trial.changes in a child process; fill in outcome and figures. The
     child is stopped after `timeout` seconds (outcome failed) or, when sooner, `budget_left` (STOPPED)."""
-    index = len(list(work.glob("trial-*")))
-    run_dir = work / f"trial-{index}"
+    run_dir = next_trial_dir(work)
     run_dir.mkdir(parents=True)
     argv = [
         *base,
