@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from contextlib import nullcontext
 
 from fulcrum.tools.interrupts import Terminated, interrupt_line, sigterm_raises
 
@@ -28,6 +29,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "pretrained": ("fulcrum.models.pretrained", "fetch a known real pretrained model and convert it"),
 }
+# Commands that handle SIGTERM themselves: training stops after the current step and saves
+# (`fulcrum.trainer.faults.GracefulInterrupt`), and under torchrun the launcher forwards the signal.
+OWN_SIGTERM = frozenset({"train"})
 
 
 def usage() -> str:
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fulcrum: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     try:
-        with sigterm_raises():
+        with nullcontext() if name in OWN_SIGTERM else sigterm_raises():
             return run_command(name, rest)
     except (KeyboardInterrupt, Terminated) as exc:
         line, code = interrupt_line(name, exc)

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from fulcrum.cli import COMMANDS
 from fulcrum.cli import main as fulcrum
 from fulcrum.tools import export, report_files, tune, tune_trial
 from fulcrum.trainer.checkpoint import CheckpointManager
@@ -357,3 +359,32 @@ def test_a_full_disk_in_the_data_command_leaves_the_users_folder_as_it_was(
     assert fulcrum(["data", "gsm8k", "--src", str(gsm8k_src), "--out", str(out)]) == 1
     assert "No space left on device" in one_line(capsys.readouterr().err)
     assert tree(out) == {"README": b"the user's folder"}
+
+
+def test_a_full_disk_while_writing_the_report_keeps_the_earlier_one(run: Path, monkeypatch, capsys) -> None:
+    assert fulcrum(["report", str(run)]) == 0
+    earlier = (run / "report.html").read_bytes()
+    real_write_text = Path.write_text
+
+    def disk_full(self: Path, text: str, *args: object, **kwargs: object) -> int:
+        real_write_text(self, text[: len(text) // 2], *args, **kwargs)  # half written, then no space
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    assert fulcrum(["report", str(run)]) == 1
+    assert f"cannot write {run / 'report.html'}: no space left on device" in one_line(capsys.readouterr().err)
+    assert (run / "report.html").read_bytes() == earlier
+    assert not [p.name for p in run.iterdir() if ".tmp-" in p.name]
+
+
+# ---------------------------------------------------------------------------------------------- cli
+
+
+def test_ctrl_c_in_any_command_ends_with_one_line(monkeypatch, capsys) -> None:
+    def interrupted_main(argv: list[str]) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "fulcrum_interrupted", SimpleNamespace(main=interrupted_main))
+    monkeypatch.setitem(COMMANDS, "later", ("fulcrum_interrupted", "a command interrupted at once"))
+    assert interrupted(["later"]) == 130
+    assert one_line(capsys.readouterr().err) == "fulcrum later: interrupted (Ctrl-C)"
