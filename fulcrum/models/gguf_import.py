@@ -1,0 +1,217 @@
+"""`fulcrum import-gguf FILE.gguf --out DIR`: a GGUF checkpoint as a plain Hugging Face model folder.
+
+GGUF is llama.cpp's single-file format: weights (often quantized: Q4_1, Q8_0, ...), the model's
+hyper-parameters and its tokenizer (vocabulary, merges, chat template) as metadata. Transformers reads
+it (`from_pretrained(folder, gguf_file=NAME)`), dequantizes every tensor and undoes llama.cpp's
+reordering of the query/key rows, but the model it returns keeps a `quantization_config` and refuses
+`save_pretrained`. This module writes what fulcrum (and any Hugging Face tool) trains from:
+
+- `model.safetensors` in bf16 (or `--dtype float32`), from a plain model class built from a config
+  without `quantization_config`, the dequantized weights loaded strictly (no key missing or unused);
+- the tokenizer files with the chat template, and `generation_config.json`;
+- `gguf_source.json`: the file's name, size and sha256, and how many tensors each GGUF type held.
+
+What conversion loses: quantized weights dequantized are *not* the original checkpoint's weights
+(Q4_1 keeps 4 bits a weight plus a scale and a minimum per block of 32), so a model imported from
+a Q4_1 file is a slightly different model from the one its authors published in bf16. Any figure
+measured on it says so.
+
+Supported: the Llama and Qwen2 families (`general.architecture` `llama` and `qwen2`), the two the
+native rollout engine serves; others are refused with a message naming the architecture. The output
+folder is written under a temporary name and renamed when complete; an existing non-empty folder is
+never replaced unless it is itself an earlier import and `--force` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GGUF_MAGIC = b"GGUF"
+# GGUF `general.architecture` -> Hugging Face `model_type`.
+SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+SOURCE_FILE = "gguf_source.json"
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class GGUFImportError(ValueError):
+    """A GGUF file that cannot be imported; the message names the file and why."""
+
+
+def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_gguf_header(path: Path) -> tuple[str, Counter[str]]:
+    """The file's `general.architecture` and a count of its tensors by GGUF type (e.g. Q4_1: 210).
+
+    Raises GGUFImportError for a missing file, one that is not GGUF, or a truncated one."""
+    if not path.is_file():
+        raise GGUFImportError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise GGUFImportError(f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file with b'GGUF')")
+    from gguf import GGUFReader  # the optional dependency, imported only when a file is read
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, OSError) as err:  # numpy memmap of a truncated or damaged file
+        raise GGUFImportError(f"{path}: unreadable GGUF file ({err})") from err
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise GGUFImportError(f"{path}: no general.architecture in its metadata")
+    architecture = str(field.contents())
+    return architecture, Counter(t.tensor_type.name for t in reader.tensors)
+
+
+def plain_config(config: Any) -> Any:
+    """The loaded config without `quantization_config` and GGUF bookkeeping, as its own class."""
+    data = config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+        data.pop(key, None)
+    data["architectures"] = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
+    return type(config).from_dict(data)
+
+
+def convert(path: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """Write the Hugging Face folder `out` (which must not exist) from the GGUF file `path`, with
+    transformers' dequantization notices and per-tensor progress bars silenced.
+
+    Returns what `gguf_source.json` records."""
+    from transformers import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        return _convert(path, out, dtype)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+
+
+def _convert(path: Path, out: Path, dtype: torch.dtype) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    architecture, tensor_types = read_gguf_header(path)
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise GGUFImportError(
+            f"{path}: architecture {architecture!r} is not supported; "
+            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    folder, name = str(path.parent), path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = plain_config(loaded.config)
+    config.dtype = dtype
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # strict: every tensor of the file lands in the model and the model has no untouched weight
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    del loaded
+    out.mkdir(parents=True)
+    model.to(dtype).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    ).save_pretrained(out)
+    source = {
+        "file": path.name,
+        "bytes": path.stat().st_size,
+        "sha256": sha256_of(path),
+        "architecture": architecture,
+        "tensor_types": dict(sorted(tensor_types.items())),
+        "dtype": str(dtype).removeprefix("torch."),
+        "note": "weights dequantized from the GGUF file: not the original checkpoint's weights when quantized",
+    }
+    (out / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+    return source
+
+
+def out_problem(out: Path, force: bool) -> str | None:
+    """Why `out` may not be written (None when it may): never replace what an import did not write."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        return f"--out {out} exists and is not a folder"
+    if not out.exists() or not any(out.iterdir()):
+        return None
+    if not (out / SOURCE_FILE).is_file():
+        return (
+            f"--out {out} is not empty and is not a folder this command wrote; choose a new or empty folder"
+        )
+    if not force:
+        return f"--out {out} already holds an imported model; add --force to replace it"
+    return None
+
+
+def import_gguf(path: Path, out: Path, dtype: torch.dtype = torch.bfloat16, force: bool = False) -> dict:
+    """Convert into a temporary sibling of `out`, then rename it into place (an earlier import set aside
+    and removed only once the new one is complete)."""
+    problem = out_problem(out, force)
+    if problem:
+        raise GGUFImportError(problem)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        source = convert(path, tmp, dtype)
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return source
+
+
+def describe(source: dict, out: Path) -> str:
+    types = ", ".join(f"{n} {t}" for t, n in source["tensor_types"].items())
+    return (
+        f"wrote {out}: {source['architecture']} in {source['dtype']} from {source['file']} "
+        f"(sha256 {source['sha256'][:12]}…; tensors: {types}; quantized weights are dequantized, "
+        "not the original checkpoint's)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fulcrum import-gguf", description=__doc__.split("\n\n")[0])
+    parser.add_argument("file", type=Path, help="the .gguf file")
+    parser.add_argument("--out", type=Path, required=True, help="the Hugging Face folder to write")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="weights' type on disk")
+    parser.add_argument("--force", action="store_true", help="replace an earlier import in --out")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        source = import_gguf(args.file, args.out, DTYPES[args.dtype], args.force)
+    except GGUFImportError as err:
+        print(f"fulcrum import-gguf: {err}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as err:
+        if err.name != "gguf":
+            raise
+        print(
+            "fulcrum import-gguf: the `gguf` package is missing: pip install 'fulcrum[gguf]'", file=sys.stderr
+        )
+        return 1
+    except KeyboardInterrupt:
+        print("fulcrum import-gguf: interrupted; nothing written", file=sys.stderr)
+        return 130
+    print(describe(source, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
