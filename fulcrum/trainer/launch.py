@@ -8,14 +8,21 @@
 - `trainer.device=cpu` without torchrun stays one process, whatever `n_gpus_per_node` says (there are
   no GPUs to count; the key still sets the per-device batch checks, as in verl); torchrun with
   `--nproc_per_node=N` runs N CPU processes over gloo.
+
+The run directory's lock (fulcrum.trainer.run_lock) is held by the launching group: rank 0 under a
+user's torchrun; the launcher itself when `fulcrum train` starts the processes, which then tells its
+children (FULCRUM_RUN_LOCK_OWNER) that their group holds it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 from fulcrum.config import ConfigError, FulcrumConfig
 from fulcrum.parallel import launched_by_torchrun
+from fulcrum.trainer import run_lock
 
 TRAIN_MODULE = "fulcrum.trainer.main_ppo"
 
@@ -48,9 +55,24 @@ def cpu_note(cfg: FulcrumConfig) -> str | None:
     )
 
 
-def relaunch(nproc: int, argv: list[str]) -> int:
-    """Run `torchrun --standalone --nproc_per_node=nproc -m fulcrum.trainer.main_ppo ARGV` in this process;
-    0 when every process succeeded, else 1 (the failing process printed its error)."""
+def relaunch(nproc: int, argv: list[str], run_dir: Path) -> int:
+    """Run `torchrun --standalone --nproc_per_node=nproc -m fulcrum.trainer.main_ppo ARGV` in this process,
+    holding `run_dir`'s lock for its processes; 0 when every process succeeded, else 1 (the failing
+    process printed its error)."""
+    try:
+        run_lock.acquire(run_dir, "fulcrum train")
+    except (run_lock.RunDirBusyError, OSError) as err:
+        print(f"fulcrum train: {err}", file=sys.stderr)
+        return 1
+    os.environ[run_lock.OWNER_ENV] = run_lock.owner_tag()
+    try:
+        return _run_torchrun(nproc, argv)
+    finally:
+        os.environ.pop(run_lock.OWNER_ENV, None)
+        run_lock.release(run_dir)
+
+
+def _run_torchrun(nproc: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 

@@ -8,7 +8,8 @@ the built-in demo (`fulcrum.trainer.demo.run_demo`) with the given overrides app
 
 An error before the first step (configuration, devices, run directory, data, model, tokenizer,
 reward function) prints one paragraph naming the key and file, without a traceback; set
-FULCRUM_DEBUG=1 to see the traceback.
+FULCRUM_DEBUG=1 to see the traceback. A second `fulcrum train` on a run directory in use stops at
+once, naming the process that holds it (docs/checkpoints.md). Ctrl-C ends it with one line, exit 130.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 # OpenMP threads that spin while waiting burn the CPU that other threads (and other processes) need:
 # on a busy 2-core machine a 2-thread actor update used 8x the CPU time and ran 7x slower with the
@@ -34,7 +36,14 @@ def wants_demo(argv: list[str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # before the run started (imports, configuration); the run says more
+        print("fulcrum train: interrupted (Ctrl-C) before training started", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         print(
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fulcrum train: {err}", file=sys.stderr)
         return 1
     if nproc:
-        return relaunch(nproc, argv)
+        return relaunch(nproc, argv, Path(cfg.trainer.default_local_dir).expanduser())
     note = cpu_note(cfg)
     if note:
         print(note)

@@ -1,22 +1,34 @@
 """Train with a configuration object: the one entry that `fulcrum train` and the built-in demo call.
 
 `run_ppo(cfg)` checks the resolved configuration (device count, the cross-key rules of `fulcrum
-doctor`, the model folders) before the trainer is even imported, prints the advice notes, trains, and
-turns the failures a user can act on into one paragraph and exit code 1. An error before the first
-step prints no traceback; set FULCRUM_DEBUG=1 to see it.
+doctor`, the model folders) before the trainer is even imported, takes the run directory's lock
+(fulcrum.trainer.run_lock: rank 0 alone under torchrun), prints the advice notes, trains, and turns
+the failures a user can act on into one paragraph and exit code 1. An error before the first step
+prints no traceback; set FULCRUM_DEBUG=1 to see it. Ctrl-C that stops the run at once (during
+set-up, or a second one during training) ends it with one line and exit 130.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fulcrum.config import ConfigError, FulcrumConfig, advise, check, uses_critic
 from fulcrum.config.device import select_device
 from fulcrum.models.folder import ModelPathError, model_folder_problems, resolve_model_path, vocab_problems
 from fulcrum.parallel import DistInfo, check_world_size, init_distributed
 from fulcrum.parallel.group import info_from_env, run_then_leave
+from fulcrum.parallel.shard import on_main
+from fulcrum.trainer import run_lock
+from fulcrum.trainer.checkpoint import read_latest_step
+from fulcrum.trainer.run_dir import RunDirError
+
+if TYPE_CHECKING:
+    import torch
 
 ACTOR_KEY = "actor_rollout_ref.model.path"
 DEBUG_ENV = "FULCRUM_DEBUG"  # =1: set-up errors come with their traceback
@@ -70,6 +82,18 @@ def quiet_other_ranks(info: DistInfo) -> None:
     logging.getLogger().setLevel(logging.WARNING)
 
 
+def interrupted_line(run_dir: Path) -> str:
+    """The one line for a run stopped at once by Ctrl-C: what is on disk to resume from. A checkpoint
+    being written when it came was removed by the save (CheckpointManager.save), never published."""
+    step = read_latest_step(run_dir)
+    kept = (
+        f"the last complete checkpoint is {run_dir / f'global_step_{step}'}"
+        if step
+        else "no checkpoint saved"
+    )
+    return f"fulcrum train: stopped at once by Ctrl-C; no partial checkpoint is left; {kept}"
+
+
 def run_ppo(cfg: FulcrumConfig) -> int:
     """Train as `cfg` (resolved: `load_config`) says; 0 when done, 1 with a message on stderr, or
     128 + the signal number when Ctrl-C / SIGTERM stopped the run. Under torchrun every process
@@ -98,6 +122,23 @@ def _run_ppo(cfg: FulcrumConfig) -> int:
         return 1
     info = init_distributed(device.type)
     quiet_other_ranks(info)
+    run_dir = Path(trainer_cfg.default_local_dir).expanduser()
+    try:
+        # One process per run directory, before anything is loaded: rank 0 holds it for the group.
+        on_main(lambda: run_lock.acquire(run_dir, "fulcrum train"))
+    except (run_lock.RunDirBusyError, OSError) as err:
+        print(f"fulcrum train: {err}", file=sys.stderr)
+        return 1
+    try:
+        return _train(cfg, device, info, run_dir)
+    except KeyboardInterrupt:
+        print(interrupted_line(run_dir), file=sys.stderr)
+        return 128 + signal.SIGINT
+    finally:
+        run_lock.release(run_dir)
+
+
+def _train(cfg: FulcrumConfig, device: torch.device, info: DistInfo, run_dir: Path) -> int:
     for note in advise(cfg):
         print(f"note: {note}")
     from fulcrum.reward.manager import RewardError
@@ -107,6 +148,9 @@ def _run_ppo(cfg: FulcrumConfig) -> int:
 
     try:
         trainer = PPOTrainer(cfg, device, n_devices=info.world_size, dist=info)
+    except (RunDirError, run_lock.RunDirBusyError) as err:  # our one paragraph, whole already
+        print(f"fulcrum train: {err}", file=sys.stderr)
+        return 1
     except Exception as err:
         print(setup_error_message(err), file=sys.stderr)
         if debug_requested():

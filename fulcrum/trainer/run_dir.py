@@ -1,12 +1,21 @@
 """One run directory, one run: the rules a training run applies to `trainer.default_local_dir` at start.
 
+- One process at a time: `fulcrum.lock` (fulcrum.trainer.run_lock) is held for the whole run.
+- fulcrum knows its own files: `fulcrum_run.json`, written when a run first opens the folder, marks
+  the names it writes (OWN_NAMES, `global_step_N`) as its own. A folder holding such a name without
+  the marker (a user's `config.yaml` or `attempts.jsonl`) is refused, naming the files, and nothing
+  in it is written.
 - A fresh start where another run's metrics or checkpoints are stops with a message naming them and
-  the choices; `trainer.overwrite_run=True` moves the old run into `old_runs/<time>/` (never deletes).
+  the choices; `trainer.overwrite_run=True` moves the old run into `old_runs/<time>/` (never deletes),
+  and only in a folder that holds nothing but fulcrum's files. A resume from another run's checkpoint
+  (`resume_path` outside the folder) is a new run here, under the same rule.
 - A resume compares the configuration with the one the checkpoint was trained under: changes to what
   or how the run trains stop it unless `trainer.accept_config_changes=True`; harmless ones are listed.
 - `metrics.jsonl` never holds a step twice: on resume, rows after the checkpoint's step move to
   `metrics.dropped.jsonl`; `attempts.jsonl` records each start (where its rows begin, which
   configuration, which checkpoint), and `configs/attempt_<k>.yaml` keeps every configuration.
+- Every file is written whole or not at all (a temporary file renamed into place); a failed write
+  (a full disk) names its path and leaves nothing partial.
 """
 
 from __future__ import annotations
@@ -14,15 +23,26 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fulcrum.config import save_config, to_dict
 from fulcrum.config.keys import flatten
-from fulcrum.trainer.checkpoint import LATEST_FILE, ResumeChoice, read_run_config, step_folders
-from fulcrum.trainer.checkpoint.atomic import fsync_dir
+from fulcrum.trainer import run_lock
+from fulcrum.trainer.checkpoint import (
+    LATEST_FILE,
+    STEP_PREFIX,
+    CheckpointError,
+    ResumeChoice,
+    read_run_config,
+    step_folders,
+)
+from fulcrum.trainer.checkpoint.atomic import fsync_dir, write_file_atomic, write_text_atomic
+from fulcrum.trainer.checkpoint.layout import read_manifest
 
 METRICS_FILE = "metrics.jsonl"
 DROPPED_METRICS_FILE = "metrics.dropped.jsonl"
@@ -30,6 +50,20 @@ ATTEMPTS_FILE = "attempts.jsonl"
 CONFIG_FILE = "config.yaml"
 CONFIGS_DIR = "configs"
 OLD_RUNS_DIR = "old_runs"
+RUN_MARKER = "fulcrum_run.json"  # written when a run first opens the folder: the names below are fulcrum's
+MARKER_FORMAT = "fulcrum-run"
+
+# The names `fulcrum train` and `fulcrum sft` write directly in a run directory (with `global_step_N`
+# and its temporary and set-aside forms): without the marker, one of them present is not fulcrum's.
+WRITTEN_NAMES = frozenset(
+    {CONFIG_FILE, CONFIGS_DIR, METRICS_FILE, DROPPED_METRICS_FILE, ATTEMPTS_FILE, LATEST_FILE, OLD_RUNS_DIR}
+    | {"tensorboard"}
+)
+# Everything fulcrum puts in a run directory: the above, the marker and the lock, `fulcrum report`'s
+# default output and the built-in demo's work folder. Anything else is the user's.
+OWN_NAMES = WRITTEN_NAMES | {RUN_MARKER, run_lock.LOCK_FILE, "report.html", "demo"}
+TEMP_SUFFIX = re.compile(r"\.(tmp|old)-\d+$")  # a file or checkpoint being written (atomic.temp_beside)
+LISTED_NAMES = 12  # a refusal lists this many names, then how many more
 
 # Keys whose change leaves what the run trains on, and how, alone: bookkeeping, frequencies, the step
 # budget, validation, and the throughput levers (micro-batching, engine memory, the number of ranks)
@@ -124,7 +158,10 @@ def trim_metrics_log(
 
     A run killed past its last checkpoint logged steps that the resumed run logs again. The dropped
     rows are appended to `dropped_to` (with `dropped_by_attempt`), so nothing is lost; a line cut
-    short by the kill is kept there as text. Rewritten in place, so a handle open for append stays valid.
+    short by the kill is kept there as text. `dropped_to` is replaced whole (`write_text_atomic`) before
+    `path` changes, so a failure leaves at worst a row in both files, never in neither. `path` is
+    rewritten in place, so a handle open for append stays valid; the kept rows are never more bytes
+    than were there, so the rewrite needs no new disk space.
     """
     file = Path(path)
     if not file.is_file():
@@ -146,16 +183,115 @@ def trim_metrics_log(
     if not dropped:
         return 0
     if dropped_to is not None:
-        with open(dropped_to, "a") as f:
-            f.write("".join(json.dumps(row) + "\n" for row in dropped))
-            f.flush()
-            os.fsync(f.fileno())
+        before = dropped_to.read_text() if dropped_to.is_file() else ""
+        write_text_atomic(dropped_to, before + "".join(json.dumps(row) + "\n" for row in dropped))
     with open(file, "r+") as f:
         f.write("".join(f"{line}\n" for line in kept))
         f.truncate()
         f.flush()
         os.fsync(f.fileno())
     return len(dropped)
+
+
+# ------------------------------------------------------------------------------- what is fulcrum's
+def is_own_name(name: str) -> bool:
+    """Whether fulcrum writes an entry of this name in a run directory (its temporary forms included)."""
+    name = TEMP_SUFFIX.sub("", name)
+    return (
+        name in OWN_NAMES
+        or name.startswith(STEP_PREFIX)  # global_step_N and global_step_N.set-aside-<time>
+        or (name.startswith(f".{STEP_PREFIX}") and name.endswith(".partial"))  # fulcrum sft's save
+    )
+
+
+def _is_written_name(name: str) -> bool:
+    name = TEMP_SUFFIX.sub("", name)
+    return name in WRITTEN_NAMES or name.startswith(STEP_PREFIX) or name.startswith(f".{STEP_PREFIX}")
+
+
+def _jsonl_objects_with(path: Path, key: str) -> bool:
+    """Whether `path` holds at least one line and every readable line is a JSON object with `key`."""
+    rows = [r for r in read_metrics_rows(path) if r is not None]
+    return bool(rows) and all(isinstance(r, dict) and key in r for r in rows)
+
+
+def _has_fulcrum_checkpoint(run_dir: Path) -> bool:
+    for _, path in step_folders(run_dir):
+        try:
+            read_manifest(path)
+        except CheckpointError:
+            continue
+        return True
+    return False
+
+
+def made_by_fulcrum(run_dir: Path) -> bool:
+    """Whether a fulcrum run wrote this folder: it holds the marker or, for runs of versions before the
+    marker, a fulcrum checkpoint, fulcrum's record of attempts or metrics rows as fulcrum logs them."""
+    try:
+        marker = json.loads((run_dir / RUN_MARKER).read_text())
+    except (OSError, ValueError):
+        marker = None
+    if isinstance(marker, dict) and marker.get("format") == MARKER_FORMAT:
+        return True
+    return (
+        _has_fulcrum_checkpoint(run_dir)
+        or _jsonl_objects_with(run_dir / ATTEMPTS_FILE, "attempt")
+        or _jsonl_objects_with(run_dir / METRICS_FILE, "step")
+    )
+
+
+def _entries(run_dir: Path) -> list[str]:
+    return sorted(child.name for child in run_dir.iterdir()) if run_dir.is_dir() else []
+
+
+def unowned_entries(run_dir: Path) -> list[str]:
+    """Entries fulcrum would write to but did not create: names it writes, in a folder it never marked."""
+    written = [name for name in _entries(run_dir) if _is_written_name(name)]
+    return [] if not written or made_by_fulcrum(run_dir) else written
+
+
+def foreign_entries(run_dir: Path) -> list[str]:
+    """Entries of names fulcrum never writes (a README, a data or model folder)."""
+    return [name for name in _entries(run_dir) if not is_own_name(name)]
+
+
+def name_list(names: list[str]) -> str:
+    """`a, b, c` (at most LISTED_NAMES, then how many more)."""
+    shown = ", ".join(names[:LISTED_NAMES])
+    return shown + (f" and {len(names) - LISTED_NAMES} more" if len(names) > LISTED_NAMES else "")
+
+
+def check_own_files(run_dir: Path) -> None:
+    """Stop when the folder holds files under fulcrum's names that fulcrum did not write."""
+    unowned = unowned_entries(run_dir)
+    if unowned:
+        raise RunDirError(
+            f"trainer.default_local_dir={run_dir} holds {name_list(unowned)}, which fulcrum did not write (no "
+            f"{RUN_MARKER}, no fulcrum checkpoint). A run writes files of these names; fulcrum never writes over "
+            "files that are not its own. Move them out, or pick another trainer.default_local_dir."
+        )
+
+
+def mark_run_dir(run_dir: Path, command: str) -> None:
+    """Write the marker once: from now on the folder's fulcrum-named files are fulcrum's."""
+    marker = run_dir / RUN_MARKER
+    if not marker.is_file():
+        record = {"format": MARKER_FORMAT, "version": 1, "created_by": command, "created_unix": time.time()}
+        write_whole(marker, lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
+
+
+def write_whole(path: Path, write: Callable[[Path], None]) -> None:
+    """`atomic.write_file_atomic`, with a failure (a full disk, a read-only folder) as a RunDirError
+    that names the path: nothing partial is left and the old file is unchanged."""
+    try:
+        write_file_atomic(path, write)
+    except OSError as err:
+        reason = err.strerror or str(err)
+        raise RunDirError(
+            f"cannot write {path}: {reason}; nothing was changed in it and no partial file is left. "
+            "Free space (or fix the folder's permissions) and start again."
+        ) from err
 
 
 # ------------------------------------------------------------------------------------- one run rule
@@ -174,16 +310,26 @@ def other_run_contents(run_dir: Path) -> list[str]:
 
 
 def move_old_run_aside(run_dir: Path) -> Path:
-    """Move everything in `run_dir` (but earlier set-aside runs) into `run_dir/old_runs/<time>/`."""
+    """Move fulcrum's files in `run_dir` (but earlier set-aside runs and the lock) into
+    `run_dir/old_runs/<time>/`. A folder that also holds other files, or whose fulcrum-named files
+    fulcrum did not write, is refused with their names: nothing is moved."""
+    check_own_files(run_dir)
+    foreign = foreign_entries(run_dir)
+    if foreign:
+        raise RunDirError(
+            f"trainer.overwrite_run=True: {run_dir} also holds {name_list(foreign)}, which fulcrum did not write. "
+            f"overwrite_run moves a run into {run_dir / OLD_RUNS_DIR}/<time>/ only from a folder that holds "
+            "nothing else: move those out, or give the run a folder of its own (trainer.default_local_dir)."
+        )
     target = run_dir / OLD_RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
     suffix = 0
     while target.exists():
         suffix += 1
         target = target.with_name(f"{target.name.split('.')[0]}.{suffix}")
     target.mkdir(parents=True)
-    for child in run_dir.iterdir():
-        if child.name != OLD_RUNS_DIR:
-            os.rename(child, target / child.name)
+    for name in _entries(run_dir):
+        if name not in (OLD_RUNS_DIR, run_lock.LOCK_FILE):  # the lock stays: this process holds it
+            os.rename(run_dir / name, target / name)
     fsync_dir(run_dir)
     return target
 
@@ -200,45 +346,68 @@ def _resume_step(path: Path) -> int:
     return int(path.name.rsplit("_", 1)[1])
 
 
+def check_not_in_use(run_dir: Path, command: str) -> None:
+    """Stop when another live process holds the folder's lock. `run_ppo` holds it for the whole run; a
+    trainer built directly (tests, scripts) only checks here, holding nothing after."""
+    if run_lock.holds(run_dir):
+        return
+    try:
+        run_lock.acquire(run_dir, command)
+    except run_lock.RunDirBusyError as err:
+        raise RunDirError(str(err)) from None
+    run_lock.release(run_dir)
+
+
+def _outside(ckpt: Path, run_dir: Path) -> bool:
+    return ckpt.parent.resolve() != run_dir.resolve()
+
+
+def _another_run_message(run_dir: Path, there: list[str], ckpt: Path | None) -> str:
+    listing = "; ".join(there)
+    if ckpt is None:
+        return (
+            f"trainer.default_local_dir={run_dir} holds another run ({listing}). A run directory "
+            "holds one run. Resume it (trainer.resume_mode=auto, or resume_path with a checkpoint), pick "
+            "another trainer.default_local_dir, or set trainer.overwrite_run=True to move the old run "
+            f"into {run_dir / OLD_RUNS_DIR}/<time>/ (nothing is deleted)."
+        )
+    return (
+        f"trainer.resume_from_path={ckpt} is another run's checkpoint, and trainer.default_local_dir={run_dir} "
+        f"holds its own run ({listing}): continuing the other run here would write its steps over this run's "
+        "checkpoints and mix two runs in one metrics.jsonl. Give the continuation a new or empty "
+        "trainer.default_local_dir, resume this folder's own run (trainer.resume_mode=auto), or set "
+        f"trainer.overwrite_run=True to move this folder's run into {run_dir / OLD_RUNS_DIR}/<time>/ first."
+    )
+
+
 def open_run_dir(run_dir: Path, cfg: Any, choice: ResumeChoice, manager: Any) -> Attempt:
     """Apply the one-run rule or the resume checks, then record this attempt; returns it.
 
-    Called before any model or data is loaded, so a refusal costs nothing.
+    Called before any model or data is loaded, so a refusal costs nothing. Everything is checked
+    before the first write: a refusal leaves the folder as it was.
     """
     trainer = cfg.trainer
     notes = list(choice.report())
+    check_not_in_use(run_dir, "fulcrum train")
     run_dir.mkdir(parents=True, exist_ok=True)
-    if choice.path is None:
-        there = other_run_contents(run_dir)
-        if there and not trainer.overwrite_run:
-            raise RunDirError(
-                f"trainer.default_local_dir={run_dir} holds another run ({'; '.join(there)}). A run directory "
-                "holds one run. Resume it (trainer.resume_mode=auto, or resume_path with a checkpoint), pick "
-                "another trainer.default_local_dir, or set trainer.overwrite_run=True to move the old run "
-                f"into {run_dir / OLD_RUNS_DIR}/<time>/ (nothing is deleted)."
-            )
-        if there:
-            notes.append(f"moved the previous run to {move_old_run_aside(run_dir)}")
-    else:
-        notes += _check_resume_config(choice.path, cfg)
-        step = _resume_step(choice.path)
-        if choice.path.parent.resolve() == run_dir.resolve():
-            for moved in manager.set_aside_newer(step):
-                notes.append(f"set aside {moved.name}: newer than the checkpoint resumed")
-    number = len(read_metrics_rows(run_dir / ATTEMPTS_FILE)) + 1
+    check_own_files(run_dir)
+    # A start that does not continue this folder's own checkpoint is a new run here.
+    new_run = choice.path is None or _outside(choice.path, run_dir)
+    there = other_run_contents(run_dir) if new_run else []
+    if there and not trainer.overwrite_run:
+        raise RunDirError(_another_run_message(run_dir, there, choice.path))
     if choice.path is not None:
-        dropped = trim_metrics_log(
-            run_dir / METRICS_FILE, _resume_step(choice.path), run_dir / DROPPED_METRICS_FILE, number
-        )
-        if dropped:
-            notes.append(
-                f"moved {dropped} {METRICS_FILE} row(s) logged after {choice.path.name} to {DROPPED_METRICS_FILE}"
-            )
-        if not (run_dir / LATEST_FILE).exists() and choice.path.parent.resolve() != run_dir.resolve():
-            notes.append(f"resuming from {choice.path}, outside this run directory")
+        notes += _check_resume_config(choice.path, cfg)
+    if there:
+        notes.append(f"moved the previous run to {move_old_run_aside(run_dir)}")
+    mark_run_dir(run_dir, "fulcrum train")
+    number = len(read_metrics_rows(run_dir / ATTEMPTS_FILE)) + 1
     config_rel = f"{CONFIGS_DIR}/attempt_{number}.yaml"
-    save_config(cfg, run_dir / CONFIG_FILE)
-    save_config(cfg, run_dir / config_rel)
+    (run_dir / CONFIGS_DIR).mkdir(exist_ok=True)
+    for path in (run_dir / config_rel, run_dir / CONFIG_FILE):
+        write_whole(path, lambda tmp: save_config(cfg, tmp))
+    if choice.path is not None:
+        notes += _drop_newer(run_dir, choice.path, manager, number)
     record = {
         "attempt": number,
         "started_unix": time.time(),
@@ -246,9 +415,33 @@ def open_run_dir(run_dir: Path, cfg: Any, choice: ResumeChoice, manager: Any) ->
         "config": config_rel,
         "metrics_rows_before": len(read_metrics_rows(run_dir / METRICS_FILE)),
     }
-    with open(run_dir / ATTEMPTS_FILE, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    attempts = run_dir / ATTEMPTS_FILE
+    before = attempts.read_text() if attempts.is_file() else ""
+    write_whole(attempts, lambda tmp: tmp.write_text(before + json.dumps(record) + "\n"))
     return Attempt(number, choice.path, notes)
+
+
+def _drop_newer(run_dir: Path, ckpt: Path, manager: Any, attempt: int) -> list[str]:
+    """Set aside this folder's checkpoints and metrics rows newer than the resumed checkpoint `ckpt`."""
+    notes = []
+    step = _resume_step(ckpt)
+    if not _outside(ckpt, run_dir):
+        for moved in manager.set_aside_newer(step):
+            notes.append(f"set aside {moved.name}: newer than the checkpoint resumed")
+    try:
+        dropped = trim_metrics_log(run_dir / METRICS_FILE, step, run_dir / DROPPED_METRICS_FILE, attempt)
+    except OSError as err:
+        raise RunDirError(
+            f"cannot move the rows after {ckpt.name} out of {run_dir / METRICS_FILE}: {err.strerror or err}; "
+            "the file is unchanged. Free space and start again."
+        ) from err
+    if dropped:
+        notes.append(
+            f"moved {dropped} {METRICS_FILE} row(s) logged after {ckpt.name} to {DROPPED_METRICS_FILE}"
+        )
+    if _outside(ckpt, run_dir):
+        notes.append(f"resuming from {ckpt}, outside this run directory")
+    return notes
 
 
 def _check_resume_config(ckpt: Path, cfg: Any) -> list[str]:

@@ -41,8 +41,16 @@ from fulcrum.batch import host_to_device
 from fulcrum.config import ConfigError, load_structured, save_config, to_dict
 from fulcrum.config.device import select_device
 from fulcrum.models.load import load_causal_lm, load_tokenizer
+from fulcrum.trainer import run_lock
 from fulcrum.trainer.loggers import Tracking
-from fulcrum.trainer.run_dir import other_run_contents
+from fulcrum.trainer.run_dir import (
+    CONFIG_FILE,
+    RunDirError,
+    check_own_files,
+    mark_run_dir,
+    other_run_contents,
+    write_whole,
+)
 
 # ---------------------------------------------------------------- configuration (verl's sft_trainer.yaml)
 
@@ -356,15 +364,35 @@ def run_sft(cfg: SFTConfig, log: Any = print) -> SFTResult:
     device = select_device(
         cfg.trainer.device, cpu_when_no_cuda=True
     )  # one device: n_gpus_per_node is ignored
-    run_dir = Path(cfg.trainer.default_local_dir)
+    run_dir = Path(cfg.trainer.default_local_dir).expanduser()
+    try:
+        run_lock.acquire(run_dir, "fulcrum sft")
+    except run_lock.RunDirBusyError as err:
+        raise ConfigError(str(err), "trainer.default_local_dir") from None
+    try:
+        return _train(cfg, run_dir, device, started, log)
+    finally:
+        run_lock.release(run_dir)
+
+
+def _open_run_dir(cfg: SFTConfig, run_dir: Path) -> None:
+    """The run-directory rules of `fulcrum train` (fulcrum.trainer.run_dir): never over another run,
+    never over files fulcrum did not write; the marker, then the configuration, written whole."""
     there = other_run_contents(run_dir)
     if there:  # one run directory, one run: never overwrite another run's checkpoints or metrics
         raise ConfigError(
             f"trainer.default_local_dir={run_dir} holds another run ({'; '.join(there)}); choose another folder"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    try:
+        check_own_files(run_dir)
+        mark_run_dir(run_dir, "fulcrum sft")
+        write_whole(run_dir / CONFIG_FILE, lambda tmp: save_config(cfg, tmp))
+    except RunDirError as err:
+        raise ConfigError(str(err), "trainer.default_local_dir") from None
 
+
+def _train(cfg: SFTConfig, run_dir: Path, device: torch.device, started: float, log: Any) -> SFTResult:
+    _open_run_dir(cfg, run_dir)
     model, tokenizer = _load(cfg, device)
     train = load_examples(cfg.data.train_files, tokenizer, cfg.data)
     val = load_examples(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else []

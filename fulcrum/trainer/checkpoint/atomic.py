@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 HASH_CHUNK_BYTES = 8 * 2**20  # large reads: hashing runs at the speed of sha256, not of Python calls
@@ -40,15 +41,33 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text`: written beside it, fsync'ed, then renamed over it."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def temp_beside(path: Path) -> Path:
+    """The temporary name `path` is written under before it is renamed into place (`<name>.tmp-<pid>`)."""
+    return path.with_name(f"{path.name}.tmp-{os.getpid()}")
+
+
+def write_file_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """Make `path` whole or leave it as it was: `write(tmp)` fills a file beside it, which is fsync'ed
+    and renamed over `path`. On any failure (a full disk, an interrupt) the temporary file is removed
+    and the error raised again, so no partial file is ever left under either name."""
+    tmp = temp_beside(path)
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text`, whole or not at all (`write_file_atomic`)."""
+    write_file_atomic(path, lambda tmp: tmp.write_text(text))
 
 
 def sha256_file(path: Path) -> str:

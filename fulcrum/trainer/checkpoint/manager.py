@@ -234,16 +234,15 @@ class CheckpointManager:
             _save_torch(scheduler.state_dict(), role_dir / SCHEDULER_FILE)
 
     def _publish(self, tmp: Path, final: Path) -> None:
-        """Rename the whole temp folder into place; an existing same-step folder is swapped out, then removed."""
-        old = None
+        """Rename the whole temp folder into place. A same-step folder already there (a run started
+        over this one's steps) is set aside as `global_step_N.set-aside-<time>`, never deleted: a
+        checkpoint is only ever removed by retention."""
         if final.exists():
-            old = final.with_name(f"{final.name}.old-{os.getpid()}")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
+            aside = set_aside_name(final)
+            os.rename(final, aside)
+            print(f"warning: {final} already existed: set aside as {aside.name}", flush=True)
         os.rename(tmp, final)
         fsync_dir(self.run_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
 
     def _disk_full(self, final: Path, needed: int, free: int) -> DiskFullError:
         previous = complete_checkpoints(self.run_dir)
@@ -340,11 +339,10 @@ class CheckpointManager:
         They belong to an abandoned continuation (or are damaged); the resumed run writes its own step
         N, and nothing is deleted.
         """
-        stamp = time.strftime("%Y%m%d-%H%M%S")
         moved = []
         for n, path in step_folders(self.run_dir):
             if n > step:
-                target = path.with_name(f"{path.name}.set-aside-{stamp}")
+                target = set_aside_name(path)
                 os.rename(path, target)
                 moved.append(target)
         if moved:
@@ -391,6 +389,17 @@ class CheckpointManager:
             if isinstance(exc, CheckpointError):
                 raise
             raise CheckpointError(f"{path}: does not match this {type(stateful).__name__}: {exc}") from exc
+
+
+def set_aside_name(path: Path) -> Path:
+    """`global_step_N.set-aside-<time>` beside `path`, with `.K` added when that name is taken (two set
+    asides within a second)."""
+    target = path.with_name(f"{path.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
+    base, suffix = target, 0
+    while target.exists():
+        suffix += 1
+        target = base.with_name(f"{base.name}.{suffix}")
+    return target
 
 
 def read_run_config(ckpt: Path) -> dict[str, Any] | None:
