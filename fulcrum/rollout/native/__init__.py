@@ -1,7 +1,8 @@
 """The native rollout engine (paged KV cache, continuous batching, CUDA graphs, in-place weight sync).
 
 `build_native_engine(rollout_cfg, hf_model, eos_ids, pad_id, device)` is what `fulcrum.rollout.build_rollout`
-calls; `NATIVE_ARCHITECTURES` are the HF `model_type`s it runs. Under torchrun,
+calls; `NATIVE_ARCHITECTURES` are the HF `model_type`s it runs, and `unsupported_reason(config)` names a
+config field it does not honour (models/fields.py: the caller then samples with `hf`). Under torchrun,
 `rollout.tensor_model_parallel_size` consecutive ranks run one engine together (tensor parallelism).
 """
 
@@ -17,7 +18,8 @@ from torch import nn
 from fulcrum.parallel.tensor_parallel import TensorParallel, tensor_parallel_group
 from fulcrum.rollout.native.config import EngineConfig, engine_config_from
 from fulcrum.rollout.native.engine import NativeEngine
-from fulcrum.rollout.native.models.qwen2 import SUPPORTED_MODEL_TYPES, unsupported_reason
+from fulcrum.rollout.native.models.fields import unsupported_reason
+from fulcrum.rollout.native.models.qwen2 import SUPPORTED_MODEL_TYPES
 
 NATIVE_ARCHITECTURES = frozenset(SUPPORTED_MODEL_TYPES)
 logger = logging.getLogger(__name__)

@@ -17,25 +17,13 @@ import torch.nn.functional as F
 from fulcrum.parallel.tensor_parallel import TensorParallel, shard_heads, shard_range
 from fulcrum.rollout.native import ops
 from fulcrum.rollout.native.attention import AttentionMetadata, paged_attention
+from fulcrum.rollout.native.models.fields import CONFIG_FIELDS
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+# The architectures this decoder serves: those whose config fields fields.py classifies.
+SUPPORTED_MODEL_TYPES = tuple(CONFIG_FIELDS)
 Shard = tuple[int, int, int]  # (dim, start, length) of an HF tensor that one tensor-parallel rank holds
 # Wrappers that prefix parameter names: torch.compile, DDP/FSDP1, activation checkpointing.
 _WRAPPER_PREFIXES = re.compile(r"(_orig_mod\.|module\.|_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.)")
-
-
-def unsupported_reason(config) -> str | None:
-    """Why the native decoder cannot run this HF config, or None when it can."""
-    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        return f"model_type={getattr(config, 'model_type', None)!r}"
-    if getattr(config, "mlp_bias", False):
-        return "mlp_bias=True"
-    if getattr(config, "use_sliding_window", False):
-        return "use_sliding_window=True"
-    rope = getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type", "default")) in ("dynamic", "longrope"):
-        return f"rope_scaling type {rope.get('rope_type', rope.get('type'))!r}"
-    return None
 
 
 class DecoderLM:
