@@ -4,16 +4,23 @@ with a field it does not honour is sampled by the `hf` backend, with one line na
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
+from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import GSM8K_ROW, seed_command
 from transformers import AutoConfig, LlamaConfig, Qwen2Config
 
 from fulcrum.rollout import HFRollout, build_rollout
 from fulcrum.rollout.native import NATIVE_ARCHITECTURES, NativeEngine, unsupported_reason
 from fulcrum.rollout.native.models.fields import CONFIG_FIELDS
 from fulcrum.rollout.testing import random_causal_lm
+from fulcrum.tools import doctor
 
 CPU = torch.device("cpu")
 
@@ -155,3 +162,20 @@ def test_a_gelu_model_is_sampled_by_hf_with_one_line(arch: str, caplog: pytest.L
     assert lines == [
         "rollout: the native engine does not run hidden_act='gelu' (it runs silu); using the hf backend"
     ]
+
+
+def test_doctor_says_which_field_sends_the_run_to_hf(
+    tmp_path: Path, tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pq.write_table(pa.Table.from_pylist([GSM8K_ROW] * 512), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist([GSM8K_ROW]), tmp_path / "test.parquet")
+    shutil.copytree(tiny_model, tmp_path / "model")
+    assert doctor.main(seed_command(tmp_path)) == 0
+    assert "native engine does not run" not in capsys.readouterr().out
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    assert doctor.main(seed_command(tmp_path)) == 0  # it runs, on the slower backend
+    assert (
+        "actor_rollout_ref.rollout.name: the native engine does not run hidden_act='gelu' (it runs silu); "
+        "the run samples with the hf backend" in capsys.readouterr().out
+    )

@@ -266,6 +266,31 @@ def check_rollout_engine(ctx: Context) -> list[Finding]:
     return []
 
 
+def check_native_model_fields(ctx: Context) -> list[Finding]:
+    """A model field the native engine does not honour (hidden_act, RoPE type...) makes the run sample
+    with the slower hf backend, as fulcrum.rollout.build_rollout does; say so now (reads config.json)."""
+    path = Path(os.path.expanduser(ctx.cfg.actor_rollout_ref.model.path))
+    if ctx.cfg.actor_rollout_ref.rollout.name != "native" or not (path / "config.json").is_file():
+        return []
+    from transformers import AutoConfig
+
+    from fulcrum.rollout.native import unsupported_reason
+
+    try:
+        model_config = AutoConfig.from_pretrained(path)
+    except Exception:  # an architecture transformers does not know: check_model_paths speaks for it
+        return []
+    reason = unsupported_reason(model_config)
+    if reason is None:
+        return []
+    return [
+        _warning(
+            f"actor_rollout_ref.rollout.name: the native engine does not run {reason}; the run samples "
+            "with the hf backend (slower, same results)"
+        )
+    ]
+
+
 def check_logger_packages(ctx: Context) -> list[Finding]:
     findings = []
     for name in ("wandb", "mlflow"):
@@ -296,6 +321,7 @@ CHECKS: list[Callable[[Context], list[Finding]]] = [
     check_custom_reward,
     check_resume,
     check_rollout_engine,
+    check_native_model_fields,
     check_logger_packages,
     check_rollout_alias,
     *LEVER_CHECKS,  # fulcrum/tools/doctor_rules.py: data, generation and memory levers
