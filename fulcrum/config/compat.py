@@ -146,7 +146,6 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "trainer.balance_batch",
         "trainer.log_val_generations",
         "trainer.rollout_data_dir",
-        "trainer.validation_data_dir",
         "trainer.esi_redundant_time",
         "trainer.default_hdfs_dir",
         "trainer.del_local_ckpt_after_load",

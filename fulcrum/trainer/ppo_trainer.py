@@ -45,6 +45,7 @@ from fulcrum.trainer.data_parallel import engine_tp_size, generate_shares, on_sh
 from fulcrum.trainer.diagnosis import LiveDiagnosis
 from fulcrum.trainer.dynamic_sampling import GroupFilter, group_metric_values
 from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, explain_oom
+from fulcrum.trainer.generations import dump_generations, generation_rows
 from fulcrum.trainer.loggers import Tracking
 from fulcrum.trainer.run_dir import open_run_dir
 from fulcrum.trainer.startup import kl_startup_line, resolve_total_steps, seed_everything
@@ -491,6 +492,10 @@ class PPOTrainer:
         items = [self.val_dataset[i] for i in range(len(self.val_dataset))]
         batch = self.generate(items, self.sampling_params(validate=True), "val")
         _, result = self.score(batch)
+        folder = self.cfg.trainer.validation_data_dir
+        if folder and self.dist.is_main:
+            rows = generation_rows(batch, result.scores, self.tokenizer, self.global_step)
+            dump_generations(folder, rows, self.global_step)
         return M.validation_metrics(
             batch, result.scores, int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
         )
