@@ -248,7 +248,7 @@ def test_a_full_disk_during_export_names_the_path_and_leaves_nothing(
     interrupt_after_first_copy(monkeypatch, disk_full)
     assert fulcrum(["export", str(checkpoint), "--out", str(tmp_path / "hf")]) == 1
     line = one_line(capsys.readouterr().err)
-    assert "no space left on device" in line and "the partial export was removed" in line
+    assert "no space left on device" in line and "nothing was left behind" in line
     assert list(tmp_path.iterdir()) == []
 
 

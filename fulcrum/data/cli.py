@@ -17,10 +17,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 
 def _gsm8k(args: argparse.Namespace) -> int:
+    import pyarrow.parquet as pq
+
     from fulcrum.data.gsm8k import SPLITS, GSM8KError, prepare_gsm8k
 
     out = Path(args.out).expanduser()
@@ -42,8 +42,9 @@ def _gsm8k(args: argparse.Namespace) -> int:
     return 0
 
 
-def _top_missing(folder: Path) -> Path | None:
-    """The outermost of `folder` and its parents that does not exist yet: what to remove after a failure."""
+def top_missing(folder: Path) -> Path | None:
+    """The outermost of `folder` and its parents that does not exist yet: what a command that creates
+    `folder` removes again when it fails (None when `folder` exists)."""
     missing = [p for p in (folder, *folder.parents) if not p.exists()]
     return missing[-1] if missing else None
 
@@ -52,7 +53,7 @@ def write_whole(out: Path, write: Callable[[Path], dict[str, Path]]) -> dict[str
     """Run `write(staging)` (it returns {name: file it wrote}) in a temporary folder inside `out`, then
     move the files into `out`; on any failure or interrupt remove all of it (and `out` when created
     here) and say so on the exception. Returns {name: final path}."""
-    created = _top_missing(out)
+    created = top_missing(out)
     staging = out / f".fulcrum-data.tmp-{os.getpid()}"
     moved: dict[str, Path] = {}
     try:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from fulcrum.data.cli import top_missing
 from fulcrum.trainer.checkpoint import (
     MANIFEST,
     OPTIMIZER_FILE,
@@ -153,8 +154,9 @@ def export_checkpoint(
     old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
     if tmp.exists() or old.exists():
         raise CheckpointError(f"--out {out_dir}: {tmp.name} or {old.name} is in the way; remove it first")
-    created = create_parents(out_dir.parent)
+    created = top_missing(out_dir.parent)
     try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
         write_export(source, files, tmp, {"source": str(source.resolve()), "role": role, "dtype": dtype})
         if out_dir.exists():
             os.rename(out_dir, old)
@@ -163,8 +165,8 @@ def export_checkpoint(
         undo_export(tmp, old, out_dir, created, exc)
         if isinstance(exc, OSError):
             raise CheckpointError(
-                f"--out {out_dir}: cannot write {exc.filename or tmp} ({_reason(exc)}); the partial export "
-                "was removed"
+                f"--out {out_dir}: export failed at {exc.filename or tmp} ({_reason(exc)}); nothing was left "
+                "behind"
             ) from exc
         raise
     try:
@@ -201,14 +203,6 @@ def unlisted_files(checkpoint: Path, role: str) -> list[str]:
     listed = set(manifest_files(checkpoint, role)) | TRAINING_ONLY
     present = (str(p.relative_to(source)) for p in source.rglob("*") if p.is_file() or p.is_symlink())
     return sorted(rel for rel in present if rel not in listed)
-
-
-def create_parents(folder: Path) -> Path | None:
-    """Create `folder` and its missing parents; the top-most folder created (removed if the export
-    fails), or None when it existed."""
-    missing = [p for p in (folder, *folder.parents) if not p.exists()]
-    folder.mkdir(parents=True, exist_ok=True)
-    return missing[-1] if missing else None
 
 
 def write_export(source: Path, files: list[str], tmp: Path, marker: dict[str, str | None]) -> None:
