@@ -127,7 +127,8 @@ def _run_ppo(cfg: FulcrumConfig) -> int:
         # One process per run directory, before anything is loaded: rank 0 holds it for the group.
         on_main(lambda: run_lock.acquire(run_dir, "fulcrum train"))
     except (run_lock.RunDirBusyError, OSError) as err:
-        print(f"fulcrum train: {err}", file=sys.stderr)
+        if info.is_main:  # every rank gets rank 0's error; one of them says it
+            print(f"fulcrum train: {err}", file=sys.stderr)
         return 1
     try:
         return _train(cfg, device, info, run_dir)
