@@ -68,9 +68,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from learning_report import VAL_KEY, RunResult, curves_of, markdown, plot, summarise
+from learning_report import RunResult, curves_of, markdown, plot, summarise, val_key_of
 from learning_variants import Variant, check_overrides, merge_overrides, parse_variants
-from learning_warm import _env, _step, fulcrum, sft_and_choose, warm_start_check
+from learning_warm import _env, _step, dump_stats, fulcrum, sft_and_choose, warm_start_check
 
 
 @dataclass(frozen=True)
@@ -82,12 +82,17 @@ class Plan:
     then the six RL runs side by side for `budget_s` each."""
 
     size: str = "medium"
+    task: str = "multistep"  # or "gsm8k": the real GSM8K (`--gsm8k-src`), dev = 200 training problems
+    base_model: str = ""  # a Hugging Face folder to start from (e.g. SmolLM2) instead of `tiny-model --size`
+    gsm8k_src: str = ""  # GSM8K's train.jsonl / test.jsonl folder (task gsm8k)
+    gsm8k_num_test: int = 0  # the first this many of GSM8K's 1,319 test problems (0: all; the smoke: a few)
     num_train: int = 20000
     num_test: int = 500
     num_dev: int = 200  # problems in neither split, for choosing the warm-start checkpoint
     sft_steps: int = 1500  # the cosine schedule's length and the most steps; SFT stops at the choice
     sft_check_every: int = 25  # a checkpoint every this many steps, each checked greedy on the dev set
     sft_batch_size: int = 64
+    sft_micro_batch: int = 64
     sft_lr: float = 5e-4
     min_format_accuracy: float = 0.95
     # The warm start: the first checkpoint with format >= min_format_accuracy and dev accuracy >=
@@ -102,6 +107,10 @@ class Plan:
     summary_reserve_s: float = 25.0  # kept free before the deadline for the summary, plot and pack
     test_freq: int = 5
     max_response_length: int = 96  # worked solutions are 20-58 tokens (tiny tokenizer)
+    max_prompt_length: int = 192
+    gradient_checkpointing: bool = (
+        False  # a 27 M model's activations fit; a 135 M model's at micro 128 do not
+    )
     prompts_per_step: int = 128  # GRPO: this many prompts x n; PPO: the same number of responses, n = 1
     grpo_n: int = 8
     actor_lr: float = 1e-4  # a 27 M model warm-started at 5e-4 (cosine to 0); few steps fit the budget
@@ -129,6 +138,7 @@ SMOKE = Plan(
     sft_steps=60,
     sft_check_every=10,
     sft_batch_size=16,
+    sft_micro_batch=16,
     sft_lr=2e-3,
     warm_min_accuracy=0.0,  # a 1.3 M model on 300 problems learns the format, not the sums
     seeds=(1,),
@@ -166,13 +176,36 @@ def _run(cmd: list[str], log: Path, plan: Plan, stop_at: float) -> None:
 def prepare(out: Path, plan: Plan, stop_at: float) -> Path:
     """Data (with a dev set) and the base model; returns the base model folder."""
     data, base = out / "data", out / "base_model"
-    if not (data / "dev.parquet").exists():
+    if plan.task == "gsm8k" and not (data / "dev.parquet").exists():
+        _run(
+            fulcrum("data", "gsm8k", "--src", plan.gsm8k_src, "--out", str(data)),
+            out / "data.log",
+            plan,
+            stop_at,
+        )
+        gsm8k_dev_split(data, plan.num_dev, plan.gsm8k_num_test)
+    elif not (data / "dev.parquet").exists():
         args = ["--out", str(data), "--train", str(plan.num_train), "--test", str(plan.num_test)]
         args += ["--dev", str(plan.num_dev)]
         _run([sys.executable, "-m", "fulcrum.data.multistep", *args], out / "data.log", plan, stop_at)
+    if plan.base_model:
+        return Path(plan.base_model)
     if not (base / "config.json").exists():
         _run(fulcrum("tiny-model", "--out", str(base), "--size", plan.size), out / "model.log", plan, stop_at)
     return base
+
+
+def gsm8k_dev_split(data: Path, size: int, num_test: int) -> None:
+    """`dev.parquet`: the last `size` GSM8K training problems, held out of `train.parquet` (the SFT and RL
+    data), for choosing the warm-start checkpoint without looking at the test set; the test set cut to
+    its first `num_test` problems when that is > 0."""
+    import pyarrow.parquet as pq
+
+    if num_test > 0:
+        pq.write_table(pq.read_table(data / "test.parquet").slice(0, num_test), data / "test.parquet")
+    train = pq.read_table(data / "train.parquet")
+    pq.write_table(train.slice(train.num_rows - size), data / "dev.parquet")
+    pq.write_table(train.slice(0, train.num_rows - size), data / "train.parquet")
 
 
 def rl_overrides(algo: str, seed: int, model: Path, data: Path, run: Path, plan: Plan) -> list[str]:
@@ -186,10 +219,10 @@ def rl_overrides(algo: str, seed: int, model: Path, data: Path, run: Path, plan:
         f"data.train_files={data / 'train.parquet'}",
         f"data.val_files={data / 'test.parquet'}",
         f"data.train_batch_size={prompts}",
-        "data.max_prompt_length=192",
+        f"data.max_prompt_length={plan.max_prompt_length}",
         f"data.max_response_length={plan.max_response_length}",
         f"actor_rollout_ref.model.path={model}",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=False",  # a 27 M model's activations fit
+        f"actor_rollout_ref.model.enable_gradient_checkpointing={plan.gradient_checkpointing}",
         f"actor_rollout_ref.actor.use_torch_compile={plan.use_torch_compile}",  # the critic follows it
         f"actor_rollout_ref.actor.optim.lr={plan.actor_lr}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
@@ -220,11 +253,12 @@ def rl_overrides(algo: str, seed: int, model: Path, data: Path, run: Path, plan:
         "trainer.project_name=fulcrum-learning",
         f"trainer.experiment_name={algo}-s{seed}",
         f"trainer.default_local_dir={run}",
+        f"trainer.validation_data_dir={run / 'generations'}",  # strict/flexible/format of each validation
     ]
     if algo == "gae":
         overrides += [
             f"critic.model.path={model}",
-            "critic.model.enable_gradient_checkpointing=False",
+            f"critic.model.enable_gradient_checkpointing={plan.gradient_checkpointing}",
             f"critic.optim.lr={plan.critic_lr}",
             f"critic.ppo_micro_batch_size_per_gpu={mb}",
             f"critic.forward_micro_batch_size_per_gpu={mb}",
@@ -250,7 +284,7 @@ def _progress(run: Path) -> str:
     rows = read_metrics(run)
     if not rows:
         return "starting"
-    val = [r[VAL_KEY] for r in rows if VAL_KEY in r]
+    val = [r[k] for r in rows if (k := val_key_of(r))]
     step = int(rows[-1].get("training/global_step", 0))
     return f"step {step}, val {val[-1]:.3f}" if val else f"step {step}"
 
@@ -335,6 +369,7 @@ def run_all(
             curves=curves,
             val=val,
             last_step=last_step,
+            generations=dump_stats(run / "generations"),
         )
         if result.failed:
             log_lines = (run / "train.log").read_text().splitlines()
@@ -361,7 +396,7 @@ def pack(out: Path, results_dir: Path) -> None:
     """At most 8 files into `results_dir` (a device call's $OUT): the summary, the warm-start check, the
     curves and one tar.gz of every run's metrics, config, command and log (no weights, no data)."""
     results_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("summary.json", "summary.md", "warm_start.json", "learning_curves.png"):
+    for name in ("summary.json", "summary.md", "warm_start.json", "base_check.json", "learning_curves.png"):
         if (out / name).exists():
             shutil.copy(out / name, results_dir / name)
     keep = {"metrics.jsonl", "config.yaml", "command.txt", "train.log", "result.json"}
@@ -369,6 +404,10 @@ def pack(out: Path, results_dir: Path) -> None:
         for path in sorted(out.rglob("*")):
             top_log = path.parent == out and path.suffix == ".log"
             if path.is_file() and (path.name in keep or top_log) and "global_step_" not in str(path):
+                tar.add(path, arcname=str(path.relative_to(out)))
+        for folder in sorted(out.glob("rl/*/generations")):  # each run's first and last validation
+            dumps = sorted(folder.glob("*.jsonl"), key=lambda p: int(p.stem))
+            for path in {dumps[0], dumps[-1]} if dumps else ():
                 tar.add(path, arcname=str(path.relative_to(out)))
     print(f"packed results into {results_dir}", flush=True)
 
@@ -394,6 +433,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-min-accuracy", type=float, help="warm start: first checkpoint at least this")
     parser.add_argument("--warm-max-accuracy", type=float, help="warm start: ... unless above this")
     parser.add_argument("--allow-low-format", action="store_true", help="run RL even below 95%% format")
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="any Plan field, e.g. --set task=gsm8k base_model=/tmp/smol sft_lr=5e-5 (after the flags above)",
+    )
+    parser.add_argument(
+        "--stop-after-warm", action="store_true", help="end after the warm start (and base check); resumable"
+    )
     parser.add_argument(
         "--variants",
         nargs="+",
@@ -424,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
         "warm_max_accuracy": args.warm_max_accuracy,
     }
     plan = replace(plan, **{k: v for k, v in chosen.items() if v is not None})
+    try:
+        plan = with_settings(plan, args.set)
+    except ValueError as err:
+        parser.error(f"--set: {err}")
     if plan.device == "cpu" and plan.rollout == "native" and not args.smoke:
         plan = replace(plan, rollout="hf")
     stop_at = time.monotonic() + plan.deadline_s - plan.summary_reserve_s
@@ -434,6 +487,26 @@ def main(argv: list[str] | None = None) -> int:
         if args.results:
             pack(args.out, args.results)
     return code
+
+
+def with_settings(plan: Plan, settings: Sequence[str]) -> Plan:
+    """`plan` with each FIELD=VALUE applied, VALUE parsed as the field's current type (a tuple of ints for
+    `seeds`: `1,2,3`)."""
+    changes: dict[str, object] = {}
+    for item in settings:
+        name, sep, text = item.partition("=")
+        if not sep or not hasattr(plan, name):
+            raise ValueError(f"{item!r}: expected FIELD=VALUE with a Plan field ({', '.join(asdict(plan))})")
+        current = getattr(plan, name)
+        if isinstance(current, bool):
+            if text.lower() not in ("true", "false"):
+                raise ValueError(f"{name}: expected true or false, got {text!r}")
+            changes[name] = text.lower() == "true"
+        elif isinstance(current, tuple):
+            changes[name] = tuple(type(current[0])(v) for v in text.split(",")) if current else (text,)
+        else:
+            changes[name] = type(current)(text)
+    return replace(plan, **changes)
 
 
 def variants_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Variant]:
@@ -452,12 +525,25 @@ def variants_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> li
     return variants
 
 
+def _check_line(check: dict) -> str:
+    return (
+        f"strict {check['accuracy']:.4f}, flexible {check.get('flexible_accuracy', float('nan')):.4f}, "
+        f"format {check['format_accuracy']:.3f}, {check.get('response_length', float('nan')):.0f} tokens "
+        f"on {check['num_problems']} problems"
+    )
+
+
 def _elapsed(started: float) -> str:
     return f"{time.perf_counter() - started:.0f} s so far"
 
 
 def learn(args: argparse.Namespace, plan: Plan, extra: list[str], started: float, stop_at: float) -> int:
-    warm_file = args.out / "warm_start.json"
+    warm_file, base_file = args.out / "warm_start.json", args.out / "base_check.json"
+    if plan.base_model and not base_file.exists():  # a pretrained model's own accuracy, before SFT
+        base = prepare(args.out, plan, stop_at)
+        check = warm_start_check(base, args.out / "data" / "test.parquet", plan)
+        base_file.write_text(json.dumps(check))
+        print(f"base model {base}: {_check_line(check)} ({_elapsed(started)})", flush=True)
     if not warm_file.exists():
         base = prepare(args.out, plan, stop_at)
         model, checks = sft_and_choose(args.out, base, plan, stop_at)
@@ -468,11 +554,9 @@ def learn(args: argparse.Namespace, plan: Plan, extra: list[str], started: float
         warm_file.write_text(json.dumps(warm))
     warm = json.loads(warm_file.read_text())
     model = args.out / warm["model"]
-    print(
-        f"warm start {model}: accuracy {warm['accuracy']:.3f}, format accuracy {warm['format_accuracy']:.3f} "
-        f"on {warm['num_problems']} held-out problems ({_elapsed(started)})",
-        flush=True,
-    )
+    print(f"warm start {model}: {_check_line(warm)} ({_elapsed(started)})", flush=True)
+    if args.stop_after_warm:
+        return 0
     if warm["format_accuracy"] < plan.min_format_accuracy:
         message = (
             f"format accuracy {warm['format_accuracy']:.3f} < {plan.min_format_accuracy} after the warm start"
@@ -485,6 +569,8 @@ def learn(args: argparse.Namespace, plan: Plan, extra: list[str], started: float
     results = run_all(model, args.out, plan, extra, stop_at, args.variants)
     print(f"RL done ({_elapsed(started)})", flush=True)
     summary = summarise(warm, results, plan, {v.name: list(v.overrides) for v in args.variants} or None)
+    if base_file.exists():
+        summary["base_model_check"] = json.loads(base_file.read_text())
     (args.out / "summary.json").write_text(json.dumps(summary))
     text = markdown(summary)
     (args.out / "summary.md").write_text(text)

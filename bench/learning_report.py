@@ -15,7 +15,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The validation-accuracy curve's name; a run's own key is `val-core/<data_source>/reward/mean@1` (the
+# multi-step task's or GSM8K's), found by `val_key_of`.
 VAL_KEY = "val-core/synthetic/multistep/reward/mean@1"
+
+
+def val_key_of(row: dict) -> str | None:
+    """The row's greedy validation accuracy key, whatever the data source (one source per run here)."""
+    return next((k for k in row if k.startswith("val-core/") and k.endswith("/reward/mean@1")), None)
+
+
 # (metric, title) per curve panel; the KL is the actor's KL loss to the reference (both algorithms).
 CURVES = [
     ("critic/score/mean", "reward (train samples)"),
@@ -38,6 +47,9 @@ class RunResult:
     last_step: int = 0  # the last training step it logged
     error: str = ""  # the run's own last words when it died (e.g. out of device memory)
     variant: str = ""  # its --variants name; "" in the algorithms x seeds grid
+    # strict/flexible accuracy, format rate, response length of its first and last validation
+    # (`trainer.validation_data_dir` dumps), {"first": {...}, "last": {...}}; {} when none
+    generations: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -61,8 +73,9 @@ def curves_of(rows: list[dict]) -> tuple[dict[str, list[list[float]]], list[list
         for key in curves:
             if key in row and key != VAL_KEY:
                 curves[key].append([seconds / 60, step, float(row[key])])
-        if VAL_KEY in row:
-            val.append([seconds / 60, step, float(row[VAL_KEY])])
+        key = val_key_of(row)
+        if key is not None:
+            val.append([seconds / 60, step, float(row[key])])
     curves[VAL_KEY] = val
     return curves, val
 
@@ -103,6 +116,8 @@ def _run_row(r: RunResult) -> dict:
             "gain": r.val[-1][2] - r.val[0][2],
             "final_explained_variance": _tail_mean(r.curves.get("critic/vf_explained_var", [])),
         }
+        if r.generations:
+            row["generations"] = r.generations
         if r.variant:  # the grid's rows keep their keys
             kl = r.curves.get("actor/kl_loss", [])
             row["final_kl"] = _tail_mean(kl)
@@ -140,6 +155,19 @@ def markdown(summary: dict) -> str:
         f"Warm start (`fulcrum sft`{step}), greedy on {warm['num_problems']} held-out problems: accuracy "
         f"**{warm['accuracy']:.3f}**, format accuracy {warm['format_accuracy']:.3f}.",
     ]
+    base = summary.get("base_model_check")
+    if base:
+        lines.insert(
+            0,
+            f"Base model before SFT, greedy on {base['num_problems']} held-out problems: strict accuracy "
+            f"**{base['accuracy']:.4f}**, flexible {base['flexible_accuracy']:.4f}, format "
+            f"{base['format_accuracy']:.3f}, {base['response_length']:.0f} tokens a response.",
+        )
+    if "flexible_accuracy" in warm:
+        lines.append(
+            f"Warm start's flexible accuracy {warm['flexible_accuracy']:.4f}, {warm['response_length']:.0f} "
+            "tokens a response."
+        )
     if warm.get("dev_checks"):
         checks = ", ".join(
             f"{c['step']}: {c['accuracy']:.2f}/{c['format_accuracy']:.2f}" for c in warm["dev_checks"]
@@ -174,6 +202,7 @@ def markdown(summary: dict) -> str:
         cells += [_number(r["final_kl"], ".3f"), _number(r["peak_kl"], ".3f")] if variants else []
         cells += [_number(r["final_explained_variance"], ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _answers_table(summary["runs"], names)
     if variants:  # one seed each: no averages
         return "\n".join(lines) + "\n"
     lines += [
@@ -189,6 +218,26 @@ def markdown(summary: dict) -> str:
             f"{g['mean']:+.3f} ± {g['std']:.3f} ({g['min']:+.3f} … {g['max']:+.3f}) |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _answers_table(runs: list[dict], names: dict[str, str]) -> list[str]:
+    """Each run's first and last validation from its generations: strict, flexible, format, length, cut."""
+    rows = [r for r in runs if r.get("generations")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "| run | validation step | strict | flexible | format | tokens | cut at the limit |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        who = r.get("variant") or f"{names[r['algo']]} s{r['seed']}"
+        for g in (r["generations"]["first"], r["generations"]["last"]):
+            lines.append(
+                f"| {who} | {g['step']} | {g['strict']:.4f} | {g['flexible']:.4f} | {g['format']:.3f} | "
+                f"{g['response_length']:.0f} | {g['truncated']:.3f} |"
+            )
+    return lines
 
 
 def _line_style(name: str, index: int, variants: bool) -> tuple[str, str]:

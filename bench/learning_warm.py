@@ -69,10 +69,12 @@ def sft_command(out: Path, base: Path, plan: Any) -> list[str]:
         "data.response_key=extra_info",
         "data.response_dict_keys=[answer]",
         f"data.train_batch_size={plan.sft_batch_size}",
-        f"data.micro_batch_size_per_gpu={plan.sft_batch_size}",
-        "data.max_length=320",
+        f"data.max_length={plan.max_prompt_length + plan.max_response_length}",
+        "data.truncation=right",  # the few worked solutions longer than a response may be are cut
         f"model.partial_pretrain={base}",
+        f"model.enable_gradient_checkpointing={plan.gradient_checkpointing}",
         f"optim.lr={plan.sft_lr}",
+        f"data.micro_batch_size_per_gpu={plan.sft_micro_batch}",
         "optim.warmup_steps_ratio=0.05",
         f"trainer.total_training_steps={plan.sft_steps}",
         f"trainer.save_freq={plan.sft_check_every}",
@@ -145,8 +147,6 @@ def warm_start_check(model_dir: Path, test_file: Path, plan: Any) -> dict[str, A
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fulcrum.reward.gsm8k import compute_score, extract_solution
-
     rows = pq.read_table(test_file).to_pylist()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
@@ -164,11 +164,45 @@ def warm_start_check(model_dir: Path, test_file: Path, plan: Any) -> dict[str, A
     if plan.device == "cuda":
         torch.cuda.empty_cache()
     truths = [r["reward_model"]["ground_truth"] for r in rows]
-    right = [compute_score(t, g, method="strict") for t, g in zip(responses, truths, strict=True)]
-    formatted = [extract_solution(t[-300:], method="strict") is not None for t in responses]
+    stats = answer_stats(responses, truths, [len(tokenizer(t)["input_ids"]) for t in responses])
     return {
-        "accuracy": sum(right) / len(rows),
-        "format_accuracy": sum(formatted) / len(rows),
+        "accuracy": stats["strict"],
+        "format_accuracy": stats["format"],
+        "flexible_accuracy": stats["flexible"],
+        "response_length": stats["response_length"],
         "num_problems": len(rows),
         "example_response": responses[0],
     }
+
+
+def answer_stats(responses: list[str], truths: list[str], lengths: list[int]) -> dict[str, float]:
+    """GSM8K scoring as verl's: strict accuracy (the last `#### N`), flexible (the last number), format
+    (a strict `#### N` present, right or wrong) over the last 300 characters; mean length in tokens."""
+    from fulcrum.reward.gsm8k import compute_score, extract_solution
+
+    n = max(len(responses), 1)
+    pairs = list(zip(responses, truths, strict=True))
+    return {
+        "strict": sum(compute_score(t, g, method="strict") for t, g in pairs) / n,
+        "flexible": sum(compute_score(t, g, method="flexible") for t, g in pairs) / n,
+        "format": sum(extract_solution(t[-300:], method="strict") is not None for t in responses) / n,
+        "response_length": sum(lengths) / n,
+        "num_problems": len(responses),
+    }
+
+
+def dump_stats(folder: Path) -> dict[str, dict[str, float]]:
+    """`answer_stats` of the first and the last validation a run dumped (`trainer.validation_data_dir`:
+    `<step>.jsonl`), plus the share of responses cut at the length limit; {} when it dumped none."""
+    import json
+
+    files = sorted(folder.glob("*.jsonl"), key=lambda p: int(p.stem)) if folder.is_dir() else []
+    out: dict[str, dict[str, float]] = {}
+    for name, path in (("first", files[0]), ("last", files[-1])) if files else ():
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        stats = answer_stats(
+            [r["output"] for r in rows], [r["gts"] for r in rows], [r["response_length"] for r in rows]
+        )
+        stats["truncated"] = sum(not r["finished"] for r in rows) / max(len(rows), 1)
+        out[name] = {"step": int(path.stem), **stats}
+    return out
