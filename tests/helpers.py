@@ -41,6 +41,19 @@ def cpu_ppo_overrides(assets: Path, run_dir: Path, keys: dict[str, object]) -> l
     return [f"{k}={v}" for k, v in {**base, **keys}.items()]
 
 
+def short_run_overrides(assets: Path, run_dir: Path, **extra: object) -> list[str]:
+    """`cpu_ppo_overrides` for a short run: 2 steps of 4-token responses, no validation, a checkpoint
+    every step; `extra` adds or replaces keys."""
+    keys = {
+        "data.max_response_length": 4,
+        "trainer.val_before_train": False,
+        "trainer.test_freq": -1,
+        "trainer.save_freq": 1,
+        "trainer.total_training_steps": 2,
+    }
+    return cpu_ppo_overrides(assets, run_dir, {**keys, **extra})
+
+
 # The seed command lives in test_config.py; load it by path so this works however pytest is invoked.
 _spec = importlib.util.spec_from_file_location("_test_config", Path(__file__).with_name("test_config.py"))
 _test_config = importlib.util.module_from_spec(_spec)

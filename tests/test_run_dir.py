@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cpu_ppo_overrides, make_assets
+from helpers import make_assets, short_run_overrides
 
 from fulcrum.config import ConfigError, load_config
 from fulcrum.data.cli import main as data_main
@@ -24,16 +24,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_assets(tmp_path_factory.mktemp("assets"))
 
 
-def overrides(assets: Path, run_dir: Path, **extra: object) -> list[str]:
-    """PPO with a critic on 8 prompts, batch 2, a checkpoint every step."""
-    keys = {
-        "data.max_response_length": 4,
-        "trainer.val_before_train": False,
-        "trainer.test_freq": -1,
-        "trainer.save_freq": 1,
-        "trainer.total_training_steps": 2,
-    }
-    return cpu_ppo_overrides(assets, run_dir, {**keys, **extra})
+overrides = short_run_overrides  # PPO with a critic on 8 prompts, batch 2, a checkpoint every step
 
 
 def train(assets: Path, run_dir: Path, **extra: object) -> PPOTrainer:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import cpu_ppo_overrides, make_assets
+from helpers import make_assets, short_run_overrides
 
 from fulcrum.trainer import run_lock
 from fulcrum.trainer.checkpoint import manager as manager_module
@@ -55,18 +55,6 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_assets(tmp_path_factory.mktemp("assets"))
 
 
-def overrides(assets: Path, run_dir: Path, **extra: object) -> list[str]:
-    keys = {
-        "data.max_response_length": 4,
-        "trainer.val_before_train": False,
-        "trainer.test_freq": -1,
-        "trainer.save_freq": 1,
-        "trainer.total_training_steps": 2,
-        "trainer.logger": "[console]",
-    }
-    return cpu_ppo_overrides(assets, run_dir, {**keys, **extra})
-
-
 def logged_steps(run_dir: Path) -> list[int]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [int(r["training/global_step"]) for r in rows if "training/global_step" in r]
@@ -77,7 +65,7 @@ def test_two_trains_started_together_one_trains_the_other_stops_at_once(assets: 
     reward = tmp_path / "gated_reward.py"
     reward.write_text(GATED_REWARD.format(gate=str(gate)))
     command = [sys.executable, "-m", "fulcrum.trainer.main_ppo"]
-    command += overrides(
+    command += short_run_overrides(
         assets, run_dir, **{"custom_reward_function.path": reward, "trainer.total_training_steps": 1}
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -170,7 +158,7 @@ def test_a_second_ctrl_c_while_saving_ends_with_one_line_and_no_partial_checkpoi
 
     monkeypatch.setattr(manager_module, "fsync_tree", ctrl_c_on_second_save)
     try:
-        code = train_main(overrides(assets, run_dir, **{"trainer.total_training_steps": 3}))
+        code = train_main(short_run_overrides(assets, run_dir, **{"trainer.total_training_steps": 3}))
     except KeyboardInterrupt:
         pytest.fail("KeyboardInterrupt escaped fulcrum train")
     err = capsys.readouterr().err
@@ -193,7 +181,7 @@ def test_ctrl_c_while_the_data_loads_ends_with_one_line(
 
     monkeypatch.setattr(ppo_trainer, "rl_datasets", interrupted)
     try:
-        code = train_main(overrides(assets, tmp_path / "run"))
+        code = train_main(short_run_overrides(assets, tmp_path / "run"))
     except KeyboardInterrupt:
         pytest.fail("KeyboardInterrupt escaped fulcrum train")
     err = capsys.readouterr().err

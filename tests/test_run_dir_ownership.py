@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cpu_ppo_overrides, make_assets
+from helpers import make_assets, short_run_overrides
 from transformers import AutoModelForCausalLM
 
 from fulcrum.config import ConfigError
@@ -29,21 +29,9 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_assets(tmp_path_factory.mktemp("assets"))
 
 
-def overrides(assets: Path, run_dir: Path, **extra: object) -> list[str]:
-    keys = {
-        "data.max_response_length": 4,
-        "trainer.val_before_train": False,
-        "trainer.test_freq": -1,
-        "trainer.save_freq": 1,
-        "trainer.total_training_steps": 2,
-        "trainer.logger": "[console]",
-    }
-    return cpu_ppo_overrides(assets, run_dir, {**keys, **extra})
-
-
 def train(assets: Path, run_dir: Path, **extra: object) -> int:
     torch.set_num_threads(1)
-    return train_main(overrides(assets, run_dir, **extra))
+    return train_main(short_run_overrides(assets, run_dir, **extra))
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
