@@ -1,10 +1,9 @@
 """One run directory, one run: the rules a training run applies to `trainer.default_local_dir` at start.
 
 - One process at a time: `fulcrum.lock` (fulcrum.trainer.run_lock) is held for the whole run.
-- fulcrum knows its own files: `fulcrum_run.json`, written when a run first opens the folder, marks
-  the names it writes (OWN_NAMES, `global_step_N`) as its own. A folder holding such a name without
-  the marker (a user's `config.yaml` or `attempts.jsonl`) is refused, naming the files, and nothing
-  in it is written.
+- fulcrum knows its own files (fulcrum.trainer.run_ownership): a folder holding files of the names it
+  writes that it did not write (a user's `config.yaml` or `attempts.jsonl`) is refused, naming them,
+  and nothing in it is written.
 - A fresh start where another run's metrics or checkpoints are stops with a message naming them and
   the choices; `trainer.overwrite_run=True` moves the old run into `old_runs/<time>/` (never deletes),
   and only in a folder that holds nothing but fulcrum's files. A resume from another run's checkpoint
@@ -23,9 +22,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,37 +30,25 @@ from typing import Any
 from fulcrum.config import save_config, to_dict
 from fulcrum.config.keys import flatten
 from fulcrum.trainer import run_lock
-from fulcrum.trainer.checkpoint import (
-    LATEST_FILE,
-    STEP_PREFIX,
-    CheckpointError,
-    ResumeChoice,
-    read_run_config,
-    step_folders,
+from fulcrum.trainer.checkpoint import ResumeChoice, read_run_config, step_folders
+from fulcrum.trainer.checkpoint.atomic import fsync_dir, write_text_atomic
+from fulcrum.trainer.run_ownership import (
+    ATTEMPTS_FILE,
+    CONFIG_FILE,
+    CONFIGS_DIR,
+    DROPPED_METRICS_FILE,
+    METRICS_FILE,
+    OLD_RUNS_DIR,
+    RunDirError,
+    check_own_files,
+    foreign_entries,
+    mark_run_dir,
+    name_list,
+    read_metrics_rows,
+    row_step,
+    run_dir_entries,
+    write_whole,
 )
-from fulcrum.trainer.checkpoint.atomic import fsync_dir, write_file_atomic, write_text_atomic
-from fulcrum.trainer.checkpoint.layout import read_manifest
-
-METRICS_FILE = "metrics.jsonl"
-DROPPED_METRICS_FILE = "metrics.dropped.jsonl"
-ATTEMPTS_FILE = "attempts.jsonl"
-CONFIG_FILE = "config.yaml"
-CONFIGS_DIR = "configs"
-OLD_RUNS_DIR = "old_runs"
-RUN_MARKER = "fulcrum_run.json"  # written when a run first opens the folder: the names below are fulcrum's
-MARKER_FORMAT = "fulcrum-run"
-
-# The names `fulcrum train` and `fulcrum sft` write directly in a run directory (with `global_step_N`
-# and its temporary and set-aside forms): without the marker, one of them present is not fulcrum's.
-WRITTEN_NAMES = frozenset(
-    {CONFIG_FILE, CONFIGS_DIR, METRICS_FILE, DROPPED_METRICS_FILE, ATTEMPTS_FILE, LATEST_FILE, OLD_RUNS_DIR}
-    | {"tensorboard"}
-)
-# Everything fulcrum puts in a run directory: the above, the marker and the lock, `fulcrum report`'s
-# default output and the built-in demo's work folder. Anything else is the user's.
-OWN_NAMES = WRITTEN_NAMES | {RUN_MARKER, run_lock.LOCK_FILE, "report.html", "demo"}
-TEMP_SUFFIX = re.compile(r"\.(tmp|old)-\d+$")  # a file or checkpoint being written (atomic.temp_beside)
-LISTED_NAMES = 12  # a refusal lists this many names, then how many more
 
 # Keys whose change leaves what the run trains on, and how, alone: bookkeeping, frequencies, the step
 # budget, validation, and the throughput levers (micro-batching, engine memory, the number of ranks)
@@ -109,10 +94,6 @@ HARMLESS_KEYS = (
 )
 
 
-class RunDirError(RuntimeError):
-    """The run directory holds another run, or a resume would change the run; the message says what to do."""
-
-
 def is_harmless(key: str) -> bool:
     return any(fnmatch.fnmatchcase(key, pattern) for pattern in HARMLESS_KEYS)
 
@@ -131,26 +112,6 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str],
 
 
 # ------------------------------------------------------------------------------------ metrics.jsonl
-def _row_step(row: dict[str, Any]) -> float | None:
-    step = row.get("training/global_step", row.get("step"))
-    return float(step) if isinstance(step, int | float) else None
-
-
-def read_metrics_rows(path: Path) -> list[dict[str, Any] | None]:
-    """Rows of a metrics.jsonl; None for a line cut short by a kill."""
-    if not path.is_file():
-        return []
-    rows: list[dict[str, Any] | None] = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            rows.append(None)
-    return rows
-
-
 def trim_metrics_log(
     path: str | os.PathLike, last_step: int, dropped_to: Path | None = None, attempt: int | None = None
 ) -> int:
@@ -175,7 +136,7 @@ def trim_metrics_log(
         except json.JSONDecodeError:
             dropped.append({"dropped_by_attempt": attempt, "unreadable_line": line})
             continue
-        step = _row_step(row)
+        step = row_step(row)
         if step is not None and step > last_step:
             dropped.append({"dropped_by_attempt": attempt, **row})
         else:
@@ -193,114 +154,13 @@ def trim_metrics_log(
     return len(dropped)
 
 
-# ------------------------------------------------------------------------------- what is fulcrum's
-def is_own_name(name: str) -> bool:
-    """Whether fulcrum writes an entry of this name in a run directory (its temporary forms included)."""
-    name = TEMP_SUFFIX.sub("", name)
-    return (
-        name in OWN_NAMES
-        or name.startswith(STEP_PREFIX)  # global_step_N and global_step_N.set-aside-<time>
-        or (name.startswith(f".{STEP_PREFIX}") and name.endswith(".partial"))  # fulcrum sft's save
-    )
-
-
-def _is_written_name(name: str) -> bool:
-    name = TEMP_SUFFIX.sub("", name)
-    return name in WRITTEN_NAMES or name.startswith(STEP_PREFIX) or name.startswith(f".{STEP_PREFIX}")
-
-
-def _jsonl_objects_with(path: Path, key: str) -> bool:
-    """Whether `path` holds at least one line and every readable line is a JSON object with `key`."""
-    rows = [r for r in read_metrics_rows(path) if r is not None]
-    return bool(rows) and all(isinstance(r, dict) and key in r for r in rows)
-
-
-def _has_fulcrum_checkpoint(run_dir: Path) -> bool:
-    for _, path in step_folders(run_dir):
-        try:
-            read_manifest(path)
-        except CheckpointError:
-            continue
-        return True
-    return False
-
-
-def made_by_fulcrum(run_dir: Path) -> bool:
-    """Whether a fulcrum run wrote this folder: it holds the marker or, for runs of versions before the
-    marker, a fulcrum checkpoint, fulcrum's record of attempts or metrics rows as fulcrum logs them."""
-    try:
-        marker = json.loads((run_dir / RUN_MARKER).read_text())
-    except (OSError, ValueError):
-        marker = None
-    if isinstance(marker, dict) and marker.get("format") == MARKER_FORMAT:
-        return True
-    return (
-        _has_fulcrum_checkpoint(run_dir)
-        or _jsonl_objects_with(run_dir / ATTEMPTS_FILE, "attempt")
-        or _jsonl_objects_with(run_dir / METRICS_FILE, "step")
-    )
-
-
-def _entries(run_dir: Path) -> list[str]:
-    return sorted(child.name for child in run_dir.iterdir()) if run_dir.is_dir() else []
-
-
-def unowned_entries(run_dir: Path) -> list[str]:
-    """Entries fulcrum would write to but did not create: names it writes, in a folder it never marked."""
-    written = [name for name in _entries(run_dir) if _is_written_name(name)]
-    return [] if not written or made_by_fulcrum(run_dir) else written
-
-
-def foreign_entries(run_dir: Path) -> list[str]:
-    """Entries of names fulcrum never writes (a README, a data or model folder)."""
-    return [name for name in _entries(run_dir) if not is_own_name(name)]
-
-
-def name_list(names: list[str]) -> str:
-    """`a, b, c` (at most LISTED_NAMES, then how many more)."""
-    shown = ", ".join(names[:LISTED_NAMES])
-    return shown + (f" and {len(names) - LISTED_NAMES} more" if len(names) > LISTED_NAMES else "")
-
-
-def check_own_files(run_dir: Path) -> None:
-    """Stop when the folder holds files under fulcrum's names that fulcrum did not write."""
-    unowned = unowned_entries(run_dir)
-    if unowned:
-        raise RunDirError(
-            f"trainer.default_local_dir={run_dir} holds {name_list(unowned)}, which fulcrum did not write (no "
-            f"{RUN_MARKER}, no fulcrum checkpoint). A run writes files of these names; fulcrum never writes over "
-            "files that are not its own. Move them out, or pick another trainer.default_local_dir."
-        )
-
-
-def mark_run_dir(run_dir: Path, command: str) -> None:
-    """Write the marker once: from now on the folder's fulcrum-named files are fulcrum's."""
-    marker = run_dir / RUN_MARKER
-    if not marker.is_file():
-        record = {"format": MARKER_FORMAT, "version": 1, "created_by": command, "created_unix": time.time()}
-        write_whole(marker, lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
-
-
-def write_whole(path: Path, write: Callable[[Path], None]) -> None:
-    """`atomic.write_file_atomic`, with a failure (a full disk, a read-only folder) as a RunDirError
-    that names the path: nothing partial is left and the old file is unchanged."""
-    try:
-        write_file_atomic(path, write)
-    except OSError as err:
-        reason = err.strerror or str(err)
-        raise RunDirError(
-            f"cannot write {path}: {reason}; nothing was changed in it and no partial file is left. "
-            "Free space (or fix the folder's permissions) and start again."
-        ) from err
-
-
 # ------------------------------------------------------------------------------------- one run rule
 def other_run_contents(run_dir: Path) -> list[str]:
     """What in `run_dir` belongs to a run (metrics rows, checkpoints), described for a message."""
     found = []
     rows = [r for r in read_metrics_rows(run_dir / METRICS_FILE)]
     if rows:
-        steps = sorted({int(s) for r in rows if r is not None and (s := _row_step(r)) is not None})
+        steps = sorted({int(s) for r in rows if r is not None and (s := row_step(r)) is not None})
         span = f", steps {steps[0]}..{steps[-1]}" if steps else ""
         found.append(f"{METRICS_FILE} with {len(rows)} row(s){span}")
     folders = [path.name for _, path in step_folders(run_dir)]
@@ -327,7 +187,7 @@ def move_old_run_aside(run_dir: Path) -> Path:
         suffix += 1
         target = target.with_name(f"{target.name.split('.')[0]}.{suffix}")
     target.mkdir(parents=True)
-    for name in _entries(run_dir):
+    for name in run_dir_entries(run_dir):
         if name not in (OLD_RUNS_DIR, run_lock.LOCK_FILE):  # the lock stays: this process holds it
             os.rename(run_dir / name, target / name)
     fsync_dir(run_dir)

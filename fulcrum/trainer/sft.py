@@ -43,14 +43,8 @@ from fulcrum.config.device import select_device
 from fulcrum.models.load import load_causal_lm, load_tokenizer
 from fulcrum.trainer import run_lock
 from fulcrum.trainer.loggers import Tracking
-from fulcrum.trainer.run_dir import (
-    CONFIG_FILE,
-    RunDirError,
-    check_own_files,
-    mark_run_dir,
-    other_run_contents,
-    write_whole,
-)
+from fulcrum.trainer.run_dir import other_run_contents
+from fulcrum.trainer.run_ownership import CONFIG_FILE, RunDirError, check_own_files, mark_run_dir, write_whole
 
 # ---------------------------------------------------------------- configuration (verl's sft_trainer.yaml)
 
