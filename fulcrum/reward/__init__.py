@@ -48,6 +48,18 @@ def default_compute_score(
     return float(scorer_for(data_source)(solution_str, ground_truth))
 
 
+def describe(fn: Any) -> str:
+    """`name in file` of a reward function (or callable object, or partial), for error messages."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    name = getattr(target, "__qualname__", None) or type(target).__qualname__
+    for owner in (target, type(target)):
+        try:
+            return f"{name} in {inspect.getfile(owner)}"
+        except TypeError:  # built-in: no file
+            continue
+    return name
+
+
 def load_custom_reward_fn(
     path: str | Path, name: str = "compute_score", reward_kwargs: dict[str, Any] | None = None
 ) -> RewardFn:
@@ -82,4 +94,4 @@ def load_custom_reward_fn(
     return functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
 
 
-__all__ = ["default_compute_score", "gsm8k", "load_custom_reward_fn", "scorer_for"]
+__all__ = ["default_compute_score", "describe", "gsm8k", "load_custom_reward_fn", "scorer_for"]

@@ -7,7 +7,11 @@ malformed row does not end a long run unnoticed: the count is in `RewardResult.n
 
 A score must be a real number (a bool counts, as in verl): a string such as "0.5" is an error, not
 coerced. A NaN or infinite score is an error too (it would void every update of the step), handled
-by `on_error` like a raising function and counted in `RewardResult.num_nonfinite`.
+by `on_error` like a raising function and counted in `RewardResult.num_nonfinite`. So is a function
+that calls `sys.exit`: left alone, it would end the run with its exit code and no message.
+
+What concerns the whole batch (a time limit, a copy of the inputs per call, a result of the wrong
+length) is `fulcrum.reward.guard`'s, around whichever manager the configuration names.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any, Literal
 import torch
 
 from fulcrum.batch import Batch
-from fulcrum.reward import RewardFn, default_compute_score, load_custom_reward_fn
+from fulcrum.reward import RewardFn, default_compute_score, describe, load_custom_reward_fn
 
 
 class RewardError(RuntimeError):
@@ -42,14 +46,42 @@ class RewardResult:
     num_nonfinite: int = 0  # of num_errors: scores that were NaN or infinite
     errors: list[str] = field(default_factory=list)  # "sample i (data_source): exception", first few only
 
-    def add_error(self, index: int, data_source: str, err: Exception, max_messages: int = 5) -> str:
+    def add_error(self, index: int, data_source: str, err: BaseException, max_messages: int = 5) -> str:
         """Count sample `index` as failed (one of num_errors) and keep its message among the first
         `max_messages`; returns the message: "sample i (data_source 'x'): ExceptionType: text"."""
-        message = f"sample {index} (data_source {data_source!r}): {type(err).__name__}: {err}"
+        message = f"sample {index} (data_source {data_source!r}): {error_text(err)}"
         self.num_errors += 1
         if len(self.errors) < max_messages:
             self.errors.append(message)
         return message
+
+
+def error_text(err: BaseException) -> str:
+    """The "Type: text" of a reward function's failure; a sys.exit call said as such."""
+    if isinstance(err, SystemExit):
+        return (
+            f"SystemExit: the function called sys.exit({err.code!r}); a reward function must return a score"
+        )
+    return f"{type(err).__name__}: {err}"
+
+
+def sample_failed(
+    result: RewardResult,
+    index: int,
+    data_source: str,
+    err: BaseException,
+    on_error: str,
+    what: str,
+    max_messages: int = 5,
+) -> None:
+    """Sample `index` failed (`what` names the function): on_error="raise" raises RewardError naming
+    the sample, its data_source, the exception and the function; "zero" leaves its score 0 and counts it."""
+    if isinstance(err, NonFiniteRewardError):
+        result.num_nonfinite += 1
+    # On "raise" the result (and its count) is dropped: only the message matters.
+    message = result.add_error(index, data_source, err, max_messages)
+    if on_error == "raise":
+        raise RewardError(f"reward function failed on {message} (function {what})") from err
 
 
 @dataclass
@@ -87,17 +119,13 @@ class NaiveRewardManager:
                 f"{len(data_sources)} data sources and {len(infos)} extra_infos"
             )
         result = RewardResult(scores=[0.0] * num)
+        what = describe(self.compute_score)
         for i in range(num):
             try:
                 value = self.compute_score(data_sources[i], responses[i], ground_truths[i], infos[i])
                 result.scores[i] = self._to_score(value, i, result)
-            except Exception as err:
-                if isinstance(err, NonFiniteRewardError):
-                    result.num_nonfinite += 1
-                # On "raise" the result (and its count) is dropped: only the message matters.
-                message = result.add_error(i, data_sources[i], err, self.max_error_messages)
-                if self.on_error == "raise":
-                    raise RewardError(f"reward function failed on {message}") from err
+            except (Exception, SystemExit) as err:
+                sample_failed(result, i, data_sources[i], err, self.on_error, what, self.max_error_messages)
         return result
 
     @staticmethod

@@ -31,8 +31,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fulcrum.reward import RewardFn, default_compute_score
-from fulcrum.reward.manager import NaiveRewardManager, RewardError, RewardResult, as_result, reward_fn_from
+from fulcrum.reward import RewardFn, default_compute_score, describe
+from fulcrum.reward.manager import (
+    NaiveRewardManager,
+    RewardResult,
+    as_result,
+    error_text,
+    reward_fn_from,
+    sample_failed,
+)
 
 
 class RewardManager(Protocol):
@@ -136,7 +143,9 @@ class DapoRewardManager(NaiveRewardManager):
 @register_reward_manager("batch")
 class BatchRewardManager:
     """One call for the whole batch: fn(data_sources=, solution_strs=, ground_truths=, extra_infos=, **kw)
-    returns one float, or one dict with "score", per response."""
+    returns one float, or one dict with "score", per response. A response's bad score is handled by
+    `on_error`; the call's own failure, and a list of the wrong length, by the guard around the manager
+    (fulcrum.reward.guard), which names the function."""
 
     def __init__(self, compute_score: RewardFn, on_error: str = "raise", **reward_kwargs: Any) -> None:
         if compute_score is default_compute_score:
@@ -144,6 +153,7 @@ class BatchRewardManager:
                 "reward_model.reward_manager=batch calls a batched function: set custom_reward_function.path/name"
             )
         self.compute_score = compute_score
+        self.on_error = on_error
         self.reward_kwargs = reward_kwargs
 
     def score(
@@ -155,30 +165,31 @@ class BatchRewardManager:
         response_lengths: Sequence[int] | None = None,
     ) -> RewardResult:
         infos = list(extra_infos) if extra_infos is not None else [{} for _ in responses]
-        try:
-            values = list(
-                self.compute_score(
-                    data_sources=list(data_sources),
-                    solution_strs=list(responses),
-                    ground_truths=list(ground_truths),
-                    extra_infos=infos,
-                    **self.reward_kwargs,
-                )
+        values = list(
+            self.compute_score(
+                data_sources=list(data_sources),
+                solution_strs=list(responses),
+                ground_truths=list(ground_truths),
+                extra_infos=infos,
+                **self.reward_kwargs,
             )
-        except Exception as err:
-            raise RewardError(f"batched reward function failed: {type(err).__name__}: {err}") from err
-        if len(values) != len(responses):
-            raise RewardError(
-                f"batched reward function returned {len(values)} scores for {len(responses)} responses"
-            )
+        )
         result = RewardResult(scores=[0.0] * len(values))
+        what = describe(self.compute_score)
         for i, value in enumerate(values):
-            result.scores[i] = NaiveRewardManager._to_score(value, i, result)
+            try:
+                result.scores[i] = NaiveRewardManager._to_score(value, i, result)
+            except Exception as err:
+                source = data_sources[i] if i < len(data_sources) else "?"
+                sample_failed(result, i, source, err, self.on_error, what)
         return result
 
 
 def _call_score(fn: RewardFn, data_source: str, response: str, ground_truth: str, extra_info: Any) -> Any:
-    return fn(data_source, response, ground_truth, extra_info)
+    try:
+        return fn(data_source, response, ground_truth, extra_info)
+    except SystemExit as err:  # would end the pool's worker: the call would then wait for its timeout
+        raise RuntimeError(error_text(err)) from None
 
 
 @register_reward_manager("prime")

@@ -9,10 +9,14 @@ Pure helpers the training loop calls:
 - `explain_oom` / `oom_message`: a CUDA out-of-memory error rewritten with the memory figures and
   the configuration levers that cut memory, with their current values.
 - `GracefulInterrupt`: Ctrl-C / SIGTERM ask the loop to stop after the current step (and save a
-  checkpoint when `trainer.save_on_interrupt`); a second Ctrl-C stops at once.
+  checkpoint when `trainer.save_on_interrupt`); a second Ctrl-C stops at once. Inside
+  `abandonable()` (the reward stage: user code of unknown length, before anything of the step is
+  applied) a signal raises `StepAbandoned` at once instead: the loop drops the step and saves the last
+  completed one.
 
 A reward function that raises is handled where rewards are computed (`fulcrum.reward.manager`:
-`on_error="raise"` names the sample index, data_source and exception; `"zero"` scores 0 and counts).
+`on_error="raise"` names the sample index, data_source and exception; `"zero"` scores 0 and counts);
+one that hangs, exits or returns the wrong number of scores by `fulcrum.reward.guard`.
 """
 
 from __future__ import annotations
@@ -258,14 +262,21 @@ def explain_oom(cfg: Any, phase: str | None = None, device: torch.device | None 
 # ------------------------------------------------------------------------------------------ Ctrl-C
 
 
+class StepAbandoned(BaseException):
+    """A stop signal arrived while the step could still be dropped whole: nothing of it was applied.
+    A BaseException, so that a reward function's `except Exception` lets it through."""
+
+
 class GracefulInterrupt:
     """While active, the first SIGINT/SIGTERM sets `requested` (the loop stops after the current step);
-    a second SIGINT raises KeyboardInterrupt at once. Outside the main thread it does nothing."""
+    a second SIGINT raises KeyboardInterrupt at once. Inside `abandonable()`, any of them raises
+    StepAbandoned at once. Outside the main thread it does nothing."""
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
         self.signals = signals
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        self._abandonable = False
 
     @property
     def requested(self) -> bool:
@@ -277,6 +288,15 @@ class GracefulInterrupt:
         return 128 + int(self.received) if self.received is not None else 0
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._abandonable:
+            self.received = signum
+            self._abandonable = False  # raised once; the stage's clean-up runs undisturbed
+            print(
+                f"\n{signal.Signals(signum).name} received while the reward function runs: dropping this "
+                "step (nothing of it was applied) and stopping",
+                file=sys.stderr,
+            )
+            raise StepAbandoned
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = signum
@@ -285,6 +305,16 @@ class GracefulInterrupt:
             "(checkpoint if trainer.save_on_interrupt); press Ctrl-C again to stop at once",
             file=sys.stderr,
         )
+
+    @contextlib.contextmanager
+    def abandonable(self, enabled: bool = True) -> Iterator[None]:
+        """While inside (and `enabled`, and installed), a stop signal raises StepAbandoned at once: for a
+        stage that waits on user code (the reward function) before anything of the step is applied."""
+        self._abandonable = enabled and bool(self._previous)
+        try:
+            yield
+        finally:
+            self._abandonable = False
 
     def install(self) -> GracefulInterrupt:
         if threading.current_thread() is threading.main_thread():

@@ -16,6 +16,7 @@ scoring, KL in reward, advantages, validation); what is decided before the first
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 from pathlib import Path
@@ -34,6 +35,7 @@ from fulcrum.data.dataset import rl_datasets
 from fulcrum.models.load import load_causal_lm, load_tokenizer
 from fulcrum.parallel import DistInfo, max_over_ranks, on_main
 from fulcrum.parallel.fsdp import is_sharded
+from fulcrum.reward.guard import guard_manager
 from fulcrum.reward.manager import RewardResult, score_batch
 from fulcrum.reward.managers import manager_from_config
 from fulcrum.rollout import SamplingParams, build_rollout, logprob_diff, sampling_params
@@ -44,7 +46,7 @@ from fulcrum.trainer.checkpoint.sharded import gather_roles
 from fulcrum.trainer.data_parallel import engine_tp_size, generate_shares, on_shares, startup_line
 from fulcrum.trainer.diagnosis import LiveDiagnosis
 from fulcrum.trainer.dynamic_sampling import GroupFilter, group_metric_values
-from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, explain_oom
+from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, StepAbandoned, explain_oom
 from fulcrum.trainer.generations import dump_generations, generation_rows
 from fulcrum.trainer.loggers import Tracking
 from fulcrum.trainer.run_dir import open_run_dir
@@ -89,8 +91,9 @@ class PPOTrainer:
         arr.actor.optim.total_training_steps = self.total_training_steps
         cfg.critic.optim.total_training_steps = self.total_training_steps
 
-        # The custom reward file is imported (run as Python) here, before any model is loaded.
-        self.reward_manager = manager_from_config(cfg)
+        # The custom reward file is imported (run as Python) here, before any model is loaded. The guard
+        # copies its inputs, limits its time per batch and names its failures (reward_model.on_error).
+        self.reward_manager = guard_manager(manager_from_config(cfg), cfg.reward_model)
         for line in recipes.startup_lines(cfg):
             print(line, flush=True)
         print(kl_startup_line(cfg), flush=True)
@@ -206,13 +209,20 @@ class PPOTrainer:
         self._interrupt = interrupt
         if cfg.save_on_interrupt and self.checkpoints is not None:
             interrupt.install()
+        start_step = self.global_step
         try:
             self._prompt_stream = self._batches()
+            before_step = self._data_position()
             for items in self._prompt_stream:
                 self.global_step += 1
                 is_last = self.global_step >= self.total_training_steps
-                with explain_oom(self.cfg, device=self.device):
-                    metrics = self.train_step(items, is_last)
+                try:
+                    with explain_oom(self.cfg, device=self.device):
+                        metrics = self.train_step(items, is_last)
+                except StepAbandoned:
+                    self._stop_before_step(before_step, start_step, interrupt)
+                    break
+                before_step = self._data_position()
                 self.tracking.log(metrics, step=self.global_step)
                 for line in self.live_diagnosis.observe(metrics, self.global_step):
                     tqdm.write(line)
@@ -237,6 +247,41 @@ class PPOTrainer:
             # collector would break): drop it, so nothing outlives the run by accident.
             self._prompt_stream = None
         return last
+
+    def _data_position(self) -> tuple[dict[str, Any], int]:
+        """Where the data stands between steps (the loader's state, the epoch): a dropped step goes back here."""
+        return self.train_loader.state_dict(), self.epoch
+
+    def _stop_before_step(
+        self, position: tuple[dict[str, Any], int], start_step: int, interrupt: GracefulInterrupt
+    ) -> None:
+        """A stop signal dropped the step while its reward was scored (nothing of it was applied): go back
+        to the last completed step, checkpoint it unless it already is, and end with the signal's code."""
+        dropped = self.global_step
+        self.global_step -= 1
+        self.train_loader.load_state_dict(position[0])
+        self.epoch = position[1]
+        if (
+            self.checkpoints is not None
+            and self.global_step > start_step
+            and self.saved_step != self.global_step
+        ):
+            self.save_checkpoint()
+        if self.global_step > 0:
+            saved = f"the checkpoint is step {self.global_step}'s"
+        else:
+            saved = "no step had completed: nothing to save"
+        print(f"stopped during step {dropped}'s reward: that step was dropped; {saved}", flush=True)
+        self.exit_code = interrupt.exit_code
+
+    def _reward_stage(self) -> contextlib.AbstractContextManager[None]:
+        """Scoring a training batch, when nothing of the step is applied yet: a stop signal here drops the
+        step at once rather than waiting on the reward function. One process only: under torchrun the
+        ranks could part ways (one dropping the step, another past its reward), so there the time limit
+        (reward_model.timeout_s) bounds the wait."""
+        if self._interrupt is None:
+            return contextlib.nullcontext()
+        return self._interrupt.abandonable(enabled=not self.dist.distributed)
 
     def close(self) -> None:
         """Release what must go before the process group does: the engine's CUDA graphs (under tensor
@@ -452,7 +497,7 @@ class PPOTrainer:
             if self.cfg.algorithm.adv_estimator == "remax":
                 with M.timer("gen_max", timing):
                     batch["reward_baselines"] = self.remax_baselines(items, batch)
-            with M.timer("reward", timing):
+            with M.timer("reward", timing), self._reward_stage():
                 batch["token_level_scores"], reward = self.score(batch)
             if gate is None:
                 return batch, reward
