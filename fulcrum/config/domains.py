@@ -2,23 +2,20 @@
 
 A domain is an interval, written as in maths (`> 0`, `in (0, 1]`), plus single sentinel values that
 mean "off" (`-1`). Every `int`/`float` field of the key tree declares one (`opt(default, help, domain)`
-in fulcrum.config.schema); `domain_problems(cfg)` walks the tree and names each value outside, with the
-key, the value and the domain. `fulcrum train` and `fulcrum doctor` both run it through
-`fulcrum.config.validate`, before any model loads. A key whose type also allows null accepts null
-(it then follows another key, or means "not set"). Non-finite numbers are outside every domain: an
-`inf` learning rate or clip ratio is never meant.
+in fulcrum.config.schema); `domain_problems(cfg)` (fulcrum.config.validate_domains) walks the tree and
+names each value outside, with the key, the value and the domain. `fulcrum train` and `fulcrum doctor`
+both run it through `fulcrum.config.validate`, before any model loads. A key whose type also allows
+null accepts null (it then follows another key, or means "not set"). Non-finite numbers are outside
+every domain: an `inf` learning rate or clip ratio is never meant.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import types
-import typing
 from dataclasses import dataclass
-from typing import Any, Union
 
-from fulcrum.config.keys import DOMAIN, field_types
+DOMAIN = "domain"  # the field metadata entry holding a numeric key's Domain
 
 
 @dataclass(frozen=True)
@@ -74,36 +71,3 @@ OFF_OR_COUNT = Domain(-1)  # a count where -1 and 0 mean off, as in verl (top_k,
 def domain_of(field: dataclasses.Field) -> Domain | None:
     """The domain a config field declares (None for a field that is not a number)."""
     return field.metadata.get(DOMAIN)
-
-
-def _outside(value: Any, domain: Domain) -> bool:
-    """True when a number (or any number of a list) lies outside `domain`; null and non-numbers pass."""
-    if isinstance(value, list):
-        return any(_outside(item, domain) for item in value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return value not in domain
-
-
-def describe_domain(domain: Domain, tp: Any) -> str:
-    """The domain as shown to users, `or null` added when the key's type allows null."""
-    nullable = typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp)
-    return f"{domain} or null" if nullable else str(domain)
-
-
-def domain_problems(node: Any, prefix: str = "") -> list[tuple[tuple[str, ...], str]]:
-    """(keys, message) for every value of the config dataclass `node` outside its key's domain."""
-    problems: list[tuple[tuple[str, ...], str]] = []
-    hints = field_types(type(node))
-    for field in dataclasses.fields(node):
-        value = getattr(node, field.name)
-        key = f"{prefix}{field.name}"
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            problems += domain_problems(value, key + ".")
-            continue
-        domain = domain_of(field)
-        if domain is not None and _outside(value, domain):
-            each = " (each value)" if isinstance(value, list) else ""
-            shown = describe_domain(domain, hints[field.name])
-            problems.append(((key,), f"{value} is outside its domain{each}: {shown}"))
-    return problems

@@ -11,12 +11,9 @@ import difflib
 import functools
 import types
 import typing
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import Any, Literal, Union
 
-if TYPE_CHECKING:
-    from fulcrum.config.domains import Domain
-
-DOMAIN = "domain"  # the field metadata entry holding a numeric key's Domain (fulcrum.config.domains)
+from fulcrum.config.domains import DOMAIN, Domain
 
 
 class ConfigError(ValueError):

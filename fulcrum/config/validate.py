@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fulcrum.config.compat import FSDP_ROLES, UNSUPPORTED, fsdp_size_note
-from fulcrum.config.domains import domain_problems
 from fulcrum.config.keys import ConfigError
 from fulcrum.config.keys import get_path as _get
 from fulcrum.config.schema import FulcrumConfig, KLControlConfig
+from fulcrum.config.validate_domains import domain_problems
 from fulcrum.config.validate_recipes import recipe_notes, recipe_problems
 
 SUPPORTED_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
