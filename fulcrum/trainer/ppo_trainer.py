@@ -267,11 +267,12 @@ class PPOTrainer:
             and self.saved_step != self.global_step
         ):
             self.save_checkpoint()
+        # The words of the usual stop ("stopped after step N (checkpoint saved)"), which scripts look for.
         if self.global_step > 0:
-            saved = f"the checkpoint is step {self.global_step}'s"
+            stopped = f"stopped after step {self.global_step} (checkpoint saved)"
         else:
-            saved = "no step had completed: nothing to save"
-        print(f"stopped during step {dropped}'s reward: that step was dropped; {saved}", flush=True)
+            stopped = "stopped before the first step (nothing to save)"
+        print(f"{stopped}; step {dropped} was dropped during its reward", flush=True)
         self.exit_code = interrupt.exit_code
 
     def _reward_stage(self) -> contextlib.AbstractContextManager[None]:
