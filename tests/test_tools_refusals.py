@@ -61,8 +61,8 @@ def run(tmp_path: Path) -> Path:
 def test_report_never_writes_over_the_runs_own_files_even_with_force(run: Path, capsys) -> None:
     before = tree(run.parent)
     own = [
-        (run / "metrics.jsonl", "the run's metrics"),
-        (run / "config.yaml", "the run's configuration"),
+        (run / "metrics.jsonl", "the run's own metrics.jsonl"),
+        (run / "config.yaml", "the run's own config.yaml"),
         (run / "global_step_2" / "actor" / "model.safetensors", "checkpoint global_step_2"),
         (run / "global_step_2" / "new.html", "checkpoint global_step_2"),  # not even a new file in it
         (run.parent / "data" / "train.parquet", "data.train_files"),

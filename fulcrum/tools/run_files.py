@@ -13,26 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from fulcrum.config.keys import flatten
-from fulcrum.trainer.checkpoint import LATEST_FILE, STEP_PREFIX
-from fulcrum.trainer.run_dir import (
-    ATTEMPTS_FILE,
-    CONFIG_FILE,
-    CONFIGS_DIR,
-    DROPPED_METRICS_FILE,
-    METRICS_FILE,
-    OLD_RUNS_DIR,
-)
+from fulcrum.trainer.checkpoint import STEP_PREFIX
+from fulcrum.trainer.run_lock import LOCK_FILE
+from fulcrum.trainer.run_ownership import RUN_MARKER, WRITTEN_NAMES
 
-# Names directly in a run directory, and what each is to the run.
-RUN_DIR_ENTRIES = {
-    METRICS_FILE: "the run's metrics",
-    DROPPED_METRICS_FILE: "the run's set-aside metrics",
-    ATTEMPTS_FILE: "the run's record of attempts",
-    CONFIG_FILE: "the run's configuration",
-    CONFIGS_DIR: "the run's configurations",
-    LATEST_FILE: "the run's latest-checkpoint pointer",
-    OLD_RUNS_DIR: "an earlier run set aside",
-}
+# Names directly in a run directory that the run wrote (its report.html aside): the trainer's own list.
+RUN_DIR_NAMES = WRITTEN_NAMES | {RUN_MARKER, LOCK_FILE}
 # Configuration keys naming a file or folder the run read or wrote, by the end of their name. The run
 # directory itself (default_local_dir) is left out: the run's report lives there.
 PATH_KEY_ENDINGS = ("path", "_files", "tokenizer", "_dir")
@@ -63,8 +49,8 @@ def run_own_path(path: Path, run_dir: Path, config: dict[str, Any]) -> str | Non
     target, run = path.resolve(), run_dir.resolve()
     if run in target.parents:
         top = target.relative_to(run).parts[0]
-        if top in RUN_DIR_ENTRIES:
-            return RUN_DIR_ENTRIES[top]
+        if top in RUN_DIR_NAMES:
+            return f"the run's own {top}"
         if top.startswith(STEP_PREFIX):
             return f"checkpoint {top} of the run"
     for key, named in config_paths(config).items():
