@@ -114,7 +114,7 @@ def check_out_file(out: Path, runs: list[Run], force: bool, flag: str) -> None:
         what = run_own_path(out, run.path, run.config)
         if what is not None:
             raise ReportError(
-                f"{flag}: is {what}; fulcrum report never writes there, even with --force; choose another file"
+                f"{flag}: {what}; fulcrum report never writes there, even with --force; choose another file"
             )
     exists = out.exists() or out.is_symlink()
     if exists and not force and not is_earlier_report(out):
