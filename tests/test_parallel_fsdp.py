@@ -73,6 +73,12 @@ def _fsdp(rank: int, world: int) -> dict:
     }
 
 
+# AdamW's first step moves each weight by about lr * g / |g|: where a gradient is near zero, the few-ulp
+# difference that summing two ranks' shares makes in g moves the update by up to ~1e-5 (seen 1.6e-5 with
+# torch 2.13's CPU kernels, against steps of 1e-2). A wrong shard or a lost gradient moves it by ~lr.
+WEIGHT_ATOL = 1e-4
+
+
 def test_fsdp_step_equals_one_process_and_resumes_on_any_world_size():
     torch.set_num_threads(1)
     first, second = batches()
@@ -86,9 +92,9 @@ def test_fsdp_step_equals_one_process_and_resumes_on_any_world_size():
     assert rank1["weights"] == {} and rank1["optim"] == {}  # gathered to rank 0 only
     assert abs(rank0["norm"] - norm) < 1e-5 and abs(rank0["norm2"] - norm2) < 1e-5
     for name, weight in weights.items():
-        torch.testing.assert_close(rank0["weights"][name], weight, atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(rank0["weights"][name], weight, atol=WEIGHT_ATOL, rtol=1e-5, msg=name)
     for name, weight in model.state_dict().items():
-        torch.testing.assert_close(rank0["after"][name], weight, atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(rank0["after"][name], weight, atol=WEIGHT_ATOL, rtol=1e-5, msg=name)
 
     # Resume on 1 process from the 2-rank state: the same second step.
     single = random_causal_lm("qwen2", seed=5).train()
@@ -97,7 +103,7 @@ def test_fsdp_step_equals_one_process_and_resumes_on_any_world_size():
     load_full_optimizer_state_dict(single, single_optimizer, rank0["optim"])
     assert abs(step(single, single_optimizer, second) - norm2) < 1e-5
     for name, weight in model.state_dict().items():
-        torch.testing.assert_close(single.state_dict()[name], weight, atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(single.state_dict()[name], weight, atol=WEIGHT_ATOL, rtol=1e-5, msg=name)
 
 
 def packed_like_loss(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
