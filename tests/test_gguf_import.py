@@ -70,7 +70,8 @@ def write_gguf(model_dir: Path, path: Path, arch: str = "llama") -> None:
     writer.add_token_merges(merges)
     writer.add_eos_token_id(tokenizer.eos_token_id)
     writer.add_pad_token_id(tokenizer.pad_token_id)
-    writer.add_bos_token_id(tokenizer.eos_token_id)
+    if tokenizer.bos_token_id is not None:
+        writer.add_bos_token_id(tokenizer.bos_token_id)
     writer.add_add_bos_token(False)
     writer.add_chat_template(tokenizer.chat_template)
     names = {
@@ -129,6 +130,10 @@ def test_import_computes_what_the_original_computes(original: Path, gguf_file: P
     assert source["tensor_types"] == {"F32": 2 + 9 * SIZE["num_hidden_layers"] + 1}
     assert (out / "model.safetensors").is_file()
     ref_tok, tok = AutoTokenizer.from_pretrained(original), AutoTokenizer.from_pretrained(out)
+    # the file's EOS and pad, whatever transformers' GGUF conversion would have guessed: SFT appends
+    # the EOS to every example and generation stops at it
+    assert (tok.eos_token, tok.pad_token) == (ref_tok.eos_token, ref_tok.pad_token)
+    assert (config["eos_token_id"], config["pad_token_id"]) == (ref_tok.eos_token_id, ref_tok.pad_token_id)
     messages = [{"role": "user", "content": "What is 12 + 30?"}]
     text = ref_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == text
@@ -257,3 +262,4 @@ def test_real_smollm2_converts_and_answers(tmp_path: Path) -> None:
     b = theirs.generate(ids, max_new_tokens=24, do_sample=False)
     assert a.tolist() == b.tolist()
     assert "Paris" in tok.decode(a[0, ids.shape[1] :])
+    assert (tok.eos_token, tok.pad_token, tok.bos_token) == ("<|im_end|>", "<|im_end|>", "<|im_start|>")

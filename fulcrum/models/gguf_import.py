@@ -31,6 +31,7 @@ import os
 import shutil
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,24 @@ def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def read_gguf_header(path: Path) -> tuple[str, Counter[str]]:
-    """The file's `general.architecture` and a count of its tensors by GGUF type (e.g. Q4_1: 210).
+# GGUF metadata key -> the tokenizer's special-token attribute.
+SPECIAL_TOKEN_KEYS = {
+    "tokenizer.ggml.bos_token_id": "bos_token",
+    "tokenizer.ggml.eos_token_id": "eos_token",
+    "tokenizer.ggml.padding_token_id": "pad_token",
+    "tokenizer.ggml.unknown_token_id": "unk_token",
+}
+
+
+@dataclass
+class GGUFHeader:
+    architecture: str
+    tensor_types: Counter[str]  # tensors by GGUF type, e.g. {"Q4_1": 210, "F32": 61}
+    special_ids: dict[str, int]  # "eos_token" -> 2, ... (SPECIAL_TOKEN_KEYS present in the file)
+
+
+def read_gguf_header(path: Path) -> GGUFHeader:
+    """The file's architecture, tensor types and special-token ids.
 
     Raises GGUFImportError for a missing file, one that is not GGUF, or a truncated one."""
     if not path.is_file():
@@ -74,8 +91,22 @@ def read_gguf_header(path: Path) -> tuple[str, Counter[str]]:
     field = reader.fields.get("general.architecture")
     if field is None:
         raise GGUFImportError(f"{path}: no general.architecture in its metadata")
-    architecture = str(field.contents())
-    return architecture, Counter(t.tensor_type.name for t in reader.tensors)
+    special = {
+        name: int(reader.fields[key].contents())
+        for key, name in SPECIAL_TOKEN_KEYS.items()
+        if key in reader.fields
+    }
+    return GGUFHeader(str(field.contents()), Counter(t.tensor_type.name for t in reader.tensors), special)
+
+
+def set_special_tokens(tokenizer: Any, special_ids: dict[str, int]) -> None:
+    """The file's own BOS/EOS/pad/unk on the tokenizer: transformers' GGUF tokenizer conversion has
+    chosen differently across versions (SmolLM2's EOS came out as <|im_start|>, with no pad token, under 5.17 and as the
+    chat template's <|im_end|> under 5.24; the file says <|im_end|>), and a training run appends the
+    tokenizer's EOS to every SFT example and stops generation at it."""
+    for name, token_id in special_ids.items():
+        if 0 <= token_id < len(tokenizer):
+            setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(token_id))
 
 
 def plain_config(config: Any) -> Any:
@@ -107,17 +138,21 @@ def convert(path: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> dict[
 def _convert(path: Path, out: Path, dtype: torch.dtype) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    architecture, tensor_types = read_gguf_header(path)
-    if architecture not in SUPPORTED_ARCHITECTURES:
+    header = read_gguf_header(path)
+    if header.architecture not in SUPPORTED_ARCHITECTURES:
         raise GGUFImportError(
-            f"{path}: architecture {architecture!r} is not supported; "
+            f"{path}: architecture {header.architecture!r} is not supported; "
             f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
     folder, name = str(path.parent), path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    set_special_tokens(tokenizer, header.special_ids)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = plain_config(loaded.config)
     config.dtype = dtype
+    for name in ("bos_token", "eos_token", "pad_token"):  # the model's ids agree with the tokenizer's
+        if name in header.special_ids:
+            setattr(config, f"{name}_id", header.special_ids[name])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # strict: every tensor of the file lands in the model and the model has no untouched weight
     model.load_state_dict(loaded.state_dict(), strict=True)
@@ -132,8 +167,9 @@ def _convert(path: Path, out: Path, dtype: torch.dtype) -> dict[str, Any]:
         "file": path.name,
         "bytes": path.stat().st_size,
         "sha256": sha256_of(path),
-        "architecture": architecture,
-        "tensor_types": dict(sorted(tensor_types.items())),
+        "architecture": header.architecture,
+        "tensor_types": dict(sorted(header.tensor_types.items())),
+        "special_tokens": {k: tokenizer.convert_ids_to_tokens(v) for k, v in header.special_ids.items()},
         "dtype": str(dtype).removeprefix("torch."),
         "note": "weights dequantized from the GGUF file: not the original checkpoint's weights when quantized",
     }
