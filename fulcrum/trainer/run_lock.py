@@ -88,7 +88,7 @@ def acquire(run_dir: Path, command: str) -> None:
     path = key / LOCK_FILE
     fd = _lock_file(path)
     if fd is None:
-        holder = Holder.read(path)
+        holder = _recorded_holder(path)
         if holder.pid is not None and f"{holder.pid}@{holder.host}" == os.environ.get(OWNER_ENV):
             _HELD[key] = None  # our launcher holds it for its group
             return
@@ -106,6 +106,17 @@ def acquire(run_dir: Path, command: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
     _HELD[key] = fd
+
+
+def _recorded_holder(path: Path, wait_s: float = 2.0) -> Holder:
+    """The holder of the lock on `path`, waiting up to `wait_s` for it to write its record: it takes the
+    lock first and writes second, so a process started at the same moment can find the file empty."""
+    deadline = time.monotonic() + wait_s
+    holder = Holder.read(path)
+    while holder.pid is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+        holder = Holder.read(path)
+    return holder
 
 
 def _lock_file(path: Path) -> int | None:
