@@ -16,6 +16,8 @@
 # random Qwen2.5-0.5B-shaped model (bench/train_step.py make-model). Missing Python packages (omegaconf, trl,
 # datasets) are installed from the wheel folders .whl and .whl-trl when they are there (carry them).
 # The learning benchmark (bench/learning.py, one call of its own) is not part of this run: see BENCHMARKS.md.
+# SMOL=DIR (SmolLM2-135M-Instruct, `fulcrum pretrained smollm2-135m-instruct --out DIR`) adds its seed-shape
+# and GRPO-shape steps in place of the TRL comparison.
 set -u
 cd "$(dirname "$0")/.."
 WORK=${WORK:-/tmp/run_all}; mkdir -p "$WORK"
@@ -70,7 +72,11 @@ else
   TRL_ARGS=""
 fi
 elapsed "inputs ready: model $MODEL, data $DATA"
-rm -rf "$WORK/seed_run" "$WORK/vs_trl" "$WORK"/*.json
+rm -rf "$WORK/seed_run" "$WORK/vs_trl" "$WORK"/smol_* "$WORK"/*.json
+# The GRPO shape on SmolLM2: 128 prompts x 8, micro-batches of 64 (its seed shape is the seed command's).
+SMOL_GRPO_ARGS="algorithm.adv_estimator=grpo data.train_batch_size=128 actor_rollout_ref.rollout.n=8
+  actor_rollout_ref.actor.ppo_mini_batch_size=128 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64"
 
 # Limits: measured parts take (H200, 2026-11-30) rollout ~1 min with HF's compiled generate, a fulcrum step
 # 2-8 s after ~1 min of loading and compiling, a TRL step 11-14 s; the sum stays under DEADLINE_S.
@@ -78,8 +84,19 @@ rm -rf "$WORK/seed_run" "$WORK/vs_trl" "$WORK"/*.json
 part rollout 110 $PY bench/rollout.py $ROLLOUT_ARGS --json "$WORK/rollout.json"
 # GRPO step (64 prompts x 8, micro 32, gradient checkpointing), fulcrum's side of the TRL comparison; each
 # side has its own limit inside (vs_trl --timeout-s), so a slow TRL still leaves fulcrum's figure.
-# shellcheck disable=SC2086
-part vs_trl 265 $PY bench/vs_trl.py --model "$MODEL" --data "$DATA" --out "$WORK/vs_trl" --timeout-s 125 $TRL_ARGS
+# With $SMOL (a SmolLM2-135M-Instruct folder from `fulcrum pretrained`), its seed-shape and GRPO-shape steps
+# take the TRL comparison's place (bench/real_model.sh's throughput stage; the call's time holds one or the other).
+if [ -n "${SMOL:-}" ]; then
+  for shape in seed grpo; do
+    # shellcheck disable=SC2086
+    part "smol_$shape" 130 $PY bench/train_step.py run --data "$DATA" --model "$SMOL" --run "$WORK/smol_$shape" \
+      --steps 3 --summary "$WORK/smol_$shape.json" actor_rollout_ref.rollout.name=native trainer.test_freq=-1 \
+      trainer.save_freq=-1 trainer.resume_mode=disable $( [ $shape = grpo ] && echo "$SMOL_GRPO_ARGS" ) $STEP_ARGS
+  done
+else
+  # shellcheck disable=SC2086
+  part vs_trl 265 $PY bench/vs_trl.py --model "$MODEL" --data "$DATA" --out "$WORK/vs_trl" --timeout-s 125 $TRL_ARGS
+fi
 # The seed command on one device, native rollout, 2 steps (the second is the warm one), no validation/save.
 # shellcheck disable=SC2086
 part seed 150 $PY bench/train_step.py run --data "$DATA" --model "$MODEL" --run "$WORK/seed_run" --steps 2 \
@@ -128,6 +145,12 @@ if s and s.get("steps"):
                  f"{last.get('timing_s/step', 0):.1f} s, {last.get('perf/throughput', 0):,.0f}, {last.get('perf/mfu/actor', 0):.1%}"))
 else:
     rows.append(("seed PPO step", "no result (seed.log)"))
+for shape in ("seed", "grpo"):
+    sm = load(f"smol_{shape}.json")
+    if sm and sm.get("steps"):
+        last = sm["steps"][-1]
+        rows.append((f"SmolLM2-135M {shape} step (warm): s, tok/s/GPU, MFU actor",
+                     f"{last.get('timing_s/step', 0):.1f} s, {last.get('perf/throughput', 0):,.0f}, {last.get('perf/mfu/actor', 0):.1%}"))
 p = load("passes.json")
 for name, row in ((p or {}).get("passes") or {}).items():
     mfu = f", MFU {row['mfu']:.1%}" if "mfu" in row else ""
@@ -140,7 +163,7 @@ EOF
 if [ -n "$RESULTS" ]; then  # at most 8 files: the table, 4 JSON, the logs
   mkdir -p "$RESULTS"
   cp "$WORK/summary.md" "$RESULTS/run_all_summary.md"
-  for f in rollout.json seed.json passes.json vs_trl/vs_trl.json; do [ -f "$WORK/$f" ] && cp "$WORK/$f" "$RESULTS/"; done
+  for f in rollout.json seed.json passes.json vs_trl/vs_trl.json smol_seed.json smol_grpo.json; do [ -f "$WORK/$f" ] && cp "$WORK/$f" "$RESULTS/"; done
   (cd "$WORK" && tar czf "$RESULTS/run_all_logs.tar.gz" ./*.log vs_trl/*.json seed_run/metrics.jsonl 2>/dev/null)
 fi
 elapsed "done; logs and JSON in $WORK${RESULTS:+, results in $RESULTS}"

