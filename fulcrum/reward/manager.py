@@ -158,11 +158,6 @@ def reward_fn_from(custom_reward_cfg: Any) -> RewardFn:
     return default_compute_score
 
 
-def reward_manager_from(custom_reward_cfg: Any, on_error: Literal["raise", "zero"]) -> NaiveRewardManager:
-    """The naive manager over reward_fn_from(custom_reward_cfg)."""
-    return NaiveRewardManager(compute_score=reward_fn_from(custom_reward_cfg), on_error=on_error)
-
-
 def as_result(value: RewardResult | Sequence[float]) -> RewardResult:
     """A manager may return plain scores (a user's manager, for instance)."""
     return value if isinstance(value, RewardResult) else RewardResult(scores=[float(v) for v in value])
