@@ -31,7 +31,9 @@ import os
 import shutil
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -223,30 +225,39 @@ def describe(source: dict, out: Path) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fulcrum import-gguf", description=__doc__.split("\n\n")[0])
-    parser.add_argument("file", type=Path, help="the .gguf file")
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    """--out, --dtype, --force: shared by `import-gguf` and `pretrained`."""
     parser.add_argument("--out", type=Path, required=True, help="the Hugging Face folder to write")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="weights' type on disk")
     parser.add_argument("--force", action="store_true", help="replace an earlier import in --out")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+
+def run_command(prog: str, convert_with: Callable[[], dict], out: Path) -> int:
+    """Run a conversion; its refusals, a missing `gguf` package and Ctrl-C end with one line."""
     try:
-        source = import_gguf(args.file, args.out, DTYPES[args.dtype], args.force)
+        source = convert_with()
     except GGUFImportError as err:
-        print(f"fulcrum import-gguf: {err}", file=sys.stderr)
+        print(f"{prog}: {err}", file=sys.stderr)
         return 1
     except ModuleNotFoundError as err:
         if err.name != "gguf":
             raise
-        print(
-            "fulcrum import-gguf: the `gguf` package is missing: pip install 'fulcrum[gguf]'", file=sys.stderr
-        )
+        print(f"{prog}: the `gguf` package is missing: pip install 'fulcrum[gguf]'", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("fulcrum import-gguf: interrupted; nothing written", file=sys.stderr)
+        print(f"{prog}: interrupted; nothing written", file=sys.stderr)
         return 130
-    print(describe(source, args.out))
+    print(describe(source, out))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fulcrum import-gguf", description=__doc__.split("\n\n")[0])
+    parser.add_argument("file", type=Path, help="the .gguf file")
+    add_output_options(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    convert_with = partial(import_gguf, args.file, args.out, DTYPES[args.dtype], args.force)
+    return run_command("fulcrum import-gguf", convert_with, args.out)
 
 
 if __name__ == "__main__":

