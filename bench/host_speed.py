@@ -1,7 +1,8 @@
 """How fast this host runs the work that bounds a host-bound step: Python bytecode and kernel launches.
 
-The seed command's updates at micro-batches of 8 are host-bound on an H200, and the same tree on the
-same kind of machine measured 27.9k and 17.4k tok/s/GPU an hour apart (BENCHMARKS.md, "Session 6").
+The seed command's updates at micro-batches of 8 are host-bound on an H200, and the same update code
+on the same kind of machine measured 27.9k and 17.4k tok/s/GPU an hour apart (BENCHMARKS.md, trees
+9f62fba and f06f231, 2026-12-01).
 Each bench records this probe beside its figures, before and after the run, so a slow figure can be
 told apart from a slow host. Only torch and the standard library: `bench/passes.py` measures older
 trees through PYTHONPATH and imports this file from bench/ itself.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The measurements of issue 10 on one H200, in one call: per-pass benches and the seed / GRPO
-# train steps, before (the tree in $BASE, e.g. `git archive 5083253 | tar -x -C runs/base`) and after.
+# The packed training passes against the tree before them, on one H200 in one call: per-pass benches
+# and the seed / GRPO train steps, before (the tree in $BASE, e.g. `git archive 5083253 | tar -x -C runs/base`) and after.
 #   bash bench/issue10.sh after|before|final|grpo-ab|extra   (logs and JSON summaries under $OUT)
 set -u
 OUT=${OUT:-/tmp/issue10}; mkdir -p "$OUT"
@@ -33,7 +33,7 @@ case ${1:-after} in
   before)
     passes seed_before "$BASE" --repeat 1
     step grpo_before "$BASE" $GRPO ; step seed_before "$BASE" ;;
-  final)  # the merged tree: the two steps, and the seed without the actor's gradient checkpointing
+  final)  # this tree: the two steps, and the seed without the actor's gradient checkpointing
     step seed_final . ; step grpo_final . $GRPO
     step seed_nockpt_final . actor_rollout_ref.model.enable_gradient_checkpointing=False ;;
   grpo-ab)  # the GRPO step on $BASE and on this tree, in one call

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13 on two H200s (nvidia-h200-x2), in one call: the seed command's step on 1 GPU, on 2 GPUs with
+# Scaling to two H200s (nvidia-h200-x2), in one call: the seed command's step on 1 GPU, on 2 GPUs with
 # data-parallel rollout (two engines) and on 2 GPUs as written (one engine over both GPUs, TP=2);
 # per-GPU perf/throughput and the phase breakdown of each (JSON summaries and logs under $OUT).
 #   bash bench/multigpu.sh            # all three

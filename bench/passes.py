@@ -109,10 +109,10 @@ def warm_up(
 
     Warm-up: after the first call (which compiles), calls go on for at least `warmup_s` seconds and until
     two in a row agree within `steady` (at most `max_warmup` calls). On the H200, for several seconds
-    after a compilation the same pass ran up to 4x slower with nothing compiled in it (session 6: 5.2,
-    1.9, 1.8, 1.3, then 0.43 s for one log-prob pass; and 1.88, 1.84, 1.79, then 0.51, 0.42 s), while the
-    trainer's own pass ran at the steady figure; two slow calls can agree, so agreement alone is not
-    enough."""
+    after a compilation the same pass ran up to 4x slower with nothing compiled in it (2026-12-01: 5.2,
+    1.9, 1.8, 1.3, then 0.43 s for one log-prob pass on tree 9f62fba; 1.88, 1.84, 1.79, then 0.51,
+    0.42 s on tree f06f231), while the trainer's own pass ran at the steady figure; two slow calls can
+    agree, so agreement alone is not enough."""
     warmup: list[float] = []
     settled_from: float | None = None
     while len(warmup) < max_warmup:
@@ -145,8 +145,8 @@ def measure_ab(
     fn: Callable[[], object], switch: Callable[[bool], None], repeat: int, warmup_s: float
 ) -> dict[bool, tuple[float, float]]:
     """`measure` of `fn` with `switch(False)` and `switch(True)`, the timed calls interleaved (off, on,
-    off, on, ...) so that the host's drift, which moved host-bound passes 1.6-2.2x within an hour in
-    session 6, falls on both alike. {setting: (median seconds, peak allocated GiB)}."""
+    off, on, ...) so that the host's drift, which moved host-bound passes 1.6-2.2x within an hour on
+    2026-12-01, falls on both alike. {setting: (median seconds, peak allocated GiB)}."""
     for setting in (False, True):
         switch(setting)
         warm_up(fn, warmup_s)

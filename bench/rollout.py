@@ -1,6 +1,6 @@
 """Rollout throughput: the native engine against Hugging Face static-cache `generate`, same call, same model.
 
-Workload (issue 5): the Qwen2.5-0.5B shape (random weights, bf16), 512 prompts with GSM8K-like prompt
+Workload: the Qwen2.5-0.5B shape (random weights, bf16), 512 prompts with GSM8K-like prompt
 lengths, 256 new tokens each with EOS ignored, temperature 1, prefill included. Then the GRPO shape
 (64 prompts x n=8) with and without prefix sharing, the weight-sync time and the bf16 log-prob gap
 between the engine and the HF forward.

@@ -184,7 +184,7 @@ def seed_estimate(files: Path, *extra: str, device_gib: float = 140.0):
 
 
 def test_seed_estimate_against_the_measured_h200_peak(files: Path) -> None:
-    """BENCHMARKS.md ("The predictions checked, on a slower host", 2026-12-01): the seed command on one
+    """BENCHMARKS.md ("Spent gradients released, on a slower host", 2026-12-01): the seed command on one
     H200 peaked at 98.7 GiB allocated, while generating (the engine's workspace is counted whole, hence a
     few % over)."""
     est = seed_estimate(files)
@@ -200,8 +200,8 @@ MICRO = (
 )
 # perf/max_memory_allocated_gb/<phase> of the 0.5B seed command on one H200, warm step, with whether the
 # checkpointed layers kept the attention outputs then (BENCHMARKS.md): the seed's sizes with them kept
-# (session 7, call D, tree 16babe3); before they were (tree 4facc41, "The predictions checked, on a slower
-# host" and "Lever tuning", 2026-12-01), the seed's sizes, fulcrum tune's micro-batch 64 row and dynamic
+# (tree 16babe3); before they were (tree 4facc41, "Spent gradients released, on a slower host" and
+# "Lever tuning", 2026-12-01), the seed's sizes, fulcrum tune's micro-batch 64 row and dynamic
 # batches of 16,384 tokens (the critic's budget stays at its default 32,768).
 MEASURED_PEAKS_GIB = [
     (
@@ -277,7 +277,7 @@ def test_checkpointing_and_micro_batch_move_the_update_estimate(files: Path) -> 
     no_checkpointing = actor_update("actor_rollout_ref.model.enable_gradient_checkpointing=False")
     bigger_micro = actor_update("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32")
     assert no_checkpointing > base and bigger_micro > base
-    # Measured (BENCHMARKS.md, "The merged tree", call A): the actor's checkpointing off raised its
+    # Measured (BENCHMARKS.md, tree 10ad1ac, 2026-11-30): the actor's checkpointing off raised its
     # update's peak by 5.4 GiB at micro 8 (6,144 tokens): 24 layers' bf16 tensors instead of their inputs.
     assert abs((no_checkpointing - base) / 2**30 - 5.4) / 5.4 < 0.10
 

@@ -158,12 +158,13 @@ LAYERS_PER_REGION = 1
 # replay in the recomputation (it wraps the flash kernel, which takes an RNG state even at dropout 0, in
 # GraphSafeRunWithRngState, which inductor's C++ wrapper refuses). Measured on the H200 at the seed
 # command's sizes, calls interleaved in one process: actor update 3.24 -> 2.32 s, critic update
-# 1.87 -> 1.47 s (BENCHMARKS.md, "Session 7").
+# 1.87 -> 1.47 s (BENCHMARKS.md, "Training passes", tree f3b1f99).
 SAVE_ATTENTION_OUTPUTS = True
 
 # Inductor's C++ wrapper for the compiled regions on CUDA: their kernels are launched from compiled C++
 # instead of generated Python, whose per-kernel cost bounded the seed command's micro-batches (seed step
-# 35.0k tok/s with it, 28.8k without in another call of the same kind, BENCHMARKS.md, "Session 7").
+# 35.0k tok/s with it, 28.8k without in another call of the same kind, BENCHMARKS.md, "The training
+# step", trees f3b1f99 and 9cbfb34).
 # Needs SAVE_ATTENTION_OUTPUTS (above).
 # TORCHINDUCTOR_CPP_WRAPPER=0 in the environment turns it off.
 CPP_WRAPPER = os.environ.get("TORCHINDUCTOR_CPP_WRAPPER", "1") != "0"

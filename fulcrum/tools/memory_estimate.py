@@ -29,8 +29,8 @@ Shapes: P parameters, h hidden, L layers, H / K query / KV heads of dim d (q = H
 intermediate, V vocab; a micro-batch of m rows of at most T = m × (prompt + response) tokens (a packed
 micro-batch's budget), R response tokens a row (the LM head only runs on those).
 
-Checked against the 0.5B seed run on one H200 (2026-12-01, BENCHMARKS.md "Lever tuning" and "The
-predictions checked, on a slower host"; the phases' `perf/max_memory_allocated_gb/<phase>`): every
+Checked against the 0.5B seed run on one H200 (2026-12-01, BENCHMARKS.md "Lever tuning" and "Spent
+gradients released, on a slower host"; the phases' `perf/max_memory_allocated_gb/<phase>`): every
 training phase within -2.5% / +5.5% at micro-batches of 8 to 64 rows (6k to 49k tokens) and with
 dynamic batches; docs/levers.md, "The memory estimate", has the table. torch's allocated figure
 leaves out the CUDA context (0.5 GiB here).

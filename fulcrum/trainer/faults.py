@@ -1,4 +1,4 @@
-"""Faults during training that must neither lose work nor hide what happened (issue 6, point 5).
+"""Faults during training that must neither lose work nor hide what happened.
 
 Pure helpers the training loop calls:
 

@@ -130,7 +130,7 @@ class PPOTrainer:
         )
         self.nan_guard = NonFiniteGuard(int(cfg.trainer.max_nan_steps))
         self.live_diagnosis = LiveDiagnosis()  # one line the first time each rule fires (docs/levers.md)
-        self.exit_code = 0  # 128 + signal number when Ctrl-C / SIGTERM stopped the run (helper G)
+        self.exit_code = 0  # 128 + signal number when Ctrl-C / SIGTERM stopped the run, as a shell reports it
         self._interrupt: GracefulInterrupt | None = None
         self.global_step = 0
         self.epoch = 0
