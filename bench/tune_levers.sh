@@ -36,7 +36,7 @@ name=${LEVERS:-all}; name=${name//,/-}
 args=(--steps "$STEPS" --max-trials "$MAX_TRIALS" --work-dir "$OUT/tune-$name")
 [ -n "$LEVERS" ] && args+=(--levers "$LEVERS")
 [ -n "${BUDGET:-}" ] && args+=(--time-budget "$BUDGET")
-# The seed command of DESIGN §4 on one device (n_gpus_per_node=1, tensor_model_parallel_size=1).
+# The seed command of docs/configuration.md on one device (n_gpus_per_node=1, tensor_model_parallel_size=1).
 # Written to a file, not through tee: a SIGTERM to this group must not kill the reader of the last table.
 python -m fulcrum.cli tune "${args[@]}" \
   data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet" data.train_batch_size="$PROMPTS" \
