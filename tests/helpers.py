@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from fulcrum.algo.policy_losses import PolicyLossOutput, compute_policy_loss
+from fulcrum.algo.policy_losses import LossConfig, get_policy_loss_fn, vanilla_policy_loss
 from fulcrum.data.synthetic import write_splits
 from fulcrum.models.tiny import build_tiny_model
 
@@ -71,23 +71,28 @@ GSM8K_ROW = {
 
 
 def verl_fixture_policy_loss(
-    p: dict[str, torch.Tensor], loss_agg_mode: str, loss_mode: str, **extra: object
-) -> tuple[PolicyLossOutput, torch.Tensor]:
-    """`compute_policy_loss` on a verl fixture's `policy` inputs (cliprange 0.2, the fixture's clip_low and
-    clip_high, `extra` keywords), with the loss backpropagated; returns the output and the log-prob tensor
-    (float [B, T], its `.grad` the loss's gradient)."""
+    p: dict[str, torch.Tensor],
+    loss_agg_mode: str,
+    loss_mode: str,
+    rollout_is_weights: torch.Tensor | None = None,
+    **actor_keys: object,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """The registered loss `loss_mode` on a verl fixture's `policy` inputs (clip_ratio 0.2, the fixture's
+    clip_low and clip_high, `actor_keys` for the rest of the actor config), backpropagated; returns the
+    loss, its metrics and the log-prob tensor (float [B, T], its `.grad` the loss's gradient)."""
     log_prob = p["log_prob"].clone().requires_grad_(True)
-    out = compute_policy_loss(
-        p["old_log_prob"],
-        log_prob,
-        p["advantages"],
-        p["mask"],
-        cliprange=0.2,
-        cliprange_low=p["clip_low"],
-        cliprange_high=p["clip_high"],
-        loss_agg_mode=loss_agg_mode,
-        loss_mode=loss_mode,
-        **extra,
+    config = LossConfig(
+        clip_ratio=0.2, clip_ratio_low=p["clip_low"], clip_ratio_high=p["clip_high"], **actor_keys
     )
-    out.pg_loss.backward()
-    return out, log_prob
+    loss, metrics = get_policy_loss_fn(loss_mode)(
+        p["old_log_prob"], log_prob, p["advantages"], p["mask"], loss_agg_mode, config, rollout_is_weights
+    )
+    loss.backward()
+    return loss, metrics, log_prob
+
+
+def ppo_loss(
+    old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped loss with the actor's default keys (clip 0.2, token-mean)."""
+    return vanilla_policy_loss(old_log_prob, log_prob, advantages, mask, "token-mean", LossConfig())

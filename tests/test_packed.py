@@ -11,11 +11,11 @@ import sys
 
 import pytest
 import torch
+from helpers import ppo_loss
 from test_workers_units import make_batch  # tests/ is on sys.path under pytest
 from torch import nn
 
 from fulcrum.algo.losses import compute_value_loss
-from fulcrum.algo.policy_losses import compute_policy_loss
 from fulcrum.models import precision
 from fulcrum.models.linear_logprob import linear_log_softmax
 from fulcrum.models.load import load_backbone, load_causal_lm
@@ -93,7 +93,7 @@ def test_packed_log_probs_and_policy_gradients_equal_padded(tiny_dir: str, tempe
     for name, model, packed in (("padded", padded, False), ("packed", packed_model, True)):
         model.zero_grad()
         logp, ent = forward_log_prob(model, batch, temperature, True, CPU, packed=packed)
-        loss, *_ = compute_policy_loss(batch["old_log_probs"], logp, batch["advantages"], mask, cliprange=0.2)
+        loss, *_ = ppo_loss(batch["old_log_probs"], logp, batch["advantages"], mask)
         (loss - 0.01 * (ent * mask).sum() / mask.sum()).backward()
         results[name] = (logp.detach(), ent.detach(), loss.detach(), grads(model))
     (lp_a, ent_a, loss_a, g_a), (lp_b, ent_b, loss_b, g_b) = results["padded"], results["packed"]
@@ -185,17 +185,13 @@ def test_compute_weights_accumulate_float32_grads_into_masters(tiny_dir: str) ->
     mask = batch["response_mask"].float()
     for mb in batch.split(3):  # gradient accumulation over micro-batches
         logp, _ = forward_log_prob(reference, mb, 1.0, False, CPU)
-        compute_policy_loss(mb["old_log_probs"], logp, mb["advantages"], mb["response_mask"].float())[
-            0
-        ].backward()
+        ppo_loss(mb["old_log_probs"], logp, mb["advantages"], mb["response_mask"].float())[0].backward()
     compute.refresh()
     with compute.swapped_in():
         assert model.get_output_embeddings().weight.dtype == torch.float64
         for mb in batch.split(3):
             logp, _ = forward_log_prob(model, mb, 1.0, False, CPU, packed=True)
-            compute_policy_loss(mb["old_log_probs"], logp, mb["advantages"], mb["response_mask"].float())[
-                0
-            ].backward()
+            ppo_loss(mb["old_log_probs"], logp, mb["advantages"], mb["response_mask"].float())[0].backward()
             compute.accumulate_grads()
     assert all(p.dtype == torch.float32 for p in model.parameters())
     want, got = grads(reference), grads(model)
@@ -295,9 +291,9 @@ def test_compiled_layer_twins_match_and_leave_the_model_alone(
         assert list(model.state_dict()) == keys
         batch = rl_batch(seed=7, b=5)
         logp, _ = forward_log_prob(model, batch, 1.0, False, CPU, packed=True)
-        compute_policy_loss(
-            batch["old_log_probs"], logp, batch["advantages"], batch["response_mask"].float()
-        )[0].backward()
+        ppo_loss(batch["old_log_probs"], logp, batch["advantages"], batch["response_mask"].float())[
+            0
+        ].backward()
         results.append((logp.detach(), grads(model)))
     (lp_a, g_a), (lp_b, g_b) = results
     assert bool(saved) == save_attention  # the policy ran, and saved the attention kernel's outputs

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import ppo_loss
 from test_workers_units import make_batch  # tests/ is on sys.path under pytest
 
-from fulcrum.algo.policy_losses import compute_policy_loss
 from fulcrum.models.value_head import CriticModel
 from fulcrum.rollout.testing import random_causal_lm
-from fulcrum.workers.micro_batch import forward_log_prob, forward_values
+from fulcrum.workers.micro_batch import forward_log_prob, forward_values, make_micro_batches
 from fulcrum.workers.runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
@@ -43,15 +43,15 @@ def test_packed_bf16_log_probs_and_gradients_match_padded_fp32() -> None:
     mask = batch["response_mask"]
 
     logp_ref, _ = forward_log_prob(cpu_model, batch, 0.9, False, CPU)
-    compute_policy_loss(batch["old_log_probs"], logp_ref, batch["advantages"], mask.float())[0].backward()
+    ppo_loss(batch["old_log_probs"], logp_ref, batch["advantages"], mask.float())[0].backward()
 
     runner = ModelRunner(gpu_model, CUDA, use_remove_padding=True, role="actor")
     assert runner.packed and runner.compute is not None
     with runner.active():
         logp, _ = runner.log_prob(batch, 0.9, False)
-        compute_policy_loss(
-            batch["old_log_probs"].to(CUDA), logp, batch["advantages"].to(CUDA), mask.float().to(CUDA)
-        )[0].backward()
+        ppo_loss(batch["old_log_probs"].to(CUDA), logp, batch["advantages"].to(CUDA), mask.float().to(CUDA))[
+            0
+        ].backward()
         runner.accumulate_grads()
     diff = (logp.cpu() - logp_ref.detach()).abs()[mask.bool()]
     assert diff.mean() < 0.02 and diff.max() < 0.25, (diff.mean(), diff.max())
@@ -108,9 +108,9 @@ def test_compiled_checkpointed_layers_match_eager_on_cuda(
                 batch = batch_for(SHAPE["vocab_size"]).select(list(range(b)))
                 logp, _ = runner.log_prob(batch, 0.9, False)
                 mask = batch["response_mask"].float().to(CUDA)
-                compute_policy_loss(
-                    batch["old_log_probs"].to(CUDA), logp, batch["advantages"].to(CUDA), mask
-                )[0].backward()
+                ppo_loss(batch["old_log_probs"].to(CUDA), logp, batch["advantages"].to(CUDA), mask)[
+                    0
+                ].backward()
                 runner.accumulate_grads()
                 logps.append(logp.detach().float().cpu())
         results.append((logps, flat_grad(model)))
@@ -158,7 +158,7 @@ def test_micro_batches_do_not_make_the_host_wait_for_the_gpu(tiny_dir: str) -> N
     batch = rl_batch()  # 8 rows: one mini-batch, micro-batches of one padded row's token budget
     batch["old_log_probs"] = actor.compute_log_prob(batch)[0]
     actor.update_policy(batch, global_step=1)  # warm-up: allocator and pinned-memory caches
-    micro, _ = actor.runner.micro_batches(batch, 1, False, None, "micro")
+    micro, _ = make_micro_batches(batch, 1, False, None, "micro", packed=actor.runner.packed)
     assert len(micro) >= 4  # four blocking copies each made 16+ waits before (133 in a seed-size update)
     syncs = stream_syncs(lambda: actor.update_policy(batch, global_step=2))
     assert syncs <= 4, (

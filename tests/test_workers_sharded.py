@@ -28,13 +28,12 @@ def test_split_to_count_halves_the_widest_in_order():
 def _counts(rank: int, world: int, packed: bool) -> int:
     from fulcrum.parallel.fsdp import shard_model
     from fulcrum.rollout.testing import random_causal_lm
-    from fulcrum.workers.runner import ModelRunner
+    from fulcrum.workers.micro_batch import make_micro_batches
 
     model = shard_model(random_causal_lm("qwen2"), torch.device("cpu"))
-    runner = ModelRunner(model, torch.device("cpu"), packed, "actor")
     # rank 0: long rows (one per micro-batch under the budget), rank 1: short rows (all in one)
     lengths = [16] * 4 if rank == 0 else [2] * 4
-    micro, _ = runner.micro_batches(batch_of(lengths, lengths), 4, True, 40, "key")
+    micro, _ = make_micro_batches(batch_of(lengths, lengths), 4, True, 40, "key", packed=packed, model=model)
     assert sum(len(m) for m in micro) == 4
     return len(micro)
 

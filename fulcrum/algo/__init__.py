@@ -1,10 +1,10 @@
 """Core RL maths as pure tensor functions: advantages, policy/value losses, KL, masked statistics.
 
 Mask convention everywhere: `response_mask` (B, T), 1 = the token counts. docs/algorithms.md lists
-every estimator and loss with its formula and its verl name.
+every estimator and loss with its formula and its verl name, and shows how to register a new one.
 """
 
-from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS, compute_advantage
+from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS, compute_advantage, register_adv_est
 from fulcrum.algo.kl import (
     KL_PENALTY_NAMES,
     AdaptiveKLController,
@@ -19,7 +19,7 @@ from fulcrum.algo.losses import (
     compute_value_loss,
 )
 from fulcrum.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from fulcrum.algo.policy_losses import POLICY_LOSSES, compute_policy_loss
+from fulcrum.algo.policy_losses import POLICY_LOSSES, LossConfig, get_policy_loss_fn, register_policy_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -28,15 +28,18 @@ __all__ = [
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
+    "LossConfig",
     "agg_loss",
     "apply_kl_penalty",
     "build_kl_controller",
     "compute_advantage",
-    "compute_policy_loss",
     "compute_value_loss",
+    "get_policy_loss_fn",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "register_adv_est",
+    "register_policy_loss",
 ]

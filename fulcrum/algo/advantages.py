@@ -6,19 +6,20 @@ invisible when rewards sit on valid tokens (as the reward manager writes them): 
 the mask is 0 (verl leaves whitened or carried values there in gae and remax; no loss reads them), and
 the outcome score of a row is the sum of its rewards over valid tokens only (verl sums all T).
 
-All estimators take the same keyword arguments, so the trainer calls any by name:
+An estimator is one function registered by name (verl's `register_adv_est`):
 
-    advantages, returns = compute_advantage(
-        cfg.algorithm.adv_estimator, token_level_rewards=..., response_mask=..., values=...,
-        index=uids, reward_baselines=..., gamma=..., lam=..., norm_adv_by_std_in_grpo=...)
+    @register_adv_est("my_estimator")
+    def my_estimator(*, token_level_rewards, response_mask, index=None, **_other_inputs): ...
 
-An estimator ignores the inputs it does not use and raises ValueError naming the one it lacks.
+It takes keyword inputs (those in ADVANTAGE_INPUTS: the trainer passes them all), declares the ones
+it uses, ignores the rest, raises ValueError naming one it lacks, and returns (advantages, returns).
+`compute_advantage(name, token_level_rewards=..., response_mask=..., **inputs)` runs one by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -30,22 +31,39 @@ GRPO_EPS = 1e-6
 GroupIndex = Sequence[Hashable] | torch.Tensor  # one prompt uid per row (str, int, numpy array, tensor)
 
 
-class AdvantageFn(Protocol):
-    def __call__(
-        self,
-        *,
-        token_level_rewards: torch.Tensor,
-        response_mask: torch.Tensor,
-        values: torch.Tensor | None = None,
-        index: GroupIndex | None = None,
-        reward_baselines: torch.Tensor | None = None,
-        gamma: float = 1.0,
-        lam: float = 1.0,
-        norm_adv_by_std_in_grpo: bool = True,
-        old_log_probs: torch.Tensor | None = None,
-        sum_pi_squared: torch.Tensor | None = None,
-        rollout_is_weights: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# algorithm.adv_estimator -> estimator (verl's names).
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+# What an estimator may take besides token_level_rewards and response_mask (the trainer gives them all).
+ADVANTAGE_INPUTS = frozenset(
+    {
+        "values",
+        "index",
+        "reward_baselines",
+        "gamma",
+        "lam",
+        "norm_adv_by_std_in_grpo",
+        "old_log_probs",
+        "sum_pi_squared",
+        "rollout_is_weights",
+    }
+)
+
+
+def register_adv_est(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator: the function becomes `algorithm.adv_estimator=name` (a taken name is an error)."""
+
+    def register(fn: AdvantageFn) -> AdvantageFn:
+        if ADVANTAGE_ESTIMATORS.get(name, fn) is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return register
+
+
+def adv_estimator_names() -> tuple[str, ...]:
+    return tuple(ADVANTAGE_ESTIMATORS)
 
 
 def _need(value: Any, what: str, estimator: str) -> Any:
@@ -86,6 +104,7 @@ def group_mean_std(
     return mean[gid], std[gid], size[gid]
 
 
+@register_adv_est("gae")
 def gae_advantage(
     *,
     token_level_rewards: torch.Tensor,
@@ -122,6 +141,7 @@ def gae_advantage(
     return advantages, returns
 
 
+@register_adv_est("grpo")
 def grpo_advantage(
     *,
     token_level_rewards: torch.Tensor,
@@ -147,6 +167,7 @@ def grpo_advantage(
     return adv, adv
 
 
+@register_adv_est("rloo")
 def rloo_advantage(
     *,
     token_level_rewards: torch.Tensor,
@@ -169,6 +190,7 @@ def rloo_advantage(
     return adv, adv
 
 
+@register_adv_est("reinforce_plus_plus")
 def reinforce_plus_plus_advantage(
     *,
     token_level_rewards: torch.Tensor,
@@ -193,6 +215,7 @@ def reinforce_plus_plus_advantage(
     return advantages, returns
 
 
+@register_adv_est("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline_advantage(
     *,
     token_level_rewards: torch.Tensor,
@@ -215,6 +238,7 @@ def reinforce_plus_plus_baseline_advantage(
     return adv, adv
 
 
+@register_adv_est("remax")
 def remax_advantage(
     *,
     token_level_rewards: torch.Tensor,
@@ -235,6 +259,7 @@ def remax_advantage(
     return advantages, returns
 
 
+@register_adv_est("gpg")
 def gpg_advantage(
     *,
     token_level_rewards: torch.Tensor,
@@ -258,6 +283,7 @@ def gpg_advantage(
     return adv, adv
 
 
+@register_adv_est("optimal_token_baseline")
 def optimal_token_baseline_advantage(
     *,
     token_level_rewards: torch.Tensor,
@@ -315,53 +341,25 @@ def optimal_token_baseline_advantage(
     return advantages, returns * mask
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
-    "gae": gae_advantage,
-    "grpo": grpo_advantage,
-    "rloo": rloo_advantage,
-    "reinforce_plus_plus": reinforce_plus_plus_advantage,
-    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantage,
-    "remax": remax_advantage,
-    "gpg": gpg_advantage,
-    "optimal_token_baseline": optimal_token_baseline_advantage,
-}
-
-
 def compute_advantage(
-    adv_estimator: str,
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    values: torch.Tensor | None = None,
-    index: GroupIndex | None = None,
-    reward_baselines: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    old_log_probs: torch.Tensor | None = None,
-    sum_pi_squared: torch.Tensor | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
+    adv_estimator: str, *, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, **inputs: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the estimator named `adv_estimator` (a key of ADVANTAGE_ESTIMATORS): (advantages, returns), (B, T)."""
+    """Run the estimator named `adv_estimator` on (B, T) rewards: (advantages, returns), (B, T).
+
+    `inputs` are keywords of ADVANTAGE_INPUTS; a misspelt one is an error rather than silently unused.
+    """
     if adv_estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
             f"algorithm.adv_estimator={adv_estimator!r} is not supported; choose one of {sorted(ADVANTAGE_ESTIMATORS)}"
         )
+    unknown = sorted(set(inputs) - ADVANTAGE_INPUTS)
+    if unknown:
+        raise TypeError(f"compute_advantage: unknown inputs {unknown}; known: {sorted(ADVANTAGE_INPUTS)}")
     if token_level_rewards.shape != response_mask.shape:
         raise ValueError(
             f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
             f"{tuple(response_mask.shape)} must have the same (B, T) shape"
         )
     return ADVANTAGE_ESTIMATORS[adv_estimator](
-        token_level_rewards=token_level_rewards,
-        response_mask=response_mask,
-        values=values,
-        index=index,
-        reward_baselines=reward_baselines,
-        gamma=gamma,
-        lam=lam,
-        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-        old_log_probs=old_log_probs,
-        sum_pi_squared=sum_pi_squared,
-        rollout_is_weights=rollout_is_weights,
+        token_level_rewards=token_level_rewards, response_mask=response_mask, **inputs
     )

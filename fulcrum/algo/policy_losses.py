@@ -1,50 +1,236 @@
-"""The policy losses by `actor_rollout_ref.actor.policy_loss.loss_mode`, verl's names and semantics.
+"""The policy losses, registered by name for `actor_rollout_ref.actor.policy_loss.loss_mode` (verl's names).
 
-vanilla (PPO clip) and gspo live in fulcrum.algo.losses; this module adds GMPO (`geo_mean`), GPG
-(`gpg`), CISPO (`cispo`), SAPO (`sapo`) and REINFORCE with importance weights (used by rollout
-correction's bypass mode), and holds the registry `POLICY_LOSSES` the actor calls by name.
-Each function mirrors verl's `compute_policy_loss_<name>` in verl/trainer/ppo/core_algos.py and
-returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower); a metric a loss does not define is 0
-(verl leaves it out of its metrics dict). Shapes: (B, T); `response_mask` 1 = the token counts.
+A loss has verl's shape (verl/trainer/ppo/core_algos.py, `register_policy_loss`):
+
+    @register_policy_loss("my_loss")
+    def my_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                rollout_is_weights=None) -> tuple[loss, dict[str, metric]]
+
+Tensors (B, T), `response_mask` 1 = the token counts; `config` is a `LossConfig`: the actor's keys
+(`config.clip_ratio`, `config.tau_pos`, ...) and `config.global_batch_info`, the mini-batch's counts
+that `agg_loss` needs so the micro-batch losses add up to the mini-batch loss. The loss is a
+differentiable scalar; metrics are detached scalars under verl's names (`actor/pg_clipfrac`, ...).
+The actor looks the loss up by name, so a new loss (here, or in a user's file named by
+`actor_rollout_ref.actor.policy_loss.path`) needs no change anywhere else.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 
-from fulcrum.algo.losses import (
-    LOG_RATIO_CLAMP,
-    PolicyLossOutput,
-    _clip_bounds,
-    agg_loss,
-    gspo_policy_loss,
-    vanilla_policy_loss,
-)
+from fulcrum.algo.losses import agg_loss
 from fulcrum.algo.masked import MEAN_EPS, masked_mean, masked_sum
+from fulcrum.config.schema import ActorConfig
 
-# verl's defaults for SAPO's gate temperatures (actor.tau_pos, actor.tau_neg).
-SAPO_TAU_POS = 1.0
-SAPO_TAU_NEG = 1.05
+# log(pi / pi_old) is clamped to this before exp, so one wild token cannot overflow the ratio (as verl).
+LOG_RATIO_CLAMP = 20.0
+# GSPO clamps the log of its sequence ratio from above only (as verl).
+GSPO_LOG_RATIO_MAX = 10.0
+PATH_KEY = "actor_rollout_ref.actor.policy_loss.path"
 
 
-def _zero(like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros((), device=like.device)
+@dataclass
+class LossConfig(ActorConfig):
+    """What a policy loss reads as `config`: every actor_rollout_ref.actor key, with its schema default,
+    and `global_batch_info`, this mini-batch's `agg_loss` keywords (as verl's ActorConfig carries them)."""
+
+    global_batch_info: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, actor: ActorConfig, global_batch_info: dict[str, float]) -> LossConfig:
+        return cls(
+            **{f.name: getattr(actor, f.name) for f in fields(ActorConfig)},
+            global_batch_info=global_batch_info,
+        )
 
 
+Metrics = dict[str, torch.Tensor]
+PolicyLossFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str, LossConfig, "torch.Tensor | None"],
+    tuple[torch.Tensor, Metrics],
+]
+# loss_mode -> loss. Plain REINFORCE has no mode of its own: verl reaches it through rollout
+# correction's bypass mode (fulcrum.algo.rollout_correction) and as gpg.
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: the function becomes `loss_mode=name`. A second, different function under a taken
+    name is an error, so a user's file cannot silently replace a built-in loss."""
+
+    def register(fn: PolicyLossFn) -> PolicyLossFn:
+        if POLICY_LOSSES.get(name, fn) is not fn:
+            raise ValueError(
+                f"policy loss {name!r} is already registered by {POLICY_LOSSES[name].__module__}"
+            )
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return register
+
+
+def get_policy_loss_fn(name: str) -> PolicyLossFn:
+    if name not in POLICY_LOSSES:
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={name!r} is not supported; "
+            f"choose one of {sorted(POLICY_LOSSES)} (or register yours: {PATH_KEY})"
+        )
+    return POLICY_LOSSES[name]
+
+
+def import_policy_losses(path: str | None) -> None:
+    """Import the user's module that registers losses: a Python file, or a module name on sys.path.
+
+    A file is imported once per process under a name derived from its absolute path, so validation
+    and the actor can both ask for it without registering its losses twice.
+    """
+    if not path:
+        return
+    file = Path(path).expanduser()
+    try:
+        if not path.endswith(".py"):
+            importlib.import_module(path)
+            return
+        name = f"fulcrum_user_losses_{abs(hash(str(file.resolve())))}"
+        if name in sys.modules:
+            return
+        spec = importlib.util.spec_from_file_location(name, file)
+        if not file.is_file() or spec is None or spec.loader is None:
+            raise FileNotFoundError(f"no Python file at {file}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    except Exception as err:
+        raise ImportError(f"{PATH_KEY}={path}: importing it failed: {err!r}") from err
+
+
+def policy_loss_names(path: str | None = None) -> tuple[str, ...]:
+    """The registered loss modes, after importing the user's module at `path` (policy_loss.path)."""
+    import_policy_losses(path)
+    return tuple(POLICY_LOSSES)
+
+
+def _clip_bounds(config: LossConfig) -> tuple[float, float]:
+    """(eps_low, eps_high): clip_ratio_low / clip_ratio_high, each following clip_ratio when null."""
+    low = config.clip_ratio if config.clip_ratio_low is None else config.clip_ratio_low
+    high = config.clip_ratio if config.clip_ratio_high is None else config.clip_ratio_high
+    if low is None or high is None:
+        raise ValueError("policy loss needs actor.clip_ratio (or both clip_ratio_low and clip_ratio_high)")
+    return float(low), float(high)
+
+
+def _weighted(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
+    return pg_losses if rollout_is_weights is None else pg_losses * rollout_is_weights
+
+
+def _clamped_log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+
+
+def _metrics(clipfrac: torch.Tensor, ppo_kl: torch.Tensor, clipfrac_lower: torch.Tensor) -> Metrics:
+    return {
+        "actor/pg_clipfrac": clipfrac.detach(),
+        "actor/ppo_kl": ppo_kl.detach(),
+        "actor/pg_clipfrac_lower": clipfrac_lower.detach(),
+    }
+
+
+@register_policy_loss("vanilla")
+def vanilla_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: LossConfig,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """PPO clipped surrogate with dual clip (Schulman et al. 2017; Ye et al. 2020); verl `compute_policy_loss_vanilla`.
+
+    ratio = exp(clamp(logp - logp_old, ±20)),  all (B, T):
+        L1 = -A * ratio,  L2 = -A * clip(ratio, 1 - eps_low, 1 + eps_high),  L = max(L1, L2)
+        for A < 0 the loss is also capped: L = min(L, -A * c)   (dual clip, c = clip_ratio_c > 1)
+    pg_loss = agg_loss(L * w) with w = rollout_is_weights (optional importance weights, (B, T)).
+    pg_clipfrac = masked mean of [L2 > L1]; pg_clipfrac_lower = masked mean of [max(L1, L2) > -A c and A < 0];
+    ppo_kl = masked mean of (logp_old - logp) (after the clamp).
+    """
+    clip_ratio_c = float(config.clip_ratio_c)
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"actor.clip_ratio_c must be greater than 1.0 for dual-clip PPO, got {clip_ratio_c}")
+    eps_low, eps_high = _clip_bounds(config)
+    log_ratio = _clamped_log_ratio(old_log_prob, log_prob)
+    ratio = torch.exp(log_ratio)
+
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    pg_clipfrac = masked_mean(torch.gt(loss_clipped, loss_unclipped).float(), response_mask)
+
+    loss_cap = -advantages * clip_ratio_c
+    loss_dual = torch.minimum(loss_cap, loss_ppo)
+    negative = advantages < 0
+    pg_clipfrac_lower = masked_mean((torch.gt(loss_ppo, loss_cap) & negative).float(), response_mask)
+
+    pg_losses = _weighted(torch.where(negative, loss_dual, loss_ppo), rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
+    return pg_loss, _metrics(pg_clipfrac, masked_mean(-log_ratio, response_mask), pg_clipfrac_lower)
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: LossConfig,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """Group Sequence Policy Optimisation (Zheng et al. 2025); verl `compute_policy_loss_gspo`.
+
+    Sequence ratio s_i = exp(mean_t over valid tokens of (logp - logp_old)), used per token as
+        s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]   (value s_i, gradient of the token's own log-prob)
+    with log s_i,t clamped to <= 10. Then L = max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high)) (no dual clip:
+    clip_ratio_c is ignored). The paper aggregates with seq-mean-token-mean; verl (and we) use `loss_agg_mode`.
+    pg_clipfrac_lower is 0; ppo_kl = masked mean of (logp_old - logp).
+    """
+    eps_low, eps_high = _clip_bounds(config)
+    log_ratio = log_prob - old_log_prob  # (B, T)
+    seq_len = response_mask.sum(dim=-1).clamp(min=1)  # (B,)
+    seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1) / seq_len  # (B,)
+    token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    seq_ratio = torch.exp(torch.clamp(token_log_ratio, max=GSPO_LOG_RATIO_MAX))  # (B, T)
+
+    loss_unclipped = -advantages * seq_ratio
+    loss_clipped = -advantages * torch.clamp(seq_ratio, 1 - eps_low, 1 + eps_high)
+    pg_losses = _weighted(torch.maximum(loss_unclipped, loss_clipped), rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
+    pg_clipfrac = masked_mean(torch.gt(loss_clipped, loss_unclipped).float(), response_mask)
+    zero = torch.zeros((), device=pg_loss.device)
+    return pg_loss, _metrics(pg_clipfrac, masked_mean(-log_ratio, response_mask), zero)
+
+
+@register_policy_loss("geo_mean")
 def geo_mean_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    *,
-    cliprange: float | None = 0.2,
-    cliprange_low: float | None = None,
-    cliprange_high: float | None = None,
+    loss_agg_mode: str,
+    config: LossConfig,
     rollout_is_weights: torch.Tensor | None = None,
-    **_unused: object,
-) -> PolicyLossOutput:
+) -> tuple[torch.Tensor, Metrics]:
     """Geometric-Mean Policy Optimisation (GMPO, Zhao et al. 2025); verl `compute_policy_loss_geo_mean`.
 
     Per token d = logp - logp_old (not clamped), clipped in the direction of the advantage's sign:
@@ -55,9 +241,8 @@ def geo_mean_policy_loss(
     w (B, T), L_i is multiplied by their geometric mean exp(sum_t log(w + 1e-10) / n_i).
     pg_clipfrac = masked mean of [d clipped and A > 0]; pg_clipfrac_lower the same for A < 0.
     """
-    eps_low, eps_high = _clip_bounds(cliprange, cliprange_low, cliprange_high)
+    eps_low, eps_high = _clip_bounds(config)
     log_ratio = log_prob - old_log_prob
-    ppo_kl = masked_mean(-log_ratio, response_mask)
     sign = torch.sign(advantages)
     log_ratio_clipped = torch.clamp(log_ratio, -eps_low, eps_high)
     log_ratio_min = sign * torch.minimum(sign * log_ratio, sign * log_ratio_clipped)
@@ -68,26 +253,24 @@ def geo_mean_policy_loss(
     if rollout_is_weights is not None:
         log_w = torch.log(rollout_is_weights + 1e-10)
         pg_losses = pg_losses * torch.exp(masked_sum(log_w, response_mask, axis=-1) / n_tokens)
-    pg_loss = pg_losses.mean()
     clipped = (log_ratio != log_ratio_clipped).float()
-    pg_clipfrac = masked_mean(clipped * (advantages > 0).float(), response_mask)
-    pg_clipfrac_lower = masked_mean(clipped * (advantages < 0).float(), response_mask)
-    return PolicyLossOutput(pg_loss, pg_clipfrac.detach(), ppo_kl.detach(), pg_clipfrac_lower.detach())
+    return pg_losses.mean(), _metrics(
+        masked_mean(clipped * (advantages > 0).float(), response_mask),
+        masked_mean(-log_ratio, response_mask),
+        masked_mean(clipped * (advantages < 0).float(), response_mask),
+    )
 
 
+@register_policy_loss("cispo")
 def cispo_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    *,
-    cliprange: float | None = 0.2,
-    cliprange_low: float | None = None,
-    cliprange_high: float | None = None,
-    loss_agg_mode: str = "token-mean",
+    loss_agg_mode: str,
+    config: LossConfig,
     rollout_is_weights: torch.Tensor | None = None,
-    **agg_kwargs: float | torch.Tensor | None,
-) -> PolicyLossOutput:
+) -> tuple[torch.Tensor, Metrics]:
     """Clipped IS-weight Policy Optimisation (CISPO, MiniMax-M1 2025); verl `compute_policy_loss_cispo`.
 
     ratio = exp(clamp(logp - logp_old, ±20)); the clipped ratio is a constant weight, so every token
@@ -96,31 +279,27 @@ def cispo_policy_loss(
     pg_loss = agg_loss(L, loss_agg_mode); pg_clipfrac = masked mean of [clip changed the ratio];
     pg_clipfrac_lower = 0; ppo_kl = masked mean of (logp_old - logp) (after the clamp).
     """
-    agg_kwargs = {k: v for k, v in agg_kwargs.items() if k in _AGG_KEYS}
-    eps_low, eps_high = _clip_bounds(cliprange, cliprange_low, cliprange_high)
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    eps_low, eps_high = _clip_bounds(config)
+    log_ratio = _clamped_log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(log_ratio)
-    ppo_kl = masked_mean(-log_ratio, response_mask)
     clipped_ratio = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    pg_losses = -clipped_ratio.detach() * advantages * log_prob
+    pg_losses = _weighted(-clipped_ratio.detach() * advantages * log_prob, rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
     pg_clipfrac = masked_mean((ratio != clipped_ratio).float(), response_mask)
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)  # type: ignore[arg-type]
-    return PolicyLossOutput(pg_loss, pg_clipfrac.detach(), ppo_kl.detach(), _zero(pg_loss))
+    zero = torch.zeros((), device=pg_loss.device)
+    return pg_loss, _metrics(pg_clipfrac, masked_mean(-log_ratio, response_mask), zero)
 
 
+@register_policy_loss("sapo")
 def sapo_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    *,
-    tau_pos: float = SAPO_TAU_POS,
-    tau_neg: float = SAPO_TAU_NEG,
+    loss_agg_mode: str,
+    config: LossConfig,
     rollout_is_weights: torch.Tensor | None = None,
-    **agg_kwargs: float | torch.Tensor | None,
-) -> PolicyLossOutput:
+) -> tuple[torch.Tensor, Metrics]:
     """Soft Adaptive Policy Optimisation (SAPO, Gao et al. 2025); verl `compute_policy_loss_sapo`.
 
     A smooth gate instead of a hard clip: r = exp(clamp(logp - logp_old, ±20)),
@@ -130,116 +309,36 @@ def sapo_policy_loss(
     pg_loss = agg_loss(L, "seq-mean-token-mean") whatever actor.loss_agg_mode says, as verl.
     pg_clipfrac and pg_clipfrac_lower are 0; ppo_kl = masked mean of (logp_old - logp) (after the clamp).
     """
-    agg_kwargs = {k: v for k, v in agg_kwargs.items() if k in _AGG_KEYS}
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    log_ratio = _clamped_log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(log_ratio)
-    pos = torch.as_tensor(tau_pos, dtype=advantages.dtype, device=advantages.device)
-    neg = torch.as_tensor(tau_neg, dtype=advantages.dtype, device=advantages.device)
+    pos = torch.as_tensor(float(config.tau_pos), dtype=advantages.dtype, device=advantages.device)
+    neg = torch.as_tensor(float(config.tau_neg), dtype=advantages.dtype, device=advantages.device)
     taus = torch.where(advantages > 0, pos, neg)
     gates = torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)
-    pg_losses = -gates * advantages
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
-    pg_loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean", **agg_kwargs)  # type: ignore[arg-type]
-    ppo_kl = masked_mean(-log_ratio, response_mask)
-    return PolicyLossOutput(pg_loss, _zero(pg_loss), ppo_kl.detach(), _zero(pg_loss))
+    pg_losses = _weighted(-gates * advantages, rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean", **config.global_batch_info)
+    zero = torch.zeros((), device=pg_loss.device)
+    return pg_loss, _metrics(zero, masked_mean(-log_ratio, response_mask), zero)
 
 
+@register_policy_loss("gpg")
 def reinforce_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    *,
-    loss_agg_mode: str = "token-mean",
+    loss_agg_mode: str,
+    config: LossConfig,
     rollout_is_weights: torch.Tensor | None = None,
-    **agg_kwargs: float | torch.Tensor | None,
-) -> PolicyLossOutput:
+) -> tuple[torch.Tensor, Metrics]:
     """REINFORCE with optional importance weights; verl `compute_policy_loss_reinforce`.
 
     L = -A * logp * w (w = rollout IS weights, 1 without), pg_loss = agg_loss(L, loss_agg_mode);
     ppo_kl = masked mean of (logp_old - logp), where `old_log_prob` is the rollout engine's log-prob
-    (rollout correction's bypass mode with loss_type=reinforce). The clip fractions are 0.
+    (rollout correction's bypass mode with loss_type=reinforce). It clips nothing.
     It is also Group Policy Gradient's loss (GPG, Chu et al. 2025; verl `compute_policy_loss_gpg`,
     loss_mode=gpg, paired with algorithm.adv_estimator=gpg): verl's -logp * A equals -A * logp to the bit.
     """
-    agg_kwargs = {k: v for k, v in agg_kwargs.items() if k in _AGG_KEYS}
-    pg_losses = -advantages * log_prob
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)  # type: ignore[arg-type]
-    ppo_kl = masked_mean(old_log_prob - log_prob, response_mask)
-    return PolicyLossOutput(pg_loss, _zero(pg_loss), ppo_kl.detach(), _zero(pg_loss))
-
-
-# agg_loss's keyword arguments: the only extra keywords a loss passes on (others, e.g. tau_pos, are its own).
-_AGG_KEYS = frozenset({"batch_num_tokens", "global_batch_size", "dp_size", "loss_scale_factor"})
-
-
-class PolicyLossFn(Protocol):
-    def __call__(
-        self,
-        old_log_prob: torch.Tensor,
-        log_prob: torch.Tensor,
-        advantages: torch.Tensor,
-        response_mask: torch.Tensor,
-        **kwargs: object,
-    ) -> PolicyLossOutput: ...
-
-
-# actor.policy_loss.loss_mode -> loss function (verl's names). Plain REINFORCE has no mode of its own:
-# verl reaches it through rollout correction's bypass mode (fulcrum.algo.rollout_correction) and as gpg.
-POLICY_LOSSES: dict[str, PolicyLossFn] = {
-    "vanilla": vanilla_policy_loss,  # type: ignore[dict-item]
-    "gspo": gspo_policy_loss,  # type: ignore[dict-item]
-    "geo_mean": geo_mean_policy_loss,  # type: ignore[dict-item]
-    "gpg": reinforce_policy_loss,  # type: ignore[dict-item]
-    "cispo": cispo_policy_loss,  # type: ignore[dict-item]
-    "sapo": sapo_policy_loss,  # type: ignore[dict-item]
-}
-
-
-def compute_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    cliprange: float | None = 0.2,
-    cliprange_low: float | None = None,
-    cliprange_high: float | None = None,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    loss_mode: str = "vanilla",
-    rollout_is_weights: torch.Tensor | None = None,
-    tau_pos: float = SAPO_TAU_POS,
-    tau_neg: float = SAPO_TAU_NEG,
-    **agg_kwargs: float | torch.Tensor | None,
-) -> PolicyLossOutput:
-    """The policy loss named `loss_mode` (a key of POLICY_LOSSES): (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower).
-
-    Inputs (B, T); the keyword names are those of verl's `compute_policy_loss`; `tau_pos`/`tau_neg` are
-    SAPO's (actor.tau_pos / actor.tau_neg). `agg_kwargs` go to `agg_loss`.
-    """
-    if loss_mode not in POLICY_LOSSES:
-        raise ValueError(
-            f"actor.policy_loss.loss_mode={loss_mode!r} is not supported; choose one of {sorted(POLICY_LOSSES)}"
-        )
-    own: dict[str, object] = {}
-    if loss_mode in ("vanilla", "gspo", "geo_mean", "cispo"):
-        own.update(cliprange=cliprange, cliprange_low=cliprange_low, cliprange_high=cliprange_high)
-    if loss_mode in ("vanilla", "gspo"):
-        own["clip_ratio_c"] = clip_ratio_c
-    if loss_mode == "sapo":
-        own.update(tau_pos=tau_pos, tau_neg=tau_neg)
-    else:
-        own["loss_agg_mode"] = loss_agg_mode
-    return POLICY_LOSSES[loss_mode](
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        rollout_is_weights=rollout_is_weights,
-        **own,
-        **agg_kwargs,
-    )
+    pg_losses = _weighted(-advantages * log_prob, rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
+    return pg_loss, {"actor/ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).detach()}

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fulcrum.algo.losses import vanilla_policy_loss
 from fulcrum.algo.masked import masked_mean, masked_sum
-from fulcrum.algo.policy_losses import PolicyLossOutput, reinforce_policy_loss
+from fulcrum.algo.policy_losses import LossConfig, reinforce_policy_loss, vanilla_policy_loss
 
 # exp(±20) bounds every weight before truncation (as verl's SAFETY_BOUND).
 SAFETY_BOUND = 20.0
@@ -375,50 +374,30 @@ def bypass_policy_loss(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    config: RolloutCorrection,
-    *,
-    cliprange: float | None = 0.2,
-    cliprange_low: float | None = None,
-    cliprange_high: float | None = None,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    **agg_kwargs: float | torch.Tensor | None,
-) -> tuple[PolicyLossOutput, dict[str, float]]:
+    loss_agg_mode: str,
+    config: LossConfig,
+    correction: RolloutCorrection,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """Bypass mode's loss; verl `compute_policy_loss_bypass_mode`. old log-probs = the engine's.
 
     IS weights and the rejection mask are computed between the *current* policy and the engine
     (no gradient), then loss_type=reinforce: L = -w A logp on the kept tokens; loss_type=ppo_clip:
     PPO's clipped loss with ratio pi / pi_rollout on the kept tokens (the ratio already corrects, so
-    no weights). Returns the loss output and the `rollout_corr/*` metrics.
+    no weights). Returns the loss and its metrics with the `rollout_corr/*` ones.
     """
-    if config.loss_type not in BYPASS_LOSS_TYPES:
+    if correction.loss_type not in BYPASS_LOSS_TYPES:
         raise ValueError(
-            f"algorithm.rollout_correction.loss_type={config.loss_type!r} is not one of {BYPASS_LOSS_TYPES}"
+            f"algorithm.rollout_correction.loss_type={correction.loss_type!r} is not one of {BYPASS_LOSS_TYPES}"
         )
     weights, mask, metrics = compute_rollout_correction(
-        log_prob.detach(), rollout_log_prob, response_mask, config
+        log_prob.detach(), rollout_log_prob, response_mask, correction
     )
-    if config.loss_type == "reinforce":
-        out = reinforce_policy_loss(
-            rollout_log_prob,
-            log_prob,
-            advantages,
-            mask,
-            loss_agg_mode=loss_agg_mode,
-            rollout_is_weights=weights,
-            **agg_kwargs,
+    if correction.loss_type == "reinforce":
+        loss, loss_metrics = reinforce_policy_loss(
+            rollout_log_prob, log_prob, advantages, mask, loss_agg_mode, config, weights
         )
     else:
-        out = vanilla_policy_loss(
-            rollout_log_prob,
-            log_prob,
-            advantages,
-            mask,
-            cliprange=cliprange,
-            cliprange_low=cliprange_low,
-            cliprange_high=cliprange_high,
-            clip_ratio_c=clip_ratio_c,
-            loss_agg_mode=loss_agg_mode,
-            **agg_kwargs,
+        loss, loss_metrics = vanilla_policy_loss(
+            rollout_log_prob, log_prob, advantages, mask, loss_agg_mode, config
         )
-    return out, metrics
+    return loss, {**metrics, **loss_metrics}

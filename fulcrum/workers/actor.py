@@ -1,5 +1,5 @@
 """The actor (policy) worker and the reference worker: a Hugging Face causal LM, its log-probs, and
-the PPO policy update (ppo_epochs × shuffled mini-batches × micro-batches with gradient accumulation).
+the PPO policy update: the loss of one micro-batch, run by the shared loop of fulcrum.workers.update.
 
 No global state: everything lives on the instance (`model`, `optimizer`, `lr_scheduler`). With several
 ranks the model is replicated or FSDP2-sharded in place (`fulcrum.workers.placement`) and the update
@@ -8,8 +8,6 @@ loop is the same.
 
 from __future__ import annotations
 
-import logging
-from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,20 +15,17 @@ import torch
 
 from fulcrum.algo.kl import kl_penalty
 from fulcrum.algo.losses import agg_loss
-from fulcrum.algo.policy_losses import compute_policy_loss
+from fulcrum.algo.policy_losses import LossConfig, get_policy_loss_fn, import_policy_losses
 from fulcrum.algo.rollout_correction import RolloutCorrection, bypass_policy_loss
 from fulcrum.batch import Batch, host_to_device
 from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
-from fulcrum.parallel import rank_rows, reduce_metrics
 from fulcrum.parallel.fsdp import full_named_tensors
-from fulcrum.workers.micro_batch import restore_order
-from fulcrum.workers.optim import build_lr_scheduler, build_optimizer, clip_and_step
+from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
 from fulcrum.workers.recipes import compute_sum_pi_squared
 from fulcrum.workers.runner import ModelRunner
-
-logger = logging.getLogger(__name__)
+from fulcrum.workers.update import UpdatePlan, ppo_update
 
 
 def compute_log_prob(
@@ -40,33 +35,14 @@ def compute_log_prob(
     temperature: float,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(response) (B, R) and entropy (B, R) on the CPU, float32, no gradient, micro-batched.
+    """log π(response) (B, R) and entropy (B, R) on the CPU, float32, no gradient, micro-batched."""
 
-    Results stay on the device until the pass ends: one host copy, no sync per micro-batch.
-    """
-    micro, order = runner.micro_batches(
-        batch,
-        sizes.micro_batch_size,
-        sizes.use_dynamic_bsz,
-        sizes.max_token_len,
-        sizes.key,
-        sort_by_length=True,
-    )
-    model = runner.model
-    was_training = model.training
-    model.eval()  # no dropout: log-probs must match what the update's ratio starts from
-    logps, ents = [], []
-    try:
-        with torch.no_grad(), runner.active():
-            for mb in micro:
-                logp, ent = runner.log_prob(mb, temperature, with_entropy)
-                logps.append(logp)
-                if ent is not None:
-                    ents.append(ent)
-    finally:
-        model.train(was_training)
-    logp_all = restore_order(logps, order).cpu()
-    return logp_all, (restore_order(ents, order).cpu() if with_entropy else None)
+    def forward(mb: Batch) -> tuple[torch.Tensor, ...]:
+        logp, ent = runner.log_prob(mb, temperature, with_entropy)
+        return (logp,) if ent is None else (logp, ent)
+
+    outputs = runner.no_grad_pass(batch, sizes, forward)
+    return outputs[0], (outputs[1] if with_entropy else None)
 
 
 class ReferenceWorker:
@@ -117,10 +93,21 @@ class ActorWorker:
             self.optimizer, self.cfg.optim, total_training_steps, "actor_rollout_ref.actor.optim"
         )
         self.temperature = section.temperature
-        self.mini_batch_size = section.mini_batch_size  # responses per optimiser step
-        self.micro_batch_size = section.micro_batch_size
         self.log_prob_sizes = section.log_prob
-        self.shuffle_seed = section.seed
+        cfg = self.cfg
+        self.plan = UpdatePlan(
+            role="actor",
+            ppo_epochs=cfg.ppo_epochs,
+            mini_batch_size=section.mini_batch_size,
+            micro_batch_size=section.micro_batch_size,
+            use_dynamic_bsz=cfg.use_dynamic_bsz,
+            max_token_len=cfg.ppo_max_token_len_per_gpu,
+            micro_batch_key="actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+            grad_clip=float(cfg.grad_clip),
+            seed=section.seed,
+        )
+        import_policy_losses(cfg.policy_loss.path)
+        self.policy_loss = get_policy_loss_fn(cfg.policy_loss.loss_mode)
         # Rollout correction's bypass mode (set by the trainer): the loss corrects against the engine.
         self.bypass: RolloutCorrection | None = None
 
@@ -144,91 +131,51 @@ class ActorWorker:
         )
 
     def update_policy(self, batch: Batch, global_step: int = 0) -> dict[str, float]:
-        """ppo_epochs × mini-batches (shuffled) × micro-batches; one optimiser step per mini-batch.
+        """One PPO update (fulcrum.workers.update.ppo_update) of the loss named by actor.policy_loss.loss_mode.
 
-        The shuffle is seeded by (trainer.seed, global_step) so a resumed run repeats it exactly.
-        Needs `old_log_probs`, `advantages` (and `ref_log_prob` with use_kl_loss). The loss of each
-        micro-batch is its share of the mini-batch loss (global-token normalisation, verl 0.9.1: the
-        token or sequence count of `loss_agg_mode` is the mini-batch's), so the gradient does not
-        depend on how the mini-batch is cut. Metrics: losses are per mini-batch, clip fractions and
-        KL means over micro-batches, grad_norm per mini-batch, each then averaged (as verl reduces).
+        Needs `old_log_probs`, `advantages` (and `ref_log_prob` with use_kl_loss).
         """
-        cfg = self.cfg
-        if len(batch) % self.mini_batch_size != 0 and len(batch) > self.mini_batch_size:
-            logger.warning(
-                "actor: %d responses do not divide into mini-batches of %d", len(batch), self.mini_batch_size
-            )
-        self.model.train()
-        metrics: dict[str, list[torch.Tensor | float]] = defaultdict(list)
-        generator = torch.Generator().manual_seed(self.shuffle_seed * 1_000_003 + global_step)
-        clip_low, clip_high = cfg.clip_ratio_low, cfg.clip_ratio_high  # resolved: follow clip_ratio when null
-        assert clip_low is not None and clip_high is not None
-        for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(len(batch), generator=generator)
-            for mini in batch.select(order).split(self.mini_batch_size):
-                agg = global_agg_kwargs(mini["response_mask"])  # the whole mini-batch's counts
-                micro, _ = self.runner.micro_batches(
-                    mini.select(rank_rows(len(mini))),  # this rank's share (all of it in one process)
-                    self.micro_batch_size,
-                    cfg.use_dynamic_bsz,
-                    cfg.ppo_max_token_len_per_gpu,
-                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-                )
-                self.optimizer.zero_grad(set_to_none=True)
-                shares: dict[str, list[torch.Tensor]] = defaultdict(list)
-                with self.runner.active():
-                    for mb in micro:
-                        step_metrics = self._micro_step(mb, agg, clip_low, clip_high)
-                        self.runner.accumulate_grads()
-                        for k, v in step_metrics.items():
-                            if k in _LOSS_SHARES:
-                                shares[k].append(v)  # type: ignore[arg-type]
-                            else:
-                                metrics[k].append(v)
-                for k, parts in shares.items():
-                    metrics[k].append(torch.stack(parts).sum())
-                metrics["actor/grad_norm"].append(self._optimizer_step(float(cfg.grad_clip), "actor"))
-        metrics["actor/lr"].append(self.lr_scheduler.get_last_lr()[0])
-        self.lr_scheduler.step()
-        return reduce_metrics(mean_metrics(metrics), sums=_LOSS_SHARES)
+        return ppo_update(
+            self.runner,
+            self.optimizer,
+            self.lr_scheduler,
+            self.placement,
+            batch,
+            self.plan,
+            global_step,
+            self._micro_step,
+        )
 
-    def _micro_step(
-        self, mb: Batch, agg: dict[str, float], clip_low: float, clip_high: float
-    ) -> dict[str, torch.Tensor | float]:
-        """Forward, loss (this micro-batch's share of the mini-batch loss), backward; detached metrics."""
+    def _micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]:
+        """Forward, loss (this micro-batch's share of the mini-batch loss), backward; detached metrics.
+
+        policy loss = pg_loss - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref), each aggregated
+        by actor.loss_agg_mode. A loss reports what it defines; a loss that clips nothing reports no
+        clip fractions, which are then 0.
+        """
         cfg = self.cfg
         mask = host_to_device(mb["response_mask"], self.device).float()
         with_entropy = float(cfg.entropy_coeff) != 0.0
         log_prob, entropy = self.runner.log_prob(mb, self.temperature, with_entropy, mask)
         old_log_prob = host_to_device(mb["old_log_probs"], self.device)
         advantages = host_to_device(mb["advantages"], self.device)
-        clip = dict(
-            cliprange=float(cfg.clip_ratio), cliprange_low=float(clip_low), cliprange_high=float(clip_high)
-        )
-        out: dict[str, torch.Tensor | float] = {}
+        config = LossConfig.of(cfg, agg)
         if self.bypass is not None:  # old log-probs are the engine's; correct against the current policy
-            loss_out, corr_metrics = bypass_policy_loss(
-                old_log_prob, log_prob, advantages, mask, self.bypass, **clip,
-                clip_ratio_c=float(cfg.clip_ratio_c), loss_agg_mode=cfg.loss_agg_mode, **agg,
-            )  # fmt: skip
-            out.update(corr_metrics)
+            pg_loss, pg_metrics = bypass_policy_loss(
+                old_log_prob, log_prob, advantages, mask, cfg.loss_agg_mode, config, self.bypass
+            )
         else:
             weights = mb.tensors.get("rollout_is_weights")
-            loss_out = compute_policy_loss(
-                old_log_prob=old_log_prob,
-                log_prob=log_prob,
-                advantages=advantages,
-                response_mask=mask,
-                **clip,
-                clip_ratio_c=float(cfg.clip_ratio_c),
-                loss_agg_mode=cfg.loss_agg_mode,
-                loss_mode=cfg.policy_loss.loss_mode,
-                rollout_is_weights=host_to_device(weights, self.device) if weights is not None else None,
-                tau_pos=float(cfg.tau_pos),
-                tau_neg=float(cfg.tau_neg),
-                **agg,
+            weights = host_to_device(weights, self.device) if weights is not None else None
+            pg_loss, pg_metrics = self.policy_loss(
+                old_log_prob, log_prob, advantages, mask, cfg.loss_agg_mode, config, weights
             )
-        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = loss_out
+        out: dict[str, torch.Tensor | float] = {
+            "actor/pg_loss": pg_loss.detach(),
+            "actor/pg_clipfrac": 0.0,
+            "actor/pg_clipfrac_lower": 0.0,
+            **pg_metrics,
+        }
         policy_loss = pg_loss
         if entropy is not None:
             entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
@@ -240,48 +187,9 @@ class ActorWorker:
             out["actor/kl_loss"] = kl_loss.detach()
             out["actor/kl_coef"] = float(cfg.kl_loss_coef)
         policy_loss.backward()
-        out.update(
-            {
-                "actor/pg_loss": pg_loss.detach(),
-                "actor/pg_clipfrac": pg_clipfrac,
-                "actor/ppo_kl": ppo_kl,
-                "actor/pg_clipfrac_lower": pg_clipfrac_lower,
-            }
-        )
         return out
-
-    def _optimizer_step(self, grad_clip: float, role: str) -> float:
-        return clip_and_step(self.model, self.optimizer, grad_clip, role, self.placement)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's whole weights under Hugging Face names, for `RolloutEngine.update_weights`
         (under FSDP all-gathered one at a time: every rank consumes them all)."""
         return full_named_tensors(self.model)
-
-
-# Metrics that are a micro-batch's share of the mini-batch loss: summed per mini-batch (and over ranks).
-_LOSS_SHARES = frozenset({"actor/pg_loss", "actor/kl_loss", "critic/vf_loss"})
-
-
-def global_agg_kwargs(response_mask: torch.Tensor) -> dict[str, float]:
-    """`agg_loss` keywords for a micro-batch of this mini-batch: its token and sequence counts.
-
-    token-mean divides by the mini-batch's tokens, seq-mean-* by its sequences with a token, so the
-    micro-batch losses add up to the mini-batch loss however it is cut (verl 0.9.1's global-token
-    normalisation). Counted on the host (the batch lives there): no device sync.
-    """
-    tokens_per_seq = response_mask.sum(-1)  # (B,)
-    return {
-        "batch_num_tokens": max(float(tokens_per_seq.sum()), 1.0),
-        "global_batch_size": max(float((tokens_per_seq > 0).sum()), 1.0),
-    }
-
-
-def mean_metrics(metrics: dict[str, list[torch.Tensor | float]]) -> dict[str, float]:
-    """Mean of each metric's values; device tensors are brought to the host in one copy."""
-    tensors = [(k, i) for k, v in metrics.items() for i, x in enumerate(v) if isinstance(x, torch.Tensor)]
-    if tensors:
-        stacked = torch.stack([metrics[k][i].detach().float().reshape(()) for k, i in tensors])  # type: ignore[union-attr]
-        for (k, i), value in zip(tensors, stacked.cpu().tolist(), strict=True):
-            metrics[k][i] = value
-    return {k: float(sum(float(x) for x in v) / len(v)) for k, v in metrics.items()}

@@ -107,13 +107,29 @@ def make_micro_batches(
     key: str,
     sort_by_length: bool = False,
     packed: bool = False,
+    model: nn.Module | None = None,
 ) -> tuple[list[Batch], list[int] | None]:
     """Micro-batches and, when samples were reordered, the order they hold (to undo it).
 
     `sort_by_length` (for no-grad passes, where grouping cannot change the result) puts samples of
     similar length together so each trimmed micro-batch carries little padding. `packed` cuts by
-    real tokens (`packed_budget`, `packed_token_groups`) for the padding-free forwards.
+    real tokens (`packed_budget`, `packed_token_groups`) for the padding-free forwards. When FSDP
+    shards `model`, the micro-batches are cut further to as many as any rank has
+    (`as_many_as_other_ranks`).
     """
+    micro, order = _split(batch, size, use_dynamic_bsz, max_token_len, key, sort_by_length, packed)
+    return (as_many_as_other_ranks(model, micro) if model is not None else micro), order
+
+
+def _split(
+    batch: Batch,
+    size: int | None,
+    use_dynamic_bsz: bool,
+    max_token_len: int | None,
+    key: str,
+    sort_by_length: bool,
+    packed: bool,
+) -> tuple[list[Batch], list[int] | None]:
     if packed:
         budget = packed_budget(batch, size, use_dynamic_bsz, max_token_len, key)
         groups = packed_token_groups(batch["attention_mask"].sum(-1).tolist(), budget, key)

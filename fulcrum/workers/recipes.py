@@ -11,7 +11,6 @@ from fulcrum.models.load import autocast_for
 from fulcrum.models.logprob import response_logits, sum_pi_squared
 from fulcrum.workers.micro_batch import (
     _pad_right,
-    as_many_as_other_ranks,
     make_micro_batches,
     restore_order,
     trimmed_inputs,
@@ -39,8 +38,8 @@ def compute_sum_pi_squared(
         max_token_len,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
         sort_by_length=True,
+        model=model,
     )
-    micro = as_many_as_other_ranks(model, micro)
     was_training = model.training
     model.eval()
     parts = []

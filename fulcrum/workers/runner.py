@@ -1,20 +1,21 @@
 """How a worker runs its model: packed or padded forwards, bf16 compute weights on CUDA.
 
-One `ModelRunner` per model (actor, reference, critic). The workers' loops stay as they were: they
-ask the runner for micro-batches and forwards, run the update's micro-batches inside `active()` and
-call `accumulate_grads()` after each backward.
+One `ModelRunner` per model (actor, reference, critic): its no-grad passes (`no_grad_pass`), its
+forwards on one micro-batch, and, for the update loop (fulcrum.workers.update), `active()` around
+the micro-batches and `accumulate_grads()` after each backward.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from fulcrum.batch import Batch
+from fulcrum.config.sections import ForwardSizes
 from fulcrum.models.linear_logprob import use_compiled_chunks
 from fulcrum.models.packed import (
     compile_decoder_layers,
@@ -26,10 +27,10 @@ from fulcrum.models.packed import (
 from fulcrum.models.precision import ComputeWeights
 from fulcrum.parallel.fsdp import is_sharded
 from fulcrum.workers.micro_batch import (
-    as_many_as_other_ranks,
     forward_log_prob,
     forward_values,
     make_micro_batches,
+    restore_order,
 )
 
 logger = logging.getLogger(__name__)
@@ -91,25 +92,33 @@ class ModelRunner:
         if self.compute is not None:
             self.compute.accumulate_grads()
 
-    def micro_batches(
-        self,
-        batch: Batch,
-        size: int | None,
-        use_dynamic_bsz: bool,
-        max_token_len: int | None,
-        key: str,
-        sort_by_length: bool = False,
-    ) -> tuple[list[Batch], list[int] | None]:
+    def no_grad_pass(
+        self, batch: Batch, sizes: ForwardSizes, forward: Callable[[Batch], tuple[torch.Tensor, ...]]
+    ) -> list[torch.Tensor]:
+        """`forward` on every micro-batch in eval mode without gradients: each of its outputs over the
+        whole batch, (B, ...) in the batch's row order, on the CPU.
+
+        Micro-batches hold rows of similar length (less padding; no-grad results do not depend on the
+        grouping). Results stay on the device until the pass ends: one host copy, no sync per micro-batch.
+        """
         micro, order = make_micro_batches(
             batch,
-            size,
-            use_dynamic_bsz,
-            max_token_len,
-            key,
-            sort_by_length=sort_by_length,
+            sizes.micro_batch_size,
+            sizes.use_dynamic_bsz,
+            sizes.max_token_len,
+            sizes.key,
+            sort_by_length=True,
             packed=self.packed,
+            model=self.model,
         )
-        return as_many_as_other_ranks(self.model, micro), order
+        was_training = self.model.training
+        self.model.eval()  # no dropout: log-probs must match what the update's ratio starts from
+        try:
+            with torch.no_grad(), self.active():
+                outputs = [forward(mb) for mb in micro]
+        finally:
+            self.model.train(was_training)
+        return [restore_order(list(parts), order).cpu() for parts in zip(*outputs, strict=True)]
 
     def log_prob(
         self, mb: Batch, temperature: float, with_entropy: bool, response_mask: torch.Tensor | None = None

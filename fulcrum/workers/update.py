@@ -1,0 +1,128 @@
+"""The update loop every trained model runs (actor and critic): ppo_epochs × shuffled mini-batches ×
+micro-batches, gradients accumulated over the micro-batches, one clipped optimiser step per mini-batch.
+
+A worker gives its loss as a `MicroStep` (forward, loss, backward on one micro-batch; detached
+metrics back); everything else — shuffling, splitting, this rank's share, compute weights, grad
+clip, LR schedule, metric reduction — is here once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+from fulcrum.batch import Batch
+from fulcrum.parallel import rank_rows, reduce_metrics
+from fulcrum.workers.micro_batch import make_micro_batches
+from fulcrum.workers.optim import clip_and_step
+from fulcrum.workers.placement import Placement
+from fulcrum.workers.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Metrics that are a micro-batch's share of the mini-batch loss: summed per mini-batch (and over ranks).
+LOSS_SHARES = frozenset({"actor/pg_loss", "actor/kl_loss", "critic/vf_loss"})
+
+# One micro-batch: (micro-batch, the mini-batch's agg_loss counts) -> metrics, after its backward.
+MicroStep = Callable[[Batch, dict[str, float]], dict[str, torch.Tensor | float]]
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """How one update walks a batch."""
+
+    role: str  # "actor" or "critic": the metric prefix
+    ppo_epochs: int
+    mini_batch_size: int  # responses per optimiser step
+    micro_batch_size: int | None  # responses per forward/backward (None with use_dynamic_bsz)
+    use_dynamic_bsz: bool
+    max_token_len: int | None  # tokens per micro-batch with use_dynamic_bsz
+    micro_batch_key: str  # the configuration key of micro_batch_size, for error messages
+    grad_clip: float
+    seed: int  # trainer.seed (per role): the shuffle
+
+
+def ppo_update(
+    runner: ModelRunner,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: LRScheduler,
+    placement: Placement,
+    batch: Batch,
+    plan: UpdatePlan,
+    global_step: int,
+    micro_step: MicroStep,
+) -> dict[str, float]:
+    """One update over `batch`; returns the role's metrics (verl's reduction).
+
+    The shuffle is seeded by (seed, global_step) so a resumed run repeats it exactly. Each micro-batch's
+    loss is its share of the mini-batch loss (`global_agg_kwargs`), so the gradient does not depend on
+    how the mini-batch is cut. Loss metrics are summed per mini-batch, the others averaged over
+    micro-batches; grad_norm is per mini-batch; each then averaged over the update.
+    """
+    if len(batch) % plan.mini_batch_size != 0 and len(batch) > plan.mini_batch_size:
+        logger.warning(
+            "%s: %d responses do not divide into mini-batches of %d",
+            plan.role,
+            len(batch),
+            plan.mini_batch_size,
+        )
+    runner.model.train()
+    metrics: dict[str, list[torch.Tensor | float]] = defaultdict(list)
+    generator = torch.Generator().manual_seed(plan.seed * 1_000_003 + global_step)
+    for _ in range(plan.ppo_epochs):
+        order = torch.randperm(len(batch), generator=generator)
+        for mini in batch.select(order).split(plan.mini_batch_size):
+            agg = global_agg_kwargs(mini["response_mask"])  # the whole mini-batch's counts
+            micro, _ = make_micro_batches(
+                mini.select(rank_rows(len(mini))),  # this rank's share (all of it in one process)
+                plan.micro_batch_size,
+                plan.use_dynamic_bsz,
+                plan.max_token_len,
+                plan.micro_batch_key,
+                packed=runner.packed,
+                model=runner.model,
+            )
+            optimizer.zero_grad(set_to_none=True)
+            shares: dict[str, list[torch.Tensor]] = defaultdict(list)
+            with runner.active():
+                for mb in micro:
+                    step_metrics = micro_step(mb, agg)
+                    runner.accumulate_grads()
+                    for k, v in step_metrics.items():
+                        (shares if k in LOSS_SHARES else metrics)[k].append(v)  # type: ignore[index]
+            for k, parts in shares.items():
+                metrics[k].append(torch.stack(parts).sum())
+            grad_norm = clip_and_step(runner.model, optimizer, plan.grad_clip, plan.role, placement)
+            metrics[f"{plan.role}/grad_norm"].append(grad_norm)
+    metrics[f"{plan.role}/lr"].append(lr_scheduler.get_last_lr()[0])
+    lr_scheduler.step()
+    return reduce_metrics(mean_metrics(metrics), sums=LOSS_SHARES)
+
+
+def global_agg_kwargs(response_mask: torch.Tensor) -> dict[str, float]:
+    """`agg_loss` keywords for a micro-batch of this mini-batch: its token and sequence counts.
+
+    token-mean divides by the mini-batch's tokens, seq-mean-* by its sequences with a token, so the
+    micro-batch losses add up to the mini-batch loss however it is cut (verl 0.9.1's global-token
+    normalisation). Counted on the host (the batch lives there): no device sync.
+    """
+    tokens_per_seq = response_mask.sum(-1)  # (B,)
+    return {
+        "batch_num_tokens": max(float(tokens_per_seq.sum()), 1.0),
+        "global_batch_size": max(float((tokens_per_seq > 0).sum()), 1.0),
+    }
+
+
+def mean_metrics(metrics: dict[str, list[torch.Tensor | float]]) -> dict[str, float]:
+    """Mean of each metric's values; device tensors are brought to the host in one copy."""
+    tensors = [(k, i) for k, v in metrics.items() for i, x in enumerate(v) if isinstance(x, torch.Tensor)]
+    if tensors:
+        stacked = torch.stack([metrics[k][i].detach().float().reshape(()) for k, i in tensors])  # type: ignore[union-attr]
+        for (k, i), value in zip(tensors, stacked.cpu().tolist(), strict=True):
+            metrics[k][i] = value
+    return {k: float(sum(float(x) for x in v) / len(v)) for k, v in metrics.items()}
