@@ -123,6 +123,7 @@ class ModelConfig:
 @dataclass
 class PolicyLossConfig:
     loss_mode: str = opt("vanilla", "policy loss: vanilla (PPO clip), gspo, geo_mean, gpg, cispo, sapo")
+    path: str | None = opt(None, "a .py file or module to import: it registers losses (register_policy_loss)")
     clip_cov_ratio: float = opt(0.0002, "fraction of tokens clipped by clip-cov", SHARE)
     clip_cov_lb: float = opt(1.0, "lower bound for clip-cov", ANY_NUMBER)
     clip_cov_ub: float = opt(5.0, "upper bound for clip-cov", ANY_NUMBER)

@@ -261,8 +261,14 @@ def _algorithm(cfg: FulcrumConfig) -> list[Problem]:
             problems.append(
                 Problem((key,), f"unknown KL estimator {_get(cfg, key)!r}; one of {list(kl_names)}")
             )
-    loss_modes = _names("fulcrum.algo.policy_losses", "POLICY_LOSSES")
-    loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    policy_loss = cfg.actor_rollout_ref.actor.policy_loss
+    names = importlib.import_module("fulcrum.algo.policy_losses").policy_loss_names
+    try:  # the user's own losses (policy_loss.path) are registered when their module is imported
+        loss_modes = names(policy_loss.path)
+    except ImportError as err:
+        problems.append(Problem(("actor_rollout_ref.actor.policy_loss.path",), str(err)))
+        loss_modes = names()
+    loss_mode = policy_loss.loss_mode
     if loss_mode not in loss_modes:
         problems.append(
             Problem(
