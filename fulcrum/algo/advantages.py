@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fulcrum.algo.masked import masked_sum, masked_whiten
+from fulcrum.algo.registry import registrar
 
 # Added to the group std in GRPO so a group of equal scores does not divide by zero (as verl).
 GRPO_EPS = 1e-6
@@ -34,32 +35,12 @@ GroupIndex = Sequence[Hashable] | torch.Tensor  # one prompt uid per row (str, i
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # algorithm.adv_estimator -> estimator (verl's names).
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+register_adv_est = registrar(ADVANTAGE_ESTIMATORS, "advantage estimator")
 # What an estimator may take besides token_level_rewards and response_mask (the trainer gives them all).
 ADVANTAGE_INPUTS = frozenset(
-    {
-        "values",
-        "index",
-        "reward_baselines",
-        "gamma",
-        "lam",
-        "norm_adv_by_std_in_grpo",
-        "old_log_probs",
-        "sum_pi_squared",
-        "rollout_is_weights",
-    }
+    "values index reward_baselines gamma lam norm_adv_by_std_in_grpo old_log_probs sum_pi_squared "
+    "rollout_is_weights".split()
 )
-
-
-def register_adv_est(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator: the function becomes `algorithm.adv_estimator=name` (a taken name is an error)."""
-
-    def register(fn: AdvantageFn) -> AdvantageFn:
-        if ADVANTAGE_ESTIMATORS.get(name, fn) is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return register
 
 
 def adv_estimator_names() -> tuple[str, ...]:

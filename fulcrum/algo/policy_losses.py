@@ -27,6 +27,7 @@ import torch
 
 from fulcrum.algo.losses import agg_loss
 from fulcrum.algo.masked import MEAN_EPS, masked_mean, masked_sum
+from fulcrum.algo.registry import registrar
 from fulcrum.config.schema import ActorConfig
 
 # log(pi / pi_old) is clamped to this before exp, so one wild token cannot overflow the ratio (as verl).
@@ -53,27 +54,13 @@ class LossConfig(ActorConfig):
 
 Metrics = dict[str, torch.Tensor]
 PolicyLossFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str, LossConfig, "torch.Tensor | None"],
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str, LossConfig, torch.Tensor | None],
     tuple[torch.Tensor, Metrics],
 ]
 # loss_mode -> loss. Plain REINFORCE has no mode of its own: verl reaches it through rollout
 # correction's bypass mode (fulcrum.algo.rollout_correction) and as gpg.
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: the function becomes `loss_mode=name`. A second, different function under a taken
-    name is an error, so a user's file cannot silently replace a built-in loss."""
-
-    def register(fn: PolicyLossFn) -> PolicyLossFn:
-        if POLICY_LOSSES.get(name, fn) is not fn:
-            raise ValueError(
-                f"policy loss {name!r} is already registered by {POLICY_LOSSES[name].__module__}"
-            )
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return register
+register_policy_loss = registrar(POLICY_LOSSES, "policy loss")
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:

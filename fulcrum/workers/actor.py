@@ -135,18 +135,9 @@ class ActorWorker:
 
         Needs `old_log_probs`, `advantages` (and `ref_log_prob` with use_kl_loss).
         """
-        return ppo_update(
-            self.runner,
-            self.optimizer,
-            self.lr_scheduler,
-            self.placement,
-            batch,
-            self.plan,
-            global_step,
-            self._micro_step,
-        )
+        return ppo_update(self, batch, global_step)
 
-    def _micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]:
+    def micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]:
         """Forward, loss (this micro-batch's share of the mini-batch loss), backward; detached metrics.
 
         policy loss = pg_loss - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref), each aggregated

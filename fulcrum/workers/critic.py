@@ -70,18 +70,9 @@ class CriticWorker:
 
     def update_critic(self, batch: Batch, global_step: int = 0) -> dict[str, float]:
         """One update (fulcrum.workers.update.ppo_update) of the clipped value loss; needs values, returns."""
-        return ppo_update(
-            self.runner,
-            self.optimizer,
-            self.lr_scheduler,
-            self.placement,
-            batch,
-            self.plan,
-            global_step,
-            self._micro_step,
-        )
+        return ppo_update(self, batch, global_step)
 
-    def _micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]:
+    def micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]:
         """Forward, value loss (this micro-batch's share of the mini-batch loss), backward; detached metrics."""
         mask = host_to_device(mb["response_mask"], self.device).float()
         vpreds = self.runner.values(mb, mask)

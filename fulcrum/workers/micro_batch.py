@@ -114,41 +114,29 @@ def make_micro_batches(
     `sort_by_length` (for no-grad passes, where grouping cannot change the result) puts samples of
     similar length together so each trimmed micro-batch carries little padding. `packed` cuts by
     real tokens (`packed_budget`, `packed_token_groups`) for the padding-free forwards. When FSDP
-    shards `model`, the micro-batches are cut further to as many as any rank has
-    (`as_many_as_other_ranks`).
+    shards `model`, the micro-batches are cut further (`split_to_count`) to the largest count of any
+    rank: each forward gathers the layers' shards, a collective every rank must join.
     """
-    micro, order = _split(batch, size, use_dynamic_bsz, max_token_len, key, sort_by_length, packed)
-    return (as_many_as_other_ranks(model, micro) if model is not None else micro), order
-
-
-def _split(
-    batch: Batch,
-    size: int | None,
-    use_dynamic_bsz: bool,
-    max_token_len: int | None,
-    key: str,
-    sort_by_length: bool,
-    packed: bool,
-) -> tuple[list[Batch], list[int] | None]:
+    groups: list[list[int]] | None = None  # None: consecutive rows, in the batch's order
     if packed:
         budget = packed_budget(batch, size, use_dynamic_bsz, max_token_len, key)
         groups = packed_token_groups(batch["attention_mask"].sum(-1).tolist(), budget, key)
-        order = [i for g in groups for i in g]
-        return [batch.select(g) for g in groups], order
-    if use_dynamic_bsz:
+    elif use_dynamic_bsz:
         if not max_token_len or max_token_len <= 0:
             raise ValueError(f"{key}: use_dynamic_bsz=True needs a positive max token length")
         p, r = sequence_lengths(batch)
         groups = token_budget_groups(p.tolist(), r.tolist(), int(max_token_len), key)
-        order = [i for g in groups for i in g]
-        return [batch.select(g) for g in groups], order
-    if not size or size <= 0:
+    elif not size or size <= 0:
         raise ValueError(f"{key}: micro-batch size must be a positive integer, got {size}")
-    if sort_by_length and len(batch) > size:
+    elif sort_by_length and len(batch) > size:
         p, r = sequence_lengths(batch)
-        order = sorted(range(len(batch)), key=lambda i: (int(p[i]) + int(r[i]), i), reverse=True)
-        return batch.select(order).split(int(size)), order
-    return batch.split(int(size)), None
+        ranked = sorted(range(len(batch)), key=lambda i: (int(p[i]) + int(r[i]), i), reverse=True)
+        groups = [ranked[i : i + size] for i in range(0, len(batch), size)]
+    micro = batch.split(int(size or 0)) if groups is None else [batch.select(g) for g in groups]
+    order = None if groups is None else [i for g in groups for i in g]
+    if model is not None and is_sharded(model):
+        micro = split_to_count(micro, max_over_ranks(len(micro)))
+    return micro, order
 
 
 def split_to_count(micro: list[Batch], count: int) -> list[Batch]:
@@ -166,14 +154,6 @@ def split_to_count(micro: list[Batch], count: int) -> list[Batch]:
             micro[widest].select(list(range(rows // 2, rows))),
         ]
     return micro
-
-
-def as_many_as_other_ranks(model: nn.Module, micro: list[Batch]) -> list[Batch]:
-    """`micro`, cut further (`split_to_count`) to the largest micro-batch count of any rank when FSDP
-    shards `model`: each forward gathers the layers' shards, a collective every rank must join."""
-    if not is_sharded(model):
-        return micro
-    return split_to_count(micro, max_over_ranks(len(micro)))
 
 
 def restore_order(parts: list[torch.Tensor], order: list[int] | None) -> torch.Tensor:

@@ -1,8 +1,7 @@
 """The update loop every trained model runs (actor and critic): ppo_epochs × shuffled mini-batches ×
 micro-batches, gradients accumulated over the micro-batches, one clipped optimiser step per mini-batch.
 
-A worker gives its loss as a `MicroStep` (forward, loss, backward on one micro-batch; detached
-metrics back); everything else — shuffling, splitting, this rank's share, compute weights, grad
+A worker gives its loss on one micro-batch (`Trainable.micro_step`); everything else — shuffling, splitting, this rank's share, compute weights, grad
 clip, LR schedule, metric reduction — is here once.
 """
 
@@ -10,8 +9,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
@@ -27,9 +26,6 @@ logger = logging.getLogger(__name__)
 
 # Metrics that are a micro-batch's share of the mini-batch loss: summed per mini-batch (and over ranks).
 LOSS_SHARES = frozenset({"actor/pg_loss", "actor/kl_loss", "critic/vf_loss"})
-
-# One micro-batch: (micro-batch, the mini-batch's agg_loss counts) -> metrics, after its backward.
-MicroStep = Callable[[Batch, dict[str, float]], dict[str, torch.Tensor | float]]
 
 
 @dataclass(frozen=True)
@@ -47,16 +43,21 @@ class UpdatePlan:
     seed: int  # trainer.seed (per role): the shuffle
 
 
-def ppo_update(
-    runner: ModelRunner,
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: LRScheduler,
-    placement: Placement,
-    batch: Batch,
-    plan: UpdatePlan,
-    global_step: int,
-    micro_step: MicroStep,
-) -> dict[str, float]:
+class Trainable(Protocol):
+    """A worker the loop can update: its model's runner, optimiser, schedule and placement, its plan,
+    and its loss on one micro-batch (forward, loss, backward; detached metrics back), given the
+    mini-batch's `agg_loss` counts."""
+
+    runner: ModelRunner
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: LRScheduler
+    placement: Placement
+    plan: UpdatePlan
+
+    def micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]: ...
+
+
+def ppo_update(worker: Trainable, batch: Batch, global_step: int) -> dict[str, float]:
     """One update over `batch`; returns the role's metrics (verl's reduction).
 
     The shuffle is seeded by (seed, global_step) so a resumed run repeats it exactly. Each micro-batch's
@@ -64,6 +65,7 @@ def ppo_update(
     how the mini-batch is cut. Loss metrics are summed per mini-batch, the others averaged over
     micro-batches; grad_norm is per mini-batch; each then averaged over the update.
     """
+    runner, optimizer, plan = worker.runner, worker.optimizer, worker.plan
     if len(batch) % plan.mini_batch_size != 0 and len(batch) > plan.mini_batch_size:
         logger.warning(
             "%s: %d responses do not divide into mini-batches of %d",
@@ -91,16 +93,16 @@ def ppo_update(
             shares: dict[str, list[torch.Tensor]] = defaultdict(list)
             with runner.active():
                 for mb in micro:
-                    step_metrics = micro_step(mb, agg)
+                    step_metrics = worker.micro_step(mb, agg)
                     runner.accumulate_grads()
                     for k, v in step_metrics.items():
                         (shares if k in LOSS_SHARES else metrics)[k].append(v)  # type: ignore[index]
             for k, parts in shares.items():
                 metrics[k].append(torch.stack(parts).sum())
-            grad_norm = clip_and_step(runner.model, optimizer, plan.grad_clip, plan.role, placement)
+            grad_norm = clip_and_step(runner.model, optimizer, plan.grad_clip, plan.role, worker.placement)
             metrics[f"{plan.role}/grad_norm"].append(grad_norm)
-    metrics[f"{plan.role}/lr"].append(lr_scheduler.get_last_lr()[0])
-    lr_scheduler.step()
+    metrics[f"{plan.role}/lr"].append(worker.lr_scheduler.get_last_lr()[0])
+    worker.lr_scheduler.step()
     return reduce_metrics(mean_metrics(metrics), sums=LOSS_SHARES)
 
 
