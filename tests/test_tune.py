@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import cpu_ppo_overrides
 
 from fulcrum.config import load_config
 from fulcrum.data.synthetic import write_splits
@@ -236,12 +237,8 @@ def test_time_budget_stops_the_search_and_prints_what_was_found(monkeypatch, cap
 
 def test_a_trial_past_the_time_budget_is_stopped(assets: Path, tmp_path: Path) -> None:
     """A real trial (the trainer in its own process) given 2 s of budget is stopped, not waited for."""
-    argv = [
-        f"data.train_files={assets}/data/train.parquet",
-        f"actor_rollout_ref.model.path={assets}/model",
-        "actor_rollout_ref.rollout.name=hf",
-        "trainer.device=cpu",
-    ]
+    # a valid run (the helpers' CPU PPO set): it must be stopped by the budget, not refused at start
+    argv = cpu_ppo_overrides(assets, tmp_path / "run", {"trainer.total_training_steps": 50})
     trial = tune.run_trial(argv, tune.Trial({}), tmp_path, steps=50, timeout=900.0, budget_left=2.0)
     assert trial.outcome == tune.STOPPED
     assert trial.throughput is None  # no warm step was measured
