@@ -41,7 +41,7 @@ def test_healthy_run_only_names_its_bottleneck() -> None:
     findings = diagnose(healthy_rows())
     assert [f.rule for f in findings] == ["bottleneck"]
     assert "update_actor: 50% of step time" in findings[0].message
-    assert "ppo_micro_batch_size_per_gpu" in findings[0].lever
+    assert "ppo_micro_batch_size_per_gpu" in findings[0].fix
 
 
 def test_bottleneck_leaves_out_the_warm_up_step() -> None:
@@ -57,7 +57,7 @@ def test_kl_spike_far_above_its_running_median() -> None:
     rows[8]["actor/ppo_kl"] = 0.05  # 25x the median of ~0.002
     findings = [f for f in diagnose(rows) if f.rule == "kl_spike"]
     assert len(findings) == 1 and findings[0].step == 9
-    assert "actor/ppo_kl" in findings[0].message and "optim.lr" in findings[0].lever
+    assert "actor/ppo_kl" in findings[0].message and "optim.lr" in findings[0].fix
     rows[8]["actor/ppo_kl"] = 0.006  # 3x: noise, not a spike
     assert "kl_spike" not in rules(rows)
 
@@ -73,7 +73,7 @@ def test_kl_high_from_the_first_steps_which_the_spike_rule_cannot_see() -> None:
     assert "kl_spike" not in rules(rows)
     findings = [f for f in diagnose(rows) if f.rule == "kl_high"]
     assert [f.step for f in findings] == [3]
-    assert "actor/ppo_kl = 0.04" in findings[0].message and "actor.optim.lr" in findings[0].lever
+    assert "actor/ppo_kl = 0.04" in findings[0].message and "actor.optim.lr" in findings[0].fix
     rows = healthy_rows()
     rows[3]["actor/ppo_kl"] = rows[7]["actor/ppo_kl"] = 0.03  # single steps: the spike rule's part
     assert "kl_high" not in rules(rows)
@@ -113,7 +113,7 @@ def test_reward_collapse_against_its_best_stretch() -> None:
         row["critic/score/mean"] = score
     findings = [f for f in diagnose(rows) if f.rule == "reward_collapse"]
     assert [f.step for f in findings] == [15]  # steps 11-15's median 0.2 < half of steps 6-10's 0.75
-    assert "0.2 (median" in findings[0].message and "resume_from_path" in findings[0].lever
+    assert "0.2 (median" in findings[0].message and "resume_from_path" in findings[0].fix
     for row, score in zip(rows, scores, strict=True):
         row["critic/score/mean"] = min(score, 0.5) if score > 0.3 else 0.4  # noisy, never halved
     assert "reward_collapse" not in rules(rows)
@@ -141,7 +141,7 @@ def test_critic_that_does_not_learn() -> None:
         row["critic/vf_explained_var"] = -0.05
         row["critic/vf_loss"] = 0.5
     findings = [f for f in diagnose(rows) if f.rule == "critic_not_learning"]
-    assert findings and "critic.optim.lr" in findings[0].lever
+    assert findings and "critic.optim.lr" in findings[0].fix
     assert "critic_not_learning" not in rules(rows[:9])  # too early to tell
 
 
@@ -160,7 +160,7 @@ def test_responses_at_the_length_limit() -> None:
         row["response_length/clip_ratio"] = 0.5
     findings = [f for f in diagnose(rows) if f.rule == "length_limit"]
     assert findings and "50% of responses" in findings[0].message
-    assert "data.max_response_length" in findings[0].lever
+    assert "data.max_response_length" in findings[0].fix
     rows[-1]["response_length/clip_ratio"] = rows[-2]["response_length/clip_ratio"] = 0.0
     assert "length_limit" not in rules(rows)  # the last 3 steps average 17%
 
@@ -170,7 +170,7 @@ def test_memory_creeping_up_after_warm_up() -> None:
     for i, row in enumerate(rows):
         row["perf/max_memory_reserved_gb"] = 40.0 + 0.5 * i
     findings = [f for f in diagnose(rows) if f.rule == "memory_creep"]
-    assert findings and "expandable_segments" in findings[0].lever
+    assert findings and "expandable_segments" in findings[0].fix
     for i, row in enumerate(rows):  # growth only in the first steps: allocation, not a leak
         row["perf/max_memory_reserved_gb"] = 40.0 + min(i, 2) * 5.0
     assert "memory_creep" not in rules(rows)

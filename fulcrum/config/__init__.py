@@ -7,6 +7,7 @@ save_config(cfg, run_dir / "config.yaml")
 """
 
 from fulcrum.config.compat import NO_EFFECT_KEYS, UNSUPPORTED, is_no_effect
+from fulcrum.config.finding import Finding
 from fulcrum.config.keys import ConfigError
 from fulcrum.config.listing import KeyInfo, describe, format_keys
 from fulcrum.config.loader import (
@@ -22,16 +23,16 @@ from fulcrum.config.loader import (
     unresolve,
 )
 from fulcrum.config.schema import FulcrumConfig
-from fulcrum.config.validate import Problem, advise, check, uses_critic, uses_reference, validate, world_size
+from fulcrum.config.validate import advise, check, uses_critic, uses_reference, validate, world_size
 
 __all__ = [
     "DERIVED",
     "NO_EFFECT_KEYS",
     "UNSUPPORTED",
     "ConfigError",
+    "Finding",
     "FulcrumConfig",
     "KeyInfo",
-    "Problem",
     "advise",
     "apply_override",
     "check",

@@ -14,10 +14,10 @@ import importlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from fulcrum.config.compat import FSDP_ROLES, UNSUPPORTED, fsdp_size_note
+from fulcrum.config.finding import Finding
 from fulcrum.config.keys import ConfigError
 from fulcrum.config.keys import get_path as _get
 from fulcrum.config.schema import FulcrumConfig, KLControlConfig
@@ -31,17 +31,6 @@ GROUP_ESTIMATORS_NEEDING_N2 = ("rloo",)
 # Estimators that need values from a critic; the others are critic-free. The one list of this rule:
 # the trainer builds a critic, and doctor sizes one, through uses_critic().
 CRITIC_ESTIMATORS = frozenset({"gae"})
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One finding about the configuration: the key(s) it concerns and what is wrong or worth knowing."""
-
-    keys: tuple[str, ...]
-    message: str
-
-    def __str__(self) -> str:
-        return f"{', '.join(self.keys)}: {self.message}"
 
 
 def uses_critic(cfg: FulcrumConfig) -> bool:
@@ -71,29 +60,29 @@ def adv_estimator_names() -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------------------------ error rules
-def _domains(cfg: FulcrumConfig) -> list[Problem]:
+def _domains(cfg: FulcrumConfig) -> list[Finding]:
     """Every number inside the domain its key declares (fulcrum.config.domains, beside each key)."""
-    return [Problem(keys, message) for keys, message in domain_problems(cfg)]
+    return domain_problems(cfg)
 
 
-def _choices(cfg: FulcrumConfig) -> list[Problem]:
+def _choices(cfg: FulcrumConfig) -> list[Finding]:
     """Values a field's type cannot restrict: names the algorithm package implements, list lengths."""
     problems = []
     agg_modes = _names("fulcrum.algo.losses", "LOSS_AGG_MODES")
     for key in ("actor_rollout_ref.actor.loss_agg_mode", "critic.loss_agg_mode"):
         if _get(cfg, key) not in agg_modes:
-            problems.append(Problem((key,), f"expected one of {list(agg_modes)}, got {_get(cfg, key)!r}"))
+            problems.append(Finding((key,), f"expected one of {list(agg_modes)}, got {_get(cfg, key)!r}"))
     if cfg.reward_model.on_error not in ("raise", "zero"):
         problems.append(
-            Problem(("reward_model.on_error",), f"expected raise or zero, got {cfg.reward_model.on_error!r}")
+            Finding(("reward_model.on_error",), f"expected raise or zero, got {cfg.reward_model.on_error!r}")
         )
     for key in ("actor_rollout_ref.actor.optim.betas", "critic.optim.betas"):
         if len(_get(cfg, key)) != 2:
-            problems.append(Problem((key,), f"AdamW takes two betas [beta1, beta2], got {_get(cfg, key)}"))
+            problems.append(Finding((key,), f"AdamW takes two betas [beta1, beta2], got {_get(cfg, key)}"))
     return problems
 
 
-def _context_length(cfg: FulcrumConfig) -> list[Problem]:
+def _context_length(cfg: FulcrumConfig) -> list[Finding]:
     """prompt + response fit the actor's position embeddings, read from its config.json (no weights):
     past them the model runs on positions it was never trained on, without a word."""
     path = Path(os.path.expanduser(str(cfg.actor_rollout_ref.model.path))) / "config.json"
@@ -106,7 +95,7 @@ def _context_length(cfg: FulcrumConfig) -> list[Problem]:
     if not isinstance(limit, int) or needed <= limit:
         return []
     return [
-        Problem(
+        Finding(
             ("data.max_prompt_length", "data.max_response_length"),
             f"prompt + response = {needed} tokens exceeds actor_rollout_ref.model.path's "
             f"max_position_embeddings = {limit} ({path})",
@@ -114,12 +103,12 @@ def _context_length(cfg: FulcrumConfig) -> list[Problem]:
     ]
 
 
-def _devices(cfg: FulcrumConfig, n_devices: int | None) -> list[Problem]:
+def _devices(cfg: FulcrumConfig, n_devices: int | None) -> list[Finding]:
     problems = []
     n_gpus = world_size(cfg)
     if n_devices is not None and n_gpus > n_devices:
         problems.append(
-            Problem(
+            Finding(
                 ("trainer.n_gpus_per_node", "trainer.nnodes"),
                 f"the run asks for {n_gpus} device(s) but {n_devices} are visible; "
                 f"set trainer.n_gpus_per_node={max(n_devices, 1)}"
@@ -129,7 +118,7 @@ def _devices(cfg: FulcrumConfig, n_devices: int | None) -> list[Problem]:
     return problems
 
 
-def _micro_batch_pairs(cfg: FulcrumConfig) -> list[Problem]:
+def _micro_batch_pairs(cfg: FulcrumConfig) -> list[Finding]:
     """verl's check_mutually_exclusive: exactly one of the deprecated global and the per-device size."""
     arr = cfg.actor_rollout_ref
     pairs: list[tuple[str, str, bool]] = [
@@ -169,11 +158,11 @@ def _micro_batch_pairs(cfg: FulcrumConfig) -> list[Problem]:
         global_value, per_gpu_value = _get(cfg, global_key), _get(cfg, per_gpu_key)
         if global_value is None and per_gpu_value is None:
             problems.append(
-                Problem((per_gpu_key,), "must be set (responses per forward/backward per device)")
+                Finding((per_gpu_key,), "must be set (responses per forward/backward per device)")
             )
         elif global_value is not None and per_gpu_value is not None:
             problems.append(
-                Problem(
+                Finding(
                     (global_key, per_gpu_key),
                     f"both are set; remove {global_key} (deprecated, only the per-device size is used)",
                 )
@@ -181,7 +170,7 @@ def _micro_batch_pairs(cfg: FulcrumConfig) -> list[Problem]:
     return problems
 
 
-def _batch_divisibility(cfg: FulcrumConfig) -> list[Problem]:
+def _batch_divisibility(cfg: FulcrumConfig) -> list[Finding]:
     """Sizes count prompts (x rollout.n responses); per-device sizes count responses (as in verl)."""
     problems = []
     n = cfg.actor_rollout_ref.rollout.n
@@ -191,7 +180,7 @@ def _batch_divisibility(cfg: FulcrumConfig) -> list[Problem]:
         return problems  # reported by _domains
     if (train * n) % n_gpus:
         problems.append(
-            Problem(
+            Finding(
                 ("data.train_batch_size", "actor_rollout_ref.rollout.n", "trainer.n_gpus_per_node"),
                 f"train_batch_size x n = {train * n} responses must be divisible by the {n_gpus} device(s)",
             )
@@ -207,7 +196,7 @@ def _batch_divisibility(cfg: FulcrumConfig) -> list[Problem]:
             continue
         if mini > train:
             problems.append(
-                Problem(
+                Finding(
                     (f"{prefix}.ppo_mini_batch_size", "data.train_batch_size"),
                     f"mini-batch of {mini} prompts is larger than the {train} prompts of a step",
                 )
@@ -215,7 +204,7 @@ def _batch_divisibility(cfg: FulcrumConfig) -> list[Problem]:
             continue
         if (mini * n) % n_gpus:
             problems.append(
-                Problem(
+                Finding(
                     (f"{prefix}.ppo_mini_batch_size", "trainer.n_gpus_per_node"),
                     f"ppo_mini_batch_size x n = {mini * n} responses must be divisible by the {n_gpus} device(s)",
                 )
@@ -225,7 +214,7 @@ def _batch_divisibility(cfg: FulcrumConfig) -> list[Problem]:
         micro = role.ppo_micro_batch_size_per_gpu
         if micro is not None and micro > 0 and per_device % micro:
             problems.append(
-                Problem(
+                Finding(
                     (f"{prefix}.ppo_mini_batch_size", f"{prefix}.ppo_micro_batch_size_per_gpu"),
                     f"a mini-batch gives {per_device} responses per device, not divisible by the "
                     f"micro-batch of {micro}; pick a micro-batch that divides {per_device}",
@@ -235,53 +224,53 @@ def _batch_divisibility(cfg: FulcrumConfig) -> list[Problem]:
         if global_micro is not None and global_micro > 0:
             if (mini * n) % global_micro:
                 problems.append(
-                    Problem(
+                    Finding(
                         (f"{prefix}.ppo_mini_batch_size", f"{prefix}.ppo_micro_batch_size"),
                         f"{mini * n} responses per mini-batch not divisible by micro-batch {global_micro}",
                     )
                 )
             if global_micro < n_gpus:
                 problems.append(
-                    Problem((f"{prefix}.ppo_micro_batch_size",), f"must be >= the {n_gpus} device(s)")
+                    Finding((f"{prefix}.ppo_micro_batch_size",), f"must be >= the {n_gpus} device(s)")
                 )
     return problems
 
 
-def _algorithm(cfg: FulcrumConfig) -> list[Problem]:
+def _algorithm(cfg: FulcrumConfig) -> list[Finding]:
     problems = []
     names = adv_estimator_names()
     estimator = cfg.algorithm.adv_estimator
     if estimator not in names:
         problems.append(
-            Problem(("algorithm.adv_estimator",), f"unknown estimator {estimator!r}; one of {list(names)}")
+            Finding(("algorithm.adv_estimator",), f"unknown estimator {estimator!r}; one of {list(names)}")
         )
     kl_names = _names("fulcrum.algo.kl", "KL_PENALTY_NAMES")
     for key in ("algorithm.kl_penalty", "actor_rollout_ref.actor.kl_loss_type"):
         if _get(cfg, key) not in kl_names:
             problems.append(
-                Problem((key,), f"unknown KL estimator {_get(cfg, key)!r}; one of {list(kl_names)}")
+                Finding((key,), f"unknown KL estimator {_get(cfg, key)!r}; one of {list(kl_names)}")
             )
     policy_loss = cfg.actor_rollout_ref.actor.policy_loss
     names = importlib.import_module("fulcrum.algo.policy_losses").policy_loss_names
     try:  # the user's own losses (policy_loss.path) are registered when their module is imported
         loss_modes = names(policy_loss.path)
     except ImportError as err:
-        problems.append(Problem(("actor_rollout_ref.actor.policy_loss.path",), str(err)))
+        problems.append(Finding(("actor_rollout_ref.actor.policy_loss.path",), str(err)))
         loss_modes = names()
     loss_mode = policy_loss.loss_mode
     if loss_mode not in loss_modes:
         problems.append(
-            Problem(
+            Finding(
                 ("actor_rollout_ref.actor.policy_loss.loss_mode",),
                 f"{loss_mode!r} is not implemented; one of {list(loss_modes)}",
             )
         )
     if cfg.critic.enable is False and estimator in CRITIC_ESTIMATORS:
-        problems.append(Problem(("critic.enable", "algorithm.adv_estimator"), f"{estimator} needs a critic"))
+        problems.append(Finding(("critic.enable", "algorithm.adv_estimator"), f"{estimator} needs a critic"))
     val = cfg.actor_rollout_ref.rollout.val_kwargs
     if val.do_sample and val.temperature <= 0:
         problems.append(
-            Problem(
+            Finding(
                 (
                     "actor_rollout_ref.rollout.val_kwargs.do_sample",
                     "actor_rollout_ref.rollout.val_kwargs.temperature",
@@ -295,7 +284,7 @@ def _algorithm(cfg: FulcrumConfig) -> list[Problem]:
         and rollout.prompt_length + rollout.response_length > rollout.max_model_len
     ):
         problems.append(
-            Problem(
+            Finding(
                 ("actor_rollout_ref.rollout.max_model_len",),
                 f"{rollout.max_model_len} is shorter than prompt_length + response_length = "
                 f"{rollout.prompt_length + rollout.response_length}",
@@ -304,40 +293,36 @@ def _algorithm(cfg: FulcrumConfig) -> list[Problem]:
     return problems
 
 
-def _trainer(cfg: FulcrumConfig) -> list[Problem]:
+def _trainer(cfg: FulcrumConfig) -> list[Finding]:
     problems = []
     trainer = cfg.trainer
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         problems.append(
-            Problem(("trainer.resume_mode", "trainer.resume_from_path"), "resume_path needs resume_from_path")
+            Finding(("trainer.resume_mode", "trainer.resume_from_path"), "resume_path needs resume_from_path")
         )
     return problems
 
 
-def _unsupported(cfg: FulcrumConfig) -> list[Problem]:
+def _unsupported(cfg: FulcrumConfig) -> list[Finding]:
     problems = []
     verl_only = [name for name in cfg.trainer.logger if name in VERL_ONLY_LOGGERS]
     unknown = [name for name in cfg.trainer.logger if name not in SUPPORTED_LOGGERS + VERL_ONLY_LOGGERS]
     if verl_only:
         problems.append(
-            Problem(("trainer.logger",), f"{verl_only}: verl loggers fulcrum does not support yet")
+            Finding(("trainer.logger",), f"{verl_only}: verl loggers fulcrum does not support yet")
         )
     if unknown:
         problems.append(
-            Problem(("trainer.logger",), f"unknown logger(s) {unknown}; one of {list(SUPPORTED_LOGGERS)}")
+            Finding(("trainer.logger",), f"unknown logger(s) {unknown}; one of {list(SUPPORTED_LOGGERS)}")
         )
     for key, (allowed, why) in UNSUPPORTED.items():
         value = _get(cfg, key)
         if value not in allowed:
-            problems.append(Problem((key,), f"{why} (got {value!r})"))
+            problems.append(Finding((key,), f"{why} (got {value!r})"))
     return problems
 
 
-def _recipes(cfg: FulcrumConfig) -> list[Problem]:
-    return [Problem(keys, message) for keys, message in recipe_problems(cfg)]
-
-
-RULES: list[Callable[[FulcrumConfig], list[Problem]]] = [
+RULES: list[Callable[[FulcrumConfig], list[Finding]]] = [
     _domains,
     _choices,
     _context_length,
@@ -346,12 +331,12 @@ RULES: list[Callable[[FulcrumConfig], list[Problem]]] = [
     _algorithm,
     _trainer,
     _unsupported,
-    _recipes,
+    recipe_problems,
 ]
 
 
-def validate(cfg: FulcrumConfig, n_devices: int | None = None) -> list[Problem]:
-    """Problems that make the run fail or waste compute ([] = can run).
+def validate(cfg: FulcrumConfig, n_devices: int | None = None) -> list[Finding]:
+    """Findings that make the run fail or waste compute ([] = can run).
 
     `n_devices`: accelerators visible to the run; None skips the device-count check (CPU runs).
     """
@@ -372,7 +357,7 @@ def check(cfg: FulcrumConfig, n_devices: int | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------------------- advice
-def advise(cfg: FulcrumConfig) -> list[Problem]:
+def advise(cfg: FulcrumConfig) -> list[Finding]:
     """Warnings that do not stop a run (verl prints most of them as notices)."""
     notes = []
     arr, algo = cfg.actor_rollout_ref, cfg.algorithm
@@ -381,7 +366,7 @@ def advise(cfg: FulcrumConfig) -> list[Problem]:
     tp, n_gpus = arr.rollout.tensor_model_parallel_size, world_size(cfg)
     if tp > 1 and (tp > n_gpus or n_gpus % tp):
         notes.append(
-            Problem(
+            Finding(
                 ("actor_rollout_ref.rollout.tensor_model_parallel_size", "trainer.n_gpus_per_node"),
                 f"tensor parallel size {tp} does not divide the {n_gpus} device(s) of the run "
                 "(verl would refuse; fulcrum runs one rollout engine per process instead)",
@@ -392,28 +377,28 @@ def advise(cfg: FulcrumConfig) -> list[Problem]:
         size = int(_get(cfg, key))
         note = fsdp_size_note(size, n_gpus)
         if note is not None:
-            notes.append(Problem((key,), f"{key}={size}: {note}"))
+            notes.append(Finding((key,), f"{key}={size}: {note}"))
     if cfg.data.val_batch_size is not None:
         notes.append(
-            Problem(("data.val_batch_size",), "deprecated in verl and ignored: validation runs as one batch")
+            Finding(("data.val_batch_size",), "deprecated in verl and ignored: validation runs as one batch")
         )
     if algo.use_kl_in_reward and arr.actor.use_kl_loss:
         notes.append(
-            Problem(
+            Finding(
                 ("algorithm.use_kl_in_reward", "actor_rollout_ref.actor.use_kl_loss"),
                 "both KL in reward and KL loss are on",
             )
         )
     if algo.kl_ctrl.type == "adaptive" and not algo.use_kl_in_reward:
         notes.append(
-            Problem(
+            Finding(
                 ("algorithm.kl_ctrl.type", "algorithm.use_kl_in_reward"),
                 "adaptive KL control acts only with use_kl_in_reward=True",
             )
         )
     if not algo.use_kl_in_reward and algo.kl_ctrl != KLControlConfig():
         notes.append(
-            Problem(
+            Finding(
                 ("algorithm.kl_ctrl", "algorithm.use_kl_in_reward"),
                 "kl_ctrl settings act only with use_kl_in_reward=True (as in verl)",
             )
@@ -422,14 +407,14 @@ def advise(cfg: FulcrumConfig) -> list[Problem]:
     # keeps its score as the advantage (plain REINFORCE), so it is a warning, not an error.
     if algo.adv_estimator in GROUP_ESTIMATORS_NEEDING_N2 and arr.rollout.n < 2:
         notes.append(
-            Problem(
+            Finding(
                 ("algorithm.adv_estimator", "actor_rollout_ref.rollout.n"),
                 f"{algo.adv_estimator} compares responses to the same prompt; with rollout.n=1 it has no baseline",
             )
         )
     if algo.adv_estimator == "grpo" and arr.rollout.n < 2:
         notes.append(
-            Problem(
+            Finding(
                 ("algorithm.adv_estimator", "actor_rollout_ref.rollout.n"),
                 "grpo with one response per prompt has no group baseline; usually n >= 4",
             )
@@ -437,7 +422,7 @@ def advise(cfg: FulcrumConfig) -> list[Problem]:
     mini = arr.actor.ppo_mini_batch_size
     if 0 < mini <= cfg.data.train_batch_size and cfg.data.train_batch_size % mini:
         notes.append(
-            Problem(
+            Finding(
                 ("data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"),
                 "train_batch_size is not a multiple of ppo_mini_batch_size: the last mini-batch of a step is smaller",
             )
@@ -446,24 +431,24 @@ def advise(cfg: FulcrumConfig) -> list[Problem]:
         arr.ref.log_prob_micro_batch_size_per_gpu is not None or arr.ref.log_prob_micro_batch_size is not None
     ):
         notes.append(
-            Problem(
+            Finding(
                 ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",),
                 "no reference policy is used (use_kl_loss and use_kl_in_reward are off): the reference pass is skipped",
             )
         )
     notes += zero_learning_rates(cfg)
     notes += lower_clip_off(cfg)
-    notes.extend(Problem(keys, message) for keys, message in recipe_notes(cfg))
+    notes += recipe_notes(cfg)
     return notes
 
 
-def zero_learning_rates(cfg: FulcrumConfig) -> list[Problem]:
+def zero_learning_rates(cfg: FulcrumConfig) -> list[Finding]:
     """A learning rate of 0 trains nothing: the run spends its compute and the weights never change."""
     roles = [("actor_rollout_ref.actor.optim.lr", cfg.actor_rollout_ref.actor.optim.lr)]
     if uses_critic(cfg):
         roles.append(("critic.optim.lr", cfg.critic.optim.lr))
     return [
-        Problem((key,), f"{key}=0: the optimiser steps change nothing, so the model never trains")
+        Finding((key,), f"{key}=0: the optimiser steps change nothing, so the model never trains")
         for key, lr in roles
         if lr == 0
     ]
@@ -474,14 +459,14 @@ def zero_learning_rates(cfg: FulcrumConfig) -> list[Problem]:
 RATIO_CLIPPING_LOSSES = ("vanilla", "gspo")
 
 
-def lower_clip_off(cfg: FulcrumConfig) -> list[Problem]:
+def lower_clip_off(cfg: FulcrumConfig) -> list[Finding]:
     """clip_ratio_low >= 1 puts the lower clip at a ratio <= 0, which a ratio never reaches."""
     actor = cfg.actor_rollout_ref.actor
     low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
     if actor.policy_loss.loss_mode not in RATIO_CLIPPING_LOSSES or low < 1:
         return []
     return [
-        Problem(
+        Finding(
             ("actor_rollout_ref.actor.clip_ratio_low",),
             f"{low} >= 1: the lower clip bound 1 - {low} <= 0 never acts, so the {actor.policy_loss.loss_mode} "
             "loss does not limit how far a token's probability falls in one update",

@@ -10,6 +10,7 @@ import typing
 from typing import Any, Union
 
 from fulcrum.config.domains import Domain, domain_of
+from fulcrum.config.finding import Finding
 from fulcrum.config.keys import field_types
 
 
@@ -28,9 +29,9 @@ def describe_domain(domain: Domain, tp: Any) -> str:
     return f"{domain} or null" if nullable else str(domain)
 
 
-def domain_problems(node: Any, prefix: str = "") -> list[tuple[tuple[str, ...], str]]:
-    """(keys, message) for every value of the config dataclass `node` outside its key's domain."""
-    problems: list[tuple[tuple[str, ...], str]] = []
+def domain_problems(node: Any, prefix: str = "") -> list[Finding]:
+    """A finding for every value of the config dataclass `node` outside its key's domain."""
+    problems: list[Finding] = []
     hints = field_types(type(node))
     for field in dataclasses.fields(node):
         value = getattr(node, field.name)
@@ -42,5 +43,5 @@ def domain_problems(node: Any, prefix: str = "") -> list[tuple[tuple[str, ...], 
         if domain is not None and _outside(value, domain):
             each = " (each value)" if isinstance(value, list) else ""
             shown = describe_domain(domain, hints[field.name])
-            problems.append(((key,), f"{value} is outside its domain{each}: {shown}"))
+            problems.append(Finding((key,), f"{value} is outside its domain{each}: {shown}"))
     return problems

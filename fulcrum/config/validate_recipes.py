@@ -1,19 +1,13 @@
 """Rules for verl's recipe keys: rollout correction, DAPO dynamic sampling and overlong penalty, PF-PPO,
-the optimal-token-baseline estimator and reward managers. fulcrum.config.validate turns each
-(keys, message) finding into a Problem."""
+the optimal-token-baseline estimator and reward managers. fulcrum.config.validate lists them with
+its own."""
 
 from __future__ import annotations
 
 import importlib
 
+from fulcrum.config.finding import Finding
 from fulcrum.config.schema import FulcrumConfig
-
-Finding = tuple[tuple[str, ...], str]  # the key(s) concerned, and what is wrong or worth knowing
-
-
-def finding(keys: tuple[str, ...], message: str) -> Finding:
-    return (keys, message)
-
 
 BUILT_IN_REWARD_MANAGERS = ("naive", "dapo", "batch", "prime")
 RC = "algorithm.rollout_correction"
@@ -27,17 +21,17 @@ def _rollout_correction(cfg: FulcrumConfig) -> list[Finding]:
     if rc.rollout_is is not None:
         if rc.rollout_is not in algo.IS_LEVELS:
             problems.append(
-                finding((f"{RC}.rollout_is",), f"{rc.rollout_is!r}: one of null, token, sequence")
+                Finding((f"{RC}.rollout_is",), f"{rc.rollout_is!r}: one of null, token, sequence")
             )
         try:
             algo.parse_is_threshold(rc.rollout_is_threshold)
         except ValueError as err:
-            problems.append(finding((f"{RC}.rollout_is_threshold",), str(err)))
+            problems.append(Finding((f"{RC}.rollout_is_threshold",), str(err)))
     if rc.rollout_rs is not None:
         try:
             algo.parse_rs_options(rc.rollout_rs, rc.rollout_rs_threshold)
         except ValueError as err:
-            problems.append(finding((f"{RC}.rollout_rs", f"{RC}.rollout_rs_threshold"), str(err)))
+            problems.append(Finding((f"{RC}.rollout_rs", f"{RC}.rollout_rs_threshold"), str(err)))
     return problems
 
 
@@ -47,24 +41,24 @@ def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:
     algo, actor, rm = cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.reward_model
     if algo.adv_estimator == "optimal_token_baseline" and not actor.calculate_sum_pi_squared:
         problems.append(
-            finding(
+            Finding(
                 ("algorithm.adv_estimator", "actor_rollout_ref.actor.calculate_sum_pi_squared"),
                 "optimal_token_baseline needs actor.calculate_sum_pi_squared=True (as verl)",
             )
         )
     if algo.filter_groups.enable and cfg.actor_rollout_ref.rollout.n < 2:
         problems.append(
-            finding(
+            Finding(
                 ("algorithm.filter_groups.enable", "actor_rollout_ref.rollout.n"),
                 "dynamic sampling keeps groups whose responses differ; set rollout.n >= 2",
             )
         )
     gen = cfg.data.gen_batch_size
     if gen is not None and gen <= 0:
-        problems.append(finding(("data.gen_batch_size",), f"must be positive, got {gen}"))
+        problems.append(Finding(("data.gen_batch_size",), f"must be positive, got {gen}"))
     if rm.reward_manager not in BUILT_IN_REWARD_MANAGERS and not cfg.custom_reward_function.path:
         problems.append(
-            finding(
+            Finding(
                 ("reward_model.reward_manager",),
                 f"{rm.reward_manager!r} is not built in ({', '.join(BUILT_IN_REWARD_MANAGERS)}); register your "
                 "own with @fulcrum.reward.managers.register_reward_manager in custom_reward_function.path",
@@ -72,7 +66,7 @@ def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:
         )
     if rm.reward_manager == "batch" and not cfg.custom_reward_function.path:
         problems.append(
-            finding(
+            Finding(
                 ("reward_model.reward_manager", "custom_reward_function.path"),
                 "the batch manager calls a batched function: set custom_reward_function.path and name",
             )
@@ -81,7 +75,7 @@ def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:
     max_len = cfg.data.max_response_length
     if buffer.enable and not 0 < buffer.len <= max_len:
         problems.append(
-            finding(
+            Finding(
                 ("reward_model.overlong_buffer.len",),
                 f"{buffer.len} must be in 1..data.max_response_length ({max_len})",
             )
@@ -95,7 +89,7 @@ def recipe_notes(cfg: FulcrumConfig) -> list[Finding]:
     algo, rm = cfg.algorithm, cfg.reward_model
     if algo.use_pf_ppo and algo.adv_estimator != "gae":
         notes.append(
-            finding(
+            Finding(
                 ("algorithm.use_pf_ppo", "algorithm.adv_estimator"),
                 "PF-PPO resamples only after gae (as verl): no effect with this estimator",
             )
@@ -104,7 +98,7 @@ def recipe_notes(cfg: FulcrumConfig) -> list[Finding]:
         rm.overlong_buffer.enable or rm.reward_kwargs.get("overlong_buffer_cfg")
     ) and rm.reward_manager != "dapo":
         notes.append(
-            finding(
+            Finding(
                 ("reward_model.overlong_buffer", "reward_model.reward_manager"),
                 "the overlong penalty is applied by reward_manager=dapo only",
             )
@@ -112,14 +106,14 @@ def recipe_notes(cfg: FulcrumConfig) -> list[Finding]:
     rc = algo.rollout_correction
     if rc.bypass_mode and cfg.actor_rollout_ref.actor.policy_loss.loss_mode != "vanilla":
         notes.append(
-            finding(
+            Finding(
                 (f"{RC}.bypass_mode", "actor_rollout_ref.actor.policy_loss.loss_mode"),
                 f"bypass mode replaces the policy loss with its own ({rc.loss_type}), as verl",
             )
         )
     if rm.use_reward_loop or rm.num_workers:
         notes.append(
-            finding(
+            Finding(
                 ("reward_model.use_reward_loop", "reward_model.num_workers"),
                 "rewards are scored in this process (prime: in a pool of processes); no reward-loop workers",
             )

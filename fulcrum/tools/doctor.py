@@ -37,9 +37,10 @@ from fulcrum.config import (
 )
 from fulcrum.config.compat import ROLLOUT_NAME_ALIASES, UNSUPPORTED
 from fulcrum.config.device import cuda_device_count
+from fulcrum.config.finding import Finding
 from fulcrum.config.keys import flatten
 from fulcrum.models.folder import looks_like_path, model_folder_problems, vocab_problems
-from fulcrum.tools.doctor_rules import LEVER_CHECKS, Finding, memory_lines
+from fulcrum.tools.doctor_rules import LEVER_CHECKS, memory_lines
 
 USAGE = """usage: fulcrum doctor [--config FILE] [--device-memory-gib GIB] [KEY=VALUE ...]
        fulcrum doctor --keys        list every configuration key with its default and meaning
@@ -62,11 +63,11 @@ class Context:
 
 
 def _error(text: str) -> Finding:
-    return Finding("error", text)
+    return Finding((), text)
 
 
 def _warning(text: str) -> Finding:
-    return Finding("warning", text)
+    return Finding((), text, "warning")
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -444,8 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         config_log.setLevel(level)
     ctx, findings = diagnose(cfg, args, device_memory_gib)
-    errors = [f for f in findings if f.level == "error"]
-    warnings = [f for f in findings if f.level == "warning"]
+    errors = [f for f in findings if f.severity == "error"]
+    warnings = [f for f in findings if f.severity == "warning"]
     if errors:
         print(f"fulcrum doctor: {len(errors)} problem(s); the run would fail or waste compute:")
         print("\n".join(f"  {line}" for f in errors for line in f.lines()))

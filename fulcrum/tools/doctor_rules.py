@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fulcrum.config import FulcrumConfig, uses_critic, uses_reference, world_size
+from fulcrum.config.finding import Finding
 from fulcrum.tools.memory_estimate import (
     DEFAULT_DEVICE_GIB,
     Estimate,
@@ -24,27 +24,6 @@ from fulcrum.tools.memory_estimate import (
     format_estimate,
     read_model_shape,
 )
-
-
-@dataclass
-class Finding:
-    """One doctor finding. `text` is the one-line statement; keys, why and fix are printed under it."""
-
-    level: str  # "error" (exit 1) or "warning"
-    text: str
-    keys: tuple[str, ...] = ()
-    why: str = ""
-    fix: str = ""
-
-    def lines(self) -> list[str]:
-        out = [f"{self.level}: {self.text}"]
-        if self.keys:
-            out.append(f"    keys: {', '.join(self.keys)}")
-        if self.why:
-            out.append(f"    why:  {self.why}")
-        if self.fix:
-            out.append(f"    fix:  {self.fix}")
-        return out
 
 
 class DoctorContext(Protocol):
@@ -68,13 +47,13 @@ def check_response_length(ctx: DoctorContext) -> list[Finding]:
         return []
     return [
         Finding(
-            "warning",
-            f"actor_rollout_ref.rollout.response_length={generated} differs from data.max_response_length={data_limit}",
             ("actor_rollout_ref.rollout.response_length", "data.max_response_length"),
-            f"the rollout generates at most {generated} tokens and the batches, response_length/clip_ratio and "
+            f"actor_rollout_ref.rollout.response_length={generated} differs from data.max_response_length={data_limit}",
+            "warning",
+            why=f"the rollout generates at most {generated} tokens and the batches, response_length/clip_ratio and "
             f"the memory follow it; data.max_response_length={data_limit} then only misleads whoever reads "
             "the configuration (verl derives one from the other)",
-            f"set data.max_response_length={generated} and drop rollout.response_length (it follows data)",
+            fix=f"set data.max_response_length={generated} and drop rollout.response_length (it follows data)",
         )
     ]
 
@@ -117,13 +96,13 @@ def check_epoch_drop(ctx: DoctorContext) -> list[Finding]:
     shuffled = " with data.shuffle=True a different set is dropped each epoch, so none is lost for good"
     return [
         Finding(
-            "warning",
+            keys,
             f"{prompts:,} training prompts at {batch} a step = {prompts // batch} steps per epoch; {dropped:,} "
             f"prompts ({dropped / prompts:.1%}) dropped (unused) each epoch",
-            keys,
-            "the loader drops the last partial batch (as verl's drop_last);"
+            "warning",
+            why="the loader drops the last partial batch (as verl's drop_last);"
             + (shuffled if cfg.data.shuffle else " without shuffling the same prompts are never trained on"),
-            fix,
+            fix=fix,
         )
     ]
 
@@ -171,26 +150,26 @@ def check_token_limits(ctx: DoctorContext) -> list[Finding]:
         if dynamic and limit is not None and limit < longest:
             findings.append(
                 Finding(
-                    "error",
+                    (key, "data.max_prompt_length", "data.max_response_length"),
                     f"{key}={limit} is below one sequence of up to {longest} tokens "
                     f"(data.max_prompt_length + response_length)",
-                    (key, "data.max_prompt_length", "data.max_response_length"),
-                    "with dynamic batching a micro-batch holds at most this many tokens, so a full-length "
+                    "error",
+                    why="with dynamic batching a micro-batch holds at most this many tokens, so a full-length "
                     "sequence fits in none and the step fails",
-                    f"{key}>={longest}; a budget of several sequences (e.g. {4 * longest}) lets short ones share a micro-batch",
+                    fix=f"{key}>={longest}; a budget of several sequences (e.g. {4 * longest}) lets short ones share a micro-batch",
                 )
             )
     max_tokens = arr.rollout.max_num_batched_tokens
     if arr.rollout.name == "native" and 0 < max_tokens < arr.rollout.prompt_length:
         findings.append(
             Finding(
-                "warning",
+                ("actor_rollout_ref.rollout.max_num_batched_tokens", "data.max_prompt_length"),
                 f"actor_rollout_ref.rollout.max_num_batched_tokens={max_tokens} is below the longest prompt "
                 f"({arr.rollout.prompt_length} tokens)",
-                ("actor_rollout_ref.rollout.max_num_batched_tokens", "data.max_prompt_length"),
-                "the engine prefills at most this many tokens a step, so long prompts are split over several "
+                "warning",
+                why="the engine prefills at most this many tokens a step, so long prompts are split over several "
                 "steps (slower prefill); vLLM without chunked prefill refuses this",
-                f"actor_rollout_ref.rollout.max_num_batched_tokens>={longest}",
+                fix=f"actor_rollout_ref.rollout.max_num_batched_tokens>={longest}",
             )
         )
     return findings
@@ -212,12 +191,12 @@ def check_tensor_parallel_heads(ctx: DoctorContext) -> list[Finding]:
     good = [t for t in (1, 2, 4, 8) if shape.heads % t == 0 and shape.kv_heads % t == 0]
     return [
         Finding(
-            "warning",
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the model's {' and '.join(bad)}",
             ("actor_rollout_ref.rollout.tensor_model_parallel_size", "actor_rollout_ref.model.path"),
-            "each tensor-parallel rank takes an equal share of the heads; verl's vLLM refuses this model at "
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the model's {' and '.join(bad)}",
+            "warning",
+            why="each tensor-parallel rank takes an equal share of the heads; verl's vLLM refuses this model at "
             "this size (fulcrum's rollout runs one engine per device and ignores the key today)",
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size in {good}",
+            fix=f"actor_rollout_ref.rollout.tensor_model_parallel_size in {good}",
         )
     ]
 
@@ -234,12 +213,12 @@ def check_target_kl_fixed(ctx: DoctorContext) -> list[Finding]:
         return []
     return [
         Finding(
-            "warning",
-            f"{' and '.join(set_keys)} set with algorithm.kl_ctrl.type=fixed: no effect",
             (*set_keys, "algorithm.kl_ctrl.type"),
-            f"only the adaptive controller moves the coefficient towards target_kl; the fixed one keeps "
+            f"{' and '.join(set_keys)} set with algorithm.kl_ctrl.type=fixed: no effect",
+            "warning",
+            why=f"only the adaptive controller moves the coefficient towards target_kl; the fixed one keeps "
             f"kl_coef={kl.kl_coef} for the whole run",
-            "algorithm.kl_ctrl.type=adaptive with algorithm.use_kl_in_reward=True, or drop target_kl",
+            fix="algorithm.kl_ctrl.type=adaptive with algorithm.use_kl_in_reward=True, or drop target_kl",
         )
     ]
 
@@ -254,17 +233,17 @@ def check_rollout_waves(ctx: DoctorContext) -> list[Finding]:
     waves = math.ceil(per_device / rollout.max_num_seqs)
     return [
         Finding(
-            "warning",
-            f"actor_rollout_ref.rollout.max_num_seqs={rollout.max_num_seqs} is below the {per_device} responses "
-            f"a device generates per step: the rollout runs in about {waves} waves",
             (
                 "actor_rollout_ref.rollout.max_num_seqs",
                 "data.train_batch_size",
                 "actor_rollout_ref.rollout.n",
             ),
-            "decoding is bound by reading the weights and KV cache once per token for the whole batch, so a "
+            f"actor_rollout_ref.rollout.max_num_seqs={rollout.max_num_seqs} is below the {per_device} responses "
+            f"a device generates per step: the rollout runs in about {waves} waves",
+            "warning",
+            why="decoding is bound by reading the weights and KV cache once per token for the whole batch, so a "
             "larger decode batch is nearly free until memory runs out; waves repeat the long tail",
-            f"actor_rollout_ref.rollout.max_num_seqs={per_device} if the KV cache holds it (see the memory "
+            fix=f"actor_rollout_ref.rollout.max_num_seqs={per_device} if the KV cache holds it (see the memory "
             "estimate), else a larger gpu_memory_utilization",
         )
     ]
@@ -302,12 +281,12 @@ def check_memory(ctx: DoctorContext) -> list[Finding]:
     if rollout.name == "native" and est.kv_cache_bytes <= 0:
         findings.append(
             Finding(
-                "error" if est.device_known else "warning",
+                ("actor_rollout_ref.rollout.gpu_memory_utilization",),
                 f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} leaves no "
                 "room for the KV cache",
-                ("actor_rollout_ref.rollout.gpu_memory_utilization",),
-                "the engine's share of the device must hold its weights, its workspace and the cache",
-                "a larger gpu_memory_utilization, or a smaller max_num_batched_tokens / max_num_seqs",
+                "error" if est.device_known else "warning",
+                why="the engine's share of the device must hold its weights, its workspace and the cache",
+                fix="a larger gpu_memory_utilization, or a smaller max_num_batched_tokens / max_num_seqs",
             )
         )
     over = [p for p in est.phases if p.total > est.device_bytes]
@@ -316,16 +295,16 @@ def check_memory(ctx: DoctorContext) -> list[Finding]:
         top = sorted(worst.items.items(), key=lambda kv: -kv[1])[:3]
         findings.append(
             Finding(
-                "error" if est.device_known else "warning",
-                f"predicted out of memory in {worst.name}: {worst.total / GiB:.1f} GiB estimated on a "
-                f"{est.device_bytes / GiB:.1f} GiB device",
                 (
                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
                     "actor_rollout_ref.model.enable_gradient_checkpointing",
                     "actor_rollout_ref.rollout.gpu_memory_utilization",
                 ),
-                "largest items: " + "; ".join(f"{name} {size / GiB:.1f} GiB" for name, size in top),
-                "smaller micro-batches, enable_gradient_checkpointing=True, a lower gpu_memory_utilization, "
+                f"predicted out of memory in {worst.name}: {worst.total / GiB:.1f} GiB estimated on a "
+                f"{est.device_bytes / GiB:.1f} GiB device",
+                "error" if est.device_known else "warning",
+                why="largest items: " + "; ".join(f"{name} {size / GiB:.1f} GiB" for name, size in top),
+                fix="smaller micro-batches, enable_gradient_checkpointing=True, a lower gpu_memory_utilization, "
                 "or more devices (trainer.n_gpus_per_node)",
             )
         )
@@ -362,18 +341,18 @@ def check_kv_preemption(ctx: DoctorContext) -> list[Finding]:
     )
     return [
         Finding(
-            "warning",
-            f"the KV cache holds {est.kv_tokens:,} tokens; a step's sequences at their longest need "
-            f"{needed:,}: the rollout preempts (frees and later recomputes sequences) when they run long",
             (
                 "actor_rollout_ref.rollout.gpu_memory_utilization",
                 "actor_rollout_ref.rollout.max_num_seqs",
                 "data.max_prompt_length",
                 "actor_rollout_ref.rollout.response_length",
             ),
-            "a preempted sequence's prefill and decode are done again: measured on the 0.5B shape, a cache "
+            f"the KV cache holds {est.kv_tokens:,} tokens; a step's sequences at their longest need "
+            f"{needed:,}: the rollout preempts (frees and later recomputes sequences) when they run long",
+            "warning",
+            why="a preempted sequence's prefill and decode are done again: measured on the 0.5B shape, a cache "
             "a fifth too small preempted 96 times and made generation 1.5x slower (docs/levers.md)",
-            f"actor_rollout_ref.rollout.gpu_memory_utilization={math.ceil(share * 100) / 100:.2f} or more, "
+            fix=f"actor_rollout_ref.rollout.gpu_memory_utilization={math.ceil(share * 100) / 100:.2f} or more, "
             "or a smaller max_num_seqs (fewer sequences at once)",
         )
     ]

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fulcrum.config.finding import Finding
 from fulcrum.tools.report_files import ReportError, Run, check_out_file, load_run, write_report
 from fulcrum.trainer.diagnosis import (
     PHASE_LEVERS,
-    Finding,
     as_float,
     diagnose,
     phase_shares,
@@ -296,7 +296,7 @@ def _findings_table(findings: list[Finding]) -> str:
         lines.append(
             f'<tr class="{html.escape(f.severity)}"><td>{html.escape(f.severity)}</td><td>{html.escape(f.rule)}</td>'
             f"<td>{'' if f.step is None else f.step}</td><td>{html.escape(f.message)}</td>"
-            f"<td>{html.escape(f.lever)}</td></tr>"
+            f"<td>{html.escape(f.fix)}</td></tr>"
         )
     lines.append("</table>")
     return "\n".join(lines)

@@ -13,8 +13,9 @@ import itertools
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from fulcrum.config.finding import Finding
 
 Row = dict[str, Any]
 
@@ -64,21 +65,6 @@ ADV_DRIFT_LIMIT = 0.1  # |mean advantage| ...
 ADV_DRIFT_STEPS = 3  # ... for this many steps in a row
 CRITIC_MIN_STEPS = 10
 MEMORY_MIN_STEPS = 6  # warm steps needed before calling memory growth a creep
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One diagnosis: `rule` names it, `step` is where it first showed, `lever` says what to change."""
-
-    rule: str
-    severity: str  # "info" (how the run spends its time) or "warning" (something is going wrong)
-    step: int | None
-    message: str
-    lever: str
-
-    def one_line(self) -> str:
-        where = f"step {self.step}: " if self.step is not None else ""
-        return f"diagnosis ({self.rule}) {where}{self.message} -> {self.lever}"
 
 
 def as_float(value: Any) -> float | None:
@@ -148,11 +134,12 @@ def bottleneck(rows: Sequence[Row]) -> list[Finding]:
     others = ", ".join(f"{p} {s:.0%}" for p, s in list(shares.items())[1:4])
     return [
         Finding(
-            "bottleneck",
-            "info",
-            first,
+            (),
             f"the bottleneck is {phase}: {share:.0%} of step time" + (f" (then {others})" if others else ""),
-            PHASE_LEVERS[phase],
+            "info",
+            fix=PHASE_LEVERS[phase],
+            rule="bottleneck",
+            step=first,
         )
     ]
 
@@ -168,12 +155,13 @@ def kl_spikes(rows: Sequence[Row]) -> list[Finding]:
             if abs(value) > KL_SPIKE_FLOOR and abs(value) > KL_SPIKE_FACTOR * median:
                 findings.append(
                     Finding(
-                        "kl_spike",
-                        "warning",
-                        step,
+                        (),
                         f"{key} = {value:.3g}, {abs(value) / max(median, 1e-12):.0f}x its running median {median:.3g}",
-                        "a smaller actor.optim.lr, fewer actor.ppo_epochs, a larger ppo_mini_batch_size, a lower "
+                        "warning",
+                        fix="a smaller actor.optim.lr, fewer actor.ppo_epochs, a larger ppo_mini_batch_size, a lower "
                         "actor.grad_clip, or a stronger KL (kl_loss_coef / kl_ctrl.kl_coef)",
+                        rule="kl_spike",
+                        step=step,
                     )
                 )
                 break
@@ -192,14 +180,15 @@ def kl_high(rows: Sequence[Row]) -> list[Finding]:
             if median > limit:
                 findings.append(
                     Finding(
-                        "kl_high",
-                        "warning",
-                        points[i - 1][0],
+                        (),
                         f"{key} = {median:.4g} (median of {KL_HIGH_STEPS} steps), above {limit:g}: the "
                         "policy moves too far, step after step",
-                        "a smaller actor.optim.lr first (3x smaller is a good step), then a lower "
+                        "warning",
+                        fix="a smaller actor.optim.lr first (3x smaller is a good step), then a lower "
                         "actor.grad_clip or a larger ppo_mini_batch_size; for the KL to the reference, a "
                         "stronger kl_loss_coef / kl_ctrl.kl_coef",
+                        rule="kl_high",
+                        step=points[i - 1][0],
                     )
                 )
                 break
@@ -218,13 +207,14 @@ def reward_collapse(rows: Sequence[Row]) -> list[Finding]:
         if best > 0 and recent < REWARD_COLLAPSE_SHARE * best:
             return [
                 Finding(
-                    "reward_collapse",
-                    "warning",
-                    points[end - 1][0],
+                    (),
                     f"critic/score/mean {recent:.3g} (median of the last {REWARD_WINDOW} steps), below half "
                     f"of its best {REWARD_WINDOW}-step median {best:.3g}",
-                    "a smaller actor.optim.lr (see kl_high and kl_spike), and a restart from a checkpoint "
+                    "warning",
+                    fix="a smaller actor.optim.lr (see kl_high and kl_spike), and a restart from a checkpoint "
                     "saved before the fall (trainer.resume_mode=resume_path trainer.resume_from_path=...)",
+                    rule="reward_collapse",
+                    step=points[end - 1][0],
                 )
             ]
     return []
@@ -242,12 +232,13 @@ def validation_drop(rows: Sequence[Row]) -> list[Finding]:
             if best > 0 and value < REWARD_COLLAPSE_SHARE * best:
                 return [
                     Finding(
-                        "validation_drop",
-                        "warning",
-                        step,
+                        (),
                         f"{key} = {value:.3g}, below half of its best {best:.3g}",
-                        "a smaller actor.optim.lr (see kl_high and kl_spike); the checkpoint saved at the "
+                        "warning",
+                        fix="a smaller actor.optim.lr (see kl_high and kl_spike); the checkpoint saved at the "
                         "best validation is the one to keep or restart from",
+                        rule="validation_drop",
+                        step=step,
                     )
                 ]
             best = max(best, value)
@@ -269,13 +260,14 @@ def critic_not_learning(rows: Sequence[Row]) -> list[Finding]:
         return []
     return [
         Finding(
-            "critic_not_learning",
-            "warning",
-            explained[-1][0],
+            (),
             f"critic/vf_explained_var {recent_ev:.2f} (median of the last 5 steps) and critic/vf_loss "
             f"{recent_loss:.3g}, not below its early {early_loss:.3g}",
-            "a larger critic.optim.lr, more critic.ppo_epochs, trainer.critic_warmup steps before the actor "
+            "warning",
+            fix="a larger critic.optim.lr, more critic.ppo_epochs, trainer.critic_warmup steps before the actor "
             "moves, or a looser critic.cliprange_value",
+            rule="critic_not_learning",
+            step=explained[-1][0],
         )
     ]
 
@@ -289,12 +281,13 @@ def advantage_drift(rows: Sequence[Row]) -> list[Finding]:
         if run >= ADV_DRIFT_STEPS:
             return [
                 Finding(
-                    "advantage_drift",
-                    "warning",
-                    step,
+                    (),
                     f"critic/advantages/mean = {value:.3g}, away from 0 for {run} steps",
-                    "check the reward's scale and sign, the critic (critic.optim.lr, critic_warmup), "
+                    "warning",
+                    fix="check the reward's scale and sign, the critic (critic.optim.lr, critic_warmup), "
                     "algorithm.gamma / lam, and algorithm.norm_adv_by_std_in_grpo for GRPO",
+                    rule="advantage_drift",
+                    step=step,
                 )
             ]
     return []
@@ -312,13 +305,14 @@ def length_limit(rows: Sequence[Row]) -> list[Finding]:
     first = next(s for s, v in points if v >= LENGTH_CLIP_LIMIT)
     return [
         Finding(
-            "length_limit",
-            "warning",
-            first,
+            (),
             f"{share:.0%} of responses hit the length limit (response_length/clip_ratio): their reward is "
             "for a cut-off answer",
-            "a larger data.max_response_length (costs generation time and memory), or a reward that "
+            "warning",
+            fix="a larger data.max_response_length (costs generation time and memory), or a reward that "
             "favours shorter answers",
+            rule="length_limit",
+            step=first,
         )
     ]
 
@@ -336,13 +330,14 @@ def memory_creep(rows: Sequence[Row]) -> list[Finding]:
         if rises >= 0.75 * (len(points) - 1) and growth > max(0.05 * points[0][1], 0.25):
             return [
                 Finding(
-                    "memory_creep",
-                    "warning",
-                    points[-1][0],
+                    (),
                     f"{key} rose in {rises} of {len(points) - 1} warm steps, {points[0][1]:.2f} -> "
                     f"{points[-1][1]:.2f} GiB: something grows every step",
-                    "look for tensors kept across steps (metrics holding graphs, growing caches); for "
+                    "warning",
+                    fix="look for tensors kept across steps (metrics holding graphs, growing caches); for "
                     "fragmentation, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                    rule="memory_creep",
+                    step=points[-1][0],
                 )
             ]
     return []
@@ -358,12 +353,13 @@ def non_finite(rows: Sequence[Row]) -> list[Finding]:
             what = f"non-finite {', '.join(bad)}" if bad else "a skipped update"
             return [
                 Finding(
-                    "non_finite",
-                    "warning",
-                    _step(row, i + 1),
+                    (),
                     f"{what}; {int(total_skipped)} step(s) skipped in the run (training/nan_skipped_steps)",
-                    "a smaller actor.optim.lr / critic.optim.lr, a lower grad_clip, and check the reward "
+                    "warning",
+                    fix="a smaller actor.optim.lr / critic.optim.lr, a lower grad_clip, and check the reward "
                     "function's output for NaN",
+                    rule="non_finite",
+                    step=_step(row, i + 1),
                 )
             ]
     return []
