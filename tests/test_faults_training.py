@@ -15,10 +15,10 @@ import torch
 from helpers import cpu_ppo_overrides, make_assets
 from safetensors.torch import load_file
 
-from fulcrum.trainer import ppo_trainer
+from fulcrum.trainer import sampling
 from fulcrum.trainer.checkpoint import is_complete, read_latest_step
 from fulcrum.trainer.main_ppo import main as train_main
-from fulcrum.trainer.ppo_trainer import score_batch
+from fulcrum.trainer.sampling import score_batch
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_nan_loss_skips_updates_counts_them_and_stops_after_max_nan_steps(
         scores, result = score_batch(batch, tokenizer, manager)
         return torch.full_like(scores, float("nan")), result
 
-    monkeypatch.setattr(ppo_trainer, "score_batch", nan_scores)
+    monkeypatch.setattr(sampling, "score_batch", nan_scores)
     args = overrides(
         assets,
         run_dir,

@@ -138,7 +138,7 @@ def test_a_reward_model_scores_and_trains_a_policy(assets: Path, tmp_path: Path)
     cfg = load_config(argv)
     trainer = PPOTrainer(cfg, torch.device("cpu"))
     items = next(iter(trainer.train_loader))
-    batch, _ = trainer.generate_and_score(items, {}, {})
+    batch, _ = trainer.sampler.generate_and_score(items, 0, {}, {})
     # The score on each response's last token is the classifier's own output for prompt + response.
     model = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
     lengths = batch["response_mask"].sum(-1)

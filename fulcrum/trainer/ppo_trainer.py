@@ -10,8 +10,9 @@ verl's rules, owned by `fulcrum.config.validate` (`uses_reference`, `uses_critic
 exists only when the KL is used (`use_kl_in_reward` or `actor.use_kl_loss`); with neither on, no KL is
 applied even if `kl_ctrl.kl_coef` is set. A critic is used when `critic.enable` says so, else only for
 an estimator that needs values (gae). Each worker is built from its typed section (fulcrum.config.sections).
-Over 400 lines because each stage of `train_step` is a method here (generation with DAPO's rounds,
-scoring, KL in reward, advantages, validation); what is decided before the first step is in startup.py.
+Generation and scoring (stages 1-2, and validation) are trainer/sampling.py's, the KL in reward and
+the advantages (stage 4) trainer/advantage_stage.py's; what is decided before the first step is in
+startup.py.
 """
 
 from __future__ import annotations
@@ -25,10 +26,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from fulcrum.algo.advantages import compute_advantage
-from fulcrum.algo.kl import apply_kl_penalty, build_kl_controller
+from fulcrum.algo.kl import build_kl_controller
 from fulcrum.algo.losses import agg_loss
-from fulcrum.batch import Batch, assemble_batch
 from fulcrum.config import FulcrumConfig, to_dict, uses_critic, uses_reference
 from fulcrum.config.sections import actor_section, critic_section, reference_section
 from fulcrum.data.dataset import rl_datasets
@@ -36,21 +35,25 @@ from fulcrum.models.load import load_causal_lm, load_tokenizer
 from fulcrum.parallel import DistInfo, max_over_ranks, on_main
 from fulcrum.parallel.fsdp import is_sharded
 from fulcrum.reward.guard import guard_manager
-from fulcrum.reward.manager import RewardResult, score_batch
 from fulcrum.reward.managers import manager_from_config
-from fulcrum.rollout import SamplingParams, build_rollout, logprob_diff, sampling_params
+from fulcrum.rollout import build_rollout, logprob_diff
 from fulcrum.trainer import metrics as M
-from fulcrum.trainer import recipes
+from fulcrum.trainer.advantage_stage import (
+    advantages_of,
+    correct_batch,
+    kl_in_reward,
+    pf_ppo_resample,
+    rollout_correction_of,
+)
 from fulcrum.trainer.checkpoint import CheckpointManager
 from fulcrum.trainer.checkpoint.sharded import gather_roles
-from fulcrum.trainer.data_parallel import engine_tp_size, generate_shares, on_shares, startup_line
+from fulcrum.trainer.data_parallel import engine_tp_size, on_shares, startup_line
 from fulcrum.trainer.diagnosis import LiveDiagnosis
-from fulcrum.trainer.dynamic_sampling import GroupFilter, group_metric_values
 from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, StepAbandoned, explain_oom
-from fulcrum.trainer.generations import dump_generations, generation_rows
 from fulcrum.trainer.loggers import Tracking
 from fulcrum.trainer.run_dir import open_run_dir
-from fulcrum.trainer.startup import kl_startup_line, resolve_total_steps, seed_everything
+from fulcrum.trainer.sampling import Sampler, reward_model_of
+from fulcrum.trainer.startup import kl_startup_line, resolve_total_steps, seed_everything, startup_lines
 from fulcrum.workers.actor import ActorWorker, ReferenceWorker
 from fulcrum.workers.critic import CriticWorker
 
@@ -83,8 +86,6 @@ class PPOTrainer:
 
         self.tokenizer = load_tokenizer(arr.model.path)
         data = cfg.data
-        self.max_prompt_length = int(data.max_prompt_length)
-        self.response_length = int(arr.rollout.response_length)
         self.train_dataset, self.val_dataset, self.train_loader = rl_datasets(data, self.tokenizer)
         self.steps_per_epoch = len(self.train_dataset) // int(data.train_batch_size)
         self.total_training_steps = resolve_total_steps(cfg, self.steps_per_epoch)
@@ -93,8 +94,8 @@ class PPOTrainer:
 
         # The custom reward file is imported (run as Python) here, before any model is loaded. The guard
         # copies its inputs, limits its time per batch and names its failures (reward_model.on_error).
-        self.reward_manager = guard_manager(manager_from_config(cfg), cfg.reward_model)
-        for line in recipes.startup_lines(cfg):
+        reward_manager = guard_manager(manager_from_config(cfg), cfg.reward_model)
+        for line in startup_lines(cfg):
             print(line, flush=True)
         print(kl_startup_line(cfg), flush=True)
         total = self.total_training_steps
@@ -112,9 +113,11 @@ class PPOTrainer:
         summary = startup_line(self.dist, cfg, engine_tp_size(self.rollout))
         if summary:
             print(summary, flush=True)
-        self.pad_id = int(self.tokenizer.pad_token_id)
-        self.reward_model = recipes.reward_model_of(cfg, self.tokenizer, device)
-        self.correction = recipes.rollout_correction_of(cfg)
+        reward_model = reward_model_of(cfg, self.tokenizer, device)
+        self.sampler = Sampler(
+            cfg, self.rollout, self.tokenizer, reward_manager, reward_model, self.dist.is_main
+        )
+        self.correction = rollout_correction_of(cfg)
         if self.correction is not None and self.correction.bypass_mode:
             self.actor.bypass = self.correction
         self.tracking = (
@@ -192,7 +195,7 @@ class PPOTrainer:
         self._resume()
         last: dict[str, float] = {}
         if self.val_dataset is not None and cfg.val_before_train and self.global_step == 0:
-            val = self.validate()
+            val = self.sampler.validate(self.val_dataset, self.global_step)
             self.tracking.log(val, step=0)
             last.update(val)
             if cfg.val_only:
@@ -284,6 +287,10 @@ class PPOTrainer:
             return contextlib.nullcontext()
         return self._interrupt.abandonable(enabled=not self.dist.distributed)
 
+    def _more_prompts(self) -> list[dict[str, Any]] | None:
+        """The next prompt batch for another round of dynamic sampling; None when the step budget's data is spent."""
+        return next(self._prompt_stream, None) if self._prompt_stream is not None else None
+
     def close(self) -> None:
         """Release what must go before the process group does: the engine's CUDA graphs (under tensor
         parallelism they captured NCCL all-reduces, and NCCL's teardown waits for such graphs to be
@@ -309,7 +316,9 @@ class PPOTrainer:
         with M.timer("step", timing):
             # 1-2. generate and score (the score sits on the last response token); with dynamic sampling,
             # rounds are added until enough prompt groups have responses that differ
-            batch, reward = self.generate_and_score(items, timing, metrics, peaks)
+            batch, reward = self.sampler.generate_and_score(
+                items, self.global_step, timing, metrics, peaks, self._more_prompts, self._reward_stage
+            )
             metrics["reward/num_errors"] = float(reward.num_errors)  # reward_model.on_error=zero
             metrics["reward/num_nonfinite"] = float(reward.num_nonfinite)  # NaN/inf scores among them
             for message in reward.errors:
@@ -340,15 +349,16 @@ class PPOTrainer:
             # 4. KL in reward, then advantages
             with M.timer("adv", timing):
                 if self.kl_ctrl is not None:
-                    batch["token_level_rewards"], kl_metrics = self._kl_in_reward(batch)
+                    rewards, kl_metrics = kl_in_reward(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
+                    batch["token_level_rewards"] = rewards
                     metrics.update(kl_metrics)
                 else:
                     batch["token_level_rewards"] = batch["token_level_scores"]
                 if self.correction is not None and not self.correction.bypass_mode:
-                    metrics.update(recipes.correct_batch(batch, self.correction))
-                batch["advantages"], batch["returns"] = self.compute_advantage(batch)
+                    metrics.update(correct_batch(batch, self.correction))
+                batch["advantages"], batch["returns"] = advantages_of(batch, cfg.algorithm)
                 if cfg.algorithm.use_pf_ppo and cfg.algorithm.adv_estimator == "gae":
-                    batch = recipes.pf_ppo_resample(batch, cfg.algorithm.pf_ppo)
+                    batch = pf_ppo_resample(batch, cfg.algorithm.pf_ppo)
             # 5. updates: critic first (its loss uses the pre-update values), then the actor
             if self.critic is not None:
                 with M.timer("update_critic", timing, peaks):
@@ -369,7 +379,7 @@ class PPOTrainer:
                 and (is_last or self.global_step % trainer_cfg.test_freq == 0)
             ):
                 with M.timer("testing", timing):
-                    metrics.update(self.validate())
+                    metrics.update(self.sampler.validate(self.val_dataset, self.global_step))
             interrupted = self.interrupt_requested()
             if (
                 self.checkpoints is not None
@@ -398,150 +408,3 @@ class PPOTrainer:
         metrics["training/global_step"] = self.global_step
         metrics["training/epoch"] = self.epoch
         return metrics
-
-    # ------------------------------------------------------------------------------ the stages
-    def generate(self, items: list[dict[str, Any]], params: SamplingParams, uid_prefix: str) -> Batch:
-        """Sample responses for `items` into a Batch: the one path to the engine (training, validation and
-        ReMax's greedy baseline). Every backend batches under max_num_seqs by itself (the native engine
-        also shares prompt blocks across the whole call) and owns its KV cache (`free_cache_engine`)."""
-        out = generate_shares(self.rollout, [it["input_ids"] for it in items], params)
-        return assemble_batch(
-            items,
-            out.token_ids,
-            out.logprobs,
-            out.prompt_index,
-            self.max_prompt_length,
-            self.response_length,
-            self.pad_id,
-            uid_prefix,
-        )
-
-    def sampling_params(self, validate: bool) -> SamplingParams:
-        """rollout.* (or val_kwargs) with a different, reproducible seed per step (validation: the same
-        every time)."""
-        rc = self.cfg.actor_rollout_ref.rollout
-        base_seed = int(rc.seed)  # type: ignore[arg-type]  # resolved: never null
-        params = sampling_params(rc, self.response_length, 0, validate)
-        params.seed = base_seed * 1_000_003 + (0 if validate else self.global_step) * 1009
-        return params
-
-    def _kl_in_reward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        """rewards = scores - β·KL(old ‖ ref) per token; the controller then adapts β (verl)."""
-        assert self.kl_ctrl is not None
-        beta = self.kl_ctrl.value
-        out = apply_kl_penalty(
-            token_level_scores=batch["token_level_scores"],
-            old_log_prob=batch["old_log_probs"],
-            ref_log_prob=batch["ref_log_prob"],
-            response_mask=batch["response_mask"].float(),
-            kl_coef=beta,
-            kind=self.cfg.algorithm.kl_penalty,
-        )
-        self.kl_ctrl.update(current_kl=out.current_kl, n_steps=len(batch))
-        return out.token_level_rewards, {
-            "actor/reward_kl_penalty": out.current_kl,
-            "actor/reward_kl_penalty_coeff": beta,
-        }
-
-    def compute_advantage(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(advantages, returns) (B, R) by algorithm.adv_estimator; grpo/rloo group rows by prompt uid."""
-        alg = self.cfg.algorithm
-        return compute_advantage(
-            alg.adv_estimator,
-            token_level_rewards=batch["token_level_rewards"],
-            response_mask=batch["response_mask"].float(),
-            values=batch.tensors.get("values"),
-            index=batch.non_tensors["uid"],
-            reward_baselines=batch.tensors.get("reward_baselines"),
-            gamma=float(alg.gamma),
-            lam=float(alg.lam),
-            norm_adv_by_std_in_grpo=bool(alg.norm_adv_by_std_in_grpo),
-            old_log_probs=batch.tensors.get("old_log_probs"),
-            sum_pi_squared=batch.tensors.get("sum_pi_squared"),
-            rollout_is_weights=batch.tensors.get("rollout_is_weights"),
-        )
-
-    def score(self, batch: Batch) -> tuple[torch.Tensor, RewardResult]:
-        """token_level_scores (B, R) and the result: reward model and/or reward manager (recipes.score)."""
-        return recipes.score(
-            batch,
-            lambda b: score_batch(b, self.tokenizer, self.reward_manager),
-            self.reward_model,
-            bool(self.cfg.custom_reward_function.path),
-        )
-
-    def generate_and_score(
-        self,
-        items: list[dict[str, Any]],
-        timing: dict[str, float],
-        metrics: dict[str, float],
-        peaks: dict[str, float] | None = None,
-    ) -> tuple[Batch, RewardResult]:
-        """Stages 1-2. With algorithm.filter_groups.enable (DAPO), further prompt batches are generated
-        and scored until data.train_batch_size prompts have responses whose metric differs."""
-        fg = self.cfg.algorithm.filter_groups
-        gate = (
-            GroupFilter(int(self.cfg.data.train_batch_size), int(fg.max_num_gen_batches))
-            if fg.enable
-            else None
-        )
-        errors = RewardResult(scores=[])
-        round_no = 0
-        while True:
-            with M.timer("gen", timing, peaks):
-                # Prompt uids are unique per step and per round (rows group by uid).
-                prefix = f"s{self.global_step}" + (f"r{round_no}" if round_no else "")
-                batch = self.generate(items, self.sampling_params(validate=False), prefix)
-            engine_metrics = getattr(self.rollout, "metrics", None)
-            if engine_metrics is not None:  # the engine's own figures (prefill/decode time, preemptions, KV)
-                metrics.update({k: float(v) for k, v in engine_metrics().items()})
-            if self.cfg.algorithm.adv_estimator == "remax":
-                with M.timer("gen_max", timing):
-                    batch["reward_baselines"] = self.remax_baselines(items, batch)
-            with M.timer("reward", timing), self._reward_stage():
-                batch["token_level_scores"], reward = self.score(batch)
-            if gate is None:
-                return batch, reward
-            errors.num_errors += reward.num_errors
-            errors.num_nonfinite += reward.num_nonfinite
-            errors.errors += reward.errors
-            gate.add(
-                batch,
-                group_metric_values(fg.metric, batch["token_level_scores"], reward.scores, reward.extra),
-            )
-            if gate.enough:
-                break
-            if not gate.may_generate_more():
-                raise gate.too_many_rounds()
-            items = next(self._prompt_stream, None) if self._prompt_stream is not None else None
-            if items is None:  # the step budget's data is spent: train on what was kept
-                break
-            round_no += 1
-        metrics.update(gate.metrics())
-        batch = gate.take()
-        errors.scores = batch["token_level_scores"].sum(-1).tolist()
-        return batch, errors
-
-    def remax_baselines(self, items: list[dict[str, Any]], batch: Batch) -> torch.Tensor:
-        """ReMax's baseline: the score of a greedy response to the same prompt, per row (B,)."""
-        rc = self.cfg.actor_rollout_ref.rollout
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.response_length)
-        greedy = self.generate(items, params, "remax")
-        _, greedy = self.score(greedy)
-        per_prompt = torch.tensor(greedy.scores, dtype=torch.float32)
-        n = int(rc.n)
-        return per_prompt.repeat_interleave(n)[: len(batch)]
-
-    def validate(self) -> dict[str, float]:
-        """Greedy (val_kwargs) generation on the whole validation set: val-core/<data_source>/reward/mean@n."""
-        assert self.val_dataset is not None
-        items = [self.val_dataset[i] for i in range(len(self.val_dataset))]
-        batch = self.generate(items, self.sampling_params(validate=True), "val")
-        _, result = self.score(batch)
-        folder = self.cfg.trainer.validation_data_dir
-        if folder and self.dist.is_main:
-            rows = generation_rows(batch, result.scores, self.tokenizer, self.global_step)
-            dump_generations(folder, rows, self.global_step)
-        return M.validation_metrics(
-            batch, result.scores, int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
-        )

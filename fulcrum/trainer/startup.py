@@ -1,4 +1,5 @@
-"""What a run decides and says before its first step: the seeds, the KL line, the number of steps.
+"""What a run decides and says before its first step: the seeds, the KL line, the recipe lines, the
+number of steps.
 
 Kept apart from the loop (fulcrum.trainer.ppo_trainer) so that module holds only the step's stages.
 """
@@ -6,6 +7,7 @@ Kept apart from the loop (fulcrum.trainer.ppo_trainer) so that module holds only
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,3 +49,39 @@ def resolve_total_steps(cfg: FulcrumConfig, steps_per_epoch: int) -> int:
             "than the training set?"
         )
     return total
+
+
+def startup_lines(cfg: Any) -> list[str]:
+    """One line per recipe setting whose effect a verl user should hear about at start-up."""
+    lines = []
+    rm, alg = cfg.reward_model, cfg.algorithm
+    if rm.enable:
+        combined = (
+            "decides, given extra_info['rm_score']" if cfg.custom_reward_function.path else "is not used"
+        )
+        lines.append(
+            f"reward: reward model {rm.model.path} scores each response; the rule-based function {combined}"
+        )
+    if rm.use_reward_loop or rm.num_workers or rm.rollout:
+        lines.append(
+            "note: reward_model.{use_reward_loop, num_workers, rollout.*} have no effect: rewards are scored in "
+            "this process (verl's reward loop runs reward workers and a reward-model server)"
+        )
+    if rm.reward_manager != "naive":
+        lines.append(f"reward: manager {rm.reward_manager}")
+    rc = alg.rollout_correction
+    if rc.bypass_mode:
+        lines.append(
+            f"rollout correction: bypass mode ({rc.loss_type}): the engine's log-probs are the old ones, no "
+            "old-log-prob pass"
+        )
+    elif rc.rollout_is or rc.rollout_rs:
+        lines.append(f"rollout correction: importance weights {rc.rollout_is}, rejection {rc.rollout_rs}")
+    if alg.filter_groups.enable:
+        lines.append(
+            f"dynamic sampling: groups whose {alg.filter_groups.metric} is equal across responses are dropped; "
+            f"up to {alg.filter_groups.max_num_gen_batches or 'unlimited'} generation rounds per step"
+        )
+    if alg.use_pf_ppo and alg.adv_estimator != "gae":
+        lines.append("note: algorithm.use_pf_ppo has no effect: PF-PPO resamples after gae only (as verl)")
+    return lines

@@ -1,0 +1,195 @@
+"""Stages 1-2 of a step, and validation: prompts through the rollout engine into a Batch, each response
+scored on its last token by the reward manager and/or a reward model, as verl combines them.
+
+With algorithm.filter_groups.enable (DAPO) a step generates further prompt batches until enough prompt
+groups have responses that differ; with adv_estimator=remax each prompt also gets a greedy response,
+whose score is the baseline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fulcrum.batch import Batch, assemble_batch
+from fulcrum.config import FulcrumConfig
+from fulcrum.models.reward_model import RewardModel
+from fulcrum.reward.manager import RewardResult, score_batch
+from fulcrum.rollout import RolloutEngine, SamplingParams, sampling_params
+from fulcrum.trainer import metrics as M
+from fulcrum.trainer.data_parallel import generate_shares
+from fulcrum.trainer.dynamic_sampling import GroupFilter, group_metric_values
+from fulcrum.trainer.generations import dump_generations, generation_rows
+
+
+def reward_model_of(cfg: Any, policy_tokenizer: Any, device: torch.device) -> RewardModel | None:
+    rm = cfg.reward_model
+    if not rm.enable:
+        return None
+    return RewardModel(
+        rm.model.path,
+        policy_tokenizer,
+        device,
+        micro_batch_size=rm.micro_batch_size_per_gpu or rm.micro_batch_size,  # None: 8 (verl's reward loop)
+        max_length=rm.max_length,
+    )
+
+
+def reward_model_scores(batch: Batch, reward_model: RewardModel) -> torch.Tensor:
+    """The reward model's score (B,) of each row's prompt and response."""
+    prompt_mask = batch["attention_mask"][:, : batch.prompt_length].bool()
+    prompts = [row[keep].tolist() for row, keep in zip(batch["prompts"], prompt_mask, strict=True)]
+    lengths = batch["response_mask"].sum(-1).tolist()
+    responses = [batch["responses"][i, : int(n)].tolist() for i, n in enumerate(lengths)]
+    return reward_model.score(prompts, responses, batch.non_tensors.get("raw_prompt"))
+
+
+class Sampler:
+    """The engine and the reward of one run: `generate`, `score`, a training step's `generate_and_score`
+    and `validate`. Under torchrun every rank generates its share; rank 0 alone writes validation dumps."""
+
+    def __init__(
+        self,
+        cfg: FulcrumConfig,
+        rollout: RolloutEngine,
+        tokenizer: Any,
+        reward_manager: Any,
+        reward_model: RewardModel | None,
+        is_main: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.rollout = rollout
+        self.tokenizer = tokenizer
+        self.reward_manager = reward_manager
+        self.reward_model = reward_model
+        self.is_main = is_main
+        self.max_prompt_length = int(cfg.data.max_prompt_length)
+        self.response_length = int(cfg.actor_rollout_ref.rollout.response_length)
+        self.pad_id = int(tokenizer.pad_token_id)
+
+    def generate(self, items: list[dict[str, Any]], params: SamplingParams, uid_prefix: str) -> Batch:
+        """Sample responses for `items` into a Batch: the one path to the engine (training, validation and
+        ReMax's greedy baseline). Every backend batches under max_num_seqs by itself (the native engine
+        also shares prompt blocks across the whole call) and owns its KV cache (`free_cache_engine`)."""
+        out = generate_shares(self.rollout, [it["input_ids"] for it in items], params)
+        return assemble_batch(
+            items,
+            out.token_ids,
+            out.logprobs,
+            out.prompt_index,
+            self.max_prompt_length,
+            self.response_length,
+            self.pad_id,
+            uid_prefix,
+        )
+
+    def sampling_params(self, validate: bool, step: int) -> SamplingParams:
+        """rollout.* (or val_kwargs) with a different, reproducible seed per step (validation: the same
+        every time)."""
+        rc = self.cfg.actor_rollout_ref.rollout
+        base_seed = int(rc.seed)  # type: ignore[arg-type]  # resolved: never null
+        params = sampling_params(rc, self.response_length, 0, validate)
+        params.seed = base_seed * 1_000_003 + (0 if validate else step) * 1009
+        return params
+
+    def score(self, batch: Batch) -> tuple[torch.Tensor, RewardResult]:
+        """token_level_scores (B, R) and the scoring result. Without a reward model, the reward manager's
+        scores; with one and no custom reward function, the model's score is the reward; with both, the
+        function decides and finds the model's score in `extra_info["rm_score"]` (verl)."""
+        if self.reward_model is None:
+            return score_batch(batch, self.tokenizer, self.reward_manager)
+        rm_scores = reward_model_scores(batch, self.reward_model)
+        if self.cfg.custom_reward_function.path:
+            infos = [
+                dict(info or {}, rm_score=float(s))
+                for info, s in zip(batch.non_tensors["extra_info"], rm_scores, strict=True)
+            ]
+            with_scores = Batch(batch.tensors, dict(batch.non_tensors, extra_info=infos))
+            return score_batch(with_scores, self.tokenizer, self.reward_manager)
+        token_level = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+        lengths = batch["response_mask"].sum(-1).long()
+        rows = torch.nonzero(lengths > 0).squeeze(-1)
+        token_level[rows, lengths[rows] - 1] = rm_scores[rows]
+        return token_level, RewardResult(scores=rm_scores.tolist())
+
+    def generate_and_score(
+        self,
+        items: list[dict[str, Any]],
+        step: int,
+        timing: dict[str, float],
+        metrics: dict[str, float],
+        peaks: dict[str, float] | None = None,
+        more_prompts: Callable[[], list[dict[str, Any]] | None] = lambda: None,
+        reward_stage: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> tuple[Batch, RewardResult]:
+        """Stages 1-2 of step `step`. With algorithm.filter_groups.enable (DAPO), `more_prompts` batches are
+        generated and scored until data.train_batch_size prompts have responses whose metric differs.
+        `reward_stage` is entered around each scoring (the trainer's stop signal may drop the step there)."""
+        fg = self.cfg.algorithm.filter_groups
+        gate = (
+            GroupFilter(int(self.cfg.data.train_batch_size), int(fg.max_num_gen_batches))
+            if fg.enable
+            else None
+        )
+        errors = RewardResult(scores=[])
+        round_no = 0
+        while True:
+            with M.timer("gen", timing, peaks):
+                # Prompt uids are unique per step and per round (rows group by uid).
+                prefix = f"s{step}" + (f"r{round_no}" if round_no else "")
+                batch = self.generate(items, self.sampling_params(validate=False, step=step), prefix)
+            engine_metrics = getattr(self.rollout, "metrics", None)
+            if engine_metrics is not None:  # the engine's own figures (prefill/decode time, preemptions, KV)
+                metrics.update({k: float(v) for k, v in engine_metrics().items()})
+            if self.cfg.algorithm.adv_estimator == "remax":
+                with M.timer("gen_max", timing):
+                    batch["reward_baselines"] = self.remax_baselines(items, batch)
+            with M.timer("reward", timing), reward_stage():
+                batch["token_level_scores"], reward = self.score(batch)
+            if gate is None:
+                return batch, reward
+            errors.num_errors += reward.num_errors
+            errors.num_nonfinite += reward.num_nonfinite
+            errors.errors += reward.errors
+            gate.add(
+                batch,
+                group_metric_values(fg.metric, batch["token_level_scores"], reward.scores, reward.extra),
+            )
+            if gate.enough:
+                break
+            if not gate.may_generate_more():
+                raise gate.too_many_rounds()
+            next_items = more_prompts()
+            if next_items is None:  # the step budget's data is spent: train on what was kept
+                break
+            items = next_items
+            round_no += 1
+        metrics.update(gate.metrics())
+        batch = gate.take()
+        errors.scores = batch["token_level_scores"].sum(-1).tolist()
+        return batch, errors
+
+    def remax_baselines(self, items: list[dict[str, Any]], batch: Batch) -> torch.Tensor:
+        """ReMax's baseline: the score of a greedy response to the same prompt, per row (B,)."""
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.response_length)
+        greedy = self.generate(items, params, "remax")
+        _, greedy_result = self.score(greedy)
+        per_prompt = torch.tensor(greedy_result.scores, dtype=torch.float32)
+        n = int(self.cfg.actor_rollout_ref.rollout.n)
+        return per_prompt.repeat_interleave(n)[: len(batch)]
+
+    def validate(self, val_dataset: Any, step: int) -> dict[str, float]:
+        """Greedy (val_kwargs) generation on the whole validation set: val-core/<data_source>/reward/mean@n."""
+        items = [val_dataset[i] for i in range(len(val_dataset))]
+        batch = self.generate(items, self.sampling_params(validate=True, step=step), "val")
+        _, result = self.score(batch)
+        folder = self.cfg.trainer.validation_data_dir
+        if folder and self.is_main:
+            rows = generation_rows(batch, result.scores, self.tokenizer, step)
+            dump_generations(folder, rows, step)
+        return M.validation_metrics(
+            batch, result.scores, int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
+        )
