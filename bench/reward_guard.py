@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from fulcrum.reward.guard import GuardedRewardManager
-from fulcrum.reward.manager import NaiveRewardManager
+from fulcrum.reward.managers import NaiveRewardManager
 
 
 def batch(gsm8k: Path, size: int) -> tuple[list[str], list[str], list[str], list[dict]]:

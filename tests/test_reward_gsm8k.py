@@ -11,7 +11,8 @@ import torch
 
 from fulcrum.reward import default_compute_score, load_custom_reward_fn, scorer_for
 from fulcrum.reward.gsm8k import compute_score, extract_solution
-from fulcrum.reward.manager import NaiveRewardManager, RewardError
+from fulcrum.reward.managers import NaiveRewardManager
+from fulcrum.reward.scoring import RewardError
 
 GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 if not GSM8K_TEST.is_file():  # the checkout may live elsewhere than /work/main

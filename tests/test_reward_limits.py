@@ -23,8 +23,8 @@ from test_faults_training import logged_steps, overrides
 
 from fulcrum.reward.guard import GuardedRewardManager
 from fulcrum.reward.limits import LIMIT_SIGNAL, RewardTimeout, TimeLimit
-from fulcrum.reward.manager import NaiveRewardManager, RewardError, RewardResult
-from fulcrum.reward.managers import build_reward_manager
+from fulcrum.reward.managers import NaiveRewardManager, build_reward_manager
+from fulcrum.reward.scoring import RewardError, RewardResult
 from fulcrum.trainer.checkpoint import is_complete, read_latest_step
 from fulcrum.trainer.main_ppo import main as train_main
 

@@ -10,10 +10,10 @@ from fulcrum.reward.managers import (
     REWARD_MANAGERS,
     DapoRewardManager,
     OverlongBuffer,
-    as_result,
     build_reward_manager,
     overlong_penalty,
 )
+from fulcrum.reward.scoring import as_result
 
 
 def exact(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:

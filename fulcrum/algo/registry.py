@@ -1,5 +1,6 @@
-"""Registering functions by the name a configuration key gives them (as verl's `register_policy_loss`
-and `register_adv_est`): `algo.policy_losses` and `algo.advantages` each keep one table."""
+"""Registering functions or classes by the name a configuration key gives them (as verl's
+`register_policy_loss` and `register_adv_est`): `algo.policy_losses`, `algo.advantages` and
+`reward.managers` each keep one table."""
 
 from __future__ import annotations
 

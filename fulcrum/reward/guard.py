@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from fulcrum.reward import describe
 from fulcrum.reward.limits import GRACE_S, RewardTimeout, TimeLimit
-from fulcrum.reward.manager import (
+from fulcrum.reward.scoring import (
     NonFiniteRewardError,
     RewardError,
     RewardResult,

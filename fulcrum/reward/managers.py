@@ -4,7 +4,7 @@ A manager turns decoded responses into one score per response; the trainer puts 
 response's last token. Built in, each with the meaning of verl's class of the same name
 (verl/workers/reward_manager/):
 
-- naive: one call of the reward function per response (fulcrum.reward.manager.NaiveRewardManager).
+- naive: one call of the reward function per response.
 - dapo:  naive, plus DAPO's soft overlong penalty (Yu et al. 2025): with L the response length,
          L_max = max_resp_len and a buffer of b tokens,
              penalty = min(-(L - (L_max - b)) / b * penalty_factor, 0)
@@ -29,17 +29,11 @@ from __future__ import annotations
 import multiprocessing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
-from fulcrum.reward import RewardFn, default_compute_score, describe
-from fulcrum.reward.manager import (
-    NaiveRewardManager,
-    RewardResult,
-    as_result,
-    error_text,
-    reward_fn_from,
-    sample_failed,
-)
+from fulcrum.algo.registry import registrar
+from fulcrum.reward import RewardFn, default_compute_score, describe, load_custom_reward_fn
+from fulcrum.reward.scoring import RewardResult, error_text, sample_failed, to_score
 
 
 class RewardManager(Protocol):
@@ -54,18 +48,54 @@ class RewardManager(Protocol):
 
 
 REWARD_MANAGERS: dict[str, Callable[..., RewardManager]] = {}
+# Class decorator: `reward_model.reward_manager=<name>` builds the class (verl's `register`).
+register_reward_manager = registrar(REWARD_MANAGERS, "reward manager")
 
 
-def register_reward_manager(name: str) -> Callable[[type], type]:
-    """Class decorator: make `reward_model.reward_manager=<name>` build this class (verl's `register`)."""
+@register_reward_manager("naive")
+@dataclass
+class NaiveRewardManager:
+    """compute_score: verl's signature `fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`.
 
-    def decorator(cls: type) -> type:
-        if REWARD_MANAGERS.get(name, cls) is not cls:
-            raise ValueError(f"reward manager {name!r} is already registered as {REWARD_MANAGERS[name]!r}")
-        REWARD_MANAGERS[name] = cls
-        return cls
+    A dict result must hold "score"; its other keys are collected per sample in `RewardResult.extra`.
+    """
 
-    return decorator
+    compute_score: RewardFn = default_compute_score
+    on_error: Literal["raise", "zero"] = "raise"
+    max_error_messages: int = 5
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ("raise", "zero"):
+            raise ValueError(f"on_error must be 'raise' or 'zero', got {self.on_error!r}")
+
+    def score(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        data_sources: Sequence[str],
+        extra_infos: Sequence[dict | None] | None = None,
+        response_lengths: Sequence[int] | None = None,
+    ) -> RewardResult:
+        """Score sample i with compute_score(data_sources[i], responses[i], ground_truths[i], extra_infos[i]).
+
+        `response_lengths` (tokens) is part of the managers' common signature; the naive manager ignores it.
+        """
+        num = len(responses)
+        infos = list(extra_infos) if extra_infos is not None else [None] * num
+        if not (len(ground_truths) == len(data_sources) == len(infos) == num):
+            raise ValueError(
+                f"reward batch: {num} responses but {len(ground_truths)} ground truths, "
+                f"{len(data_sources)} data sources and {len(infos)} extra_infos"
+            )
+        result = RewardResult(scores=[0.0] * num)
+        what = describe(self.compute_score)
+        for i in range(num):
+            try:
+                value = self.compute_score(data_sources[i], responses[i], ground_truths[i], infos[i])
+                result.scores[i] = to_score(value, i, result)
+            except (Exception, SystemExit) as err:
+                sample_failed(result, i, data_sources[i], err, self.on_error, what, self.max_error_messages)
+        return result
 
 
 def overlong_penalty(
@@ -178,7 +208,7 @@ class BatchRewardManager:
         what = describe(self.compute_score)
         for i, value in enumerate(values):
             try:
-                result.scores[i] = NaiveRewardManager._to_score(value, i, result)
+                result.scores[i] = to_score(value, i, result)
             except Exception as err:
                 source = data_sources[i] if i < len(data_sources) else "?"
                 sample_failed(result, i, source, err, self.on_error, what)
@@ -231,16 +261,13 @@ class PrimeRewardManager:
                     value = job.get(timeout=self.timeout)
                     if isinstance(value, (list, tuple)):  # verl takes the first element of a sequence
                         value = value[0]
-                    result.scores[i] = NaiveRewardManager._to_score(value, i, result)
+                    result.scores[i] = to_score(value, i, result)
                 except Exception as err:  # a timeout or the function's own error: 0, as verl
                     result.add_error(i, data_sources[i], err)
         finally:
             pool.terminate()  # also stops calls still running past their timeout
             pool.join()
         return result
-
-
-REWARD_MANAGERS["naive"] = NaiveRewardManager
 
 
 def build_reward_manager(name: str, compute_score: RewardFn, **kwargs: Any) -> RewardManager:
@@ -254,6 +281,15 @@ def build_reward_manager(name: str, compute_score: RewardFn, **kwargs: Any) -> R
     if cls is NaiveRewardManager:
         return NaiveRewardManager(compute_score=compute_score, on_error=kwargs.get("on_error", "raise"))
     return cls(compute_score=compute_score, **kwargs)
+
+
+def reward_fn_from(custom_reward_cfg: Any) -> RewardFn:
+    """`custom_reward_function.{path, name, reward_kwargs}` when a path is set (importing the file, which
+    also registers any reward manager it defines), else the built-in scorers chosen by data_source."""
+    crf = custom_reward_cfg
+    if crf.path:
+        return load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs or {}) or None)
+    return default_compute_score
 
 
 def manager_from_config(cfg: Any) -> RewardManager:
@@ -281,7 +317,7 @@ def manager_from_config(cfg: Any) -> RewardManager:
 
 __all__ = [
     "REWARD_MANAGERS",
-    "as_result",
+    "NaiveRewardManager",
     "build_reward_manager",
     "manager_from_config",
     "register_reward_manager",

@@ -14,7 +14,7 @@ Pure helpers the training loop calls:
   applied) a signal raises `StepAbandoned` at once instead: the loop drops the step and saves the last
   completed one.
 
-A reward function that raises is handled where rewards are computed (`fulcrum.reward.manager`:
+A reward function that raises is handled where rewards are computed (`fulcrum.reward.scoring`:
 `on_error="raise"` names the sample index, data_source and exception; `"zero"` scores 0 and counts);
 one that hangs, exits or returns the wrong number of scores by `fulcrum.reward.guard`.
 """

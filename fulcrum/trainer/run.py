@@ -142,7 +142,7 @@ def _run_ppo(cfg: FulcrumConfig) -> int:
 def _train(cfg: FulcrumConfig, device: torch.device, info: DistInfo, run_dir: Path) -> int:
     for note in advise(cfg):
         print(f"note: {note}")
-    from fulcrum.reward.manager import RewardError
+    from fulcrum.reward.scoring import RewardError
     from fulcrum.trainer.checkpoint import CheckpointError
     from fulcrum.trainer.faults import NonFiniteTrainingError, OutOfMemoryHelp
     from fulcrum.trainer.ppo_trainer import PPOTrainer

@@ -17,7 +17,7 @@ import torch
 from fulcrum.batch import Batch, assemble_batch
 from fulcrum.config import FulcrumConfig
 from fulcrum.models.reward_model import RewardModel
-from fulcrum.reward.manager import RewardResult, score_batch
+from fulcrum.reward.scoring import RewardResult, score_batch
 from fulcrum.rollout import RolloutEngine, SamplingParams, sampling_params
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer.data_parallel import generate_shares

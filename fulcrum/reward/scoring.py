@@ -1,9 +1,10 @@
-"""Score a batch of decoded responses, one call of the reward function per sample (verl's naive manager).
+"""Scoring a batch: what a score is, what a manager's result holds, how a failed sample is handled.
 
-`score_batch` decodes a Batch's responses, calls `NaiveRewardManager.score(...)`, and puts each score
-on the last response token. A scorer that raises either stops the run with an error naming the sample
-(`on_error="raise"`, the default) or scores that sample 0 and counts it (`on_error="zero"`), so one
-malformed row does not end a long run unnoticed: the count is in `RewardResult.num_errors`.
+`score_batch` decodes a Batch's responses, calls a reward manager's `score(...)`
+(fulcrum.reward.managers), and puts each score on the last response token. A scorer that raises on a
+sample either stops the run with an error naming the sample (`on_error="raise"`, the default) or
+scores that sample 0 and counts it (`on_error="zero"`), so one malformed row does not end a long run
+unnoticed: the count is in `RewardResult.num_errors`.
 
 A score must be a real number (a bool counts, as in verl): a string such as "0.5" is an error, not
 coerced. A NaN or infinite score is an error too (it would void every update of the step), handled
@@ -20,12 +21,11 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from fulcrum.batch import Batch
-from fulcrum.reward import RewardFn, default_compute_score, describe, load_custom_reward_fn
 
 
 class RewardError(RuntimeError):
@@ -84,78 +84,26 @@ def sample_failed(
         raise RewardError(f"reward function failed on {message} (function {what})") from err
 
 
-@dataclass
-class NaiveRewardManager:
-    """compute_score: verl's signature `fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`.
-
-    A dict result must hold "score"; its other keys are collected per sample in `RewardResult.extra`.
-    """
-
-    compute_score: RewardFn = default_compute_score
-    on_error: Literal["raise", "zero"] = "raise"
-    max_error_messages: int = 5
-
-    def __post_init__(self) -> None:
-        if self.on_error not in ("raise", "zero"):
-            raise ValueError(f"on_error must be 'raise' or 'zero', got {self.on_error!r}")
-
-    def score(
-        self,
-        responses: Sequence[str],
-        ground_truths: Sequence[str],
-        data_sources: Sequence[str],
-        extra_infos: Sequence[dict | None] | None = None,
-        response_lengths: Sequence[int] | None = None,
-    ) -> RewardResult:
-        """Score sample i with compute_score(data_sources[i], responses[i], ground_truths[i], extra_infos[i]).
-
-        `response_lengths` (tokens) is part of the managers' common signature; the naive manager ignores it.
-        """
-        num = len(responses)
-        infos = list(extra_infos) if extra_infos is not None else [None] * num
-        if not (len(ground_truths) == len(data_sources) == len(infos) == num):
-            raise ValueError(
-                f"reward batch: {num} responses but {len(ground_truths)} ground truths, "
-                f"{len(data_sources)} data sources and {len(infos)} extra_infos"
-            )
-        result = RewardResult(scores=[0.0] * num)
-        what = describe(self.compute_score)
-        for i in range(num):
-            try:
-                value = self.compute_score(data_sources[i], responses[i], ground_truths[i], infos[i])
-                result.scores[i] = self._to_score(value, i, result)
-            except (Exception, SystemExit) as err:
-                sample_failed(result, i, data_sources[i], err, self.on_error, what, self.max_error_messages)
-        return result
-
-    @staticmethod
-    def _to_score(value: Any, index: int, result: RewardResult) -> float:
-        if isinstance(value, dict):
-            if "score" not in value:
-                raise KeyError(f"the reward function returned a dict without 'score' (keys: {sorted(value)})")
-            for key, item in value.items():
-                if key != "score":
-                    column = result.extra.setdefault(key, [None] * len(result.scores))
-                    column[index] = item
-            value = value["score"]
-        # numbers.Real covers bool, int, float and numpy's scalars; str, None, tensors are refused.
-        if not isinstance(value, numbers.Real):
-            raise TypeError(
-                f"the reward function returned {value!r} ({type(value).__name__}); a score must be a real number"
-            )
-        score = float(value)
-        if not math.isfinite(score):
-            raise NonFiniteRewardError(f"the reward function returned {score} (not a finite number)")
-        return score
-
-
-def reward_fn_from(custom_reward_cfg: Any) -> RewardFn:
-    """`custom_reward_function.{path, name, reward_kwargs}` when a path is set (importing the file, which
-    also registers any reward manager it defines), else the built-in scorers chosen by data_source."""
-    crf = custom_reward_cfg
-    if crf.path:
-        return load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs or {}) or None)
-    return default_compute_score
+def to_score(value: Any, index: int, result: RewardResult) -> float:
+    """A reward function's answer for sample `index` as a finite float; a dict's other keys go to
+    `result.extra`. Raises on anything else (the manager's on_error then handles it)."""
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise KeyError(f"the reward function returned a dict without 'score' (keys: {sorted(value)})")
+        for key, item in value.items():
+            if key != "score":
+                column = result.extra.setdefault(key, [None] * len(result.scores))
+                column[index] = item
+        value = value["score"]
+    # numbers.Real covers bool, int, float and numpy's scalars; str, None, tensors are refused.
+    if not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"the reward function returned {value!r} ({type(value).__name__}); a score must be a real number"
+        )
+    score = float(value)
+    if not math.isfinite(score):
+        raise NonFiniteRewardError(f"the reward function returned {score} (not a finite number)")
+    return score
 
 
 def as_result(value: RewardResult | Sequence[float]) -> RewardResult:
