@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -13,7 +15,6 @@ from fulcrum.config import (
     ConfigError,
     FulcrumConfig,
     advise,
-    check,
     describe,
     load_config,
     load_config_file,
@@ -21,6 +22,7 @@ from fulcrum.config import (
     to_dict,
     validate,
 )
+from fulcrum.trainer.checks import check, configuration_findings
 
 # Every key of the reference command (docs/configuration.md) and the other keys users set most must exist.
 REFERENCE_KEYS = """
@@ -379,6 +381,16 @@ def test_bool_spellings_verl_accepts():
         load_config(["actor_rollout_ref.actor.optim.lr=nan"])
 
 
+def test_validation_imports_nothing_above_the_configuration():
+    code = (
+        "import sys; from fulcrum.config import load_config, validate, advise; "
+        "cfg = load_config(['algorithm.adv_estimator=nope']); validate(cfg); advise(cfg); "
+        "print(sorted(m for m in sys.modules if m.startswith('fulcrum.') and not m.startswith('fulcrum.config')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_names_implemented_by_the_algorithms():
     cfg = load_config(
         [
@@ -389,7 +401,7 @@ def test_names_implemented_by_the_algorithms():
             "reward_model.reward_manager=dpao",
         ]
     )
-    assert {p.keys[0] for p in validate(cfg)} == {
+    assert {p.keys[0] for p in configuration_findings(cfg)} == {
         "algorithm.kl_penalty",
         "actor_rollout_ref.actor.policy_loss.loss_mode",
         "reward_model.reward_manager",

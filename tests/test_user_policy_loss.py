@@ -11,7 +11,8 @@ import pytest
 import torch
 from helpers import make_assets, short_run_overrides
 
-from fulcrum.config import load_config, validate
+from fulcrum.config import load_config
+from fulcrum.trainer.checks import configuration_findings
 from fulcrum.trainer.main_ppo import main
 
 LOSS_FILE = Path(__file__).parent / "fixtures" / "user_policy_loss.py"
@@ -28,7 +29,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def loss_problems(assets: Path, tmp_path: Path, **keys: object) -> list[str]:
     cfg = load_config(short_run_overrides(assets, tmp_path / "run", **keys))
-    return [f"{p.keys[0]}: {p.message}" for p in validate(cfg) if "policy_loss" in p.keys[0]]
+    return [f"{p.keys[0]}: {p.message}" for p in configuration_findings(cfg) if "policy_loss" in p.keys[0]]
 
 
 def test_validation_knows_the_user_loss_only_with_its_path(assets: Path, tmp_path: Path) -> None:

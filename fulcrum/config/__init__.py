@@ -23,7 +23,7 @@ from fulcrum.config.loader import (
     unresolve,
 )
 from fulcrum.config.schema import FulcrumConfig
-from fulcrum.config.validate import advise, check, uses_critic, uses_reference, validate, world_size
+from fulcrum.config.validate import advise, uses_critic, uses_reference, validate, world_size
 
 __all__ = [
     "DERIVED",
@@ -35,7 +35,6 @@ __all__ = [
     "KeyInfo",
     "advise",
     "apply_override",
-    "check",
     "describe",
     "format_keys",
     "is_no_effect",

@@ -2,15 +2,15 @@
 the cross-key rules (verl's `_validate_config` and worker asserts, and ours), and prompt + response
 within the actor's `max_position_embeddings` (its config.json, read without loading the model).
 
-`validate(cfg, n_devices)` returns the problems that make a run fail or waste compute; `advise(cfg)`
-returns warnings that do not stop a run. Each problem names the key(s) it is about. The trainer
-calls `check()` (raises on problems); `fulcrum doctor` prints both lists. Over 400 lines because
-it is the one list of cross-key rules (one short function per family), which both share.
+`validate(cfg, n_devices)` returns the findings that make a run fail or waste compute; `advise(cfg)`
+returns warnings that do not stop a run. Each finding names the key(s) it is about. The names the
+algorithm package implements are checked above this layer (fulcrum.trainer.checks), where `fulcrum
+train` and `fulcrum doctor` both take the whole list. Over 400 lines because it is the one list of
+cross-key rules (one short function per family), which both share.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from collections.abc import Callable
@@ -18,7 +18,6 @@ from pathlib import Path
 
 from fulcrum.config.compat import FSDP_ROLES, UNSUPPORTED, fsdp_size_note
 from fulcrum.config.finding import Finding
-from fulcrum.config.keys import ConfigError
 from fulcrum.config.keys import get_path as _get
 from fulcrum.config.schema import FulcrumConfig, KLControlConfig
 from fulcrum.config.validate_domains import domain_problems
@@ -49,16 +48,6 @@ def world_size(cfg: FulcrumConfig) -> int:
     return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
 
 
-def _names(module: str, attr: str) -> tuple[str, ...]:
-    """Names the algorithm package implements: its registries are the one list. Imported here, not at
-    module level, so `import fulcrum.config` stays free of torch."""
-    return tuple(getattr(importlib.import_module(module), attr))
-
-
-def adv_estimator_names() -> tuple[str, ...]:
-    return _names("fulcrum.algo.advantages", "ADVANTAGE_ESTIMATORS")
-
-
 # ------------------------------------------------------------------------------------ error rules
 def _domains(cfg: FulcrumConfig) -> list[Finding]:
     """Every number inside the domain its key declares (fulcrum.config.domains, beside each key)."""
@@ -66,12 +55,8 @@ def _domains(cfg: FulcrumConfig) -> list[Finding]:
 
 
 def _choices(cfg: FulcrumConfig) -> list[Finding]:
-    """Values a field's type cannot restrict: names the algorithm package implements, list lengths."""
+    """Values a field's type cannot restrict (the algorithm package's names: fulcrum.trainer.checks)."""
     problems = []
-    agg_modes = _names("fulcrum.algo.losses", "LOSS_AGG_MODES")
-    for key in ("actor_rollout_ref.actor.loss_agg_mode", "critic.loss_agg_mode"):
-        if _get(cfg, key) not in agg_modes:
-            problems.append(Finding((key,), f"expected one of {list(agg_modes)}, got {_get(cfg, key)!r}"))
     if cfg.reward_model.on_error not in ("raise", "zero"):
         problems.append(
             Finding(("reward_model.on_error",), f"expected raise or zero, got {cfg.reward_model.on_error!r}")
@@ -238,33 +223,7 @@ def _batch_divisibility(cfg: FulcrumConfig) -> list[Finding]:
 
 def _algorithm(cfg: FulcrumConfig) -> list[Finding]:
     problems = []
-    names = adv_estimator_names()
     estimator = cfg.algorithm.adv_estimator
-    if estimator not in names:
-        problems.append(
-            Finding(("algorithm.adv_estimator",), f"unknown estimator {estimator!r}; one of {list(names)}")
-        )
-    kl_names = _names("fulcrum.algo.kl", "KL_PENALTY_NAMES")
-    for key in ("algorithm.kl_penalty", "actor_rollout_ref.actor.kl_loss_type"):
-        if _get(cfg, key) not in kl_names:
-            problems.append(
-                Finding((key,), f"unknown KL estimator {_get(cfg, key)!r}; one of {list(kl_names)}")
-            )
-    policy_loss = cfg.actor_rollout_ref.actor.policy_loss
-    names = importlib.import_module("fulcrum.algo.policy_losses").policy_loss_names
-    try:  # the user's own losses (policy_loss.path) are registered when their module is imported
-        loss_modes = names(policy_loss.path)
-    except ImportError as err:
-        problems.append(Finding(("actor_rollout_ref.actor.policy_loss.path",), str(err)))
-        loss_modes = names()
-    loss_mode = policy_loss.loss_mode
-    if loss_mode not in loss_modes:
-        problems.append(
-            Finding(
-                ("actor_rollout_ref.actor.policy_loss.loss_mode",),
-                f"{loss_mode!r} is not implemented; one of {list(loss_modes)}",
-            )
-        )
     if cfg.critic.enable is False and estimator in CRITIC_ESTIMATORS:
         problems.append(Finding(("critic.enable", "algorithm.adv_estimator"), f"{estimator} needs a critic"))
     val = cfg.actor_rollout_ref.rollout.val_kwargs
@@ -344,16 +303,6 @@ def validate(cfg: FulcrumConfig, n_devices: int | None = None) -> list[Finding]:
     for rule in RULES:
         problems.extend(rule(cfg))
     return problems
-
-
-def check(cfg: FulcrumConfig, n_devices: int | None = None) -> None:
-    """Raise ConfigError listing every problem of validate(), one a line."""
-    problems = validate(cfg, n_devices)
-    if problems:
-        lines = "\n".join(f"  {p}" for p in problems)
-        raise ConfigError(
-            f"invalid configuration ({len(problems)} problem(s)):\n{lines}", problems[0].keys[0]
-        )
 
 
 # ---------------------------------------------------------------------------------------- advice

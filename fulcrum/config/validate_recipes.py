@@ -4,40 +4,16 @@ its own."""
 
 from __future__ import annotations
 
-import importlib
-
 from fulcrum.config.finding import Finding
 from fulcrum.config.schema import FulcrumConfig
 
 BUILT_IN_REWARD_MANAGERS = ("naive", "dapo", "batch", "prime")
-RC = "algorithm.rollout_correction"
-
-
-def _rollout_correction(cfg: FulcrumConfig) -> list[Finding]:
-    rc = cfg.algorithm.rollout_correction
-    # The parsers live with the maths (imported here, not at module level: config stays free of torch).
-    algo = importlib.import_module("fulcrum.algo.rollout_correction")
-    problems = []
-    if rc.rollout_is is not None:
-        if rc.rollout_is not in algo.IS_LEVELS:
-            problems.append(
-                Finding((f"{RC}.rollout_is",), f"{rc.rollout_is!r}: one of null, token, sequence")
-            )
-        try:
-            algo.parse_is_threshold(rc.rollout_is_threshold)
-        except ValueError as err:
-            problems.append(Finding((f"{RC}.rollout_is_threshold",), str(err)))
-    if rc.rollout_rs is not None:
-        try:
-            algo.parse_rs_options(rc.rollout_rs, rc.rollout_rs_threshold)
-        except ValueError as err:
-            problems.append(Finding((f"{RC}.rollout_rs", f"{RC}.rollout_rs_threshold"), str(err)))
-    return problems
+RC = "algorithm.rollout_correction"  # its thresholds are parsed by fulcrum.trainer.checks
 
 
 def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:
     """Settings of the recipes that would fail at start-up or mid-run."""
-    problems = _rollout_correction(cfg)
+    problems = []
     algo, actor, rm = cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.reward_model
     if algo.adv_estimator == "optimal_token_baseline" and not actor.calculate_sum_pi_squared:
         problems.append(

@@ -32,7 +32,6 @@ from fulcrum.config import (
     unresolve,
     uses_critic,
     uses_reference,
-    validate,
     world_size,
 )
 from fulcrum.config.compat import ROLLOUT_NAME_ALIASES, UNSUPPORTED
@@ -72,10 +71,13 @@ def _warning(text: str) -> Finding:
 
 # ------------------------------------------------------------------------------------------ checks
 def check_rules(ctx: Context) -> list[Finding]:
-    """The rules shared with the trainer (fulcrum.config.validate): key domains, cross-key rules, the
-    actor's context length; `fulcrum train` runs the same function before any model loads."""
+    """The rules shared with the trainer (fulcrum.trainer.checks): key domains, cross-key rules, the
+    algorithms' names, the actor's context length; `fulcrum train` runs the same function before any
+    model loads."""
+    from fulcrum.trainer.checks import configuration_findings  # the algorithm package imports torch
+
     n_devices = ctx.n_visible if ctx.device == "cuda" else None
-    return [_error(str(p)) for p in validate(ctx.cfg, n_devices)] + [
+    return [_error(str(p)) for p in configuration_findings(ctx.cfg, n_devices)] + [
         _warning(str(p)) for p in advise(ctx.cfg)
     ]
 

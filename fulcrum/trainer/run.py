@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fulcrum.config import ConfigError, FulcrumConfig, advise, check, uses_critic
+from fulcrum.config import ConfigError, FulcrumConfig, advise, uses_critic
 from fulcrum.config.device import select_device
 from fulcrum.models.folder import ModelPathError, model_folder_problems, resolve_model_path, vocab_problems
 from fulcrum.parallel import DistInfo, check_world_size, init_distributed
@@ -25,6 +25,7 @@ from fulcrum.parallel.group import info_from_env, run_then_leave
 from fulcrum.parallel.shard import on_main
 from fulcrum.trainer import run_lock
 from fulcrum.trainer.checkpoint import read_latest_step
+from fulcrum.trainer.checks import check
 from fulcrum.trainer.run_dir import RunDirError
 
 if TYPE_CHECKING:

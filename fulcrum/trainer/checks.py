@@ -1,0 +1,91 @@
+"""The whole check of a resolved configuration, which `fulcrum train` and `fulcrum doctor` both run
+before any model loads: the configuration's own rules (fulcrum.config.validate) and the names only the
+algorithm package knows (its registries are the one list; a user's `policy_loss.path` adds to it when
+imported). Here, above both, because the configuration sits below the algorithm package."""
+
+from __future__ import annotations
+
+from fulcrum.algo import rollout_correction
+from fulcrum.algo.advantages import adv_estimator_names
+from fulcrum.algo.kl import KL_PENALTY_NAMES
+from fulcrum.algo.losses import LOSS_AGG_MODES
+from fulcrum.algo.policy_losses import policy_loss_names
+from fulcrum.config import ConfigError, Finding, FulcrumConfig, validate
+from fulcrum.config.keys import get_path
+
+RC = "algorithm.rollout_correction"
+
+
+def algorithm_findings(cfg: FulcrumConfig) -> list[Finding]:
+    """Estimator, KL, loss-aggregation and policy-loss names the algorithm package implements, and the
+    rollout-correction thresholds as its parsers read them."""
+    findings = []
+    estimators = adv_estimator_names()
+    estimator = cfg.algorithm.adv_estimator
+    if estimator not in estimators:
+        findings.append(
+            Finding(
+                ("algorithm.adv_estimator",), f"unknown estimator {estimator!r}; one of {list(estimators)}"
+            )
+        )
+    for key in ("actor_rollout_ref.actor.loss_agg_mode", "critic.loss_agg_mode"):
+        if get_path(cfg, key) not in LOSS_AGG_MODES:
+            findings.append(
+                Finding((key,), f"expected one of {list(LOSS_AGG_MODES)}, got {get_path(cfg, key)!r}")
+            )
+    for key in ("algorithm.kl_penalty", "actor_rollout_ref.actor.kl_loss_type"):
+        if get_path(cfg, key) not in KL_PENALTY_NAMES:
+            findings.append(
+                Finding(
+                    (key,), f"unknown KL estimator {get_path(cfg, key)!r}; one of {list(KL_PENALTY_NAMES)}"
+                )
+            )
+    policy_loss = cfg.actor_rollout_ref.actor.policy_loss
+    try:  # the user's own losses (policy_loss.path) are registered when their module is imported
+        loss_modes = policy_loss_names(policy_loss.path)
+    except ImportError as err:
+        findings.append(Finding(("actor_rollout_ref.actor.policy_loss.path",), str(err)))
+        loss_modes = policy_loss_names()
+    if policy_loss.loss_mode not in loss_modes:
+        findings.append(
+            Finding(
+                ("actor_rollout_ref.actor.policy_loss.loss_mode",),
+                f"{policy_loss.loss_mode!r} is not implemented; one of {list(loss_modes)}",
+            )
+        )
+    return findings + _rollout_correction(cfg)
+
+
+def _rollout_correction(cfg: FulcrumConfig) -> list[Finding]:
+    rc = cfg.algorithm.rollout_correction
+    findings = []
+    if rc.rollout_is is not None:
+        if rc.rollout_is not in rollout_correction.IS_LEVELS:
+            findings.append(
+                Finding((f"{RC}.rollout_is",), f"{rc.rollout_is!r}: one of null, token, sequence")
+            )
+        try:
+            rollout_correction.parse_is_threshold(rc.rollout_is_threshold)
+        except ValueError as err:
+            findings.append(Finding((f"{RC}.rollout_is_threshold",), str(err)))
+    if rc.rollout_rs is not None:
+        try:
+            rollout_correction.parse_rs_options(rc.rollout_rs, rc.rollout_rs_threshold)
+        except ValueError as err:
+            findings.append(Finding((f"{RC}.rollout_rs", f"{RC}.rollout_rs_threshold"), str(err)))
+    return findings
+
+
+def configuration_findings(cfg: FulcrumConfig, n_devices: int | None = None) -> list[Finding]:
+    """Findings that make the run fail or waste compute ([] = can run); `n_devices` as validate()'s."""
+    return validate(cfg, n_devices) + algorithm_findings(cfg)
+
+
+def check(cfg: FulcrumConfig, n_devices: int | None = None) -> None:
+    """Raise ConfigError listing every finding of configuration_findings(), one a line."""
+    findings = configuration_findings(cfg, n_devices)
+    if findings:
+        lines = "\n".join(f"  {f}" for f in findings)
+        raise ConfigError(
+            f"invalid configuration ({len(findings)} problem(s)):\n{lines}", findings[0].keys[0]
+        )
