@@ -11,8 +11,8 @@ from test_workers_units import make_batch  # tests/ is on sys.path under pytest
 
 from fulcrum.models.value_head import CriticModel
 from fulcrum.rollout.testing import random_causal_lm
+from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.micro_batch import forward_log_prob, forward_values, make_micro_batches
-from fulcrum.workers.runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -45,14 +45,14 @@ def test_packed_bf16_log_probs_and_gradients_match_padded_fp32() -> None:
     logp_ref, _ = forward_log_prob(cpu_model, batch, 0.9, False, CPU)
     ppo_loss(batch["old_log_probs"], logp_ref, batch["advantages"], mask.float())[0].backward()
 
-    runner = ModelRunner(gpu_model, CUDA, use_remove_padding=True, role="actor")
-    assert runner.packed and runner.compute is not None
-    with runner.active():
-        logp, _ = runner.log_prob(batch, 0.9, False)
+    forwards = ModelForwards(gpu_model, CUDA, use_remove_padding=True, role="actor")
+    assert forwards.packed and forwards.compute is not None
+    with forwards.active():
+        logp, _ = forwards.log_prob(batch, 0.9, False)
         ppo_loss(batch["old_log_probs"].to(CUDA), logp, batch["advantages"].to(CUDA), mask.float().to(CUDA))[
             0
         ].backward()
-        runner.accumulate_grads()
+        forwards.accumulate_grads()
     diff = (logp.cpu() - logp_ref.detach()).abs()[mask.bool()]
     assert diff.mean() < 0.02 and diff.max() < 0.25, (diff.mean(), diff.max())
     g_ref, g = flat_grad(cpu_model), flat_grad(gpu_model)
@@ -66,9 +66,9 @@ def test_packed_bf16_values_match_padded_fp32() -> None:
     gpu_model = CriticModel(random_causal_lm("qwen2", seed=0, init_std=0.05, **SHAPE).model.to(CUDA)).eval()
     gpu_model.load_state_dict(cpu_model.state_dict())
     batch = batch_for(SHAPE["vocab_size"])
-    runner = ModelRunner(gpu_model, CUDA, use_remove_padding=True, role="critic", keep=("score",))
-    with torch.no_grad(), runner.active():
-        values = runner.values(batch).cpu()
+    forwards = ModelForwards(gpu_model, CUDA, use_remove_padding=True, role="critic", keep=("score",))
+    with torch.no_grad(), forwards.active():
+        values = forwards.values(batch).cpu()
         ref = forward_values(cpu_model, batch, CPU)
     mask = batch["response_mask"].bool()
     spread = ref[mask].std()
@@ -100,18 +100,20 @@ def test_compiled_checkpointed_layers_match_eager_on_cuda(
         model = random_causal_lm("qwen2", seed=0, init_std=0.05, **SHAPE).to(CUDA).train()
         if compiled:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        runner = ModelRunner(model, CUDA, use_remove_padding=True, role="actor", use_torch_compile=compiled)
+        forwards = ModelForwards(
+            model, CUDA, use_remove_padding=True, role="actor", use_torch_compile=compiled
+        )
         assert getattr(model.model, "fulcrum_checkpoint", False) == compiled
         logps = []
-        with runner.active():
+        with forwards.active():
             for b in (12, 7):
                 batch = batch_for(SHAPE["vocab_size"]).select(list(range(b)))
-                logp, _ = runner.log_prob(batch, 0.9, False)
+                logp, _ = forwards.log_prob(batch, 0.9, False)
                 mask = batch["response_mask"].float().to(CUDA)
                 ppo_loss(batch["old_log_probs"].to(CUDA), logp, batch["advantages"].to(CUDA), mask)[
                     0
                 ].backward()
-                runner.accumulate_grads()
+                forwards.accumulate_grads()
                 logps.append(logp.detach().float().cpu())
         results.append((logps, flat_grad(model)))
     (lp_eager, g_eager), (lp_compiled, g_compiled) = results
@@ -158,7 +160,7 @@ def test_micro_batches_do_not_make_the_host_wait_for_the_gpu(tiny_dir: str) -> N
     batch = rl_batch()  # 8 rows: one mini-batch, micro-batches of one padded row's token budget
     batch["old_log_probs"] = actor.compute_log_prob(batch)[0]
     actor.update_policy(batch, global_step=1)  # warm-up: allocator and pinned-memory caches
-    micro, _ = make_micro_batches(batch, 1, False, None, "micro", packed=actor.runner.packed)
+    micro, _ = make_micro_batches(batch, 1, False, None, "micro", packed=actor.forwards.packed)
     assert len(micro) >= 4  # four blocking copies each made 16+ waits before (133 in a seed-size update)
     syncs = stream_syncs(lambda: actor.update_policy(batch, global_step=2))
     assert syncs <= 4, (

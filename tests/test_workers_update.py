@@ -124,7 +124,7 @@ def test_packed_update_does_not_depend_on_the_micro_batch_cut(tiny_dir: str, mod
         )
         torch.manual_seed(0)
         actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=10)
-        assert actor.runner.packed == packed
+        assert actor.forwards.packed == packed
         stepped = gradient_at_step(actor.optimizer)
         batch = rl_batch()
         batch["old_log_probs"] = actor.compute_log_prob(batch)[0] - 0.05

@@ -21,15 +21,14 @@ from fulcrum.batch import Batch, host_to_device
 from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
 from fulcrum.parallel.fsdp import full_named_tensors
+from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
-from fulcrum.workers.recipes import compute_sum_pi_squared
-from fulcrum.workers.runner import ModelRunner
 from fulcrum.workers.update import UpdatePlan, ppo_update
 
 
 def compute_log_prob(
-    runner: ModelRunner,
+    forwards: ModelForwards,
     batch: Batch,
     sizes: ForwardSizes,
     temperature: float,
@@ -38,10 +37,10 @@ def compute_log_prob(
     """log π(response) (B, R) and entropy (B, R) on the CPU, float32, no gradient, micro-batched."""
 
     def forward(mb: Batch) -> tuple[torch.Tensor, ...]:
-        logp, ent = runner.log_prob(mb, temperature, with_entropy)
+        logp, ent = forwards.log_prob(mb, temperature, with_entropy)
         return (logp,) if ent is None else (logp, ent)
 
-    outputs = runner.no_grad_pass(batch, sizes, forward)
+    outputs = forwards.no_grad_pass(batch, sizes, forward)
     return outputs[0], (outputs[1] if with_entropy else None)
 
 
@@ -53,7 +52,7 @@ class ReferenceWorker:
         self.model = load_causal_lm(section.model_path, device).eval()
         self.model.requires_grad_(False)
         place_on_ranks(self.model, device, section.fsdp, "actor_rollout_ref.ref")
-        self.runner = ModelRunner(
+        self.forwards = ModelForwards(
             self.model,
             device,
             section.use_remove_padding,
@@ -64,7 +63,7 @@ class ReferenceWorker:
         self.sizes = section.log_prob
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
-        logp, _ = compute_log_prob(self.runner, batch, self.sizes, self.temperature, False)
+        logp, _ = compute_log_prob(self.forwards, batch, self.sizes, self.temperature, False)
         return logp
 
 
@@ -81,7 +80,7 @@ class ActorWorker:
         self.model = load_causal_lm(model.path, device, model.enable_gradient_checkpointing)
         self.model.train()
         self.placement = place_on_ranks(self.model, device, self.cfg.fsdp_config, "actor_rollout_ref.actor")
-        self.runner = ModelRunner(
+        self.forwards = ModelForwards(
             self.model,
             device,
             bool(model.use_remove_padding),
@@ -113,22 +112,13 @@ class ActorWorker:
 
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Old log-probs and entropies (B, R) of the batch's responses under the current policy."""
-        logp, ent = compute_log_prob(self.runner, batch, self.log_prob_sizes, self.temperature, True)
+        logp, ent = compute_log_prob(self.forwards, batch, self.log_prob_sizes, self.temperature, True)
         assert ent is not None
         return logp, ent
 
     def compute_sum_pi_squared(self, batch: Batch) -> torch.Tensor:
         """sum_v pi_v^2 per response token (B, R) under the current policy (optimal_token_baseline)."""
-        s = self.log_prob_sizes
-        return compute_sum_pi_squared(
-            self.model,
-            batch,
-            s.micro_batch_size,
-            s.use_dynamic_bsz,
-            s.max_token_len,
-            self.temperature,
-            self.device,
-        )
+        return self.forwards.sum_pi_squared(batch, self.log_prob_sizes, self.temperature)
 
     def update_policy(self, batch: Batch, global_step: int = 0) -> dict[str, float]:
         """One PPO update (fulcrum.workers.update.ppo_update) of the loss named by actor.policy_loss.loss_mode.
@@ -147,7 +137,7 @@ class ActorWorker:
         cfg = self.cfg
         mask = host_to_device(mb["response_mask"], self.device).float()
         with_entropy = float(cfg.entropy_coeff) != 0.0
-        log_prob, entropy = self.runner.log_prob(mb, self.temperature, with_entropy, mask)
+        log_prob, entropy = self.forwards.log_prob(mb, self.temperature, with_entropy, mask)
         old_log_prob = host_to_device(mb["old_log_probs"], self.device)
         advantages = host_to_device(mb["advantages"], self.device)
         config = LossConfig.of(cfg, agg)

@@ -16,9 +16,9 @@ from fulcrum.batch import Batch, host_to_device
 from fulcrum.config.sections import CriticSection
 from fulcrum.models.load import load_backbone
 from fulcrum.models.value_head import CriticModel
+from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
-from fulcrum.workers.runner import ModelRunner
 from fulcrum.workers.update import UpdatePlan, ppo_update
 
 
@@ -38,7 +38,7 @@ class CriticWorker:
             self.model, device, c.model.fsdp_config, "critic.model", keep_fp32=("score",)
         )
         # The value head stays float32 (keep): values are not rounded to bf16.
-        self.runner = ModelRunner(
+        self.forwards = ModelForwards(
             self.model,
             device,
             bool(c.model.use_remove_padding),
@@ -66,7 +66,7 @@ class CriticWorker:
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """V(s_t) for every response position (B, R), float32 on the CPU, zero outside the response mask."""
-        return self.runner.no_grad_pass(batch, self.values_sizes, lambda mb: (self.runner.values(mb),))[0]
+        return self.forwards.no_grad_pass(batch, self.values_sizes, lambda mb: (self.forwards.values(mb),))[0]
 
     def update_critic(self, batch: Batch, global_step: int = 0) -> dict[str, float]:
         """One update (fulcrum.workers.update.ppo_update) of the clipped value loss; needs values, returns."""
@@ -75,7 +75,7 @@ class CriticWorker:
     def micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]:
         """Forward, value loss (this micro-batch's share of the mini-batch loss), backward; detached metrics."""
         mask = host_to_device(mb["response_mask"], self.device).float()
-        vpreds = self.runner.values(mb, mask)
+        vpreds = self.forwards.values(mb, mask)
         vf_loss, vf_clipfrac = compute_value_loss(
             vpreds=vpreds,
             values=host_to_device(mb["values"], self.device),

@@ -169,7 +169,7 @@ def restore_order(parts: list[torch.Tensor], order: list[int] | None) -> torch.T
     return out[host_to_device(inverse, out.device)]
 
 
-def _pad_right(x: torch.Tensor, length: int) -> torch.Tensor:
+def pad_right(x: torch.Tensor, length: int) -> torch.Tensor:
     """(B, R') → (B, R) with zeros on the right (those positions are outside the response mask)."""
     if x.shape[1] == length:
         return x
@@ -212,8 +212,8 @@ def forward_log_prob(
     logp, entropy = logprob_and_entropy(logits, labels, temperature, with_entropy)
     # Zero outside the response mask: padding positions carry no meaning and must not leak into sums.
     mask = response_mask_on(mb, device, response_mask)
-    logp = _pad_right(logp, r) * mask
-    return logp, (_pad_right(entropy, r) * mask if entropy is not None else None)
+    logp = pad_right(logp, r) * mask
+    return logp, (pad_right(entropy, r) * mask if entropy is not None else None)
 
 
 def forward_values(
@@ -232,7 +232,7 @@ def forward_values(
     with autocast_for(device):
         values = model(input_ids=ids, attention_mask=mask, position_ids=pos)  # (B, T')
     values = values[:, -r_kept - 1 : -1].float()  # (B, R'), as verl's critic slices
-    return _pad_right(values, r) * response_mask_on(mb, device, response_mask)
+    return pad_right(values, r) * response_mask_on(mb, device, response_mask)
 
 
 def response_mask_on(mb: Batch, device: torch.device, given: torch.Tensor | None) -> torch.Tensor:

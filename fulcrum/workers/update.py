@@ -17,10 +17,10 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from fulcrum.batch import Batch
 from fulcrum.parallel import rank_rows, reduce_metrics
+from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.micro_batch import make_micro_batches
 from fulcrum.workers.optim import clip_and_step
 from fulcrum.workers.placement import Placement
-from fulcrum.workers.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +44,11 @@ class UpdatePlan:
 
 
 class Trainable(Protocol):
-    """A worker the loop can update: its model's runner, optimiser, schedule and placement, its plan,
+    """A worker the loop can update: its model's forwards, optimiser, schedule and placement, its plan,
     and its loss on one micro-batch (forward, loss, backward; detached metrics back), given the
     mini-batch's `agg_loss` counts."""
 
-    runner: ModelRunner
+    forwards: ModelForwards
     optimizer: torch.optim.Optimizer
     lr_scheduler: LRScheduler
     placement: Placement
@@ -65,7 +65,7 @@ def ppo_update(worker: Trainable, batch: Batch, global_step: int) -> dict[str, f
     how the mini-batch is cut. Loss metrics are summed per mini-batch, the others averaged over
     micro-batches; grad_norm is per mini-batch; each then averaged over the update.
     """
-    runner, optimizer, plan = worker.runner, worker.optimizer, worker.plan
+    forwards, optimizer, plan = worker.forwards, worker.optimizer, worker.plan
     if len(batch) % plan.mini_batch_size != 0 and len(batch) > plan.mini_batch_size:
         logger.warning(
             "%s: %d responses do not divide into mini-batches of %d",
@@ -73,7 +73,7 @@ def ppo_update(worker: Trainable, batch: Batch, global_step: int) -> dict[str, f
             len(batch),
             plan.mini_batch_size,
         )
-    runner.model.train()
+    forwards.model.train()
     metrics: dict[str, list[torch.Tensor | float]] = defaultdict(list)
     generator = torch.Generator().manual_seed(plan.seed * 1_000_003 + global_step)
     for _ in range(plan.ppo_epochs):
@@ -86,20 +86,20 @@ def ppo_update(worker: Trainable, batch: Batch, global_step: int) -> dict[str, f
                 plan.use_dynamic_bsz,
                 plan.max_token_len,
                 plan.micro_batch_key,
-                packed=runner.packed,
-                model=runner.model,
+                packed=forwards.packed,
+                model=forwards.model,
             )
             optimizer.zero_grad(set_to_none=True)
             shares: dict[str, list[torch.Tensor]] = defaultdict(list)
-            with runner.active():
+            with forwards.active():
                 for mb in micro:
                     step_metrics = worker.micro_step(mb, agg)
-                    runner.accumulate_grads()
+                    forwards.accumulate_grads()
                     for k, v in step_metrics.items():
                         (shares if k in LOSS_SHARES else metrics)[k].append(v)  # type: ignore[index]
             for k, parts in shares.items():
                 metrics[k].append(torch.stack(parts).sum())
-            grad_norm = clip_and_step(runner.model, optimizer, plan.grad_clip, plan.role, worker.placement)
+            grad_norm = clip_and_step(forwards.model, optimizer, plan.grad_clip, plan.role, worker.placement)
             metrics[f"{plan.role}/grad_norm"].append(grad_norm)
     metrics[f"{plan.role}/lr"].append(worker.lr_scheduler.get_last_lr()[0])
     worker.lr_scheduler.step()

@@ -1,6 +1,7 @@
 """How a worker runs its model: packed or padded forwards, bf16 compute weights on CUDA.
 
-One `ModelRunner` per model (actor, reference, critic): its no-grad passes (`no_grad_pass`), its
+One `ModelForwards` per model (actor, reference, critic): its no-grad passes (`no_grad_pass`,
+`sum_pi_squared`), its
 forwards on one micro-batch, and, for the update loop (fulcrum.workers.update), `active()` around
 the micro-batches and `accumulate_grads()` after each backward.
 """
@@ -14,9 +15,11 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from fulcrum.batch import Batch
+from fulcrum.batch import Batch, host_to_device
 from fulcrum.config.sections import ForwardSizes
 from fulcrum.models.linear_logprob import use_compiled_chunks
+from fulcrum.models.load import autocast_for
+from fulcrum.models.logprob import response_logits, sum_pi_squared
 from fulcrum.models.packed import (
     compile_decoder_layers,
     compile_inside_layers,
@@ -30,13 +33,15 @@ from fulcrum.workers.micro_batch import (
     forward_log_prob,
     forward_values,
     make_micro_batches,
+    pad_right,
     restore_order,
+    trimmed_inputs,
 )
 
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner:
+class ModelForwards:
     """`model` on `device`: padding-free when `use_remove_padding` and the architecture allows it;
     on CUDA, bf16 copies of the float32 weights for compute (`fulcrum.models.precision`), except
     the parameters under `keep` (e.g. the critic's value head), and with `use_torch_compile` the
@@ -129,3 +134,32 @@ class ModelRunner:
 
     def values(self, mb: Batch, response_mask: torch.Tensor | None = None) -> torch.Tensor:
         return forward_values(self.model, mb, self.device, self.packed, response_mask)
+
+    @torch.no_grad()
+    def sum_pi_squared(self, batch: Batch, sizes: ForwardSizes, temperature: float) -> torch.Tensor:
+        """sum_v pi_v^2 at every response position (B, R), float32 on the CPU, 0 outside the response
+        mask (actor.calculate_sum_pi_squared, for the optimal-token-baseline estimator); padded
+        micro-batches under autocast. One extra forward per step, only when the estimator needs it (verl
+        computes it in the old-log-prob pass)."""
+        micro, order = make_micro_batches(
+            batch,
+            sizes.micro_batch_size,
+            sizes.use_dynamic_bsz,
+            sizes.max_token_len,
+            sizes.key,
+            sort_by_length=True,
+            model=self.model,
+        )
+        was_training = self.model.training
+        self.model.eval()
+        parts = []
+        try:
+            for mb in micro:
+                ids, mask, pos, r_kept = trimmed_inputs(mb, self.device)
+                with autocast_for(self.device):
+                    logits = response_logits(self.model, ids, mask, pos, r_kept)
+                values = pad_right(sum_pi_squared(logits, temperature), mb.response_length)
+                parts.append(values * host_to_device(mb["response_mask"], self.device))
+        finally:
+            self.model.train(was_training)
+        return restore_order(parts, order).cpu()  # one copy back, not one (and a wait) per micro-batch
