@@ -128,6 +128,10 @@ class Plan:
     use_torch_compile: bool = False
     device: str = "cuda"
     threads_per_run: int = 2  # CPU threads per process: six runs share the H200 machine's 16 cores
+    # Each run saves a checkpoint when its budget stops it, and a later call with --continue-runs resumes
+    # every finished run for another budget: RL longer than one 10-minute device call (the machine and its
+    # /tmp are kept while calls follow each other).
+    save_at_stop: bool = False
 
 
 SMOKE = Plan(
@@ -243,8 +247,9 @@ def rl_overrides(algo: str, seed: int, model: Path, data: Path, run: Path, plan:
         "trainer.val_before_train=True",
         f"trainer.test_freq={plan.test_freq}",
         "trainer.save_freq=-1",
-        "trainer.save_on_interrupt=False",  # SIGTERM at the budget ends the run at once
-        "trainer.resume_mode=disable",
+        # SIGTERM at the budget ends the run at once, or (save_at_stop) after the step and its checkpoint
+        f"trainer.save_on_interrupt={plan.save_at_stop}",
+        f"trainer.resume_mode={'auto' if plan.save_at_stop else 'disable'}",
         "trainer.logger=[console]",
         "trainer.n_gpus_per_node=1",
         "trainer.nnodes=1",
@@ -298,11 +303,21 @@ def planned_runs(plan: Plan, variants: list[Variant]) -> list[tuple[str, int, Va
 
 
 def run_all(
-    model: Path, out: Path, plan: Plan, extra: list[str], stop_at: float, variants: Sequence[Variant] = ()
+    model: Path,
+    out: Path,
+    plan: Plan,
+    extra: list[str],
+    stop_at: float,
+    variants: Sequence[Variant] = (),
+    continue_runs: bool = False,
 ) -> list[RunResult]:
-    """Start every run at once (`planned_runs`); stop each `budget_s` after its step-0 validation, and
-    every one still going at `stop_at` (time.monotonic()); SIGKILL what SIGTERM has not ended within 20 s."""
+    """Start every run at once (`planned_runs`); stop each `budget_s` after its step-0 validation (a
+    continued run: after its first new metrics row), and every one still going at `stop_at`
+    (time.monotonic()); SIGKILL what SIGTERM has not ended within the grace (20 s, or 90 s when each run
+    saves a checkpoint at its stop). `continue_runs`: resume the finished runs (save_at_stop) too."""
     procs: dict[str, tuple[subprocess.Popen, Path, RunResult]] = {}  # by the run's label
+    rows_at_start: dict[str, int] = {}  # metrics rows a continued run already had
+    grace_s = 90.0 if plan.save_at_stop else 20.0
     results = []
     for algo, seed, variant in planned_runs(plan, list(variants)):
         pending = RunResult(algo, seed, None, False, variant=variant.name if variant else "")
@@ -313,20 +328,28 @@ def run_all(
                 overrides, [*variant.overrides, f"trainer.experiment_name={variant.name}"]
             )
         cmd = fulcrum("train", *overrides, *extra)
-        if (run / "result.json").exists():  # finished by an earlier call
+        rows_before = len(read_metrics(run))
+        if continue_runs and (run / "result.json").exists():
+            if not plan.save_at_stop or (run / "command.txt").read_text() != " ".join(cmd) + "\n":
+                raise SystemExit(
+                    f"{run}: only a run started with save_at_stop and the same command continues"
+                )
+            (run / "result.json").unlink()  # unfinished again until this call's budget stops it
+        elif (run / "result.json").exists():  # finished by an earlier call
             if variant and (run / "command.txt").read_text() != " ".join(cmd) + "\n":
                 raise SystemExit(
                     f"{run} finished with other overrides than variant {variant.name}: move it away"
                 )
             results.append(RunResult(**json.loads((run / "result.json").read_text())))
             continue
-        if run.exists():
+        if run.exists() and not rows_before:
             raise SystemExit(f"{run} holds an unfinished run: move it away to run it again")
-        run.mkdir(parents=True)
+        run.mkdir(parents=True, exist_ok=True)
         (run / "command.txt").write_text(" ".join(cmd) + "\n")
-        log = (run / "train.log").open("w")
+        log = (run / "train.log").open("a")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(plan.threads_per_run))
         procs[pending.label] = (proc, run, pending)
+        rows_at_start[pending.label] = rows_before
     left = stop_at - time.monotonic()
     print(
         f"started {len(procs)} runs; budget {plan.budget_s / 60:.1f} min each, all stopped within "
@@ -343,10 +366,10 @@ def run_all(
             if proc.poll() is not None:
                 continue
             if key in stopped:
-                if now - stopped[key] > 20:
+                if now - stopped[key] > grace_s:
                     proc.kill()
                 continue
-            if key not in started_training and read_metrics(run):
+            if key not in started_training and len(read_metrics(run)) > rows_at_start[key]:
                 started_training[key] = now
                 print(f"{_who(pending)}: step-0 validation done, budget starts", flush=True)
             over_budget = key in started_training and now - started_training[key] > plan.budget_s
@@ -441,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
         help="any Plan field, e.g. --set task=gsm8k base_model=/tmp/smol sft_lr=5e-5 (after the flags above)",
     )
     parser.add_argument(
+        "--continue-runs",
+        action="store_true",
+        help="resume every finished RL run (started with --set save_at_stop=true) for another budget",
+    )
+    parser.add_argument(
         "--stop-after-warm", action="store_true", help="end after the warm start (and base check); resumable"
     )
     parser.add_argument(
@@ -479,7 +507,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--set: {err}")
     if plan.device == "cpu" and plan.rollout == "native" and not args.smoke:
         plan = replace(plan, rollout="hf")
-    stop_at = time.monotonic() + plan.deadline_s - plan.summary_reserve_s
+    # a run that saves at its stop may take the 90 s grace to end: stop it that much sooner
+    save_grace_s = 70.0 if plan.save_at_stop else 0.0
+    stop_at = time.monotonic() + plan.deadline_s - plan.summary_reserve_s - save_grace_s
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         code = learn(args, plan, extra, started, stop_at)
@@ -566,7 +596,7 @@ def learn(args: argparse.Namespace, plan: Plan, extra: list[str], started: float
             return 1
         print(f"note: {message} (allowed here)", flush=True)
 
-    results = run_all(model, args.out, plan, extra, stop_at, args.variants)
+    results = run_all(model, args.out, plan, extra, stop_at, args.variants, args.continue_runs)
     print(f"RL done ({_elapsed(started)})", flush=True)
     summary = summarise(warm, results, plan, {v.name: list(v.overrides) for v in args.variants} or None)
     if base_file.exists():

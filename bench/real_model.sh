@@ -8,6 +8,7 @@
 #   bash bench/real_model.sh parity MODEL_DIR GSM8K_SRC OUT     # native vs HF greedy, 64 prompts, bf16
 #   bash bench/real_model.sh gsm8k-warm MODEL_DIR GSM8K_SRC WORK [RESULTS]   # base check + SFT (+ checks)
 #   bash bench/real_model.sh gsm8k-rl MODEL_DIR GSM8K_SRC WORK [RESULTS]     # the 6 RL runs (resumes WORK)
+#   bash bench/real_model.sh gsm8k-rl-more MODEL_DIR GSM8K_SRC WORK [RESULTS]  # each run 7 more minutes
 #   bash bench/real_model.sh multistep MODEL_DIR WORK [RESULTS]             # SFT warm start + 6 RL runs
 #   bash bench/real_model.sh throughput MODEL_DIR GSM8K_SRC WORK RESULTS    # seed and GRPO step shapes
 #
@@ -26,9 +27,10 @@ COMMON=(max_prompt_length=320 max_response_length=256 gradient_checkpointing=tru
   actor_lr=5e-6 critic_lr=5e-5 critic_warmup=2 kl_loss_coef=0.001 gpu_memory_utilization=0.06
   threads_per_run=2 test_freq=5)
 # GSM8K: 2 epochs of SFT (7,273 problems, 200 held out as the dev set) at 5e-5, cosine; RL starts from the
-# last checkpoint (warm_min_accuracy=1 never stops SFT early). The test set is all 1,319 problems.
+# last checkpoint (warm_min_accuracy=1 never stops SFT early). The test set is all 1,319 problems. Each RL run
+# saves a checkpoint when its budget stops it, so gsm8k-rl-more continues it in the next call.
 GSM8K=(task=gsm8k num_dev=200 sft_lr=5e-5 sft_steps=228 sft_check_every=57 warm_min_accuracy=1.0
-  min_format_accuracy=0.5)
+  min_format_accuracy=0.5 save_at_stop=true)
 
 case $stage in
   convert)
@@ -42,6 +44,10 @@ case $stage in
       --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" ;;
   gsm8k-rl)
     python bench/learning.py --out "$3" ${4:+--results "$4"} --budget-min 7 --deadline-min 9.3 \
+      --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" ;;
+  gsm8k-rl-more)
+    # the next call, on the same warm machine: every run resumes from the checkpoint it saved at its stop
+    python bench/learning.py --out "$3" ${4:+--results "$4"} --budget-min 7 --deadline-min 9.3 --continue-runs \
       --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" ;;
   multistep)
     # The multi-step task's own warm-start rule (format >= 95 %, dev accuracy in [0.3, 0.6]) at SmolLM2's
