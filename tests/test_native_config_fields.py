@@ -16,6 +16,7 @@ import torch
 from helpers import GSM8K_ROW, seed_command
 from transformers import AutoConfig, LlamaConfig, Qwen2Config
 
+from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.rollout import HFRollout, build_rollout
 from fulcrum.rollout.native import NATIVE_ARCHITECTURES, NativeEngine, unsupported_reason
 from fulcrum.rollout.native.models.fields import CONFIG_FIELDS
@@ -138,11 +139,8 @@ def test_a_field_the_list_does_not_know_is_refused() -> None:
     )
 
 
-class _Rollout:
-    name = "native"
-    max_num_seqs = 4
-    max_num_batched_tokens = 64
-    max_model_len = 64
+def _rollout() -> RolloutConfig:
+    return RolloutConfig(name="native", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
 
 
 class _Tokenizer:
@@ -153,10 +151,10 @@ class _Tokenizer:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_gelu_model_is_sampled_by_hf_with_one_line(arch: str, caplog: pytest.LogCaptureFixture) -> None:
     """Before: the native engine sampled a GELU model with SiLU, so rollout and training differed."""
-    assert isinstance(build_rollout(_Rollout(), random_causal_lm(arch), _Tokenizer(), CPU), NativeEngine)
+    assert isinstance(build_rollout(_rollout(), random_causal_lm(arch), _Tokenizer(), CPU), NativeEngine)
     gelu = random_causal_lm(arch, hidden_act="gelu")
     with caplog.at_level(logging.WARNING, logger="fulcrum.rollout"):
-        engine = build_rollout(_Rollout(), gelu, _Tokenizer(), CPU)
+        engine = build_rollout(_rollout(), gelu, _Tokenizer(), CPU)
     assert isinstance(engine, HFRollout)
     lines = [r.getMessage() for r in caplog.records if "hidden_act" in r.getMessage()]
     assert lines == [

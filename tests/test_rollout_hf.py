@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.rollout import HFRollout, SamplingParams, build_rollout, logprob_diff
 from fulcrum.rollout.sampling import filter_top_k_top_p, sample_next
 from fulcrum.rollout.testing import random_causal_lm
@@ -141,18 +142,17 @@ class _Tok:
     pad_token_id = 0
 
 
-class _Cfg:
-    name = "hf"
-    max_num_seqs = 4
+def _cfg() -> RolloutConfig:
+    return RolloutConfig(name="hf", max_num_seqs=4)
 
 
 def test_build_rollout_hf_wraps_the_actor_module_itself(model):
-    engine = build_rollout(_Cfg(), model, _Tok(), CPU)
+    engine = build_rollout(_cfg(), model, _Tok(), CPU)
     assert isinstance(engine, HFRollout) and engine.model is model and engine.max_num_seqs == 4
 
 
 def test_build_rollout_rejects_unknown_backend_naming_the_key(model):
-    cfg = _Cfg()
+    cfg = _cfg()
     cfg.name = "tgi"
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.name"):
         build_rollout(cfg, model, _Tok(), CPU)

@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
+from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.rollout import HFRollout, SamplingParams, build_rollout
 from fulcrum.rollout.native import EngineConfig, NativeEngine
 from fulcrum.rollout.native.block_manager import BlockManager
@@ -164,22 +165,19 @@ def test_n_samples_share_the_prompts_full_blocks():
 
 
 def test_build_rollout_native_on_cpu_and_fallback_for_other_architectures(model, caplog):
-    class Cfg:
-        name = "native"
-        max_num_seqs = 8
-        max_num_batched_tokens = 256
-        max_model_len = 256
+    def rollout_cfg() -> RolloutConfig:
+        return RolloutConfig(name="native", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256)
 
     class Tok:
         eos_token_id = EOS
         pad_token_id = 0
 
-    assert isinstance(build_rollout(Cfg(), model, Tok(), CPU), NativeEngine)
+    assert isinstance(build_rollout(rollout_cfg(), model, Tok(), CPU), NativeEngine)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with caplog.at_level(logging.WARNING):
-        engine = build_rollout(Cfg(), gpt2, Tok(), CPU)
+        engine = build_rollout(rollout_cfg(), gpt2, Tok(), CPU)
     assert isinstance(engine, HFRollout)
     assert "model_type='gpt2'" in caplog.text and "hf backend" in caplog.text
 
@@ -209,6 +207,21 @@ def test_engine_config_reads_verl_keys_and_our_engine_kwargs():
     rollout.engine_kwargs["native"] = {"blocksize": 8}
     with pytest.raises(ValueError, match=r"engine_kwargs\.native: unknown keys \['blocksize'\]"):
         engine_config_from(rollout, model_max_len=4096)
+
+
+def test_the_engine_defaults_are_the_documented_ones():
+    """A run that sets none of the engine's keys, and a benchmark that builds EngineConfig directly, get
+    the defaults `fulcrum doctor --keys` lists."""
+    from fulcrum.config import describe, load_config
+    from fulcrum.rollout.native.config import engine_config_from
+
+    documented = {info.key: info.default for info in describe()}
+    rollout = load_config().actor_rollout_ref.rollout
+    run, direct = engine_config_from(rollout, model_max_len=4096), EngineConfig()
+    for key in ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager"):
+        expected = documented[f"actor_rollout_ref.rollout.{key}"]
+        assert getattr(run, key) == getattr(direct, key) == expected, key
+    assert run.dtype == direct.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("trial", range(6))

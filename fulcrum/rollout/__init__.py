@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.rollout.base import FinishReason, RolloutEngine, RolloutOutput, SamplingParams
 from fulcrum.rollout.hf import HFRollout
 from fulcrum.rollout.metrics import logprob_diff
@@ -55,17 +56,18 @@ def pad_token_id_of(tokenizer: Any, eos_ids: list[int]) -> int:
     return int(pad) if pad is not None else eos_ids[0]
 
 
-def build_rollout(rollout_cfg: Any, model: nn.Module, tokenizer: Any, device: torch.device) -> RolloutEngine:
-    """The rollout engine that `rollout_cfg` (`cfg.actor_rollout_ref.rollout`) asks for on `device`."""
+def build_rollout(
+    rollout_cfg: RolloutConfig, model: nn.Module, tokenizer: Any, device: torch.device
+) -> RolloutEngine:
+    """The rollout engine that the resolved `cfg.actor_rollout_ref.rollout` asks for on `device`."""
     device = torch.device(device)
-    name = str(getattr(rollout_cfg, "name", "auto"))
+    name = rollout_cfg.name
     if name != "hf" and name not in FAST_ENGINE_NAMES:
         raise ValueError(
             f"actor_rollout_ref.rollout.name={name!r} is not a rollout backend; choose 'native' or 'hf'"
         )
     eos_ids = eos_token_ids_of(model, tokenizer)
     pad_id = pad_token_id_of(tokenizer, eos_ids)
-    max_num_seqs = int(getattr(rollout_cfg, "max_num_seqs", 256) or 256)
     use_native = name == "native" or (name in FAST_ENGINE_NAMES and device.type == "cuda")
     if use_native:
         from fulcrum.rollout.native import build_native_engine, unsupported_reason
@@ -78,10 +80,12 @@ def build_rollout(rollout_cfg: Any, model: nn.Module, tokenizer: Any, device: to
         logger.info(
             "rollout: name=%s on %s: using the hf backend (the native engine is for CUDA)", name, device
         )
-    return HFRollout(model, eos_ids, pad_id, device, max_num_seqs=max_num_seqs)
+    return HFRollout(model, eos_ids, pad_id, device, max_num_seqs=rollout_cfg.max_num_seqs)
 
 
-def sampling_params(rollout_cfg: Any, response_length: int, seed: int, validate: bool) -> SamplingParams:
+def sampling_params(
+    rollout_cfg: RolloutConfig, response_length: int, seed: int, validate: bool
+) -> SamplingParams:
     """Training sampling (rollout.*) or validation sampling (rollout.val_kwargs; greedy unless do_sample)."""
     src = rollout_cfg.val_kwargs if validate else rollout_cfg
     greedy = not bool(src.do_sample)

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.data.dataset import left_pad
 from fulcrum.rollout.base import FinishReason, RolloutOutput, SamplingParams
 from fulcrum.rollout.sampling import sample_next
@@ -107,7 +108,7 @@ class HFRollout:
         eos_token_ids: list[int],
         pad_token_id: int,
         device: torch.device,
-        max_num_seqs: int = 256,
+        max_num_seqs: int = RolloutConfig.max_num_seqs,  # the schema's default
         autocast: bool = True,
     ) -> None:
         if max_num_seqs < 1:

@@ -9,12 +9,12 @@ config field it does not honour (models/fields.py: the caller then samples with 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.parallel.tensor_parallel import TensorParallel, tensor_parallel_group
 from fulcrum.rollout.native.config import EngineConfig, engine_config_from
 from fulcrum.rollout.native.engine import NativeEngine
@@ -33,13 +33,13 @@ __all__ = [
 ]
 
 
-def engine_tensor_parallel(rollout_cfg: Any) -> TensorParallel:
+def engine_tensor_parallel(rollout_cfg: RolloutConfig) -> TensorParallel:
     """This rank's engine group for `rollout.tensor_model_parallel_size` (every rank calls this).
 
     A size that does not divide the world size (a single process included) runs without tensor
     parallelism, with one log line: verl's default of 2 must not stop a one-device run.
     """
-    size = int(getattr(rollout_cfg, "tensor_model_parallel_size", 1) or 1)
+    size = rollout_cfg.tensor_model_parallel_size
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if size > 1 and world % size:
         logger.info(
@@ -52,7 +52,7 @@ def engine_tensor_parallel(rollout_cfg: Any) -> TensorParallel:
 
 
 def build_native_engine(
-    rollout_cfg: Any, hf_model: nn.Module, eos_ids: list[int], pad_id: int, device: torch.device
+    rollout_cfg: RolloutConfig, hf_model: nn.Module, eos_ids: list[int], pad_id: int, device: torch.device
 ) -> NativeEngine:
     max_len = int(getattr(hf_model.config, "max_position_embeddings", 4096))
     config = engine_config_from(rollout_cfg, max_len)

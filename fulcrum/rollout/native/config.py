@@ -1,8 +1,10 @@
-"""Settings of the native engine, taken from `cfg.actor_rollout_ref.rollout` (verl's keys) plus a few of ours.
+"""Settings of the native engine, built once from `cfg.actor_rollout_ref.rollout` (verl's keys) plus a few of ours.
 
 Ours live under `rollout.engine_kwargs.native` (e.g. `+actor_rollout_ref.rollout.engine_kwargs.native.block_size=32`):
 `block_size`, `num_kv_blocks` (the cache size on the CPU, or a fixed size anywhere), `decode_steps`
-(decode steps run on the device between two looks from the scheduler).
+(decode steps run on the device between two looks from the scheduler). The defaults of verl's keys are the
+schema's (fulcrum.config.schema_rollout); EngineConfig reads them there, for benchmarks and tests that build
+it directly.
 """
 
 from __future__ import annotations
@@ -12,30 +14,45 @@ from typing import Any
 
 import torch
 
+from fulcrum.config.schema_rollout import RolloutConfig
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_DTYPES |= {"float32": torch.float32, "fp32": torch.float32}
+SCHEMA = RolloutConfig()  # the defaults of verl's keys
+
 
 @dataclass
 class EngineConfig:
-    """The native engine's knobs (defaults follow vLLM where vLLM has the knob)."""
+    """The native engine's knobs: verl's keys default as the schema does, ours (engine_kwargs.native) here."""
 
-    max_num_seqs: int = 256  # sequences decoding at once (the decode batch)
-    max_num_batched_tokens: int = 8192  # prompt tokens per prefill step (longer prompts are chunked)
-    max_model_len: int = 4096  # prompt + response, per sequence
+    max_num_seqs: int = SCHEMA.max_num_seqs  # sequences decoding at once (the decode batch)
+    max_num_batched_tokens: int = (
+        SCHEMA.max_num_batched_tokens
+    )  # prompt tokens per prefill step (chunked past it)
+    # prompt + response, per sequence; the schema's null is resolved from prompt_length + response_length
+    # (engine_config_from), which a direct user does not have.
+    max_model_len: int = 4096
     block_size: int = 16  # tokens per KV-cache block; small blocks share more of a GRPO prompt
     gpu_memory_utilization: float = (
-        0.5  # fraction of the device's total memory: weights + activations + cache
-    )
+        SCHEMA.gpu_memory_utilization
+    )  # of the device: weights + activations + cache
     num_kv_blocks: int | None = None  # fixed cache size in blocks; the CPU default is enough for max_num_seqs
-    enforce_eager: bool = False  # no CUDA graphs
-    cudagraph_capture_sizes: list[int] | None = None  # decode batch sizes to capture; None: 1,2,4,8,16,32..
+    enforce_eager: bool = SCHEMA.enforce_eager  # no CUDA graphs
+    cudagraph_capture_sizes: list[int] | None = SCHEMA.cudagraph_capture_sizes  # None: 1,2,4,8,16,32..
     decode_steps: int = 16  # decode steps per scheduler round (tokens past a stop are dropped)
     # Decode kernels read the cache address from the device, so graphs survive sleep/wake_up without a
     # recapture; costs ~20% decode speed on an H200 (0.5B), so off unless sleeps are frequent and
     # the decode batch takes many sizes.
     indirect_kv_cache: bool = False
     # rollout.free_cache_engine: `generate` releases the KV cache before it returns, so training has the
-    # memory; off by default for direct users (benchmarks) that call `generate` back to back.
+    # memory (the schema's default); off for direct users (benchmarks) that call `generate` back to back.
     free_cache_engine: bool = False
-    dtype: torch.dtype = torch.bfloat16  # weights and KV cache on CUDA; the CPU uses the model's dtype
+    dtype: torch.dtype = _DTYPES[SCHEMA.dtype]  # weights and KV cache on CUDA; the CPU uses the model's dtype
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1, f"rollout.max_num_seqs must be >= 1, got {self.max_num_seqs}"
@@ -63,43 +80,35 @@ class EngineConfig:
         return sizes
 
 
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-_DTYPES |= {"float32": torch.float32, "fp32": torch.float32}
+# Our knobs under rollout.engine_kwargs.native: their defaults are EngineConfig's own.
+NATIVE_KWARGS = ("block_size", "num_kv_blocks", "decode_steps", "indirect_kv_cache")
 
 
-def engine_config_from(rollout_cfg: Any, model_max_len: int) -> EngineConfig:
-    """EngineConfig from `cfg.actor_rollout_ref.rollout` (any object with verl's attribute names)."""
-    native: dict[str, Any] = dict((getattr(rollout_cfg, "engine_kwargs", None) or {}).get("native", {}) or {})
-    dtype_name = str(getattr(rollout_cfg, "dtype", "bfloat16"))
-    if dtype_name not in _DTYPES:
-        raise ValueError(f"actor_rollout_ref.rollout.dtype={dtype_name!r}: expected one of {sorted(_DTYPES)}")
-    max_model_len = getattr(rollout_cfg, "max_model_len", None)
-    if max_model_len is None:
-        prompt = getattr(rollout_cfg, "prompt_length", None)
-        response = getattr(rollout_cfg, "response_length", None)
-        max_model_len = prompt + response if prompt and response else model_max_len
-    known = {"block_size", "num_kv_blocks", "decode_steps", "indirect_kv_cache"}
-    unknown = set(native) - known
+def engine_config_from(rollout: RolloutConfig, model_max_len: int) -> EngineConfig:
+    """EngineConfig from the resolved `cfg.actor_rollout_ref.rollout`; `model_max_len` bounds a sequence
+    when neither max_model_len nor prompt_length + response_length is known."""
+    native: dict[str, Any] = dict((rollout.engine_kwargs or {}).get("native") or {})
+    if rollout.dtype not in _DTYPES:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.dtype={rollout.dtype!r}: expected one of {sorted(_DTYPES)}"
+        )
+    unknown = set(native) - set(NATIVE_KWARGS)
     if unknown:
         raise ValueError(
-            f"actor_rollout_ref.rollout.engine_kwargs.native: unknown keys {sorted(unknown)}; known: {sorted(known)}"
+            f"actor_rollout_ref.rollout.engine_kwargs.native: unknown keys {sorted(unknown)}; known: {sorted(NATIVE_KWARGS)}"
         )
+    max_model_len = rollout.max_model_len
+    if max_model_len is None:
+        prompt, response = rollout.prompt_length, rollout.response_length
+        max_model_len = prompt + response if prompt and response else model_max_len
     return EngineConfig(
-        max_num_seqs=int(getattr(rollout_cfg, "max_num_seqs", 256)),
-        max_num_batched_tokens=int(getattr(rollout_cfg, "max_num_batched_tokens", 8192)),
-        max_model_len=int(max_model_len),
-        gpu_memory_utilization=float(getattr(rollout_cfg, "gpu_memory_utilization", 0.5)),
-        enforce_eager=bool(getattr(rollout_cfg, "enforce_eager", False)),
-        cudagraph_capture_sizes=getattr(rollout_cfg, "cudagraph_capture_sizes", None),
-        dtype=_DTYPES[dtype_name],
-        block_size=int(native.get("block_size", 16)),
-        num_kv_blocks=native.get("num_kv_blocks"),
-        decode_steps=int(native.get("decode_steps", 16)),
-        indirect_kv_cache=bool(native.get("indirect_kv_cache", False)),
-        free_cache_engine=bool(getattr(rollout_cfg, "free_cache_engine", False)),
+        max_num_seqs=rollout.max_num_seqs,
+        max_num_batched_tokens=rollout.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        enforce_eager=rollout.enforce_eager,
+        cudagraph_capture_sizes=rollout.cudagraph_capture_sizes,
+        free_cache_engine=rollout.free_cache_engine,
+        dtype=_DTYPES[rollout.dtype],
+        **native,
     )
