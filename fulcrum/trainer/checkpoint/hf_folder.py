@@ -15,14 +15,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_model
 
-from fulcrum.parallel.fsdp import is_sharded, load_full_state_dict
+from fulcrum.parallel.fsdp import full_named_tensors, is_sharded, load_full_state_dict
 from fulcrum.trainer.checkpoint.layout import CheckpointError
-
-
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights as plain CPU-or-device tensors (DTensor shards gathered into full tensors)."""
-    state = model.state_dict()
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state.items()}
 
 
 def check_weights_finite(model: torch.nn.Module, where: str) -> None:
@@ -53,7 +47,7 @@ def token_classification_config(config: Any) -> Any:
 
 def save_model_folder(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> None:
     """Write `model` (and `tokenizer`) as a Hugging Face folder: config.json + *.safetensors + tokenizer."""
-    state = full_state_dict(model)
+    state = dict(full_named_tensors(model))  # DTensor shards gathered into whole tensors
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(str(out_dir), state_dict=state)
     elif hasattr(model, "config") and hasattr(model, "score"):
