@@ -68,6 +68,8 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "actor_rollout_ref.actor.entropy_checkpointing",
         "actor_rollout_ref.actor.checkpoint.save_contents",
         "actor_rollout_ref.actor.optim.num_cycles",
+        "actor_rollout_ref.actor.optim.total_training_steps",
+        "critic.optim.total_training_steps",
         "actor_rollout_ref.actor.optim.override_optimizer_config",
         "actor_rollout_ref.actor.policy_loss.clip_cov_ratio",
         "actor_rollout_ref.actor.policy_loss.clip_cov_lb",

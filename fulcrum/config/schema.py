@@ -145,7 +145,9 @@ class OptimConfig:
         0.0, "warm-up steps as a fraction of total steps (if lr_warmup_steps<=0)", FRACTION
     )
     total_training_steps: int = opt(
-        -1, "steps for the LR schedule; -1 is filled in by the trainer", ANY_NUMBER
+        -1,
+        "verl's trainer writes its step count here (no effect: the schedule spans the run's steps)",
+        ANY_NUMBER,
     )
     weight_decay: float = opt(0.01, "AdamW weight decay", AT_LEAST_0)
     lr_warmup_steps: int | None = opt(

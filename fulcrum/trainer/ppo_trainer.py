@@ -88,9 +88,8 @@ class PPOTrainer:
         data = cfg.data
         self.train_dataset, self.val_dataset, self.train_loader = rl_datasets(data, self.tokenizer)
         self.steps_per_epoch = len(self.train_dataset) // int(data.train_batch_size)
+        # The LR schedules span the run's steps: handed to the workers, the configuration stays as loaded.
         self.total_training_steps = resolve_total_steps(cfg, self.steps_per_epoch)
-        arr.actor.optim.total_training_steps = self.total_training_steps
-        cfg.critic.optim.total_training_steps = self.total_training_steps
 
         # The custom reward file is imported (run as Python) here, before any model is loaded. The guard
         # copies its inputs, limits its time per batch and names its failures (reward_model.on_error).
