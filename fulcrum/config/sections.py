@@ -2,7 +2,8 @@
 
 As verl's workers take an `ActorConfig` / `CriticConfig`, fulcrum's take an `ActorSection`,
 `ReferenceSection` or `CriticSection` built here once from a resolved `FulcrumConfig`, so no worker
-re-derives "null follows another key" and a worker can be built (and tested) from its section alone.
+re-derives "null follows another key" (the loader resolves every one, fulcrum.config.loader.DERIVED) and a
+worker can be built (and tested) from its section alone.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def require_size(size: int | None, use_dynamic_bsz: bool, key: str) -> None:
 
 
 def per_device(size_per_gpu: int | None, deprecated_global: int | None) -> int | None:
-    """A micro-batch size: the per-device key, else verl's deprecated global spelling (the same on one
-    device; validate() reports setting both)."""
+    """A micro-batch size from its two spellings: the per-device key, else verl's deprecated global one
+    (the same on one device; validate() reports setting both). Which key a null size follows is the
+    loader's (DERIVED): sections read resolved values and derive none."""
     return size_per_gpu if size_per_gpu is not None else deprecated_global
 
 
@@ -119,13 +121,12 @@ def critic_section(cfg: FulcrumConfig) -> CriticSection:
     assert c.ppo_mini_batch_size is not None and c.rollout_n is not None, "resolve() the configuration first"
     micro = per_device(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size)
     require_size(micro, bool(c.use_dynamic_bsz), "critic.ppo_micro_batch_size_per_gpu")
-    forward = per_device(c.forward_micro_batch_size_per_gpu, c.forward_micro_batch_size)
     return CriticSection(
         critic=c,
         mini_batch_size=c.ppo_mini_batch_size * c.rollout_n,
         micro_batch_size=micro,
         values=ForwardSizes(
-            forward if forward is not None else micro,
+            per_device(c.forward_micro_batch_size_per_gpu, c.forward_micro_batch_size),
             bool(c.use_dynamic_bsz),
             c.forward_max_token_len_per_gpu,
             "critic.forward_micro_batch_size_per_gpu",

@@ -411,7 +411,8 @@ RATIO_CLIPPING_LOSSES = ("vanilla", "gspo")
 def lower_clip_off(cfg: FulcrumConfig) -> list[Finding]:
     """clip_ratio_low >= 1 puts the lower clip at a ratio <= 0, which a ratio never reaches."""
     actor = cfg.actor_rollout_ref.actor
-    low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+    low = actor.clip_ratio_low  # resolved: follows clip_ratio when unset
+    assert low is not None, "a resolved configuration"
     if actor.policy_loss.loss_mode not in RATIO_CLIPPING_LOSSES or low < 1:
         return []
     return [
