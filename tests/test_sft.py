@@ -17,11 +17,11 @@ from fulcrum.trainer.sft import (
     collate,
     load_examples,
     load_sft_config,
-    lr_factor,
     main,
     response_token_nll,
     run_sft,
 )
+from fulcrum.workers.optim import lr_schedule
 
 
 @pytest.fixture(scope="module")
@@ -173,10 +173,22 @@ def test_short_run_lowers_the_loss_and_writes_a_loadable_folder(tiny, tmp_path):
     assert torch.isfinite(loaded(input_ids=ids).logits).all()
 
 
-def test_lr_schedule():
-    assert lr_factor(0, 10, 2, "cosine") == 0.5 and lr_factor(1, 10, 2, "cosine") == 1.0
-    assert lr_factor(2, 10, 2, "cosine") == 1.0 and lr_factor(6, 10, 2, "cosine") == pytest.approx(0.5)
-    assert lr_factor(9, 10, 0, "constant") == 1.0
+def test_lr_schedule_warms_the_first_step():
+    """SFT's schedule: warm-up step s trains at (s + 1) / warmup of the peak lr, then cosine or constant."""
+
+    def factors(style: str, warmup: int, total: int) -> list[float]:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        schedule = lr_schedule(optimizer, style, warmup, total, warm_first_step=True)
+        out = []
+        for _ in range(total):
+            out.append(schedule.get_last_lr()[0])
+            optimizer.step()
+            schedule.step()
+        return out
+
+    cosine = factors("cosine", 2, 10)
+    assert cosine[:3] == [0.5, 1.0, 1.0] and cosine[6] == pytest.approx(0.5)
+    assert factors("constant", 0, 10)[9] == 1.0
 
 
 def test_main_reports_bad_keys(capsys):
