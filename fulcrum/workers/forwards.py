@@ -8,6 +8,7 @@ the micro-batches and `accumulate_grads()` after each backward.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -98,10 +99,15 @@ class ModelForwards:
             self.compute.accumulate_grads()
 
     def no_grad_pass(
-        self, batch: Batch, sizes: ForwardSizes, forward: Callable[[Batch], tuple[torch.Tensor, ...]]
+        self,
+        batch: Batch,
+        sizes: ForwardSizes,
+        forward: Callable[[Batch], tuple[torch.Tensor, ...]],
+        padded: bool = False,
     ) -> list[torch.Tensor]:
         """`forward` on every micro-batch in eval mode without gradients: each of its outputs over the
-        whole batch, (B, ...) in the batch's row order, on the CPU.
+        whole batch, (B, ...) in the batch's row order, on the CPU. `padded`: padded micro-batches over
+        the float32 masters (no compute weights), whatever this model's layout.
 
         Micro-batches hold rows of similar length (less padding; no-grad results do not depend on the
         grouping). Results stay on the device until the pass ends: one host copy, no sync per micro-batch.
@@ -113,13 +119,13 @@ class ModelForwards:
             sizes.max_token_len,
             sizes.key,
             sort_by_length=True,
-            packed=self.packed,
+            packed=self.packed and not padded,
             model=self.model,
         )
         was_training = self.model.training
         self.model.eval()  # no dropout: log-probs must match what the update's ratio starts from
         try:
-            with torch.no_grad(), self.active():
+            with torch.no_grad(), contextlib.nullcontext() if padded else self.active():
                 outputs = [forward(mb) for mb in micro]
         finally:
             self.model.train(was_training)
@@ -135,31 +141,17 @@ class ModelForwards:
     def values(self, mb: Batch, response_mask: torch.Tensor | None = None) -> torch.Tensor:
         return forward_values(self.model, mb, self.device, self.packed, response_mask)
 
-    @torch.no_grad()
     def sum_pi_squared(self, batch: Batch, sizes: ForwardSizes, temperature: float) -> torch.Tensor:
         """sum_v pi_v^2 at every response position (B, R), float32 on the CPU, 0 outside the response
         mask (actor.calculate_sum_pi_squared, for the optimal-token-baseline estimator); padded
         micro-batches under autocast. One extra forward per step, only when the estimator needs it (verl
         computes it in the old-log-prob pass)."""
-        micro, order = make_micro_batches(
-            batch,
-            sizes.micro_batch_size,
-            sizes.use_dynamic_bsz,
-            sizes.max_token_len,
-            sizes.key,
-            sort_by_length=True,
-            model=self.model,
-        )
-        was_training = self.model.training
-        self.model.eval()
-        parts = []
-        try:
-            for mb in micro:
-                ids, mask, pos, r_kept = trimmed_inputs(mb, self.device)
-                with autocast_for(self.device):
-                    logits = response_logits(self.model, ids, mask, pos, r_kept)
-                values = pad_right(sum_pi_squared(logits, temperature), mb.response_length)
-                parts.append(values * host_to_device(mb["response_mask"], self.device))
-        finally:
-            self.model.train(was_training)
-        return restore_order(parts, order).cpu()  # one copy back, not one (and a wait) per micro-batch
+
+        def forward(mb: Batch) -> tuple[torch.Tensor]:
+            ids, mask, pos, r_kept = trimmed_inputs(mb, self.device)
+            with autocast_for(self.device):
+                logits = response_logits(self.model, ids, mask, pos, r_kept)
+            values = pad_right(sum_pi_squared(logits, temperature), mb.response_length)
+            return (values * host_to_device(mb["response_mask"], self.device),)
+
+        return self.no_grad_pass(batch, sizes, forward, padded=True)[0]
