@@ -342,6 +342,7 @@ def test_advice_is_not_an_error():
     cfg = load_config(seed_command())
     notes = [str(a) for a in advise(cfg)]
     assert any(n.startswith("algorithm.kl_ctrl") for n in notes)  # kl_ctrl set without use_kl_in_reward
+    assert {a.severity for a in advise(cfg)} == {"warning"}
     assert validate(cfg) == []
 
 

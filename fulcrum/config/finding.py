@@ -1,6 +1,5 @@
-"""What a check reports: one type for the configuration's rules, `fulcrum doctor`'s lever rules and a
-run's diagnosis (fulcrum.trainer.diagnosis), defined here because the configuration is the lowest layer
-that reports findings."""
+"""What a check reports, one type for the configuration's rules, `fulcrum doctor`'s lever rules and a
+run's diagnosis (fulcrum.trainer.diagnosis): the configuration is the lowest layer that reports them."""
 
 from __future__ import annotations
 
@@ -26,14 +25,8 @@ class Finding:
 
     def lines(self) -> list[str]:
         """`fulcrum doctor`'s block: the statement, then the keys, why and fix under it."""
-        out = [f"{self.severity}: {self.message}"]
-        if self.keys:
-            out.append(f"    keys: {', '.join(self.keys)}")
-        if self.why:
-            out.append(f"    why:  {self.why}")
-        if self.fix:
-            out.append(f"    fix:  {self.fix}")
-        return out
+        under = (("keys:", ", ".join(self.keys)), ("why: ", self.why), ("fix: ", self.fix))
+        return [f"{self.severity}: {self.message}"] + [f"    {label} {text}" for label, text in under if text]
 
     def one_line(self) -> str:
         """A run's diagnosis as the trainer prints it."""

@@ -11,6 +11,7 @@ cross-key rules (one short function per family), which both share.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -49,11 +50,6 @@ def world_size(cfg: FulcrumConfig) -> int:
 
 
 # ------------------------------------------------------------------------------------ error rules
-def _domains(cfg: FulcrumConfig) -> list[Finding]:
-    """Every number inside the domain its key declares (fulcrum.config.domains, beside each key)."""
-    return domain_problems(cfg)
-
-
 def _choices(cfg: FulcrumConfig) -> list[Finding]:
     """Values a field's type cannot restrict (the algorithm package's names: fulcrum.trainer.checks)."""
     problems = []
@@ -162,7 +158,7 @@ def _batch_divisibility(cfg: FulcrumConfig) -> list[Finding]:
     n_gpus = world_size(cfg)
     train = cfg.data.train_batch_size
     if n_gpus <= 0 or n <= 0 or train <= 0:
-        return problems  # reported by _domains
+        return problems  # reported by domain_problems
     if (train * n) % n_gpus:
         problems.append(
             Finding(
@@ -282,7 +278,7 @@ def _unsupported(cfg: FulcrumConfig) -> list[Finding]:
 
 
 RULES: list[Callable[[FulcrumConfig], list[Finding]]] = [
-    _domains,
+    domain_problems,  # every number inside the domain its key declares (fulcrum.config.domains)
     _choices,
     _context_length,
     _micro_batch_pairs,
@@ -387,8 +383,7 @@ def advise(cfg: FulcrumConfig) -> list[Finding]:
         )
     notes += zero_learning_rates(cfg)
     notes += lower_clip_off(cfg)
-    notes += recipe_notes(cfg)
-    return notes
+    return [dataclasses.replace(note, severity="warning") for note in notes + recipe_notes(cfg)]
 
 
 def zero_learning_rates(cfg: FulcrumConfig) -> list[Finding]:

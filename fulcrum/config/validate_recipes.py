@@ -1,6 +1,5 @@
-"""Rules for verl's recipe keys: rollout correction, DAPO dynamic sampling and overlong penalty, PF-PPO,
-the optimal-token-baseline estimator and reward managers. fulcrum.config.validate lists them with
-its own."""
+"""Rules for verl's recipe keys (fulcrum.config.validate lists them with its own): rollout correction,
+DAPO dynamic sampling and overlong penalty, PF-PPO, the optimal-token-baseline estimator, reward managers."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ from fulcrum.config.finding import Finding
 from fulcrum.config.schema import FulcrumConfig
 
 BUILT_IN_REWARD_MANAGERS = ("naive", "dapo", "batch", "prime")
-RC = "algorithm.rollout_correction"  # its thresholds are parsed by fulcrum.trainer.checks
+RC = "algorithm.rollout_correction"
 
 
 def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:

@@ -12,47 +12,35 @@ from fulcrum.algo.losses import LOSS_AGG_MODES
 from fulcrum.algo.policy_losses import policy_loss_names
 from fulcrum.config import ConfigError, Finding, FulcrumConfig, validate
 from fulcrum.config.keys import get_path
-
-RC = "algorithm.rollout_correction"
+from fulcrum.config.validate_recipes import RC
 
 
 def algorithm_findings(cfg: FulcrumConfig) -> list[Finding]:
     """Estimator, KL, loss-aggregation and policy-loss names the algorithm package implements, and the
     rollout-correction thresholds as its parsers read them."""
     findings = []
-    estimators = adv_estimator_names()
-    estimator = cfg.algorithm.adv_estimator
-    if estimator not in estimators:
-        findings.append(
-            Finding(
-                ("algorithm.adv_estimator",), f"unknown estimator {estimator!r}; one of {list(estimators)}"
-            )
-        )
-    for key in ("actor_rollout_ref.actor.loss_agg_mode", "critic.loss_agg_mode"):
-        if get_path(cfg, key) not in LOSS_AGG_MODES:
-            findings.append(
-                Finding((key,), f"expected one of {list(LOSS_AGG_MODES)}, got {get_path(cfg, key)!r}")
-            )
-    for key in ("algorithm.kl_penalty", "actor_rollout_ref.actor.kl_loss_type"):
-        if get_path(cfg, key) not in KL_PENALTY_NAMES:
-            findings.append(
-                Finding(
-                    (key,), f"unknown KL estimator {get_path(cfg, key)!r}; one of {list(KL_PENALTY_NAMES)}"
-                )
-            )
     policy_loss = cfg.actor_rollout_ref.actor.policy_loss
     try:  # the user's own losses (policy_loss.path) are registered when their module is imported
         loss_modes = policy_loss_names(policy_loss.path)
     except ImportError as err:
         findings.append(Finding(("actor_rollout_ref.actor.policy_loss.path",), str(err)))
         loss_modes = policy_loss_names()
-    if policy_loss.loss_mode not in loss_modes:
-        findings.append(
-            Finding(
-                ("actor_rollout_ref.actor.policy_loss.loss_mode",),
-                f"{policy_loss.loss_mode!r} is not implemented; one of {list(loss_modes)}",
-            )
-        )
+    kl, agg = "unknown KL estimator {value!r}; one of {names}", "expected one of {names}, got {value!r}"
+    choices = [  # (key, the names it takes, the message when it takes another)
+        ("algorithm.adv_estimator", adv_estimator_names(), "unknown estimator {value!r}; one of {names}"),
+        ("actor_rollout_ref.actor.loss_agg_mode", LOSS_AGG_MODES, agg),
+        ("critic.loss_agg_mode", LOSS_AGG_MODES, agg),
+        ("algorithm.kl_penalty", KL_PENALTY_NAMES, kl),
+        ("actor_rollout_ref.actor.kl_loss_type", KL_PENALTY_NAMES, kl),
+        (
+            "actor_rollout_ref.actor.policy_loss.loss_mode",
+            loss_modes,
+            "{value!r} is not implemented; one of {names}",
+        ),
+    ]
+    for key, names, message in choices:
+        if (value := get_path(cfg, key)) not in names:
+            findings.append(Finding((key,), message.format(value=value, names=list(names))))
     return findings + _rollout_correction(cfg)
 
 

@@ -2,9 +2,7 @@
 
 Ours live under `rollout.engine_kwargs.native` (e.g. `+actor_rollout_ref.rollout.engine_kwargs.native.block_size=32`):
 `block_size`, `num_kv_blocks` (the cache size on the CPU, or a fixed size anywhere), `decode_steps`
-(decode steps run on the device between two looks from the scheduler). The defaults of verl's keys are the
-schema's (fulcrum.config.schema_rollout); EngineConfig reads them there, for benchmarks and tests that build
-it directly.
+(decode steps run on the device between two looks from the scheduler).
 """
 
 from __future__ import annotations
@@ -16,14 +14,9 @@ import torch
 
 from fulcrum.config.schema_rollout import RolloutConfig
 
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-_DTYPES |= {"float32": torch.float32, "fp32": torch.float32}
-SCHEMA = RolloutConfig()  # the defaults of verl's keys
+_DTYPES = dict(bfloat16=torch.bfloat16, bf16=torch.bfloat16, float16=torch.float16, fp16=torch.float16)
+_DTYPES |= dict(float32=torch.float32, fp32=torch.float32)
+SCHEMA = RolloutConfig()  # the defaults of verl's keys, for benchmarks and tests that build EngineConfig
 
 
 @dataclass
@@ -31,16 +24,12 @@ class EngineConfig:
     """The native engine's knobs: verl's keys default as the schema does, ours (engine_kwargs.native) here."""
 
     max_num_seqs: int = SCHEMA.max_num_seqs  # sequences decoding at once (the decode batch)
-    max_num_batched_tokens: int = (
-        SCHEMA.max_num_batched_tokens
-    )  # prompt tokens per prefill step (chunked past it)
-    # prompt + response, per sequence; the schema's null is resolved from prompt_length + response_length
-    # (engine_config_from), which a direct user does not have.
+    max_num_batched_tokens: int = SCHEMA.max_num_batched_tokens  # prompt tokens per prefill step
+    # prompt + response, per sequence; the schema's null means prompt_length + response_length, which a
+    # direct user does not have.
     max_model_len: int = 4096
     block_size: int = 16  # tokens per KV-cache block; small blocks share more of a GRPO prompt
-    gpu_memory_utilization: float = (
-        SCHEMA.gpu_memory_utilization
-    )  # of the device: weights + activations + cache
+    gpu_memory_utilization: float = SCHEMA.gpu_memory_utilization  # weights + activations + cache
     num_kv_blocks: int | None = None  # fixed cache size in blocks; the CPU default is enough for max_num_seqs
     enforce_eager: bool = SCHEMA.enforce_eager  # no CUDA graphs
     cudagraph_capture_sizes: list[int] | None = SCHEMA.cudagraph_capture_sizes  # None: 1,2,4,8,16,32..
