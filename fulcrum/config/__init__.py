@@ -2,7 +2,7 @@
 
 from fulcrum.config import load_config, save_config, validate
 cfg = load_config(["data.train_batch_size=256", "actor_rollout_ref.rollout.n=4"])
-problems = validate(cfg, n_devices=1)   # [] when the configuration can run
+problems = validate(cfg, n_devices=1)   # [] when its own rules hold (the algorithms' names: trainer.checks)
 save_config(cfg, run_dir / "config.yaml")
 """
 
