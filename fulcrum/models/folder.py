@@ -16,6 +16,8 @@ import struct
 from pathlib import Path
 from urllib.parse import urlparse
 
+from fulcrum.config import FulcrumConfig, uses_critic, uses_reference
+
 HUB_PROBE_TIMEOUT_S = 3.0
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -167,3 +169,26 @@ def vocab_problems(token_count: int, tokenizer_key: str, models: dict[str, str])
                 f"{token_count}; the models must share one tokenizer (use a model of the same family)"
             )
     return problems
+
+
+def models_to_check(cfg: FulcrumConfig) -> dict[str, tuple[str, bool]]:
+    """key -> (folder or Hub id as written, whether it must hold a tokenizer) of every model folder the run
+    loads: the actor, and the critic, `data.tokenizer`, the reward model and the reference's own model
+    when the run uses them. `fulcrum train` and `fulcrum doctor` both check exactly these."""
+    models = {"actor_rollout_ref.model.path": (cfg.actor_rollout_ref.model.path, True)}
+    if uses_critic(cfg):
+        models["critic.model.path"] = (cfg.critic.model.path, False)
+    if cfg.data.tokenizer:
+        models["data.tokenizer"] = (cfg.data.tokenizer, False)
+    if cfg.reward_model.enable:
+        models["reward_model.model.path"] = (cfg.reward_model.model.path, True)
+    ref_model = cfg.actor_rollout_ref.ref.model
+    if uses_reference(cfg) and ref_model and ref_model.get("path"):
+        models["actor_rollout_ref.ref.model.path"] = (ref_model["path"], False)
+    return models
+
+
+def models_reading_actor_ids(cfg: FulcrumConfig) -> dict[str, str]:
+    """key -> folder of every model fed the actor tokenizer's ids (all of `models_to_check` but a
+    separate tokenizer): each needs an embedding row for every id."""
+    return {k: str(path) for k, (path, _) in models_to_check(cfg).items() if k != "data.tokenizer"}

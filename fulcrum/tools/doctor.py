@@ -38,7 +38,13 @@ from fulcrum.config.compat import ROLLOUT_NAME_ALIASES, UNSUPPORTED
 from fulcrum.config.device import cuda_device_count
 from fulcrum.config.finding import Finding
 from fulcrum.config.keys import flatten
-from fulcrum.models.folder import looks_like_path, model_folder_problems, vocab_problems
+from fulcrum.models.folder import (
+    looks_like_path,
+    model_folder_problems,
+    models_reading_actor_ids,
+    models_to_check,
+    vocab_problems,
+)
 from fulcrum.tools.doctor_rules import LEVER_CHECKS, memory_lines
 
 USAGE = """usage: fulcrum doctor [--config FILE] [--device-memory-gib GIB] [KEY=VALUE ...]
@@ -138,34 +144,16 @@ def _model_folder(key: str, name: str | None, needs_tokenizer: bool = False) -> 
 
 
 def check_model_paths(ctx: Context) -> list[Finding]:
-    cfg = ctx.cfg
-    findings = _model_folder(
-        "actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path, needs_tokenizer=True
-    )
-    if uses_critic(cfg):
-        findings += _model_folder("critic.model.path", cfg.critic.model.path)
-    if cfg.data.tokenizer:
-        findings += _model_folder("data.tokenizer", cfg.data.tokenizer)
-    if cfg.reward_model.enable:
-        findings += _model_folder(
-            "reward_model.model.path", cfg.reward_model.model.path, needs_tokenizer=True
-        )
-    ref_model = cfg.actor_rollout_ref.ref.model
-    if uses_reference(cfg) and ref_model and ref_model.get("path"):
-        findings += _model_folder("actor_rollout_ref.ref.model.path", ref_model["path"])
+    """The folders the run checks at its start (`models_to_check`), as findings."""
+    findings: list[Finding] = []
+    for key, (name, needs_tokenizer) in models_to_check(ctx.cfg).items():
+        findings += _model_folder(key, name, needs_tokenizer=needs_tokenizer)
     return findings
 
 
 def _models_reading_actor_ids(cfg: FulcrumConfig) -> dict[str, str]:
-    """key -> local folder of every model fed the actor tokenizer's ids (actor, critic, reference, reward model)."""
-    models = {"actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path}
-    if uses_critic(cfg):
-        models["critic.model.path"] = cfg.critic.model.path
-    ref_model = cfg.actor_rollout_ref.ref.model
-    if uses_reference(cfg) and ref_model and ref_model.get("path"):
-        models["actor_rollout_ref.ref.model.path"] = ref_model["path"]
-    if cfg.reward_model.enable:
-        models["reward_model.model.path"] = cfg.reward_model.model.path
+    """`models_reading_actor_ids` that are local folders (a Hub id is checked by the run, online)."""
+    models = models_reading_actor_ids(cfg)
     return {k: v for k, v in models.items() if v and Path(os.path.expanduser(v)).is_dir()}
 
 

@@ -17,9 +17,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fulcrum.config import ConfigError, FulcrumConfig, advise, uses_critic
+from fulcrum.config import ConfigError, FulcrumConfig, advise
 from fulcrum.config.device import select_device
-from fulcrum.models.folder import ModelPathError, model_folder_problems, resolve_model_path, vocab_problems
+from fulcrum.models.folder import (
+    ModelPathError,
+    model_folder_problems,
+    models_reading_actor_ids,
+    models_to_check,
+    resolve_model_path,
+    vocab_problems,
+)
 from fulcrum.parallel import DistInfo, check_world_size, init_distributed
 from fulcrum.parallel.group import info_from_env, run_then_leave
 from fulcrum.parallel.shard import on_main
@@ -36,10 +43,9 @@ DEBUG_ENV = "FULCRUM_DEBUG"  # =1: set-up errors come with their traceback
 
 
 def check_model_paths(cfg: FulcrumConfig) -> None:
-    """Resolve and check the model folders before the heavy imports, so a typo fails in seconds."""
-    models = {ACTOR_KEY: (cfg.actor_rollout_ref.model.path, True)}
-    if uses_critic(cfg):
-        models["critic.model.path"] = (cfg.critic.model.path, False)
+    """Resolve and check the model folders (`models_to_check`, as doctor does) before the heavy imports,
+    so a typo fails in seconds."""
+    models = models_to_check(cfg)
     problems = []
     for key, (name, needs_tokenizer) in models.items():
         try:
@@ -54,7 +60,7 @@ def check_model_paths(cfg: FulcrumConfig) -> None:
         from transformers import AutoTokenizer
 
         tokens = len(AutoTokenizer.from_pretrained(resolve_model_path(str(models[ACTOR_KEY][0]), ACTOR_KEY)))
-        problems = vocab_problems(tokens, ACTOR_KEY, {key: str(name) for key, (name, _) in models.items()})
+        problems = vocab_problems(tokens, ACTOR_KEY, models_reading_actor_ids(cfg))
     if problems:
         raise ModelPathError("\n".join(problems))
 
