@@ -27,6 +27,7 @@ from transformers.cache_utils import DynamicLayer
 
 from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.data.dataset import left_pad
+from fulcrum.models.load import autocast_for
 from fulcrum.rollout.base import FinishReason, RolloutOutput, SamplingParams
 from fulcrum.rollout.sampling import sample_next
 
@@ -145,9 +146,8 @@ class HFRollout:
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # The actor keeps fp32 master weights on GPU; generating in fp32 there would be needlessly slow.
-        dtype = next(self.model.parameters()).dtype
-        if self.autocast and self.device.type == "cuda" and dtype == torch.float32:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        if self.autocast and next(self.model.parameters()).dtype == torch.float32:
+            return autocast_for(self.device)
         return contextlib.nullcontext()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
