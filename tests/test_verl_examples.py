@@ -65,6 +65,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
 N_GPUS = {
     "examples/rollout_correction/run_with_rollout_corr.sh": "4",
     "examples/rollout_correction/run_with_rollout_corr_multi_rs.sh": "4",
+    # These say how many devices they run on.
+    "examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh": "2",
+    "examples/tuning/0.5b/qwen2-0.5b_grpo-lora_1_h100_fsdp_vllm.sh": "1",
+    "examples/tuning/7b/qwen2-7b_grpo-lora_1_h100_fsdp_vllm.sh": "1",
 }
 
 

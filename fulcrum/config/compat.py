@@ -60,9 +60,6 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "actor_rollout_ref.model.override_config",
         "actor_rollout_ref.model.trust_remote_code",
         "actor_rollout_ref.model.external_lib",
-        "actor_rollout_ref.model.lora_alpha",
-        "actor_rollout_ref.model.target_modules",
-        "actor_rollout_ref.model.exclude_modules",
         "actor_rollout_ref.actor.use_fused_kernels",
         "actor_rollout_ref.actor.entropy_from_logits_with_chunking",
         "actor_rollout_ref.actor.entropy_checkpointing",
@@ -87,7 +84,6 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "actor_rollout_ref.rollout.enable_chunked_prefill",
         "actor_rollout_ref.rollout.multi_turn",
         "actor_rollout_ref.rollout.load_format",
-        "actor_rollout_ref.rollout.layered_summon",
         "actor_rollout_ref.rollout.disable_log_stats",
         "actor_rollout_ref.rollout.over_sample_rate",
         "actor_rollout_ref.rollout.multi_stage_wake_up",
@@ -129,8 +125,6 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "critic.model.override_config",
         "critic.model.external_lib",
         "critic.model.trust_remote_code",
-        "critic.model.lora_alpha",
-        "critic.model.target_modules",
         "critic.checkpoint.save_contents",
         "critic.optim.override_optimizer_config",
         "critic.checkpoint.async_save",
@@ -168,8 +162,6 @@ ULYSSES = (
 # Features verl has and fulcrum does not (yet): key -> the only value(s) accepted, and why.
 # `validate()` reports any other value as a problem, because the run would silently differ from verl.
 UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
-    "actor_rollout_ref.model.lora_rank": ((0,), "LoRA is not supported yet"),
-    "critic.model.lora_rank": ((0,), "LoRA is not supported yet"),
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": ((1,), ULYSSES),
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": ((1, None), ULYSSES),
     "critic.ulysses_sequence_parallel_size": ((1,), ULYSSES),

@@ -109,10 +109,19 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = opt(True, "recompute activations in backward to save memory")
     enable_activation_offload: bool = opt(False, "offload activations to CPU (no effect)")
     use_remove_padding: bool = opt(True, "pack sequences without padding (as verl's HFModelConfig)")
-    lora_rank: int = opt(0, "LoRA rank; 0 trains all weights (LoRA not supported yet)", AT_LEAST_0)
-    lora_alpha: int = opt(16, "LoRA alpha", AT_LEAST_1)
-    target_modules: Any = opt("all-linear", "LoRA target modules")
-    exclude_modules: str | None = opt(None, "LoRA excluded modules")
+    lora_rank: int = opt(
+        0, "LoRA rank: >0 trains peft LoRA adapters on a frozen base; 0 trains all weights", AT_LEAST_0
+    )
+    lora_alpha: int = opt(
+        16, "LoRA alpha: the adapters' update is scaled by lora_alpha / lora_rank", AT_LEAST_1
+    )
+    target_modules: Any = opt(
+        "all-linear", "modules given adapters: all-linear (every Linear but lm_head), or a list of names"
+    )
+    exclude_modules: Any = opt(None, "module names (or a regex) kept without adapters")
+    lora_adapter_path: str | None = opt(
+        None, "a PEFT adapter folder to start from (turns LoRA on; its own rank, alpha and modules)"
+    )
     use_liger: bool = opt(False, "use Liger kernels (no effect)")
     use_fused_kernels: bool = opt(False, "use fused log-prob kernels")
     fused_kernel_options: dict[str, Any] = opt({"impl_backend": "torch"}, "options for fused kernels")
@@ -292,9 +301,9 @@ class CriticModelConfig:
     enable_activation_offload: bool = opt(False, "offload activations (no effect)")
     use_remove_padding: bool = opt(True, "pack sequences without padding (as verl's HFModelConfig)")
     fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP settings")
-    lora_rank: int = opt(0, "LoRA rank (not supported)", AT_LEAST_0)
-    lora_alpha: int = opt(16, "LoRA alpha", AT_LEAST_1)
-    target_modules: Any = opt("all-linear", "LoRA target modules")
+    lora_rank: int = opt(0, "LoRA rank of the critic's backbone (its value head trains whole)", AT_LEAST_0)
+    lora_alpha: int = opt(16, "LoRA alpha of the critic's adapters", AT_LEAST_1)
+    target_modules: Any = opt("all-linear", "modules of the critic's backbone given adapters")
 
 
 def _critic_optim() -> OptimConfig:

@@ -56,7 +56,7 @@ class RolloutConfig:
     cudagraph_capture_sizes: list[int] | None = opt(None, "batch sizes captured as CUDA graphs", AT_LEAST_1)
     free_cache_engine: bool = opt(True, "release the KV cache while training")
     load_format: str = opt("dummy_dtensor", "how the engine first gets weights (no effect: shared in place)")
-    layered_summon: bool = opt(False, "FSDP layered summon (no effect)")
+    layered_summon: bool = opt(False, "LoRA weight sync one module at a time (fulcrum always syncs that way)")
     tensor_model_parallel_size: int = opt(2, "tensor-parallel size of the engine", AT_LEAST_1)
     max_num_batched_tokens: int = opt(8192, "token budget per engine step", AT_LEAST_1)
     max_model_len: int | None = opt(
