@@ -15,8 +15,9 @@ from helpers import GSM8K_ROW as ROW
 from helpers import seed_command
 
 from fulcrum.config import load_config
+from fulcrum.models.arch import model_shape
 from fulcrum.tools import doctor, doctor_rules
-from fulcrum.tools.memory_estimate import ModelShape, estimate, param_count
+from fulcrum.tools.memory_estimate import estimate, param_count
 
 # Qwen2.5-0.5B's shape (the keys the rules and the estimate read).
 QWEN25_05B = {
@@ -172,12 +173,12 @@ def test_checkpointed_activations_match_the_training_code() -> None:
 
 
 def test_parameter_count_of_qwen25_05b() -> None:
-    assert param_count(ModelShape.from_config(QWEN25_05B)) == 494_032_768  # the published 0.49B
+    assert param_count(model_shape(QWEN25_05B)) == 494_032_768  # the published 0.49B
 
 
 def seed_estimate(files: Path, *extra: str, device_gib: float = 140.0):
     cfg = load_config([*seed_command(files), *extra])
-    shape = ModelShape.from_config(QWEN25_05B)
+    shape = model_shape(QWEN25_05B)
     return estimate(
         cfg, shape, device_gib * 2**30, True, uses_critic=True, uses_reference=False, responses_per_device=512
     )
@@ -292,7 +293,7 @@ def test_out_of_memory_predicted_on_a_small_card(files: Path, capsys) -> None:
 
 
 def test_reference_and_hf_backend_in_the_estimate(files: Path) -> None:
-    shape = ModelShape.from_config(QWEN25_05B)
+    shape = model_shape(QWEN25_05B)
     cfg = load_config([*seed_command(files), "actor_rollout_ref.rollout.name=hf"])
     without = estimate(
         cfg, shape, 140 * 2**30, True, uses_critic=True, uses_reference=False, responses_per_device=512

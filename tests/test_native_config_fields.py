@@ -17,9 +17,9 @@ from helpers import GSM8K_ROW, seed_command
 from transformers import AutoConfig, LlamaConfig, Qwen2Config
 
 from fulcrum.config.schema_rollout import RolloutConfig
+from fulcrum.models.arch import SPECS
 from fulcrum.rollout import HFRollout, build_rollout
 from fulcrum.rollout.native import NATIVE_ARCHITECTURES, NativeEngine, unsupported_reason
-from fulcrum.rollout.native.models.fields import CONFIG_FIELDS
 from fulcrum.rollout.testing import random_causal_lm
 from fulcrum.tools import doctor
 
@@ -28,13 +28,13 @@ CPU = torch.device("cpu")
 
 @pytest.mark.parametrize("model_type", sorted(NATIVE_ARCHITECTURES))
 def test_every_field_of_the_config_class_is_classified(model_type: str) -> None:
-    """Fails when a transformers release adds a field to LlamaConfig / Qwen2Config: classify it first."""
+    """Fails when a transformers release adds a field to a family's config class: classify it first."""
     declared = set(AutoConfig.for_model(model_type).to_dict())
-    assert sorted(declared - set(CONFIG_FIELDS[model_type])) == []
+    assert sorted(declared - set(SPECS[model_type].fields)) == []
 
 
-def test_the_architectures_served_are_the_ones_classified() -> None:
-    assert set(CONFIG_FIELDS) == set(NATIVE_ARCHITECTURES) == {"llama", "qwen2"}
+def test_the_architectures_served_are_the_ones_specified() -> None:
+    assert set(SPECS) == set(NATIVE_ARCHITECTURES) == {"llama", "mistral", "qwen2", "qwen3"}
 
 
 # SmolLM2-135M-Instruct's config.json (a Llama written by an older transformers, with its own extras).

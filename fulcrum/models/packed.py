@@ -34,6 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fulcrum.batch import host_to_device
+from fulcrum.models.arch import SPECS, spec_for
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +50,6 @@ _ATEN_FLASH = getattr(torch.ops.aten, "_flash_attention_forward", None)
 
 # The name under which `packed_attention` is registered with transformers' attention interfaces.
 PACKED_ATTENTION = "fulcrum_packed"
-# Decoders whose base-model forward is exactly embed → rotary → layers → final norm (what
-# `packed_hidden_states` replays); others keep the padded path.
-PACKABLE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 
 
 @dataclass
@@ -126,13 +124,16 @@ def pack_micro_batch(
 
 
 def packing_unsupported_reason(config: object) -> str | None:
-    """Why `packed_hidden_states` cannot run this Hugging Face config, or None when it can."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in PACKABLE_MODEL_TYPES:
-        return f"model_type={model_type!r} (packed: {', '.join(PACKABLE_MODEL_TYPES)})"
-    if getattr(config, "use_sliding_window", False):
-        return "use_sliding_window=True"
-    return None
+    """Why `packed_hidden_states` cannot run this Hugging Face config, or None when it can.
+
+    It replays a base model whose forward is exactly embed → rotary → layers → final norm: the
+    families of `fulcrum.models.arch` (each spec may refuse a config); others keep the padded path.
+    """
+    spec = spec_for(config)
+    if spec is None:
+        model_type = getattr(config, "model_type", None)
+        return f"model_type={model_type!r} (packed: {', '.join(sorted(SPECS))})"
+    return spec.packing_refused(config)
 
 
 def enable_packed_attention(model: nn.Module) -> None:
@@ -345,7 +346,8 @@ def packed_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-interface signature; returns ((1, N, Hq, D), None) for packed calls.
 
-    Packed calls carry `fulcrum_cu_seqlens` and `fulcrum_max_seqlen`; any other call is SDPA's.
+    Packed calls carry `fulcrum_cu_seqlens` and `fulcrum_max_seqlen`; any other call is SDPA's. A
+    layer's `sliding_window` W (Mistral) lets a token see the W latest positions, itself included.
     """
     cu_seqlens = kwargs.pop("fulcrum_cu_seqlens", None)
     max_seqlen = kwargs.pop("fulcrum_max_seqlen", None)
@@ -357,10 +359,12 @@ def packed_attention(
         raise ValueError("packed attention has no attention dropout: set the model's attention_dropout to 0")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (N, H, D)
     assert isinstance(cu_seqlens, torch.Tensor) and isinstance(max_seqlen, int)
+    window = kwargs.get("sliding_window")
+    window = int(window) if window is not None and max_seqlen > int(window) else None  # else no effect
     if q.is_cuda and (_ATEN_FLASH is not None or varlen_attn is not None):
-        out = varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scaling)
+        out = varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scaling, window)
     else:
-        out = right_padded_causal_attention(q, k, v, cu_seqlens, scaling)
+        out = right_padded_causal_attention(q, k, v, cu_seqlens, scaling, window)
     return out.unsqueeze(0), None  # (1, N, Hq, D)
 
 
@@ -370,8 +374,10 @@ def right_padded_causal_attention(
     v: torch.Tensor,  # (N, Hkv, D)
     cu_seqlens: torch.Tensor,  # (S + 1,)
     scale: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Varlen causal attention as one SDPA call: (N, Hq, D), equal to one causal SDPA per sequence.
+    """Varlen causal attention as one SDPA call: (N, Hq, D), equal to one causal SDPA per sequence
+    (with `window`, key j is seen by query i when i - window < j <= i).
 
     Token t of sequence s goes to row s, column t - cu[s] of an (S, L) grid, L the longest length;
     the rest is zeros. Each sequence starts at column 0, so under the causal mask a real query only
@@ -388,8 +394,13 @@ def right_padded_causal_attention(
         out = x.new_zeros(s * longest, x.shape[1], dim).index_copy(0, flat, x)
         return out.view(s, longest, x.shape[1], dim).transpose(1, 2)
 
+    if window is None:
+        causal: dict[str, object] = {"is_causal": True}
+    else:
+        offset = torch.arange(longest, device=q.device)[:, None] - torch.arange(longest, device=q.device)
+        causal = {"attn_mask": (offset >= 0) & (offset < window)}  # (L, L): query row, key column
     out = F.scaled_dot_product_attention(
-        grid(q), grid(k), grid(v), is_causal=True, scale=scale, enable_gqa=heads != k.shape[1]
+        grid(q), grid(k), grid(v), scale=scale, enable_gqa=heads != k.shape[1], **causal
     )  # (S, Hq, L, D)
     return out.transpose(1, 2).reshape(s * longest, heads, dim).index_select(0, flat)
 
@@ -401,23 +412,27 @@ def varlen_causal_attention(
     cu_seqlens: torch.Tensor,  # (S + 1,) int32
     max_seqlen: int,
     scale: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Flash varlen attention, causal, grouped-query heads handled by the kernel: (N, Hq, D).
+    """Flash varlen attention, causal (with `window`, over the window latest keys), grouped-query heads
+    handled by the kernel: (N, Hq, D).
 
     The aten flash kernel is called directly (what `torch.nn.attention.varlen.varlen_attn` calls;
     its derivative is aten's): the Python custom-op layer of `varlen_attn` costs ~0.2 ms of CPU per
     call, which at 24 layers × (forward, recomputation, backward) bounded small micro-batches.
     """
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    left = -1 if window is None else window - 1  # keys i - left .. i
     if _ATEN_FLASH is not None:
+        sliding = {} if window is None else {"window_size_left": left, "window_size_right": 0}
         return _ATEN_FLASH(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale, **sliding
         )[0]
     kwargs: dict[str, object] = {"scale": scale}
-    if "is_causal" in _VARLEN_PARAMS:  # torch 2.10–2.12
+    if "is_causal" in _VARLEN_PARAMS and window is None:  # torch 2.10–2.12
         kwargs["is_causal"] = True
     else:  # later: causal is a window (left unbounded, right 0)
-        kwargs["window_size"] = (-1, 0)
+        kwargs["window_size"] = (left, 0)
     if "enable_gqa" in _VARLEN_PARAMS:
         kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)

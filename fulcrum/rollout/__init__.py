@@ -29,6 +29,7 @@ __all__ = [
     "eos_token_ids_of",
     "logprob_diff",
     "sampling_params",
+    "uses_native_engine",
 ]
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,21 @@ def pad_token_id_of(tokenizer: Any, eos_ids: list[int]) -> int:
     return int(pad) if pad is not None else eos_ids[0]
 
 
+def native_requested(rollout_cfg: RolloutConfig, device: torch.device) -> bool:
+    """Whether `rollout.name` asks for the native engine on `device` (it may still fall back to `hf`)."""
+    name = rollout_cfg.name
+    return name == "native" or (name in FAST_ENGINE_NAMES and torch.device(device).type == "cuda")
+
+
+def uses_native_engine(rollout_cfg: RolloutConfig, model_config: Any, device: torch.device) -> bool:
+    """Whether `build_rollout` gives the native engine (which keeps its own copy of the weights)."""
+    if not native_requested(rollout_cfg, device):
+        return False
+    from fulcrum.rollout.native import unsupported_reason
+
+    return unsupported_reason(model_config) is None
+
+
 def build_rollout(
     rollout_cfg: RolloutConfig, model: nn.Module, tokenizer: Any, device: torch.device
 ) -> RolloutEngine:
@@ -68,11 +84,10 @@ def build_rollout(
         )
     eos_ids = eos_token_ids_of(model, tokenizer)
     pad_id = pad_token_id_of(tokenizer, eos_ids)
-    use_native = name == "native" or (name in FAST_ENGINE_NAMES and device.type == "cuda")
-    if use_native:
-        from fulcrum.rollout.native import build_native_engine, unsupported_reason
+    if native_requested(rollout_cfg, device):
+        from fulcrum.rollout.native import build_native_engine, native_unsupported_reason
 
-        reason = unsupported_reason(model.config)
+        reason = native_unsupported_reason(rollout_cfg, model.config)
         if reason is None:
             return build_native_engine(rollout_cfg, model, eos_ids, pad_id, device)
         logger.warning("rollout: the native engine does not run %s; using the hf backend", reason)

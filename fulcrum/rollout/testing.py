@@ -1,4 +1,4 @@
-"""Random-weight Qwen2 / Llama models built from a config alone, for parity tests and benchmarks.
+"""Random-weight models of the native engine's families built from a config alone, for parity tests and benchmarks.
 
 No tokenizer and no files: the rollout engines work on token ids, so a model is all they need.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM
 
 QWEN25_05B_SHAPE = dict(
     vocab_size=151936,
@@ -39,18 +39,17 @@ TINY_SHAPE = dict(
 def random_causal_lm(
     arch: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.float32, init_std: float = 0.02, **shape
 ) -> nn.Module:
-    """A randomly initialised `arch` ("qwen2" | "llama") causal LM with TINY_SHAPE overridden by `shape`.
+    """A randomly initialised `arch` (a `model_type`: "qwen2", "llama", "qwen3", "mistral") causal LM
+    with TINY_SHAPE overridden by `shape` (any field of the config class, e.g. `head_dim`, `rope_scaling`).
 
     `init_std` scales the random weights; a larger value gives peakier next-token distributions, so
     that greedy parity tests are not decided by near-ties.
     """
     sizes = {**TINY_SHAPE, **shape}
-    if arch == "qwen2":
-        config = Qwen2Config(**sizes, initializer_range=init_std)
-    elif arch == "llama":
-        config = LlamaConfig(**sizes, initializer_range=init_std, attention_bias=False, mlp_bias=False)
-    else:
-        raise ValueError(f"random_causal_lm: unknown arch {arch!r} (qwen2 | llama)")
+    try:
+        config = AutoConfig.for_model(arch, **sizes, initializer_range=init_std)
+    except ValueError as err:
+        raise ValueError(f"random_causal_lm: unknown arch {arch!r} (a transformers model_type)") from err
     config.eos_token_id = 1
     config.pad_token_id = 0
     config.bos_token_id = 2

@@ -25,6 +25,7 @@ forward; in the backward that block, its bf16 gradient and the head's fp32 weigh
 accumulator (4·V·h). Recomputing one checkpointed layer in the backward is not counted: it did not
 show in the measured peaks (below).
 
+The model's shape and parameter count come from its family's spec (`fulcrum.models.arch`).
 Shapes: P parameters, h hidden, L layers, H / K query / KV heads of dim d (q = H·d, kv = K·d), I
 intermediate, V vocab; a micro-batch of m rows of at most T = m × (prompt + response) tokens (a packed
 micro-batch's budget), R response tokens a row (the LM head only runs on those).
@@ -44,6 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fulcrum.models.arch import ModelShape, model_shape
+from fulcrum.models.arch.spec import kv_bytes_per_token, param_count
+
 GiB = 1024**3
 # The H200 the benchmarks ran on (about 140 GiB as torch reports it): the device assumed when none is
 # visible and none is named (`fulcrum doctor --device-memory-gib`).
@@ -57,55 +61,16 @@ LOGIT_CHUNK_ELEMENTS = 1 << 27
 ATTENTION_OUTPUTS_KEPT = True
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied_embeddings: bool
-    qkv_bias: bool
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelShape:
-        """From a Hugging Face config.json (llama/qwen2/mistral-style decoder); KeyError names a missing key."""
-        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        return cls(
-            hidden=hidden,
-            layers=int(config["num_hidden_layers"]),
-            heads=heads,
-            kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            intermediate=int(config.get("intermediate_size") or 4 * hidden),
-            vocab=int(config["vocab_size"]),
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)),
-        )
-
-
 def read_model_shape(path: str | None) -> ModelShape | None:
-    """The shape from `<path>/config.json`; None when it is not a readable local model folder."""
+    """The shape from `<path>/config.json` (its family's spec, `fulcrum.models.arch`); None when it is
+    not a readable local model folder."""
     if not path:
         return None
     config_file = Path(os.path.expanduser(path)) / "config.json"
     try:
-        return ModelShape.from_config(json.loads(config_file.read_text()))
+        return model_shape(json.loads(config_file.read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def param_count(shape: ModelShape, lm_head: bool = True) -> int:
-    """P = embeddings + L·(attention + SwiGLU MLP + 2 norms) + final norm (+ an untied LM head)."""
-    h, d = shape.hidden, shape.head_dim
-    q, kv = shape.heads * d, shape.kv_heads * d
-    attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if shape.qkv_bias else 0)
-    mlp = 3 * h * shape.intermediate
-    per_layer = attention + mlp + 2 * h
-    head = shape.vocab * h if lm_head and not shape.tied_embeddings else 0
-    return shape.vocab * h + shape.layers * per_layer + h + head
 
 
 def layer_activation_bytes(shape: ModelShape) -> int:
@@ -253,11 +218,6 @@ def engine_workspace_bytes(shape: ModelShape, max_num_batched_tokens: int, max_n
     and the logits of a full decode batch, plus 512 MiB."""
     prefill = max_num_batched_tokens * (8 * shape.hidden + 6 * shape.intermediate) * 2
     return prefill + max_num_seqs * shape.vocab * 10 + 512 * 1024**2
-
-
-def kv_bytes_per_token(shape: ModelShape) -> int:
-    """K and V of every layer in bf16: L · 2 · K · d · 2 bytes."""
-    return shape.layers * 2 * shape.kv_heads * shape.head_dim * 2
 
 
 def update_phase(role: str, n_params: int, base: dict[str, float], shape: ModelShape, sizes: Sizes) -> Phase:

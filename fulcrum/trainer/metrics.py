@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 from fulcrum.batch import Batch
+from fulcrum.models.arch import model_shape
+from fulcrum.models.arch.spec import matmul_param_count, train_flops
 
 GiB = 1024**3
 
@@ -221,34 +223,15 @@ def compute_throughput_metrics(
 
 
 def dense_param_count(config: Any, lm_head: bool = True) -> int:
-    """verl's N for a decoder-only transformer: per-layer attention + MLP linears, plus embedding and LM head.
-
-    `lm_head=False` (the critic: a scalar value head instead) counts the embedding once.
-    """
-    hidden = int(config.hidden_size)
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
-    layers = int(config.num_hidden_layers)
-    intermediate = int(getattr(config, "intermediate_size", 4 * hidden))
-    vocab = int(config.vocab_size)
-    attn = hidden * (heads * head_dim + 2 * kv_heads * head_dim + heads * head_dim)
-    mlp = 3 * hidden * intermediate  # gate, up, down (SwiGLU)
-    return (attn + mlp) * layers + (2 if lm_head else 1) * vocab * hidden
+    """verl's N for the model's family (`fulcrum.models.arch.spec.matmul_param_count`): the attention
+    and MLP linears, plus embedding and LM head; `lm_head=False` (the critic) counts the embedding once."""
+    return matmul_param_count(model_shape(config), lm_head)
 
 
 def estimate_train_flops(config: Any, seq_lengths: list[int], lm_head: bool = True) -> float:
-    """FLOPs of one forward + backward over sequences of these lengths: 6·N·Σℓ + 12·Σℓ²·head_dim·heads·layers.
-
-    N = `dense_param_count(config, lm_head)`; gradient-checkpoint recomputation is not counted (as verl).
-    """
-    hidden = int(config.hidden_size)
-    heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
-    layers = int(config.num_hidden_layers)
-    tokens = sum(seq_lengths)
-    square_sum = sum(s * s for s in seq_lengths)
-    return 6.0 * dense_param_count(config, lm_head) * tokens + 12.0 * square_sum * head_dim * heads * layers
+    """FLOPs of one forward + backward over sequences of these lengths: 6·N·Σℓ + 12·Σℓ²·head_dim·heads·layers
+    (`fulcrum.models.arch.spec.train_flops` over the family's shape); recomputation is not counted (as verl)."""
+    return train_flops(model_shape(config), seq_lengths, lm_head)
 
 
 def device_peak_flops(device: torch.device) -> float | None:

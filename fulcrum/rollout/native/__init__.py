@@ -1,9 +1,10 @@
 """The native rollout engine (paged KV cache, continuous batching, CUDA graphs, in-place weight sync).
 
 `build_native_engine(rollout_cfg, hf_model, eos_ids, pad_id, device)` is what `fulcrum.rollout.build_rollout`
-calls; `NATIVE_ARCHITECTURES` are the HF `model_type`s it runs, and `unsupported_reason(config)` names a
-config field it does not honour (models/fields.py: the caller then samples with `hf`). Under torchrun,
-`rollout.tensor_model_parallel_size` consecutive ranks run one engine together (tensor parallelism).
+calls; `NATIVE_ARCHITECTURES` are the HF `model_type`s it runs (the specs of `fulcrum.models.arch`), and
+`native_unsupported_reason(rollout_cfg, config)` names what of a config it does not honour (the caller
+then samples with `hf`). Under torchrun, `rollout.tensor_model_parallel_size` consecutive ranks run one
+engine together (tensor parallelism).
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ import torch.distributed as dist
 from torch import nn
 
 from fulcrum.config.schema_rollout import RolloutConfig
+from fulcrum.models.arch import SPECS, unsupported_reason
 from fulcrum.parallel.tensor_parallel import TensorParallel, tensor_parallel_group
 from fulcrum.rollout.native.config import EngineConfig, engine_config_from
 from fulcrum.rollout.native.engine import NativeEngine
-from fulcrum.rollout.native.models.fields import unsupported_reason
-from fulcrum.rollout.native.models.qwen2 import SUPPORTED_MODEL_TYPES
 
-NATIVE_ARCHITECTURES = frozenset(SUPPORTED_MODEL_TYPES)
+NATIVE_ARCHITECTURES = frozenset(SPECS)
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "EngineConfig",
     "NativeEngine",
     "build_native_engine",
+    "native_unsupported_reason",
     "unsupported_reason",
 ]
 
@@ -51,9 +52,17 @@ def engine_tensor_parallel(rollout_cfg: RolloutConfig) -> TensorParallel:
     return tensor_parallel_group(size)
 
 
+def _engine_config(rollout_cfg: RolloutConfig, hf_config: object) -> EngineConfig:
+    return engine_config_from(rollout_cfg, int(getattr(hf_config, "max_position_embeddings", 4096)))
+
+
+def native_unsupported_reason(rollout_cfg: RolloutConfig, hf_config: object) -> str | None:
+    """What of `hf_config` the engine that `rollout_cfg` builds does not run (naming it), or None."""
+    return unsupported_reason(hf_config, _engine_config(rollout_cfg, hf_config).max_model_len)
+
+
 def build_native_engine(
     rollout_cfg: RolloutConfig, hf_model: nn.Module, eos_ids: list[int], pad_id: int, device: torch.device
 ) -> NativeEngine:
-    max_len = int(getattr(hf_model.config, "max_position_embeddings", 4096))
-    config = engine_config_from(rollout_cfg, max_len)
+    config = _engine_config(rollout_cfg, hf_model.config)
     return NativeEngine(hf_model, eos_ids, pad_id, config, device, engine_tensor_parallel(rollout_cfg))

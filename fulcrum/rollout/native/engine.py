@@ -20,12 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from fulcrum.models.arch import spec_for, unsupported_reason
 from fulcrum.parallel.tensor_parallel import TensorParallel
 from fulcrum.rollout.base import RolloutOutput, SamplingParams
 from fulcrum.rollout.native.block_manager import BlockManager
 from fulcrum.rollout.native.config import EngineConfig
 from fulcrum.rollout.native.model_runner import ModelRunner
-from fulcrum.rollout.native.models.qwen2 import DecoderLM
+from fulcrum.rollout.native.models.decoder import DecoderLM
 from fulcrum.rollout.native.sampler import DeviceSampler
 from fulcrum.rollout.native.scheduler import DecodeWork, Scheduler
 from fulcrum.rollout.native.sequence import Sequence
@@ -43,7 +44,8 @@ def rotary_of(hf_model: nn.Module) -> tuple[torch.Tensor, float]:
 
 
 class NativeEngine:
-    """Paged-KV continuous-batching engine over its own copy of a Qwen2/Llama model's weights."""
+    """Paged-KV continuous-batching engine over its own copy of a model's weights (any family
+    `fulcrum.models.arch.SPECS` holds whose config `unsupported_reason` accepts)."""
 
     def __init__(
         self,
@@ -59,9 +61,14 @@ class NativeEngine:
         self.config = config
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
+        reason = unsupported_reason(hf_model.config, config.max_model_len)
+        if reason is not None:
+            raise ValueError(f"native engine: it does not run {reason}; use rollout.name=hf")
+        spec = spec_for(hf_model.config)
+        assert spec is not None  # unsupported_reason names an unknown model_type
         dtype = config.dtype if self.device.type == "cuda" else next(hf_model.parameters()).dtype
         inv_freq, scaling = rotary_of(hf_model)
-        self.model = DecoderLM(hf_model.config, inv_freq, scaling, dtype, self.device, self.tp)
+        self.model = DecoderLM(spec, hf_model.config, inv_freq, scaling, dtype, self.device, self.tp)
         self.update_weights(hf_model.state_dict().items(), strict=True)
         self.runner = ModelRunner(self.model, config, self.device)
         self.runner.allocate_cache()

@@ -21,7 +21,7 @@ from fulcrum.rollout.native.attention import AttentionMetadata
 from fulcrum.rollout.native.block_manager import blocks_for
 from fulcrum.rollout.native.config import EngineConfig
 from fulcrum.rollout.native.kernels import HAVE_TRITON, IndirectCache
-from fulcrum.rollout.native.models.qwen2 import DecoderLM
+from fulcrum.rollout.native.models.decoder import DecoderLM
 from fulcrum.rollout.native.scheduler import PrefillWork
 from fulcrum.rollout.native.sequence import Sequence
 

@@ -1,1 +1,2 @@
-"""Model definitions of the native engine (one file per architecture family)."""
+"""The native engine's decoder (decoder.py); what each architecture family is lives in its spec
+(`fulcrum.models.arch`)."""

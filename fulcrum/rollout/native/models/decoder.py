@@ -1,9 +1,11 @@
-"""Qwen2 / Qwen2.5 and Llama for the native engine: one decoder, read top to bottom.
+"""The native engine's decoder: a Llama-style causal LM over the paged KV cache, read top to bottom.
 
-The two differ only in names we do not keep (we fuse q/k/v and gate/up) and in biases: Qwen2 has
-q/k/v biases, Llama has none (or all, with `attention_bias`). Weights are the engine's own tensors
-(in the engine dtype), filled from Hugging Face names by `load_weights`, always in place, so CUDA
-graphs captured over them stay valid across weight syncs.
+One decoder serves every family whose `ModelSpec` (fulcrum.models.arch) it has the features of:
+Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 (an RMSNorm over each head's q and k). The spec says
+which features a config has and which Hugging Face names fill which slot; the decoder fuses q/k/v
+and gate/up and knows how each slot splits over tensor-parallel ranks. Weights are the engine's own
+tensors (in the engine dtype), filled by `load_weights`, always in place, so CUDA graphs captured over
+them stay valid across weight syncs.
 """
 
 from __future__ import annotations
@@ -14,20 +16,19 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from fulcrum.models.arch import ModelSpec
 from fulcrum.parallel.tensor_parallel import TensorParallel, shard_heads, shard_range
 from fulcrum.rollout.native import ops
 from fulcrum.rollout.native.attention import AttentionMetadata, paged_attention
-from fulcrum.rollout.native.models.fields import CONFIG_FIELDS
 
-# The architectures this decoder serves: those whose config fields fields.py classifies.
-SUPPORTED_MODEL_TYPES = tuple(CONFIG_FIELDS)
 Shard = tuple[int, int, int]  # (dim, start, length) of an HF tensor that one tensor-parallel rank holds
+Target = tuple[torch.Tensor, Shard | None]  # (the (view of the) engine tensor, this rank's slice or None)
 # Wrappers that prefix parameter names: torch.compile, DDP/FSDP1, activation checkpointing.
 _WRAPPER_PREFIXES = re.compile(r"(_orig_mod\.|module\.|_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.)")
 
 
 class DecoderLM:
-    """A Qwen2/Llama causal LM over the paged KV cache. Weights are plain tensors on `device`.
+    """A causal LM of `spec`'s family over the paged KV cache. Weights are plain tensors on `device`.
 
     With tensor parallelism (`tp.size > 1`, fulcrum.parallel.tensor_parallel) this rank holds its
     query heads, the K/V heads they read and its slice of the MLP columns; `num_heads`,
@@ -36,6 +37,7 @@ class DecoderLM:
 
     def __init__(
         self,
+        spec: ModelSpec,
         config,
         inv_freq: torch.Tensor,
         rope_scaling: float,
@@ -43,6 +45,7 @@ class DecoderLM:
         device,
         tp: TensorParallel | None = None,
     ):
+        self.spec = spec
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -65,8 +68,8 @@ class DecoderLM:
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.use_triton = False
         inter = self.inter_range[1] - self.inter_range[0]
-        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
-        o_bias = config.model_type == "llama" and bool(getattr(config, "attention_bias", False))
+        qkv_bias, o_bias = spec.qkv_bias(config), spec.o_bias(config)
+        self.qk_norm = spec.qk_norm
 
         def empty(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=self.device)
@@ -88,6 +91,9 @@ class DecoderLM:
                 layer["qkv_bias"] = empty(self.q_size + 2 * self.kv_size)
             if o_bias:
                 layer["o_bias"] = empty(self.hidden)
+            if self.qk_norm:
+                layer["q_norm"] = empty(self.head_dim)
+                layer["k_norm"] = empty(self.head_dim)
             self.layers.append(layer)
         # Kept to grow the table when prompt + response run past max_position_embeddings (ensure_positions).
         self.inv_freq = inv_freq.to(self.device)
@@ -96,39 +102,46 @@ class DecoderLM:
         self._targets = self._weight_targets()
 
     # ------------------------------------------------------------------------------ weights
-    def _weight_targets(self) -> dict[str, tuple[torch.Tensor, Shard | None]]:
-        """HF parameter name -> (the (view of the) engine tensor it is copied into, the slice of the HF
-        tensor this rank takes: (dim, start, length), None for all of it)."""
+    def _layer_slots(self, layer: dict[str, torch.Tensor]) -> dict[str, Target]:
+        """The slots of one layer that the spec's HF names fill: (engine view, this rank's slice of the
+        HF tensor). Column-parallel q/k/v and gate/up take the output rows of the local heads and
+        columns; row-parallel o and down take the matching input columns; the rest is whole."""
         q, kv, d = self.q_size, self.kv_size, self.head_dim
         inter = self.inter_range[1] - self.inter_range[0]
-        q_rows: Shard = (0, self.heads.q_start * d, q)  # column-parallel: output rows of local heads
+        q_rows: Shard = (0, self.heads.q_start * d, q)
         kv_rows: Shard = (0, self.heads.kv_start * d, kv)
-        o_cols: Shard = (1, self.heads.q_start * d, q)  # row-parallel: input columns of local heads
         mlp_rows: Shard = (0, self.inter_range[0], inter)
-        down_cols: Shard = (1, self.inter_range[0], inter)
-        whole = None
-        targets: dict[str, tuple[torch.Tensor, Shard | None]] = {
-            "model.embed_tokens.weight": (self.embed, whole),
-            "model.norm.weight": (self.final_norm, whole),
-            "lm_head.weight": (self.lm_head, whole),
+        slots: dict[str, Target] = {
+            "input_norm": (layer["input_norm"], None),
+            "post_norm": (layer["post_norm"], None),
+            "q": (layer["qkv"][:q], q_rows),
+            "k": (layer["qkv"][q : q + kv], kv_rows),
+            "v": (layer["qkv"][q + kv :], kv_rows),
+            "o": (layer["o"], (1, self.heads.q_start * d, q)),
+            "gate": (layer["gate_up"][:inter], mlp_rows),
+            "up": (layer["gate_up"][inter:], mlp_rows),
+            "down": (layer["down"], (1, self.inter_range[0], inter)),
         }
+        if "qkv_bias" in layer:
+            bias = layer["qkv_bias"]
+            slots |= {"q_bias": (bias[:q], q_rows), "k_bias": (bias[q : q + kv], kv_rows)}
+            slots["v_bias"] = (bias[q + kv :], kv_rows)
+        if "o_bias" in layer:  # added once, after the all-reduce
+            slots["o_bias"] = (layer["o_bias"], None)
+        if "q_norm" in layer:  # one weight for every head
+            slots |= {"q_norm": (layer["q_norm"], None), "k_norm": (layer["k_norm"], None)}
+        return slots
+
+    def _weight_targets(self) -> dict[str, Target]:
+        """HF parameter name -> (the engine tensor it is copied into, the slice this rank takes)."""
+        top = {"embed": (self.embed, None), "final_norm": (self.final_norm, None)}
+        top["lm_head"] = (self.lm_head, None)
+        targets = {name: top[slot] for name, slot in self.spec.model_weights.items()}
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            targets[p + "input_layernorm.weight"] = (layer["input_norm"], whole)
-            targets[p + "post_attention_layernorm.weight"] = (layer["post_norm"], whole)
-            targets[p + "self_attn.q_proj.weight"] = (layer["qkv"][:q], q_rows)
-            targets[p + "self_attn.k_proj.weight"] = (layer["qkv"][q : q + kv], kv_rows)
-            targets[p + "self_attn.v_proj.weight"] = (layer["qkv"][q + kv :], kv_rows)
-            if "qkv_bias" in layer:
-                targets[p + "self_attn.q_proj.bias"] = (layer["qkv_bias"][:q], q_rows)
-                targets[p + "self_attn.k_proj.bias"] = (layer["qkv_bias"][q : q + kv], kv_rows)
-                targets[p + "self_attn.v_proj.bias"] = (layer["qkv_bias"][q + kv :], kv_rows)
-            targets[p + "self_attn.o_proj.weight"] = (layer["o"], o_cols)
-            if "o_bias" in layer:  # added once, after the all-reduce
-                targets[p + "self_attn.o_proj.bias"] = (layer["o_bias"], whole)
-            targets[p + "mlp.gate_proj.weight"] = (layer["gate_up"][:inter], mlp_rows)
-            targets[p + "mlp.up_proj.weight"] = (layer["gate_up"][inter:], mlp_rows)
-            targets[p + "mlp.down_proj.weight"] = (layer["down"], down_cols)
+            slots = self._layer_slots(layer)
+            for name, slot in self.spec.layer_weights.items():
+                if slot in slots:
+                    targets[f"model.layers.{i}.{name}"] = slots[slot]
         return targets
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -170,10 +183,10 @@ class DecoderLM:
         return tensors + [t for layer in self.layers for t in layer.values()]
 
     def required_weight_names(self) -> set[str]:
-        names = set(self._targets)
-        if self.tied:
-            names.discard("lm_head.weight")  # the embedding is the head
-        return names
+        if not self.tied:
+            return set(self._targets)
+        head = {name for name, slot in self.spec.model_weights.items() if slot == "lm_head"}
+        return set(self._targets) - head  # the embedding is the head
 
     # ------------------------------------------------------------------------------ forward
     def _norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
@@ -187,6 +200,15 @@ class DecoderLM:
         if residual is None:
             return ops.rms_norm(x, weight, self.eps), x
         return ops.add_rms_norm(x, residual, weight, self.eps)
+
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over each head: x (N, H, D) -> (N, H, D), contiguous (RoPE then rotates it in place)."""
+        if self.use_triton:
+            from fulcrum.rollout.native import kernels
+
+            rows = x.reshape(-1, x.shape[-1]).contiguous()  # (N·H, D)
+            return kernels.add_rms_norm(rows, None, weight, self.eps).view(x.shape)
+        return ops.rms_norm(x, weight, self.eps)
 
     def forward(
         self,
@@ -211,6 +233,8 @@ class DecoderLM:
                 tokens, self.num_kv_heads, self.head_dim
             )
             v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self._head_norm(q, layer["q_norm"]), self._head_norm(k, layer["k_norm"])
             if self.use_triton:
                 from fulcrum.rollout.native import kernels
 

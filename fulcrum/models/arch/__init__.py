@@ -1,0 +1,49 @@
+"""The architecture registry: one `ModelSpec` per Hugging Face `model_type` (spec.py says what one holds).
+
+Adding a family: its module here (a `SPEC`) and one line in `SPECS`. The native engine
+(`fulcrum.rollout.native`), the packed training path (`fulcrum.models.packed`), the MFU
+(`fulcrum.trainer.metrics`) and the memory estimate (`fulcrum.tools.memory_estimate`) ask it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fulcrum.models.arch import llama, mistral, qwen2, qwen3
+from fulcrum.models.arch.spec import ModelShape, ModelSpec, attention_bias, config_value, dense_shape
+
+SPECS: dict[str, ModelSpec] = {
+    "llama": llama.SPEC,
+    "mistral": mistral.SPEC,
+    "qwen2": qwen2.SPEC,
+    "qwen3": qwen3.SPEC,
+}
+
+__all__ = ["SPECS", "ModelShape", "ModelSpec", "model_shape", "spec_for", "unsupported_reason"]
+
+
+def spec_for(config: Any) -> ModelSpec | None:
+    """The spec of a config's `model_type` (config object or config.json dict), None when unknown."""
+    return SPECS.get(config_value(config, "model_type"))
+
+
+def model_shape(config: Any) -> ModelShape:
+    """The shape that FLOPs and bytes are computed from; a family without a spec is read as a plain
+    Llama-style decoder (biases from `attention_bias`)."""
+    spec = spec_for(config)
+    if spec is None:
+        return dense_shape(config, attention_bias(config), attention_bias(config))
+    return spec.shape(config)
+
+
+def unsupported_reason(config: Any, max_model_len: int | None = None) -> str | None:
+    """Why the native decoder cannot run this Hugging Face config (naming the field), or None.
+
+    `max_model_len`: the longest sequence the engine will run (a sliding window that covers it is
+    no window); None when unknown.
+    """
+    spec = spec_for(config)
+    if spec is None:
+        model_type = config_value(config, "model_type")
+        return f"model_type={model_type!r} (it runs {', '.join(sorted(SPECS))})"
+    return spec.unsupported_reason(config, max_model_len)

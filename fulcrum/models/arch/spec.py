@@ -1,0 +1,282 @@
+"""What fulcrum knows of an architecture family: `ModelSpec`, and the shape arithmetic every family shares.
+
+A family module (llama.py, qwen2.py, ...) builds one `ModelSpec`: the Hugging Face config fields the
+native decoder honours, the decoder's features (biases, QK-norm), the HF parameter names it loads,
+and whether the packed training path replays its base model. Shapes, FLOPs and bytes come from
+`ModelShape`, which the spec fills from a config. This module is torch-free: `fulcrum doctor` reads it.
+
+Every field of a family's config class is classified, so that a model is never sampled by a function
+other than the one the trainer differentiates:
+
+- HONOURED: the decoder reads the field and computes what Hugging Face computes with it;
+- HARMLESS: the field does not change what Hugging Face computes at inference (names, token ids,
+  dtype, training-only dropout, output switches);
+- `Runs(...)`: the decoder does not implement the field, and runs only the values for which Hugging
+  Face computes what the decoder does (usually the default); any other value is refused.
+
+Fields that the config class does not declare (a checkpoint's own extras such as SmolLM2's
+`rope_interleaved`) are ignored by Hugging Face's model too.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+HONOURED = "honoured"
+HARMLESS = "harmless"
+
+# RoPE variants whose frequencies are fixed: the decoder takes inv_freq and the attention scaling from
+# the Hugging Face rotary module, so these match (Llama 3.x's `llama3` included). `dynamic` and
+# `longrope` change with the sequence length, `proportional` rotates part of a head: the decoder's one
+# fixed table cannot follow them.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def config_value(config: Any, name: str, default: Any = None) -> Any:
+    """A field of a Hugging Face config object or of its config.json dict."""
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+@dataclass(frozen=True)
+class Runs:
+    """A field the decoder does not implement: `accepts(value, config, max_model_len)` is True for the
+    values it runs as Hugging Face does (`max_model_len`: the longest sequence the engine runs, None
+    when unknown); `supported` says which, for the message."""
+
+    accepts: Callable[[Any, Any, int | None], bool]
+    supported: str
+
+
+def _static_rope(value: Any, _config: Any = None, _max_len: int | None = None) -> bool:
+    """rope_parameters (or the older rope_scaling): null, one variant's dict, or a dict per layer type."""
+    if not value:
+        return True
+    if not isinstance(value, dict):
+        return False
+    if all(isinstance(v, dict) for v in value.values()):
+        return all(_static_rope(v) for v in value.values())
+    return value.get("rope_type", value.get("type", "default")) in STATIC_ROPE_TYPES
+
+
+def _full_attention(layer_types: Any, _config: Any = None, _max_len: int | None = None) -> bool:
+    return layer_types is None or all(kind == "full_attention" for kind in layer_types)
+
+
+def _no_sliding_layer(use_sliding_window: Any, config: Any, _max_len: int | None) -> bool:
+    """Qwen2 / Qwen3 slide only on the layers `layer_types` marks (from max_window_layers on)."""
+    return not use_sliding_window or _full_attention(config_value(config, "layer_types"))
+
+
+def _false(value: Any, _config: Any, _max_len: int | None) -> bool:
+    return not value
+
+
+COMMON: dict[str, str | Runs] = {
+    # the decoder's shapes and arithmetic
+    "model_type": HONOURED,  # checked first: one of the registry's
+    "vocab_size": HONOURED,
+    "hidden_size": HONOURED,
+    "intermediate_size": HONOURED,
+    "num_hidden_layers": HONOURED,
+    "num_attention_heads": HONOURED,
+    "num_key_value_heads": HONOURED,
+    "head_dim": HONOURED,
+    "rms_norm_eps": HONOURED,
+    "max_position_embeddings": HONOURED,  # the RoPE table's first size (it grows past it as HF's does)
+    "tie_word_embeddings": HONOURED,  # the head is the embedding
+    "rope_theta": HONOURED,  # older transformers' spelling, inside inv_freq
+    "hidden_act": Runs(lambda value, _c, _m: value in ("silu", "swish"), "silu"),
+    "rope_parameters": Runs(_static_rope, f"rope_type one of {list(STATIC_ROPE_TYPES)}"),
+    "rope_scaling": Runs(_static_rope, f"rope_type one of {list(STATIC_ROPE_TYPES)}"),  # older name
+    "quantization_config": Runs(_false, "no quantization"),
+    # what does not change the function sampled
+    "_name_or_path": HARMLESS,
+    "architectures": HARMLESS,
+    "transformers_version": HARMLESS,
+    "dtype": HARMLESS,  # the engine has its own (rollout.dtype)
+    "torch_dtype": HARMLESS,
+    "id2label": HARMLESS,
+    "label2id": HARMLESS,
+    "problem_type": HARMLESS,
+    "return_dict": HARMLESS,
+    "output_attentions": HARMLESS,
+    "output_hidden_states": HARMLESS,
+    "chunk_size_feed_forward": HARMLESS,  # not read by these decoders' modules
+    "is_encoder_decoder": HARMLESS,  # never true for these decoders
+    "use_cache": HARMLESS,
+    "initializer_range": HARMLESS,  # initialisation only
+    "attention_dropout": HARMLESS,  # training mode only; sampling never drops
+    "pad_token_id": HARMLESS,
+    "bos_token_id": HARMLESS,
+    "eos_token_id": HARMLESS,  # stop ids come from the tokenizer and generation_config
+}
+
+# Qwen2 and Qwen3 declare a sliding window that acts only on the layers `layer_types` marks.
+QWEN_WINDOW_FIELDS: dict[str, str | Runs] = {
+    "layer_types": Runs(_full_attention, "full_attention on every layer"),
+    "use_sliding_window": Runs(_no_sliding_layer, "no sliding-window layer"),
+    "sliding_window": HARMLESS,  # acts only on the layers layer_types marks
+    "max_window_layers": HARMLESS,  # the same: it only decides layer_types
+}
+
+# Hugging Face parameter names of one decoder layer (under `model.layers.{i}.`) -> the decoder's slot.
+# The decoder fuses q/k/v and gate/up and knows how each slot splits over tensor-parallel ranks; a
+# slot the decoder does not have for a config (a bias, QK-norm) is skipped.
+LLAMA_LAYER_WEIGHTS: dict[str, str] = {
+    "input_layernorm.weight": "input_norm",
+    "post_attention_layernorm.weight": "post_norm",
+    "self_attn.q_proj.weight": "q",
+    "self_attn.k_proj.weight": "k",
+    "self_attn.v_proj.weight": "v",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "self_attn.o_proj.weight": "o",
+    "self_attn.o_proj.bias": "o_bias",
+    "mlp.gate_proj.weight": "gate",
+    "mlp.up_proj.weight": "up",
+    "mlp.down_proj.weight": "down",
+}
+# The names outside the layers -> slot.
+LLAMA_MODEL_WEIGHTS: dict[str, str] = {
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "final_norm",
+    "lm_head.weight": "lm_head",
+}
+
+
+def never(_config: Any) -> bool:
+    return False
+
+
+def attention_bias(config: Any) -> bool:
+    return bool(config_value(config, "attention_bias", False))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes FLOPs and bytes are computed from: h hidden, L layers, H / K query / KV heads of dim d,
+    I intermediate, V vocab."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool = False
+    qk_norm: bool = False
+
+
+def dense_shape(config: Any, qkv_bias: bool, o_bias: bool = False, qk_norm: bool = False) -> ModelShape:
+    """A Llama-style decoder's shape from its config (object or config.json dict); KeyError names a
+    missing key."""
+
+    def required(name: str) -> int:
+        value = config_value(config, name)
+        if value is None:
+            raise KeyError(name)
+        return int(value)
+
+    hidden, heads = required("hidden_size"), required("num_attention_heads")
+    return ModelShape(
+        hidden=hidden,
+        layers=required("num_hidden_layers"),
+        heads=heads,
+        kv_heads=int(config_value(config, "num_key_value_heads") or heads),
+        head_dim=int(config_value(config, "head_dim") or hidden // heads),
+        intermediate=int(config_value(config, "intermediate_size") or 4 * hidden),
+        vocab=required("vocab_size"),
+        tied_embeddings=bool(config_value(config, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        qk_norm=qk_norm,
+    )
+
+
+def param_count(shape: ModelShape, lm_head: bool = True) -> int:
+    """P = embeddings + L·(attention + SwiGLU MLP + 2 norms) + final norm (+ an untied LM head)."""
+    h, d = shape.hidden, shape.head_dim
+    q, kv = shape.heads * d, shape.kv_heads * d
+    attention = h * q + 2 * h * kv + q * h
+    attention += (q + 2 * kv if shape.qkv_bias else 0) + (h if shape.o_bias else 0)
+    attention += 2 * d if shape.qk_norm else 0
+    per_layer = attention + 3 * h * shape.intermediate + 2 * h
+    head = shape.vocab * h if lm_head and not shape.tied_embeddings else 0
+    return shape.vocab * h + shape.layers * per_layer + h + head
+
+
+def matmul_param_count(shape: ModelShape, lm_head: bool = True) -> int:
+    """verl's N for the MFU: per-layer attention and MLP linears, plus the embedding and the LM head
+    (`lm_head=False`, the critic with its scalar value head: the embedding once); biases and norms not
+    counted, a tied head counted twice, as verl."""
+    h, d = shape.hidden, shape.head_dim
+    attention = h * (2 * shape.heads * d + 2 * shape.kv_heads * d)
+    mlp = 3 * h * shape.intermediate  # gate, up, down (SwiGLU)
+    return (attention + mlp) * shape.layers + (2 if lm_head else 1) * shape.vocab * h
+
+
+def train_flops(shape: ModelShape, seq_lengths: list[int], lm_head: bool = True) -> float:
+    """FLOPs of one forward + backward over sequences of these lengths (verl's estimate):
+    6·N·Σℓ + 12·Σℓ²·d·H·L, N = `matmul_param_count`; recomputation is not counted."""
+    tokens = sum(seq_lengths)
+    square_sum = sum(s * s for s in seq_lengths)
+    attention = 12.0 * square_sum * shape.head_dim * shape.heads * shape.layers
+    return 6.0 * matmul_param_count(shape, lm_head) * tokens + attention
+
+
+def kv_bytes_per_token(shape: ModelShape, element_bytes: int = 2) -> int:
+    """K and V of every layer: L · 2 · K · d · element bytes (bf16 by default)."""
+    return shape.layers * 2 * shape.kv_heads * shape.head_dim * element_bytes
+
+
+def _shown(value: Any) -> str:
+    """A value for a one-line message: a long per-layer list as counts ([28 x 'full_attention', ...])."""
+    if isinstance(value, list) and len(value) > 4:
+        counts = Counter(map(repr, value))
+        return "[" + ", ".join(f"{n} x {item}" for item, n in counts.items()) + "]"
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One architecture family, as the native engine, the packed path, the MFU and the memory estimate
+    need it (see the module docstring)."""
+
+    model_type: str
+    fields: Mapping[str, str | Runs]  # every field of the family's config class, classified
+    qkv_bias: Callable[[Any], bool]  # q/k/v projections carry biases
+    o_bias: Callable[[Any], bool] = never  # the output projection carries a bias
+    qk_norm: bool = False  # RMSNorm over each head's q and k (head_dim wide) before RoPE
+    # `fulcrum.models.packed.packed_hidden_states` replays the base model's forward exactly
+    # (embed -> rotary -> layers -> final norm); None, else why not for this config.
+    packing_refused: Callable[[Any], str | None] = lambda _config: None
+    layer_weights: Mapping[str, str] = field(default_factory=lambda: LLAMA_LAYER_WEIGHTS)
+    model_weights: Mapping[str, str] = field(default_factory=lambda: LLAMA_MODEL_WEIGHTS)
+
+    def shape(self, config: Any) -> ModelShape:
+        return dense_shape(config, self.qkv_bias(config), self.o_bias(config), self.qk_norm)
+
+    def unsupported_reason(self, config: Any, max_model_len: int | None = None) -> str | None:
+        """The first field whose value the decoder does not run, or fields the list does not classify."""
+        missing = object()
+        for name, rule in self.fields.items():
+            if not isinstance(rule, Runs):
+                continue
+            value = getattr(config, name, missing)
+            if value is not missing and not rule.accepts(value, config, max_model_len):
+                return f"{name}={_shown(value)} (it runs {rule.supported})"
+        unknown = sorted(set(type(config)().to_dict()) - set(self.fields))
+        if unknown:
+            return f"the {self.model_type} config field(s) {unknown}, which it does not know"
+        return None
