@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from fulcrum.models.tiny import build_tiny_model
 from fulcrum.tools import doctor
@@ -54,6 +55,13 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
         intermediate_size=64,
         max_position_embeddings=65536,
     )
+    # A PEFT adapter folder on that model (verl's from-adapter script starts from one).
+    from peft import LoraConfig, get_peft_model
+
+    from fulcrum.models.load import load_causal_lm
+
+    base = load_causal_lm(str(root / "model"), torch.device("cpu"))
+    get_peft_model(base, LoraConfig(r=4, target_modules="all-linear")).save_pretrained(str(root / "adapter"))
     (root / "reward.py").write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
     )
@@ -86,6 +94,8 @@ def as_user_would(overrides: list[str], files: Path, n_gpus: str = "8") -> list[
             value = str(files / "run")
         elif bare == "custom_reward_function.path":
             value = str(files / "reward.py")
+        elif bare == "actor_rollout_ref.model.lora_adapter_path":
+            value = str(files / "adapter")
         elif bare in DEVICE_KEYS:
             value = n_gpus if bare == "trainer.n_gpus_per_node" else DEVICE_KEYS[bare]
         out.append(f"{key}={value}")
@@ -132,3 +142,44 @@ def test_keys_without_effect_are_accepted_and_named(files: Path, capsys: pytest.
     listed = out[out.index("accepted for compatibility, no effect:") :]
     for item in keys:
         assert item in listed, item
+
+
+# Shrunk to the tiny model and two steps on the CPU; every other key of the script as verl wrote it.
+SHRINK = [
+    "data.train_batch_size=2",
+    "data.max_prompt_length=128",
+    "data.max_response_length=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.rollout.max_model_len=256",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=512",
+    "actor_rollout_ref.actor.optim.lr=1e-2",  # large enough that the adapters move in two steps
+    "actor_rollout_ref.rollout.name=native",  # the engine with its own weights: the sync must reach it
+    "trainer.total_training_steps=2",
+    "trainer.test_freq=-1",
+    "trainer.save_freq=-1",
+]
+
+
+def test_verl_lora_example_trains_two_steps_on_the_cpu(files: Path) -> None:
+    """verl's 0.5B LoRA GRPO script, shrunk: the adapters train, and the engine samples from them (its
+    log-probs equal the trainer's at step 2, after an update, to fp32 rounding)."""
+    from fulcrum.config import load_config
+    from fulcrum.trainer.ppo_trainer import PPOTrainer
+
+    script = "examples/tuning/0.5b/qwen2-0.5b_grpo-lora_1_h100_fsdp_vllm.sh"
+    argv = [*as_user_would(EXAMPLES["scripts"][script], files, "1"), *SHRINK]
+    argv = [a for a in argv if not a.startswith("trainer.default_local_dir=")]
+    run = files / "lora_run"
+    trainer = PPOTrainer(load_config([*argv, f"trainer.default_local_dir={run}"]), torch.device("cpu"))
+    assert trainer.actor.adapters is not None and trainer.ref is not None
+    before = {n: p.detach().clone() for n, p in trainer.actor.model.named_parameters() if p.requires_grad}
+    trainer.fit()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = {int(r["training/global_step"]): r for r in rows if "training/global_step" in r}
+    assert sorted(steps) == [1, 2]
+    after = dict(trainer.actor.model.named_parameters())
+    assert any(not torch.equal(before[n], after[n]) for n in before), "the adapters did not train"
+    assert steps[2]["rollout/logprob_diff_max"] < 1e-4, steps[2]["rollout/logprob_diff_max"]
+    assert all(bool(torch.isfinite(p).all()) for p in trainer.actor.model.parameters())

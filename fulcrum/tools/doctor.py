@@ -45,6 +45,7 @@ from fulcrum.models.folder import (
     models_to_check,
     vocab_problems,
 )
+from fulcrum.models.lora import adapter_folder_problems
 from fulcrum.tools.doctor_rules import LEVER_CHECKS, memory_lines
 
 USAGE = """usage: fulcrum doctor [--config FILE] [--device-memory-gib GIB] [KEY=VALUE ...]
@@ -148,6 +149,9 @@ def check_model_paths(ctx: Context) -> list[Finding]:
     findings: list[Finding] = []
     for key, (name, needs_tokenizer) in models_to_check(ctx.cfg).items():
         findings += _model_folder(key, name, needs_tokenizer=needs_tokenizer)
+    adapter = ctx.cfg.actor_rollout_ref.model.lora_adapter_path
+    if adapter:
+        findings += [_error(p) for p in adapter_folder_problems(adapter, "actor_rollout_ref.model")]
     return findings
 
 

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fulcrum.data.cli import top_missing
+from fulcrum.models.lora import base_pointer_problems, read_base_pointer
 from fulcrum.trainer.checkpoint import (
     MANIFEST,
     OPTIMIZER_FILE,
@@ -39,6 +40,7 @@ from fulcrum.trainer.checkpoint import (
     is_complete,
     verify_checkpoint,
 )
+from fulcrum.trainer.checkpoint.adapters import is_adapter_folder
 from fulcrum.trainer.checkpoint.layout import read_manifest
 
 # Files of a role folder that belong to training only.
@@ -109,6 +111,8 @@ def cast_weights(folder: Path, dtype: torch.dtype) -> None:
         cast = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
         save_file(cast, str(file), metadata={"format": "pt"})
     config_path = folder / "config.json"
+    if not config_path.is_file():  # a PEFT adapter folder: its tensors are all there is
+        return
     config = json.loads(config_path.read_text())
     name = str(dtype).removeprefix("torch.")
     config["dtype"] = name
@@ -132,8 +136,10 @@ def export_checkpoint(
     role: str = "actor",
     dtype: str | None = None,
     force: bool = False,
+    adapter: bool = False,
 ) -> Path:
-    """Write checkpoint `ckpt`'s `role` into `out` as a Hugging Face folder; returns `out`."""
+    """Write checkpoint `ckpt`'s `role` into `out` as a Hugging Face folder (a LoRA checkpoint's adapters
+    merged into its base), or with `adapter` as the PEFT adapter folder it holds; returns `out`."""
     if role not in AUTO_CLASS:
         raise CheckpointError(f"--role {role!r}: expected one of {', '.join(AUTO_CLASS)}")
     if dtype is not None and dtype not in DTYPES:
@@ -143,7 +149,21 @@ def export_checkpoint(
     if problems:
         raise CheckpointError(f"{checkpoint}: the checkpoint is damaged:\n  " + "\n  ".join(problems))
     source = checkpoint / role
-    if not (source / "config.json").is_file() or not list(source.glob("*.safetensors")):
+    lora = is_adapter_folder(source)
+    if adapter and not lora:
+        raise CheckpointError(
+            f"{source}: holds whole weights, not LoRA adapters; export it without --adapter"
+        )
+    if lora and role != "actor":
+        raise CheckpointError(
+            f"{source}: a LoRA critic's value head is not part of a PEFT adapter or a merged causal LM; "
+            "only the actor's adapters export"
+        )
+    if lora and not adapter:
+        base_problems = base_pointer_problems(read_base_pointer(source), str(source))
+        if base_problems:
+            raise CheckpointError("; ".join(base_problems) + " (--adapter exports the adapters alone)")
+    elif not lora and (not (source / "config.json").is_file() or not list(source.glob("*.safetensors"))):
         raise CheckpointError(f"{source}: no config.json or *.safetensors; not a Hugging Face folder")
     out_dir = Path(out).expanduser()
     check_out_folder(out_dir, source.parent.parent, force)
@@ -157,7 +177,11 @@ def export_checkpoint(
     created = top_missing(out_dir.parent)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        write_export(source, files, tmp, {"source": str(source.resolve()), "role": role, "dtype": dtype})
+        marker = {"source": str(source.resolve()), "role": role, "dtype": dtype}
+        if lora and not adapter:
+            write_merged_export(source, tmp, {**marker, "merged": "true"})
+        else:
+            write_export(source, files, tmp, marker)
         if out_dir.exists():
             os.rename(out_dir, old)
         os.rename(tmp, out_dir)
@@ -207,14 +231,29 @@ def unlisted_files(checkpoint: Path, role: str) -> list[str]:
 
 def write_export(source: Path, files: list[str], tmp: Path, marker: dict[str, str | None]) -> None:
     """The export's whole content in `tmp`: the listed files, cast and with the KV cache on, and its marker."""
-    tmp.mkdir()
+    tmp.mkdir(exist_ok=source == tmp)
     for rel in files:
         (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(source / rel, tmp / rel)
     if marker["dtype"] is not None:
         cast_weights(tmp, DTYPES[marker["dtype"]])
-    enable_kv_cache(tmp)
+    if (tmp / "config.json").is_file():  # a model folder (a PEFT adapter folder has no model config)
+        enable_kv_cache(tmp)
     (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def write_merged_export(source: Path, tmp: Path, marker: dict[str, str | None]) -> None:
+    """A LoRA checkpoint as one Hugging Face folder: its base (from the pointer, checked) with the
+    adapters merged in (W + scale·B·A), the tokenizer saved beside the adapters, cast and marked."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(read_base_pointer(source)["path"], dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(source)).merge_and_unload()
+    merged.save_pretrained(str(tmp))
+    if list(source.glob("tokenizer*")):
+        AutoTokenizer.from_pretrained(str(source)).save_pretrained(str(tmp))
+    write_export(tmp, [], tmp, marker)
 
 
 def undo_export(tmp: Path, old: Path, out_dir: Path, created: Path | None, exc: BaseException) -> None:
@@ -245,9 +284,21 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: as trained)"
     )
     parser.add_argument("--force", action="store_true", help="replace a previous export in --out")
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA checkpoint's adapters as a PEFT adapter folder (default: merged into the base)",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        out = export_checkpoint(args.checkpoint, args.out, role=args.role, dtype=args.dtype, force=args.force)
+        out = export_checkpoint(
+            args.checkpoint,
+            args.out,
+            role=args.role,
+            dtype=args.dtype,
+            force=args.force,
+            adapter=args.adapter,
+        )
     except CheckpointError as exc:
         print(f"fulcrum export: {exc}", file=sys.stderr)
         return 1
@@ -257,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"left out {len(left_out)} file(s) its manifest does not list (unchecked): {', '.join(left_out)}"
         )
-    print(f"load it with: transformers.{AUTO_CLASS[args.role]}.from_pretrained({str(out)!r})")
+    if args.adapter:
+        print(f"load it with: peft.PeftModel.from_pretrained(base_model, {str(out)!r})")
+    else:
+        print(f"load it with: transformers.{AUTO_CLASS[args.role]}.from_pretrained({str(out)!r})")
     return 0
 
 

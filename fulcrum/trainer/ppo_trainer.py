@@ -32,11 +32,12 @@ from fulcrum.config import FulcrumConfig, to_dict, uses_critic, uses_reference
 from fulcrum.config.sections import actor_section, critic_section, reference_section
 from fulcrum.data.dataset import rl_datasets
 from fulcrum.models.load import load_causal_lm, load_tokenizer
+from fulcrum.models.lora import base_view
 from fulcrum.parallel import DistInfo, max_over_ranks, on_main
 from fulcrum.parallel.fsdp import is_sharded
 from fulcrum.reward.guard import guard_manager
 from fulcrum.reward.managers import manager_from_config
-from fulcrum.rollout import build_rollout, logprob_diff
+from fulcrum.rollout import build_rollout, logprob_diff, uses_native_engine
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer.advantage_stage import (
     advantages_of,
@@ -54,13 +55,25 @@ from fulcrum.trainer.loggers import Tracking
 from fulcrum.trainer.run_dir import open_run_dir
 from fulcrum.trainer.sampling import Sampler, reward_model_of
 from fulcrum.trainer.startup import kl_startup_line, resolve_total_steps, seed_everything, startup_lines
-from fulcrum.workers.actor import ActorWorker, ReferenceWorker
+from fulcrum.workers.actor import ActorWorker, reference_worker
 from fulcrum.workers.critic import CriticWorker
 
 logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------ trainer
+def engine_model_of(actor: ActorWorker, arr: Any, device: torch.device) -> torch.nn.Module:
+    """The whole model the rollout engine starts from: the actor's module, or a plain copy when FSDP
+    shards it. A LoRA actor's module carries peft's layers, so an engine that copies the weights (the
+    native one) starts from the base under its Hugging Face names (shared, not copied) and takes the
+    adapters' merged effect with the first weight sync; the `hf` backend samples with the module itself."""
+    if is_sharded(actor.model):
+        return load_causal_lm(arr.model.path, device)
+    if actor.adapters is not None and uses_native_engine(arr.rollout, actor.model.config, device):
+        return base_view(actor.model)
+    return actor.model
+
+
 class PPOTrainer:
     def __init__(
         self, cfg: FulcrumConfig, device: torch.device, n_devices: int = 1, dist: DistInfo | None = None
@@ -99,16 +112,18 @@ class PPOTrainer:
         print(kl_startup_line(cfg), flush=True)
         total = self.total_training_steps
         self.actor = ActorWorker(actor_section(cfg), device, total, self.tokenizer)
-        self.ref = ReferenceWorker(reference_section(cfg), device) if uses_reference(cfg) else None
+        self.ref = (
+            reference_worker(reference_section(cfg), device, self.actor) if uses_reference(cfg) else None
+        )
         self.critic = (
             CriticWorker(critic_section(cfg), device, total, self.tokenizer) if uses_critic(cfg) else None
         )
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
-        # The engine starts from whole weights: the actor's module, or a plain copy when FSDP shards it.
-        engine_model = (
-            load_causal_lm(arr.model.path, device) if is_sharded(self.actor.model) else self.actor.model
+        self.rollout = build_rollout(
+            arr.rollout, engine_model_of(self.actor, arr, device), self.tokenizer, device
         )
-        self.rollout = build_rollout(arr.rollout, engine_model, self.tokenizer, device)
+        if self.actor.adapters is not None:  # the engine started from the base: the adapters' effect now
+            self.rollout.update_weights(self.actor.named_weights())
         summary = startup_line(self.dist, cfg, engine_tp_size(self.rollout))
         if summary:
             print(summary, flush=True)

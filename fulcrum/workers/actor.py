@@ -20,6 +20,7 @@ from fulcrum.algo.rollout_correction import RolloutCorrection, bypass_policy_los
 from fulcrum.batch import Batch, host_to_device
 from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
+from fulcrum.models.lora import Adapters, LoraSettings
 from fulcrum.parallel.fsdp import full_named_tensors
 from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
@@ -42,6 +43,34 @@ def compute_log_prob(
 
     outputs = forwards.no_grad_pass(batch, sizes, forward)
     return outputs[0], (outputs[1] if with_entropy else None)
+
+
+def reference_worker(section: ReferenceSection, device: torch.device, actor: ActorWorker) -> Any:
+    """The reference policy: the LoRA actor's own weights with its adapters off, or a model of its own."""
+    if actor.adapters is not None:
+        return AdaptersOffReference(section, actor)
+    return ReferenceWorker(section, device)
+
+
+class AdaptersOffReference:
+    """The reference policy of a LoRA actor: its frozen base, i.e. the actor with the adapters disabled.
+
+    verl's rule for LoRA: the reference is the base model, not the adapters the run started from.
+    No second model is loaded; the forwards are the actor's (same layout and precision), micro-batched
+    by the reference's sizes.
+    """
+
+    def __init__(self, section: ReferenceSection, actor: ActorWorker) -> None:
+        assert actor.adapters is not None
+        self.adapters = actor.adapters
+        self.forwards = actor.forwards
+        self.temperature = section.temperature
+        self.sizes = section.log_prob
+
+    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
+        with self.adapters.disabled():
+            logp, _ = compute_log_prob(self.forwards, batch, self.sizes, self.temperature, False)
+        return logp
 
 
 class ReferenceWorker:
@@ -78,6 +107,9 @@ class ActorWorker:
         self.tokenizer = tokenizer
         model = section.model
         self.model = load_causal_lm(model.path, device, model.enable_gradient_checkpointing)
+        lora = LoraSettings.of(model, "actor_rollout_ref.model")
+        # LoRA: adapters injected in place (the module keeps its class and names), the base frozen.
+        self.adapters = Adapters(self.model, lora, model.path) if lora.enabled else None
         self.model.train()
         self.placement = place_on_ranks(self.model, device, self.cfg.fsdp_config, "actor_rollout_ref.actor")
         self.forwards = ModelForwards(
@@ -171,6 +203,10 @@ class ActorWorker:
         return out
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's whole weights under Hugging Face names, for `RolloutEngine.update_weights`
-        (under FSDP all-gathered one at a time: every rank consumes them all)."""
+        """What the rollout engine needs after an update, under Hugging Face names, for
+        `RolloutEngine.update_weights`: the policy's whole weights (under FSDP all-gathered one at a
+        time: every rank consumes them all) or, with LoRA, only the adapted modules' merged weights
+        W + scale·B·A (the frozen rest never changes)."""
+        if self.adapters is not None:
+            return self.adapters.merged_weights()
         return full_named_tensors(self.model)

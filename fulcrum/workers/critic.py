@@ -15,6 +15,7 @@ from fulcrum.algo.losses import compute_value_loss
 from fulcrum.batch import Batch, host_to_device
 from fulcrum.config.sections import CriticSection
 from fulcrum.models.load import load_backbone
+from fulcrum.models.lora import Adapters, LoraSettings
 from fulcrum.models.value_head import CriticModel
 from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
@@ -30,7 +31,11 @@ class CriticWorker:
         self.cfg = c
         self.device = device
         self.tokenizer = tokenizer
-        self.model = CriticModel(load_backbone(c.model.path, device, key="critic.model.path"))
+        backbone = load_backbone(c.model.path, device, key="critic.model.path")
+        lora = LoraSettings.of(c.model, "critic.model")
+        # LoRA on the backbone; the value head (made after) trains whole.
+        self.adapters = Adapters(backbone, lora, c.model.path) if lora.enabled else None
+        self.model = CriticModel(backbone)
         if c.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable({"use_reentrant": False})
         self.model.train()

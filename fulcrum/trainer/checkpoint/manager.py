@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from fulcrum.trainer.checkpoint.adapters import is_adapter_folder, load_adapter_folder, save_adapter_folder
 from fulcrum.trainer.checkpoint.atomic import fsync_dir, fsync_tree, write_text_atomic
 from fulcrum.trainer.checkpoint.hf_folder import check_weights_finite, load_model_weights, save_model_folder
 from fulcrum.trainer.checkpoint.layout import (
@@ -122,7 +123,9 @@ def estimate_checkpoint_bytes(roles: dict[str, Any]) -> int:
     """About how many bytes a save writes: weights + optimiser state (tokenizers and JSON are small)."""
     total = 0
     for role in roles.values():
-        total += _tensor_bytes(dict(role.model.state_dict()))
+        adapters = getattr(role, "adapters", None)
+        weights = adapters.state_dict() if adapters is not None else dict(role.model.state_dict())
+        total += _tensor_bytes(weights)
         optimizer = getattr(role, "optimizer", None)
         if optimizer is not None:
             total += _tensor_bytes(optimizer.state_dict()["state"])
@@ -225,7 +228,10 @@ class CheckpointManager:
     def _write_role(role_dir: Path, role: Any) -> None:
         """One role's Hugging Face folder plus its optimiser and scheduler state."""
         role_dir.mkdir()
-        save_model_folder(role.model, getattr(role, "tokenizer", None), role_dir)
+        if getattr(role, "adapters", None) is not None:
+            save_adapter_folder(role_dir, role)
+        else:
+            save_model_folder(role.model, getattr(role, "tokenizer", None), role_dir)
         optimizer = getattr(role, "optimizer", None)
         if optimizer is not None:
             _save_torch(optimizer.state_dict(), role_dir / OPTIMIZER_FILE)
@@ -369,7 +375,15 @@ class CheckpointManager:
                 raise CheckpointError(f"{ckpt}: the checkpoint is damaged:\n  " + "\n  ".join(problems))
         for name, role in roles.items():
             role_dir = ckpt / name
-            load_model_weights(role.model, role_dir)
+            if getattr(role, "adapters", None) is not None:
+                load_adapter_folder(role_dir, role)
+            elif is_adapter_folder(role_dir):
+                raise CheckpointError(
+                    f"{role_dir}: holds LoRA adapters, and this run trains whole weights; resume it with "
+                    "the lora_rank it was trained with, or start a new run directory"
+                )
+            else:
+                load_model_weights(role.model, role_dir)
             if getattr(role, "optimizer", None) is not None:  # numbered or named: any world size
                 path = role_dir / OPTIMIZER_FILE
                 load_optimizer_state(role.model, role.optimizer, _load_torch(path), path)

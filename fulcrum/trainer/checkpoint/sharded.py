@@ -67,6 +67,9 @@ class GatheredRole:
         )
         self.lr_scheduler = getattr(role, "lr_scheduler", None)
         self.tokenizer = getattr(role, "tokenizer", None)
+        # LoRA: the adapters' whole tensors (every rank gathers them; rank 0 writes them).
+        self.adapters = getattr(role, "adapters", None)
+        self.adapter_state = self.adapters.state_dict() if self.adapters is not None else None
 
 
 def gather_roles(roles: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,82 @@
+"""A LoRA role's checkpoint folder: the adapters and the other trained tensors, never the frozen base.
+
+    actor/
+        adapter_config.json, adapter_model.safetensors   a PEFT adapter folder (peft loads it as is)
+        base_model.json          the base model's path and each of its files' size and SHA-256
+        trained_weights.safetensors   trained tensors outside the adapters (the critic's value head)
+        tokenizer files, optimizer.pt, lr_scheduler.pt
+
+Resume puts the adapters back into a model built on the same base, and refuses a base whose files
+differ from the pointer's checksums: adapters are only meaningful on the weights they were trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fulcrum.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_POINTER, Adapters
+from fulcrum.trainer.checkpoint.layout import CheckpointError
+
+TRAINED_WEIGHTS = "trained_weights.safetensors"
+
+
+def is_adapter_folder(folder: Path) -> bool:
+    return (folder / ADAPTER_CONFIG).is_file() and (folder / BASE_POINTER).is_file()
+
+
+def trained_outside_adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Trained parameters that are not LoRA tensors (the critic's value head), whole, on the CPU."""
+    out = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad and ".lora_" not in name:
+            whole = param.full_tensor() if hasattr(param, "full_tensor") else param
+            out[name] = whole.detach().cpu().contiguous()
+    return out
+
+
+def save_adapter_folder(role_dir: Path, role: Any) -> None:
+    """`role`'s adapters, pointer and other trained tensors into `role_dir` (see the module docstring)."""
+    adapters: Adapters = role.adapters
+    adapters.save(role_dir, getattr(role, "adapter_state", None))
+    (role_dir / BASE_POINTER).write_text(json.dumps(adapters.base_pointer(), indent=2) + "\n")
+    extra = trained_outside_adapters(role.model)
+    if extra:
+        save_file(extra, str(role_dir / TRAINED_WEIGHTS), metadata={"format": "pt"})
+    tokenizer = getattr(role, "tokenizer", None)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(role_dir))
+
+
+def load_adapter_folder(role_dir: Path, role: Any) -> None:
+    """The adapters and other trained tensors of `role_dir` into `role`, after checking the base."""
+    adapters: Adapters = role.adapters
+    if not is_adapter_folder(role_dir):
+        raise CheckpointError(
+            f"{role_dir}: holds whole weights, not LoRA adapters; this run trains adapters "
+            f"({adapters.settings.key}.lora_rank): resume it with lora_rank=0, or start a new run directory"
+        )
+    saved = json.loads((role_dir / BASE_POINTER).read_text())
+    now = adapters.base_pointer()
+    if saved.get("files") != now["files"]:
+        raise CheckpointError(
+            f"{role_dir}: the adapters were trained on the base model {saved.get('path')}, whose files differ "
+            f"from this run's {now['path']}; point {adapters.settings.key}.path at the same base"
+        )
+    try:
+        adapters.load_state_dict(load_file(str(role_dir / ADAPTER_WEIGHTS)), str(role_dir))
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from exc
+    extra_file = role_dir / TRAINED_WEIGHTS
+    extra = load_file(str(extra_file)) if extra_file.is_file() else {}
+    own = trained_outside_adapters(role.model)
+    if set(extra) != set(own):
+        raise CheckpointError(
+            f"{role_dir}: trained tensors {sorted(extra)} do not match the model's {sorted(own)}"
+        )
+    if extra:
+        role.model.load_state_dict(extra, strict=False)
