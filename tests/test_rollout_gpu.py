@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
+from arch_checks import hf_forward_log_probs  # tests/ is on sys.path under pytest
 
 from fulcrum.rollout import HFRollout, SamplingParams, logprob_diff
 from fulcrum.rollout.native import EngineConfig, NativeEngine
@@ -81,12 +82,7 @@ def test_bf16_logprob_gap_against_the_hf_forward_is_reported():
     engine = NativeEngine(model, [EOS], 0, EngineConfig(max_num_seqs=64, max_model_len=512), CUDA)
     out = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=0))
     rollout = torch.tensor(out.logprobs)
-    actor = torch.zeros_like(rollout)
-    with torch.no_grad():
-        for row, (prompt, response) in enumerate(zip(prompts, out.token_ids, strict=True)):
-            logits = model(input_ids=torch.tensor([prompt + response], device=CUDA)).logits[0].float()
-            span = logits[len(prompt) - 1 : -1].log_softmax(-1)
-            actor[row] = span.gather(-1, torch.tensor(response, device=CUDA)[:, None])[:, 0].cpu()
+    actor = hf_forward_log_probs(model, prompts, out.token_ids)
     gap = logprob_diff(rollout, actor, torch.ones_like(rollout))
     print(f"\nbf16 log-prob gap, native engine vs HF forward: {gap}")
     assert gap["rollout/logprob_diff_mean"] < 0.05

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fulcrum.models.arch import spec_for
 from fulcrum.models.packed import PACKED_ATTENTION
 
 # Rows of (T, V) logits turned into float32 at once in no-grad mode (about 0.6 GB at V=152k, T=1024).
@@ -109,8 +110,10 @@ def no_empty_rows_mask(model: nn.Module, attention_mask: torch.Tensor) -> torch.
     nothing to attend to). Softmax over an empty row is 0/0, and SDPA's fused backward kernels can turn
     that into NaN gradients that poison the whole batch, although those rows never reach the loss
     (pytorch#41508, #103749). Letting each pad query see its own key changes nothing for real tokens
-    (they still never attend to pads) and leaves no row empty. Other attention implementations
-    (eager, flash) get the 2-D mask unchanged.
+    (they still never attend to pads) and leaves no row empty. A family whose every layer slides a
+    window (Mistral, `fulcrum.models.arch`) gets it here, as Hugging Face's own mask would have it:
+    query i sees key j when i - window < j (real tokens are contiguous in a row, so column distance
+    is position distance). Other attention implementations (eager, flash) get the 2-D mask unchanged.
     """
     if getattr(getattr(model, "config", None), "_attn_implementation", None) not in (
         "sdpa",
@@ -120,6 +123,10 @@ def no_empty_rows_mask(model: nn.Module, attention_mask: torch.Tensor) -> torch.
     length = attention_mask.shape[1]
     real = attention_mask.bool()  # (B, T)
     causal = torch.ones(length, length, dtype=torch.bool, device=real.device).tril()  # (T, T)
+    spec = spec_for(model.config)
+    window = spec.window(model.config) if spec is not None else None
+    if window is not None and window < length:
+        causal = causal.triu(1 - int(window))  # (T, T): only the window latest keys
     mask = causal[None] & real[:, None, :]  # (B, T_q, T_k): causal and key is a real token
     mask |= torch.eye(length, dtype=torch.bool, device=real.device)[None]  # every query sees itself
     return mask[:, None]  # (B, 1, T, T)

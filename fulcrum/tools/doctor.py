@@ -269,13 +269,16 @@ def check_native_model_fields(ctx: Context) -> list[Finding]:
         return []
     from transformers import AutoConfig
 
-    from fulcrum.rollout.native import unsupported_reason
+    from fulcrum.rollout.native import native_unsupported_reason
 
     try:
         model_config = AutoConfig.from_pretrained(path)
     except Exception:  # an architecture transformers does not know: check_model_paths speaks for it
         return []
-    reason = unsupported_reason(model_config)
+    try:  # against the engine this configuration builds (a sliding window must cover its max_model_len)
+        reason = native_unsupported_reason(ctx.cfg.actor_rollout_ref.rollout, model_config)
+    except (ValueError, TypeError):  # bad engine keys: check_native_engine_kwargs speaks for them
+        return []
     if reason is None:
         return []
     return [

@@ -3,8 +3,9 @@
 
 The engine's attention kernels have no window, so it runs a config whose window covers every
 sequence it serves (null, or at least `rollout.max_model_len`; Mistral-7B v0.2 and later have none),
-where windowed and full attention are the same function. The packed training path applies the
-window itself (`fulcrum.models.packed.packed_attention`).
+where windowed and full attention are the same function. The training paths apply the window: the
+padded one in its mask (`fulcrum.models.logprob.no_empty_rows_mask`), the packed one in its
+attention (`fulcrum.models.packed.packed_attention`).
 """
 
 from __future__ import annotations
@@ -28,4 +29,5 @@ SPEC = ModelSpec(
         "sliding_window": Runs(window_covers, "a window of at least rollout.max_model_len, or none"),
     },
     qkv_bias=never,
+    window=lambda config: config_value(config, "sliding_window"),
 )

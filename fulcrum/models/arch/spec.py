@@ -261,6 +261,9 @@ class ModelSpec:
     # `fulcrum.models.packed.packed_hidden_states` replays the base model's forward exactly
     # (embed -> rotary -> layers -> final norm); None, else why not for this config.
     packing_refused: Callable[[Any], str | None] = lambda _config: None
+    # The sliding window every layer applies (a token sees the window latest positions), None for none:
+    # the padded training forward's own mask (`fulcrum.models.logprob.no_empty_rows_mask`) applies it.
+    window: Callable[[Any], int | None] = lambda _config: None
     layer_weights: Mapping[str, str] = field(default_factory=lambda: LLAMA_LAYER_WEIGHTS)
     model_weights: Mapping[str, str] = field(default_factory=lambda: LLAMA_MODEL_WEIGHTS)
 

@@ -1,0 +1,146 @@
+"""What every architecture of the native engine is checked for (the per-family test files call these).
+
+On the CPU in fp32, on a small random config of the family: the native engine's greedy tokens equal
+transformers' `generate` for 64 tokens; the training path's log-probs (padded and packed) are within
+1e-5 of Hugging Face's own forward of each sequence alone; two tensor-parallel ranks (gloo) load their
+shards and sample what one rank samples. On a GPU (`@pytest.mark.gpu`): the engine in bf16, with its
+Triton kernels and CUDA graphs, against the HF forward (mean |log-prob gap| <= 0.02).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from test_workers_units import make_batch, unpadded_log_probs  # tests/ is on sys.path under pytest
+
+from fulcrum.models.packed import enable_packed_attention
+from fulcrum.rollout import logprob_diff
+from fulcrum.rollout.base import SamplingParams
+from fulcrum.rollout.native import EngineConfig, NativeEngine
+from fulcrum.rollout.testing import random_causal_lm
+from fulcrum.workers.micro_batch import forward_log_prob
+
+CPU = torch.device("cpu")
+EOS = 1
+VOCAB = 1024  # make_batch draws token ids below 1000
+GREEDY_TOKENS = 64
+TOL = 1e-5
+
+
+def arch_model(arch: str, shape: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A random `arch` model whose norm weights are random too (they initialise to ones, which would hide
+    a norm the engine skips or loads into the wrong slot)."""
+    model = random_causal_lm(arch, seed=seed, dtype=dtype, init_std=0.2, **{"vocab_size": VOCAB, **shape})
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+    return model
+
+
+def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def engine_config(**overrides: Any) -> EngineConfig:
+    base = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, decode_steps=4)
+    return EngineConfig(**{**base, **overrides})
+
+
+def check_greedy_equals_hf_generate(model: torch.nn.Module, lengths: tuple[int, ...] = (1, 40, 9)) -> None:
+    """The engine's greedy tokens = transformers' `generate(do_sample=False)` for 64 tokens per prompt
+    (prefill chunked by a small token budget, decode windows of 4 steps)."""
+    prompts = prompts_of(list(lengths))
+    params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    out = NativeEngine(model, [EOS], 0, engine_config(), CPU).generate(prompts, params)
+    for prompt, tokens in zip(prompts, out.token_ids, strict=True):
+        with torch.no_grad():
+            expected = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=GREEDY_TOKENS,
+                min_new_tokens=GREEDY_TOKENS,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+        assert tokens == expected
+
+
+def check_training_log_probs_equal_hf(model: torch.nn.Module, temperature: float = 0.7) -> None:
+    """The actor's log-probs of responses, padded and packed, within 1e-5 of HF's forward of each
+    sequence alone (fp32)."""
+    batch = make_batch(b=5, p=12, r=9)
+    expected = unpadded_log_probs(model, batch, temperature).float()
+    packed_model = copy.deepcopy(model)
+    enable_packed_attention(packed_model)
+    mask = batch["response_mask"].bool()
+    for name, runs, packed in (("padded", model, False), ("packed", packed_model, True)):
+        with torch.no_grad():
+            logp, _ = forward_log_prob(runs, batch, temperature, False, CPU, packed=packed)
+        gap = (logp - expected)[mask].abs().max()
+        assert gap < TOL, f"{name}: max |log-prob - HF| = {gap:.2e}"
+
+
+def tensor_parallel_greedy(rank: int, world: int, arch: str, shape: dict[str, Any]) -> dict[str, Any]:
+    """One rank of `check_tensor_parallel_equals_one_rank` (run_ranks forks it)."""
+    from fulcrum.parallel.tensor_parallel import tensor_parallel_group
+
+    torch.set_num_threads(1)
+    model = arch_model(arch, shape)
+    config = engine_config(num_kv_blocks=16)
+    params = SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = prompts_of([1, 30, 7, 19])
+    engine = NativeEngine(model, [EOS], 0, config, CPU, tp=tensor_parallel_group(world))
+    single = NativeEngine(model, [EOS], 0, config, CPU)
+    return {
+        "heads": (engine.model.num_heads, engine.model.num_kv_heads),
+        "tokens": engine.generate(prompts, params).token_ids,
+        "single": single.generate(prompts, params).token_ids,
+    }
+
+
+def check_tensor_parallel_equals_one_rank(arch: str, shape: dict[str, Any]) -> None:
+    """Two ranks (gloo) each load their shard of the heads and MLP columns and sample the same greedy
+    tokens as one rank holding everything."""
+    from helpers_dist import run_ranks
+
+    results = run_ranks(tensor_parallel_greedy, 2, arch, shape)
+    heads = shape.get("num_attention_heads", 4)
+    for out in results:
+        assert out["heads"][0] == heads // 2
+        assert out["tokens"] == out["single"]
+
+
+def hf_forward_log_probs(
+    model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]]
+) -> torch.Tensor:
+    """log softmax of HF's forward of each prompt + response alone, at the response tokens: (B, R) on
+    the CPU (equal-length responses)."""
+    device = next(model.parameters()).device
+    out = torch.zeros(len(responses), len(responses[0]))
+    with torch.no_grad():
+        for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+            logits = model(input_ids=torch.tensor([prompt + response], device=device)).logits[0].float()
+            span = logits[len(prompt) - 1 : -1].log_softmax(-1)
+            out[row] = span.gather(-1, torch.tensor(response, device=device)[:, None])[:, 0].cpu()
+    return out
+
+
+def check_bf16_gap_on_gpu(arch: str, shape: dict[str, Any]) -> None:
+    """bf16 on CUDA with the Triton kernels and CUDA graphs: mean |rollout - HF forward| <= 0.02."""
+    device = torch.device("cuda")
+    with device:
+        model = arch_model(arch, shape, dtype=torch.bfloat16)
+    prompts = prompts_of([90, 120, 150, 200] * 4)
+    config = engine_config(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=512)
+    engine = NativeEngine(model, [EOS], 0, config, device)
+    assert engine.runner.use_triton and engine.runner.use_graphs
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=0))
+    rollout = torch.tensor(out.logprobs)
+    actor = hf_forward_log_probs(model, prompts, out.token_ids)
+    gap = logprob_diff(rollout, actor, torch.ones_like(rollout))
+    assert gap["rollout/logprob_diff_mean"] <= 0.02, gap
