@@ -44,8 +44,8 @@ def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), arch=request.param, seed=0))
 
 
-def rl_batch(seed: int = 0, b: int = 6):
-    batch = make_batch(b=b, p=10, r=7, seed=seed)
+def rl_batch(seed: int = 0, b: int = 6, p: int = 10, r: int = 7):
+    batch = make_batch(b=b, p=p, r=r, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     mask = batch["response_mask"].float()
     batch["advantages"] = torch.randn(batch["responses"].shape, generator=g) * mask

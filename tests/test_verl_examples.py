@@ -2,8 +2,8 @@
 
 The overrides of each script are in tests/fixtures/verl_example_overrides.json, with the verl commit
 they were read from (regenerate with tests/fixtures/make_verl_example_overrides.py). What a user changes:
-data and model paths, the run directory, and the device layout (1 node, trainer.device=cpu here,
-Ulysses sequence parallelism off: fulcrum refuses it with a message, tested below).
+data and model paths, the run directory, and the device layout (1 node, trainer.device=cpu here).
+Ulysses sequence parallelism stays as each script sets it.
 """
 
 from __future__ import annotations
@@ -27,10 +27,6 @@ MODEL_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "reward_model
 DEVICE_KEYS = {
     "trainer.nnodes": "1",
     "trainer.n_gpus_per_node": "8",
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "1",
-    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "1",
-    "critic.ulysses_sequence_parallel_size": "1",
-    "reward_model.ulysses_sequence_parallel_size": "1",
 }
 
 
@@ -50,8 +46,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
         root / "model",
         hidden_size=32,
         num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_attention_heads=4,  # sequence parallelism of 4 (test_dapo_7b_math.sh) splits them
+        num_key_value_heads=2,
         intermediate_size=64,
         max_position_embeddings=65536,
     )
@@ -118,14 +114,38 @@ def test_verl_example_script_passes_doctor(
     assert code == 0, f"{script}:\n{out}"
 
 
-def test_ulysses_sequence_parallelism_is_refused_with_a_reason(
-    files: Path, capsys: pytest.CaptureFixture[str]
+def test_a_verl_script_with_sequence_parallelism_passes() -> None:
+    overrides = EXAMPLES["scripts"]["examples/gmpo_trainer/test_dapo_7b_math.sh"]
+    assert "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4" in overrides  # run above as written
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        # the padded path has no sequence parallelism
+        (
+            ["actor_rollout_ref.model.use_remove_padding=False"],
+            "actor_rollout_ref.model.use_remove_padding=True",
+        ),
+        # 3 does not divide the 8 devices, 8 does not divide the model's 4 heads
+        (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=3"], "must divide the 8 device(s)"),
+        (
+            ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=8"],
+            "does not divide the model's 4 attention heads",
+        ),
+        (
+            ["critic.ulysses_sequence_parallel_size=8"],
+            "critic.ulysses_sequence_parallel_size=8 does not divide",
+        ),
+    ],
+)
+def test_sequence_parallelism_that_cannot_run_is_refused_naming_the_key(
+    files: Path, capsys: pytest.CaptureFixture[str], extra: list[str], named: str
 ) -> None:
-    argv = as_user_would(EXAMPLES["scripts"]["examples/grpo_trainer/run_qwen2-7b.sh"], files)
-    assert doctor.main([*argv, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]) == 1
-    out = capsys.readouterr().out
-    assert "actor_rollout_ref.actor.ulysses_sequence_parallel_size" in out
-    assert "sequence parallelism" in out
+    script = "examples/ppo_trainer/run_deepseek7b_llm.sh"  # actor, reference and critic
+    argv = as_user_would(EXAMPLES["scripts"][script], files)
+    assert doctor.main([*argv, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", *extra]) == 1
+    assert named in capsys.readouterr().out
 
 
 def test_keys_without_effect_are_accepted_and_named(files: Path, capsys: pytest.CaptureFixture[str]) -> None:

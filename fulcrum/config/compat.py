@@ -154,18 +154,13 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
     }
 )
 
-ULYSSES = (
-    "Ulysses sequence parallelism is not supported yet (it needs the multi-GPU work); set it to 1 and "
-    "shorten data.max_response_length or use actor.use_dynamic_bsz to fit long sequences"
-)
-
 # Features verl has and fulcrum does not (yet): key -> the only value(s) accepted, and why.
 # `validate()` reports any other value as a problem, because the run would silently differ from verl.
 UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": ((1,), ULYSSES),
-    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": ((1, None), ULYSSES),
-    "critic.ulysses_sequence_parallel_size": ((1,), ULYSSES),
-    "reward_model.ulysses_sequence_parallel_size": ((1,), ULYSSES),
+    "reward_model.ulysses_sequence_parallel_size": (
+        (1,),
+        "Ulysses sequence parallelism is not supported for the reward model (actor, reference and critic have it)",
+    ),
     "actor_rollout_ref.rollout.multi_turn.enable": ((False,), "multi-turn rollouts are not supported"),
     "actor_rollout_ref.rollout.use_fire_sampling": ((False,), "FIRE sampling is not supported"),
     "actor_rollout_ref.actor.optim.optimizer": (("AdamW",), "only AdamW is supported"),

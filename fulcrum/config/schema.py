@@ -239,7 +239,9 @@ class ActorConfig:
     checkpoint: CheckpointConfig = sub(CheckpointConfig, "checkpoint contents")
     optim: OptimConfig = sub(OptimConfig, "optimiser and LR schedule")
     grad_clip: float = opt(1.0, "max global gradient norm", ABOVE_0)
-    ulysses_sequence_parallel_size: int = opt(1, "sequence parallel size (only 1 supported)", AT_LEAST_1)
+    ulysses_sequence_parallel_size: int = opt(
+        1, "ranks that split each micro-batch's tokens (Ulysses; packed path)", AT_LEAST_1
+    )
     entropy_from_logits_with_chunking: bool = opt(False, "compute entropy in chunks to save memory")
     entropy_checkpointing: bool = opt(False, "recompute entropy in backward")
     fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP settings")
@@ -343,7 +345,9 @@ class CriticConfig:
     grad_clip: float = opt(1.0, "max global gradient norm", ABOVE_0)
     cliprange_value: float = opt(0.5, "value clipping range", ABOVE_0)
     loss_agg_mode: str | None = opt(None, "null follows actor.loss_agg_mode")
-    ulysses_sequence_parallel_size: int = opt(1, "sequence parallel size (only 1 supported)", AT_LEAST_1)
+    ulysses_sequence_parallel_size: int = opt(
+        1, "ranks that split each micro-batch's tokens (Ulysses; packed path)", AT_LEAST_1
+    )
     checkpoint: CheckpointConfig = sub(CheckpointConfig, "checkpoint contents")
     profiler: dict[str, Any] = opt({}, "profiler settings (no effect)")
 

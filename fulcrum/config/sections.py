@@ -66,6 +66,7 @@ class ReferenceSection:
     use_remove_padding: bool  # actor_rollout_ref.model.use_remove_padding (the actor's model)
     use_torch_compile: bool  # actor_rollout_ref.ref.use_torch_compile (follows the actor's)
     fsdp: FSDPConfig  # actor_rollout_ref.ref.fsdp_config (several processes)
+    ulysses_sequence_parallel_size: int = 1  # actor_rollout_ref.ref.* (follows the actor's)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ def reference_section(cfg: FulcrumConfig) -> ReferenceSection:
         use_remove_padding=bool(cfg.actor_rollout_ref.model.use_remove_padding),
         use_torch_compile=bool(ref.use_torch_compile),
         fsdp=ref.fsdp_config,
+        ulysses_sequence_parallel_size=int(ref.ulysses_sequence_parallel_size or 1),
     )
 
 

@@ -151,6 +151,51 @@ def _micro_batch_pairs(cfg: FulcrumConfig) -> list[Finding]:
     return problems
 
 
+def sp_roles(cfg: FulcrumConfig) -> list[tuple[str, int, str, bool]]:
+    """(key, ulysses_sequence_parallel_size, its padding key, use_remove_padding) of each model the run
+    trains or scores with."""
+    arr = cfg.actor_rollout_ref
+    padding = ("actor_rollout_ref.model.use_remove_padding", bool(arr.model.use_remove_padding))
+    roles = [
+        (
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+            arr.actor.ulysses_sequence_parallel_size,
+            *padding,
+        )
+    ]
+    if uses_reference(cfg):
+        size = arr.ref.ulysses_sequence_parallel_size or arr.actor.ulysses_sequence_parallel_size
+        roles.append(("actor_rollout_ref.ref.ulysses_sequence_parallel_size", size, *padding))
+    if uses_critic(cfg):
+        critic = ("critic.model.use_remove_padding", bool(cfg.critic.model.use_remove_padding))
+        roles.append(
+            ("critic.ulysses_sequence_parallel_size", cfg.critic.ulysses_sequence_parallel_size, *critic)
+        )
+    return [(key, int(size), pad_key, pad) for key, size, pad_key, pad in roles]
+
+
+def _sequence_parallel(cfg: FulcrumConfig) -> list[Finding]:
+    """Ulysses splits each micro-batch's packed stream over sp ranks: the packed path, and sp dividing the
+    processes (the world is data-parallel groups × sp). The heads' rule needs the model: checked at start."""
+    problems = []
+    n_gpus = world_size(cfg)
+    for key, sp, pad_key, packed in sp_roles(cfg):
+        if sp == 1:
+            continue
+        if n_gpus % sp:
+            problems.append(
+                Finding(
+                    (key, "trainer.n_gpus_per_node"),
+                    f"{key}={sp} must divide the {n_gpus} device(s): the world is data-parallel groups × {sp}",
+                )
+            )
+        if not packed:
+            problems.append(
+                Finding((key, pad_key), f"{key}={sp} runs on the packed path only: set {pad_key}=True")
+            )
+    return problems
+
+
 def _batch_divisibility(cfg: FulcrumConfig) -> list[Finding]:
     """Sizes count prompts (x rollout.n responses); per-device sizes count responses (as in verl)."""
     problems = []
@@ -172,6 +217,10 @@ def _batch_divisibility(cfg: FulcrumConfig) -> list[Finding]:
     for prefix, role in roles:
         if role.use_dynamic_bsz:
             continue
+        # Each data-parallel group (sp ranks with sequence parallelism) takes one share of a mini-batch.
+        sp = int(role.ulysses_sequence_parallel_size)
+        dp = n_gpus // sp if n_gpus % sp == 0 else n_gpus
+        devices = f"{dp} device(s)" if sp == 1 else f"{dp} data-parallel group(s) of {sp}"
         mini = role.ppo_mini_batch_size
         if mini is None or mini <= 0:
             continue
@@ -183,15 +232,15 @@ def _batch_divisibility(cfg: FulcrumConfig) -> list[Finding]:
                 )
             )
             continue
-        if (mini * n) % n_gpus:
+        if (mini * n) % dp:
             problems.append(
                 Finding(
                     (f"{prefix}.ppo_mini_batch_size", "trainer.n_gpus_per_node"),
-                    f"ppo_mini_batch_size x n = {mini * n} responses must be divisible by the {n_gpus} device(s)",
+                    f"ppo_mini_batch_size x n = {mini * n} responses must be divisible by the {devices}",
                 )
             )
             continue
-        per_device = mini * n // n_gpus
+        per_device = mini * n // dp
         micro = role.ppo_micro_batch_size_per_gpu
         if micro is not None and micro > 0 and per_device % micro:
             problems.append(
@@ -210,10 +259,8 @@ def _batch_divisibility(cfg: FulcrumConfig) -> list[Finding]:
                         f"{mini * n} responses per mini-batch not divisible by micro-batch {global_micro}",
                     )
                 )
-            if global_micro < n_gpus:
-                problems.append(
-                    Finding((f"{prefix}.ppo_micro_batch_size",), f"must be >= the {n_gpus} device(s)")
-                )
+            if global_micro < dp:
+                problems.append(Finding((f"{prefix}.ppo_micro_batch_size",), f"must be >= the {devices}"))
     return problems
 
 
@@ -283,6 +330,7 @@ RULES: list[Callable[[FulcrumConfig], list[Finding]]] = [
     _context_length,
     _micro_batch_pairs,
     _batch_divisibility,
+    _sequence_parallel,
     _algorithm,
     _trainer,
     _unsupported,

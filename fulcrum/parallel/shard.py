@@ -139,10 +139,12 @@ def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat(all_gather_objects(rows.cpu()))
 
 
-def rank_rows(total: int) -> list[int]:
-    """The row indices of this rank's share of `total` rows (all of them in a single process)."""
+def rank_rows(total: int, sp_size: int = 1) -> list[int]:
+    """The row indices of this rank's share of `total` rows (all of them in a single process). With
+    sequence parallelism of `sp_size`, the share of this rank's group: ranks g·sp … g·sp + sp - 1 share
+    the rows of data-parallel rank g of world / sp."""
     rank, world = _world()
-    return list(range(*share_bounds(total, rank, world)))
+    return list(range(*share_bounds(total, rank // sp_size, world // sp_size)))
 
 
 def max_over_ranks(value: int) -> int:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from fulcrum.config import FulcrumConfig, uses_critic, uses_reference, world_size
 from fulcrum.config.finding import Finding
+from fulcrum.config.validate import sp_roles
 from fulcrum.tools.memory_estimate import (
     DEFAULT_DEVICE_GIB,
     Estimate,
@@ -201,6 +202,30 @@ def check_tensor_parallel_heads(ctx: DoctorContext) -> list[Finding]:
     ]
 
 
+def check_sequence_parallel_heads(ctx: DoctorContext) -> list[Finding]:
+    """Ulysses sequence parallelism splits the attention heads evenly over its ranks (start-up refuses
+    a size that does not divide them; key/value heads are repeated as needed)."""
+    findings = []
+    for key, sp, _, _ in sp_roles(ctx.cfg):
+        model_key = "critic.model.path" if key.startswith("critic.") else "actor_rollout_ref.model.path"
+        path = (
+            ctx.cfg.critic.model.path if key.startswith("critic.") else ctx.cfg.actor_rollout_ref.model.path
+        )
+        shape = read_model_shape(path)
+        if sp <= 1 or shape is None or shape.heads % sp == 0:
+            continue
+        good = [s for s in (1, 2, 4, 8) if shape.heads % s == 0]
+        findings.append(
+            Finding(
+                (key, model_key),
+                f"{key}={sp} does not divide the model's {shape.heads} attention heads",
+                why="each sequence-parallel rank attends over an equal share of the heads",
+                fix=f"{key} in {good}",
+            )
+        )
+    return findings
+
+
 def check_target_kl_fixed(ctx: DoctorContext) -> list[Finding]:
     """target_kl (or horizon) set with the fixed KL controller, which never reads them."""
     kl = ctx.cfg.algorithm.kl_ctrl
@@ -370,6 +395,7 @@ LEVER_CHECKS: list[Callable[[Any], list[Finding]]] = [
     check_epoch_drop,
     check_token_limits,
     check_tensor_parallel_heads,
+    check_sequence_parallel_heads,
     check_target_kl_fixed,
     check_rollout_waves,
     check_memory,

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
+import torch
+
 from fulcrum.batch import Batch
 from fulcrum.config import FulcrumConfig
 from fulcrum.parallel import DistInfo, all_gather_objects, all_gather_rows, current, share_bounds
@@ -72,17 +74,23 @@ def generate_shares(
     return merged
 
 
-def on_shares(fn: Callable[[Batch], T], batch: Batch) -> T:
+def on_shares(fn: Callable[[Batch], T], batch: Batch, sp_size: int = 1) -> T:
     """`fn(batch)` for a pass whose output rows follow the batch's rows (a tensor, or a tuple of tensors
-    and Nones): each rank runs its share of the rows; every rank returns the whole (CPU) result."""
+    and Nones): each rank runs its share of the rows; every rank returns the whole (CPU) result. With
+    sequence parallelism of `sp_size`, each group of `sp_size` ranks runs one share together and only
+    its first rank hands the (identical) result on."""
     info = current()
     if not info.distributed:
         return fn(batch)
-    start, stop = share_bounds(len(batch), info.rank, info.world_size)
+    start, stop = share_bounds(len(batch), info.rank // sp_size, info.world_size // sp_size)
     out: Any = fn(batch.select(list(range(start, stop))))
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        return all_gather_rows(t if info.rank % sp_size == 0 else t[:0])
+
     if isinstance(out, tuple):
-        return tuple(None if t is None else all_gather_rows(t) for t in out)  # type: ignore[return-value]
-    return all_gather_rows(out)
+        return tuple(None if t is None else gather(t) for t in out)  # type: ignore[return-value]
+    return gather(out)
 
 
 def share_text(total: int, parts: int) -> str:

@@ -342,7 +342,9 @@ class PPOTrainer:
                 batch["old_log_probs"] = batch["rollout_log_probs"]  # bypass: no old-log-prob pass (verl)
             else:
                 with M.timer("old_log_prob", timing, peaks):
-                    old_log_probs, entropys = on_shares(self.actor.compute_log_prob, batch)
+                    old_log_probs, entropys = on_shares(
+                        self.actor.compute_log_prob, batch, self.actor.forwards.sp_size
+                    )
                     batch["old_log_probs"] = old_log_probs
                     mask = batch["response_mask"].float()
                     metrics["actor/entropy"] = agg_loss(entropys, mask, arr.actor.loss_agg_mode).item()
@@ -351,15 +353,21 @@ class PPOTrainer:
                     )
             if arr.actor.calculate_sum_pi_squared:
                 with M.timer("old_log_prob", timing):
-                    batch["sum_pi_squared"] = on_shares(self.actor.compute_sum_pi_squared, batch)
+                    batch["sum_pi_squared"] = on_shares(
+                        self.actor.compute_sum_pi_squared, batch, self.actor.forwards.sp_size
+                    )
             if self.ref is not None:
                 with M.timer("ref", timing, peaks):
-                    batch["ref_log_prob"] = on_shares(self.ref.compute_ref_log_prob, batch)
+                    batch["ref_log_prob"] = on_shares(
+                        self.ref.compute_ref_log_prob, batch, self.ref.forwards.sp_size
+                    )
             else:
                 timing["ref"] = 0.0  # timing_s/ref every step (docs/metrics.md): 0 s with no reference
             if self.critic is not None:
                 with M.timer("values", timing, peaks):
-                    batch["values"] = on_shares(self.critic.compute_values, batch)
+                    batch["values"] = on_shares(
+                        self.critic.compute_values, batch, self.critic.forwards.sp_size
+                    )
             # 4. KL in reward, then advantages
             with M.timer("adv", timing):
                 if self.kl_ctrl is not None:

@@ -87,6 +87,8 @@ class ReferenceWorker:
             section.use_remove_padding,
             "reference",
             use_torch_compile=section.use_torch_compile,
+            sp_size=section.ulysses_sequence_parallel_size,
+            sp_key="actor_rollout_ref.ref.ulysses_sequence_parallel_size",
         )
         self.temperature = section.temperature
         self.sizes = section.log_prob
@@ -118,6 +120,8 @@ class ActorWorker:
             bool(model.use_remove_padding),
             "actor",
             use_torch_compile=bool(self.cfg.use_torch_compile),
+            sp_size=int(self.cfg.ulysses_sequence_parallel_size),
+            sp_key="actor_rollout_ref.actor.ulysses_sequence_parallel_size",
         )
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optim, device)
         self.lr_scheduler = build_lr_scheduler(

@@ -50,6 +50,8 @@ class CriticWorker:
             "critic",
             keep=("score",),
             use_torch_compile=section.use_torch_compile,
+            sp_size=int(c.ulysses_sequence_parallel_size),
+            sp_key="critic.ulysses_sequence_parallel_size",
         )
         self.optimizer = build_optimizer(self.model.parameters(), c.optim, device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, c.optim, total_training_steps, "critic.optim")

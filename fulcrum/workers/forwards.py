@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fulcrum.batch import Batch, host_to_device
+from fulcrum.config.keys import ConfigError
 from fulcrum.config.sections import ForwardSizes
 from fulcrum.models.linear_logprob import use_compiled_chunks
 from fulcrum.models.load import autocast_for
@@ -30,6 +31,7 @@ from fulcrum.models.packed import (
 )
 from fulcrum.models.precision import ComputeWeights
 from fulcrum.parallel.fsdp import is_sharded
+from fulcrum.parallel.ulysses import SequenceParallel, check_heads, sequence_parallel_group
 from fulcrum.workers.micro_batch import (
     forward_log_prob,
     forward_values,
@@ -46,7 +48,11 @@ class ModelForwards:
     """`model` on `device`: padding-free when `use_remove_padding` and the architecture allows it;
     on CUDA, bf16 copies of the float32 weights for compute (`fulcrum.models.precision`), except
     the parameters under `keep` (e.g. the critic's value head), and with `use_torch_compile` the
-    packed decoder layers and log-softmax chunks compiled (`compile_decoder_layers`)."""
+    packed decoder layers and log-softmax chunks compiled (`compile_decoder_layers`).
+
+    `sp_size` > 1 (the role's `ulysses_sequence_parallel_size`, named by `sp_key`): each micro-batch's
+    packed stream is split over a group of `sp_size` ranks (`fulcrum.parallel.ulysses`), which share
+    the micro-batch; the data is split over the world / `sp_size` groups (`dp_rank`, `dp_size`)."""
 
     def __init__(
         self,
@@ -56,6 +62,8 @@ class ModelForwards:
         role: str,
         keep: tuple[str, ...] = (),
         use_torch_compile: bool = False,
+        sp_size: int = 1,
+        sp_key: str = "ulysses_sequence_parallel_size",
     ) -> None:
         self.model = model
         self.device = device
@@ -63,6 +71,7 @@ class ModelForwards:
         if reason is not None:
             logger.warning("%s: use_remove_padding=True but %s; using padded micro-batches", role, reason)
         self.packed = use_remove_padding and reason is None
+        self.sp = self.sequence_parallel(sp_size, sp_key, reason)
         if self.packed:
             enable_packed_attention(model)
         sharded = is_sharded(model)  # FSDP2's mixed precision makes the bf16 compute weights
@@ -76,6 +85,29 @@ class ModelForwards:
                 compile_decoder_layers(model.model)
             use_compiled_chunks(True, compile_options())
         self.compute = ComputeWeights(model, keep=keep) if device.type == "cuda" and not sharded else None
+
+    def sequence_parallel(self, sp_size: int, key: str, reason: str | None) -> SequenceParallel | None:
+        """The sequence-parallel group of `sp_size` (None for 1), after checking that this model can
+        split: SP runs on the packed path only, and splits the attention heads evenly."""
+        if sp_size == 1:
+            return None
+        if not self.packed:
+            why = reason or "use_remove_padding=False"
+            raise ConfigError(
+                f"{key}={sp_size} needs the packed path (use_remove_padding=True on a packed architecture), "
+                f"but here {why}",
+                key,
+            )
+        try:
+            check_heads(int(self.model.config.num_attention_heads), sp_size, key)
+            return sequence_parallel_group(sp_size, key)
+        except ValueError as err:
+            raise ConfigError(str(err), key) from err
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks that share one micro-batch (1 without sequence parallelism)."""
+        return 1 if self.sp is None else self.sp.size
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -135,11 +167,11 @@ class ModelForwards:
         self, mb: Batch, temperature: float, with_entropy: bool, response_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return forward_log_prob(
-            self.model, mb, temperature, with_entropy, self.device, self.packed, response_mask
+            self.model, mb, temperature, with_entropy, self.device, self.packed, response_mask, self.sp
         )
 
     def values(self, mb: Batch, response_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return forward_values(self.model, mb, self.device, self.packed, response_mask)
+        return forward_values(self.model, mb, self.device, self.packed, response_mask, self.sp)
 
     def sum_pi_squared(self, batch: Batch, sizes: ForwardSizes, temperature: float) -> torch.Tensor:
         """sum_v pi_v^2 at every response position (B, R), float32 on the CPU, 0 outside the response

@@ -18,9 +18,16 @@ from fulcrum.batch import Batch, host_to_device
 from fulcrum.models.linear_logprob import linear_log_softmax
 from fulcrum.models.load import autocast_for
 from fulcrum.models.logprob import logprob_and_entropy, response_logits, trim_padding
-from fulcrum.models.packed import pack_micro_batch, packed_hidden_states
+from fulcrum.models.packed import (
+    PackedMicroBatch,
+    StreamShard,
+    pack_micro_batch,
+    packed_hidden_states,
+    shard_stream,
+)
 from fulcrum.parallel import max_over_ranks
 from fulcrum.parallel.fsdp import is_sharded, run_in_root
+from fulcrum.parallel.ulysses import SequenceParallel, gather_rows
 
 
 def sequence_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,14 +202,16 @@ def forward_log_prob(
     device: torch.device,
     packed: bool = False,
     response_mask: torch.Tensor | None = None,
+    sp: SequenceParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(response tokens) (B, R), float32, logits divided by the rollout temperature as verl; entropy too.
 
     `response_mask`: the micro-batch's mask already on `device` (an update has it for its loss), so it
-    is not copied a second time; None copies `mb["response_mask"]`."""
+    is not copied a second time; None copies `mb["response_mask"]`. `sp` (packed only): the
+    sequence-parallel group that shares this micro-batch; every rank of it gets the whole result."""
     if packed:  # reaches embeddings and LM head directly: under FSDP, inside the root unit's forward
         return run_in_root(
-            model, packed_log_prob, model, mb, temperature, with_entropy, device, response_mask
+            model, packed_log_prob, model, mb, temperature, with_entropy, device, response_mask, sp
         )
     r = mb.response_length
     ids, mask, pos, r_kept = trimmed_inputs(mb, device)
@@ -222,11 +231,12 @@ def forward_values(
     device: torch.device,
     packed: bool = False,
     response_mask: torch.Tensor | None = None,
+    sp: SequenceParallel | None = None,
 ) -> torch.Tensor:
     """V(state before each response token) (B, R), float32, zero outside the response mask
-    (`response_mask` as in `forward_log_prob`)."""
+    (`response_mask` and `sp` as in `forward_log_prob`)."""
     if packed:
-        return run_in_root(model, packed_values, model, mb, device, response_mask)
+        return run_in_root(model, packed_values, model, mb, device, response_mask, sp)
     r = mb.response_length
     ids, mask, pos, r_kept = trimmed_inputs(mb, device)
     with autocast_for(device):
@@ -247,31 +257,53 @@ def packed_log_prob(
     with_entropy: bool,
     device: torch.device,
     response_mask: torch.Tensor | None = None,
+    sp: SequenceParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`forward_log_prob` without padding: the decoder over the packed stream, then the LM head and
-    log-softmax on the M response-predicting positions only, chunked (no (M, V) float32 tensor)."""
-    packed = pack_micro_batch(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb.prompt_length)
-    packed = packed.to(device)
-    hidden = packed_hidden_states(model.model, packed)  # (N, H)
+    log-softmax on the M response-predicting positions only, chunked (no (M, V) float32 tensor).
+    With `sp`, each rank of the group runs its slice of the stream and the head on its M_r positions;
+    the M results are gathered on every rank."""
+    packed, stream = packed_stream(mb, device, sp)
+    hidden = packed_hidden_states(model.model, stream, sp)  # (N, H), or (n, H) with sp
     head = model.get_output_embeddings()
     logp, entropy = linear_log_softmax(
-        hidden.index_select(0, packed.predictor),
+        hidden.index_select(0, stream.predictor),
         head.weight,
-        packed.labels,
+        stream.labels,
         temperature,
         with_entropy,
         head.bias,
-    )
+    )  # (M,) or (M_r,) with sp
+    if isinstance(stream, StreamShard) and sp is not None:
+        logp = gather_rows(logp, stream.counts, sp)  # (M,)
+        entropy = gather_rows(entropy, stream.counts, sp) if entropy is not None else None
     mask = response_mask_on(mb, device, response_mask)
     return packed.scatter(logp) * mask, (packed.scatter(entropy) * mask if entropy is not None else None)
 
 
 def packed_values(
-    model: nn.Module, mb: Batch, device: torch.device, response_mask: torch.Tensor | None = None
+    model: nn.Module,
+    mb: Batch,
+    device: torch.device,
+    response_mask: torch.Tensor | None = None,
+    sp: SequenceParallel | None = None,
 ) -> torch.Tensor:
-    """`forward_values` without padding: the value head on the M positions before response tokens."""
-    packed = pack_micro_batch(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb.prompt_length)
-    packed = packed.to(device)
-    hidden = packed_hidden_states(model.model, packed).index_select(0, packed.predictor)  # (M, H)
-    values = model.value_from_hidden(hidden)  # (M,) float32
+    """`forward_values` without padding: the value head on the M positions before response tokens
+    (with `sp` as in `packed_log_prob`)."""
+    packed, stream = packed_stream(mb, device, sp)
+    hidden = packed_hidden_states(model.model, stream, sp).index_select(0, stream.predictor)  # (M or M_r, H)
+    values = model.value_from_hidden(hidden)  # (M,) or (M_r,) float32
+    if isinstance(stream, StreamShard) and sp is not None:
+        values = gather_rows(values, stream.counts, sp)  # (M,)
     return packed.scatter(values) * response_mask_on(mb, device, response_mask)
+
+
+def packed_stream(
+    mb: Batch, device: torch.device, sp: SequenceParallel | None
+) -> tuple[PackedMicroBatch, PackedMicroBatch | StreamShard]:
+    """The micro-batch packed (its (B, R) layout, for `scatter`) and the stream this rank runs: the whole
+    of it, or with `sp` this rank's `StreamShard`; both on `device` (the index work is done on the host)."""
+    packed = pack_micro_batch(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb.prompt_length)
+    stream = packed if sp is None else shard_stream(packed, sp.size, sp.rank).to(device)
+    packed = packed.to(device)
+    return packed, (packed if sp is None else stream)

@@ -81,7 +81,8 @@ def ppo_update(worker: Trainable, batch: Batch, global_step: int) -> dict[str, f
         for mini in batch.select(order).split(plan.mini_batch_size):
             agg = global_agg_kwargs(mini["response_mask"])  # the whole mini-batch's counts
             micro, _ = make_micro_batches(
-                mini.select(rank_rows(len(mini))),  # this rank's share (all of it in one process)
+                # this rank's share (all of it in one process; its group's, with sequence parallelism)
+                mini.select(rank_rows(len(mini), forwards.sp_size)),
                 plan.micro_batch_size,
                 plan.use_dynamic_bsz,
                 plan.max_token_len,
@@ -98,7 +99,8 @@ def ppo_update(worker: Trainable, batch: Batch, global_step: int) -> dict[str, f
                     for k, v in step_metrics.items():
                         (shares if k in LOSS_SHARES else metrics)[k].append(v)  # type: ignore[index]
             for k, parts in shares.items():
-                metrics[k].append(torch.stack(parts).sum())
+                # The ranks of a sequence-parallel group hold the same share: counted once in the sum.
+                metrics[k].append(torch.stack(parts).sum() / forwards.sp_size)
             grad_norm = clip_and_step(forwards.model, optimizer, plan.grad_clip, plan.role, worker.placement)
             metrics[f"{plan.role}/grad_norm"].append(grad_norm)
     metrics[f"{plan.role}/lr"].append(worker.lr_scheduler.get_last_lr()[0])
