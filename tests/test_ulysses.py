@@ -167,3 +167,14 @@ def test_a_run_with_sp_2_on_two_processes_takes_the_same_steps_as_one(
 
 def _train(rank: int, world: int, args: list[str]) -> int:
     return main(args)
+
+
+def test_the_start_up_summary_names_the_sequence_parallel_groups() -> None:
+    from fulcrum.config import load_config
+    from fulcrum.parallel import DistInfo
+    from fulcrum.trainer.data_parallel import startup_line
+
+    cfg = load_config([f"{key}={sp}" for key, sp in SP_KEYS.items()])
+    line = startup_line(DistInfo(0, 4, 0, 4, "nccl"), cfg)
+    assert line is not None
+    assert "sequence parallelism: actor in 2 group(s) of 2, critic in 2 group(s) of 2 ranks" in line

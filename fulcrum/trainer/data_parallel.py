@@ -28,6 +28,7 @@ import torch
 
 from fulcrum.batch import Batch
 from fulcrum.config import FulcrumConfig
+from fulcrum.config.validate import sp_roles
 from fulcrum.parallel import DistInfo, all_gather_objects, all_gather_rows, current, share_bounds
 from fulcrum.rollout import RolloutEngine, RolloutOutput, SamplingParams
 
@@ -116,4 +117,20 @@ def startup_line(info: DistInfo, cfg: FulcrumConfig, tp_size: int = 1) -> str | 
         f"each rank runs the log-prob, reference and value passes on {share_text(responses, info.world_size)} "
         f"of the {responses} responses, and {share_text(mini, info.world_size)} of every mini-batch of {mini} in the "
         "updates (each model replicated or FSDP2-sharded by its size, fsdp_size; gradients summed)"
+        + sequence_parallel_text(cfg, info.world_size)
+    )
+
+
+def sequence_parallel_text(cfg: FulcrumConfig, world: int) -> str:
+    """What Ulysses sequence parallelism changes in the shares above ("" without it)."""
+    parts = [
+        f"{key.rsplit('.', 2)[-2]} in {world // sp} group(s) of {sp}"
+        for key, sp, _, _ in sp_roles(cfg)
+        if sp > 1
+    ]
+    if not parts:
+        return ""
+    return (
+        f"; sequence parallelism: {', '.join(parts)} ranks, each group sharing one share of the rows and "
+        "splitting every micro-batch's tokens"
     )
