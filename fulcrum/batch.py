@@ -2,7 +2,12 @@
 
 Layout (verl's): `prompts` (B, P) left-padded, `responses` (B, R) right-padded, `input_ids` =
 cat(prompts, responses) (B, P + R) with its `attention_mask` and `position_ids`, and
-`response_mask` (B, R), 1 = a generated token (EOS included). Stages add tensors in place:
+`response_mask` (B, R). Two masks, two meanings (verl's): `attention_mask` marks the tokens in the
+sequence for every forward pass (a response is one contiguous run from column P); `response_mask` is
+the loss mask, 1 = a token the policy generated (EOS included) that counts in every loss, advantage,
+KL and entropy, 0 for tokens inside the response the policy did not generate (a tool's answer, a user
+turn) and for padding. They coincide for single-turn batches. A response's length and last token come
+from the attention mask (`response_lengths`), never from the loss mask. Stages add tensors in place:
 `old_log_probs`, `ref_log_prob`, `values`, `token_level_scores`, `token_level_rewards`,
 `advantages`, `returns`, `rollout_log_probs`, `entropys`. `assemble_batch` builds one from the rollout
 engine's output. This module sits below `workers/` and `trainer/`, which both pass it around.
@@ -105,6 +110,16 @@ class Batch:
         )
 
 
+def response_lengths(batch: Batch) -> torch.Tensor:
+    """(B,) long: the tokens of each response that are in the sequence (the attention mask over the
+    response part), so `responses[i, : n_i]` is response i and `n_i - 1` its last token.
+
+    Not `response_mask.sum`: the loss mask leaves out tool answers and user turns inside a response, and
+    rollout rejection zeroes whole rows of it, yet those tokens are still part of the response.
+    """
+    return batch["attention_mask"][:, batch.prompt_length :].sum(-1).long()
+
+
 def assemble_batch(
     items: list[dict[str, Any]],
     token_ids: list[list[int]],
@@ -114,13 +129,21 @@ def assemble_batch(
     response_length: int,
     pad_id: int,
     uid_prefix: str,
+    loss_masks: list[list[int]] | None = None,
 ) -> Batch:
-    """verl's layout: prompts left-padded to max_prompt_length, responses right-padded to response_length."""
+    """verl's layout: prompts left-padded to max_prompt_length, responses right-padded to response_length.
+
+    `loss_masks[i]` (one 0/1 per token of `token_ids[i]`) marks the tokens the policy generated; None
+    means all of them (single-turn). The attention mask covers every response token either way.
+    """
+    if loss_masks is not None and [len(m) for m in loss_masks] != [len(t) for t in token_ids]:
+        raise ValueError("loss_masks must give one 0/1 per response token of every sample")
     n = len(token_ids)
     prompts = torch.full((n, max_prompt_length), pad_id, dtype=torch.long)
     prompt_mask = torch.zeros((n, max_prompt_length), dtype=torch.long)
     responses = torch.full((n, response_length), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((n, response_length), dtype=torch.long)
+    response_attention = torch.zeros((n, response_length), dtype=torch.long)
+    response_mask = torch.zeros((n, response_length), dtype=torch.long)  # the loss mask
     rollout_lp = torch.zeros((n, response_length), dtype=torch.float32)
     for row, (ids, lps, pi) in enumerate(zip(token_ids, logprobs, prompt_index, strict=True)):
         p = items[pi]["input_ids"][-max_prompt_length:]
@@ -129,9 +152,11 @@ def assemble_batch(
         r = ids[:response_length]
         if r:
             responses[row, : len(r)] = torch.tensor(r, dtype=torch.long)
-            response_mask[row, : len(r)] = 1
+            response_attention[row, : len(r)] = 1
+            loss = loss_masks[row][: len(r)] if loss_masks is not None else [1] * len(r)
+            response_mask[row, : len(r)] = torch.tensor(loss, dtype=torch.long)
             rollout_lp[row, : len(r)] = torch.tensor(lps[: len(r)], dtype=torch.float32)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     non_tensors = {
         "data_source": [items[i].get("data_source", "") for i in prompt_index],

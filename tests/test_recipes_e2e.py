@@ -12,6 +12,7 @@ import torch
 from helpers import TINY
 from transformers import AutoModelForSequenceClassification
 
+from fulcrum.batch import response_lengths
 from fulcrum.config import load_config
 from fulcrum.models.tiny import build_tiny_reward_model
 from fulcrum.trainer.main_ppo import main
@@ -141,7 +142,7 @@ def test_a_reward_model_scores_and_trains_a_policy(assets: Path, tmp_path: Path)
     batch, _ = trainer.sampler.generate_and_score(items, 0, {}, {})
     # The score on each response's last token is the classifier's own output for prompt + response.
     model = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
-    lengths = batch["response_mask"].sum(-1)
+    lengths = response_lengths(batch)
     for i in range(len(batch)):
         prompt = batch["prompts"][i][batch["attention_mask"][i, : batch.prompt_length].bool()]
         ids = torch.cat([prompt, batch["responses"][i, : int(lengths[i])]])

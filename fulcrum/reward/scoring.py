@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fulcrum.batch import Batch
+from fulcrum.batch import Batch, response_lengths
 
 
 class RewardError(RuntimeError):
@@ -116,7 +116,7 @@ def score_batch(batch: Batch, tokenizer: Any, manager: Any) -> tuple[torch.Tenso
     manager: `score(responses, ground_truths, data_sources, extra_infos, response_lengths)`), and put
     each score on its response's last token. Returns token_level_scores (B, R) and the manager's result.
     """
-    lengths = [int(n) for n in batch["response_mask"].sum(-1).tolist()]
+    lengths = [int(n) for n in response_lengths(batch).tolist()]
     texts = [
         tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)
         for i, n in enumerate(lengths)

@@ -19,16 +19,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fulcrum.batch import Batch
+from fulcrum.batch import Batch, response_lengths
 
 
 def generation_rows(batch: Batch, scores: list[float], tokenizer: Any, step: int) -> list[dict[str, Any]]:
     """One row per sample of a validation batch (verl's keys first, then ours)."""
     prompt_lengths = batch["attention_mask"][:, : batch.prompt_length].sum(-1).tolist()
-    response_lengths = batch["response_mask"].sum(-1).tolist()
+    lengths = response_lengths(batch).tolist()
     eos = tokenizer.eos_token_id
     rows = []
-    for i, (p, r) in enumerate(zip(prompt_lengths, response_lengths, strict=True)):
+    for i, (p, r) in enumerate(zip(prompt_lengths, lengths, strict=True)):
         prompt_ids = batch["prompts"][i, batch.prompt_length - int(p) :].tolist()
         response_ids = batch["responses"][i, : int(r)].tolist()
         rows.append(

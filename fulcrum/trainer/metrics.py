@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fulcrum.batch import Batch
+from fulcrum.batch import Batch, response_lengths
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import matmul_param_count, train_flops
 
@@ -113,10 +113,14 @@ def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
 
 
 def prompt_and_response_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Real (unpadded) prompt and response token counts per sample: two (B,) float tensors."""
+    """Real (unpadded) prompt and response token counts per sample: two (B,) float tensors.
+
+    The response count is every response token in the sequence (the attention mask, as verl's
+    `response_length/*`), tool answers inside a multi-turn response included; the loss counts only
+    the tokens of `response_mask`."""
     p = batch.prompt_length
     mask = batch["attention_mask"]
-    return mask[:, :p].sum(-1).float(), batch["response_mask"].sum(-1).float()
+    return mask[:, :p].sum(-1).float(), response_lengths(batch).float()
 
 
 def compute_data_metrics(batch: Batch, use_critic: bool) -> dict[str, float]:
@@ -125,7 +129,9 @@ def compute_data_metrics(batch: Batch, use_critic: bool) -> dict[str, float]:
     score/rewards: per sequence, Σ_t token_level_scores / token_level_rewards (B,);
     advantages/returns/values: over the tokens where response_mask = 1;
     vf_explained_var = 1 - Var(returns - values) / (Var(returns) + 1e-5) over those tokens;
-    clip_ratio: fraction of sequences exactly at the maximum length.
+    response_length/* and clip_ratio: every response token in the sequence (attention mask), so a
+    multi-turn response counts its tool answers too (verl's definition); clip_ratio: fraction of
+    sequences exactly at the maximum length.
     """
     mask = batch["response_mask"].bool()
     sequence_score = batch["token_level_scores"].sum(-1)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fulcrum.batch import Batch, assemble_batch
+from fulcrum.batch import Batch, assemble_batch, response_lengths
 from fulcrum.config import FulcrumConfig
 from fulcrum.models.reward_model import RewardModel
 from fulcrum.reward.scoring import RewardResult, score_batch
@@ -42,7 +42,7 @@ def reward_model_scores(batch: Batch, reward_model: RewardModel) -> torch.Tensor
     """The reward model's score (B,) of each row's prompt and response."""
     prompt_mask = batch["attention_mask"][:, : batch.prompt_length].bool()
     prompts = [row[keep].tolist() for row, keep in zip(batch["prompts"], prompt_mask, strict=True)]
-    lengths = batch["response_mask"].sum(-1).tolist()
+    lengths = response_lengths(batch).tolist()
     responses = [batch["responses"][i, : int(n)].tolist() for i, n in enumerate(lengths)]
     return reward_model.score(prompts, responses, batch.non_tensors.get("raw_prompt"))
 
@@ -110,7 +110,7 @@ class Sampler:
             with_scores = Batch(batch.tensors, dict(batch.non_tensors, extra_info=infos))
             return score_batch(with_scores, self.tokenizer, self.reward_manager)
         token_level = torch.zeros(batch["responses"].shape, dtype=torch.float32)
-        lengths = batch["response_mask"].sum(-1).long()
+        lengths = response_lengths(batch)
         rows = torch.nonzero(lengths > 0).squeeze(-1)
         token_level[rows, lengths[rows] - 1] = rm_scores[rows]
         return token_level, RewardResult(scores=rm_scores.tolist())
