@@ -19,12 +19,8 @@ from test_workers_units import make_batch
 
 from fulcrum.algo.losses import compute_value_loss
 from fulcrum.batch import Batch
-from fulcrum.models.packed import (
-    compile_decoder_layers,
-    enable_packed_attention,
-    pack_micro_batch,
-    shard_stream,
-)
+from fulcrum.models.packed import compile_decoder_layers, enable_packed_attention, pack_micro_batch
+from fulcrum.models.stream_shard import shard_stream
 from fulcrum.models.value_head import CriticModel
 from fulcrum.parallel.ulysses import check_heads, kv_repeats, sequence_parallel_group
 from fulcrum.rollout.testing import random_causal_lm

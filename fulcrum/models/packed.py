@@ -26,6 +26,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,13 +36,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fulcrum.batch import host_to_device
 from fulcrum.models.arch import SPECS, spec_for
-from fulcrum.parallel.ulysses import (
-    SequenceParallel,
-    check_heads,
-    gather_heads_scatter_seq,
-    gather_seq_scatter_heads,
-    kv_repeats,
-)
+from fulcrum.parallel.ulysses import SequenceParallel, gather_heads_scatter_seq, sequence_parallel_heads
+
+if TYPE_CHECKING:
+    from fulcrum.models.stream_shard import StreamShard
 
 logger = logging.getLogger(__name__)
 
@@ -125,61 +123,13 @@ def pack_micro_batch(
     )
 
 
-@dataclass
-class StreamShard:
-    """One rank's slice of a packed stream under sequence parallelism (`shard_stream`): n = N' / sp
-    consecutive tokens of the stream padded to N' (a multiple of sp), and the M_r response predictors
-    that fall in it."""
-
-    input_ids: torch.Tensor  # (n,) long
-    position_ids: torch.Tensor  # (n,) long
-    cu_seqlens: torch.Tensor  # (S + 1,) or (S + 2,) int32: the whole padded stream's sequences
-    max_seqlen: int
-    predictor: torch.Tensor  # (M_r,) long: index in this rank's slice
-    labels: torch.Tensor  # (M_r,) long
-    counts: list[int]  # M_r of every rank of the group, in rank order (Σ = M)
-
-    def to(self, device: torch.device) -> StreamShard:
-        return StreamShard(**fields_on(self, device))
-
-
-def fields_on(obj: PackedMicroBatch | StreamShard, device: torch.device) -> dict[str, object]:
+def fields_on(obj: object, device: torch.device) -> dict[str, object]:
     """A dataclass's fields by name, its tensors copied to `device` (asynchronously from the host)."""
     return {
         f.name: (host_to_device(v, device) if isinstance(v, torch.Tensor) else v)
         for f in fields(obj)
         for v in [getattr(obj, f.name)]
     }
-
-
-def shard_stream(packed: PackedMicroBatch, sp_size: int, sp_rank: int) -> StreamShard:
-    """Rank `sp_rank`'s share of `packed` for a group of `sp_size` (index work, on the host).
-
-    The stream is padded to a multiple of `sp_size` with pad tokens (id 0) that form a sequence of their
-    own at the end, so no real token attends to them; rank r takes tokens r·n … (r+1)·n - 1. The
-    predictors are in stream order, so each rank's are a contiguous run of the M, and gathering the
-    ranks' results in rank order gives the M in order.
-    """
-    n_real = packed.input_ids.numel()
-    n = -(-n_real // sp_size)  # tokens per rank
-    pad = n * sp_size - n_real
-    ids = torch.cat([packed.input_ids, packed.input_ids.new_zeros(pad)])  # (N',)
-    positions = torch.cat([packed.position_ids, torch.arange(pad, dtype=packed.position_ids.dtype)])
-    cu = packed.cu_seqlens
-    if pad:
-        cu = torch.cat([cu, cu.new_tensor([n * sp_size])])
-    owner = torch.div(packed.predictor, n, rounding_mode="floor")  # (M,)
-    mine = owner == sp_rank
-    start = sp_rank * n
-    return StreamShard(
-        input_ids=ids[start : start + n],
-        position_ids=positions[start : start + n],
-        cu_seqlens=cu,
-        max_seqlen=max(packed.max_seqlen, pad),
-        predictor=packed.predictor[mine] - start,
-        labels=packed.labels[mine],
-        counts=torch.bincount(owner, minlength=sp_size).tolist(),
-    )
 
 
 def packing_unsupported_reason(config: object) -> str | None:
@@ -430,23 +380,6 @@ def packed_attention(
     if isinstance(sp, SequenceParallel):
         out = gather_heads_scatter_seq(out, sp)  # (N', Hq / sp, D) -> (n, Hq, D)
     return out.unsqueeze(0), None  # (1, N, Hq, D)
-
-
-def sequence_parallel_heads(
-    query: torch.Tensor,  # (1, Hq, n, D): this rank's n tokens
-    key: torch.Tensor,  # (1, Hkv, n, D)
-    value: torch.Tensor,  # (1, Hkv, n, D)
-    sp: SequenceParallel,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ulysses' first all-to-all: every token of the stream for this rank's share of the heads,
-    (1, Hq / sp, N', D) and (1, Hkv' / sp, N', D). Key/value heads are repeated first when their count
-    does not divide by sp (`kv_repeats`), so that query head h and its key/value head land on one rank."""
-    heads, kv_heads = query.shape[1], key.shape[1]
-    check_heads(heads, sp.size, "ulysses_sequence_parallel_size")
-    repeats = kv_repeats(heads, kv_heads, sp.size)
-    if repeats > 1:
-        key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
-    return tuple(gather_seq_scatter_heads(x, sp) for x in (query, key, value))  # type: ignore[return-value]
 
 
 def right_padded_causal_attention(

@@ -153,3 +153,20 @@ class _GatherRows(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         start, stop = ctx.bounds  # type: ignore[attr-defined]
         return grad[start:stop], None, None
+
+
+def sequence_parallel_heads(
+    query: torch.Tensor,  # (1, Hq, n, D): this rank's n tokens
+    key: torch.Tensor,  # (1, Hkv, n, D)
+    value: torch.Tensor,  # (1, Hkv, n, D)
+    sp: SequenceParallel,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ulysses' first all-to-all: every token of the stream for this rank's share of the heads,
+    (1, Hq / sp, N', D) and (1, Hkv' / sp, N', D). Key/value heads are repeated first when their count
+    does not divide by sp (`kv_repeats`), so that query head h and its key/value head land on one rank."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    check_heads(heads, sp.size, "ulysses_sequence_parallel_size")
+    repeats = kv_repeats(heads, kv_heads, sp.size)
+    if repeats > 1:
+        key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
+    return tuple(gather_seq_scatter_heads(x, sp) for x in (query, key, value))  # type: ignore[return-value]

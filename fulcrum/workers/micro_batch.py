@@ -18,13 +18,8 @@ from fulcrum.batch import Batch, host_to_device
 from fulcrum.models.linear_logprob import linear_log_softmax
 from fulcrum.models.load import autocast_for
 from fulcrum.models.logprob import logprob_and_entropy, response_logits, trim_padding
-from fulcrum.models.packed import (
-    PackedMicroBatch,
-    StreamShard,
-    pack_micro_batch,
-    packed_hidden_states,
-    shard_stream,
-)
+from fulcrum.models.packed import PackedMicroBatch, pack_micro_batch, packed_hidden_states
+from fulcrum.models.stream_shard import StreamShard, shard_stream
 from fulcrum.parallel import max_over_ranks
 from fulcrum.parallel.fsdp import is_sharded, run_in_root
 from fulcrum.parallel.ulysses import SequenceParallel, gather_rows
