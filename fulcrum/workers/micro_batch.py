@@ -299,6 +299,7 @@ def packed_stream(
     """The micro-batch packed (its (B, R) layout, for `scatter`) and the stream this rank runs: the whole
     of it, or with `sp` this rank's `StreamShard`; both on `device` (the index work is done on the host)."""
     packed = pack_micro_batch(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb.prompt_length)
-    stream = packed if sp is None else shard_stream(packed, sp.size, sp.rank).to(device)
-    packed = packed.to(device)
-    return packed, (packed if sp is None else stream)
+    if sp is None:
+        packed = packed.to(device)
+        return packed, packed
+    return packed.to(device), shard_stream(packed, sp.size, sp.rank).to(device)
