@@ -145,13 +145,13 @@ def warm_start_check(model_dir: Path, test_file: Path, plan: Any) -> dict[str, A
     model leaves the device afterwards: the RL runs need the memory."""
     import pyarrow.parquet as pq
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from fulcrum.models.load import load_tokenizer
 
     rows = pq.read_table(test_file).to_pylist()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(str(model_dir))  # a pad token guaranteed, as training has it
     tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:  # as fulcrum's loader does (verl's rule)
-        tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(plan.device).eval()
     texts = [
         tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows
