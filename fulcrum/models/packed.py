@@ -26,7 +26,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +37,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from fulcrum.batch import host_to_device
 from fulcrum.models.arch import SPECS, spec_for
 from fulcrum.parallel.ulysses import SequenceParallel, gather_heads_scatter_seq, sequence_parallel_heads
-
-if TYPE_CHECKING:
-    from fulcrum.models.stream_shard import StreamShard
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +52,15 @@ _ATEN_FLASH = getattr(torch.ops.aten, "_flash_attention_forward", None)
 
 # The name under which `packed_attention` is registered with transformers' attention interfaces.
 PACKED_ATTENTION = "fulcrum_packed"
+
+
+class PackedStream(Protocol):
+    """What the decoder runs over: a `PackedMicroBatch`, or one rank's `StreamShard` of it."""
+
+    input_ids: torch.Tensor  # (N,) long
+    position_ids: torch.Tensor  # (N,) long
+    cu_seqlens: torch.Tensor  # (S + 1,) int32
+    max_seqlen: int
 
 
 @dataclass
@@ -453,7 +459,7 @@ def varlen_causal_attention(
 
 
 def packed_hidden_states(
-    base: nn.Module, packed: PackedMicroBatch | StreamShard, sp: SequenceParallel | None = None
+    base: nn.Module, packed: PackedStream, sp: SequenceParallel | None = None
 ) -> torch.Tensor:
     """The decoder's final-norm hidden states of the packed stream: (N, H); with `sp`, of this rank's
     `StreamShard` of it, (n, H), attention exchanging heads with the group's other ranks.
