@@ -34,7 +34,11 @@ def test_every_field_of_the_config_class_is_classified(model_type: str) -> None:
 
 
 def test_the_architectures_served_are_the_ones_specified() -> None:
-    assert set(SPECS) == set(NATIVE_ARCHITECTURES) == {"llama", "mistral", "qwen2", "qwen3"}
+    assert (
+        set(SPECS)
+        == set(NATIVE_ARCHITECTURES)
+        == {"gemma3_text", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"}
+    )
 
 
 # SmolLM2-135M-Instruct's config.json (a Llama written by an older transformers, with its own extras).

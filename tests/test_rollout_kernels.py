@@ -28,8 +28,10 @@ def tol(dtype: torch.dtype) -> dict[str, float]:
     return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
 
 
+@pytest.mark.parametrize("window", [None, 20], ids=["full", "sliding-window"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_decode_attention_matches_gather_sdpa(dtype):
+def test_paged_decode_attention_matches_gather_sdpa(dtype, window):
+    """With a window of 20 the contexts of 70 and 112 tokens start inside a tile and a block."""
     from fulcrum.rollout.native.kernels import paged_decode_attention
 
     torch.manual_seed(0)
@@ -39,8 +41,8 @@ def test_paged_decode_attention_matches_gather_sdpa(dtype):
     tables = torch.randperm(39, device=DEVICE)[: batch * 7].view(batch, 7).int() + 1
     context = torch.tensor([1, 15, 16, 70, 112], device=DEVICE, dtype=torch.int32)
     q = torch.randn(batch, heads, dim, device=DEVICE, dtype=dtype)
-    expected = ops.decode_attention_gather(q, k_cache, v_cache, tables, context, 112, block, 0.125)
-    got = paged_decode_attention(q, k_cache, v_cache, tables, context, block, 0.125)
+    expected = ops.decode_attention_gather(q, k_cache, v_cache, tables, context, 112, block, 0.125, window)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, context, block, 0.125, window=window)
     torch.testing.assert_close(got, expected, **tol(dtype))
 
 

@@ -16,8 +16,9 @@ What conversion loses: quantized weights dequantized are *not* the original chec
 a Q4_1 file is a slightly different model from the one its authors published in bf16. Any figure
 measured on it says so.
 
-Supported: the Llama and Qwen2 families (`general.architecture` `llama` and `qwen2`), the two the
-native rollout engine serves; others are refused with a message naming the architecture. The output
+Supported: the Llama, Qwen2 and Gemma 3 families (`general.architecture` `llama`, `qwen2`, `gemma3`;
+transformers reads Gemma 3 as its text model, `gemma3_text`, and turns llama.cpp's stored norm
+weights 1 + w back into w), which the native rollout engine serves; others are refused with a message naming the architecture. The output
 folder is written under a temporary name and renamed when complete; an existing non-empty folder is
 never replaced unless it is itself an earlier import and `--force` is given.
 """
@@ -41,7 +42,7 @@ import torch
 
 GGUF_MAGIC = b"GGUF"
 # GGUF `general.architecture` -> Hugging Face `model_type`.
-SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+SUPPORTED_ARCHITECTURES = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2"}
 SOURCE_FILE = "gguf_source.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -111,12 +112,13 @@ def set_special_tokens(tokenizer: Any, special_ids: dict[str, int]) -> None:
             setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(token_id))
 
 
-def plain_config(config: Any) -> Any:
-    """The loaded config without `quantization_config` and GGUF bookkeeping, as its own class."""
+def plain_config(config: Any, architecture: str) -> Any:
+    """The loaded config without `quantization_config` and GGUF bookkeeping, as its own class;
+    `architecture`: the model class's name (Gemma3TextConfig's is Gemma3ForCausalLM)."""
     data = config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
         data.pop(key, None)
-    data["architectures"] = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
+    data["architectures"] = [architecture]
     return type(config).from_dict(data)
 
 
@@ -150,7 +152,7 @@ def _convert(path: Path, out: Path, dtype: torch.dtype) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     set_special_tokens(tokenizer, header.special_ids)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = plain_config(loaded.config)
+    config = plain_config(loaded.config, type(loaded).__name__)
     config.dtype = dtype
     for name in ("bos_token", "eos_token", "pad_token"):  # the model's ids agree with the tokenizer's
         if name in header.special_ids:

@@ -65,13 +65,18 @@ def response_logits(
 
     Position t predicts token t + 1, so the response's tokens are predicted by positions
     [-R-1, -1). Asking the model for only the last R + 1 positions skips the LM head on the prompt.
+    A mixture of experts' own load-balancing loss is not asked for (`output_router_logits=False`):
+    the actor computes it (`fulcrum.models.router_loss`), and Hugging Face's would read this
+    function's 4-D mask as a 2-D one.
     """
+    routers = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
     out = model(
         input_ids=input_ids,
         attention_mask=no_empty_rows_mask(model, attention_mask),
         position_ids=position_ids,
         use_cache=False,
         logits_to_keep=response_length + 1,
+        **routers,
     )
     return out.logits[:, :-1, :]  # (B, R, V)
 
@@ -103,7 +108,9 @@ def trim_padding(
     )
 
 
-def no_empty_rows_mask(model: nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
+def no_empty_rows_mask(
+    model: nn.Module, attention_mask: torch.Tensor
+) -> torch.Tensor | dict[str, torch.Tensor]:
     """For SDPA: a (B, 1, T, T) boolean causal mask in which every left-padding query attends to itself.
 
     With left padding, the query rows of pad tokens are fully masked (causal and padding leave them
@@ -113,18 +120,27 @@ def no_empty_rows_mask(model: nn.Module, attention_mask: torch.Tensor) -> torch.
     (they still never attend to pads) and leaves no row empty. A family whose every layer slides a
     window (Mistral, `fulcrum.models.arch`) gets it here, as Hugging Face's own mask would have it:
     query i sees key j when i - window < j (real tokens are contiguous in a row, so column distance
-    is position distance). Other attention implementations (eager, flash) get the 2-D mask unchanged.
+    is position distance). A family whose layers differ (Gemma 3's local and global layers) gets one
+    such mask per layer type, the dict its Hugging Face model takes. Other attention implementations
+    (eager, flash) get the 2-D mask unchanged.
     """
     if getattr(getattr(model, "config", None), "_attn_implementation", None) not in (
         "sdpa",
         PACKED_ATTENTION,
     ):
         return attention_mask
+    spec = spec_for(model.config)
+    if spec is not None and spec.windows_by_layer_type is not None:
+        windows = spec.windows_by_layer_type(model.config)
+        return {kind: _self_seeing_mask(attention_mask, window) for kind, window in windows.items()}
+    return _self_seeing_mask(attention_mask, spec.window(model.config) if spec is not None else None)
+
+
+def _self_seeing_mask(attention_mask: torch.Tensor, window: int | None) -> torch.Tensor:
+    """`no_empty_rows_mask`'s (B, 1, T, T) mask for one window (None: full causal attention)."""
     length = attention_mask.shape[1]
     real = attention_mask.bool()  # (B, T)
     causal = torch.ones(length, length, dtype=torch.bool, device=real.device).tril()  # (T, T)
-    spec = spec_for(model.config)
-    window = spec.window(model.config) if spec is not None else None
     if window is not None and window < length:
         causal = causal.triu(1 - int(window))  # (T, T): only the window latest keys
     mask = causal[None] & real[:, None, :]  # (B, T_q, T_k): causal and key is a real token

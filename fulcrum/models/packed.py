@@ -343,8 +343,12 @@ def take_over_checkpointing(base: nn.Module) -> bool:
 def run_decoder_layers(
     layers: list[nn.Module], hidden: torch.Tensor, recompute: bool, kwargs: dict[str, object]
 ) -> torch.Tensor:
-    """`hidden` (1, N, H) through `layers` in turn (`call_layer`)."""
+    """`hidden` (1, N, H) through `layers` in turn (`call_layer`). With one RoPE table per layer type
+    (Gemma 3), `position_embeddings` is a dict by type: each layer takes its attention's."""
+    tables = kwargs["position_embeddings"]
     for layer in layers:
+        if isinstance(tables, dict):
+            kwargs = {**kwargs, "position_embeddings": tables[layer.self_attn.layer_type]}
         hidden = call_layer(layer, hidden, recompute, kwargs)
     return hidden
 
@@ -471,7 +475,11 @@ def packed_hidden_states(
     """
     ids, positions = packed.input_ids[None], packed.position_ids[None]  # (1, N)
     hidden = base.embed_tokens(ids)  # (1, N, H)
-    position_embeddings = base.rotary_emb(hidden, positions)
+    kinds = getattr(base.rotary_emb, "layer_types", None)  # Gemma 3: a table per layer type
+    if kinds is None:
+        position_embeddings = base.rotary_emb(hidden, positions)
+    else:
+        position_embeddings = {kind: base.rotary_emb(hidden, positions, kind) for kind in kinds}
     kwargs = {
         "attention_mask": None,
         "position_ids": positions,

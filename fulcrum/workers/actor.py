@@ -8,6 +8,7 @@ loop is the same.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ from fulcrum.batch import Batch, host_to_device
 from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
 from fulcrum.models.lora import Adapters, LoraSettings
+from fulcrum.models.router_loss import load_balancing_loss, recorded_router_logits, router_loss_settings
 from fulcrum.parallel.fsdp import full_named_tensors
 from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
@@ -143,6 +145,8 @@ class ActorWorker:
         )
         import_policy_losses(cfg.policy_loss.path)
         self.policy_loss = get_policy_loss_fn(cfg.policy_loss.loss_mode)
+        # A mixture of experts whose config sets output_router_logits: (router_aux_loss_coef, top-k).
+        self.router_loss = router_loss_settings(self.model)
         # Rollout correction's bypass mode (set by the trainer): the loss corrects against the engine.
         self.bypass: RolloutCorrection | None = None
 
@@ -167,13 +171,18 @@ class ActorWorker:
         """Forward, loss (this micro-batch's share of the mini-batch loss), backward; detached metrics.
 
         policy loss = pg_loss - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref), each aggregated
-        by actor.loss_agg_mode. A loss reports what it defines; a loss that clips nothing reports no
+        by actor.loss_agg_mode (+ router_aux_loss_coef * the routers' load-balancing loss, when a
+        mixture of experts' config sets output_router_logits: `fulcrum.models.router_loss`). A loss reports what it defines; a loss that clips nothing reports no
         clip fractions, which are then 0.
         """
         cfg = self.cfg
         mask = host_to_device(mb["response_mask"], self.device).float()
         with_entropy = float(cfg.entropy_coeff) != 0.0
-        log_prob, entropy = self.forwards.log_prob(mb, self.temperature, with_entropy, mask)
+        routed = (
+            contextlib.nullcontext([]) if self.router_loss is None else recorded_router_logits(self.model)
+        )
+        with routed as router_logits:
+            log_prob, entropy = self.forwards.log_prob(mb, self.temperature, with_entropy, mask)
         old_log_prob = host_to_device(mb["old_log_probs"], self.device)
         advantages = host_to_device(mb["advantages"], self.device)
         config = LossConfig.of(cfg, agg)
@@ -203,6 +212,14 @@ class ActorWorker:
             policy_loss = policy_loss + float(cfg.kl_loss_coef) * kl_loss
             out["actor/kl_loss"] = kl_loss.detach()
             out["actor/kl_coef"] = float(cfg.kl_loss_coef)
+        if self.router_loss is not None:
+            # This micro-batch's share of the mini-batch, by response tokens, as the policy loss's.
+            coef, top_k = self.router_loss
+            balance = load_balancing_loss(router_logits, top_k, self.forwards.token_mask(mb))
+            share = float(mb["response_mask"].sum()) / agg.get("batch_num_tokens", 1.0)
+            policy_loss = policy_loss + coef * share * balance
+            out["actor/load_balancing_loss"] = balance.detach()
+            out["actor/load_balancing_coef"] = coef
         policy_loss.backward()
         return out
 

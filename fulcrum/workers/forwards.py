@@ -170,6 +170,11 @@ class ModelForwards:
             self.model, mb, temperature, with_entropy, self.device, self.packed, response_mask, self.sp
         )
 
+    def token_mask(self, mb: Batch) -> torch.Tensor | None:
+        """Which rows of a forward's per-token tensors (e.g. router logits) are real tokens: the padded
+        forward runs the trimmed (B, T') grid, flattened; the packed stream holds only real tokens (None)."""
+        return None if self.packed else trimmed_inputs(mb, self.device)[1].reshape(-1)
+
     def values(self, mb: Batch, response_mask: torch.Tensor | None = None) -> torch.Tensor:
         return forward_values(self.model, mb, self.device, self.packed, response_mask, self.sp)
 

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from fulcrum.models.arch import llama, mistral, qwen2, qwen3
+from fulcrum.models.arch import gemma3, llama, mistral, qwen2, qwen3, qwen3_moe
 from fulcrum.models.arch.spec import ModelShape, ModelSpec, attention_bias, config_value, dense_shape
 
 SPECS: dict[str, ModelSpec] = {
+    "gemma3_text": gemma3.SPEC,
     "llama": llama.SPEC,
     "mistral": mistral.SPEC,
     "qwen2": qwen2.SPEC,
     "qwen3": qwen3.SPEC,
+    "qwen3_moe": qwen3_moe.SPEC,
 }
 
 __all__ = ["SPECS", "ModelShape", "ModelSpec", "model_shape", "spec_for", "unsupported_reason"]
@@ -45,5 +47,6 @@ def unsupported_reason(config: Any, max_model_len: int | None = None) -> str | N
     spec = spec_for(config)
     if spec is None:
         model_type = config_value(config, "model_type")
-        return f"model_type={model_type!r} (it runs {', '.join(sorted(SPECS))})"
+        why = gemma3.REFUSED.get(model_type)
+        return f"model_type={model_type!r} ({why if why else 'it runs ' + ', '.join(sorted(SPECS))})"
     return spec.unsupported_reason(config, max_model_len)

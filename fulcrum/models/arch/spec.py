@@ -176,11 +176,18 @@ class ModelShape:
     qkv_bias: bool
     o_bias: bool = False
     qk_norm: bool = False
+    norms_per_layer: int = 2  # 4 with Gemma's norms around attention and MLP outputs
+    moe_layers: int = 0  # layers whose MLP is `experts` experts of width `expert_intermediate`
+    experts: int = 0
+    active_experts: int = 0  # top-k: the experts each token runs
+    expert_intermediate: int = 0
 
 
-def dense_shape(config: Any, qkv_bias: bool, o_bias: bool = False, qk_norm: bool = False) -> ModelShape:
+def dense_shape(
+    config: Any, qkv_bias: bool, o_bias: bool = False, qk_norm: bool = False, **extra: int
+) -> ModelShape:
     """A Llama-style decoder's shape from its config (object or config.json dict); KeyError names a
-    missing key."""
+    missing key. `extra`: ModelShape's norm and expert fields."""
 
     def required(name: str) -> int:
         value = config_value(config, name)
@@ -201,7 +208,17 @@ def dense_shape(config: Any, qkv_bias: bool, o_bias: bool = False, qk_norm: bool
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         qk_norm=qk_norm,
+        **extra,
     )
+
+
+def _mlp_params(shape: ModelShape, active: bool) -> int:
+    """SwiGLU / GeGLU weights of all layers: 3·h·I per dense layer; per expert layer the router (E·h)
+    and 3·h·I_e per expert, all E of them, or (`active`) the top-k a token runs."""
+    h = shape.hidden
+    experts = shape.active_experts if active else shape.experts
+    moe = shape.experts * h + experts * 3 * h * shape.expert_intermediate
+    return (shape.layers - shape.moe_layers) * 3 * h * shape.intermediate + shape.moe_layers * moe
 
 
 def param_count(shape: ModelShape, lm_head: bool = True) -> int:
@@ -211,19 +228,19 @@ def param_count(shape: ModelShape, lm_head: bool = True) -> int:
     attention = h * q + 2 * h * kv + q * h
     attention += (q + 2 * kv if shape.qkv_bias else 0) + (h if shape.o_bias else 0)
     attention += 2 * d if shape.qk_norm else 0
-    per_layer = attention + 3 * h * shape.intermediate + 2 * h
+    per_layer = attention + shape.norms_per_layer * h
     head = shape.vocab * h if lm_head and not shape.tied_embeddings else 0
-    return shape.vocab * h + shape.layers * per_layer + h + head
+    return shape.vocab * h + shape.layers * per_layer + _mlp_params(shape, False) + h + head
 
 
 def matmul_param_count(shape: ModelShape, lm_head: bool = True) -> int:
     """verl's N for the MFU: per-layer attention and MLP linears, plus the embedding and the LM head
     (`lm_head=False`, the critic with its scalar value head: the embedding once); biases and norms not
-    counted, a tied head counted twice, as verl."""
+    counted, a tied head counted twice, as verl; of a mixture of experts only the router and the
+    experts a token runs (its FLOPs)."""
     h, d = shape.hidden, shape.head_dim
     attention = h * (2 * shape.heads * d + 2 * shape.kv_heads * d)
-    mlp = 3 * h * shape.intermediate  # gate, up, down (SwiGLU)
-    return (attention + mlp) * shape.layers + (2 if lm_head else 1) * shape.vocab * h
+    return attention * shape.layers + _mlp_params(shape, True) + (2 if lm_head else 1) * shape.vocab * h
 
 
 def train_flops(shape: ModelShape, seq_lengths: list[int], lm_head: bool = True) -> float:
@@ -264,11 +281,35 @@ class ModelSpec:
     # The sliding window every layer applies (a token sees the window latest positions), None for none:
     # the padded training forward's own mask (`fulcrum.models.logprob.no_empty_rows_mask`) applies it.
     window: Callable[[Any], int | None] = lambda _config: None
+    # Families whose layers differ (Gemma 3's local and global layers): the window of each
+    # `layer_types` entry; Hugging Face's model then takes one attention mask per layer type.
+    windows_by_layer_type: Callable[[Any], dict[str, int | None]] | None = None
     layer_weights: Mapping[str, str] = field(default_factory=lambda: LLAMA_LAYER_WEIGHTS)
     model_weights: Mapping[str, str] = field(default_factory=lambda: LLAMA_MODEL_WEIGHTS)
+    # Gemma's layer: RMSNorm weights stored as w - 1 (`norm_offset` 1), a norm on the attention and
+    # on the MLP output too (`sandwich_norms`), embeddings scaled (`embed_scale`, sqrt(hidden)).
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embed_scale: Callable[[Any], float] = lambda _config: 1.0
+    attention_scale: Callable[[Any], float | None] = lambda _config: None  # None: head_dim ** -0.5
+    activation: Callable[[Any], str] = lambda _config: "silu"  # the MLP gate's: "silu" or "gelu_tanh"
+    # Mixture of experts: which layers route to experts, and the experts' sizes for ModelShape
+    # (moe_layers, experts, active_experts, expert_intermediate); empty for a dense family.
+    moe_layers: Callable[[Any], list[bool]] = lambda _config: []
+    moe_shape: Callable[[Any], dict[str, int]] = lambda _config: {}
 
     def shape(self, config: Any) -> ModelShape:
-        return dense_shape(config, self.qkv_bias(config), self.o_bias(config), self.qk_norm)
+        norms = 4 if self.sandwich_norms else 2
+        extra = {"norms_per_layer": norms, **self.moe_shape(config)}
+        return dense_shape(config, self.qkv_bias(config), self.o_bias(config), self.qk_norm, **extra)
+
+    def layer_windows(self, config: Any) -> list[int | None]:
+        """The sliding window of each layer (None: full causal attention)."""
+        layers = int(config_value(config, "num_hidden_layers"))
+        if self.windows_by_layer_type is None:
+            return [self.window(config)] * layers
+        by_type = self.windows_by_layer_type(config)
+        return [by_type[kind] for kind in config_value(config, "layer_types")[:layers]]
 
     def unsupported_reason(self, config: Any, max_model_len: int | None = None) -> str | None:
         """The first field whose value the decoder does not run, or fields the list does not classify."""

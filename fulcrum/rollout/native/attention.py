@@ -46,8 +46,13 @@ class AttentionMetadata:
     indirect_cache: Any = None
 
 
-def _flash_prefill(q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    causal = {"is_causal": True} if "is_causal" in _VARLEN_PARAMS else {"window_size": (-1, 0)}
+def _flash_prefill(q, k, v, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+    if window is not None:  # keys i - (window - 1) .. i
+        causal: dict[str, Any] = {"window_size": (window - 1, 0)}
+    elif "is_causal" in _VARLEN_PARAMS:
+        causal = {"is_causal": True}
+    else:
+        causal = {"window_size": (-1, 0)}
     extra = {"scale": scale} if "scale" in _VARLEN_PARAMS else {}
     if "enable_gqa" in _VARLEN_PARAMS:
         extra["enable_gqa"] = True
@@ -66,14 +71,26 @@ def paged_attention(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: (N, Hq, D), k, v: (N, Hkv, D) of the new tokens; kv_cache (layers, 2, slots, Hkv, D) -> (N, Hq, D)."""
+    """q: (N, Hq, D), k, v: (N, Hkv, D) of the new tokens; kv_cache (layers, 2, slots, Hkv, D) -> (N, Hq, D).
+
+    `window`: a sliding-window layer's width (a token sees the window latest positions, itself
+    included); None for full causal attention. The cache keeps every position either way.
+    """
     if meta.indirect_cache is not None:
         from fulcrum.rollout.native import kernels
 
         kernels.store_kv_indirect(k, v, meta.slot_mapping, meta.indirect_cache, layer)
         return kernels.paged_decode_attention_indirect(
-            q, meta.indirect_cache, layer, meta.block_tables, meta.context_lens, meta.block_size, scale
+            q,
+            meta.indirect_cache,
+            layer,
+            meta.block_tables,
+            meta.context_lens,
+            meta.block_size,
+            scale,
+            window,
         )
     k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
     k_cache.index_copy_(0, meta.slot_mapping, k)
@@ -83,7 +100,14 @@ def paged_attention(
             from fulcrum.rollout.native.kernels import paged_decode_attention
 
             return paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size, scale
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                meta.block_size,
+                scale,
+                window=window,
             )
         return ops.decode_attention_gather(
             q,
@@ -94,10 +118,11 @@ def paged_attention(
             meta.max_context,
             meta.block_size,
             scale,
+            window,
         )
     if meta.context_slots is not None:  # part of the context is already cached: read it all back
         k = k_cache.index_select(0, meta.context_slots)
         v = v_cache.index_select(0, meta.context_slots)
     if varlen_attn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        return _flash_prefill(q, k, v, meta, scale)
-    return ops.prefill_attention_sdpa(q, k, v, meta.q_lens, meta.k_lens, scale)
+        return _flash_prefill(q, k, v, meta, scale, window)
+    return ops.prefill_attention_sdpa(q, k, v, meta.q_lens, meta.k_lens, scale, window)

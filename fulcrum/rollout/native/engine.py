@@ -26,7 +26,7 @@ from fulcrum.rollout.base import RolloutOutput, SamplingParams
 from fulcrum.rollout.native.block_manager import BlockManager
 from fulcrum.rollout.native.config import EngineConfig
 from fulcrum.rollout.native.model_runner import ModelRunner
-from fulcrum.rollout.native.models.decoder import DecoderLM
+from fulcrum.rollout.native.models.decoder import DecoderLM, Rotary
 from fulcrum.rollout.native.sampler import DeviceSampler
 from fulcrum.rollout.native.scheduler import DecodeWork, Scheduler
 from fulcrum.rollout.native.sequence import Sequence
@@ -34,12 +34,29 @@ from fulcrum.rollout.native.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 
-def rotary_of(hf_model: nn.Module) -> tuple[torch.Tensor, float]:
+def rotary_of(hf_model: nn.Module) -> Rotary:
     """(inv_freq (D/2,), attention scaling) of the HF model's rotary embedding module."""
+    return next(iter(rotaries_of(hf_model).values()))
+
+
+def rotaries_of(hf_model: nn.Module) -> dict[str, Rotary]:
+    """The HF model's RoPE tables: {"": (inv_freq, scaling)}, or one per layer type when its rotary
+    module keeps one per `layer_types` entry (Gemma 3: `{type}_inv_freq`, `{type}_attention_scaling`)."""
     for module in hf_model.modules():
         inv_freq = getattr(module, "inv_freq", None)
         if isinstance(inv_freq, torch.Tensor):
-            return inv_freq.detach().float(), float(getattr(module, "attention_scaling", 1.0))
+            return {"": (inv_freq.detach().float(), float(getattr(module, "attention_scaling", 1.0)))}
+        kinds = getattr(module, "layer_types", None)
+        if kinds and all(
+            isinstance(getattr(module, f"{kind}_inv_freq", None), torch.Tensor) for kind in kinds
+        ):
+            return {
+                kind: (
+                    getattr(module, f"{kind}_inv_freq").detach().float(),
+                    float(getattr(module, f"{kind}_attention_scaling", 1.0)),
+                )
+                for kind in kinds
+            }
     raise ValueError(f"{type(hf_model).__name__} has no rotary embedding module with an inv_freq buffer")
 
 
@@ -67,8 +84,8 @@ class NativeEngine:
         spec = spec_for(hf_model.config)
         assert spec is not None  # unsupported_reason names an unknown model_type
         dtype = config.dtype if self.device.type == "cuda" else next(hf_model.parameters()).dtype
-        inv_freq, scaling = rotary_of(hf_model)
-        self.model = DecoderLM(spec, hf_model.config, inv_freq, scaling, dtype, self.device, self.tp)
+        rotaries = rotaries_of(hf_model)
+        self.model = DecoderLM(spec, hf_model.config, rotaries, dtype, self.device, self.tp)
         self.update_weights(hf_model.state_dict().items(), strict=True)
         self.runner = ModelRunner(self.model, config, self.device)
         self.runner.allocate_cache()

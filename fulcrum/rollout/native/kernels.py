@@ -22,7 +22,7 @@ if HAVE_TRITON:
     @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-        scale,
+        scale, window,
         stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_bt, stride_o_tok, stride_o_head,
         cache_addr_ptr, k_offset, v_offset,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -32,6 +32,7 @@ if HAVE_TRITON:
         # processed together, so each K/V tile is read once. Online softmax over TILE-token tiles.
         # INDIRECT: the cache's address is read from the device (cache_addr_ptr) instead of being an
         # argument, so a CUDA graph holding this kernel survives the cache being freed and reallocated.
+        # window > 0: only the window latest positions are read (sliding-window layers); 0: all.
         if INDIRECT:
             # The alignment hint restores the vectorised loads that a pointer argument gets for free.
             base = tl.multiple_of(tl.load(cache_addr_ptr), 16).to(tl.pointer_type(CACHE_DTYPE))
@@ -52,9 +53,10 @@ if HAVE_TRITON:
         m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-        for start in range(0, context_len, TILE):
+        first = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
+        for start in range((first // TILE) * TILE, context_len, TILE):
             pos = start + tl.arange(0, TILE)
-            pos_ok = pos < context_len
+            pos_ok = (pos < context_len) & (pos >= first)
             block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_ok, other=0)
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_offset = slot[:, None] * stride_k_slot + kv_head * stride_k_head + dim[None, :]
@@ -229,6 +231,7 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of ops.decode_attention_gather. q: (B, Hq, D); caches (slots, Hkv, D) -> (B, Hq, D)."""
     batch, num_heads, head_dim = q.shape
@@ -237,7 +240,7 @@ def paged_decode_attention(
     out = torch.empty_like(q) if out is None else out
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _paged_decode_kernel[(batch, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale,
+        q, k_cache, v_cache, block_tables, context_lens, out, scale, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), context_lens, 0, 0,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
@@ -254,6 +257,7 @@ def paged_decode_attention_indirect(
     context_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """paged_decode_attention over layer `layer` of an IndirectCache (address read on the device)."""
     batch, num_heads, head_dim = q.shape
@@ -262,7 +266,7 @@ def paged_decode_attention_indirect(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     k_offset, v_offset = cache.offsets(layer)
     _paged_decode_kernel[(batch, cache.num_kv_heads)](
-        q, q, q, block_tables, context_lens, out, scale,
+        q, q, q, block_tables, context_lens, out, scale, window or 0,
         q.stride(0), q.stride(1), cache.num_kv_heads * head_dim, head_dim, block_tables.stride(0),
         out.stride(0), out.stride(1), cache.address, k_offset, v_offset,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,

@@ -10,22 +10,26 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / sqrt(mean(x^2) + eps), computed in fp32 and rounded once, as HF's Qwen2/Llama RMSNorm.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """(offset + weight) * x / sqrt(mean(x^2) + eps): x (N, hidden) -> (N, hidden) in x's dtype.
 
-    x: (N, hidden) -> (N, hidden) in x's dtype.
+    offset 0 (Llama, Qwen): the normed x is rounded to x's dtype, then scaled by the weight, as HF's
+    LlamaRMSNorm; offset 1 (Gemma, whose weights are stored as w - 1): the product is taken in fp32
+    and rounded once, as HF's Gemma3RMSNorm.
     """
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (normed * (offset + weight.float())).to(x.dtype)
     return weight * normed.to(x.dtype)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the residual sum is kept in the model dtype, as HF does."""
     total = x + residual
-    return rms_norm(total, weight, eps), total
+    return rms_norm(total, weight, eps, offset), total
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int, scaling: float) -> torch.Tensor:
@@ -55,6 +59,22 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for gate_up = [gate | up] (Gemma's `gelu_pytorch_tanh`): (N, 2I) -> (N, I)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal mask, and with `window` only the window latest keys (itself included, HF's
+    `sliding_window_overlay`): key j seen by query i when j <= i and i - window < j.
+
+    query_pos (..., Q, 1), key_pos (..., 1, K) -> bool (..., Q, K).
+    """
+    seen = key_pos <= query_pos
+    return seen if window is None else seen & (key_pos > query_pos - window)
+
+
 def block_slots(
     block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor, block_size: int
 ):
@@ -73,11 +93,13 @@ def prefill_attention_sdpa(
     q_lens: list[int],
     k_lens: list[int],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed sequences, one SDPA call each; queries are the last tokens of the keys.
 
     q: (sum q_lens, Hq, D); k, v: (sum k_lens, Hkv, D) -> (sum q_lens, Hq, D). Query i of a sequence
-    sits at key position k_len - q_len + i and sees keys 0..that position (bottom-right causal).
+    sits at key position k_len - q_len + i and sees keys 0..that position (bottom-right causal), the
+    `window` latest of them with a window.
     """
     out = torch.empty_like(q)
     q_start = k_start = 0
@@ -86,7 +108,7 @@ def prefill_attention_sdpa(
         ks = k[k_start : k_start + k_len].transpose(0, 1)
         vs = v[k_start : k_start + k_len].transpose(0, 1)
         row = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)
-        mask = torch.arange(k_len, device=q.device)[None, :] <= row  # (q_len, k_len)
+        mask = window_mask(row, torch.arange(k_len, device=q.device)[None, :], window)  # (q_len, k_len)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         out[q_start : q_start + q_len] = o.transpose(0, 1)
         q_start += q_len
@@ -103,18 +125,22 @@ def decode_attention_gather(
     max_context: int,
     block_size: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context: gather the blocks, then masked SDPA.
 
     q: (B, Hq, D); k_cache, v_cache: (slots, Hkv, D); block_tables: (B, max_blocks);
-    context_lens: (B,) tokens to attend to (the current one included) -> (B, Hq, D).
+    context_lens: (B,) tokens to attend to (the current one included), the `window` latest of them
+    with a window -> (B, Hq, D).
     """
     batch = q.shape[0]
     positions = torch.arange(max_context, device=q.device)
     slots = block_tables[:, positions // block_size].long() * block_size + positions % block_size  # (B, C)
     keys = k_cache[slots].transpose(1, 2)  # (B, Hkv, C, D)
     values = v_cache[slots].transpose(1, 2)
-    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # (B, 1, 1, C)
+    mask = window_mask(context_lens[:, None] - 1, positions[None, :], window)[
+        :, None, None, :
+    ]  # (B, 1, 1, C)
     out = F.scaled_dot_product_attention(
         q.view(batch, -1, 1, q.shape[-1]), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )

@@ -1,9 +1,11 @@
 """The native engine's decoder: a Llama-style causal LM over the paged KV cache, read top to bottom.
 
 One decoder serves every family whose `ModelSpec` (fulcrum.models.arch) it has the features of:
-Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 (an RMSNorm over each head's q and k). The spec says
-which features a config has and which Hugging Face names fill which slot; the decoder fuses q/k/v
-and gate/up and knows how each slot splits over tensor-parallel ranks. Weights are the engine's own
+Llama, Mistral (a sliding window), Qwen2 (q/k/v biases), Qwen3 (an RMSNorm over each head's q and
+k), Gemma 3 (norms on the attention and MLP outputs, (1 + w) norms, scaled embeddings, local and
+global layers with their own window and RoPE table, GELU), Qwen3-MoE (expert MLPs, `moe.py`). The
+spec says which features a config has and which Hugging Face names fill which slot; the decoder
+fuses q/k/v and gate/up and knows how each slot splits over tensor-parallel ranks. Weights are the engine's own
 tensors (in the engine dtype), filled by `load_weights`, always in place, so CUDA graphs captured over
 them stay valid across weight syncs.
 """
@@ -20,9 +22,11 @@ from fulcrum.models.arch import ModelSpec
 from fulcrum.parallel.tensor_parallel import TensorParallel, shard_heads, shard_range
 from fulcrum.rollout.native import ops
 from fulcrum.rollout.native.attention import AttentionMetadata, paged_attention
+from fulcrum.rollout.native.models import moe
 
 Shard = tuple[int, int, int]  # (dim, start, length) of an HF tensor that one tensor-parallel rank holds
 Target = tuple[torch.Tensor, Shard | None]  # (the (view of the) engine tensor, this rank's slice or None)
+Rotary = tuple[torch.Tensor, float]  # (inv_freq (D/2,), attention scaling) of one RoPE table
 # Wrappers that prefix parameter names: torch.compile, DDP/FSDP1, activation checkpointing.
 _WRAPPER_PREFIXES = re.compile(r"(_orig_mod\.|module\.|_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.)")
 
@@ -32,15 +36,18 @@ class DecoderLM:
 
     With tensor parallelism (`tp.size > 1`, fulcrum.parallel.tensor_parallel) this rank holds its
     query heads, the K/V heads they read and its slice of the MLP columns; `num_heads`,
-    `num_kv_heads` and the sizes below are this rank's; embedding, norms and LM head are whole.
+    `num_kv_heads` and the sizes below are this rank's; embedding, norms and LM head are whole. Every
+    expert is on every rank, with its slice of the expert's intermediate columns (as the dense MLP):
+    the router and each token's routing are the same on all ranks, one all-reduce sums the slices.
+
+    `rotaries`: the RoPE tables by layer type ({"": ...} when every layer shares one).
     """
 
     def __init__(
         self,
         spec: ModelSpec,
         config,
-        inv_freq: torch.Tensor,
-        rope_scaling: float,
+        rotaries: dict[str, Rotary],
         dtype: torch.dtype,
         device,
         tp: TensorParallel | None = None,
@@ -62,31 +69,50 @@ class DecoderLM:
         self.num_kv_heads = self.heads.kv_stop - self.heads.kv_start
         self.num_layers = config.num_hidden_layers
         self.eps = config.rms_norm_eps
-        self.scale = self.head_dim**-0.5
+        self.scale = spec.attention_scale(config) or self.head_dim**-0.5
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.use_triton = False
+        self.norm_offset = spec.norm_offset
+        self.windows = spec.layer_windows(config)
+        self.act_and_mul = ops.gelu_tanh_and_mul if spec.activation(config) == "gelu_tanh" else None
         inter = self.inter_range[1] - self.inter_range[0]
         qkv_bias, o_bias = spec.qkv_bias(config), spec.o_bias(config)
         self.qk_norm = spec.qk_norm
+        moe_layers = spec.moe_layers(config) or [False] * self.num_layers
+        if any(moe_layers):
+            self.expert_range = shard_range(
+                config.moe_intermediate_size, self.tp.rank, self.tp.size, "moe_intermediate_size"
+            )
+            self.top_k, self.norm_topk = config.num_experts_per_tok, bool(config.norm_topk_prob)
 
         def empty(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=self.device)
 
+        # Hugging Face rounds the scale sqrt(hidden) to the embedding dtype before multiplying.
+        scale = spec.embed_scale(config)
+        self.embed_scale = None if scale == 1.0 else torch.tensor(scale, dtype=dtype, device=self.device)
         self.embed = empty(config.vocab_size, self.hidden)
         self.lm_head = self.embed if self.tied else empty(config.vocab_size, self.hidden)
         self.final_norm = empty(self.hidden)
         self.layers: list[dict[str, torch.Tensor]] = []
-        for _ in range(self.num_layers):
+        for is_moe in moe_layers:
             layer = {
                 "input_norm": empty(self.hidden),
                 "qkv": empty(self.q_size + 2 * self.kv_size, self.hidden),
                 "o": empty(self.hidden, self.q_size),
                 "post_norm": empty(self.hidden),
-                "gate_up": empty(2 * inter, self.hidden),
-                "down": empty(self.hidden, inter),
             }
+            if is_moe:  # router (E, H) whole; experts (E, 2I, H) and (E, H, I) over this rank's columns
+                experts, width = config.num_experts, self.expert_range[1] - self.expert_range[0]
+                layer |= {
+                    "router": empty(experts, self.hidden),
+                    "experts_gate_up": empty(experts, 2 * width, self.hidden),
+                }
+                layer["experts_down"] = empty(experts, self.hidden, width)
+            else:
+                layer |= {"gate_up": empty(2 * inter, self.hidden), "down": empty(self.hidden, inter)}
             if qkv_bias:
                 layer["qkv_bias"] = empty(self.q_size + 2 * self.kv_size)
             if o_bias:
@@ -94,23 +120,29 @@ class DecoderLM:
             if self.qk_norm:
                 layer["q_norm"] = empty(self.head_dim)
                 layer["k_norm"] = empty(self.head_dim)
+            if spec.sandwich_norms:
+                layer["attn_out_norm"] = empty(self.hidden)
+                layer["mlp_out_norm"] = empty(self.hidden)
             self.layers.append(layer)
-        # Kept to grow the table when prompt + response run past max_position_embeddings (ensure_positions).
-        self.inv_freq = inv_freq.to(self.device)
-        self.rope_scaling = rope_scaling
-        self.cos_sin = ops.rope_cos_sin(self.inv_freq, config.max_position_embeddings, rope_scaling)
+        # Kept to grow the tables when prompt + response run past max_position_embeddings (ensure_positions).
+        self.rotaries = {
+            kind: (inv_freq.to(self.device), scaling) for kind, (inv_freq, scaling) in rotaries.items()
+        }
+        kinds = getattr(config, "layer_types", None) or [""] * self.num_layers
+        self.rope_kind = [kind if kind in rotaries else next(iter(rotaries)) for kind in kinds]
+        self.cos_sin: dict[str, torch.Tensor] = {}
+        self.ensure_positions(config.max_position_embeddings)
         self._targets = self._weight_targets()
 
     # ------------------------------------------------------------------------------ weights
-    def _layer_slots(self, layer: dict[str, torch.Tensor]) -> dict[str, Target]:
+    def _layer_slots(self, layer: dict[str, torch.Tensor]) -> dict[str, list[Target]]:
         """The slots of one layer that the spec's HF names fill: (engine view, this rank's slice of the
-        HF tensor). Column-parallel q/k/v and gate/up take the output rows of the local heads and
-        columns; row-parallel o and down take the matching input columns; the rest is whole."""
+        HF tensor), one or more per name. Column-parallel q/k/v and gate/up take the output rows of
+        the local heads and columns; row-parallel o and down take the matching input columns; the rest
+        is whole."""
         q, kv, d = self.q_size, self.kv_size, self.head_dim
-        inter = self.inter_range[1] - self.inter_range[0]
         q_rows: Shard = (0, self.heads.q_start * d, q)
         kv_rows: Shard = (0, self.heads.kv_start * d, kv)
-        mlp_rows: Shard = (0, self.inter_range[0], inter)
         slots: dict[str, Target] = {
             "input_norm": (layer["input_norm"], None),
             "post_norm": (layer["post_norm"], None),
@@ -118,25 +150,34 @@ class DecoderLM:
             "k": (layer["qkv"][q : q + kv], kv_rows),
             "v": (layer["qkv"][q + kv :], kv_rows),
             "o": (layer["o"], (1, self.heads.q_start * d, q)),
-            "gate": (layer["gate_up"][:inter], mlp_rows),
-            "up": (layer["gate_up"][inter:], mlp_rows),
-            "down": (layer["down"], (1, self.inter_range[0], inter)),
         }
+        if "gate_up" in layer:
+            start, stop = self.inter_range
+            mlp_rows: Shard = (0, start, stop - start)
+            slots |= {"gate": (layer["gate_up"][: stop - start], mlp_rows)}
+            slots |= {"up": (layer["gate_up"][stop - start :], mlp_rows)}
+            slots["down"] = (layer["down"], (1, start, stop - start))
+        for name in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "router", "o_bias"):
+            if name in layer:  # whole on every rank (o_bias: added once, after the all-reduce)
+                slots[name] = (layer[name], None)
         if "qkv_bias" in layer:
             bias = layer["qkv_bias"]
             slots |= {"q_bias": (bias[:q], q_rows), "k_bias": (bias[q : q + kv], kv_rows)}
             slots["v_bias"] = (bias[q + kv :], kv_rows)
-        if "o_bias" in layer:  # added once, after the all-reduce
-            slots["o_bias"] = (layer["o_bias"], None)
-        if "q_norm" in layer:  # one weight for every head
-            slots |= {"q_norm": (layer["q_norm"], None), "k_norm": (layer["k_norm"], None)}
-        return slots
+        targets = {slot: [target] for slot, target in slots.items()}
+        if "experts_gate_up" in layer:  # HF (E, [gate I | up I], H): this rank's rows of each half
+            (start, stop), total = self.expert_range, self.config.moe_intermediate_size
+            width, fused = stop - start, layer["experts_gate_up"]
+            gate, up = (fused[:, :width], (1, start, width)), (fused[:, width:], (1, total + start, width))
+            targets["experts_gate_up"] = [gate, up]
+            targets["experts_down"] = [(layer["experts_down"], (2, start, width))]
+        return targets
 
-    def _weight_targets(self) -> dict[str, Target]:
-        """HF parameter name -> (the engine tensor it is copied into, the slice this rank takes)."""
+    def _weight_targets(self) -> dict[str, list[Target]]:
+        """HF parameter name -> the engine tensors it is copied into, each with the slice this rank takes."""
         top = {"embed": (self.embed, None), "final_norm": (self.final_norm, None)}
         top["lm_head"] = (self.lm_head, None)
-        targets = {name: top[slot] for name, slot in self.spec.model_weights.items()}
+        targets = {name: [top[slot]] for name, slot in self.spec.model_weights.items()}
         for i, layer in enumerate(self.layers):
             slots = self._layer_slots(layer)
             for name, slot in self.spec.layer_weights.items():
@@ -153,29 +194,30 @@ class DecoderLM:
         """
         loaded: set[str] = set()
         with torch.no_grad():
-            for raw_name, tensor in named_tensors:
+            for raw_name, whole in named_tensors:
                 name = _WRAPPER_PREFIXES.sub("", raw_name)
-                entry = self._targets.get(name)
-                if entry is None:
-                    continue
-                target, shard = entry
-                if shard is not None and self.tp.size > 1:
-                    dim, start, length = shard
-                    if tensor.dim() > dim and tensor.shape[dim] >= start + length:
-                        tensor = tensor.narrow(dim, start, length)
-                if tuple(target.shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"update_weights: {raw_name} has shape {tuple(tensor.shape)}, the engine expects "
-                        f"{tuple(target.shape)}"
-                    )
-                target.copy_(tensor.detach(), non_blocking=True)
-                loaded.add(name)
+                entries = self._targets.get(name, [])
+                for target, shard in entries:
+                    tensor = whole
+                    # One rank's slice; or one part of a tensor the engine keeps in several views.
+                    if shard is not None and (self.tp.size > 1 or len(entries) > 1):
+                        dim, start, length = shard
+                        if tensor.dim() > dim and tensor.shape[dim] >= start + length:
+                            tensor = tensor.narrow(dim, start, length)
+                    if tuple(target.shape) != tuple(tensor.shape):
+                        raise ValueError(
+                            f"update_weights: {raw_name} has shape {tuple(whole.shape)}, the engine expects "
+                            f"{tuple(target.shape)}"
+                        )
+                    target.copy_(tensor.detach(), non_blocking=True)
+                    loaded.add(name)
         return loaded
 
     def ensure_positions(self, num_positions: int) -> None:
-        """Grow the RoPE table to cover positions 0..num_positions-1 (call before capturing graphs)."""
-        if num_positions > self.cos_sin.shape[0]:
-            self.cos_sin = ops.rope_cos_sin(self.inv_freq, num_positions, self.rope_scaling)
+        """Grow the RoPE tables to cover positions 0..num_positions-1 (call before capturing graphs)."""
+        for kind, (inv_freq, scaling) in self.rotaries.items():
+            if kind not in self.cos_sin or num_positions > self.cos_sin[kind].shape[0]:
+                self.cos_sin[kind] = ops.rope_cos_sin(inv_freq, num_positions, scaling)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every distinct weight tensor (the tied head counted once)."""
@@ -194,21 +236,70 @@ class DecoderLM:
         if self.use_triton:
             from fulcrum.rollout.native import kernels
 
+            scale = weight + self.norm_offset if self.norm_offset else weight  # Gemma's (1 + w)
             if residual is None:
-                return kernels.add_rms_norm(x, None, weight, self.eps), x
-            return kernels.add_rms_norm(x, residual, weight, self.eps), residual  # residual += x in place
+                return kernels.add_rms_norm(x, None, scale, self.eps), x
+            return kernels.add_rms_norm(x, residual, scale, self.eps), residual  # residual += x in place
         if residual is None:
-            return ops.rms_norm(x, weight, self.eps), x
-        return ops.add_rms_norm(x, residual, weight, self.eps)
+            return ops.rms_norm(x, weight, self.eps, self.norm_offset), x
+        return ops.add_rms_norm(x, residual, weight, self.eps, self.norm_offset)
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head: x (N, H, D) -> (N, H, D), contiguous (RoPE then rotates it in place)."""
         if self.use_triton:
+            rows = x.reshape(-1, x.shape[-1]).contiguous()  # (N·H, D)
+            return self._norm(rows, None, weight)[0].view(x.shape)
+        return ops.rms_norm(x, weight, self.eps, self.norm_offset)
+
+    def _attention(
+        self,
+        i: int,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Layer i's attention of the normed input x (N, hidden) -> (N, hidden), summed over ranks."""
+        layer, tokens = self.layers[i], x.shape[0]
+        qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))  # (N, q + 2 kv)
+        q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self._head_norm(q, layer["q_norm"]), self._head_norm(k, layer["k_norm"])
+        cos_sin = self.cos_sin[self.rope_kind[i]]
+        if self.use_triton:
             from fulcrum.rollout.native import kernels
 
-            rows = x.reshape(-1, x.shape[-1]).contiguous()  # (N·H, D)
-            return kernels.add_rms_norm(rows, None, weight, self.eps).view(x.shape)
-        return ops.rms_norm(x, weight, self.eps)
+            kernels.rope_inplace(q, k, positions, cos_sin)
+        else:
+            q, k = ops.apply_rope(q, positions, cos_sin), ops.apply_rope(k, positions, cos_sin)
+        attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale, self.windows[i])
+        if self.tp.size == 1:
+            return F.linear(attn.reshape(tokens, self.q_size), layer["o"], layer.get("o_bias"))
+        # row-parallel: sum the ranks' partial products, then the bias once
+        out = self.tp.all_reduce(F.linear(attn.reshape(tokens, self.q_size), layer["o"]))
+        return out + layer["o_bias"] if "o_bias" in layer else out
+
+    def _act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up: (N, 2I) -> (N, I); SiLU (the fused Triton kernel on CUDA) or GELU-tanh."""
+        if self.act_and_mul is not None:
+            return self.act_and_mul(gate_up)
+        if self.use_triton:
+            from fulcrum.rollout.native import kernels
+
+            return kernels.silu_and_mul(gate_up)
+        return ops.silu_and_mul(gate_up)
+
+    def _mlp(self, layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The dense or expert MLP of the normed input x (N, hidden) -> (N, hidden), summed over ranks."""
+        if "router" in layer:
+            weights, experts = moe.route(F.linear(x, layer["router"]), self.top_k, self.norm_topk)
+            out = moe.experts_forward(
+                x, weights, experts, layer["experts_gate_up"], layer["experts_down"], self._act_and_mul
+            )
+            return self.tp.all_reduce(out)
+        return self.tp.all_reduce(F.linear(self._act_and_mul(F.linear(x, layer["gate_up"])), layer["down"]))
 
     def forward(
         self,
@@ -221,43 +312,20 @@ class DecoderLM:
 
         input_ids, positions: (N,); kv_cache: (layers, 2, slots, Hkv, D).
         """
-        tokens = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed)  # (N, hidden)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             # The fused Triton norm adds into `residual` in place; the first one is the embedding output.
             x, residual = self._norm(hidden, residual, layer["input_norm"])
-            qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))  # (N, q + 2 kv)
-            q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
-                tokens, self.num_kv_heads, self.head_dim
-            )
-            v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-            if self.qk_norm:
-                q, k = self._head_norm(q, layer["q_norm"]), self._head_norm(k, layer["k_norm"])
-            if self.use_triton:
-                from fulcrum.rollout.native import kernels
-
-                kernels.rope_inplace(q, k, positions, self.cos_sin)
-            else:
-                q = ops.apply_rope(q, positions, self.cos_sin)
-                k = ops.apply_rope(k, positions, self.cos_sin)
-            attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale)
-            if self.tp.size == 1:
-                hidden = F.linear(attn.reshape(tokens, self.q_size), layer["o"], layer.get("o_bias"))
-            else:  # row-parallel: sum the ranks' partial products, then the bias once
-                hidden = self.tp.all_reduce(F.linear(attn.reshape(tokens, self.q_size), layer["o"]))
-                if "o_bias" in layer:
-                    hidden = hidden + layer["o_bias"]
+            hidden = self._attention(i, x, positions, kv_cache, meta)
+            if "attn_out_norm" in layer:  # Gemma: the output is normed before the residual sum
+                hidden = self._norm(hidden, None, layer["attn_out_norm"])[0]
             x, residual = self._norm(hidden, residual, layer["post_norm"])
-            gate_up = F.linear(x, layer["gate_up"])
-            if self.use_triton:
-                from fulcrum.rollout.native import kernels
-
-                act = kernels.silu_and_mul(gate_up)
-            else:
-                act = ops.silu_and_mul(gate_up)
-            hidden = self.tp.all_reduce(F.linear(act, layer["down"]))
+            hidden = self._mlp(layer, x)
+            if "mlp_out_norm" in layer:
+                hidden = self._norm(hidden, None, layer["mlp_out_norm"])[0]
         out, _ = self._norm(hidden, residual, self.final_norm)
         return out
 
