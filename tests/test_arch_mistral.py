@@ -1,29 +1,17 @@
-"""Mistral in the native engine and the training path: a sliding window on every layer.
-
-The engine runs a window that covers every sequence it serves (then windowed and full attention are
-one function) and sends a shorter one to the hf backend with one line; the packed training path
-applies the window itself, checked here with a window shorter than the sequences."""
+"""Mistral in the native engine and the training path: a sliding window on every layer, checked
+with a window that covers every sequence (Mistral-7B v0.1's 4096) and with one shorter than them."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
 from arch_checks import (
-    CPU,
-    EOS,
     arch_model,
     check_bf16_gap_on_gpu,
     check_greedy_equals_hf_generate,
     check_tensor_parallel_equals_one_rank,
     check_training_log_probs_equal_hf,
-    engine_config,
 )
-
-from fulcrum.config.schema_rollout import RolloutConfig
-from fulcrum.rollout import HFRollout, build_rollout
-from fulcrum.rollout.native import NativeEngine
 
 SHAPE = dict(sliding_window=4096)  # Mistral-7B v0.1's window, longer than any sequence here
 
@@ -44,26 +32,9 @@ def test_training_log_probs_equal_hf_padded_and_packed(window: int) -> None:
     check_training_log_probs_equal_hf(arch_model("mistral", dict(sliding_window=window)))
 
 
-def test_a_window_shorter_than_max_model_len_samples_with_hf_in_one_line(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    short = arch_model("mistral", dict(sliding_window=128))
-    with pytest.raises(ValueError, match="sliding_window=128"):
-        NativeEngine(short, [EOS], 0, engine_config(max_model_len=256), CPU)
-    assert isinstance(NativeEngine(short, [EOS], 0, engine_config(max_model_len=128), CPU), NativeEngine)
-
-    class Tokenizer:
-        eos_token_id = EOS
-        pad_token_id = 0
-
-    rollout = RolloutConfig(name="native", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
-    with caplog.at_level(logging.WARNING, logger="fulcrum.rollout"):
-        engine = build_rollout(rollout, short, Tokenizer(), CPU)
-    assert isinstance(engine, HFRollout)
-    assert [r.getMessage() for r in caplog.records] == [
-        "rollout: the native engine does not run sliding_window=128 (it runs a window of at least "
-        "rollout.max_model_len, or none); using the hf backend"
-    ]
+def test_a_window_shorter_than_the_sequences_samples_as_hf() -> None:
+    """Prompts of up to 40 tokens and 64 new ones over a window of 16: prefill and decode slide."""
+    check_greedy_equals_hf_generate(arch_model("mistral", dict(sliding_window=16)))
 
 
 def test_tensor_parallel_shards_load() -> None:

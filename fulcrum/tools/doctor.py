@@ -275,7 +275,7 @@ def check_native_model_fields(ctx: Context) -> list[Finding]:
         model_config = AutoConfig.from_pretrained(path)
     except Exception:  # an architecture transformers does not know: check_model_paths speaks for it
         return []
-    try:  # against the engine this configuration builds (a sliding window must cover its max_model_len)
+    try:  # against the engine this configuration builds (its max_model_len)
         reason = native_unsupported_reason(ctx.cfg.actor_rollout_ref.rollout, model_config)
     except (ValueError, TypeError):  # bad engine keys: check_native_engine_kwargs speaks for them
         return []
