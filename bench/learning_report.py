@@ -232,7 +232,9 @@ def _answers_table(runs: list[dict], names: dict[str, str]) -> list[str]:
     ]
     for r in rows:
         who = r.get("variant") or f"{names[r['algo']]} s{r['seed']}"
-        for g in (r["generations"]["first"], r["generations"]["last"]):
+        first, last = r["generations"]["first"], r["generations"]["last"]
+        shown = (first, last) if last["step"] != first["step"] else (first,)  # stopped at step 0: one row
+        for g in shown:
             lines.append(
                 f"| {who} | {g['step']} | {g['strict']:.4f} | {g['flexible']:.4f} | {g['format']:.3f} | "
                 f"{g['response_length']:.0f} | {g['truncated']:.3f} |"
