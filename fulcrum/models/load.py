@@ -1,7 +1,9 @@
 """Loading Hugging Face checkpoints for training: fp32 master weights, optional gradient checkpointing.
 
-Mixed precision is applied at forward time (bf16 autocast on CUDA, see `autocast_for`), so the
-parameters and the optimiser state stay in float32 as in verl's FSDP workers.
+Mixed precision is applied at forward time (bf16 compute copies or autocast on CUDA, see
+`fulcrum.models.precision` and `autocast_for`), so trained parameters and the optimiser state stay in
+float32 as in verl's FSDP workers. A LoRA model's frozen base is loaded in the compute dtype instead
+(`dtype`, from `LoraSettings.base_dtype`): it has no master to keep.
 """
 
 from __future__ import annotations
@@ -44,26 +46,29 @@ def load_causal_lm(
     gradient_checkpointing: bool = False,
     key: str = "actor_rollout_ref.model.path",
     trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """`AutoModelForCausalLM` in float32 on `device` (the actor, the reference policy, `fulcrum sft`)."""
+    """`AutoModelForCausalLM` in `dtype` (float32 masters by default) on `device` (the actor, the
+    reference policy, `fulcrum sft`)."""
     path = _check_model_dir(path, key)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, trust_remote_code=trust_remote_code
-    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model.to(device)
 
 
-def load_backbone(path: str, device: torch.device, key: str = "critic.model.path") -> nn.Module:
-    """`AutoModel` (no LM head) in float32: the critic's trunk, whose last hidden state feeds a value head."""
+def load_backbone(
+    path: str, device: torch.device, key: str = "critic.model.path", dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """`AutoModel` (no LM head) in `dtype` (float32 masters by default): the critic's trunk, whose last
+    hidden state feeds a value head."""
     path = _check_model_dir(path, key)
     config = AutoConfig.from_pretrained(path)
     # A causal-LM folder has an lm_head the backbone does not use: expected, so silence the load report.
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        model = AutoModel.from_pretrained(path, config=config, dtype=torch.float32)
+        model = AutoModel.from_pretrained(path, config=config, dtype=dtype)
     finally:
         hf_logging.set_verbosity(previous)
     return model.to(device)

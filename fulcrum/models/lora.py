@@ -3,7 +3,9 @@
 `Adapters(model, settings)` injects peft's LoRA layers into `model` in place: the module keeps its
 class, its `config` and its module paths (each adapted `nn.Linear` becomes a peft `LoraLayer` that
 holds it as `base_layer`), so the workers' packed and padded forwards, gradient checkpointing and
-bf16 compute weights run on it unchanged. What LoRA adds:
+bf16 compute weights run on it unchanged. The frozen base is held once, in the compute dtype (bf16
+on CUDA: `freeze_base`), with no float32 master, gradient or optimiser state; the adapters are float32
+masters with bf16 compute copies, as a fully trained model's weights. What LoRA adds:
 
 - `disabled()`: the adapters switched off (peft's `disable_adapter`): the base model's log-probs,
   which are the reference policy's, from the same weights (no second model in memory);
@@ -30,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fulcrum.models.precision import compute_dtype
+
 logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -54,6 +58,10 @@ class LoraSettings:
     def enabled(self) -> bool:
         """verl's rule: LoRA when a rank is given or an adapter folder is named."""
         return self.rank > 0 or self.adapter_path is not None
+
+    def base_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype to load the model in: LoRA's frozen base in the compute dtype, else float32 masters."""
+        return compute_dtype(device) if self.enabled else torch.float32
 
     @classmethod
     def of(cls, model_cfg: Any, key: str) -> LoraSettings:
@@ -92,7 +100,14 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 class Adapters:
     """peft LoRA adapters injected into `model` (see the module docstring); `module` is the adapted model."""
 
-    def __init__(self, model: nn.Module, settings: LoraSettings, base_path: str) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        settings: LoraSettings,
+        base_path: str,
+        base_dtype: torch.dtype | None = None,
+    ) -> None:
+        """`base_dtype`: the frozen base's dtype (default: the compute dtype of the model's device)."""
         from peft import LoraConfig, PeftModel, get_peft_model
 
         self.settings = settings
@@ -123,6 +138,8 @@ class Adapters:
                         f"{settings.key}.target_modules={settings.target_modules!r}: {exc}"
                     ) from exc
         self.module: nn.Module = self.peft.get_base_model()
+        device = next(self.module.parameters()).device
+        freeze_base(self.module, base_dtype or compute_dtype(device))
         self.layers = adapted_layers(self.module)
         if not self.layers:
             raise ValueError(
@@ -149,12 +166,13 @@ class Adapters:
         with torch.no_grad():
             for name, layer in self.layers:
                 base = layer.get_base_layer()
-                weight = _whole(base.weight)
+                # Summed in float32 (the base may be bf16): the engine rounds W + scale·B·A once.
+                weight = _whole(base.weight).float()
                 delta = torch.zeros_like(weight)
                 for adapter in layer.active_adapters:
                     if adapter in layer.lora_A:
-                        a = _whole(layer.lora_A[adapter].weight).to(weight.dtype)
-                        b = _whole(layer.lora_B[adapter].weight).to(weight.dtype)
+                        a = _whole(layer.lora_A[adapter].weight).float()
+                        b = _whole(layer.lora_B[adapter].weight).float()
                         delta += (b @ a) * layer.scaling[adapter]
                 if getattr(layer, "fan_in_fan_out", False):
                     delta = delta.T
@@ -195,6 +213,19 @@ class Adapters:
         config.save_pretrained(str(folder))
         tensors = {k: v.contiguous() for k, v in (state if state is not None else self.state_dict()).items()}
         save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+@torch.no_grad()
+def freeze_base(module: nn.Module, dtype: torch.dtype) -> None:
+    """Frozen floating-point parameters cast to `dtype` in place (their only copy: no float32 master,
+    the reference pass and the engine read them too); trained ones (adapters, a value head) kept as
+    float32 masters. Buffers (rotary tables) are left as they are."""
+    for p in module.parameters():
+        if not p.is_floating_point():
+            continue
+        target = torch.float32 if p.requires_grad else dtype
+        if p.dtype != target:
+            p.data = p.data.to(target)  # the Parameter object stays: tied weights stay tied
 
 
 def _peft_names(value: str | tuple[str, ...] | None) -> str | list[str] | None:

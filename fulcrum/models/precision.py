@@ -13,6 +13,10 @@ gradient-checkpoint recomputation (27k `copy_` kernels in one seed-command updat
 keeps the residual stream in float32. With bf16 copies the whole decoder runs in bf16, as verl's
 FSDP workers do (`param_dtype=bf16`); float32 remains where the model asks for it (RMSNorm's
 variance, the softmax of the log-probs, a value head left out of the copies).
+
+A frozen parameter already in the compute dtype gets no copy: a LoRA model's base sits once, in the
+compute dtype (`fulcrum.models.lora.freeze_base`), and only its adapters have float32 masters.
+`compute_dtype` is the one place that says which dtype a device computes in.
 """
 
 from __future__ import annotations
@@ -25,13 +29,42 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+# The dtype the passes compute in, by device type; float32 elsewhere (the CPU: exact tests). Tests
+# set "cpu" to bfloat16 to see a CUDA run's dtypes and memory on the CPU.
+COMPUTE_DTYPES: dict[str, torch.dtype] = {"cuda": torch.bfloat16}
+
 # Gradient elements concatenated at a time by `accumulate_grads` (128 MiB in bf16): bounds the
 # transient copy, a few kernels for a 0.5B model.
 FLAT_CHUNK = 1 << 26
 
 
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype forwards and backwards run in on `device` (`COMPUTE_DTYPES`, else float32)."""
+    return COMPUTE_DTYPES.get(torch.device(device).type, torch.float32)
+
+
+def parameter_bytes(module: nn.Module) -> dict[str, int]:
+    """Resident bytes of `module`'s parameters: {"trained": ..., "frozen": ...} (tied tensors once)."""
+    out = {"trained": 0, "frozen": 0}
+    for p in module.parameters():
+        out["trained" if p.requires_grad else "frozen"] += p.numel() * p.element_size()
+    return out
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimiser's state tensors: Adam's moments (its per-parameter step counts, a few
+    bytes each, are left out)."""
+    return sum(
+        v.numel() * v.element_size()
+        for state in optimizer.state.values()
+        for key, v in state.items()
+        if isinstance(v, torch.Tensor) and key != "step"
+    )
+
+
 class ComputeWeights:
-    """bf16 (or `dtype`) copies of `module`'s floating-point parameters, except names under `keep`."""
+    """bf16 (or `dtype`) copies of `module`'s floating-point parameters, except names under `keep` and
+    frozen parameters already in `dtype` (a copy would equal them)."""
 
     def __init__(
         self, module: nn.Module, dtype: torch.dtype = torch.bfloat16, keep: tuple[str, ...] = ()
@@ -40,7 +73,9 @@ class ComputeWeights:
         named = [
             (name, p)
             for name, p in module.named_parameters()  # tied weights appear once; see swapped_in
-            if p.is_floating_point() and not any(name == k or name.startswith(k + ".") for k in keep)
+            if p.is_floating_point()
+            and not any(name == k or name.startswith(k + ".") for k in keep)
+            and (p.requires_grad or p.dtype != dtype)
         ]
         self.names = [name for name, _ in named]
         self.masters = [p for _, p in named]
@@ -64,7 +99,7 @@ class ComputeWeights:
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
         """The module computes with the copies inside; backward (and checkpoint recomputation) must run inside too."""
-        if not self.copies:
+        if self.masters and not self.copies:
             raise RuntimeError("ComputeWeights.swapped_in before refresh(): no compute copies to swap in")
         with _reparametrize_module(
             self.module, dict(zip(self.names, self.copies, strict=True)), tie_weights=True
@@ -85,6 +120,8 @@ class ComputeWeights:
         micro-batch that leaves a copy without gradient, or masters holding gradients of their own,
         take the per-parameter path.
         """
+        if not self.masters:
+            return
         grads = [copy.grad for copy in self.copies]
         for copy in self.copies:
             copy.grad = None

@@ -15,7 +15,10 @@ model's. `estimate()` returns every phase, itemised:
                     + their bf16 gradients (2P) + activations + (actor) the LM head's blocks
 
 with resident = 12 B per parameter of each trained model (+ 4 B of the reference's) + the CUDA
-context. The passes run the decoder in bf16 on compute copies of the fp32 weights
+context. A LoRA model (`fulcrum.tools.lora_params`) trains only its adapters: 12 B per adapter
+parameter, its frozen base 2 B a parameter (held once in bf16), and P above is the adapters' count
+(their gradients and bf16 copies; the frozen LM head makes no weight gradient); a LoRA actor's
+reference is its base with the adapters off, so no reference weights. The passes run the decoder in bf16 on compute copies of the fp32 weights
 (`fulcrum.models.precision`), so every activation is bf16: with gradient checkpointing the backward
 keeps each layer's bf16 input and its attention kernel's output and log-sum-exp (L·(2h + 2q + 4H) per
 token, `fulcrum.models.packed.SAVE_ATTENTION_OUTPUTS`); without, every layer's tensors
@@ -47,6 +50,7 @@ from typing import Any
 
 from fulcrum.models.arch import ModelShape, model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token, param_count
+from fulcrum.tools.lora_params import ModelParams, model_params
 
 GiB = 1024**3
 # The H200 the benchmarks ran on (about 140 GiB as torch reports it): the device assumed when none is
@@ -200,12 +204,16 @@ def logits_block_elements(shape: ModelShape, rows: int, response_len: int) -> in
     return min(rows * response_len * shape.vocab, LOGIT_CHUNK_ELEMENTS)
 
 
-def update_logits_bytes(shape: ModelShape, rows: int, response_len: int, with_entropy: bool) -> float:
+def update_logits_bytes(
+    shape: ModelShape, rows: int, response_len: int, with_entropy: bool, head_trained: bool = True
+) -> float:
     """The LM head's backward on the response positions, chunk by chunk (fulcrum.models.linear_logprob):
     one bf16 block of logits recomputed and its bf16 gradient (2 · 2 B a block element; an entropy bonus
-    adds one more block, not measured), and the head's float32 weight-gradient accumulator (4 · V · h)."""
+    adds one more block, not measured), and, when the head trains (not under LoRA), its float32
+    weight-gradient accumulator (4 · V · h)."""
     blocks = 2 + (1 if with_entropy else 0)
-    return blocks * 2 * logits_block_elements(shape, rows, response_len) + 4 * shape.vocab * shape.hidden
+    accumulator = 4 * shape.vocab * shape.hidden if head_trained else 0
+    return blocks * 2 * logits_block_elements(shape, rows, response_len) + accumulator
 
 
 def forward_logits_bytes(shape: ModelShape, rows: int, response_len: int) -> float:
@@ -220,10 +228,25 @@ def engine_workspace_bytes(shape: ModelShape, max_num_batched_tokens: int, max_n
     return prefill + max_num_seqs * shape.vocab * 10 + 512 * 1024**2
 
 
+def weight_items(role: str, params: ModelParams) -> dict[str, float]:
+    """What `role`'s weights keep resident: fp32 masters and AdamW's two fp32 moments of the trained
+    parameters (12 B each), and a LoRA model's frozen base once in bf16 (2 B each)."""
+    if not params.lora:
+        return {
+            f"{role} weights (fp32)": 4 * params.trained,
+            f"{role} AdamW state (fp32)": 8 * params.trained,
+        }
+    return {
+        f"{role} frozen base (bf16)": 2 * params.frozen,
+        f"{role} LoRA adapters (fp32)": 4 * params.trained,
+        f"{role} LoRA adapters' AdamW state (fp32)": 8 * params.trained,
+    }
+
+
 def update_phase(role: str, n_params: int, base: dict[str, float], shape: ModelShape, sizes: Sizes) -> Phase:
     """`role`'s ("actor" or "critic") update phase: `base` (what stays resident, name -> bytes), then
-    its fp32 gradients (4 B x n_params), its bf16 compute weights and their bf16 gradients (2 + 2 B x
-    n_params) and the activations of its largest training micro-batch (sizes.update_rows[role] x
+    the fp32 gradients of its `n_params` trained parameters (4 B each), their bf16 compute weights and
+    bf16 gradients (2 + 2 B each) and the activations of its largest training micro-batch (sizes.update_rows[role] x
     sizes.seq_len tokens)."""
     rows, checkpointing = sizes.update_rows[role], sizes.checkpointing[role]
     phase = Phase(f"{role} update", dict(base))
@@ -247,7 +270,7 @@ def forward_phase(
     lm_head: bool,
 ) -> Phase:
     """A no-grad forward (old log-probs, values) over micro-batches of `rows` x sizes.seq_len tokens:
-    `base`, the bf16 compute weights (2 B x n_params), the residual stream (2h a token) and the larger of
+    `base`, the bf16 compute weights of the `n_params` trained parameters (2 B each), the residual stream (2h a token) and the larger of
     one layer's working set (`forward_working_bytes`) and, with the LM head, one bf16 block of logits."""
     tokens = rows * sizes.seq_len
     phase = Phase(name, dict(base))
@@ -275,12 +298,13 @@ def estimate(
     arr = cfg.actor_rollout_ref
     sizes = sizes_from(cfg)
     p_actor = param_count(shape)
-    p_critic = param_count(shape, lm_head=False) + shape.hidden + 1  # trunk + value head
-    resident = {"actor weights (fp32)": 4 * p_actor, "actor AdamW state (fp32)": 8 * p_actor}
+    actor = model_params(arr.model, shape, p_actor)
+    head = shape.hidden + 1  # the critic's value head, trained whole
+    critic = model_params(cfg.critic.model, shape, param_count(shape, lm_head=False) + head, head)
+    resident = weight_items("actor", actor)
     if uses_critic:
-        resident["critic weights (fp32)"] = 4 * p_critic
-        resident["critic AdamW state (fp32)"] = 8 * p_critic
-    if uses_reference:
+        resident |= weight_items("critic", critic)
+    if uses_reference and not actor.lora:  # a LoRA actor's reference is its base, adapters off
         resident["reference weights (fp32)"] = 4 * p_actor
     resident["CUDA context and workspaces"] = CUDA_CONTEXT_BYTES
 
@@ -311,20 +335,20 @@ def estimate(
 
     phases = [generation]
     base = {**resident, **training_extra}
-    actor_update = update_phase("actor", p_actor, base, shape, sizes)
+    actor_update = update_phase("actor", actor.trained, base, shape, sizes)
     actor_update.items["LM head on the response tokens"] = update_logits_bytes(
-        shape, sizes.update_rows["actor"], sizes.response_len, sizes.with_entropy
+        shape, sizes.update_rows["actor"], sizes.response_len, sizes.with_entropy, not actor.lora
     )
     phases.append(actor_update)
     if uses_critic:
-        phases.append(update_phase("critic", p_critic, base, shape, sizes))
+        phases.append(update_phase("critic", critic.trained, base, shape, sizes))
     actor_rows, critic_rows = sizes.forward_rows["actor"], sizes.forward_rows["critic"]
     phases.append(
-        forward_phase("old log-prob forward", p_actor, actor_rows, base, shape, sizes, lm_head=True)
+        forward_phase("old log-prob forward", actor.trained, actor_rows, base, shape, sizes, lm_head=True)
     )
     if uses_critic:
         phases.append(
-            forward_phase("values forward", p_critic, critic_rows, base, shape, sizes, lm_head=False)
+            forward_phase("values forward", critic.trained, critic_rows, base, shape, sizes, lm_head=False)
         )
     return Estimate(device_bytes, device_known, phases, kv, kv_tokens)
 

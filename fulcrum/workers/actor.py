@@ -110,8 +110,9 @@ class ActorWorker:
         self.device = device
         self.tokenizer = tokenizer
         model = section.model
-        self.model = load_causal_lm(model.path, device, model.enable_gradient_checkpointing)
         lora = LoraSettings.of(model, "actor_rollout_ref.model")
+        dtype = lora.base_dtype(device)  # LoRA: the frozen base loads in the compute dtype, once
+        self.model = load_causal_lm(model.path, device, model.enable_gradient_checkpointing, dtype=dtype)
         # LoRA: adapters injected in place (the module keeps its class and names), the base frozen.
         self.adapters = Adapters(self.model, lora, model.path) if lora.enabled else None
         self.model.train()

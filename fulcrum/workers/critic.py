@@ -31,8 +31,8 @@ class CriticWorker:
         self.cfg = c
         self.device = device
         self.tokenizer = tokenizer
-        backbone = load_backbone(c.model.path, device, key="critic.model.path")
         lora = LoraSettings.of(c.model, "critic.model")
+        backbone = load_backbone(c.model.path, device, "critic.model.path", lora.base_dtype(device))
         # LoRA on the backbone; the value head (made after) trains whole.
         self.adapters = Adapters(backbone, lora, c.model.path) if lora.enabled else None
         self.model = CriticModel(backbone)

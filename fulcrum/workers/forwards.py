@@ -1,4 +1,5 @@
-"""How a worker runs its model: packed or padded forwards, bf16 compute weights on CUDA.
+"""How a worker runs its model: packed or padded forwards, bf16 compute weights on CUDA
+(`fulcrum.models.precision.compute_dtype`).
 
 One `ModelForwards` per model (actor, reference, critic): its no-grad passes (`no_grad_pass`,
 `sum_pi_squared`), its
@@ -29,7 +30,7 @@ from fulcrum.models.packed import (
     enable_packed_attention,
     packing_unsupported_reason,
 )
-from fulcrum.models.precision import ComputeWeights
+from fulcrum.models.precision import ComputeWeights, compute_dtype
 from fulcrum.parallel.fsdp import is_sharded
 from fulcrum.parallel.ulysses import SequenceParallel, check_heads, sequence_parallel_group
 from fulcrum.workers.micro_batch import (
@@ -84,7 +85,9 @@ class ModelForwards:
             else:
                 compile_decoder_layers(model.model)
             use_compiled_chunks(True, compile_options())
-        self.compute = ComputeWeights(model, keep=keep) if device.type == "cuda" and not sharded else None
+        dtype = compute_dtype(device)
+        mixed = dtype != torch.float32 and not sharded
+        self.compute = ComputeWeights(model, dtype, keep=keep) if mixed else None
 
     def sequence_parallel(self, sp_size: int, key: str, reason: str | None) -> SequenceParallel | None:
         """The sequence-parallel group of `sp_size` (None for 1), after checking that this model can
