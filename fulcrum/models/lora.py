@@ -179,10 +179,12 @@ class Adapters:
                 yield f"{name}.weight", weight + delta
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The adapters' tensors under PEFT's names (as in `adapter_model.safetensors`)."""
+        """The adapters' tensors under PEFT's names (as in `adapter_model.safetensors`), copies on the
+        CPU: a later step does not change them (a snapshot can be written while training goes on)."""
         from peft import get_peft_model_state_dict
 
-        return {k: _whole(v).detach().cpu() for k, v in get_peft_model_state_dict(self.peft).items()}
+        state = get_peft_model_state_dict(self.peft)
+        return {k: _whole(v).detach().to("cpu", copy=True) for k, v in state.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor], where: str) -> None:
         """Put adapters saved by `state_dict` back in place; an error naming `where` when they do not fit."""
