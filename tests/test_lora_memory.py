@@ -154,8 +154,9 @@ def test_doctor_says_a_7b_shape_fits_one_h200_with_lora_only(
     code, out = doctor.main(grpo), capsys.readouterr().out
     assert code == 1 and "error: predicted out of memory in actor update: 188.6 GiB" in out
     lora = ["actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.lora_alpha=32"]
-    code, out = doctor.main([*grpo, *lora]), capsys.readouterr().out
+    code, out = doctor.main([*grpo, *lora, "actor_rollout_ref.model.use_shm=True"]), capsys.readouterr().out
     assert "predicted out of memory" not in out
+    assert "warning: actor_rollout_ref.model.use_shm=True: no effect, the model loads from its folder" in out
     assert "14.19 GiB  actor frozen base (bf16)" in out
     assert "0.30 GiB  actor LoRA adapters (fp32)" in out  # 28 x 32 x 90,112 = 80.7M parameters
     assert "reference weights" not in out  # the reference is the base with the adapters off

@@ -248,6 +248,30 @@ def check_target_kl_fixed(ctx: DoctorContext) -> list[Finding]:
     ]
 
 
+SHM_KEYS = ("actor_rollout_ref.model.use_shm", "critic.model.use_shm", "reward_model.model.use_shm")
+
+
+def check_use_shm(ctx: DoctorContext) -> list[Finding]:
+    """verl's `use_shm` (copy the model to /dev/shm before loading): accepted, and why it does nothing here."""
+    cfg = ctx.cfg
+    models = (cfg.actor_rollout_ref.model, cfg.critic.model, cfg.reward_model.model)
+    on = tuple(key for key, model in zip(SHM_KEYS, models, strict=True) if getattr(model, "use_shm", False))
+    if not on:
+        return []
+    return [
+        Finding(
+            on,
+            f"{', '.join(on)}=True: no effect, the model loads from its folder",
+            "warning",
+            why="each process reads a local model folder once at start, and the page cache serves the other "
+            "ranks of a node from memory; a /dev/shm copy would read it once more and hold the weights in "
+            "host memory twice (verl copies from remote storage for many workers per node)",
+            fix="drop use_shm; for a slow network filesystem, copy the folder to local disk or /dev/shm once "
+            "and point the model's path at the copy",
+        )
+    ]
+
+
 def check_rollout_waves(ctx: DoctorContext) -> list[Finding]:
     """max_num_seqs below the responses one device generates in a step: the rollout runs in waves."""
     cfg = ctx.cfg
@@ -397,6 +421,7 @@ LEVER_CHECKS: list[Callable[[Any], list[Finding]]] = [
     check_tensor_parallel_heads,
     check_sequence_parallel_heads,
     check_target_kl_fixed,
+    check_use_shm,
     check_rollout_waves,
     check_memory,
     check_kv_preemption,
