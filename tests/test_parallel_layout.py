@@ -7,13 +7,13 @@ import torch
 from helpers_dist import run_ranks
 
 from fulcrum.config.compat import fsdp_size_note
-from fulcrum.parallel.layout import choose_layout
+from fulcrum.parallel.layout import TRAINING_STATE_BYTES, choose_layout, training_state_bytes
 
 H200 = 141 * 10**9
 
 
 def test_fsdp_size_chooses_the_layout() -> None:
-    qwen_05b, qwen_15b = 494_032_768, 1_543_714_304
+    qwen_05b, qwen_15b = (TRAINING_STATE_BYTES * n for n in (494_032_768, 1_543_714_304))
     assert choose_layout(-1, qwen_05b, H200, False) == "replicated"  # 7.9 GB <= 1/16 of 141 GB
     assert choose_layout(-1, qwen_15b, H200, False) == "sharded"  # 24.7 GB
     assert choose_layout(-1, qwen_05b, None, False) == "sharded"  # the CPU: FSDP as before
@@ -21,6 +21,21 @@ def test_fsdp_size_chooses_the_layout() -> None:
     assert choose_layout(2, qwen_05b, H200, False) == "sharded"  # asked for (the world size)
     assert choose_layout(32, qwen_05b, H200, False) == "sharded"  # above the world size: verl shards over all
     assert choose_layout(-1, qwen_05b, H200, True) == "sharded"  # param_offload is FSDP's
+
+
+def test_a_lora_model_counts_its_frozen_base_once_in_its_own_dtype() -> None:
+    """Trained parameters count 16 B, frozen ones their own size: a 1.5B LoRA model (a bf16 base, 3.1 GB,
+    18 M adapter parameters, 0.3 GB of state) is replicated where its full fine-tuning (24.7 GB) is
+    sharded; a 7B LoRA model (15.2 + 1.3 GB) is still above the replicated share (1/16 of 141 GB)."""
+    base, adapters = torch.nn.Linear(1000, 1000, bias=False), torch.nn.Linear(100, 100, bias=False)
+    base.weight.data = base.weight.data.to(torch.bfloat16)
+    base.weight.requires_grad_(False)
+    model = torch.nn.ModuleDict({"base": base, "adapters": adapters})
+    assert training_state_bytes(model) == 2 * 1000 * 1000 + TRAINING_STATE_BYTES * 100 * 100
+    lora_15b = 2 * 1_543_714_304 + TRAINING_STATE_BYTES * 18_000_000
+    lora_7b = 2 * 7_615_616_512 + TRAINING_STATE_BYTES * 80_740_352
+    assert choose_layout(-1, lora_15b, H200, False) == "replicated"
+    assert choose_layout(-1, lora_7b, H200, False) == "sharded"
 
 
 def test_hybrid_fsdp_size_is_a_note_not_an_error() -> None:

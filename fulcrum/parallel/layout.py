@@ -32,12 +32,22 @@ TRAINING_STATE_BYTES = 16
 REPLICATE_MAX_SHARE = 1 / 16
 
 
-def choose_layout(fsdp_size: int, n_params: int, device_bytes: int | None, param_offload: bool) -> Layout:
+def training_state_bytes(model: torch.nn.Module) -> int:
+    """Resident training state of `model`: 16 B per trained parameter (`TRAINING_STATE_BYTES`), its own
+    size for a frozen one (a LoRA base held in bf16: 2 B); tied tensors once."""
+    return sum(
+        TRAINING_STATE_BYTES * p.numel() if p.requires_grad else p.numel() * p.element_size()
+        for p in model.parameters()
+    )
+
+
+def choose_layout(fsdp_size: int, state_bytes: int, device_bytes: int | None, param_offload: bool) -> Layout:
     """The layout of one model over the ranks, from verl's `fsdp_config.fsdp_size`:
 
     - 1: replicated (verl: shard groups of one device, i.e. no sharding);
-    - -1 (verl's default, "all devices"): replicated when 16 B × `n_params` ≤ `REPLICATE_MAX_SHARE` ×
-      `device_bytes` (a CUDA device's memory), else sharded; sharded on the CPU (`device_bytes` None);
+    - -1 (verl's default, "all devices"): replicated when the model's training state (`state_bytes`,
+      `training_state_bytes`) ≤ `REPLICATE_MAX_SHARE` × `device_bytes` (a CUDA device's memory), else
+      sharded; sharded on the CPU (`device_bytes` None);
     - any other size: sharded over every rank (verl shards over all from the world size up; below it,
       its hybrid groups have no counterpart here: `fulcrum.config.compat.fsdp_size_note` says so at start);
     - `param_offload` (FSDP's CPU offload) always shards.
@@ -48,7 +58,7 @@ def choose_layout(fsdp_size: int, n_params: int, device_bytes: int | None, param
         return "replicated"
     if device_bytes is None:
         return "sharded"
-    fits = TRAINING_STATE_BYTES * n_params <= REPLICATE_MAX_SHARE * device_bytes
+    fits = state_bytes <= REPLICATE_MAX_SHARE * device_bytes
     return "replicated" if fits else "sharded"
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from fulcrum.config.schema import FSDPConfig
 from fulcrum.parallel import current
 from fulcrum.parallel.fsdp import FSDPSettings
-from fulcrum.parallel.layout import TRAINING_STATE_BYTES, Layout, choose_layout
+from fulcrum.parallel.layout import Layout, choose_layout, training_state_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,9 @@ def place_on_ranks(
     if not info.distributed:
         return ONE_PROCESS
     n_params = sum(p.numel() for p in model.parameters())
+    state_bytes = training_state_bytes(model)  # a LoRA model: its adapters' state and the frozen base
     layout = choose_layout(
-        int(fsdp.fsdp_size), n_params, device_memory_bytes(device), bool(fsdp.param_offload)
+        int(fsdp.fsdp_size), state_bytes, device_memory_bytes(device), bool(fsdp.param_offload)
     )
     if layout == "sharded":
         from fulcrum.parallel.fsdp import shard_model
@@ -67,6 +68,6 @@ def place_on_ranks(
             "replicated" if layout == "replicated" else "FSDP2-sharded",
             info.world_size,
             n_params / 1e9,
-            TRAINING_STATE_BYTES * n_params / 1e9,
+            state_bytes / 1e9,
         )
     return Placement(layout, bool(fsdp.optimizer_offload))
