@@ -1,0 +1,220 @@
+"""The Python tool: each call in its own process, with a time, memory and output limit, a fresh working
+directory, no network, and refusals for files outside its directory, processes and ctypes. Whatever the
+model's code does comes back as text plus a counted kind; nothing raises into the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fulcrum.agent import FunctionCall, ToolCallResult, ToolSet, sandbox
+from fulcrum.agent.python_tool import PythonTool
+from fulcrum.agent.sandbox import SandboxLimits, SandboxResult, run_python
+
+
+def python_tool(**config: Any) -> PythonTool:
+    return PythonTool({"default_timeout": 10, "memory_limit_mb": 512, **config}, None)
+
+
+def run_code(code: str, **config: Any) -> ToolCallResult:
+    """One call of the Python tool as the agent loop makes it; the response is not cut."""
+    toolset = ToolSet([python_tool(**config)], max_tool_response_length=1_000_000)
+    call = FunctionCall("code_interpreter", json.dumps({"code": textwrap.dedent(code)}))
+    (result,) = asyncio.run(toolset.run_turn([call]))
+    return result
+
+
+def errors(result: ToolCallResult) -> set[str]:
+    prefix = "tools/errors/"
+    return {k[len(prefix) :] for k, v in result.metrics.items() if k.startswith(prefix) and v}
+
+
+def test_a_correct_computation_prints_its_answer() -> None:
+    result = run_code("import math\nprint(sum(math.comb(10, k) for k in range(11)))")
+    assert result.response.text == "1024\n"
+    assert result.metrics == {"tools/calls": 1.0, "tools/errors": 0.0}
+
+
+def test_an_exception_becomes_its_traceback_for_the_model() -> None:
+    result = run_code("def f(x):\n    return 1 / x\nprint('before')\nf(0)")
+    text = result.response.text
+    assert text.startswith("before\nTraceback (most recent call last):")
+    assert 'File "<code>", line 2, in f' in text and "return 1 / x" in text
+    assert text.rstrip().endswith("ZeroDivisionError: division by zero")
+    assert "sandbox_child" not in text  # the runner's own frames are not shown
+    assert errors(result) == {"exception"}
+
+
+def test_a_hang_is_killed_at_the_time_limit_and_its_process_group_is_gone() -> None:
+    limits = SandboxLimits(timeout_s=1.0)
+    started = time.monotonic()
+    result: SandboxResult = asyncio.run(run_python("import time\nprint('started')\ntime.sleep(60)", limits))
+    assert time.monotonic() - started < 5
+    assert result.kinds == {"timeout"}
+    assert result.stdout == "started\n"  # unbuffered: what it printed before the kill is kept
+    assert "[timed out: the process was killed after 1 s]" in result.text()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(result.pgid, 0)
+
+
+def test_a_cpu_loop_stops_at_the_cpu_limit_before_the_wall_clock_one() -> None:
+    limits = SandboxLimits(timeout_s=20.0, cpu_s=1)
+    started = time.monotonic()
+    result = asyncio.run(run_python("while True:\n    pass", limits))
+    assert time.monotonic() - started < 10
+    assert result.kinds == {"timeout"}
+
+
+def test_a_memory_bomb_hits_the_memory_limit() -> None:
+    result = run_code(
+        "blocks = []\nwhile True:\n    blocks.append(bytearray(50 * 2**20))", memory_limit_mb=300
+    )
+    assert errors(result) == {"memory"}
+    assert "[memory limit of 300 MB reached]" in result.response.text
+
+
+def test_megabytes_of_output_are_cut_and_do_not_block() -> None:
+    started = time.monotonic()
+    result = run_code(
+        "import sys\nfor i in range(10**6):\n    print('x' * 100)\n    print('e' * 100, file=sys.stderr)",
+        max_output_bytes=2000,
+        max_file_mb=1,
+    )
+    assert time.monotonic() - started < 15
+    text = result.response.text
+    assert len(text) < 2 * 2000 + 500  # at most the limit of each stream, plus the notes
+    assert text.startswith("x" * 100 + "\n")
+    assert "output truncated to the first 2000 bytes of each stream" in text
+    assert "output_truncated" in errors(result)
+
+
+def test_reading_and_writing_outside_its_directory_is_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the trainer's file")
+    result = run_code(f"print(open({str(secret)!r}).read())")
+    assert "the trainer's file" not in result.response.text and errors(result) == {"refused"}
+
+    result = run_code("print(open('/etc/passwd').read())")
+    assert "root:" not in result.response.text
+    assert "refused by the sandbox: open('/etc/passwd') outside the working directory" in result.response.text
+
+    target = tmp_path / "x"
+    result = run_code("open('../x', 'w').write('1')\n")
+    assert "for writing outside the working directory" in result.response.text and errors(result) == {
+        "refused"
+    }
+    result = run_code(f"open({str(target)!r}, 'w').write('1')\n")
+    assert not target.exists() and errors(result) == {"refused"}
+
+
+def test_its_own_directory_is_writable_fresh_and_removed_afterwards() -> None:
+    result = run_code(
+        """
+        import os, tempfile
+        print(sorted(os.listdir('.')))
+        with open('notes.txt', 'w') as f:
+            f.write('kept for this call')
+        with tempfile.NamedTemporaryFile(dir=None) as t:
+            pass
+        print(open('notes.txt').read())
+        print(os.getcwd())
+        """
+    )
+    first, content, cwd = result.response.text.splitlines()
+    assert first == "[]" and content == "kept for this call" and errors(result) == set()
+    assert not Path(cwd).exists()
+
+
+def test_a_refusal_the_code_catches_is_still_counted() -> None:
+    result = run_code(
+        "try:\n    open('/etc/hostname')\nexcept OSError as e:\n    print('caught')\nprint('went on')"
+    )
+    assert result.response.text.startswith("caught\nwent on\n")
+    assert errors(result) == {"refused"}
+
+
+@pytest.mark.parametrize("namespace", [True, False], ids=["with-namespace", "hook-only"])
+def test_no_network(namespace: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not namespace:  # a system that forbids network namespaces: the audit hook alone refuses sockets
+        monkeypatch.setattr(sandbox, "network_namespace_prefix", lambda: ())
+    result = run_code("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)")
+    assert "no network in the sandbox" in result.response.text and errors(result) == {"refused"}
+
+
+def test_no_processes() -> None:
+    # Each would print 42-escaped if the process started; the code computes the 42, so neither the
+    # traceback's quoted source nor the refusal's arguments can contain it.
+    for code in (
+        "import subprocess\nprint(subprocess.run(['sh', '-c', 'echo $((6*7))-escaped'], capture_output=True))",
+        "import os\nos.system('echo $((6*7))-escaped')",
+        "import os\nif os.fork() == 0:\n    print(6 * 7, 'escaped', sep='-')",
+        "import multiprocessing as mp\n"
+        "p = mp.get_context('spawn').Process(target=print, args=(6 * 7, 'escaped'), kwargs={'sep': '-'})\n"
+        "p.start()\np.join()",
+    ):
+        result = run_code(code)
+        assert "42-escaped" not in result.response.text and "refused" in errors(result), code
+
+
+def test_ctypes_is_refused_but_libraries_that_probe_for_it_still_import() -> None:
+    result = run_code("import ctypes")
+    assert "SandboxImportRefusal: refused by the sandbox: import ctypes" in result.response.text
+    numpy = run_code("import numpy as np\nprint(int(np.arange(10).sum()))")  # numpy tries ctypes and goes on
+    assert numpy.response.text == "45\n" and errors(numpy) == set()
+
+
+def test_replacing_the_functions_the_guard_uses_does_not_open_the_way() -> None:
+    result = run_code(
+        """
+        import builtins, os.path, sys
+        os.path.realpath = lambda p: os.getcwd()
+        builtins.any = lambda items: True
+        try:
+            sys._getframe(1).f_globals['within'].__defaults__ = (lambda items: True,)
+        except PermissionError as e:
+            print('guarded:', e)
+        print(open('/etc/hostname').read())
+        """
+    )
+    assert "guarded: refused by the sandbox" in result.response.text
+    assert "open('/etc/hostname') outside the working directory" in result.response.text
+
+
+def test_the_trainers_environment_is_not_passed_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    result = run_code("import os\nprint(sorted(os.environ))\nprint(os.environ.get('HF_TOKEN'))")
+    assert "hf_secret_value" not in result.response.text and result.response.text.endswith("None\n")
+
+
+def test_two_slow_calls_overlap_and_num_workers_bounds_them() -> None:
+    code = json.dumps({"code": "import time\ntime.sleep(1)\nprint('done')"})
+
+    def wall(num_workers: int) -> tuple[float, list[ToolCallResult]]:
+        toolset = ToolSet([python_tool(num_workers=num_workers)], max_parallel_calls=2)
+        started = time.monotonic()
+        results = asyncio.run(toolset.run_turn([FunctionCall("code_interpreter", code)] * 2))
+        return time.monotonic() - started, results
+
+    together, results = wall(num_workers=2)
+    assert [r.response.text for r in results] == ["done\n", "done\n"]
+    assert together < 1.9
+    one_at_a_time, _ = wall(num_workers=1)
+    assert one_at_a_time >= 2.0
+
+
+def test_the_model_may_shorten_the_time_limit_but_not_lengthen_it() -> None:
+    tool = python_tool(default_timeout=2)
+    assert tool.call_limits({"timeout": 0.5}).timeout_s == 0.5
+    assert tool.call_limits({"timeout": 3600}).timeout_s == 2
+    result = run_code("print('hi')", default_language="python")
+    assert result.response.text == "hi\n"
+    other = asyncio.run(tool.execute("i", {"code": "1", "language": "bash"}))
+    assert other[0].text == "Error when executing tool: only Python runs here, not 'bash'"
