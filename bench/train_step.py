@@ -14,6 +14,14 @@ tied embeddings, bf16 on disk) with the tiny byte-level tokenizer of `fulcrum ti
 the tokenizer does not know decode to nothing, so responses run to max length (a fixed, worst-case
 load) and every reward is 0. Throughput and time are what this measures, not learning.
 
+Checkpoint cost (`trainer.save_in_background`): the summary's `checkpoints` lists, per save, the step's
+stall (`timing_s/save_checkpoint`, of which `perf/checkpoint_wait_s` waited for the previous write) and
+each background write's seconds (`perf/checkpoint_write_s`). Run enough steps that a write ends before
+the last save, e.g. `--steps 12 trainer.save_freq=5`. Or the saves alone, no training (actor and
+critic with AdamW moments, float32 as the workers hold them; `--device cpu` for a small model):
+
+    python bench/train_step.py checkpoint --model .bench/qwen05 --run /tmp/ckpt_bench --saves 3
+
 The summary's `host` holds `bench/host_speed.py`'s probe before and after the run (Python loop ms,
 µs per kernel launch, load): the seed command's updates are host-bound, so its figure moves with them.
 """
@@ -104,7 +112,64 @@ def summarise(run: Path) -> dict[str, object]:
     mean_warm = {
         k: sum(r[k] for r in warm) / len(warm) for k in sorted(shared) if not k.startswith("val-core/")
     }
-    return {"steps": per_step, "mean_after_first": mean_warm}
+    return {"steps": per_step, "mean_after_first": mean_warm, "checkpoints": checkpoint_costs(steps)}
+
+
+def checkpoint_costs(rows: list[dict[str, float]]) -> dict[str, list[float]]:
+    """Per save of the run: the step's stall and its wait for the previous write; every write's seconds."""
+    saves = [r for r in rows if "timing_s/save_checkpoint" in r]
+    return {
+        "stall_s": [r["timing_s/save_checkpoint"] for r in saves],
+        "wait_s": [r.get("perf/checkpoint_wait_s", 0.0) for r in saves],
+        "write_s": [r["perf/checkpoint_write_s"] for r in rows if "perf/checkpoint_write_s" in r],
+    }
+
+
+def bench_checkpoint(model: Path, run: Path, saves: int, device: torch.device) -> dict[str, object]:
+    """Seconds a step stalls for a save and seconds the write takes, in the background and in the step,
+    for an actor and a critic of `model` with AdamW moments (one update on a short random batch)."""
+    import time
+
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    from fulcrum.models.value_head import CriticModel
+    from fulcrum.trainer.checkpoint import CheckpointManager
+    from fulcrum.workers.optim import build_optimizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    optim = argparse.Namespace(lr=1e-6)
+    roles = {}
+    for name, net in (
+        ("actor", AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)),
+        ("critic", CriticModel(AutoModel.from_pretrained(model, dtype=torch.float32))),
+    ):
+        net = net.to(device)
+        optimizer = build_optimizer(net.parameters(), optim, device)
+        out = net(input_ids=torch.randint(0, 100, (1, 16), device=device))
+        (out.logits if name == "actor" else out).float().mean().backward()
+        optimizer.step()
+        roles[name] = argparse.Namespace(model=net, optimizer=optimizer, tokenizer=tokenizer)
+    result: dict[str, object] = {"device": str(device), "saves": saves}
+    for background in (True, False):
+        manager = CheckpointManager(run / ("background" if background else "in_step"), None)
+        stalls, writes = [], []
+        for step in range(1, saves + 1):
+            begin = time.perf_counter()
+            if background:
+                manager.save(step, roles, {"epoch": 0}, background=True)
+                stalls.append(time.perf_counter() - begin)
+                manager.wait()
+                writes.append(manager.writer.seconds_of_finished())
+            else:
+                manager.save(step, roles, {"epoch": 0})
+                stalls.append(time.perf_counter() - begin)
+        key = "background" if background else "in_step"
+        result[key] = {"stall_s": stalls, "write_s": writes}
+    result["checkpoint_gb"] = (
+        sum(f.stat().st_size for f in (run / "background" / f"global_step_{saves}").rglob("*") if f.is_file())
+        / 1e9
+    )
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,9 +186,25 @@ def main(argv: list[str] | None = None) -> int:
     rn.add_argument("--steps", type=int, default=3)
     rn.add_argument("--summary", type=Path, default=None)
     add_packed_knobs(rn)
+    ck = sub.add_parser(
+        "checkpoint", help="time the saves alone: step stall and write, background and in-step"
+    )
+    ck.add_argument("--model", type=Path, required=True)
+    ck.add_argument("--run", type=Path, required=True, help="an empty folder for the checkpoints")
+    ck.add_argument("--saves", type=int, default=3)
+    ck.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ck.add_argument("--summary", type=Path, default=None)
     args, extra = parser.parse_known_args(argv)
     if args.cmd == "make-model":
         print(f"wrote {make_model(args.out)}")
+        return 0
+    if args.cmd == "checkpoint":
+        text = json.dumps(
+            bench_checkpoint(args.model, args.run, args.saves, torch.device(args.device)), indent=1
+        )
+        print(text)
+        if args.summary:
+            args.summary.write_text(text)
         return 0
     from host_speed import host_speed
 

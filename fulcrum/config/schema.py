@@ -466,6 +466,11 @@ class TrainerConfig:
     use_legacy_worker_impl: str = opt("auto", "verl worker implementation switch (no effect)")
     seed: int = opt(1, "seed for model init, sampling and data order (ours)", SEED)
     save_on_interrupt: bool = opt(True, "write a checkpoint on Ctrl-C / SIGTERM (ours)")
+    save_in_background: bool = opt(
+        True,
+        "the step waits only for a host copy of the state; serialising, hashing and fsync run beside "
+        "training (host RAM: one checkpoint's size) (ours)",
+    )
     max_nan_steps: int = opt(
         3, "stop after this many consecutive steps with a NaN/inf loss (ours)", AT_LEAST_1
     )

@@ -35,7 +35,8 @@ PHASE_LEVERS: dict[str, str] = {
     "model.enable_gradient_checkpointing=False if memory allows (`fulcrum tune` measures them)",
     "update_weights": "weight sync to the engine should be milliseconds; report it as a bug",
     "testing": "a larger trainer.test_freq (validation runs inside the step that does it)",
-    "save_checkpoint": "a larger trainer.save_freq (checkpoints are written inside the step)",
+    "save_checkpoint": "a larger trainer.save_freq (the step waits for the host copy of the state, and for "
+    "the previous checkpoint's write when it is still running; with trainer.save_in_background=False, for all of it)",
 }
 NON_FINITE_KEYS = (
     "actor/pg_loss",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -178,14 +179,53 @@ class PPOTrainer:
 
     def save_checkpoint(self) -> None:
         """`global_step_N` of this step: every rank gathers the sharded roles' whole state to rank 0
-        (trainer/checkpoint/sharded.py), rank 0 writes it as one process would; the others wait."""
+        (trainer/checkpoint/sharded.py), rank 0 writes it as one process would; the others wait. With
+        `trainer.save_in_background` rank 0 waits for the previous write, takes a host snapshot and
+        writes it beside the next steps (trainer/checkpoint/background.py); an earlier write's error
+        is raised here, on every rank."""
         roles = gather_roles(self.roles())
         on_main(
             lambda: self.checkpoints.save(
-                self.global_step, roles, self.trainer_state(), run_config=to_dict(self.cfg)
+                self.global_step,
+                roles,
+                self.trainer_state(),
+                run_config=to_dict(self.cfg),
+                background=self.checkpoints.settings.save_in_background,
             )
         )
         self.saved_step = self.global_step
+
+    def checkpoint_metrics(self, saved: bool) -> dict[str, float]:
+        """`perf/checkpoint_wait_s` on a step that saved (of its stall, the wait for the previous write)
+        and `perf/checkpoint_write_s` on the first step after a background write ended (its seconds)."""
+        out = {"perf/checkpoint_wait_s": self.checkpoints.waited_s} if saved else {}
+        written = self.checkpoints.writer.seconds_of_finished()
+        if written is not None:
+            out["perf/checkpoint_write_s"] = written
+        return out
+
+    def end_checkpoint_write(self, stopping: BaseException | None) -> None:
+        """The end of `fit` for a checkpoint still being written in the background. A normal end or an
+        error waits for it, so it is complete; its failure is the run's error, or, when the run already
+        fails for another reason, a warning. A second Ctrl-C (stop at once) cancels it instead: its
+        temporary folder is removed and the previous checkpoint stays the newest."""
+        if stopping is None:
+            on_main(self.checkpoints.wait)
+            seconds = self.checkpoints.writer.seconds_of_finished()
+            if seconds is not None and self.dist.is_main:
+                label = self.checkpoints.writer.label
+                print(f"checkpoint {label} written in {seconds:.1f} s beside training", flush=True)
+            return
+        try:
+            if isinstance(stopping, KeyboardInterrupt):
+                failure = self.checkpoints.writer.cancel()
+            else:
+                self.checkpoints.wait()
+                failure = None
+        except Exception as exc:
+            failure = exc
+        if failure is not None:
+            print(f"warning: the background checkpoint write failed too: {failure}", file=sys.stderr)
 
     def _resume(self) -> None:
         if self.resume_choice.path is None:
@@ -256,6 +296,11 @@ class PPOTrainer:
                     break
                 if is_last:
                     break
+        except BaseException as exc:
+            self.end_checkpoint_write(exc)
+            raise
+        else:
+            self.end_checkpoint_write(None)
         finally:
             interrupt.uninstall()
             bar.close()
@@ -411,7 +456,9 @@ class PPOTrainer:
                     or interrupted
                 )
             ):
-                with M.timer("save_checkpoint", timing):
+                with M.timer(
+                    "save_checkpoint", timing
+                ):  # the stall: snapshot, and any wait for the last write
                     self.save_checkpoint()
         # 8. metrics
         critic = (self.critic.model.config, self.critic.ppo_epochs) if self.critic is not None else None
@@ -426,6 +473,7 @@ class PPOTrainer:
                 peaks,
             )
         )
+        metrics.update(self.checkpoint_metrics("save_checkpoint" in timing))
         # Integers, as verl logs them ("training/global_step": 3, not 3.0): scripts grep and compare them.
         metrics["training/global_step"] = self.global_step
         metrics["training/epoch"] = self.epoch

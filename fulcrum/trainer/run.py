@@ -91,7 +91,8 @@ def quiet_other_ranks(info: DistInfo) -> None:
 
 def interrupted_line(run_dir: Path) -> str:
     """The one line for a run stopped at once by Ctrl-C: what is on disk to resume from. A checkpoint
-    being written when it came was removed by the save (CheckpointManager.save), never published."""
+        being written when it came was removed by the save (CheckpointManager.save), or by the background
+    writer the trainer cancelled (PPOTrainer.end_checkpoint_write), never published."""
     step = read_latest_step(run_dir)
     kept = (
         f"the last complete checkpoint is {run_dir / f'global_step_{step}'}"

@@ -71,6 +71,7 @@ HARMLESS_KEYS = (
     "trainer.rollout_data_dir",
     "trainer.validation_data_dir",
     "trainer.save_on_interrupt",
+    "trainer.save_in_background",
     "trainer.max_nan_steps",
     "trainer.overwrite_run",
     "trainer.accept_config_changes",

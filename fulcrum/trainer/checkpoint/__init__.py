@@ -14,8 +14,9 @@ Layout of one checkpoint (every file loads without unpickling arbitrary objects)
         critic/                  the same for the critic
 
 Modules: `atomic` (fsync, atomic replace, streamed hashes), `layout` (names, manifest, verification),
-`rng` (generator state), `hf_folder` (models as Hugging Face folders), `manager` (save, resume,
-retention).
+`rng` (generator state), `hf_folder` (models as Hugging Face folders), `snapshot` (a role's state as
+host copies, taken between steps), `background` (the writer thread beside training), `manager` (save,
+resume, retention).
 """
 
 from fulcrum.trainer.checkpoint.layout import (

@@ -39,17 +39,19 @@ def trained_outside_adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_adapter_folder(role_dir: Path, role: Any) -> None:
-    """`role`'s adapters, pointer and other trained tensors into `role_dir` (see the module docstring)."""
-    adapters: Adapters = role.adapters
-    adapters.save(role_dir, getattr(role, "adapter_state", None))
+def save_adapter_folder(
+    role_dir: Path,
+    adapters: Adapters,
+    adapter_state: dict[str, torch.Tensor] | None,
+    trained: dict[str, torch.Tensor],
+) -> None:
+    """The adapters (`adapter_state`, or theirs now), the base pointer and the other trained tensors
+    (`trained_outside_adapters`, taken with the snapshot) into `role_dir` (see the module docstring).
+    The tokenizer's files are written beside them by the caller."""
+    adapters.save(role_dir, adapter_state)
     (role_dir / BASE_POINTER).write_text(json.dumps(adapters.base_pointer(), indent=2) + "\n")
-    extra = trained_outside_adapters(role.model)
-    if extra:
-        save_file(extra, str(role_dir / TRAINED_WEIGHTS), metadata={"format": "pt"})
-    tokenizer = getattr(role, "tokenizer", None)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(role_dir))
+    if trained:
+        save_file(trained, str(role_dir / TRAINED_WEIGHTS), metadata={"format": "pt"})
 
 
 def load_adapter_folder(role_dir: Path, role: Any) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from fulcrum.trainer.checkpoint.adapters import is_adapter_folder, load_adapter_folder, save_adapter_folder
 from fulcrum.trainer.checkpoint.atomic import fsync_dir, fsync_tree, write_text_atomic
+from fulcrum.trainer.checkpoint.background import BackgroundWriter
 from fulcrum.trainer.checkpoint.hf_folder import check_weights_finite, load_model_weights, save_model_folder
 from fulcrum.trainer.checkpoint.layout import (
     LATEST_FILE,
@@ -50,6 +51,7 @@ from fulcrum.trainer.checkpoint.layout import (
 )
 from fulcrum.trainer.checkpoint.rng import capture_rng_state, restore_rng_state
 from fulcrum.trainer.checkpoint.sharded import load_optimizer_state
+from fulcrum.trainer.checkpoint.snapshot import RoleSnapshot, snapshot_role
 
 RESUME_MODES = ("auto", "disable", "resume_path")
 
@@ -68,6 +70,7 @@ class CheckpointSettings:
     resume_from_path: str | None = None
     max_actor_ckpt_to_keep: int | None = None
     max_critic_ckpt_to_keep: int | None = None
+    save_in_background: bool = True  # the trainer's saves: on the writer thread, or in the step
 
     @classmethod
     def from_trainer_cfg(cls, trainer_cfg: Any) -> CheckpointSettings:
@@ -79,6 +82,7 @@ class CheckpointSettings:
             resume_from_path=get("resume_from_path", None),
             max_actor_ckpt_to_keep=get("max_actor_ckpt_to_keep", None),
             max_critic_ckpt_to_keep=get("max_critic_ckpt_to_keep", None),
+            save_in_background=bool(get("save_in_background", True)),
         )
         if settings.resume_mode not in RESUME_MODES:
             raise CheckpointError(
@@ -109,29 +113,6 @@ def _load_torch(path: Path) -> Any:
         raise CheckpointError(f"{path}: cannot be loaded safely (weights_only=True): {exc}") from exc
 
 
-def _tensor_bytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
-
-
-def estimate_checkpoint_bytes(roles: dict[str, Any]) -> int:
-    """About how many bytes a save writes: weights + optimiser state (tokenizers and JSON are small)."""
-    total = 0
-    for role in roles.values():
-        adapters = getattr(role, "adapters", None)
-        weights = adapters.state_dict() if adapters is not None else dict(role.model.state_dict())
-        total += _tensor_bytes(weights)
-        optimizer = getattr(role, "optimizer", None)
-        if optimizer is not None:
-            total += _tensor_bytes(optimizer.state_dict()["state"])
-    return total
-
-
 def _json_checked(obj: Any, path: str = "trainer_state") -> Any:
     """`obj` if it is plain JSON (dict/list/str/number/bool/None); otherwise an error naming the key."""
     if isinstance(obj, dict):
@@ -143,6 +124,19 @@ def _json_checked(obj: Any, path: str = "trainer_state") -> Any:
     if isinstance(obj, np.generic | torch.Tensor) and getattr(obj, "ndim", 0) == 0:
         return obj.item()
     raise CheckpointError(f"{path} is a {type(obj).__name__}; trainer state must be plain JSON values")
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint decided and snapshotted between two steps, not yet on disk."""
+
+    step: int
+    final: Path  # global_step_N, the name it is published under
+    needed: int  # estimated bytes, for the full-disk message
+    state: dict[str, Any]  # trainer_state.json
+    run_config: dict[str, Any] | None
+    rng_state: dict[str, Any]
+    roles: dict[str, RoleSnapshot]
 
 
 @dataclass
@@ -167,6 +161,8 @@ class CheckpointManager:
     def __init__(self, run_dir: str | os.PathLike, trainer_cfg: Any = None) -> None:
         self.run_dir = Path(run_dir)
         self.settings = CheckpointSettings.from_trainer_cfg(trainer_cfg)
+        self.writer = BackgroundWriter()  # the writes of save(background=True)
+        self.waited_s = 0.0  # how long the last wait() blocked on the previous write
 
     # ------------------------------------------------------------------ save
     def save(
@@ -175,8 +171,37 @@ class CheckpointManager:
         roles: dict[str, Any],
         trainer_state: dict[str, Any],
         run_config: dict[str, Any] | None = None,
+        background: bool = False,
     ) -> Path:
-        """Write `global_step_<step>` atomically; returns its path. Raises DiskFullError on a full disk."""
+        """Write `global_step_<step>` atomically; returns its path. A background write still running is
+        waited for first, and its error raised here. Now (`background=False`): from the live tensors,
+        raising DiskFullError on a full disk. In the background: from a host snapshot taken here, on
+        the writer thread; its error is raised by the next `save` or `wait`."""
+        self.wait()
+        pending = self._prepare(step, roles, trainer_state, run_config, copy=background)
+        if not background:
+            return self._write(pending)
+        self.writer.submit(pending.final.name, lambda: self._write(pending))
+        return pending.final
+
+    def wait(self) -> None:
+        """Block until the background write (if any) is on disk; raise its error if it failed."""
+        started = time.perf_counter()
+        try:
+            self.writer.wait()
+        finally:
+            self.waited_s = time.perf_counter() - started
+
+    def _prepare(
+        self,
+        step: int,
+        roles: dict[str, Any],
+        trainer_state: dict[str, Any],
+        run_config: dict[str, Any] | None,
+        copy: bool,
+    ) -> PendingSave:
+        """Everything a save decides and reads between two steps: the checks that refuse it (step,
+        trainer state, finite weights, free space) and the snapshot it writes (`snapshot.snapshot_role`)."""
         if step < 0:
             raise CheckpointError(f"checkpoint step must be >= 0, got {step}")
         state = _json_checked({**trainer_state, "global_step": step})
@@ -184,60 +209,67 @@ class CheckpointManager:
             check_weights_finite(role.model, f"checkpoint {step_dir_name(step)}/{name}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         final = self.run_dir / step_dir_name(step)
-        tmp = self.run_dir / f"{final.name}.tmp-{os.getpid()}"
-        needed = estimate_checkpoint_bytes(roles)
+        snaps = {name: snapshot_role(role, copy) for name, role in roles.items()}
+        # About what the save writes: weights (or adapters) and optimiser state; tokenizer and JSON are small.
+        needed = sum(snap.host_bytes() for snap in snaps.values())
         free = shutil.disk_usage(self.run_dir).free
         if needed > free:
             raise self._disk_full(final, needed, free)
+        return PendingSave(step, final, needed, state, run_config, capture_rng_state(), snaps)
+
+    def _write(self, pending: PendingSave) -> Path:
+        """`pending` into `global_step_N.tmp-<pid>`, fsync'ed, renamed into place; then the latest-step
+        file and retention. On any failure the temporary folder is removed and nothing is published."""
+        final = pending.final
+        tmp = self.run_dir / f"{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             tmp.mkdir()
-            self._write_contents(tmp, step, roles, state, run_config)
+            self._write_contents(tmp, pending)
+            self.writer.check_cancelled()
             fsync_tree(tmp)
+            self.writer.check_cancelled()
             self._publish(tmp, final)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise self._disk_full(final, needed, shutil.disk_usage(self.run_dir).free) from exc
+                free = shutil.disk_usage(self.run_dir).free
+                raise self._disk_full(final, pending.needed, free) from exc
             raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        write_text_atomic(self.run_dir / LATEST_FILE, f"{step}\n")
-        self._apply_retention(list(roles))
+        write_text_atomic(self.run_dir / LATEST_FILE, f"{pending.step}\n")
+        self._apply_retention(list(pending.roles))
         return final
 
-    def _write_contents(
-        self,
-        tmp: Path,
-        step: int,
-        roles: dict[str, Any],
-        state: dict[str, Any],
-        run_config: dict[str, Any] | None,
-    ) -> None:
-        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2, allow_nan=True))
-        if run_config is not None:
-            (tmp / RUN_CONFIG).write_text(json.dumps(run_config, indent=2, default=str))
-        _save_torch(capture_rng_state(), tmp / RNG_STATE)
-        for name, role in roles.items():
-            self._write_role(tmp / name, role)
-        manifest = build_manifest(tmp, step, list(roles))
+    def _write_contents(self, tmp: Path, pending: PendingSave) -> None:
+        (tmp / TRAINER_STATE).write_text(json.dumps(pending.state, indent=2, allow_nan=True))
+        if pending.run_config is not None:
+            (tmp / RUN_CONFIG).write_text(json.dumps(pending.run_config, indent=2, default=str))
+        _save_torch(pending.rng_state, tmp / RNG_STATE)
+        for name, snap in pending.roles.items():
+            self.writer.check_cancelled()
+            self._write_role(tmp / name, snap)
+        self.writer.check_cancelled()
+        manifest = build_manifest(tmp, pending.step, list(pending.roles))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
     @staticmethod
-    def _write_role(role_dir: Path, role: Any) -> None:
-        """One role's Hugging Face folder plus its optimiser and scheduler state."""
+    def _write_role(role_dir: Path, snap: RoleSnapshot) -> None:
+        """One role's Hugging Face folder (or LoRA adapter folder) plus its optimiser and scheduler state."""
         role_dir.mkdir()
-        if getattr(role, "adapters", None) is not None:
-            save_adapter_folder(role_dir, role)
+        if snap.adapters is not None:
+            save_adapter_folder(role_dir, snap.adapters, snap.adapter_state, snap.trained_weights or {})
         else:
-            save_model_folder(role.model, getattr(role, "tokenizer", None), role_dir)
-        optimizer = getattr(role, "optimizer", None)
-        if optimizer is not None:
-            _save_torch(optimizer.state_dict(), role_dir / OPTIMIZER_FILE)
-        scheduler = getattr(role, "lr_scheduler", None)
-        if scheduler is not None:
-            _save_torch(scheduler.state_dict(), role_dir / SCHEDULER_FILE)
+            save_model_folder(snap.model, None, role_dir)
+        for rel, data in snap.tokenizer_files.items():
+            (role_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+            (role_dir / rel).write_bytes(data)
+        if snap.optimizer_state is not None:
+            _save_torch(snap.optimizer_state, role_dir / OPTIMIZER_FILE)
+        if snap.scheduler_state is not None:
+            _save_torch(snap.scheduler_state, role_dir / SCHEDULER_FILE)
 
     def _publish(self, tmp: Path, final: Path) -> None:
         """Rename the whole temp folder into place. A same-step folder already there (a run started

@@ -66,6 +66,9 @@ class GatheredRole:
             GatheredOptimizer(full_optimizer_state_dict(model, optimizer)) if optimizer is not None else None
         )
         self.lr_scheduler = getattr(role, "lr_scheduler", None)
+        # What the gather may have returned as it is (snapshot.copy_rule copies only those).
+        self.live_model = model
+        self.live_optimizer = optimizer
         self.tokenizer = getattr(role, "tokenizer", None)
         # LoRA: the adapters' whole tensors (every rank gathers them; rank 0 writes them).
         self.adapters = getattr(role, "adapters", None)

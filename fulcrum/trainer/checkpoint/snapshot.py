@@ -1,0 +1,163 @@
+"""What a checkpoint writes of one role, taken between two steps: the state a writer thread can put on
+disk while training goes on.
+
+Training changes weights, optimiser moments and the tokenizer's backend settings in place, so a write
+that runs beside it must read copies taken while nothing moves: `snapshot_role(role, copy=True)` copies
+every tensor to the host (device → host for CUDA, a clone on the CPU) and reads the tokenizer's files
+into memory. Tensors that share memory in the model (tied embeddings) share one copy, so the Hugging
+Face writer still sees them as tied. Copies are plain pageable memory: pinning would speed the copy up
+but hold the whole model's size in page-locked RAM for the run. With `copy=False` the snapshot refers
+to the live tensors, for a write that finishes before the next step (no second host copy).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fulcrum.trainer.checkpoint.adapters import trained_outside_adapters
+from fulcrum.trainer.checkpoint.sharded import GatheredModel
+
+
+@dataclass
+class RoleSnapshot:
+    """One role as a checkpoint writes it: weights (or LoRA adapters), optimiser and schedule state,
+    and the tokenizer's files. `model` keeps the live module for its config and `save_pretrained`;
+    its `state_dict()` is the snapshot's."""
+
+    model: GatheredModel
+    optimizer_state: dict[str, Any] | None = None
+    scheduler_state: dict[str, Any] | None = None
+    tokenizer_files: dict[str, bytes] = field(default_factory=dict)
+    adapters: Any = None  # fulcrum.models.lora.Adapters of a LoRA role
+    adapter_state: dict[str, torch.Tensor] | None = None
+    trained_weights: dict[str, torch.Tensor] | None = (
+        None  # a LoRA role's trained tensors outside the adapters
+    )
+
+    def host_bytes(self) -> int:
+        """Bytes of tensor data this snapshot holds (copies or references, as it was taken)."""
+        parts = (self.model.state_dict(), self.optimizer_state, self.adapter_state, self.trained_weights)
+        return sum(tensor_bytes(part) for part in parts)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a nest of dicts, lists and tuples (each tensor counted where it appears)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def storage_ptr(tensor: torch.Tensor) -> int:
+    """Where a tensor's memory starts (a DTensor's local shard): tensors that share it share memory."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.untyped_storage().data_ptr()
+
+
+def host_copies(obj: Any, needs_copy: Callable[[torch.Tensor], bool] = lambda _: True) -> Any:
+    """`obj` (dicts, lists, tuples, tensors, immutable leaves) rebuilt with every tensor that
+    `needs_copy` picks replaced by a host copy; the containers are new, so later changes to the live
+    ones (a scheduler's lists) do not reach it. Views of the same memory with the same layout (tied
+    weights) become one copy, so the writer still sees one tensor under two names."""
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if not needs_copy(value):
+                return value
+            key = (storage_ptr(value), value.storage_offset(), value.shape, value.stride(), value.dtype)
+            if key not in copies:
+                copies[key] = value.detach().to("cpu", copy=True)
+            return copies[key]
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(walk(v) for v in value)
+        return value
+
+    return walk(obj)
+
+
+def live_storages(tensors: Iterable[Any]) -> set[int]:
+    """The memory of the live tensors in `tensors` (nests walked as in `host_copies`)."""
+    found: set[int] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            found.add(storage_ptr(value))
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                walk(v)
+
+    for item in tensors:
+        walk(item)
+    return found
+
+
+def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
+    """The files `tokenizer.save_pretrained` writes, read into memory (name → bytes). Taken between
+    steps: while a batch is encoded, a fast tokenizer's backend holds that call's padding and
+    truncation, which its `tokenizer.json` would record."""
+    if tokenizer is None:
+        return {}
+    with tempfile.TemporaryDirectory(prefix="fulcrum-tokenizer-") as folder:
+        tokenizer.save_pretrained(folder)
+        return {
+            str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()
+        }
+
+
+def copy_rule(role: Any, copy: bool) -> Callable[[torch.Tensor], bool]:
+    """Which of `role`'s tensors a snapshot copies: none (`copy=False`), all of a worker's, or of a
+    `sharded.GatheredRole` only those its gather returned as they are (on the device, or the live
+    tensors themselves, like Adam's step counts): the rest are already private host copies."""
+    if not copy:
+        return lambda _: False
+    live_model = getattr(role, "live_model", None)
+    if live_model is None:
+        return lambda _: True
+    live_optimizer = getattr(role, "live_optimizer", None)
+    live = live_storages(
+        [live_model.state_dict(), live_optimizer.state if live_optimizer is not None else {}]
+    )
+    return lambda t: t.device.type != "cpu" or storage_ptr(t) in live
+
+
+def snapshot_role(role: Any, copy: bool) -> RoleSnapshot:
+    """What the checkpoint writes of `role` (a worker, or `sharded.GatheredRole` on rank 0), with host
+    copies of its tensors when `copy` (see the module docstring and `copy_rule`)."""
+    needs_copy = copy_rule(role, copy)
+    optimizer = getattr(role, "optimizer", None)
+    scheduler = getattr(role, "lr_scheduler", None)
+    adapters = getattr(role, "adapters", None)
+    weights: dict[str, torch.Tensor] = {}
+    adapter_state = trained = None
+    if adapters is None:
+        weights = host_copies(dict(role.model.state_dict()), needs_copy)
+    else:  # the frozen base is not written: only the adapters and the other trained tensors
+        state = getattr(role, "adapter_state", None)
+        adapter_state = host_copies(state if state is not None else adapters.state_dict(), needs_copy)
+        trained = host_copies(trained_outside_adapters(role.model), needs_copy)
+    return RoleSnapshot(
+        model=GatheredModel(role.model, weights),
+        optimizer_state=host_copies(optimizer.state_dict(), needs_copy) if optimizer is not None else None,
+        scheduler_state=host_copies(scheduler.state_dict()) if scheduler is not None else None,
+        tokenizer_files=tokenizer_files(getattr(role, "tokenizer", None)),
+        adapters=adapters,
+        adapter_state=adapter_state,
+        trained_weights=trained,
+    )

@@ -1,0 +1,142 @@
+"""Checkpoints written beside training: the snapshot is what the step had, the files are the ones a
+save in the step writes, a failure comes back as the same error, and a cancelled write leaves nothing."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_assets, short_run_overrides
+from test_checkpoint import TINY, make_roles, train_step
+
+from fulcrum.models.tiny import build_tiny_model
+from fulcrum.trainer.checkpoint import LATEST_FILE, CheckpointManager, DiskFullError, read_latest_step
+from fulcrum.trainer.checkpoint import manager as ckpt_mod
+from fulcrum.trainer.main_ppo import main as train_main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0, intermediate_size=64, **TINY)
+
+
+def hold_role_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make every role write wait for the returned event: the test acts while the write is under way."""
+    release = threading.Event()
+    write_role = ckpt_mod.CheckpointManager._write_role
+
+    def held(role_dir: Path, snap: object) -> None:
+        assert release.wait(60), "the test never released the write"
+        write_role(role_dir, snap)
+
+    monkeypatch.setattr(ckpt_mod.CheckpointManager, "_write_role", staticmethod(held))
+    return release
+
+
+def file_hashes(ckpt: Path) -> dict[str, str]:
+    manifest = json.loads((ckpt / "checkpoint.json").read_text())
+    return {name: entry["sha256"] for name, entry in manifest["files"].items()}
+
+
+def test_background_write_holds_the_step_state_and_writes_the_same_files(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    roles = make_roles(model_dir, seed=1)
+    train_step(roles)
+    now = CheckpointManager(tmp_path / "now", None)
+    rng = torch.get_rng_state()
+    now.save(1, roles, {"epoch": 0})
+    torch.set_rng_state(rng)  # the same generator state for both saves
+
+    release = hold_role_writes(monkeypatch)
+    later = CheckpointManager(tmp_path / "later", None)
+    path = later.save(1, roles, {"epoch": 0}, background=True)
+    assert later.writer.busy and not path.exists()  # the step goes on while the write runs
+    expected = {
+        name: {k: v.clone() for k, v in role.model.state_dict().items()} for name, role in roles.items()
+    }
+    train_step(roles)  # the next step changes weights, moments and generators in place
+    release.set()
+    later.wait()
+    assert read_latest_step(tmp_path / "later") == 1
+    assert file_hashes(path) == file_hashes(tmp_path / "now" / "global_step_1")  # byte for byte
+
+    fresh = make_roles(model_dir, seed=2)
+    later.load(path, fresh)
+    for name, role in fresh.items():
+        for key, tensor in role.model.state_dict().items():
+            assert torch.equal(tensor, expected[name][key]), f"{name}.{key} is not the snapshot's"
+
+
+def test_a_full_disk_in_the_background_is_the_same_error_at_the_next_save_and_publishes_nothing(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    roles = make_roles(model_dir, seed=1)
+    manager = CheckpointManager(tmp_path, None)
+    manager.save(1, roles, {"epoch": 0}, background=True)
+    manager.wait()
+
+    def no_space(obj: object, path: Path) -> None:
+        path.write_bytes(b"x" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(ckpt_mod, "_save_torch", no_space)
+    manager.save(2, roles, {"epoch": 0}, background=True)  # returns: the failure comes later
+    with pytest.raises(DiskFullError) as info:
+        manager.save(3, roles, {"epoch": 0}, background=True)
+    message = str(info.value)
+    assert "global_step_2" in message and "MiB free" in message and "global_step_1 is intact" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", LATEST_FILE]
+    assert read_latest_step(tmp_path) == 1
+    manager.save(3, roles, {"epoch": 0}, background=True)  # the end of the run: wait() raises it
+    with pytest.raises(DiskFullError, match="global_step_3"):
+        manager.wait()
+    manager.wait()  # raised once
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", LATEST_FILE]
+
+
+def test_a_cancelled_write_removes_its_folder_and_the_previous_checkpoint_stays_newest(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    roles = make_roles(model_dir, seed=1)
+    manager = CheckpointManager(tmp_path, {"max_actor_ckpt_to_keep": 1, "max_critic_ckpt_to_keep": 1})
+    manager.save(1, roles, {"epoch": 0}, background=True)
+    manager.wait()
+    release = hold_role_writes(monkeypatch)
+    manager.save(2, roles, {"epoch": 0}, background=True)  # the writer waits inside the first role
+    threading.Timer(0.2, release.set).start()
+    assert manager.writer.cancel() is None  # stops at the next file, removes its folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", LATEST_FILE]
+    assert read_latest_step(tmp_path) == 1
+    monkeypatch.undo()
+    manager.save(3, roles, {"epoch": 0}, background=True)  # retention runs after the write it follows
+    manager.wait()
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_3"]
+
+
+def test_a_full_disk_in_the_last_background_write_ends_the_run_with_the_usual_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Step 2's checkpoint fails on the writer thread after the loop is done: the run waits for it and
+    ends as a full disk during a save in the step ends, exit 1 and one paragraph, step 1 kept."""
+    assets = make_assets(tmp_path / "assets")
+    run_dir = tmp_path / "run"
+    save_torch = ckpt_mod._save_torch
+
+    def full_on_step_2(obj: object, path: Path) -> None:
+        if path.parent.name.startswith("global_step_2.tmp-"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        save_torch(obj, path)
+
+    monkeypatch.setattr(ckpt_mod, "_save_torch", full_on_step_2)
+    assert train_main(short_run_overrides(assets, run_dir)) == 1
+    err = capsys.readouterr().err
+    assert f"fulcrum train: disk full while saving checkpoint {run_dir / 'global_step_2'}" in err
+    assert "Traceback" not in err and "global_step_1 is intact" in err
+    assert sorted(p.name for p in run_dir.glob("global_step_*")) == ["global_step_1"]
+    assert read_latest_step(run_dir) == 1 and not list(run_dir.glob("*.tmp-*"))
