@@ -15,16 +15,27 @@ import torch
 from torch import nn
 
 from fulcrum.config.schema_rollout import RolloutConfig
-from fulcrum.rollout.base import FinishReason, RolloutEngine, RolloutOutput, SamplingParams
+from fulcrum.rollout.base import (
+    FinishReason,
+    RequestEngine,
+    RolloutEngine,
+    RolloutOutput,
+    SamplingParams,
+    SequenceOutput,
+)
+from fulcrum.rollout.driver import AsyncRollout
 from fulcrum.rollout.hf import HFRollout
 from fulcrum.rollout.metrics import logprob_diff
 
 __all__ = [
+    "AsyncRollout",
     "FinishReason",
     "HFRollout",
+    "RequestEngine",
     "RolloutEngine",
     "RolloutOutput",
     "SamplingParams",
+    "SequenceOutput",
     "build_rollout",
     "eos_token_ids_of",
     "logprob_diff",

@@ -54,6 +54,64 @@ class RolloutOutput:
     prompt_index: list[int]
 
 
+@dataclass
+class SequenceOutput:
+    """One finished turn of one sample of a request (the request API: `RequestEngine`).
+
+    `token_ids` is the whole response so far, every turn of it: the tokens the policy sampled and the
+    ones appended between turns (a tool's answer). `logprobs` has one entry per response token (0.0
+    for appended ones, which were not sampled) and `loss_mask` is 1 where the policy sampled the
+    token: `fulcrum.batch.assemble_batch(loss_masks=...)` takes it as it is. `turn_start` is where
+    this turn's sampled tokens begin in `token_ids` (`last_turn`), for a parser of tool calls.
+    `seq_id` names this sample for `resume` / `release`; `request_id` is the id `add_request`
+    returned (sample j of a request with n samples has seq_id = request_id + j).
+    """
+
+    seq_id: int
+    request_id: int
+    token_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[int]
+    finish_reason: FinishReason
+    turn_start: int
+    held: bool  # its KV blocks are kept for a next turn (until `resume` or `release`)
+
+    @property
+    def last_turn(self) -> list[int]:
+        """The tokens sampled in this turn."""
+        return self.token_ids[self.turn_start :]
+
+
+class RequestEngine(Protocol):
+    """Requests one by one, continued over turns: what an agent loop needs of a backend.
+
+    Temperature, top-p and top-k are shared by everything in flight (one sampler runs over the whole
+    batch); each request has its own `n`, `max_tokens`, stop ids and `ignore_eos`.
+    """
+
+    def add_request(self, prompt: list[int], params: SamplingParams, keep: bool = False) -> int:
+        """Queue `params.n` samples of `prompt`; returns the request id. `keep`: hold each sample's KV
+        blocks when it finishes, for `resume`."""
+        ...
+
+    def resume(self, seq_id: int, tokens: list[int], params: SamplingParams, keep: bool = False) -> None:
+        """Append `tokens` to held sample `seq_id` (not sampled: loss mask 0) and sample up to
+        `params.max_tokens` more; only the tokens not yet in the KV cache are prefilled."""
+        ...
+
+    def step(self) -> list[SequenceOutput]:
+        """Run one scheduler round (a prefill step or a decode window); the turns it finished."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """Forget held sample `seq_id` and free its KV blocks."""
+        ...
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a queued or running turn remains (held samples do not count)."""
+        ...
+
+
 class RolloutEngine(Protocol):
     """What the trainer needs of a generation backend."""
 

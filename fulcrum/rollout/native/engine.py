@@ -1,9 +1,15 @@
-"""The native engine: `generate` drives the scheduler and the model runner; weights sync in place.
+"""The native engine: requests (`add_request` / `resume` / `step` / `release`) over the scheduler and
+the model runner, `generate` for a whole batch on top of them; weights sync in place.
 
 Usage (the factory `fulcrum.rollout.build_rollout` does this):
     engine = NativeEngine(hf_model, eos_token_ids=[...], pad_token_id=0, config=EngineConfig(...), device=dev)
     out = engine.generate(prompt_ids, SamplingParams(n=8, temperature=1.0, max_tokens=256))
     ...train...; engine.update_weights(actor.named_weights())
+
+Turn by turn (an agent loop; `fulcrum.rollout.driver.AsyncRollout` does this for asyncio):
+    rid = engine.add_request(prompt, params, keep=True)
+    out = ...engine.step() until the output with seq_id == rid comes...
+    engine.resume(rid, tool_answer_ids, params, keep=False)   # prefills only the new tokens
 
 `generate` takes the KV cache if it was released and, with `config.free_cache_engine`, releases it again
 before returning, so every caller (training, validation, ReMax's greedy baseline) leaves the memory free.
@@ -14,7 +20,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,14 +27,11 @@ from torch import nn
 
 from fulcrum.models.arch import spec_for, unsupported_reason
 from fulcrum.parallel.tensor_parallel import TensorParallel
-from fulcrum.rollout.base import RolloutOutput, SamplingParams
-from fulcrum.rollout.native.block_manager import BlockManager
+from fulcrum.rollout.base import RolloutOutput, SamplingParams, SequenceOutput
 from fulcrum.rollout.native.config import EngineConfig
 from fulcrum.rollout.native.model_runner import ModelRunner
 from fulcrum.rollout.native.models.decoder import DecoderLM, Rotary
-from fulcrum.rollout.native.sampler import DeviceSampler
-from fulcrum.rollout.native.scheduler import DecodeWork, Scheduler
-from fulcrum.rollout.native.sequence import Sequence
+from fulcrum.rollout.native.stepper import COUNTERS, Stepper
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,7 @@ class NativeEngine:
         self.update_weights(hf_model.state_dict().items(), strict=True)
         self.runner = ModelRunner(self.model, config, self.device)
         self.runner.allocate_cache()
+        self.stepper = Stepper(self.runner, config, self.eos_token_ids, self.tp)
         self.stats: dict[str, float] = {}
         logger.info(
             "native engine: %s on %s%s, %d KV blocks of %d tokens (%.2f GiB), triton=%s, cuda graphs=%s",
@@ -117,7 +120,9 @@ class NativeEngine:
         self.stats["update_weights_s"] = time.perf_counter() - start
 
     def sleep(self) -> None:
-        """Free the KV cache (and the CUDA graphs that point into it) while the model trains."""
+        """Free the KV cache (and the CUDA graphs that point into it) while the model trains. Held
+        samples stay resumable; their next turn recomputes their tokens."""
+        self.stepper.scheduler.drop_held_blocks()
         self.runner.free_cache()
 
     def wake_up(self) -> None:
@@ -126,14 +131,49 @@ class NativeEngine:
 
     def close(self) -> None:
         """Release the device resources (KV cache, CUDA graphs) before the process group is left; the
-        engine stays usable (the next `generate` takes them again)."""
+        engine stays usable (the next `generate` takes them again). Requests in flight are dropped."""
         self.runner.release_graphs()
-        self.runner.free_cache()
+        self.stepper.scheduler.abort()
+        self.sleep()
 
     @property
     def awake(self) -> bool:
         """Whether the KV cache is allocated."""
         return self.runner.awake
+
+    # ------------------------------------------------------------------------------ requests
+    def add_request(self, prompt: list[int], params: SamplingParams, keep: bool = False) -> int:
+        """Queue `params.n` samples of `prompt` (see `fulcrum.rollout.base.RequestEngine`)."""
+        return self.stepper.add_request(prompt, params, keep)
+
+    def resume(self, seq_id: int, tokens: list[int], params: SamplingParams, keep: bool = False) -> None:
+        """Continue held sample `seq_id` with `tokens` appended (see `RequestEngine`)."""
+        self.stepper.resume(seq_id, tokens, params, keep)
+
+    def step(self) -> list[SequenceOutput]:
+        """One scheduler round over everything in flight; the turns it finished."""
+        self.wake_up()
+        return self.stepper.step()
+
+    def release(self, seq_id: int) -> None:
+        """Free held sample `seq_id`'s KV blocks."""
+        self.stepper.release(seq_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.stepper.has_unfinished_requests()
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """Totals since the engine was built: prefill/decode seconds and steps, prefilled tokens,
+        preemptions, evictions of held sequences, blocks in use."""
+        scheduler = self.stepper.scheduler
+        return {
+            **self.stepper.counters,
+            "preemptions": scheduler.num_preemptions,
+            "evictions": scheduler.num_evictions,
+            "held": len(scheduler.held),
+            "blocks_in_use": scheduler.blocks.num_usable - scheduler.blocks.num_free,
+        }
 
     # ------------------------------------------------------------------------------ generation
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
@@ -152,86 +192,48 @@ class NativeEngine:
                 )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        """Sample `params.n` responses per prompt (see `RolloutOutput`)."""
+        """Sample `params.n` responses per prompt (see `RolloutOutput`): requests added in prompt order,
+        stepped until all are done."""
         self._check(prompts, params)
         if not prompts:
             return RolloutOutput([], [], [], [])
-        params = replace(params, seed=self.tp.shared_seed(params.seed))
+        if self.stepper.has_unfinished_requests():
+            raise RuntimeError("generate needs the native engine to itself: requests are in flight")
         self.wake_up()
         try:
             return self._generate(prompts, params)
+        except BaseException:
+            self.stepper.scheduler.abort()  # an interrupted batch must not stay in flight
+            raise
         finally:
             if self.config.free_cache_engine:
                 self.sleep()
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         start = time.perf_counter()
-        scheduler = Scheduler(self.config, BlockManager(self.runner.num_blocks, self.config.block_size))
-        scheduler.stop_ids = set(params.stop_token_ids) | (
-            set() if params.ignore_eos else set(self.eos_token_ids)
-        )
-        for i, prompt in enumerate(prompts):
-            scheduler.add(
-                Sequence(
-                    token_ids=list(prompt),
-                    num_prompt_tokens=len(prompt),
-                    output_index=i * params.n,
-                    max_tokens=params.max_tokens,
-                    num_samples=params.n,
-                )
-            )
-        sampler = DeviceSampler(params, self.device, self.runner.use_triton)
-        prefill_s = decode_s = 0.0
-        prefill_steps = decode_steps = prefill_tokens = 0
-        while scheduler.has_work():
-            self.runner.copy_blocks(scheduler.pending_copies)
-            scheduler.pending_copies.clear()
-            work = scheduler.schedule()
-            tick = time.perf_counter()
-            if isinstance(work, DecodeWork):
-                tokens, logprobs = self.runner.decode(work.seqs, work.steps, sampler)
-                scheduler.after_decode(work, tokens, logprobs)
-                decode_s += time.perf_counter() - tick
-                decode_steps += work.steps
-                continue
-            logits = self.runner.prefill(work)
-            counts = [seq.num_samples for seq, done in zip(work.seqs, work.completes, strict=True) if done]
-            first_tokens: list[list[int]] = []
-            first_logprobs: list[list[float]] = []
-            if counts:
-                rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(
-                    self.device
-                )
-                tokens_t, logprobs_t = sampler(logits[rows])
-                flat_tokens, flat_logprobs = tokens_t.tolist(), logprobs_t.tolist()
-                offset = 0
-                for count in counts:
-                    first_tokens.append(flat_tokens[offset : offset + count])
-                    first_logprobs.append(flat_logprobs[offset : offset + count])
-                    offset += count
-            scheduler.after_prefill(work, first_tokens, first_logprobs)
-            prefill_s += time.perf_counter() - tick
-            prefill_steps += 1
-            prefill_tokens += sum(work.lengths)
-
-        finished = sorted(scheduler.finished, key=lambda s: s.output_index)
-        assert [s.output_index for s in finished] == list(range(len(prompts) * params.n))
+        before = self.counters
+        self.stepper.scheduler.peak_blocks = 0
+        self.stepper.new_sampler(params)
+        first = self.stepper.add_request(prompts[0], params)
+        for prompt in prompts[1:]:
+            self.stepper.add_request(prompt, params)
+        finished: list[SequenceOutput] = []
+        while self.stepper.has_unfinished_requests():
+            finished += self.stepper.step()
+        finished.sort(key=lambda out: out.seq_id)
+        assert [out.seq_id - first for out in finished] == list(range(len(prompts) * params.n))
+        after = self.counters
+        self.stats.update({key: after[key] - before[key] for key in (*COUNTERS, "preemptions")})
         self.stats.update(
             generate_s=time.perf_counter() - start,
-            prefill_s=prefill_s,
-            decode_s=decode_s,
-            prefill_steps=prefill_steps,
-            prefill_tokens=prefill_tokens,
-            decode_steps=decode_steps,
-            preemptions=scheduler.num_preemptions,
-            peak_kv_gib=scheduler.peak_blocks * self.runner.bytes_per_block() / 2**30,
+            peak_kv_gib=self.stepper.scheduler.peak_blocks * self.runner.bytes_per_block() / 2**30,
             graph_capture_s=self.runner.graph_capture_s,
         )
         return RolloutOutput(
-            token_ids=[s.response for s in finished],
-            logprobs=[s.logprobs for s in finished],
-            finish_reasons=[s.finish_reason or "length" for s in finished],
-            prompt_index=[s.output_index // params.n for s in finished],
+            token_ids=[out.token_ids for out in finished],
+            logprobs=[out.logprobs for out in finished],
+            finish_reasons=[out.finish_reason for out in finished],
+            prompt_index=[(out.seq_id - first) // params.n for out in finished],
         )
 
     def metrics(self) -> dict[str, Any]:

@@ -9,6 +9,13 @@ A decode window reserves, before it starts, the blocks its sequences will write 
 the cache cannot hold them, the most recently admitted sequences are preempted: their blocks are
 released and they go back to the front of the queue, to be recomputed from their tokens (vLLM's
 "recompute" preemption). A finished sequence's surplus tokens of the window are dropped.
+
+A sequence that finishes with `keep` set is *held*: it keeps its blocks so that a next turn (a tool's
+answer appended, then more sampling) prefills only the new tokens. Held blocks are a cache, never a
+reservation: when a prefill or a decode window needs blocks that are not free, the sequence held
+longest gives its blocks back first (an *eviction*; its next turn recomputes its tokens), before any
+running sequence is preempted. So conversations waiting on their tools can never starve the running
+batch or deadlock the engine, and memory that is free is used to skip recomputation.
 """
 
 from __future__ import annotations
@@ -44,24 +51,82 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.finished: list[Sequence] = []
-        self.stop_ids: set[int] = set()
+        # Finished sequences kept for a next turn, by id, oldest first (the eviction order).
+        self.held: dict[int, Sequence] = {}
         # (source block, destination block) KV copies owed to forks; the runner does them first.
         self.pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
+        self.num_evictions = 0  # held sequences whose blocks were taken back under memory pressure
         self.peak_blocks = 0  # most blocks in use at once (the KV memory a generate really needed)
 
     def add(self, seq: Sequence) -> None:
+        self._check_fits(seq)
+        self.waiting.append(seq)
+
+    def resume(
+        self, seq_id: int, tokens: list[int], max_tokens: int, stop_ids: frozenset[int], keep: bool
+    ) -> None:
+        """Queue the next turn of held sequence `seq_id`: `tokens` appended, then up to `max_tokens` sampled."""
+        seq = self.held.get(seq_id)
+        if seq is None:
+            raise KeyError(f"sequence {seq_id} is not held: it was released, not kept, or has not finished")
+        probe = len(seq.token_ids) + len(tokens)
+        if blocks_for(probe, self.blocks.block_size) > self.blocks.num_usable:
+            raise RuntimeError(self._too_big(probe, 1))
+        del self.held[seq_id]
+        seq.extend(tokens, max_tokens, stop_ids, keep)
+        self.waiting.append(seq)
+
+    def release(self, seq_id: int) -> None:
+        """Forget held sequence `seq_id` and free its blocks (no-op when it is not held)."""
+        seq = self.held.pop(seq_id, None)
+        if seq is not None:
+            self.blocks.release(seq)
+
+    def drop_held_blocks(self) -> None:
+        """Every held sequence gives its blocks back (the cache is about to be freed); they stay
+        resumable and recompute their tokens on their next turn."""
+        if self.has_work():
+            raise RuntimeError("the native engine cannot free its KV cache while requests are in flight")
+        for seq in self.held.values():
+            self.blocks.release(seq)
+            seq.num_computed = 0
+
+    def abort(self) -> None:
+        """Drop every queued and running sequence and free their blocks (held ones stay)."""
+        for seq in [*self.waiting, *self.running]:
+            self.blocks.release(seq)
+        self.waiting.clear()
+        self.running.clear()
+        self.finished.clear()
+        self.pending_copies.clear()
+
+    def _check_fits(self, seq: Sequence) -> None:
         need = blocks_for(seq.num_tokens, self.blocks.block_size) + seq.num_samples - 1
         if need > self.blocks.num_usable:
-            raise RuntimeError(
-                f"the KV cache ({self.blocks.num_usable} blocks of {self.blocks.block_size} tokens) cannot hold a "
-                f"prompt of {seq.num_tokens} tokens with n={seq.num_samples}: raise "
-                "actor_rollout_ref.rollout.gpu_memory_utilization (or engine_kwargs.native.num_kv_blocks)"
-            )
-        self.waiting.append(seq)
+            raise RuntimeError(self._too_big(seq.num_tokens, seq.num_samples))
+
+    def _too_big(self, num_tokens: int, num_samples: int) -> str:
+        return (
+            f"the KV cache ({self.blocks.num_usable} blocks of {self.blocks.block_size} tokens) cannot hold a "
+            f"prompt of {num_tokens} tokens with n={num_samples}: raise "
+            "actor_rollout_ref.rollout.gpu_memory_utilization (or engine_kwargs.native.num_kv_blocks)"
+        )
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def evict_held(self) -> bool:
+        """Take back the blocks of the sequence held longest that still has some; False if none has.
+
+        Its K/V are gone (num_computed = 0): its next turn is prefilled from its first token."""
+        for seq in self.held.values():
+            if seq.block_table:
+                self.blocks.release(seq)
+                seq.num_computed = 0
+                self.num_evictions += 1
+                return True
+        return False
 
     # ------------------------------------------------------------------------------ scheduling
     def schedule(self) -> PrefillWork | DecodeWork:
@@ -71,6 +136,10 @@ class Scheduler:
 
     def _schedule(self) -> PrefillWork | DecodeWork:
         prefill = self._schedule_prefill()
+        # With nothing decoding, no block comes free by waiting: sequences queued behind with blocks
+        # of their own (next turns over kept prefixes) give them back until the first one fits.
+        while prefill is None and not self.running and self._release_parked():
+            prefill = self._schedule_prefill()
         if prefill is not None:
             return prefill
         if not self.running:
@@ -97,6 +166,8 @@ class Scheduler:
             # Start (or go on with) a prompt only if all of it fits now, so a chunked prefill does not
             # hold blocks it cannot complete.
             need = self.blocks.extra_blocks(seq, seq.num_tokens)
+            while not self.blocks.can_allocate(need + forks + fork_reserve) and self.evict_held():
+                pass
             if not self.blocks.can_allocate(need + forks + fork_reserve):
                 break
             if completes:
@@ -119,10 +190,11 @@ class Scheduler:
         if self._blocks_needed(steps) > self.blocks.num_free:
             steps = 1
         while self._blocks_needed(steps) > self.blocks.num_free:
-            held = [seq for seq in self.waiting if seq.block_table]
-            if held:  # a prompt part-way through a chunked prefill gives its blocks back first
-                self.blocks.release(held[-1])
-                held[-1].num_computed = 0
+            if self.evict_held():
+                continue
+            # A waiting sequence with blocks (a prompt part-way through a chunked prefill, a next turn
+            # over its kept prefix) gives them back before a running one is preempted.
+            if self._release_parked():
                 continue
             self._preempt(self.running.pop())
             if not self.running:
@@ -130,6 +202,15 @@ class Scheduler:
         for seq in self.running:
             self.blocks.grow(seq, seq.num_tokens + steps - 1)
         return DecodeWork(list(self.running), steps)
+
+    def _release_parked(self) -> bool:
+        """The last waiting sequence that holds blocks gives them back (its tokens are recomputed)."""
+        for seq in reversed(self.waiting):
+            if seq.block_table:
+                self.blocks.release(seq)
+                seq.num_computed = 0
+                return True
+        return False
 
     def _blocks_needed(self, steps: int) -> int:
         return sum(self.blocks.extra_blocks(seq, seq.num_tokens + steps - 1) for seq in self.running)
@@ -177,12 +258,15 @@ class Scheduler:
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
-        if token in self.stop_ids:
+        if token in seq.stop_ids:
             seq.finish_reason = "stop"
         elif seq.num_generated >= seq.max_tokens:
             seq.finish_reason = "length"
         else:
             return
         seq.status = Status.FINISHED
-        self.blocks.release(seq)
+        if seq.keep:
+            self.held[seq.output_index] = seq
+        else:
+            self.blocks.release(seq)
         self.finished.append(seq)

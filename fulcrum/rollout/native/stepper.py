@@ -1,0 +1,189 @@
+"""The engine's request loop: requests are added one by one, each `step` runs one scheduler round (a
+prefill step or a decode window) and hands back the turns that finished.
+
+`NativeEngine.generate` is a loop over `step` for a batch; an agent loop (`fulcrum.rollout.driver`)
+adds turns of many conversations while others decode, so everything in flight shares each step.
+
+One sampler runs over every row of a step (the fused Triton kernel samples the whole batch in one
+pass), so the sampling distribution (temperature, top-p, top-k) is the same for everything in
+flight; a request that asks for another one while the engine is busy is refused. The sampler's seed
+is taken when it is made: by `new_sampler` (what `generate` calls), or by the first request after
+the distribution changed. Later requests draw from the same stream, so which tokens a sample gets
+depends on what else shares its steps; the same requests, added in the same order between the same
+steps, give the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from fulcrum.parallel.tensor_parallel import TensorParallel
+from fulcrum.rollout.base import SamplingParams, SequenceOutput
+from fulcrum.rollout.native.block_manager import BlockManager
+from fulcrum.rollout.native.config import EngineConfig
+from fulcrum.rollout.native.model_runner import ModelRunner
+from fulcrum.rollout.native.sampler import DeviceSampler
+from fulcrum.rollout.native.scheduler import DecodeWork, PrefillWork, Scheduler
+from fulcrum.rollout.native.sequence import Sequence
+
+COUNTERS = ("prefill_s", "decode_s", "prefill_steps", "prefill_tokens", "decode_steps")
+
+
+def sampling_key(params: SamplingParams) -> tuple[float, float, int]:
+    """What one sampler fixes for every row it samples: (temperature, top_p, top_k)."""
+    return (params.temperature, params.top_p, params.top_k)
+
+
+def stop_ids_of(params: SamplingParams, eos_token_ids: list[int]) -> frozenset[int]:
+    """The ids that end a turn: the request's stop ids, and EOS unless `ignore_eos`."""
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
+
+
+def output_of(seq: Sequence) -> SequenceOutput:
+    """The finished turn of `seq` as the request API returns it."""
+    assert seq.finish_reason is not None
+    return SequenceOutput(
+        seq_id=seq.output_index,
+        request_id=seq.request_id,
+        token_ids=seq.response,
+        logprobs=list(seq.logprobs),
+        loss_mask=seq.loss_mask(),
+        finish_reason=seq.finish_reason,
+        turn_start=seq.turn_start - seq.num_prompt_tokens,
+        held=seq.keep,
+    )
+
+
+class Stepper:
+    """Requests in, finished turns out, over one scheduler and one model runner that persist."""
+
+    def __init__(
+        self, runner: ModelRunner, config: EngineConfig, eos_token_ids: list[int], tp: TensorParallel
+    ) -> None:
+        self.runner = runner
+        self.config = config
+        self.eos_token_ids = list(eos_token_ids)
+        self.tp = tp
+        self.scheduler = Scheduler(config, BlockManager(runner.num_blocks, config.block_size))
+        self.sampler: DeviceSampler | None = None
+        self.next_id = 0
+        # Running totals since the engine was built; `generate` reports its own share as differences.
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+
+    # ------------------------------------------------------------------------------ requests
+    def new_sampler(self, params: SamplingParams) -> None:
+        """A fresh sampler for `params` (seeded by `params.seed`, or one seed shared by the engine's ranks)."""
+        seed = self.tp.shared_seed(params.seed)
+        self.sampler = DeviceSampler(
+            SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed),
+            self.runner.device,
+            self.runner.use_triton,
+        )
+
+    def _sampler_for(self, params: SamplingParams) -> None:
+        current = self.sampler
+        if current is not None and sampling_key(current.params) == sampling_key(params):
+            return
+        if current is not None and self.scheduler.has_work():
+            raise ValueError(
+                f"the native engine samples with temperature={current.params.temperature}, top_p="
+                f"{current.params.top_p}, top_k={current.params.top_k} for the requests in flight; a request "
+                f"with {sampling_key(params)} must wait until they finish"
+            )
+        self.new_sampler(params)
+
+    def check_turn(self, num_tokens: int, params: SamplingParams) -> None:
+        """Refuse a turn that cannot run: no tokens, too long for max_model_len, n above max_num_seqs."""
+        if num_tokens == 0:
+            raise ValueError("a prompt needs at least one token")
+        if num_tokens + params.max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"{num_tokens} tokens with max_tokens={params.max_tokens} exceed "
+                f"actor_rollout_ref.rollout.max_model_len={self.config.max_model_len}"
+            )
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} samples per prompt exceed actor_rollout_ref.rollout.max_num_seqs="
+                f"{self.config.max_num_seqs}"
+            )
+
+    def add_request(self, prompt: list[int], params: SamplingParams, keep: bool = False) -> int:
+        """Queue `params.n` samples of `prompt`; their ids are the returned id + 0 .. n - 1."""
+        self.check_turn(len(prompt), params)
+        self._sampler_for(params)
+        request_id = self.next_id
+        self.scheduler.add(
+            Sequence(
+                token_ids=list(prompt),
+                num_prompt_tokens=len(prompt),
+                output_index=request_id,
+                max_tokens=params.max_tokens,
+                num_samples=params.n,
+                stop_ids=stop_ids_of(params, self.eos_token_ids),
+                keep=keep,
+            )
+        )
+        self.next_id += params.n
+        return request_id
+
+    def resume(self, seq_id: int, tokens: list[int], params: SamplingParams, keep: bool = False) -> None:
+        """Queue the next turn of held sample `seq_id`: `tokens` appended, then sampling resumes."""
+        if params.n != 1:
+            raise ValueError(f"a next turn continues one sample: n must be 1, got {params.n}")
+        seq = self.scheduler.held.get(seq_id)
+        if seq is not None:
+            self.check_turn(seq.num_tokens + len(tokens), params)
+        self._sampler_for(params)
+        stop_ids = stop_ids_of(params, self.eos_token_ids)
+        self.scheduler.resume(seq_id, list(tokens), params.max_tokens, stop_ids, keep)
+
+    def release(self, seq_id: int) -> None:
+        self.scheduler.release(seq_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------------------ stepping
+    def step(self) -> list[SequenceOutput]:
+        """One scheduler round; the turns it finished, in the order they finished."""
+        scheduler = self.scheduler
+        if not scheduler.has_work():
+            return []
+        self.runner.copy_blocks(scheduler.pending_copies)
+        scheduler.pending_copies.clear()
+        work = scheduler.schedule()
+        tick = time.perf_counter()
+        if isinstance(work, DecodeWork):
+            tokens, logprobs = self.runner.decode(work.seqs, work.steps, self.sampler)
+            scheduler.after_decode(work, tokens, logprobs)
+            self.counters["decode_s"] += time.perf_counter() - tick
+            self.counters["decode_steps"] += work.steps
+        else:
+            self._prefill(work)
+            self.counters["prefill_s"] += time.perf_counter() - tick
+            self.counters["prefill_steps"] += 1
+            self.counters["prefill_tokens"] += sum(work.lengths)
+        finished, scheduler.finished = scheduler.finished, []
+        return [output_of(seq) for seq in finished]
+
+    def _prefill(self, work: PrefillWork) -> None:
+        """Prefill `work`; sample the first token of each of the n samples of every completed prompt."""
+        assert self.sampler is not None
+        logits = self.runner.prefill(work)
+        counts = [seq.num_samples for seq, done in zip(work.seqs, work.completes, strict=True) if done]
+        first_tokens: list[list[int]] = []
+        first_logprobs: list[list[float]] = []
+        if counts:
+            rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(
+                self.runner.device
+            )
+            tokens_t, logprobs_t = self.sampler(logits[rows])
+            flat_tokens, flat_logprobs = tokens_t.tolist(), logprobs_t.tolist()
+            offset = 0
+            for count in counts:
+                first_tokens.append(flat_tokens[offset : offset + count])
+                first_logprobs.append(flat_logprobs[offset : offset + count])
+                offset += count
+        self.scheduler.after_prefill(work, first_tokens, first_logprobs)
