@@ -249,6 +249,17 @@ def hf_name(name: str) -> str | None:
     return name.replace(".base_layer.", ".")
 
 
+def names_outside_base(model: nn.Module, base: nn.Module) -> list[str]:
+    """Names of `model`'s parameters that are not `base`'s (the adapted model, `Adapters.module`): what a
+    LoRA role trains besides its adapters (the critic's value head, `score`).
+
+    Decided by where a parameter lives, not by its `requires_grad`: peft freezes every base parameter
+    but the LoRA tensors, so the rest of the trained state is whatever the role built around the base,
+    and a gathered or snapshot copy of a parameter has no flags to read."""
+    owned = {id(p) for p in base.parameters()}
+    return [name for name, p in model.named_parameters() if id(p) not in owned]
+
+
 def base_view(module: nn.Module) -> nn.Module:
     """A plain model of `module`'s class whose tensors are `module`'s base tensors (shared, not copied).
 

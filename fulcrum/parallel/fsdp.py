@@ -153,14 +153,19 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if whole and tensor.is_contiguous() else tensor.clone()
 
 
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], from_rank0: bool = True) -> None:
+def load_full_state_dict(
+    model: nn.Module, state: dict[str, torch.Tensor], from_rank0: bool = True, strict: bool = True
+) -> None:
     """A whole `state` into every rank's shards: rank 0's, broadcast (`from_rank0`; the other ranks pass
-    an empty dict), or each rank's own (every rank read the same file). The loaders take ownership of
-    `state`: torch puts its tensors into the model and optimiser as they are."""
+    an empty dict), or each rank's own (every rank read the same file); `strict=False` for a part of
+    the model (a LoRA critic's value head). The loaders take ownership of `state`: torch puts its
+    tensors into the model and optimiser as they are."""
     set_model_state_dict(  # it replaces the dict's values with shards: hand it a copy
         model,
         state,
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0 and _distributed()),
+        options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=from_rank0 and _distributed(), strict=strict
+        ),
     )
 
 

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from fulcrum.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_POINTER, Adapters
+from fulcrum.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_POINTER, Adapters, names_outside_base
+from fulcrum.parallel.fsdp import is_sharded, load_full_state_dict
 from fulcrum.trainer.checkpoint.layout import CheckpointError
 
 TRAINED_WEIGHTS = "trained_weights.safetensors"
@@ -29,13 +30,15 @@ def is_adapter_folder(folder: Path) -> bool:
     return (folder / ADAPTER_CONFIG).is_file() and (folder / BASE_POINTER).is_file()
 
 
-def trained_outside_adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Trained parameters that are not LoRA tensors (the critic's value head), whole, on the CPU."""
+def trained_outside_adapters(model: torch.nn.Module, adapters: Adapters) -> dict[str, torch.Tensor]:
+    """The trained parameters that are not LoRA tensors (`names_outside_base`: the critic's value
+    head), whole, on the CPU. Under FSDP every rank calls it (each sharded tensor is all-gathered)."""
+    params = dict(model.named_parameters())
     out = {}
-    for name, param in model.named_parameters():
-        if param.requires_grad and ".lora_" not in name:
-            whole = param.full_tensor() if hasattr(param, "full_tensor") else param
-            out[name] = whole.detach().cpu().contiguous()
+    for name in names_outside_base(model, adapters.module):
+        param = params[name]
+        whole = param.full_tensor() if hasattr(param, "full_tensor") else param
+        out[name] = whole.detach().cpu().contiguous()
     return out
 
 
@@ -75,10 +78,12 @@ def load_adapter_folder(role_dir: Path, role: Any) -> None:
         raise CheckpointError(str(exc)) from exc
     extra_file = role_dir / TRAINED_WEIGHTS
     extra = load_file(str(extra_file)) if extra_file.is_file() else {}
-    own = trained_outside_adapters(role.model)
+    own = names_outside_base(role.model, adapters.module)
     if set(extra) != set(own):
         raise CheckpointError(
             f"{role_dir}: trained tensors {sorted(extra)} do not match the model's {sorted(own)}"
         )
-    if extra:
+    if extra and is_sharded(role.model):  # whole tensors into this rank's shards (every rank read them)
+        load_full_state_dict(role.model, extra, from_rank0=False, strict=False)
+    elif extra:
         role.model.load_state_dict(extra, strict=False)

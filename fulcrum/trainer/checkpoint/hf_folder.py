@@ -9,6 +9,7 @@ The actor is a `PreTrainedModel` and uses its own `save_pretrained`. The critic
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,12 @@ from fulcrum.trainer.checkpoint.layout import CheckpointError
 
 def check_weights_finite(model: torch.nn.Module, where: str) -> None:
     """Refuse to write a checkpoint whose weights hold NaN/Inf: it would poison every resume."""
-    for name, param in model.named_parameters():
+    check_tensors_finite(model.named_parameters(), where)
+
+
+def check_tensors_finite(named: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+    """`check_weights_finite` over (name, tensor) pairs (sharded ones gathered)."""
+    for name, param in named:
         tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
         if not bool(torch.isfinite(tensor.detach()).all()):
             raise CheckpointError(

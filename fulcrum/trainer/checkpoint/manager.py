@@ -28,7 +28,12 @@ import torch
 from fulcrum.trainer.checkpoint.adapters import is_adapter_folder, load_adapter_folder, save_adapter_folder
 from fulcrum.trainer.checkpoint.atomic import fsync_dir, fsync_tree, write_text_atomic
 from fulcrum.trainer.checkpoint.background import BackgroundWriter
-from fulcrum.trainer.checkpoint.hf_folder import check_weights_finite, load_model_weights, save_model_folder
+from fulcrum.trainer.checkpoint.hf_folder import (
+    check_tensors_finite,
+    check_weights_finite,
+    load_model_weights,
+    save_model_folder,
+)
 from fulcrum.trainer.checkpoint.layout import (
     LATEST_FILE,
     MANIFEST,
@@ -206,7 +211,11 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint step must be >= 0, got {step}")
         state = _json_checked({**trainer_state, "global_step": step})
         for name, role in roles.items():
-            check_weights_finite(role.model, f"checkpoint {step_dir_name(step)}/{name}")
+            where = f"checkpoint {step_dir_name(step)}/{name}"
+            check_weights_finite(role.model, where)
+            # A gathered LoRA role (sharded.GatheredRole) holds its trained tensors beside the model.
+            for gathered in (getattr(role, "adapter_state", None), getattr(role, "trained_weights", None)):
+                check_tensors_finite((gathered or {}).items(), where)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         final = self.run_dir / step_dir_name(step)
         snaps = {name: snapshot_role(role, copy) for name, role in roles.items()}

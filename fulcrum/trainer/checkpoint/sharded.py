@@ -3,7 +3,8 @@ with the one-process writer; any optimiser state loads into any world size.
 
 `gather_roles(roles)` (called on every rank: it all-gathers) returns, for each role whose model is
 sharded, a stand-in whose `model.state_dict()` and `optimizer.state_dict()` are the whole CPU state on
-rank 0 (the optimiser's keyed by parameter name, so it loads into any world size). Rank 0 hands the
+rank 0 (the optimiser's keyed by parameter name, so it loads into any world size); of a LoRA role only
+the adapters and the tensors trained beside them are gathered, never the frozen base. Rank 0 hands the
 stand-ins to `CheckpointManager.save`, which writes the usual Hugging Face folder and `optimizer.pt`:
 the checkpoint is the one a single process writes, atomic and verified as always, and `fulcrum
 export` reads it unchanged. Loading goes the other way in `hf_folder.load_model_weights` and
@@ -25,12 +26,15 @@ from fulcrum.parallel.fsdp import (
     load_full_optimizer_state_dict,
     name_keyed_optimizer_state,
 )
+from fulcrum.trainer.checkpoint.adapters import trained_outside_adapters
 from fulcrum.trainer.checkpoint.layout import CheckpointError
 
 
 class GatheredModel:
     """A sharded model seen through its gathered state: `state_dict()` and `named_parameters()` give the
-    whole tensors; everything else (`config`, `save_pretrained`, `score`) is the model's own."""
+    whole tensors gathered (every one of a fully trained model; none of a LoRA role's, whose checkpoint
+    reads `GatheredRole.adapter_state` and `trained_weights`); everything else (`config`,
+    `save_pretrained`, `score`) is the model's own."""
 
     def __init__(self, module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         self._module = module
@@ -41,7 +45,8 @@ class GatheredModel:
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, _ in self._module.named_parameters():
-            yield name, self._state[name]
+            if name in self._state:
+                yield name, self._state[name]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
@@ -56,12 +61,22 @@ class GatheredOptimizer:
 
 
 class GatheredRole:
-    """What `CheckpointManager.save` reads of a role: model, optimiser, schedule, tokenizer."""
+    """What `CheckpointManager.save` reads of a role: model, optimiser, schedule, tokenizer.
+
+    A LoRA role gathers only what its checkpoint holds (`adapters.py`): the adapters, the trained
+    tensors outside them (the critic's value head) and their optimiser state; its frozen base, most
+    of the model, never leaves the shards (`model.state_dict()` is empty)."""
 
     def __init__(self, role: Any) -> None:
         model = role.model
         optimizer = getattr(role, "optimizer", None)
-        self.model = GatheredModel(model, full_state_dict(model))
+        # LoRA: the adapters' whole tensors (every rank gathers them; rank 0 writes them).
+        self.adapters = getattr(role, "adapters", None)
+        self.adapter_state = self.adapters.state_dict() if self.adapters is not None else None
+        self.trained_weights = (
+            trained_outside_adapters(model, self.adapters) if self.adapters is not None else None
+        )
+        self.model = GatheredModel(model, full_state_dict(model) if self.adapters is None else {})
         self.optimizer = (
             GatheredOptimizer(full_optimizer_state_dict(model, optimizer)) if optimizer is not None else None
         )
@@ -70,9 +85,6 @@ class GatheredRole:
         self.live_model = model
         self.live_optimizer = optimizer
         self.tokenizer = getattr(role, "tokenizer", None)
-        # LoRA: the adapters' whole tensors (every rank gathers them; rank 0 writes them).
-        self.adapters = getattr(role, "adapters", None)
-        self.adapter_state = self.adapters.state_dict() if self.adapters is not None else None
 
 
 def gather_roles(roles: dict[str, Any]) -> dict[str, Any]:

@@ -151,7 +151,10 @@ def snapshot_role(role: Any, copy: bool) -> RoleSnapshot:
     else:  # the frozen base is not written: only the adapters and the other trained tensors
         state = getattr(role, "adapter_state", None)
         adapter_state = host_copies(state if state is not None else adapters.state_dict(), needs_copy)
-        trained = host_copies(trained_outside_adapters(role.model), needs_copy)
+        gathered = getattr(role, "trained_weights", None)  # a sharded role's, gathered by every rank
+        trained = host_copies(
+            gathered if gathered is not None else trained_outside_adapters(role.model, adapters), needs_copy
+        )
     return RoleSnapshot(
         model=GatheredModel(role.model, weights),
         optimizer_state=host_copies(optimizer.state_dict(), needs_copy) if optimizer is not None else None,
