@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from test_agent_tools import gsm8k_config
 
 from fulcrum.models.tiny import build_tiny_model
 from fulcrum.tools import doctor
@@ -58,6 +59,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     base = load_causal_lm(str(root / "model"), torch.device("cpu"))
     get_peft_model(base, LoraConfig(r=4, target_modules="all-linear")).save_pretrained(str(root / "adapter"))
+    gsm8k_config(root)  # verl's GSM8K tool config, as the multi-turn script names it
     (root / "reward.py").write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
     )
@@ -92,6 +94,8 @@ def as_user_would(overrides: list[str], files: Path, n_gpus: str = "8") -> list[
             value = str(files / "reward.py")
         elif bare == "actor_rollout_ref.model.lora_adapter_path":
             value = str(files / "adapter")
+        elif bare == "actor_rollout_ref.rollout.multi_turn.tool_config_path":
+            value = str(files / "tools.yaml")
         elif bare in DEVICE_KEYS:
             value = n_gpus if bare == "trainer.n_gpus_per_node" else DEVICE_KEYS[bare]
         out.append(f"{key}={value}")

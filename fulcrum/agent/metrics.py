@@ -56,3 +56,34 @@ def sum_metrics(all_metrics: Iterable[Mapping[str, float]]) -> dict[str, float]:
         for key, value in metrics.items():
             total[key] = total.get(key, 0.0) + float(value)
     return total
+
+
+def spread(name: str, values: list[float]) -> dict[str, float]:
+    """`name/min`, `name/max`, `name/mean` of `values` (verl's triple; nothing for no values)."""
+    if not values:
+        return {}
+    return {f"{name}/min": min(values), f"{name}/max": max(values), f"{name}/mean": sum(values) / len(values)}
+
+
+def conversation_metrics(num_turns: list[int], per_sample: list[Mapping[str, float]]) -> dict[str, float]:
+    """A batch's multi-turn metrics from each conversation's turn count and counters.
+
+    verl's: `num_turns/{min,max,mean}`, `tool_call_counts/{min,max,mean}` (calls per conversation),
+    `agent_loop/generate_sequences/*` and `agent_loop/tool_calls/*` (seconds a conversation waited for
+    its turns and its tools). Ours: `tools/calls`, `tools/errors`, `tools/errors/<kind>` as means per
+    conversation (a kind no call had is 0), and `tools/call_rate`, the share of conversations that
+    called a tool at least once.
+    """
+    n = len(per_sample)
+    if n == 0:
+        return {}
+    out = spread("num_turns", [float(t) for t in num_turns])
+    calls = [float(m.get(CALLS, 0.0)) for m in per_sample]
+    out.update(spread("tool_call_counts", calls))
+    for timing in ("agent_loop/generate_sequences", "agent_loop/tool_calls"):
+        out.update(spread(timing, [float(m.get(timing, 0.0)) for m in per_sample]))
+    keys = {CALLS, ERRORS} | {k for m in per_sample for k in m if k.startswith(f"{ERRORS}/")}
+    totals = sum_metrics({k: m.get(k, 0.0) for k in keys} for m in per_sample)
+    out.update({key: totals[key] / n for key in sorted(keys)})
+    out["tools/call_rate"] = sum(1.0 for c in calls if c > 0) / n
+    return out

@@ -73,7 +73,7 @@ class DataConfig:
         None, "deprecated in verl: validation uses the whole set at once", AT_LEAST_1
     )
     return_raw_input_ids: bool = opt(False, "also return prompt ids without chat template (verl)")
-    return_raw_chat: bool = opt(False, "also return the raw chat messages")
+    return_raw_chat: bool = opt(False, "raw chat kept with each prompt (always: multi-turn reads it)")
     return_full_prompt: bool = opt(False, "also return the templated prompt text")
     shuffle: bool = opt(True, "shuffle training prompts each epoch")
     seed: int | None = opt(None, "shuffle seed; null uses trainer.seed (verl: 1)", SEED)

@@ -23,17 +23,21 @@ class SamplingConfig:
 
 @dataclass
 class MultiTurnConfig:
-    enable: bool = opt(False, "multi-turn rollouts with tools (not supported)")
-    max_assistant_turns: int | None = opt(None, "multi-turn limit", AT_LEAST_1)
-    tool_config_path: str | None = opt(None, "tool config")
-    max_user_turns: int | None = opt(None, "multi-turn limit", AT_LEAST_1)
-    max_parallel_calls: int = opt(1, "parallel tool calls", AT_LEAST_1)
-    max_tool_response_length: int = opt(256, "tool response limit", AT_LEAST_1)
-    tool_response_truncate_side: str = opt("middle", "tool response truncation")
-    interaction_config_path: str | None = opt(None, "interaction config")
-    use_inference_chat_template: bool = opt(False, "chat template at inference")
-    tokenization_sanity_check_mode: str = opt("strict", "tokenisation check")
-    format: str = opt("hermes", "tool-call format")
+    enable: bool = opt(False, "multi-turn rollouts with tools (the native engine's agent loop)")
+    max_assistant_turns: int | None = opt(
+        None, "most assistant turns per conversation; null: no limit", AT_LEAST_1
+    )
+    tool_config_path: str | None = opt(None, "verl's tool-config YAML (docs/multi-turn.md)")
+    max_user_turns: int | None = opt(
+        None, "most tool (user) turns per conversation; null: no limit", AT_LEAST_1
+    )
+    max_parallel_calls: int = opt(1, "calls of one turn that run (at once); the rest are dropped", AT_LEAST_1)
+    max_tool_response_length: int = opt(256, "characters of each tool answer", AT_LEAST_1)
+    tool_response_truncate_side: str = opt("middle", "what a cut tool answer keeps: left, right or middle")
+    interaction_config_path: str | None = opt(None, "Interaction config for user turns (not supported)")
+    use_inference_chat_template: bool = opt(False, "SGLang rollout's template choice (no effect)")
+    tokenization_sanity_check_mode: str = opt("strict", "SGLang rollout's tokenisation check (no effect)")
+    format: str = opt("hermes", "tool-call format: hermes (Qwen's <tool_call> JSON)")
 
 
 @dataclass
@@ -91,7 +95,7 @@ class RolloutConfig:
         "backend kwargs; native: block_size, num_kv_blocks, decode_steps (vllm/sglang: no effect)",
     )
     val_kwargs: SamplingConfig = sub(SamplingConfig, "sampling at validation")
-    multi_turn: MultiTurnConfig = sub(MultiTurnConfig, "multi-turn rollouts (not supported)")
+    multi_turn: MultiTurnConfig = sub(MultiTurnConfig, "multi-turn rollouts with tools")
     data_parallel_size: int = opt(
         1, "engine data-parallel replicas (no effect: one engine per process)", AT_LEAST_1
     )

@@ -1,5 +1,6 @@
 """Rules for verl's recipe keys (fulcrum.config.validate lists them with its own): rollout correction,
-DAPO dynamic sampling and overlong penalty, PF-PPO, the optimal-token-baseline estimator, reward managers."""
+DAPO dynamic sampling and overlong penalty, PF-PPO, the optimal-token-baseline estimator, reward managers,
+multi-turn rollouts."""
 
 from __future__ import annotations
 
@@ -44,6 +45,15 @@ def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:
             Finding(
                 ("reward_model.reward_manager", "custom_reward_function.path"),
                 "the batch manager calls a batched function: set custom_reward_function.path and name",
+            )
+        )
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.multi_turn.enable and rollout.name == "hf":
+        problems.append(
+            Finding(
+                ("actor_rollout_ref.rollout.multi_turn.enable", "actor_rollout_ref.rollout.name"),
+                "multi-turn rollouts need rollout.name=native: the hf backend generates whole batches, not "
+                "conversations turn by turn",
             )
         )
     buffer = rm.overlong_buffer

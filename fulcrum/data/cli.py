@@ -1,6 +1,6 @@
 """`fulcrum data SUBCOMMAND ...`: prepare data sets in verl's parquet schema.
 
-    fulcrum data gsm8k --src SRC --out DIR
+    fulcrum data gsm8k --src SRC --out DIR [--multi-turn-tool]
 
 SRC is a folder holding GSM8K's `train.jsonl` and `test.jsonl`, or the hub name `openai/gsm8k`.
 Existing output files are never replaced. The files are written into a temporary folder inside DIR and
@@ -33,7 +33,7 @@ def _gsm8k(args: argparse.Namespace) -> int:
         print(f"fulcrum data gsm8k: {names} already exist(s); choose another --out", file=sys.stderr)
         return 1
     try:
-        paths = write_whole(out, lambda staging: prepare_gsm8k(args.src, staging))
+        paths = write_whole(out, lambda staging: prepare_gsm8k(args.src, staging, args.multi_turn_tool))
     except (GSM8KError, OSError) as err:
         print(f"fulcrum data gsm8k: {err}; nothing was written to {out}", file=sys.stderr)
         return 1
@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     gsm8k = commands.add_parser("gsm8k", help="GSM8K -> DIR/train.parquet, DIR/test.parquet")
     gsm8k.add_argument("--src", required=True, help="folder with train.jsonl and test.jsonl, or openai/gsm8k")
     gsm8k.add_argument("--out", required=True, help="output folder (created if missing)")
+    gsm8k.add_argument(
+        "--multi-turn-tool",
+        action="store_true",
+        help="verl's multi-turn variant with the calc_gsm8k_reward tool (gsm8k_multiturn_w_tool.py)",
+    )
     gsm8k.set_defaults(run=_gsm8k)
     return parser
 

@@ -45,7 +45,9 @@ def _read_parquet(path: Path, prompt_key: str) -> list[dict[str, Any]]:
     for column in (prompt_key, *REQUIRED_COLUMNS):
         if column not in columns:
             raise DatasetError(f"{path}: missing column {column!r} (columns: {', '.join(columns)})")
-    wanted = [c for c in (prompt_key, *REQUIRED_COLUMNS, "extra_info", "ability") if c in columns]
+    wanted = [
+        c for c in (prompt_key, *REQUIRED_COLUMNS, "extra_info", "ability", "agent_name") if c in columns
+    ]
     return table.select(wanted).to_pylist()
 
 
@@ -86,7 +88,10 @@ class RLHFDataset:
 
     Item i: {input_ids: list[int], data_source: str, ground_truth: str, extra_info: dict,
     index: int (extra_info's index, else the row number in its file), raw_prompt: list[dict], ability: str,
-    source: "file:row"}.
+    agent_name: str | None (verl's column naming a row's agent loop), source: "file:row"}.
+
+    `tools`: the tool schemas of a multi-turn run; the chat template renders them into every prompt
+    (Qwen's puts them in the system block), so the length limits count the prompt the model sees.
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class RLHFDataset:
         truncation: str = "error",
         filter_overlong_prompts: bool = True,
         prompt_key: str = "prompt",
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         if truncation not in TRUNCATIONS:
             raise DatasetError(f"data.truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
@@ -124,8 +130,9 @@ class RLHFDataset:
             rows.extend(file_rows)
 
         messages = [row[prompt_key] for row in rows]
+        with_tools: dict[str, Any] = {"tools": tools} if tools else {}
         texts = (
-            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **with_tools)
             if rows
             else []
         )
@@ -164,6 +171,7 @@ class RLHFDataset:
                     "index": int(extra_info.get("index", row_no)),
                     "raw_prompt": row[prompt_key],
                     "ability": row.get("ability"),
+                    "agent_name": row.get("agent_name"),
                     "source": f"{path}:{row_no}",
                 }
             )
@@ -298,14 +306,18 @@ class PromptLoader:
         )
 
 
-def rl_datasets(data_cfg: Any, tokenizer: Any) -> tuple[RLHFDataset, RLHFDataset | None, PromptLoader]:
+def rl_datasets(
+    data_cfg: Any, tokenizer: Any, tools: list[dict[str, Any]] | None = None
+) -> tuple[RLHFDataset, RLHFDataset | None, PromptLoader]:
     """The training set, the validation set (None without `data.val_files`) and the training loader that
-    `data_cfg` (`cfg.data`, resolved: `data.seed` set) describes; too few prompts is an error naming the key."""
+    `data_cfg` (`cfg.data`, resolved: `data.seed` set) describes; too few prompts is an error naming the key.
+    `tools`: a multi-turn run's tool schemas, templated into every prompt."""
     kwargs: dict[str, Any] = dict(
         max_prompt_length=int(data_cfg.max_prompt_length),
         truncation=data_cfg.truncation,
         filter_overlong_prompts=bool(data_cfg.filter_overlong_prompts),
         prompt_key=data_cfg.prompt_key,
+        tools=tools,
     )
     train = RLHFDataset(data_cfg.train_files, tokenizer, **kwargs)
     val = RLHFDataset(data_cfg.val_files, tokenizer, **kwargs) if data_cfg.val_files else None

@@ -4,6 +4,11 @@ Each row: `data_source` "openai/gsm8k", `prompt` [{role: user, content: question
 `ability` "math", `reward_model` {style: "rule", ground_truth: the number after "#### ", commas
 removed}, `extra_info` {split, index, answer, question} (the original answer and question).
 
+The multi-turn variant (`tool=True`) is what verl's `examples/data_preprocess/gsm8k_multiturn_w_tool.py`
+writes: a system message asking for the `calc_gsm8k_reward` tool, the question with verl's backquoted
+instruction, and in `extra_info` also `need_tools_kwargs`, `tools_kwargs` (the ground truth for the
+tool's `create`) and `interaction_kwargs` {query, ground_truth}.
+
 The source is a folder with the release's `train.jsonl` and `test.jsonl`, or the hub name
 `openai/gsm8k` (needs the `datasets` package and a network).
 """
@@ -23,6 +28,16 @@ DATA_SOURCE = "openai/gsm8k"
 HUB_NAME = "openai/gsm8k"
 SPLITS = ("train", "test")
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+# The multi-turn script's own wording (backquotes, not quotes) and system message.
+TOOL_INSTRUCTION = "Let's think step by step and output the final answer after `####`."
+TOOL_SYSTEM_PROMPT = (
+    "You are a math expert. You are given a question and you need to solve it step by step. "
+    "Reasoning step by step before any tool call. "
+    "You should use the `calc_gsm8k_reward` tool after step by step solving the question, "
+    "before generate final answer at least once and refine your answer if necessary. "
+    "Put your final answer in the format of `#### <answer>`."
+)
+TOOL_NAME = "calc_gsm8k_reward"
 # verl's pattern: the first "#### " followed by an optional minus and digits, dots and commas.
 _FINAL_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 
@@ -46,6 +61,38 @@ SCHEMA = pa.schema(
                     ("index", pa.int64()),
                     ("answer", pa.string()),
                     ("question", pa.string()),
+                ]
+            ),
+        ),
+    ]
+)
+
+TOOL_SCHEMA = pa.schema(
+    [
+        *(SCHEMA.field(i) for i in range(4)),
+        (
+            "extra_info",
+            pa.struct(
+                [
+                    *SCHEMA.field("extra_info").type,
+                    ("need_tools_kwargs", pa.bool_()),
+                    (
+                        "tools_kwargs",
+                        pa.struct(
+                            [
+                                (
+                                    TOOL_NAME,
+                                    pa.struct(
+                                        [("create_kwargs", pa.struct([("ground_truth", pa.string())]))]
+                                    ),
+                                )
+                            ]
+                        ),
+                    ),
+                    (
+                        "interaction_kwargs",
+                        pa.struct([("query", pa.string()), ("ground_truth", pa.string())]),
+                    ),
                 ]
             ),
         ),
@@ -77,6 +124,20 @@ def make_row(question: str, answer: str, split: str, index: int) -> dict[str, An
     }
 
 
+def make_tool_row(question: str, answer: str, split: str, index: int) -> dict[str, Any]:
+    """One row of verl's multi-turn-with-tool variant (see the module docstring)."""
+    row = make_row(question, answer, split, index)
+    ground_truth = row["reward_model"]["ground_truth"]
+    prompt = question + " " + TOOL_INSTRUCTION
+    row["prompt"] = [{"role": "system", "content": TOOL_SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
+    row["extra_info"].update(
+        need_tools_kwargs=True,
+        tools_kwargs={TOOL_NAME: {"create_kwargs": {"ground_truth": ground_truth}}},
+        interaction_kwargs={"query": prompt, "ground_truth": ground_truth},
+    )
+    return row
+
+
 def read_jsonl(path: Path) -> list[dict[str, str]]:
     """Rows {question, answer} of a GSM8K jsonl file; errors name the file and line."""
     rows = []
@@ -97,15 +158,19 @@ def read_jsonl(path: Path) -> list[dict[str, str]]:
     return rows
 
 
-def convert_split(examples: Iterable[dict[str, str]], split: str, origin: str) -> pa.Table:
-    """Rows {question, answer} → a verl-schema table; `origin` (file or hub split) names errors."""
+def convert_split(
+    examples: Iterable[dict[str, str]], split: str, origin: str, tool: bool = False
+) -> pa.Table:
+    """Rows {question, answer} → a verl-schema table (`tool`: the multi-turn variant); `origin` (file or
+    hub split) names errors."""
+    make = make_tool_row if tool else make_row
     rows = []
     for index, example in enumerate(examples):
         try:
-            rows.append(make_row(example["question"], example["answer"], split, index))
+            rows.append(make(example["question"], example["answer"], split, index))
         except GSM8KError as err:
             raise GSM8KError(f"{origin}, row {index}: {err}") from err
-    return pa.Table.from_pylist(rows, schema=SCHEMA)
+    return pa.Table.from_pylist(rows, schema=TOOL_SCHEMA if tool else SCHEMA)
 
 
 def _load_local(folder: Path) -> dict[str, tuple[list[dict[str, str]], str]]:
@@ -130,8 +195,9 @@ def _load_hub(name: str) -> dict[str, tuple[list[dict[str, str]], str]]:
     return {s: (list(loaded[s]), f"{name} [{s}]") for s in SPLITS}
 
 
-def prepare_gsm8k(src: str | Path, out_dir: str | Path) -> dict[str, Path]:
-    """Write `out_dir/train.parquet` and `out_dir/test.parquet` from `src`; return the paths by split."""
+def prepare_gsm8k(src: str | Path, out_dir: str | Path, tool: bool = False) -> dict[str, Path]:
+    """Write `out_dir/train.parquet` and `out_dir/test.parquet` from `src` (`tool`: verl's multi-turn
+    variant); return the paths by split."""
     src_path = Path(src).expanduser()
     if src_path.is_dir():
         splits = _load_local(src_path)
@@ -141,7 +207,9 @@ def prepare_gsm8k(src: str | Path, out_dir: str | Path) -> dict[str, Path]:
         raise GSM8KError(f"--src {src}: not a folder, nor the hub name {HUB_NAME}; {DOWNLOAD_HINT}")
     out = Path(out_dir).expanduser()
     # Convert both before writing either, so a bad test split leaves no half-written output behind.
-    tables = {split: convert_split(examples, split, origin) for split, (examples, origin) in splits.items()}
+    tables = {
+        split: convert_split(examples, split, origin, tool) for split, (examples, origin) in splits.items()
+    }
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for split, table in tables.items():

@@ -69,9 +69,11 @@ def pad_token_id_of(tokenizer: Any, eos_ids: list[int]) -> int:
 
 
 def native_requested(rollout_cfg: RolloutConfig, device: torch.device) -> bool:
-    """Whether `rollout.name` asks for the native engine on `device` (it may still fall back to `hf`)."""
+    """Whether `rollout.name` asks for the native engine on `device` (it may still fall back to `hf`).
+    Multi-turn rollouts take it on any device: it is the backend that serves conversations."""
     name = rollout_cfg.name
-    return name == "native" or (name in FAST_ENGINE_NAMES and torch.device(device).type == "cuda")
+    fast_here = torch.device(device).type == "cuda" or rollout_cfg.multi_turn.enable
+    return name == "native" or (name in FAST_ENGINE_NAMES and fast_here)
 
 
 def uses_native_engine(rollout_cfg: RolloutConfig, model_config: Any, device: torch.device) -> bool:
@@ -101,7 +103,17 @@ def build_rollout(
         reason = native_unsupported_reason(rollout_cfg, model.config)
         if reason is None:
             return build_native_engine(rollout_cfg, model, eos_ids, pad_id, device)
+        if rollout_cfg.multi_turn.enable:
+            raise ValueError(
+                "actor_rollout_ref.rollout.multi_turn.enable=True needs the native engine (the one that serves "
+                f"requests turn by turn), which does not run {reason}"
+            )
         logger.warning("rollout: the native engine does not run %s; using the hf backend", reason)
+    elif rollout_cfg.multi_turn.enable:
+        raise ValueError(
+            "actor_rollout_ref.rollout.multi_turn.enable=True needs rollout.name=native: the hf backend only "
+            "generates whole batches, not conversations turn by turn"
+        )
     elif name != "hf":
         logger.info(
             "rollout: name=%s on %s: using the hf backend (the native engine is for CUDA)", name, device

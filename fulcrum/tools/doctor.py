@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from fulcrum.config import (
     ConfigError,
     FulcrumConfig,
@@ -297,6 +299,31 @@ def check_logger_packages(ctx: Context) -> list[Finding]:
     return findings
 
 
+def check_tool_config(ctx: Context) -> list[Finding]:
+    """A multi-turn run's tool config exists and lists tools (their classes are not imported: doctor
+    never runs user code; the trainer's start-up loads them)."""
+    multi_turn = ctx.cfg.actor_rollout_ref.rollout.multi_turn
+    key = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+    if not multi_turn.enable:
+        return []
+    if not multi_turn.tool_config_path:
+        return [
+            _warning(
+                f"{key} is not set: the conversations have no tools (a call is answered as an unknown tool)"
+            )
+        ]
+    path = Path(os.path.expanduser(multi_turn.tool_config_path))
+    if not path.is_file():
+        return [_error(f"{key}: {path} does not exist")]
+    try:
+        tools = OmegaConf.to_container(OmegaConf.load(path)).get("tools")  # type: ignore[union-attr]
+    except Exception as exc:
+        return [_error(f"{key}: {path} is not a YAML mapping ({exc})")]
+    if not isinstance(tools, list) or not tools:
+        return [_error(f"{key}: {path} has no `tools:` list")]
+    return []
+
+
 def check_rollout_alias(ctx: Context) -> list[Finding]:
     for text in ctx.overrides:
         key, _, value = text.lstrip("+").partition("=")
@@ -322,6 +349,7 @@ CHECKS: list[Callable[[Context], list[Finding]]] = [
     check_native_model_fields,
     check_logger_packages,
     check_rollout_alias,
+    check_tool_config,
     *LEVER_CHECKS,  # fulcrum/tools/doctor_rules.py: data, generation and memory levers
 ]
 

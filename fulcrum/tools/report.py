@@ -47,6 +47,7 @@ class Panel:
     right_keys: tuple[str, ...] = ()
     log_y: bool = False
     prefix: str | None = None  # plot every key starting with this (validation data sources)
+    section_optional: bool = False  # a feature's section: left out of runs that do not use it
 
 
 SECTIONS: list[tuple[str, list[Panel]]] = [
@@ -109,6 +110,26 @@ SECTIONS: list[tuple[str, list[Panel]]] = [
                 ("response_length/mean", "response_length/max", "response_length/min"),
                 "clip_ratio high: raise data.max_response_length or reward shorter answers",
                 right_keys=("response_length/clip_ratio",),
+            ),
+        ],
+    ),
+    (
+        "Multi-turn and tools",
+        [
+            Panel(
+                "Tool calls and errors per conversation",
+                ("tools/calls", "tools/errors"),
+                "errors high: read tools/errors/<kind> (docs/multi-turn.md); a call rate near 0: the model "
+                "does not use the tools (warm start with traces that call them)",
+                right_keys=("tools/call_rate",),
+                prefix="tools/errors/",
+                section_optional=True,
+            ),
+            Panel(
+                "Turns per conversation",
+                ("num_turns/mean", "num_turns/max", "num_turns/min"),
+                "max at 2 x max_assistant_turns: conversations end at the turn limit, not on their own",
+                section_optional=True,
             ),
         ],
     ),
@@ -347,9 +368,11 @@ def render(runs: list[Run]) -> str:
         else '<p class="empty">No timing_s/* metrics in this run.</p>'
     )
     for section, panels in SECTIONS:
+        pngs = [plot_panel(panel, runs) for panel in panels]
+        if all(png is None and panel.section_optional for png, panel in zip(pngs, panels, strict=True)):
+            continue
         parts.append(f"<h2>{html.escape(section)}</h2>")
-        for panel in panels:
-            png = plot_panel(panel, runs)
+        for panel, png in zip(panels, pngs, strict=True):
             if png is None:
                 parts.append(
                     f'<div class="panel"><p class="empty">{html.escape(panel.title)}: not logged in this run '

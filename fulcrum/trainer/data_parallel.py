@@ -35,6 +35,7 @@ from fulcrum.rollout import RolloutEngine, RolloutOutput, SamplingParams
 SEED_STRIDE = 7919  # a prime: engine g's sampling seed is seed + g × SEED_STRIDE
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 def engine_tp_size(rollout: RolloutEngine) -> int:
@@ -73,6 +74,33 @@ def generate_shares(
         merged.finish_reasons += part.finish_reasons
         merged.prompt_index += [first + i for i in part.prompt_index]
     return merged
+
+
+def map_shares(
+    rollout: RolloutEngine,
+    fn: Callable[[list[T], SamplingParams, int], list[R]],
+    items: list[T],
+    params: SamplingParams,
+) -> list[R]:
+    """`fn(items, params, 0)` with each engine running its contiguous share of `items` (`fn` gets the
+    share, the engine's seed and the share's first index); every rank returns every result, in order.
+
+    For rollouts that are not one `generate` call (multi-turn conversations). One engine per rank only:
+    tensor-parallel ranks must step their engine in lockstep, and conversations whose tools answer at
+    different times on different ranks would not.
+    """
+    info = current()
+    if not info.distributed:
+        return fn(items, params, 0)
+    if engine_tp_size(rollout) > 1:
+        raise ValueError(
+            "actor_rollout_ref.rollout.multi_turn.enable=True runs one engine per process: set "
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1"
+        )
+    start, stop = share_bounds(len(items), info.rank, info.world_size)
+    seed = None if params.seed is None else params.seed + info.rank * SEED_STRIDE
+    out = fn(items[start:stop], replace(params, seed=seed), start) if stop > start else []
+    return [result for part in all_gather_objects(out) for result in part]
 
 
 def on_shares(fn: Callable[[Batch], T], batch: Batch, sp_size: int = 1) -> T:

@@ -3,7 +3,9 @@ scored on its last token by the reward manager and/or a reward model, as verl co
 
 With algorithm.filter_groups.enable (DAPO) a step generates further prompt batches until enough prompt
 groups have responses that differ; with adv_estimator=remax each prompt also gets a greedy response,
-whose score is the baseline.
+whose score is the baseline. With rollout.multi_turn.enable each sample is a conversation with tools
+(fulcrum.agent.loop): its response holds every turn, tool answers masked out of the loss, and the
+reward function scores the whole response text, as verl's agent loop does.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ from typing import Any
 
 import torch
 
+from fulcrum.agent import ToolSet
+from fulcrum.agent.conversations import run_conversations
+from fulcrum.agent.loop import Conversation, ConversationRequest, LoopLimits, ToolAgentLoop, request_of
+from fulcrum.agent.metrics import conversation_metrics, spread
 from fulcrum.batch import Batch, assemble_batch, response_lengths
 from fulcrum.config import FulcrumConfig
 from fulcrum.models.reward_model import RewardModel
 from fulcrum.reward.scoring import RewardResult, score_batch
 from fulcrum.rollout import RolloutEngine, SamplingParams, sampling_params
 from fulcrum.trainer import metrics as M
-from fulcrum.trainer.data_parallel import generate_shares
+from fulcrum.trainer.data_parallel import generate_shares, map_shares
 from fulcrum.trainer.dynamic_sampling import GroupFilter, group_metric_values
 from fulcrum.trainer.generations import dump_generations, generation_rows
 
@@ -36,6 +42,26 @@ def reward_model_of(cfg: Any, policy_tokenizer: Any, device: torch.device) -> Re
         micro_batch_size=rm.micro_batch_size_per_gpu or rm.micro_batch_size,  # None: 8 (verl's reward loop)
         max_length=rm.max_length,
     )
+
+
+def tools_of(cfg: FulcrumConfig) -> ToolSet | None:
+    """The run's tools (rollout.multi_turn.tool_config_path) when multi-turn rollouts are on, else None."""
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    return ToolSet.from_config(multi_turn) if multi_turn.enable else None
+
+
+def with_conversations(batch: Batch, conversations: list[Conversation]) -> Batch:
+    """`batch` with each row's turn count and tool rewards: in `extra_info` for the reward function
+    (verl passes `num_turns` there) and as columns for the metrics."""
+    infos = batch.non_tensors["extra_info"]
+    batch.non_tensors["extra_info"] = [
+        dict(info, num_turns=c.num_turns, tool_rewards=list(c.tool_rewards))
+        for info, c in zip(infos, conversations, strict=True)
+    ]
+    batch.non_tensors["num_turns"] = [c.num_turns for c in conversations]
+    batch.non_tensors["tool_rewards"] = [list(c.tool_rewards) for c in conversations]
+    batch.non_tensors["agent_metrics"] = [dict(c.metrics) for c in conversations]
+    return batch
 
 
 def reward_model_scores(batch: Batch, reward_model: RewardModel) -> torch.Tensor:
@@ -59,6 +85,7 @@ class Sampler:
         reward_manager: Any,
         reward_model: RewardModel | None,
         is_main: bool = True,
+        tools: ToolSet | None = None,
     ) -> None:
         self.cfg = cfg
         self.rollout = rollout
@@ -69,11 +96,19 @@ class Sampler:
         self.max_prompt_length = int(cfg.data.max_prompt_length)
         self.response_length = int(cfg.actor_rollout_ref.rollout.response_length)
         self.pad_id = int(tokenizer.pad_token_id)
+        multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+        self.agent_loop = (
+            ToolAgentLoop(tools, tokenizer, LoopLimits.from_config(multi_turn, self.response_length))
+            if tools is not None
+            else None
+        )
 
     def generate(self, items: list[dict[str, Any]], params: SamplingParams, uid_prefix: str) -> Batch:
         """Sample responses for `items` into a Batch: the one path to the engine (training, validation and
         ReMax's greedy baseline). Every backend batches under max_num_seqs by itself (the native engine
         also shares prompt blocks across the whole call) and owns its KV cache (`free_cache_engine`)."""
+        if self.agent_loop is not None:
+            return self.converse(items, params, uid_prefix)
         out = generate_shares(self.rollout, [it["input_ids"] for it in items], params)
         return assemble_batch(
             items,
@@ -85,6 +120,32 @@ class Sampler:
             self.pad_id,
             uid_prefix,
         )
+
+    def converse(self, items: list[dict[str, Any]], params: SamplingParams, uid_prefix: str) -> Batch:
+        """`generate` for multi-turn rollouts: every sample a conversation with tools; the batch carries
+        each response's loss mask (tool answers 0) and the conversations' turn counts and counters."""
+        loop = self.agent_loop
+        assert loop is not None
+
+        def run(share: list[ConversationRequest], seeded: SamplingParams, first: int) -> list[Conversation]:
+            conversations = run_conversations(self.rollout, loop, share, seeded)  # type: ignore[arg-type]
+            for c in conversations:
+                c.prompt_index += first
+            return conversations
+
+        conversations = map_shares(self.rollout, run, [request_of(it) for it in items], params)
+        batch = assemble_batch(
+            items,
+            [c.token_ids for c in conversations],
+            [c.logprobs for c in conversations],
+            [c.prompt_index for c in conversations],
+            self.max_prompt_length,
+            self.response_length,
+            self.pad_id,
+            uid_prefix,
+            loss_masks=[c.loss_mask for c in conversations],
+        )
+        return with_conversations(batch, conversations)
 
     def sampling_params(self, validate: bool, step: int) -> SamplingParams:
         """rollout.* (or val_kwargs) with a different, reproducible seed per step (validation: the same
@@ -150,6 +211,7 @@ class Sampler:
             with M.timer("reward", timing), reward_stage():
                 batch["token_level_scores"], reward = self.score(batch)
             if gate is None:
+                metrics.update(self.conversation_metrics(batch))
                 return batch, reward
             errors.num_errors += reward.num_errors
             errors.num_nonfinite += reward.num_nonfinite
@@ -170,7 +232,15 @@ class Sampler:
         metrics.update(gate.metrics())
         batch = gate.take()
         errors.scores = batch["token_level_scores"].sum(-1).tolist()
+        metrics.update(self.conversation_metrics(batch))
         return batch, errors
+
+    @staticmethod
+    def conversation_metrics(batch: Batch) -> dict[str, float]:
+        """verl's multi-turn metrics and the tools' counters of a batch of conversations ({} otherwise)."""
+        if "num_turns" not in batch.non_tensors:
+            return {}
+        return conversation_metrics(batch.non_tensors["num_turns"], batch.non_tensors["agent_metrics"])
 
     def remax_baselines(self, items: list[dict[str, Any]], batch: Batch) -> torch.Tensor:
         """ReMax's baseline: the score of a greedy response to the same prompt, per row (B,)."""
@@ -190,6 +260,9 @@ class Sampler:
         if folder and self.is_main:
             rows = generation_rows(batch, result.scores, self.tokenizer, step)
             dump_generations(folder, rows, step)
-        return M.validation_metrics(
+        metrics = M.validation_metrics(
             batch, result.scores, int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
         )
+        if "num_turns" in batch.non_tensors:  # verl's val-aux/num_turns/{min,max,mean}
+            metrics.update(spread("val-aux/num_turns", [float(t) for t in batch.non_tensors["num_turns"]]))
+        return metrics

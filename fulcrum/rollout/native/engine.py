@@ -150,6 +150,13 @@ class NativeEngine:
         """Continue held sample `seq_id` with `tokens` appended (see `RequestEngine`)."""
         self.stepper.resume(seq_id, tokens, params, keep)
 
+    def seed_requests(self, params: SamplingParams) -> None:
+        """A fresh sampler seeded by `params.seed` for the requests that follow (nothing in flight), so a
+        rollout of many requests repeats under one seed as `generate` does."""
+        if self.stepper.has_unfinished_requests():
+            raise RuntimeError("seed_requests needs the native engine idle: requests are in flight")
+        self.stepper.new_sampler(params)
+
     def step(self) -> list[SequenceOutput]:
         """One scheduler round over everything in flight; the turns it finished."""
         self.wake_up()

@@ -1,0 +1,246 @@
+"""The tool agent loop, as verl's `ToolAgentLoop`: per conversation, generate a turn, run the tool calls
+it holds, append the answers and generate again, over the native engine's request API.
+
+One conversation (`ToolAgentLoop.converse`):
+
+    prompt (chat template with tools=) ─► turn 1 (KV kept) ─► parse <tool_call>s ─► run them ─►
+    tool messages as the template renders them (delta ids, loss mask 0) ─► resume ─► turn 2 ─► ...
+
+It stops, as verl's does, when a turn holds no call; when `max_assistant_turns` turns were generated or
+`max_user_turns` tool answers appended; when the response (every turn, tool tokens included) reaches
+`response_length`; or when a tool answer would take it there (the answer is then not appended). Each
+turn may sample at most what is left of that budget, so nothing is cut afterwards; the sample's KV
+blocks are released at the end.
+
+All conversations run at once on one `AsyncRollout`: while one awaits its tools the others decode, and
+every turn in flight shares the engine's steps. The `n` samples of a prompt are one request (their
+prompt's blocks are shared) and then go their own ways. A row whose `agent_name` is
+`single_turn_agent` gets one turn and no tools, as verl's `SingleTurnAgentLoop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+from uuid import uuid4
+
+from fulcrum.agent.calls import ToolSet
+from fulcrum.agent.chat import ChatDelta
+from fulcrum.agent.metrics import sum_metrics
+from fulcrum.rollout.base import SamplingParams, SequenceOutput
+from fulcrum.rollout.driver import AsyncRollout
+
+TOOL_AGENT = "tool_agent"
+SINGLE_TURN_AGENT = "single_turn_agent"
+AGENT_NAMES = (TOOL_AGENT, SINGLE_TURN_AGENT)
+
+
+@dataclass(frozen=True)
+class LoopLimits:
+    """When a conversation ends: its response budget in tokens (every turn, tool tokens included) and
+    verl's turn limits (None: no limit)."""
+
+    response_length: int
+    max_assistant_turns: int | None = None
+    max_user_turns: int | None = None
+
+    @classmethod
+    def from_config(cls, multi_turn: Any, response_length: int) -> LoopLimits:
+        """From `actor_rollout_ref.rollout.multi_turn` and the rollout's response length."""
+        return cls(
+            response_length=int(response_length),
+            max_assistant_turns=getattr(multi_turn, "max_assistant_turns", None),
+            max_user_turns=getattr(multi_turn, "max_user_turns", None),
+        )
+
+    def reached(self, used: int, assistant_turns: int, user_turns: int) -> bool:
+        """Whether a conversation with `used` response tokens and these turns ends here (verl's order:
+        the budget, then the assistant turns, then the user turns)."""
+        if used >= self.response_length:
+            return True
+        if self.max_assistant_turns and assistant_turns >= self.max_assistant_turns:
+            return True
+        return bool(self.max_user_turns and user_turns >= self.max_user_turns)
+
+
+@dataclass
+class ConversationRequest:
+    """One prompt of the batch: its ids (templated with the tools), its messages and the data's kwargs."""
+
+    prompt_ids: list[int]
+    messages: list[dict[str, Any]]
+    tools_kwargs: dict[str, Any] = field(default_factory=dict)
+    interaction_kwargs: dict[str, Any] = field(default_factory=dict)
+    agent_name: str = TOOL_AGENT
+
+
+@dataclass
+class AgentData:
+    """What a tool's `execute(..., agent_data=...)` sees of its conversation, with verl's names: the
+    messages so far (assistant turns decoded, tool answers), the data's kwargs, the turn counts, and
+    `extra_fields` for a tool's own session state."""
+
+    messages: list[dict[str, Any]]
+    request_id: str
+    tools_kwargs: dict[str, Any]
+    interaction_kwargs: dict[str, Any]
+    metrics: dict[str, float] = field(default_factory=dict)
+    tool_rewards: list[float] = field(default_factory=list)
+    assistant_turns: int = 0
+    user_turns: int = 0
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Conversation:
+    """One sample's rollout: response ids over all turns, log-probs (0.0 on appended tokens), the loss
+    mask (1 = sampled by the policy), the tools' step rewards, turn counts and counters."""
+
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[int]
+    finish_reason: str
+    assistant_turns: int
+    user_turns: int
+    tool_rewards: list[float]
+    metrics: dict[str, float]
+
+    @property
+    def num_turns(self) -> int:
+        """verl's count: user (tool) turns + assistant turns + the prompt."""
+        return self.user_turns + self.assistant_turns + 1
+
+
+def turn_params(params: SamplingParams, n: int, used: int, response_length: int) -> SamplingParams:
+    """`params` for a turn of `n` samples that may use what is left of the response budget."""
+    return replace(params, n=n, max_tokens=response_length - used)
+
+
+class ToolAgentLoop:
+    """Conversations with tools over an `AsyncRollout` (see the module docstring)."""
+
+    def __init__(self, tools: ToolSet, tokenizer: Any, limits: LoopLimits) -> None:
+        self.tools = tools
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.delta = ChatDelta(tokenizer)
+
+    async def run(
+        self, rollout: AsyncRollout, request: ConversationRequest, params: SamplingParams, prompt_index: int
+    ) -> list[Conversation]:
+        """The `params.n` conversations of one prompt, in sample order."""
+        multi = request.agent_name == TOOL_AGENT
+        first_params = turn_params(params, params.n, 0, self.limits.response_length)
+        tick = time.perf_counter()
+        firsts = await rollout.generate(request.prompt_ids, first_params, keep=multi)
+        first_s = time.perf_counter() - tick
+        if not multi:
+            return [self._single(prompt_index, out, first_s) for out in firsts]
+        return list(
+            await asyncio.gather(
+                *(self.converse(rollout, out, request, params, prompt_index, first_s) for out in firsts)
+            )
+        )
+
+    def _single(self, prompt_index: int, out: SequenceOutput, generate_s: float) -> Conversation:
+        """A one-turn conversation (single_turn_agent)."""
+        return Conversation(
+            prompt_index,
+            out.token_ids,
+            out.logprobs,
+            out.loss_mask,
+            out.finish_reason,
+            1,
+            0,
+            [],
+            {"agent_loop/generate_sequences": generate_s, "agent_loop/tool_calls": 0.0},
+        )
+
+    async def converse(
+        self,
+        rollout: AsyncRollout,
+        first: SequenceOutput,
+        request: ConversationRequest,
+        params: SamplingParams,
+        prompt_index: int,
+        generate_s: float,
+    ) -> Conversation:
+        """Continue one held sample turn after turn until a limit or a turn without calls; release it."""
+        data = AgentData(
+            messages=list(request.messages),
+            request_id=uuid4().hex,
+            tools_kwargs=request.tools_kwargs,
+            interaction_kwargs=request.interaction_kwargs,
+            assistant_turns=1,
+        )
+        out, tool_s, counters, cut = first, 0.0, [], False
+        try:
+            while not self.limits.reached(len(out.token_ids), data.assistant_turns, data.user_turns):
+                text = self.tokenizer.decode(out.last_turn, skip_special_tokens=True)
+                data.messages.append({"role": "assistant", "content": text})
+                calls = self.tools.parse_message(text).calls
+                if not calls:
+                    break
+                tick = time.perf_counter()
+                results = await self.tools.run_turn(calls, request.tools_kwargs, agent_data=data)
+                tool_s += time.perf_counter() - tick
+                answers = [result.message() for result in results]
+                data.messages.extend(answers)
+                data.tool_rewards += [float(r.reward) for r in results if r.reward is not None]
+                counters += [result.metrics for result in results]
+                appended = self.delta.appended_ids(answers)
+                used = len(out.token_ids) + len(appended)
+                if used >= self.limits.response_length:
+                    cut = True  # verl: an answer that would fill the budget ends the conversation unsent
+                    break
+                data.user_turns += 1
+                tick = time.perf_counter()
+                next_params = turn_params(params, 1, used, self.limits.response_length)
+                out = await rollout.resume(out.seq_id, appended, next_params, keep=True)
+                generate_s += time.perf_counter() - tick
+                data.assistant_turns += 1
+        finally:
+            rollout.release(out.seq_id)
+        metrics = {
+            "tools/calls": 0.0,
+            "tools/errors": 0.0,
+            **sum_metrics(counters),
+            "agent_loop/generate_sequences": generate_s,
+            "agent_loop/tool_calls": tool_s,
+        }
+        full = cut or len(out.token_ids) >= self.limits.response_length
+        return Conversation(
+            prompt_index,
+            out.token_ids,
+            out.logprobs,
+            out.loss_mask,
+            "length" if full else out.finish_reason,
+            data.assistant_turns,
+            data.user_turns,
+            data.tool_rewards,
+            metrics,
+        )
+
+
+def request_of(item: Mapping[str, Any], prompt_ids: list[int] | None = None) -> ConversationRequest:
+    """The conversation request of a data item (fulcrum.data.dataset): its prompt ids, raw chat, and
+    `extra_info.tools_kwargs` / `interaction_kwargs`; `agent_name` from its column or `extra_info`
+    (none: the tool agent, since multi_turn is on)."""
+    info = item.get("extra_info") or {}
+    name = item.get("agent_name") or info.get("agent_name") or TOOL_AGENT
+    if name not in AGENT_NAMES:
+        raise ValueError(
+            f"agent_name {name!r} (data row {item.get('source', '?')}) is not an agent loop fulcrum has; "
+            f"known: {', '.join(AGENT_NAMES)}"
+        )
+    return ConversationRequest(
+        prompt_ids=list(prompt_ids if prompt_ids is not None else item["input_ids"]),
+        messages=list(item.get("raw_prompt") or []),
+        tools_kwargs=dict(info.get("tools_kwargs") or {}),
+        interaction_kwargs=dict(info.get("interaction_kwargs") or {}),
+        agent_name=name,
+    )
