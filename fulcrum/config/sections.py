@@ -8,7 +8,9 @@ worker can be built (and tested) from its section alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from fulcrum.config.keys import ConfigError
 from fulcrum.config.schema import ActorConfig, CriticConfig, FSDPConfig, FulcrumConfig, ModelConfig
@@ -67,6 +69,8 @@ class ReferenceSection:
     use_torch_compile: bool  # actor_rollout_ref.ref.use_torch_compile (follows the actor's)
     fsdp: FSDPConfig  # actor_rollout_ref.ref.fsdp_config (several processes)
     ulysses_sequence_parallel_size: int = 1  # actor_rollout_ref.ref.* (follows the actor's)
+    # actor_rollout_ref.model.override_config: verl builds the reference from the actor's model config
+    override_config: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,7 @@ def reference_section(cfg: FulcrumConfig) -> ReferenceSection:
         use_torch_compile=bool(ref.use_torch_compile),
         fsdp=ref.fsdp_config,
         ulysses_sequence_parallel_size=int(ref.ulysses_sequence_parallel_size or 1),
+        override_config=cfg.actor_rollout_ref.model.override_config,
     )
 
 

@@ -9,12 +9,15 @@ float32 as in verl's FSDP workers. A LoRA model's frozen base is loaded in the c
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers import logging as hf_logging
 
+from fulcrum.models.config_override import apply_override, loader_kwargs, override_key
 from fulcrum.models.folder import ModelPathError, model_folder_problems, resolve_model_path
 
 
@@ -47,31 +50,56 @@ def load_causal_lm(
     key: str = "actor_rollout_ref.model.path",
     trust_remote_code: bool = False,
     dtype: torch.dtype = torch.float32,
+    override_config: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """`AutoModelForCausalLM` in `dtype` (float32 masters by default) on `device` (the actor, the
-    reference policy, `fulcrum sft`)."""
+    reference policy, the engine's copy, `fulcrum sft`), with verl's `override_config` of the model
+    section `key` names set on its config (`fulcrum.models.config_override`)."""
     path = _check_model_dir(path, key)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        **overridden(path, key, override_config, trust_remote_code),
+    )
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model.to(device)
 
 
 def load_backbone(
-    path: str, device: torch.device, key: str = "critic.model.path", dtype: torch.dtype = torch.float32
+    path: str,
+    device: torch.device,
+    key: str = "critic.model.path",
+    dtype: torch.dtype = torch.float32,
+    override_config: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """`AutoModel` (no LM head) in `dtype` (float32 masters by default): the critic's trunk, whose last
-    hidden state feeds a value head."""
+    hidden state feeds a value head; verl's `override_config` set on its config as in `load_causal_lm`."""
     path = _check_model_dir(path, key)
-    config = AutoConfig.from_pretrained(path)
+    kwargs = overridden(path, key, override_config) or {"config": AutoConfig.from_pretrained(path)}
     # A causal-LM folder has an lm_head the backbone does not use: expected, so silence the load report.
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        model = AutoModel.from_pretrained(path, config=config, dtype=dtype)
+        model = AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
     finally:
         hf_logging.set_verbosity(previous)
     return model.to(device)
+
+
+def overridden(
+    path: str, key: str, override: Mapping[str, Any] | None, trust_remote_code: bool = False
+) -> dict[str, Any]:
+    """`from_pretrained`'s keywords for verl's `override_config` (`config`: the folder's with the
+    override set on it; `attn_implementation` as verl hands it over); none without an override. A key
+    the config lacks is a ValueError naming `<section>.override_config.<key>` (`key` names the
+    section's `path`)."""
+    if not override:
+        return {}
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    apply_override(config, override, override_key(key))
+    return {"config": config, **loader_kwargs(override)}
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

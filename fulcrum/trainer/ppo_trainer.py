@@ -34,6 +34,7 @@ from fulcrum.config.sections import actor_section, critic_section, reference_sec
 from fulcrum.data.dataset import rl_datasets
 from fulcrum.models.load import load_causal_lm, load_tokenizer
 from fulcrum.models.lora import base_view
+from fulcrum.models.precision import compute_dtype
 from fulcrum.parallel import DistInfo, max_over_ranks, on_main
 from fulcrum.parallel.fsdp import is_sharded
 from fulcrum.reward.guard import guard_manager
@@ -64,12 +65,15 @@ logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------------ trainer
 def engine_model_of(actor: ActorWorker, arr: Any, device: torch.device) -> torch.nn.Module:
-    """The whole model the rollout engine starts from: the actor's module, or a plain copy when FSDP
-    shards it. A LoRA actor's module carries peft's layers, so an engine that copies the weights (the
-    native one) starts from the base under its Hugging Face names (shared, not copied) and takes the
-    adapters' merged effect with the first weight sync; the `hf` backend samples with the module itself."""
-    if is_sharded(actor.model):
-        return load_causal_lm(arr.model.path, device)
+    """The whole model the rollout engine starts from: the actor's module, or a plain copy in the
+    compute dtype when FSDP shards it (with the actor's `override_config`: one config for both). A
+    LoRA actor's module carries peft's layers, so an engine that copies the weights (the native one)
+    starts from the base under its Hugging Face names (shared, not copied) and takes the adapters'
+    merged effect with the first weight sync; the `hf` backend samples with the module itself."""
+    if is_sharded(actor.model):  # in the dtype the engine runs in, not as float32 masters (28 GB at 7B)
+        return load_causal_lm(
+            arr.model.path, device, dtype=compute_dtype(device), override_config=arr.model.override_config
+        )
     if actor.adapters is not None and uses_native_engine(arr.rollout, actor.model.config, device):
         return base_view(actor.model)
     return actor.model

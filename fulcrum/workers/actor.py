@@ -80,7 +80,9 @@ class ReferenceWorker:
 
     def __init__(self, section: ReferenceSection, device: torch.device) -> None:
         self.device = device
-        self.model = load_causal_lm(section.model_path, device).eval()
+        self.model = load_causal_lm(
+            section.model_path, device, override_config=section.override_config
+        ).eval()
         self.model.requires_grad_(False)
         place_on_ranks(self.model, device, section.fsdp, "actor_rollout_ref.ref")
         self.forwards = ModelForwards(
@@ -112,7 +114,13 @@ class ActorWorker:
         model = section.model
         lora = LoraSettings.of(model, "actor_rollout_ref.model")
         dtype = lora.base_dtype(device)  # LoRA: the frozen base loads in the compute dtype, once
-        self.model = load_causal_lm(model.path, device, model.enable_gradient_checkpointing, dtype=dtype)
+        self.model = load_causal_lm(
+            model.path,
+            device,
+            model.enable_gradient_checkpointing,
+            dtype=dtype,
+            override_config=model.override_config,
+        )
         # LoRA: adapters injected in place (the module keeps its class and names), the base frozen.
         self.adapters = Adapters(self.model, lora, model.path) if lora.enabled else None
         self.model.train()

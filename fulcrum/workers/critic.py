@@ -32,7 +32,9 @@ class CriticWorker:
         self.device = device
         self.tokenizer = tokenizer
         lora = LoraSettings.of(c.model, "critic.model")
-        backbone = load_backbone(c.model.path, device, "critic.model.path", lora.base_dtype(device))
+        backbone = load_backbone(
+            c.model.path, device, "critic.model.path", lora.base_dtype(device), c.model.override_config
+        )
         # LoRA on the backbone; the value head (made after) trains whole.
         self.adapters = Adapters(backbone, lora, c.model.path) if lora.enabled else None
         self.model = CriticModel(backbone)
