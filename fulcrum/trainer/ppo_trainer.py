@@ -55,7 +55,7 @@ from fulcrum.trainer.diagnosis import LiveDiagnosis
 from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, StepAbandoned, explain_oom
 from fulcrum.trainer.loggers import Tracking
 from fulcrum.trainer.run_dir import open_run_dir
-from fulcrum.trainer.sampling import Sampler, reward_model_of
+from fulcrum.trainer.sampling import Sampler, reward_model_of, tools_of
 from fulcrum.trainer.startup import kl_startup_line, resolve_total_steps, seed_everything, startup_lines
 from fulcrum.workers.actor import ActorWorker, reference_worker
 from fulcrum.workers.critic import CriticWorker
@@ -104,7 +104,10 @@ class PPOTrainer:
 
         self.tokenizer = load_tokenizer(arr.model.path)
         data = cfg.data
-        self.train_dataset, self.val_dataset, self.train_loader = rl_datasets(data, self.tokenizer)
+        # Multi-turn: the tools' schemas are part of every prompt's chat template.
+        self.tools = tools_of(cfg)
+        schemas = self.tools.schemas if self.tools is not None else None
+        self.train_dataset, self.val_dataset, self.train_loader = rl_datasets(data, self.tokenizer, schemas)
         self.steps_per_epoch = len(self.train_dataset) // int(data.train_batch_size)
         # The LR schedules span the run's steps: handed to the workers, the configuration stays as loaded.
         self.total_training_steps = resolve_total_steps(cfg, self.steps_per_epoch)
@@ -134,7 +137,7 @@ class PPOTrainer:
             print(summary, flush=True)
         reward_model = reward_model_of(cfg, self.tokenizer, device)
         self.sampler = Sampler(
-            cfg, self.rollout, self.tokenizer, reward_manager, reward_model, self.dist.is_main
+            cfg, self.rollout, self.tokenizer, reward_manager, reward_model, self.dist.is_main, self.tools
         )
         self.correction = rollout_correction_of(cfg)
         if self.correction is not None and self.correction.bypass_mode:
