@@ -90,8 +90,17 @@ SMOLLM2 = {
         Qwen2Config(rope_theta=1e6, tie_word_embeddings=True),
         # Qwen2.5's own configs: the switch on, but max_window_layers covers every layer
         Qwen2Config(num_hidden_layers=24, use_sliding_window=True, sliding_window=4096, max_window_layers=28),
+        # sliding layers from max_window_layers on: each layer's own window in every path
+        Qwen2Config(num_hidden_layers=30, use_sliding_window=True, sliding_window=4096, max_window_layers=28),
     ],
-    ids=["smollm2", "head_dim-swish", "llama3-rope", "qwen2.5", "qwen2-window-unused"],
+    ids=[
+        "smollm2",
+        "head_dim-swish",
+        "llama3-rope",
+        "qwen2.5",
+        "qwen2-window-unused",
+        "qwen2-sliding-layers",
+    ],
 )
 def test_real_checkpoints_keep_the_native_engine(config: object) -> None:
     assert unsupported_reason(config) is None
@@ -116,13 +125,11 @@ def test_real_checkpoints_keep_the_native_engine(config: object) -> None:
             "'rope_type': 'longrope'",
         ),
         (
-            Qwen2Config(
-                num_hidden_layers=30, use_sliding_window=True, sliding_window=4096, max_window_layers=28
-            ),
-            "layer_types=[28 x 'full_attention', 2 x 'sliding_attention']",
+            Qwen2Config(num_hidden_layers=2, layer_types=["full_attention", "chunked_attention"]),
+            "chunked_attention",
         ),
     ],
-    ids=["gelu", "relu", "mlp_bias", "dynamic-rope", "longrope", "sliding-layers"],
+    ids=["gelu", "relu", "mlp_bias", "dynamic-rope", "longrope", "chunked-layers"],
 )
 def test_a_field_it_does_not_honour_is_named(config: object, named: str) -> None:
     reason = unsupported_reason(config)

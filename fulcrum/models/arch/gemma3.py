@@ -26,10 +26,12 @@ from fulcrum.models.arch.spec import (
     HARMLESS,
     HONOURED,
     LLAMA_LAYER_WEIGHTS,
+    LOCAL_AND_GLOBAL_LAYERS,
     ModelSpec,
     Runs,
     attention_bias,
     config_value,
+    windows_by_layer_type,
 )
 
 # Refused `model_type`s of this family -> why, for the one-line message.
@@ -47,12 +49,6 @@ GEMMA_LAYER_WEIGHTS: dict[str, str] = {
 }
 
 
-def windows_by_layer_type(config: Any) -> dict[str, int | None]:
-    """Local layers slide `sliding_window` tokens (a token sees the window latest, itself included);
-    global layers see everything."""
-    return {"sliding_attention": config_value(config, "sliding_window"), "full_attention": None}
-
-
 def _is_none(value: Any, _config: Any, _max_len: int | None) -> bool:
     return value is None
 
@@ -64,10 +60,7 @@ SPEC = ModelSpec(
         "attention_bias": HONOURED,  # q/k/v and o biases
         "hidden_activation": Runs(lambda value, _c, _m: value == "gelu_pytorch_tanh", "gelu_pytorch_tanh"),
         "query_pre_attn_scalar": HONOURED,
-        "layer_types": Runs(
-            lambda value, _c, _m: value is None or set(value) <= {"sliding_attention", "full_attention"},
-            "sliding_attention and full_attention layers",
-        ),
+        "layer_types": LOCAL_AND_GLOBAL_LAYERS,
         "sliding_window": HONOURED,
         "_sliding_window_pattern": HARMLESS,  # it only decides layer_types
         "attn_logit_softcapping": Runs(_is_none, "no attention soft-capping"),

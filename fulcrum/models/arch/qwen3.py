@@ -5,8 +5,14 @@ Qwen2's per-layer sliding window."""
 
 from __future__ import annotations
 
-from fulcrum.models.arch.qwen2 import sliding_switch
-from fulcrum.models.arch.spec import COMMON, HONOURED, QWEN_WINDOW_FIELDS, ModelSpec, attention_bias
+from fulcrum.models.arch.spec import (
+    COMMON,
+    HONOURED,
+    QWEN_WINDOW_FIELDS,
+    ModelSpec,
+    attention_bias,
+    windows_by_layer_type,
+)
 
 SPEC = ModelSpec(
     model_type="qwen3",
@@ -14,5 +20,5 @@ SPEC = ModelSpec(
     qkv_bias=attention_bias,
     o_bias=attention_bias,
     qk_norm=True,
-    packing_refused=sliding_switch,
+    windows_by_layer_type=windows_by_layer_type,
 )

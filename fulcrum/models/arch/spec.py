@@ -63,13 +63,19 @@ def _static_rope(value: Any, _config: Any = None, _max_len: int | None = None) -
     return value.get("rope_type", value.get("type", "default")) in STATIC_ROPE_TYPES
 
 
-def _full_attention(layer_types: Any, _config: Any = None, _max_len: int | None = None) -> bool:
-    return layer_types is None or all(kind == "full_attention" for kind in layer_types)
+def _local_and_global(layer_types: Any, _config: Any = None, _max_len: int | None = None) -> bool:
+    return layer_types is None or set(layer_types) <= {"sliding_attention", "full_attention"}
 
 
-def _no_sliding_layer(use_sliding_window: Any, config: Any, _max_len: int | None) -> bool:
-    """Qwen2 / Qwen3 slide only on the layers `layer_types` marks (from max_window_layers on)."""
-    return not use_sliding_window or _full_attention(config_value(config, "layer_types"))
+# `layer_types` of a family whose layers are local (a sliding window) or global (Gemma 3, Qwen2/Qwen3).
+LOCAL_AND_GLOBAL_LAYERS = Runs(_local_and_global, "sliding_attention and full_attention layers")
+
+
+def windows_by_layer_type(config: Any) -> dict[str, int | None]:
+    """Local layers slide `sliding_window` tokens (a token sees the window latest, itself included);
+    global layers see everything. Qwen2/Qwen3's config leaves `sliding_window` None unless
+    `use_sliding_window`, and then marks the layers from `max_window_layers` on as local."""
+    return {"sliding_attention": config_value(config, "sliding_window"), "full_attention": None}
 
 
 def _false(value: Any, _config: Any, _max_len: int | None) -> bool:
@@ -118,10 +124,10 @@ COMMON: dict[str, str | Runs] = {
 
 # Qwen2 and Qwen3 declare a sliding window that acts only on the layers `layer_types` marks.
 QWEN_WINDOW_FIELDS: dict[str, str | Runs] = {
-    "layer_types": Runs(_full_attention, "full_attention on every layer"),
-    "use_sliding_window": Runs(_no_sliding_layer, "no sliding-window layer"),
-    "sliding_window": HARMLESS,  # acts only on the layers layer_types marks
-    "max_window_layers": HARMLESS,  # the same: it only decides layer_types
+    "layer_types": LOCAL_AND_GLOBAL_LAYERS,
+    "use_sliding_window": HONOURED,  # through sliding_window and layer_types, which it decides
+    "sliding_window": HONOURED,
+    "max_window_layers": HARMLESS,  # it only decides layer_types
 }
 
 # Hugging Face parameter names of one decoder layer (under `model.layers.{i}.`) -> the decoder's slot.
