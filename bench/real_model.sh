@@ -5,12 +5,13 @@
 # that SFT checkpoint, side by side on the one GPU; then the same from SmolLM2 on the multi-step task.
 #
 #   bash bench/real_model.sh convert GGUF_OR_WHEEL MODEL_DIR   # fulcrum pretrained ... --from (checked sha256)
-#   bash bench/real_model.sh parity MODEL_DIR GSM8K_SRC OUT     # native vs HF greedy, 64 prompts, bf16
+#   bash bench/real_model.sh parity MODEL_DIR GSM8K_SRC OUT     # native vs HF greedy, 64 prompts, bf16; gaps lm_head_fp32 off/on
 #   bash bench/real_model.sh gsm8k-warm MODEL_DIR GSM8K_SRC WORK [RESULTS]   # base check + SFT (+ checks)
 #   bash bench/real_model.sh gsm8k-rl MODEL_DIR GSM8K_SRC WORK [RESULTS]     # the 6 RL runs (resumes WORK)
 #   bash bench/real_model.sh gsm8k-rl-more MODEL_DIR GSM8K_SRC WORK [RESULTS]  # each run 7 more minutes
 #   bash bench/real_model.sh multistep MODEL_DIR WORK [RESULTS]             # SFT warm start + 6 RL runs
 #   bash bench/real_model.sh throughput MODEL_DIR GSM8K_SRC WORK RESULTS    # seed and GRPO step shapes
+#   bash bench/real_model.sh multistep-tools MODEL_DIR WORK [RESULTS]       # GRPO with a calculator vs without, 3 seeds
 #
 # Each stage fits one 10-minute call; the gsm8k stages share WORK (bench/learning.py resumes from it).
 # The settings below are the benchmark: every figure in BENCHMARKS.md's real-model section names them.
@@ -38,7 +39,7 @@ case $stage in
   parity)
     python -m fulcrum.cli data gsm8k --src "$2" --out "$3/gsm8k" >/dev/null
     python bench/real_parity.py --model "$1" --data "$3/gsm8k/test.parquet" --prompts 64 --max-tokens 256 \
-      --out "$3/parity_bf16.json" ;;
+      --lm-head-fp32 off,on --out "$3/parity_bf16.json" ;;
   gsm8k-warm)
     python bench/learning.py --out "$3" ${4:+--results "$4"} --stop-after-warm \
       --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" ;;
@@ -55,6 +56,10 @@ case $stage in
     python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 4.5 --deadline-min 9.3 \
       --set "${COMMON[@]}" base_model="$1" sft_lr=5e-5 sft_steps=400 sft_check_every=20 \
       max_response_length=128 max_prompt_length=256 ;;
+  multistep-tools)
+    # Both warm starts (tool traces / worked solutions, same SFT budget) and the six GRPO runs in one call:
+    # bench/learning_tools.py's TOOLS plan is sized for SmolLM2 on one H200.
+    python bench/learning_tools.py --out "$2" ${3:+--results "$3"} --set base_model="$1" ;;
   throughput)
     # The seed command's shape (512 x 256, PPO with a critic, micro-batches of 8) and the GRPO shape
     # (128 prompts x 8, micro-batches of 64) on SmolLM2 with the native engine: 4 steps, the first compiles.

@@ -23,6 +23,7 @@ ERROR_KINDS: dict[str, str] = {
     "exception": "the model's code raised an exception",
     "invalid_call": "the model's call could not be run: malformed JSON, arguments not an object, unknown tool",
     "tool_failed": "the tool itself raised (a bug or an outage in the tool, not the model's fault)",
+    "invalid_expression": "the calculator refused the expression (not arithmetic, division by zero, too large)",
 }
 
 

@@ -14,6 +14,8 @@ can name. `metrics.jsonl` (train/loss, train/lr, val/loss) and `config.yaml` go 
 
 Where a column holds a dict (verl's `extra_info`), `prompt_dict_keys` / `response_dict_keys` pick the
 field; where the prompt column holds chat messages (verl's RL `prompt` column), they are used as is.
+With `data.multiturn.enable=true` each row is a conversation (`data.multiturn.messages_key`, tools in
+`tools_key`) and the loss counts only the assistant turns, tool calls included (fulcrum.trainer.sft_multiturn).
 Departures from verl: one device only (FSDP and sequence parallelism keys are accepted without
 effect), the loss is averaged over the response tokens of the whole global batch rather than per
 device, `trainer.device` (auto|cpu|cuda) is ours.
@@ -44,6 +46,7 @@ from fulcrum.trainer import run_lock
 from fulcrum.trainer.loggers import Tracking
 from fulcrum.trainer.run_dir import other_run_contents
 from fulcrum.trainer.run_ownership import CONFIG_FILE, RunDirError, check_own_files, mark_run_dir, write_whole
+from fulcrum.trainer.sft_multiturn import SFTMultiturnConfig, load_chats
 from fulcrum.workers.optim import lr_schedule
 
 # ---------------------------------------------------------------- configuration (verl's sft_trainer.yaml)
@@ -64,6 +67,7 @@ class SFTDataConfig:
     truncation: str = "error"  # error | left | right
     balance_dp_token: bool = False  # no effect (one device)
     chat_template: str | None = None  # a Jinja chat template replacing the tokenizer's
+    multiturn: SFTMultiturnConfig = field(default_factory=SFTMultiturnConfig)  # conversations, tools
 
 
 @dataclass
@@ -165,6 +169,13 @@ def micro_batch_size(cfg: SFTConfig) -> int:
 class SFTExample:
     input_ids: list[int]  # prompt (chat template, generation prompt) + response + EOS
     num_prompt_tokens: int  # the loss counts the tokens after these
+    loss_mask: list[int] | None = None  # a conversation's: 1 on assistant tokens (num_prompt_tokens unused)
+
+    def mask(self) -> list[int]:
+        """1 where the token is a target of the loss."""
+        if self.loss_mask is not None:
+            return self.loss_mask
+        return [0] * self.num_prompt_tokens + [1] * (len(self.input_ids) - self.num_prompt_tokens)
 
 
 def _as_list(files: Any) -> list[str]:
@@ -192,6 +203,11 @@ def _messages(prompt: Any, where: str) -> list[dict[str, str]]:
 
 def load_examples(files: Any, tokenizer: Any, cfg: SFTDataConfig) -> list[SFTExample]:
     """Tokenise every row of the parquet `files`; errors name the file, row and column."""
+    if cfg.multiturn.enable:
+        chats = load_chats(_as_list(files), tokenizer, cfg)
+        if not chats:
+            raise ValueError(f"no SFT examples in {files}")
+        return [SFTExample(c.input_ids, 0, c.loss_mask) for c in chats]
     examples: list[SFTExample] = []
     for path in _as_list(files):
         if not Path(path).is_file():
@@ -247,7 +263,7 @@ def collate(examples: list[SFTExample], pad_id: int) -> tuple[torch.Tensor, torc
     for b, e in enumerate(examples):
         input_ids[b, : len(e.input_ids)] = torch.tensor(e.input_ids)
         attention_mask[b, : len(e.input_ids)] = 1
-        loss_mask[b, e.num_prompt_tokens : len(e.input_ids)] = 1
+        loss_mask[b, : len(e.input_ids)] = torch.tensor(e.mask())
     return input_ids, attention_mask, loss_mask
 
 
@@ -412,7 +428,7 @@ def _train(cfg: SFTConfig, run_dir: Path, device: torch.device, started: float, 
             order = torch.randperm(len(train), generator=generator).tolist()
         start = (step % steps_per_epoch) * batch
         chosen = [train[i] for i in order[start : start + batch]]
-        num_targets = sum(len(e.input_ids) - max(e.num_prompt_tokens, 1) for e in chosen)
+        num_targets = sum(sum(e.mask()[1:]) for e in chosen)  # the first token is never predicted
         lr = schedule.get_last_lr()[0]
         step_nll = 0.0
         for m in range(0, batch, micro):
