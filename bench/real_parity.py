@@ -15,6 +15,10 @@ prompt), both engines decode greedily up to `--max-tokens`, stopping at EOS. Rep
 - the engine's per-token log-probs against the HF forward (`rollout/logprob_diff_mean` and max, the
   training run's metric) over the engine's own responses.
 The float32 run (CPU) shows what remains without bf16 rounding.
+
+`--lm-head-fp32 off,on` adds, per setting of `actor_rollout_ref.model.lm_head_fp32`, a sampled rollout
+(temperature 1, seeded, as in training) and its log-prob gap to the HF forward and to the training
+path's packed `forward_log_prob`, both sides with the same setting (`lm_head_fp32/<off|on>/...`).
 """
 
 from __future__ import annotations
@@ -31,8 +35,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fulcrum.models.head_logits import head_logits
+from fulcrum.models.packed import enable_packed_attention
 from fulcrum.rollout import SamplingParams
 from fulcrum.rollout.native import EngineConfig, NativeEngine
+from fulcrum.rollout.testing import scoring_batch
+from fulcrum.workers.micro_batch import forward_log_prob
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -87,6 +95,47 @@ def forward_logprobs(model, prompt: list[int], response: list[int], device) -> t
     return logits.log_softmax(-1).gather(-1, torch.tensor(response, device=device)[:, None])[:, 0].cpu()
 
 
+def head_logprobs(model, prompt: list[int], response: list[int], device, fp32: bool) -> torch.Tensor:
+    """`forward_logprobs` with the LM head applied by `head_logits` (float32 output with `fp32`)."""
+    ids = torch.tensor([prompt + response], device=device)
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state[0, len(prompt) - 1 : -1]
+        logits = head_logits(hidden, head.weight, head.bias, fp32).float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(response, device=device)[:, None])[:, 0].cpu()
+
+
+def lm_head_fp32_gaps(
+    model, packed_model, prompts: list[list[int]], config: EngineConfig, eos: int, pad: int, args, fp32: bool
+) -> dict[str, float]:
+    """Mean and max |engine − HF forward| and |engine − training path| over a sampled rollout, both
+    sides with `lm_head_fp32=fp32`."""
+    device = torch.device(args.device)
+    config = EngineConfig(**{**config.__dict__, "lm_head_fp32": fp32})
+    params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=0)
+    out = NativeEngine(model, [eos], pad, config, device).generate(prompts, params)
+    rows = [(p, r, lp) for p, r, lp in zip(prompts, out.token_ids, out.logprobs, strict=True) if r]
+    hf = torch.cat([(torch.tensor(lp) - head_logprobs(model, p, r, device, fp32)).abs() for p, r, lp in rows])
+    batch = scoring_batch([p for p, _, _ in rows], [r for _, r, _ in rows])
+    trained = []
+    for start in range(0, len(rows), 16):
+        mb = batch.select(list(range(start, min(start + 16, len(rows)))))
+        with torch.no_grad():
+            logp, _ = forward_log_prob(packed_model, mb, 1.0, False, device, packed=True, fp32_logits=fp32)
+        engine = torch.zeros_like(logp)
+        for i, (_, _, lp) in enumerate(rows[start : start + 16]):
+            engine[i, : len(lp)] = torch.tensor(lp, device=engine.device)
+        trained.append((engine - logp)[mb["response_mask"].to(logp.device).bool()].abs().cpu())
+    train = torch.cat(trained)
+    name = "on" if fp32 else "off"
+    return {
+        f"lm_head_fp32/{name}/hf_forward_diff_mean": round(float(hf.mean()), 6),
+        f"lm_head_fp32/{name}/hf_forward_diff_max": round(float(hf.max()), 6),
+        f"lm_head_fp32/{name}/training_path_diff_mean": round(float(train.mean()), 6),
+        f"lm_head_fp32/{name}/training_path_diff_max": round(float(train.max()), 6),
+    }
+
+
 def compare(native: list[list[int]], hf: list[list[int]]) -> tuple[dict, list[tuple[int, int]]]:
     """Agreement figures and, per differing sequence, (sequence, first differing position)."""
     same_positions = total_positions = identical = 0
@@ -121,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
     parser.add_argument("--out", type=Path, help="write the JSON summary here too")
+    parser.add_argument(
+        "--lm-head-fp32", default="", help="comma-separated off,on: the sampled-rollout gaps per setting"
+    )
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -164,6 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     gap = torch.cat(diffs)
     summary["rollout/logprob_diff_mean"] = round(float(gap.mean()), 6)
     summary["rollout/logprob_diff_max"] = round(float(gap.max()), 6)
+    if args.lm_head_fp32:
+        packed_model = AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=dtype, attn_implementation="sdpa"
+        )
+        packed_model = packed_model.to(device).eval()
+        enable_packed_attention(packed_model)
+        for setting in args.lm_head_fp32.split(","):
+            fp32 = {"off": False, "on": True}[setting.strip()]
+            summary.update(lm_head_fp32_gaps(model, packed_model, prompts, config, eos, pad, args, fp32))
     summary.update(
         model=str(args.model),
         device=str(device),

@@ -124,6 +124,7 @@ class ModelConfig:
     )
     use_liger: bool = opt(False, "use Liger kernels (no effect)")
     use_fused_kernels: bool = opt(False, "use fused log-prob kernels")
+    lm_head_fp32: bool = opt(False, "float32 LM-head logits, engine and actor/ref log-probs alike (ours)")
     fused_kernel_options: dict[str, Any] = opt({"impl_backend": "torch"}, "options for fused kernels")
     trust_remote_code: bool = opt(False, "allow the model's remote code")
     torch_dtype: str | None = opt(None, "dtype the model is loaded in (no effect: fp32 master weights)")

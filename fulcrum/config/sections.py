@@ -71,6 +71,7 @@ class ReferenceSection:
     ulysses_sequence_parallel_size: int = 1  # actor_rollout_ref.ref.* (follows the actor's)
     # actor_rollout_ref.model.override_config: verl builds the reference from the actor's model config
     override_config: Mapping[str, Any] = field(default_factory=dict)
+    lm_head_fp32: bool = False  # actor_rollout_ref.model.lm_head_fp32: as the actor and the engine
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ def reference_section(cfg: FulcrumConfig) -> ReferenceSection:
         fsdp=ref.fsdp_config,
         ulysses_sequence_parallel_size=int(ref.ulysses_sequence_parallel_size or 1),
         override_config=cfg.actor_rollout_ref.model.override_config,
+        lm_head_fp32=bool(cfg.actor_rollout_ref.model.lm_head_fp32),
     )
 
 

@@ -196,6 +196,26 @@ def _sequence_parallel(cfg: FulcrumConfig) -> list[Finding]:
     return problems
 
 
+def _lm_head_fp32(cfg: FulcrumConfig) -> list[Finding]:
+    """Float32 LM-head logits on one side only widen the rollout-vs-training gap: the engine and the
+    actor/reference must both follow the key. The hf backend's generate and the padded forward run
+    Hugging Face's own head, rounded to the model's dtype. (An architecture the native engine does not
+    run, or rollout.name=vllm on the CPU, is refused when the rollout is built.)"""
+    key, model = "actor_rollout_ref.model.lm_head_fp32", cfg.actor_rollout_ref.model
+    if not model.lm_head_fp32:
+        return []
+    problems = []
+    if cfg.actor_rollout_ref.rollout.name == "hf":
+        name_key = "actor_rollout_ref.rollout.name"
+        problems.append(Finding((key, name_key), "needs the native engine: the hf backend rounds its logits"))
+    if not model.use_remove_padding:
+        pad_key = "actor_rollout_ref.model.use_remove_padding"
+        problems.append(
+            Finding((key, pad_key), "needs the packed path: the padded forward rounds its logits")
+        )
+    return problems
+
+
 def _batch_divisibility(cfg: FulcrumConfig) -> list[Finding]:
     """Sizes count prompts (x rollout.n responses); per-device sizes count responses (as in verl)."""
     problems = []
@@ -331,6 +351,7 @@ RULES: list[Callable[[FulcrumConfig], list[Finding]]] = [
     _micro_batch_pairs,
     _batch_divisibility,
     _sequence_parallel,
+    _lm_head_fp32,
     _algorithm,
     _trainer,
     _unsupported,

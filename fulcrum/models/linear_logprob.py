@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from fulcrum.models.head_logits import head_logits
+
 # Float32 logits elements per chunk: 2^27 (512 MiB); at V = 151,936 that is 883 rows. The backward
 # holds about four such blocks (z, p, ∂z and a temporary).
 CHUNK_ELEMENTS = 1 << 27
@@ -29,12 +31,11 @@ def chunk_rows(vocab: int, elements: int = CHUNK_ELEMENTS) -> int:
 
 
 def _block(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, inv_temp: float
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, inv_temp: float, fp32: bool
 ) -> torch.Tensor:
-    """z = (h Wᵀ + b) / τ for one chunk: (c, H) → (c, V), at least float32 (the product in the weights' dtype)."""
-    logits = hidden @ weight.T
-    if bias is not None:
-        logits = logits + bias
+    """z = (h Wᵀ + b) / τ for one chunk: (c, H) → (c, V), at least float32; the product rounded to the
+    weights' dtype first, or with `fp32` kept in float32 (`fulcrum.models.head_logits`)."""
+    logits = head_logits(hidden, weight, bias, fp32)
     return logits.to(_softmax_dtype(logits.dtype)) * inv_temp
 
 
@@ -50,9 +51,10 @@ def _chunk_forward(
     labels: torch.Tensor,  # (c,)
     inv_temp: float,
     with_entropy: bool,
+    fp32: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk: (log p (c,), lse (c,), entropy (c,) or None)."""
-    z = _block(hidden, weight, bias, inv_temp)  # (c, V)
+    z = _block(hidden, weight, bias, inv_temp, fp32)  # (c, V)
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(1, labels[:, None]).squeeze(1) - lse
     entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(-1) if with_entropy else None
@@ -68,9 +70,11 @@ def _chunk_logit_grad(
     grad_logp: torch.Tensor,  # (c,)
     grad_entropy: torch.Tensor | None,  # (c,)
     inv_temp: float,
+    fp32: bool,
 ) -> torch.Tensor:
-    """∂L/∂(h Wᵀ + b) for one chunk, recomputed from h and W: (c, V) in the weights' dtype."""
-    z = _block(hidden, weight, bias, inv_temp)  # (c, V)
+    """∂L/∂(h Wᵀ + b) for one chunk, recomputed from h and W as the forward did: (c, V) in the
+    weights' dtype."""
+    z = _block(hidden, weight, bias, inv_temp, fp32)  # (c, V)
     p = torch.exp(z - lse[:, None])
     dz = (-p * grad_logp[:, None]).scatter_add(1, labels[:, None], grad_logp[:, None].to(p.dtype))
     if grad_entropy is not None:
@@ -103,11 +107,12 @@ def _forward_chunks(
     inv_temp: float,
     with_entropy: bool,
     rows: int,
+    fp32: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(log p (M,), lse (M,), entropy (M,) or None), at least float32."""
     parts = [
         _CHUNK_FNS["forward"](
-            hidden[s : s + rows], weight, bias, labels[s : s + rows], inv_temp, with_entropy
+            hidden[s : s + rows], weight, bias, labels[s : s + rows], inv_temp, with_entropy, fp32
         )
         for s in range(0, hidden.shape[0], rows)
     ]
@@ -131,10 +136,11 @@ class _LinearLogSoftmax(torch.autograd.Function):
         inv_temp: float,
         with_entropy: bool,
         rows: int,
+        fp32: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logp, lse, entropy = _forward_chunks(hidden, weight, bias, labels, inv_temp, with_entropy, rows)
+        logp, lse, entropy = _forward_chunks(hidden, weight, bias, labels, inv_temp, with_entropy, rows, fp32)
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.inv_temp, ctx.with_entropy, ctx.rows = inv_temp, with_entropy, rows
+        ctx.inv_temp, ctx.with_entropy, ctx.rows, ctx.fp32 = inv_temp, with_entropy, rows, fp32
         # autograd needs a tensor for every output; without entropy it is an empty one.
         return logp, (entropy if entropy is not None else logp.new_empty(0))
 
@@ -166,6 +172,7 @@ class _LinearLogSoftmax(torch.autograd.Function):
                 grad_logp[s:e],
                 grad_entropy[s:e] if use_entropy else None,
                 inv_temp,
+                ctx.fp32,
             )  # (c, V)
             if grad_hidden is not None:
                 grad_hidden[s:e] = dz @ weight
@@ -181,6 +188,7 @@ class _LinearLogSoftmax(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -192,16 +200,22 @@ def linear_log_softmax(
     with_entropy: bool = False,
     bias: torch.Tensor | None = None,  # (V,)
     rows: int | None = None,
+    fp32_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(h Wᵀ / τ)[y] and, optionally, the entropy: two (M,) tensors, float32 (float64 for float64 input).
 
     Differentiable in h, W and b when grad is enabled; chunks of `rows` rows (default: 512 MiB of
-    float32 logits, `chunk_rows`).
+    float32 logits, `chunk_rows`). `fp32_logits`: h Wᵀ is not rounded to the weights' half
+    precision before the softmax (`fulcrum.models.head_logits`; `actor_rollout_ref.model.lm_head_fp32`).
     """
     rows = rows or chunk_rows(weight.shape[0])
     inv_temp = 1.0 / float(temperature)
     if not torch.is_grad_enabled():
-        logp, _, entropy = _forward_chunks(hidden, weight, bias, labels, inv_temp, with_entropy, rows)
+        logp, _, entropy = _forward_chunks(
+            hidden, weight, bias, labels, inv_temp, with_entropy, rows, fp32_logits
+        )
         return logp, entropy
-    logp, entropy = _LinearLogSoftmax.apply(hidden, weight, bias, labels, inv_temp, with_entropy, rows)
+    logp, entropy = _LinearLogSoftmax.apply(
+        hidden, weight, bias, labels, inv_temp, with_entropy, rows, fp32_logits
+    )
     return logp, (entropy if with_entropy else None)

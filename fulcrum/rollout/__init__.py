@@ -3,7 +3,9 @@
 `build_rollout(cfg.actor_rollout_ref.rollout, actor_module, tokenizer, device)` picks the backend:
 `name=hf` always gives `hf`; `name=native` gives the native engine (any device); verl's engine names
 (`vllm`, `sglang`) and `auto` mean "the fast one": `native` on CUDA, `hf` on the CPU. An
-architecture the native engine does not implement falls back to `hf` with one log line.
+architecture the native engine does not implement falls back to `hf` with one log line, except when
+the run needs the native engine: multi-turn rollouts, or float32 LM-head logits (`lm_head_fp32`,
+which `transformers.generate` cannot follow: its head rounds to the model's dtype).
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FAST_ENGINE_NAMES = ("native", "vllm", "sglang", "auto")
+# Hugging Face generate's head rounds its logits to the model's dtype; sampling from those while the
+# actor scores float32 logits would widen the rollout-vs-training gap the key is there to shrink.
+HF_CANNOT_FOLLOW = (
+    "actor_rollout_ref.model.lm_head_fp32=True needs the native rollout engine (rollout.name=native): "
+    "the hf backend's logits are rounded to the model's dtype"
+)
 
 
 def eos_token_ids_of(model: nn.Module, tokenizer: Any) -> list[int]:
@@ -86,9 +94,14 @@ def uses_native_engine(rollout_cfg: RolloutConfig, model_config: Any, device: to
 
 
 def build_rollout(
-    rollout_cfg: RolloutConfig, model: nn.Module, tokenizer: Any, device: torch.device
+    rollout_cfg: RolloutConfig,
+    model: nn.Module,
+    tokenizer: Any,
+    device: torch.device,
+    lm_head_fp32: bool = False,
 ) -> RolloutEngine:
-    """The rollout engine that the resolved `cfg.actor_rollout_ref.rollout` asks for on `device`."""
+    """The rollout engine that the resolved `cfg.actor_rollout_ref.rollout` asks for on `device`;
+    `lm_head_fp32` is `actor_rollout_ref.model.lm_head_fp32` (the native engine only)."""
     device = torch.device(device)
     name = rollout_cfg.name
     if name != "hf" and name not in FAST_ENGINE_NAMES:
@@ -102,7 +115,9 @@ def build_rollout(
 
         reason = native_unsupported_reason(rollout_cfg, model.config)
         if reason is None:
-            return build_native_engine(rollout_cfg, model, eos_ids, pad_id, device)
+            return build_native_engine(rollout_cfg, model, eos_ids, pad_id, device, lm_head_fp32)
+        if lm_head_fp32:
+            raise ValueError(f"{HF_CANNOT_FOLLOW}; the native engine does not run {reason}")
         if rollout_cfg.multi_turn.enable:
             raise ValueError(
                 "actor_rollout_ref.rollout.multi_turn.enable=True needs the native engine (the one that serves "
@@ -114,6 +129,8 @@ def build_rollout(
             "actor_rollout_ref.rollout.multi_turn.enable=True needs rollout.name=native: the hf backend only "
             "generates whole batches, not conversations turn by turn"
         )
+    elif lm_head_fp32:
+        raise ValueError(f"{HF_CANNOT_FOLLOW}; here rollout.name={name} on {device} gives the hf backend")
     elif name != "hf":
         logger.info(
             "rollout: name=%s on %s: using the hf backend (the native engine is for CUDA)", name, device

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from fulcrum.batch import Batch
+
 QWEN25_05B_SHAPE = dict(
     vocab_size=151936,
     hidden_size=896,
@@ -56,3 +58,23 @@ def random_causal_lm(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     return model.eval()
+
+
+def scoring_batch(prompts: list[list[int]], responses: list[list[int]]) -> Batch:
+    """Rollouts as the trainer scores them: left-padded prompts, right-padded responses (verl's layout),
+    every response token in the response mask; an empty response is a row of padding."""
+    p, r = max(map(len, prompts)), max(max(map(len, responses)), 1)
+    rows = len(responses)
+    prompt_ids, prompt_mask = torch.zeros(rows, p, dtype=torch.long), torch.zeros(rows, p, dtype=torch.long)
+    response_ids, response_mask = (
+        torch.zeros(rows, r, dtype=torch.long),
+        torch.zeros(rows, r, dtype=torch.long),
+    )
+    for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        prompt_ids[i, p - len(prompt) :], prompt_mask[i, p - len(prompt) :] = torch.tensor(prompt), 1
+        if response:
+            response_ids[i, : len(response)], response_mask[i, : len(response)] = torch.tensor(response), 1
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    tensors = {"prompts": prompt_ids, "responses": response_ids, "response_mask": response_mask}
+    tensors |= {"input_ids": torch.cat([prompt_ids, response_ids], 1), "attention_mask": attention_mask}
+    return Batch(tensors | {"position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0)})

@@ -128,7 +128,11 @@ class PPOTrainer:
         )
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.rollout = build_rollout(
-            arr.rollout, engine_model_of(self.actor, arr, device), self.tokenizer, device
+            arr.rollout,
+            engine_model_of(self.actor, arr, device),
+            self.tokenizer,
+            device,
+            lm_head_fp32=bool(arr.model.lm_head_fp32),
         )
         if self.actor.adapters is not None:  # the engine started from the base: the adapters' effect now
             self.rollout.update_weights(self.actor.named_weights())

@@ -93,6 +93,7 @@ class ReferenceWorker:
             use_torch_compile=section.use_torch_compile,
             sp_size=section.ulysses_sequence_parallel_size,
             sp_key="actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+            lm_head_fp32=section.lm_head_fp32,
         )
         self.temperature = section.temperature
         self.sizes = section.log_prob
@@ -133,6 +134,7 @@ class ActorWorker:
             use_torch_compile=bool(self.cfg.use_torch_compile),
             sp_size=int(self.cfg.ulysses_sequence_parallel_size),
             sp_key="actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+            lm_head_fp32=bool(model.lm_head_fp32),
         )
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optim, device)
         self.lr_scheduler = build_lr_scheduler(

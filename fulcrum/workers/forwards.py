@@ -51,6 +51,9 @@ class ModelForwards:
     the parameters under `keep` (e.g. the critic's value head), and with `use_torch_compile` the
     packed decoder layers and log-softmax chunks compiled (`compile_decoder_layers`).
 
+    `lm_head_fp32` (actor_rollout_ref.model.lm_head_fp32): log-probs from float32 LM-head logits
+    (`fulcrum.models.head_logits`), as the native engine samples with the key on; packed path only.
+
     `sp_size` > 1 (the role's `ulysses_sequence_parallel_size`, named by `sp_key`): each micro-batch's
     packed stream is split over a group of `sp_size` ranks (`fulcrum.parallel.ulysses`), which share
     the micro-batch; the data is split over the world / `sp_size` groups (`dp_rank`, `dp_size`)."""
@@ -65,6 +68,7 @@ class ModelForwards:
         use_torch_compile: bool = False,
         sp_size: int = 1,
         sp_key: str = "ulysses_sequence_parallel_size",
+        lm_head_fp32: bool = False,
     ) -> None:
         self.model = model
         self.device = device
@@ -72,6 +76,14 @@ class ModelForwards:
         if reason is not None:
             logger.warning("%s: use_remove_padding=True but %s; using padded micro-batches", role, reason)
         self.packed = use_remove_padding and reason is None
+        if lm_head_fp32 and not self.packed:
+            raise ConfigError(
+                "actor_rollout_ref.model.lm_head_fp32=True needs the packed path (use_remove_padding=True on "
+                f"a packed architecture; here {reason or 'use_remove_padding=False'}): the padded forward "
+                "runs the model's own LM head, in its dtype",
+                "actor_rollout_ref.model.lm_head_fp32",
+            )
+        self.lm_head_fp32 = lm_head_fp32
         self.sp = self.sequence_parallel(sp_size, sp_key, reason)
         if self.packed:
             enable_packed_attention(model)
@@ -170,7 +182,15 @@ class ModelForwards:
         self, mb: Batch, temperature: float, with_entropy: bool, response_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return forward_log_prob(
-            self.model, mb, temperature, with_entropy, self.device, self.packed, response_mask, self.sp
+            self.model,
+            mb,
+            temperature,
+            with_entropy,
+            self.device,
+            self.packed,
+            response_mask,
+            self.sp,
+            self.lm_head_fp32,
         )
 
     def token_mask(self, mb: Batch) -> torch.Tensor | None:

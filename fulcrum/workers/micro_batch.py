@@ -198,16 +198,29 @@ def forward_log_prob(
     packed: bool = False,
     response_mask: torch.Tensor | None = None,
     sp: SequenceParallel | None = None,
+    fp32_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(response tokens) (B, R), float32, logits divided by the rollout temperature as verl; entropy too.
 
     `response_mask`: the micro-batch's mask already on `device` (an update has it for its loss), so it
     is not copied a second time; None copies `mb["response_mask"]`. `sp` (packed only): the
-    sequence-parallel group that shares this micro-batch; every rank of it gets the whole result."""
+    sequence-parallel group that shares this micro-batch; every rank of it gets the whole result.
+    `fp32_logits` (packed only): the LM head's product kept in float32 (`fulcrum.models.head_logits`)."""
     if packed:  # reaches embeddings and LM head directly: under FSDP, inside the root unit's forward
         return run_in_root(
-            model, packed_log_prob, model, mb, temperature, with_entropy, device, response_mask, sp
+            model,
+            packed_log_prob,
+            model,
+            mb,
+            temperature,
+            with_entropy,
+            device,
+            response_mask,
+            sp,
+            fp32_logits,
         )
+    # The padded path's head is the Hugging Face model's own module, which rounds to its dtype.
+    assert not fp32_logits, "fp32 LM-head logits need the packed path (ModelForwards refuses the padded one)"
     r = mb.response_length
     ids, mask, pos, r_kept = trimmed_inputs(mb, device)
     with autocast_for(device):
@@ -253,6 +266,7 @@ def packed_log_prob(
     device: torch.device,
     response_mask: torch.Tensor | None = None,
     sp: SequenceParallel | None = None,
+    fp32_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`forward_log_prob` without padding: the decoder over the packed stream, then the LM head and
     log-softmax on the M response-predicting positions only, chunked (no (M, V) float32 tensor).
@@ -268,6 +282,7 @@ def packed_log_prob(
         temperature,
         with_entropy,
         head.bias,
+        fp32_logits=fp32_logits,
     )  # (M,) or (M_r,) with sp
     if isinstance(stream, StreamShard) and sp is not None:
         logp = gather_rows(logp, stream.counts, sp)  # (M,)

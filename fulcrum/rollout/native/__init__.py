@@ -52,8 +52,9 @@ def engine_tensor_parallel(rollout_cfg: RolloutConfig) -> TensorParallel:
     return tensor_parallel_group(size)
 
 
-def _engine_config(rollout_cfg: RolloutConfig, hf_config: object) -> EngineConfig:
-    return engine_config_from(rollout_cfg, int(getattr(hf_config, "max_position_embeddings", 4096)))
+def _engine_config(rollout_cfg: RolloutConfig, hf_config: object, lm_head_fp32: bool = False) -> EngineConfig:
+    max_len = int(getattr(hf_config, "max_position_embeddings", 4096))
+    return engine_config_from(rollout_cfg, max_len, lm_head_fp32)
 
 
 def native_unsupported_reason(rollout_cfg: RolloutConfig, hf_config: object) -> str | None:
@@ -62,7 +63,12 @@ def native_unsupported_reason(rollout_cfg: RolloutConfig, hf_config: object) -> 
 
 
 def build_native_engine(
-    rollout_cfg: RolloutConfig, hf_model: nn.Module, eos_ids: list[int], pad_id: int, device: torch.device
+    rollout_cfg: RolloutConfig,
+    hf_model: nn.Module,
+    eos_ids: list[int],
+    pad_id: int,
+    device: torch.device,
+    lm_head_fp32: bool = False,
 ) -> NativeEngine:
-    config = _engine_config(rollout_cfg, hf_model.config)
+    config = _engine_config(rollout_cfg, hf_model.config, lm_head_fp32)
     return NativeEngine(hf_model, eos_ids, pad_id, config, device, engine_tensor_parallel(rollout_cfg))

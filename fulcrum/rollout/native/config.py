@@ -42,6 +42,9 @@ class EngineConfig:
     # memory (the schema's default); off for direct users (benchmarks) that call `generate` back to back.
     free_cache_engine: bool = False
     dtype: torch.dtype = _DTYPES[SCHEMA.dtype]  # weights and KV cache on CUDA; the CPU uses the model's dtype
+    # actor_rollout_ref.model.lm_head_fp32: sample from float32 LM-head logits (fulcrum.models.head_logits),
+    # as the actor scores them with the key on; a model-section key, so the trainer passes it in.
+    lm_head_fp32: bool = False
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1, f"rollout.max_num_seqs must be >= 1, got {self.max_num_seqs}"
@@ -73,9 +76,12 @@ class EngineConfig:
 NATIVE_KWARGS = ("block_size", "num_kv_blocks", "decode_steps", "indirect_kv_cache")
 
 
-def engine_config_from(rollout: RolloutConfig, model_max_len: int) -> EngineConfig:
+def engine_config_from(
+    rollout: RolloutConfig, model_max_len: int, lm_head_fp32: bool = False
+) -> EngineConfig:
     """EngineConfig from the resolved `cfg.actor_rollout_ref.rollout`; `model_max_len` bounds a sequence
-    when neither max_model_len nor prompt_length + response_length is known."""
+    when neither max_model_len nor prompt_length + response_length is known; `lm_head_fp32` is
+    `actor_rollout_ref.model.lm_head_fp32`."""
     native: dict[str, Any] = dict((rollout.engine_kwargs or {}).get("native") or {})
     if rollout.dtype not in _DTYPES:
         raise ValueError(
@@ -99,5 +105,6 @@ def engine_config_from(rollout: RolloutConfig, model_max_len: int) -> EngineConf
         cudagraph_capture_sizes=rollout.cudagraph_capture_sizes,
         free_cache_engine=rollout.free_cache_engine,
         dtype=_DTYPES[rollout.dtype],
+        lm_head_fp32=lm_head_fp32,
         **native,
     )

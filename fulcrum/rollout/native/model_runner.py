@@ -47,6 +47,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.use_triton = use_triton_on(device)
         model.use_triton = self.use_triton
+        model.fp32_logits = config.lm_head_fp32
         self.use_graphs = device.type == "cuda" and not config.enforce_eager
         # A window may run past a sequence's last token by up to decode_steps - 1 tokens.
         self.max_blocks_per_seq = blocks_for(config.max_model_len + config.decode_steps, self.block_size)
@@ -89,7 +90,8 @@ class ModelRunner:
         m, cfg = self.model, self.config
         # Activation room: one prefill step's widest tensors plus the logits of a full decode batch.
         workspace = cfg.max_num_batched_tokens * (8 * m.hidden + 6 * m.config.intermediate_size) * 2
-        workspace += cfg.max_num_seqs * m.config.vocab_size * 10 + (512 << 20)
+        logit_bytes = 12 if cfg.lm_head_fp32 else 10  # the decode batch's logits and the sampler's copies
+        workspace += cfg.max_num_seqs * m.config.vocab_size * logit_bytes + (512 << 20)
         budget = total * cfg.gpu_memory_utilization - weights - workspace
         free_now, _ = torch.cuda.mem_get_info(self.device)
         budget = min(budget, free_now - (1 << 30))

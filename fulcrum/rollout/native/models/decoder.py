@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from fulcrum.models.arch import ModelSpec
+from fulcrum.models.head_logits import head_logits
 from fulcrum.parallel.tensor_parallel import TensorParallel, shard_heads, shard_range
 from fulcrum.rollout.native import ops
 from fulcrum.rollout.native.attention import AttentionMetadata, paged_attention
@@ -74,6 +75,7 @@ class DecoderLM:
         self.kv_size = self.num_kv_heads * self.head_dim
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.use_triton = False
+        self.fp32_logits = False  # the LM head's product kept in float32 (EngineConfig.lm_head_fp32)
         self.norm_offset = spec.norm_offset
         self.windows = spec.layer_windows(config)
         self.act_and_mul = ops.gelu_tanh_and_mul if spec.activation(config) == "gelu_tanh" else None
@@ -330,5 +332,8 @@ class DecoderLM:
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) in the engine dtype."""
+        """(N, hidden) -> (N, vocab): in the engine dtype, or float32 with `fp32_logits` (the head is
+        whole on every rank, so no gather; the stored head, tied or not, keeps the engine dtype)."""
+        if self.fp32_logits:
+            return head_logits(hidden, self.lm_head, None, fp32=True)
         return F.linear(hidden, self.lm_head)
