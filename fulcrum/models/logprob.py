@@ -120,8 +120,8 @@ def no_empty_rows_mask(
     (they still never attend to pads) and leaves no row empty. A family whose every layer slides a
     window (Mistral, `fulcrum.models.arch`) gets it here, as Hugging Face's own mask would have it:
     query i sees key j when i - window < j (real tokens are contiguous in a row, so column distance
-    is position distance). A family whose layers differ (Gemma 3's local and global layers) gets one
-    such mask per layer type, the dict its Hugging Face model takes. Other attention implementations
+    is position distance). A config whose layers differ (Gemma 3's local and global layers, Qwen2's
+    sliding ones) gets one such mask per layer type, the dict its Hugging Face model takes. Other attention implementations
     (eager, flash) get the 2-D mask unchanged.
     """
     if getattr(getattr(model, "config", None), "_attn_implementation", None) not in (
@@ -130,10 +130,11 @@ def no_empty_rows_mask(
     ):
         return attention_mask
     spec = spec_for(model.config)
-    if spec is not None and spec.windows_by_layer_type is not None:
-        windows = spec.windows_by_layer_type(model.config)
-        return {kind: _self_seeing_mask(attention_mask, window) for kind, window in windows.items()}
-    return _self_seeing_mask(attention_mask, spec.window(model.config) if spec is not None else None)
+    windows = spec.layer_windows(model.config) if spec is not None else [None]
+    if spec is not None and spec.windows_by_layer_type is not None and len(set(windows)) > 1:
+        by_type = spec.windows_by_layer_type(model.config)
+        return {kind: _self_seeing_mask(attention_mask, window) for kind, window in by_type.items()}
+    return _self_seeing_mask(attention_mask, windows[0])
 
 
 def _self_seeing_mask(attention_mask: torch.Tensor, window: int | None) -> torch.Tensor:
