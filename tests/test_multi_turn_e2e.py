@@ -50,15 +50,21 @@ def always_calls(text: str) -> ParsedMessage:
     return ParsedMessage(text, [FunctionCall("calc_gsm8k_reward", json.dumps({"answer": "3"}))])
 
 
+def tiny_model_with_short_turns(folder: Path) -> None:
+    """The tiny model, its generation config naming 200 frequent ids as EOS: the random model's turns
+    end after ~10 tokens, as a trained model's would."""
+    build_tiny_model(
+        folder, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
+    generation = json.loads((folder / "generation_config.json").read_text())
+    generation["eos_token_id"] = [generation["eos_token_id"], *range(100, 300)]
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("multi_turn")
-    build_tiny_model(
-        root / "model", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
-    )
-    generation = json.loads((root / "model/generation_config.json").read_text())
-    generation["eos_token_id"] = [generation["eos_token_id"], *range(100, 300)]
-    (root / "model/generation_config.json").write_text(json.dumps(generation))
+    tiny_model_with_short_turns(root / "model")
     src = root / "gsm8k"
     src.mkdir()
     shared = Path(__file__).resolve().parents[2] / "shared/data/gsm8k"

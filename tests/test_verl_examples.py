@@ -60,10 +60,23 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = load_causal_lm(str(root / "model"), torch.device("cpu"))
     get_peft_model(base, LoraConfig(r=4, target_modules="all-linear")).save_pretrained(str(root / "adapter"))
     gsm8k_config(root)  # verl's GSM8K tool config, as the multi-turn script names it
+    gsm8k_interaction_config(root)  # and its GSM8K interaction config
     (root / "reward.py").write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
     )
     return root
+
+
+def gsm8k_interaction_config(root: Path) -> Path:
+    """verl's examples/sglang_multiturn/config/interaction_config/gsm8k_interaction_config.yaml."""
+    path = root / "interaction.yaml"
+    path.write_text(
+        "interaction:\n"
+        '  - name: "gsm8k"\n'
+        '    class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"\n'
+        "    config: {}\n"
+    )
+    return path
 
 
 # The scripts that do not say how many devices they use assume verl's default of 8; these divide their
@@ -96,6 +109,8 @@ def as_user_would(overrides: list[str], files: Path, n_gpus: str = "8") -> list[
             value = str(files / "adapter")
         elif bare == "actor_rollout_ref.rollout.multi_turn.tool_config_path":
             value = str(files / "tools.yaml")
+        elif bare == "actor_rollout_ref.rollout.multi_turn.interaction_config_path":
+            value = str(files / "interaction.yaml")
         elif bare in DEVICE_KEYS:
             value = n_gpus if bare == "trainer.n_gpus_per_node" else DEVICE_KEYS[bare]
         out.append(f"{key}={value}")

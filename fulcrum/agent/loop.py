@@ -7,10 +7,16 @@ One conversation (`ToolAgentLoop.converse`):
     tool messages as the template renders them (delta ids, loss mask 0) ─► resume ─► turn 2 ─► ...
 
 It stops, as verl's does, when a turn holds no call; when `max_assistant_turns` turns were generated or
-`max_user_turns` tool answers appended; when the response (every turn, tool tokens included) reaches
-`response_length`; or when a tool answer would take it there (the answer is then not appended). Each
-turn may sample at most what is left of that budget, so nothing is cut afterwards; the sample's KV
-blocks are released at the end.
+`max_user_turns` tool answers or user turns appended; when the response (every turn, tool tokens
+included) reaches `response_length`; or when a tool answer would take it there (the answer is then not
+appended). Each turn may sample at most what is left of that budget, so nothing is cut afterwards; the
+sample's KV blocks are released at the end.
+
+With an interaction (verl's simulated user, fulcrum.agent.interaction) a turn without calls does not
+end the conversation: the row's interaction answers it, its message is appended as a user turn
+(template delta, loss mask 0, its turn score kept in `turn_scores`) and the model goes on, unless the
+interaction says to stop or a limit is reached. As verl does, the user turn is appended even then (cut
+to the budget), so a response may end in masked tokens.
 
 All conversations run at once on one `AsyncRollout`: while one awaits its tools the others decode, and
 every turn in flight shares the engine's steps. The `n` samples of a prompt are one request (their
@@ -29,6 +35,8 @@ from uuid import uuid4
 
 from fulcrum.agent.calls import ToolSet
 from fulcrum.agent.chat import ChatDelta
+from fulcrum.agent.interaction import BaseInteraction, InteractionSession
+from fulcrum.agent.interaction_config import pick_interaction
 from fulcrum.agent.metrics import sum_metrics
 from fulcrum.rollout.base import SamplingParams, SequenceOutput
 from fulcrum.rollout.driver import AsyncRollout
@@ -89,6 +97,7 @@ class AgentData:
     interaction_kwargs: dict[str, Any]
     metrics: dict[str, float] = field(default_factory=dict)
     tool_rewards: list[float] = field(default_factory=list)
+    turn_scores: list[float] = field(default_factory=list)
     assistant_turns: int = 0
     user_turns: int = 0
     extra_fields: dict[str, Any] = field(default_factory=dict)
@@ -97,7 +106,8 @@ class AgentData:
 @dataclass
 class Conversation:
     """One sample's rollout: response ids over all turns, log-probs (0.0 on appended tokens), the loss
-    mask (1 = sampled by the policy), the tools' step rewards, turn counts and counters."""
+    mask (1 = sampled by the policy), the tools' step rewards, turn counts and counters, and the
+    interaction's turn scores."""
 
     prompt_index: int
     token_ids: list[int]
@@ -108,6 +118,7 @@ class Conversation:
     user_turns: int
     tool_rewards: list[float]
     metrics: dict[str, float]
+    turn_scores: list[float] = field(default_factory=list)
 
     @property
     def num_turns(self) -> int:
@@ -123,17 +134,30 @@ def turn_params(params: SamplingParams, n: int, used: int, response_length: int)
 class ToolAgentLoop:
     """Conversations with tools over an `AsyncRollout` (see the module docstring)."""
 
-    def __init__(self, tools: ToolSet, tokenizer: Any, limits: LoopLimits) -> None:
+    def __init__(
+        self,
+        tools: ToolSet,
+        tokenizer: Any,
+        limits: LoopLimits,
+        interactions: dict[str, BaseInteraction] | None = None,
+    ) -> None:
         self.tools = tools
         self.tokenizer = tokenizer
         self.limits = limits
         self.delta = ChatDelta(tokenizer)
+        self.interactions = interactions or {}
 
     async def run(
         self, rollout: AsyncRollout, request: ConversationRequest, params: SamplingParams, prompt_index: int
     ) -> list[Conversation]:
         """The `params.n` conversations of one prompt, in sample order."""
         multi = request.agent_name == TOOL_AGENT
+        # Picked before generating, so a row naming no or an unknown interaction costs no engine time.
+        interaction = (
+            pick_interaction(self.interactions, request.interaction_kwargs, str(prompt_index))
+            if multi and self.interactions
+            else None
+        )
         first_params = turn_params(params, params.n, 0, self.limits.response_length)
         tick = time.perf_counter()
         firsts = await rollout.generate(request.prompt_ids, first_params, keep=multi)
@@ -142,7 +166,10 @@ class ToolAgentLoop:
             return [self._single(prompt_index, out, first_s) for out in firsts]
         return list(
             await asyncio.gather(
-                *(self.converse(rollout, out, request, params, prompt_index, first_s) for out in firsts)
+                *(
+                    self.converse(rollout, out, request, params, prompt_index, first_s, interaction)
+                    for out in firsts
+                )
             )
         )
 
@@ -168,8 +195,10 @@ class ToolAgentLoop:
         params: SamplingParams,
         prompt_index: int,
         generate_s: float,
+        interaction: BaseInteraction | None = None,
     ) -> Conversation:
-        """Continue one held sample turn after turn until a limit or a turn without calls; release it."""
+        """Continue one held sample turn after turn until a limit, a turn without calls (and no
+        interaction to answer it) or the interaction's stop; release it."""
         data = AgentData(
             messages=list(request.messages),
             request_id=uuid4().hex,
@@ -177,34 +206,46 @@ class ToolAgentLoop:
             interaction_kwargs=request.interaction_kwargs,
             assistant_turns=1,
         )
-        out, tool_s, counters, cut = first, 0.0, [], False
+        session = None
+        if interaction is not None:
+            session = InteractionSession(interaction, data.request_id, request.interaction_kwargs)
+            await session.start()
+        budget = self.limits.response_length
+        out, tool_s, counters, cut, tail = first, 0.0, [], False, []
         try:
             while not self.limits.reached(len(out.token_ids), data.assistant_turns, data.user_turns):
                 text = self.tokenizer.decode(out.last_turn, skip_special_tokens=True)
                 data.messages.append({"role": "assistant", "content": text})
                 calls = self.tools.parse_message(text).calls
-                if not calls:
-                    break
-                tick = time.perf_counter()
-                results = await self.tools.run_turn(calls, request.tools_kwargs, agent_data=data)
-                tool_s += time.perf_counter() - tick
-                answers = [result.message() for result in results]
-                data.messages.extend(answers)
-                data.tool_rewards += [float(r.reward) for r in results if r.reward is not None]
-                counters += [result.metrics for result in results]
-                appended = self.delta.appended_ids(answers)
-                used = len(out.token_ids) + len(appended)
-                if used >= self.limits.response_length:
-                    cut = True  # verl: an answer that would fill the budget ends the conversation unsent
+                if calls:
+                    tick = time.perf_counter()
+                    answers = await self._tool_answers(calls, data, counters)
+                    tool_s += time.perf_counter() - tick
+                    appended = self.delta.appended_ids(answers)
+                    if len(out.token_ids) + len(appended) >= budget:
+                        cut = True  # verl: an answer that would fill the budget ends the conversation unsent
+                        break
+                elif session is not None:
+                    stop, appended = await self._user_turn(session, data)
+                    if stop or len(out.token_ids) + len(appended) >= budget:
+                        # verl appends and counts this last user turn too, then cuts to the budget.
+                        tail = appended[: budget - len(out.token_ids)]
+                        data.user_turns += 1
+                        break
+                else:
                     break
                 data.user_turns += 1
                 tick = time.perf_counter()
-                next_params = turn_params(params, 1, used, self.limits.response_length)
-                out = await rollout.resume(out.seq_id, appended, next_params, keep=True)
+                used = len(out.token_ids) + len(appended)
+                out = await rollout.resume(
+                    out.seq_id, appended, turn_params(params, 1, used, budget), keep=True
+                )
                 generate_s += time.perf_counter() - tick
                 data.assistant_turns += 1
         finally:
             rollout.release(out.seq_id)
+            if session is not None:
+                await session.finish()
         metrics = {
             "tools/calls": 0.0,
             "tools/errors": 0.0,
@@ -212,18 +253,40 @@ class ToolAgentLoop:
             "agent_loop/generate_sequences": generate_s,
             "agent_loop/tool_calls": tool_s,
         }
-        full = cut or len(out.token_ids) >= self.limits.response_length
+        full = cut or len(out.token_ids) + len(tail) >= budget
         return Conversation(
             prompt_index,
-            out.token_ids,
-            out.logprobs,
-            out.loss_mask,
+            out.token_ids + tail,
+            out.logprobs + [0.0] * len(tail),
+            out.loss_mask + [0] * len(tail),
             "length" if full else out.finish_reason,
             data.assistant_turns,
             data.user_turns,
             data.tool_rewards,
             metrics,
+            data.turn_scores,
         )
+
+    async def _tool_answers(
+        self, calls: list[Any], data: AgentData, counters: list[dict[str, float]]
+    ) -> list[dict[str, Any]]:
+        """Run one turn's calls; their messages join the conversation, rewards and counters are kept."""
+        results = await self.tools.run_turn(calls, data.tools_kwargs, agent_data=data)
+        answers = [result.message() for result in results]
+        data.messages.extend(answers)
+        data.tool_rewards += [float(r.reward) for r in results if r.reward is not None]
+        counters += [result.metrics for result in results]
+        return answers
+
+    async def _user_turn(self, session: InteractionSession, data: AgentData) -> tuple[bool, list[int]]:
+        """Ask the interaction (verl's INTERACTING state): its message joins the conversation as a user
+        turn, its score the turn scores; returns whether it ends the conversation and the ids to append."""
+        reply = await session.reply(data.messages)
+        message = {"role": "user", "content": reply.content}
+        data.messages.append(message)
+        if reply.score is not None:
+            data.turn_scores.append(reply.score)
+        return reply.should_terminate, self.delta.appended_ids([message])
 
 
 def request_of(item: Mapping[str, Any], prompt_ids: list[int] | None = None) -> ConversationRequest:

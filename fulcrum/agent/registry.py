@@ -14,13 +14,13 @@ the tool's index and the key.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from fulcrum.agent.class_path import import_class
 from fulcrum.agent.schema import OpenAIFunctionToolSchema, ToolConfigError
 from fulcrum.agent.tool import BaseTool
 
@@ -58,18 +58,7 @@ def resolve_tool_class(class_name: str, where: str) -> type[BaseTool]:
         raise ToolConfigError(
             f"{where}: {class_name} is a verl tool fulcrum has no counterpart for; {offered()}"
         )
-    module_name, _, attr = class_name.rpartition(".")
-    if not module_name:
-        raise ToolConfigError(f"{where}: {class_name!r} is not a class path (package.module.ClassName)")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ToolConfigError(
-            f"{where}: cannot import module {module_name!r} of {class_name}: {err}"
-        ) from err
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise ToolConfigError(f"{where}: module {module_name} has no {attr!r}")
+    cls = import_class(class_name, where, ToolConfigError)
     if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
         raise ToolConfigError(f"{where}: {class_name} is not a subclass of fulcrum.agent.BaseTool")
     return cls

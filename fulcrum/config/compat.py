@@ -160,10 +160,6 @@ UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
         (1,),
         "Ulysses sequence parallelism is not supported for the reward model (actor, reference and critic have it)",
     ),
-    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": (
-        (None,),
-        "user turns from an Interaction (verl's interaction_config_path) are not supported; tool turns are",
-    ),
     "actor_rollout_ref.rollout.use_fire_sampling": ((False,), "FIRE sampling is not supported"),
     "actor_rollout_ref.actor.optim.optimizer": (("AdamW",), "only AdamW is supported"),
     "critic.optim.optimizer": (("AdamW",), "only AdamW is supported"),

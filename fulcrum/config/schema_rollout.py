@@ -29,12 +29,16 @@ class MultiTurnConfig:
     )
     tool_config_path: str | None = opt(None, "verl's tool-config YAML (docs/multi-turn.md)")
     max_user_turns: int | None = opt(
-        None, "most tool (user) turns per conversation; null: no limit", AT_LEAST_1
+        None,
+        "most user turns (tool answers, interaction replies) per conversation; null: no limit",
+        AT_LEAST_1,
     )
     max_parallel_calls: int = opt(1, "calls of one turn that run (at once); the rest are dropped", AT_LEAST_1)
     max_tool_response_length: int = opt(256, "characters of each tool answer", AT_LEAST_1)
     tool_response_truncate_side: str = opt("middle", "what a cut tool answer keeps: left, right or middle")
-    interaction_config_path: str | None = opt(None, "Interaction config for user turns (not supported)")
+    interaction_config_path: str | None = opt(
+        None, "verl's interaction-config YAML: simulated user turns (docs/multi-turn.md)"
+    )
     use_inference_chat_template: bool = opt(False, "SGLang rollout's template choice (no effect)")
     tokenization_sanity_check_mode: str = opt("strict", "SGLang rollout's tokenisation check (no effect)")
     format: str = opt("hermes", "tool-call format: hermes (Qwen's <tool_call> JSON)")

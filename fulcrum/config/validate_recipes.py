@@ -56,6 +56,16 @@ def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:
                 "conversations turn by turn",
             )
         )
+    if rollout.multi_turn.interaction_config_path and not rollout.multi_turn.enable:
+        problems.append(
+            Finding(
+                (
+                    "actor_rollout_ref.rollout.multi_turn.interaction_config_path",
+                    "actor_rollout_ref.rollout.multi_turn.enable",
+                ),
+                "an interaction answers the turns of the agent loop, which runs with multi_turn.enable=True",
+            )
+        )
     buffer = rm.overlong_buffer
     max_len = cfg.data.max_response_length
     if buffer.enable and not 0 < buffer.len <= max_len:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from fulcrum.agent.interaction_config import config_problems
 from fulcrum.config import (
     ConfigError,
     FulcrumConfig,
@@ -304,8 +305,8 @@ def check_tool_config(ctx: Context) -> list[Finding]:
     never runs user code; the trainer's start-up loads them)."""
     multi_turn = ctx.cfg.actor_rollout_ref.rollout.multi_turn
     key = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
-    if not multi_turn.enable:
-        return []
+    if not multi_turn.enable or (multi_turn.interaction_config_path and not multi_turn.tool_config_path):
+        return []  # a conversation with a simulated user needs no tools
     if not multi_turn.tool_config_path:
         return [
             _warning(
@@ -322,6 +323,14 @@ def check_tool_config(ctx: Context) -> list[Finding]:
     if not isinstance(tools, list) or not tools:
         return [_error(f"{key}: {path} has no `tools:` list")]
     return []
+
+
+def check_interaction_config(ctx: Context) -> list[Finding]:
+    """A multi-turn run's interaction config is well formed (its classes are imported at start-up only)."""
+    multi_turn = ctx.cfg.actor_rollout_ref.rollout.multi_turn
+    if not (multi_turn.enable and multi_turn.interaction_config_path):
+        return []
+    return [_error(problem) for problem in config_problems(multi_turn.interaction_config_path)]
 
 
 def check_rollout_alias(ctx: Context) -> list[Finding]:
@@ -350,6 +359,7 @@ CHECKS: list[Callable[[Context], list[Finding]]] = [
     check_logger_packages,
     check_rollout_alias,
     check_tool_config,
+    check_interaction_config,
     *LEVER_CHECKS,  # fulcrum/tools/doctor_rules.py: data, generation and memory levers
 ]
 

@@ -5,7 +5,9 @@ With algorithm.filter_groups.enable (DAPO) a step generates further prompt batch
 groups have responses that differ; with adv_estimator=remax each prompt also gets a greedy response,
 whose score is the baseline. With rollout.multi_turn.enable each sample is a conversation with tools
 (fulcrum.agent.loop): its response holds every turn, tool answers masked out of the loss, and the
-reward function scores the whole response text, as verl's agent loop does.
+reward function scores the whole response text, as verl's agent loop does. With
+rollout.multi_turn.interaction_config_path an interaction answers each turn without tool calls as a
+user (fulcrum.agent.interaction); its turn scores reach the reward function in `extra_info`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 
 from fulcrum.agent import ToolSet
 from fulcrum.agent.conversations import run_conversations
+from fulcrum.agent.interaction import BaseInteraction
+from fulcrum.agent.interaction_config import load_interaction_config
 from fulcrum.agent.loop import Conversation, ConversationRequest, LoopLimits, ToolAgentLoop, request_of
 from fulcrum.agent.metrics import conversation_metrics, spread
 from fulcrum.batch import Batch, assemble_batch, response_lengths
@@ -50,16 +54,29 @@ def tools_of(cfg: FulcrumConfig) -> ToolSet | None:
     return ToolSet.from_config(multi_turn) if multi_turn.enable else None
 
 
+def interactions_of(cfg: FulcrumConfig) -> dict[str, BaseInteraction]:
+    """The run's interactions by name (rollout.multi_turn.interaction_config_path), {} without one."""
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    path = multi_turn.interaction_config_path
+    return load_interaction_config(path) if multi_turn.enable and path else {}
+
+
 def with_conversations(batch: Batch, conversations: list[Conversation]) -> Batch:
-    """`batch` with each row's turn count and tool rewards: in `extra_info` for the reward function
-    (verl passes `num_turns` there) and as columns for the metrics."""
+    """`batch` with each row's turn count, tool rewards and interaction turn scores: in `extra_info` for
+    the reward function (verl passes them there) and as columns for the metrics."""
     infos = batch.non_tensors["extra_info"]
     batch.non_tensors["extra_info"] = [
-        dict(info, num_turns=c.num_turns, tool_rewards=list(c.tool_rewards))
+        dict(
+            info,
+            num_turns=c.num_turns,
+            tool_rewards=list(c.tool_rewards),
+            turn_scores=list(c.turn_scores),
+        )
         for info, c in zip(infos, conversations, strict=True)
     ]
     batch.non_tensors["num_turns"] = [c.num_turns for c in conversations]
     batch.non_tensors["tool_rewards"] = [list(c.tool_rewards) for c in conversations]
+    batch.non_tensors["turn_scores"] = [list(c.turn_scores) for c in conversations]
     batch.non_tensors["agent_metrics"] = [dict(c.metrics) for c in conversations]
     return batch
 
@@ -98,7 +115,12 @@ class Sampler:
         self.pad_id = int(tokenizer.pad_token_id)
         multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
         self.agent_loop = (
-            ToolAgentLoop(tools, tokenizer, LoopLimits.from_config(multi_turn, self.response_length))
+            ToolAgentLoop(
+                tools,
+                tokenizer,
+                LoopLimits.from_config(multi_turn, self.response_length),
+                interactions_of(cfg),
+            )
             if tools is not None
             else None
         )
