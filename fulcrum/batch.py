@@ -7,7 +7,8 @@ sequence for every forward pass (a response is one contiguous run from column P)
 the loss mask, 1 = a token the policy generated (EOS included) that counts in every loss, advantage,
 KL and entropy, 0 for tokens inside the response the policy did not generate (a tool's answer, a user
 turn) and for padding. They coincide for single-turn batches. A response's length and last token come
-from the attention mask (`response_lengths`), never from the loss mask. Stages add tensors in place:
+from the attention mask (`response_lengths`), never from the loss mask; its score goes on its last policy
+token (`reward_positions`). Stages add tensors in place:
 `old_log_probs`, `ref_log_prob`, `values`, `token_level_scores`, `token_level_rewards`,
 `advantages`, `returns`, `rollout_log_probs`, `entropys`. `assemble_batch` builds one from the rollout
 engine's output. This module sits below `workers/` and `trainer/`, which both pass it around.
@@ -118,6 +119,21 @@ def response_lengths(batch: Batch) -> torch.Tensor:
     rollout rejection zeroes whole rows of it, yet those tokens are still part of the response.
     """
     return batch["attention_mask"][:, batch.prompt_length :].sum(-1).long()
+
+
+def reward_positions(batch: Batch) -> torch.Tensor:
+    """(B,) long: where each response's score goes, the last token the policy wrote (the last 1 of the
+    loss mask `response_mask`); a row without one (a rejected row, whose loss mask is zeroed) takes its
+    last token, `response_lengths - 1` (-1 for an empty response: no score is placed).
+
+    A multi-turn response can end in tokens the policy did not write (an Interaction's last reply, cut
+    at the response budget). A score there would be lost: GAE passes over masked tokens and GRPO sums
+    the row under the mask. It rewards the policy's last action, so it sits on that action's token.
+    """
+    mask = batch["response_mask"].bool()
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last_policy = torch.where(mask, positions, -1).max(-1).values
+    return torch.where(last_policy >= 0, last_policy, response_lengths(batch) - 1).long()
 
 
 def assemble_batch(

@@ -14,7 +14,7 @@ from test_packed import grads
 
 from fulcrum.algo.advantages import compute_advantage
 from fulcrum.algo.masked import masked_whiten
-from fulcrum.batch import Batch, assemble_batch, response_lengths
+from fulcrum.batch import Batch, assemble_batch, response_lengths, reward_positions
 from fulcrum.models.load import load_causal_lm
 from fulcrum.models.packed import enable_packed_attention
 from fulcrum.reward.scoring import RewardResult, score_batch
@@ -177,6 +177,38 @@ def test_reward_sits_on_the_last_response_token() -> None:
     expected = torch.zeros(3, R)
     expected[0, 9], expected[2, 11] = 1.0, 0.5
     assert torch.equal(scores, expected)
+
+
+def test_a_response_ending_in_masked_tokens_is_scored_on_the_policys_last_token() -> None:
+    """An Interaction's last reply, cut at the budget, ends the response: the score goes on the last
+    token the policy wrote, where GRPO's masked sum and GAE's recursion both see it."""
+    items = [{"input_ids": [7, 8, 9]}] * 2
+    ids = [[11, 12, 13, 14, 15, 16], [21, 22]]
+    masks = [[1, 1, 1, 0, 0, 0], [1, 1]]  # the first ends in a masked reply
+    batch = assemble_batch(items, ids, [[0.0] * len(t) for t in ids], [0, 1], 4, 8, 0, "u", loss_masks=masks)
+    assert reward_positions(batch).tolist() == [2, 1]
+    scores, _ = score_batch(batch, EchoTokenizer(), FixedScores([1.0, 0.0]))
+    assert scores[0].tolist() == [0, 0, 1.0, 0, 0, 0, 0, 0]
+    mask = batch["response_mask"].float()
+    grpo, _ = compute_advantage(
+        "grpo",
+        token_level_rewards=scores,
+        response_mask=mask,
+        index=["a", "a"],
+        norm_adv_by_std_in_grpo=False,
+    )
+    assert grpo[0, 0] == 0.5 and grpo[1, 0] == -0.5  # the reward counted: mean 0.5 of the group
+    _, returns = compute_advantage(
+        "gae",
+        token_level_rewards=scores,
+        response_mask=mask,
+        values=torch.zeros_like(mask),
+        gamma=1.0,
+        lam=1.0,
+    )
+    assert returns[0, :3].tolist() == [1.0, 1.0, 1.0]
+    batch["response_mask"][0] = 0  # a rejected row: no policy token left, the score on the last token
+    assert reward_positions(batch).tolist() == [5, 1]
 
 
 def test_grpo_and_gae_on_a_two_turn_batch() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fulcrum.batch import Batch, response_lengths
+from fulcrum.batch import Batch, response_lengths, reward_positions
 
 
 class RewardError(RuntimeError):
@@ -114,7 +114,7 @@ def as_result(value: RewardResult | Sequence[float]) -> RewardResult:
 def score_batch(batch: Batch, tokenizer: Any, manager: Any) -> tuple[torch.Tensor, RewardResult]:
     """Decode each response (special tokens skipped, as verl), score the batch with `manager` (any reward
     manager: `score(responses, ground_truths, data_sources, extra_infos, response_lengths)`), and put
-    each score on its response's last token. Returns token_level_scores (B, R) and the manager's result.
+    each score on its response's last policy token (`fulcrum.batch.reward_positions`). Returns token_level_scores (B, R) and the manager's result.
     """
     lengths = [int(n) for n in response_lengths(batch).tolist()]
     texts = [
@@ -131,7 +131,7 @@ def score_batch(batch: Batch, tokenizer: Any, manager: Any) -> tuple[torch.Tenso
         )
     )
     scores = torch.zeros(batch["responses"].shape, dtype=torch.float32)
-    for i, n in enumerate(lengths):
-        if n > 0:
-            scores[i, n - 1] = result.scores[i]
+    for i, position in enumerate(reward_positions(batch).tolist()):
+        if position >= 0:
+            scores[i, position] = result.scores[i]
     return scores, result

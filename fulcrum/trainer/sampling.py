@@ -24,7 +24,7 @@ from fulcrum.agent.interaction import BaseInteraction
 from fulcrum.agent.interaction_config import load_interaction_config
 from fulcrum.agent.loop import Conversation, ConversationRequest, LoopLimits, ToolAgentLoop, request_of
 from fulcrum.agent.metrics import conversation_metrics, spread
-from fulcrum.batch import Batch, assemble_batch, response_lengths
+from fulcrum.batch import Batch, assemble_batch, response_lengths, reward_positions
 from fulcrum.config import FulcrumConfig
 from fulcrum.models.reward_model import RewardModel
 from fulcrum.reward.scoring import RewardResult, score_batch
@@ -193,9 +193,9 @@ class Sampler:
             with_scores = Batch(batch.tensors, dict(batch.non_tensors, extra_info=infos))
             return score_batch(with_scores, self.tokenizer, self.reward_manager)
         token_level = torch.zeros(batch["responses"].shape, dtype=torch.float32)
-        lengths = response_lengths(batch)
-        rows = torch.nonzero(lengths > 0).squeeze(-1)
-        token_level[rows, lengths[rows] - 1] = rm_scores[rows]
+        positions = reward_positions(batch)
+        rows = torch.nonzero(positions >= 0).squeeze(-1)
+        token_level[rows, positions[rows]] = rm_scores[rows]
         return token_level, RewardResult(scores=rm_scores.tolist())
 
     def generate_and_score(
