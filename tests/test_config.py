@@ -364,12 +364,12 @@ def test_docs_tables_match_the_schema():
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     known = set(all_keys(FulcrumConfig))
-    named = re.findall(r"^\| `([a-z_.]+)`", text, flags=re.MULTILINE)
+    named = re.findall(r"^\| `([a-z0-9_.]+)`", text, flags=re.MULTILINE)
     assert len(named) > 80
     assert [key for key in named if key not in known] == []
     main = text[text.index("## Main keys") :]
     rows = [line for line in main.splitlines() if line.startswith("| `")]
-    keys = [re.match(r"\| `([a-z_.]+)`", row).group(1) for row in rows]
+    keys = [re.match(r"\| `([a-z0-9_.]+)`", row).group(1) for row in rows]
     assert "\n".join(rows) == markdown_rows(keys)
 
 
