@@ -118,3 +118,45 @@ def test_hub_source_through_datasets(tmp_path: Path, monkeypatch: pytest.MonkeyP
         GSM8KError, match=r"could not load openai/gsm8k .*no network.*pass that folder as --src"
     ):
         prepare_gsm8k("openai/gsm8k", tmp_path / "out")
+
+
+def test_the_interaction_variant_is_verls_gsm8k_multiturn_w_interaction(tmp_path: Path) -> None:
+    """verl's gsm8k_multiturn_w_interaction.py: its system message, the backquoted instruction, and
+    interaction_kwargs naming the gsm8k interaction with the prompt and the ground truth."""
+    raw = {"question": "Tom has 2 apples and buys 1,000 more. How many?", "answer": "2+1000=1002\n#### 1,002"}
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text(json.dumps(raw) + "\n")
+    assert (
+        main(["gsm8k", "--src", str(tmp_path), "--out", str(tmp_path / "out"), "--multi-turn-interaction"])
+        == 0
+    )
+    (row,) = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
+    query = raw["question"] + " Let's think step by step and output the final answer after `####`."
+    assert row["prompt"] == [
+        {
+            "role": "system",
+            "content": "You are a math expert. You are given a question and you need to solve it step by step. "
+            "You should rethinking carefully if user point out your answer is wrong. "
+            "Put your final answer in the format of `#### <answer>`.",
+        },
+        {"role": "user", "content": query},
+    ]
+    assert row["reward_model"] == {"style": "rule", "ground_truth": "1002"}
+    assert row["extra_info"]["interaction_kwargs"] == {
+        "name": "gsm8k",
+        "query": query,
+        "ground_truth": "1002",
+    }
+    assert "tools_kwargs" not in row["extra_info"]
+    with pytest.raises(SystemExit):  # one variant at a time
+        main(
+            [
+                "gsm8k",
+                "--src",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "x"),
+                "--multi-turn-tool",
+                "--multi-turn-interaction",
+            ]
+        )

@@ -1,6 +1,6 @@
 """`fulcrum data SUBCOMMAND ...`: prepare data sets in verl's parquet schema.
 
-    fulcrum data gsm8k --src SRC --out DIR [--multi-turn-tool]
+    fulcrum data gsm8k --src SRC --out DIR [--multi-turn-tool | --multi-turn-interaction]
 
 SRC is a folder holding GSM8K's `train.jsonl` and `test.jsonl`, or the hub name `openai/gsm8k`.
 Existing output files are never replaced. The files are written into a temporary folder inside DIR and
@@ -23,6 +23,7 @@ def _gsm8k(args: argparse.Namespace) -> int:
 
     from fulcrum.data.gsm8k import SPLITS, GSM8KError, prepare_gsm8k
 
+    variant = "tool" if args.multi_turn_tool else "interaction" if args.multi_turn_interaction else "single"
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         print(f"fulcrum data gsm8k: --out {out}: is a file, not a folder", file=sys.stderr)
@@ -33,7 +34,7 @@ def _gsm8k(args: argparse.Namespace) -> int:
         print(f"fulcrum data gsm8k: {names} already exist(s); choose another --out", file=sys.stderr)
         return 1
     try:
-        paths = write_whole(out, lambda staging: prepare_gsm8k(args.src, staging, args.multi_turn_tool))
+        paths = write_whole(out, lambda staging: prepare_gsm8k(args.src, staging, variant))
     except (GSM8KError, OSError) as err:
         print(f"fulcrum data gsm8k: {err}; nothing was written to {out}", file=sys.stderr)
         return 1
@@ -80,10 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     gsm8k = commands.add_parser("gsm8k", help="GSM8K -> DIR/train.parquet, DIR/test.parquet")
     gsm8k.add_argument("--src", required=True, help="folder with train.jsonl and test.jsonl, or openai/gsm8k")
     gsm8k.add_argument("--out", required=True, help="output folder (created if missing)")
-    gsm8k.add_argument(
+    variants = gsm8k.add_mutually_exclusive_group()
+    variants.add_argument(
         "--multi-turn-tool",
         action="store_true",
         help="verl's multi-turn variant with the calc_gsm8k_reward tool (gsm8k_multiturn_w_tool.py)",
+    )
+    variants.add_argument(
+        "--multi-turn-interaction",
+        action="store_true",
+        help="verl's multi-turn variant with the GSM8K interaction (gsm8k_multiturn_w_interaction.py)",
     )
     gsm8k.set_defaults(run=_gsm8k)
     return parser

@@ -4,10 +4,13 @@ Each row: `data_source` "openai/gsm8k", `prompt` [{role: user, content: question
 `ability` "math", `reward_model` {style: "rule", ground_truth: the number after "#### ", commas
 removed}, `extra_info` {split, index, answer, question} (the original answer and question).
 
-The multi-turn variant (`tool=True`) is what verl's `examples/data_preprocess/gsm8k_multiturn_w_tool.py`
+Two multi-turn variants (`variant`): "tool" is what verl's `examples/data_preprocess/gsm8k_multiturn_w_tool.py`
 writes: a system message asking for the `calc_gsm8k_reward` tool, the question with verl's backquoted
 instruction, and in `extra_info` also `need_tools_kwargs`, `tools_kwargs` (the ground truth for the
-tool's `create`) and `interaction_kwargs` {query, ground_truth}.
+tool's `create`) and `interaction_kwargs` {query, ground_truth}; "interaction" is what
+`gsm8k_multiturn_w_interaction.py` writes: a system message asking the model to rethink when told it is
+wrong, the backquoted instruction, and `interaction_kwargs` {name: "gsm8k", query, ground_truth}, which
+picks verl's GSM8K interaction (`fulcrum.agent.gsm8k_interaction`).
 
 The source is a folder with the release's `train.jsonl` and `test.jsonl`, or the hub name
 `openai/gsm8k` (needs the `datasets` package and a network).
@@ -37,6 +40,12 @@ TOOL_SYSTEM_PROMPT = (
     "before generate final answer at least once and refine your answer if necessary. "
     "Put your final answer in the format of `#### <answer>`."
 )
+INTERACTION_SYSTEM_PROMPT = (
+    "You are a math expert. You are given a question and you need to solve it step by step. "
+    "You should rethinking carefully if user point out your answer is wrong. "
+    "Put your final answer in the format of `#### <answer>`."
+)
+INTERACTION_NAME = "gsm8k"
 TOOL_NAME = "calc_gsm8k_reward"
 # verl's pattern: the first "#### " followed by an optional minus and digits, dots and commas.
 _FINAL_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -99,6 +108,26 @@ TOOL_SCHEMA = pa.schema(
     ]
 )
 
+INTERACTION_SCHEMA = pa.schema(
+    [
+        *(SCHEMA.field(i) for i in range(4)),
+        (
+            "extra_info",
+            pa.struct(
+                [
+                    *SCHEMA.field("extra_info").type,
+                    (
+                        "interaction_kwargs",
+                        pa.struct(
+                            [("name", pa.string()), ("query", pa.string()), ("ground_truth", pa.string())]
+                        ),
+                    ),
+                ]
+            ),
+        ),
+    ]
+)
+
 
 class GSM8KError(ValueError):
     """Bad GSM8K input; the message names the file (and line) or the source."""
@@ -138,6 +167,31 @@ def make_tool_row(question: str, answer: str, split: str, index: int) -> dict[st
     return row
 
 
+def make_interaction_row(question: str, answer: str, split: str, index: int) -> dict[str, Any]:
+    """One row of verl's multi-turn-with-interaction variant (see the module docstring)."""
+    row = make_row(question, answer, split, index)
+    ground_truth = row["reward_model"]["ground_truth"]
+    prompt = question + " " + TOOL_INSTRUCTION
+    row["prompt"] = [
+        {"role": "system", "content": INTERACTION_SYSTEM_PROMPT},
+        {"role": "user", "content": prompt},
+    ]
+    row["extra_info"]["interaction_kwargs"] = {
+        "name": INTERACTION_NAME,
+        "query": prompt,
+        "ground_truth": ground_truth,
+    }
+    return row
+
+
+# variant -> (row maker, schema)
+VARIANTS = {
+    "single": (make_row, SCHEMA),
+    "tool": (make_tool_row, TOOL_SCHEMA),
+    "interaction": (make_interaction_row, INTERACTION_SCHEMA),
+}
+
+
 def read_jsonl(path: Path) -> list[dict[str, str]]:
     """Rows {question, answer} of a GSM8K jsonl file; errors name the file and line."""
     rows = []
@@ -159,18 +213,18 @@ def read_jsonl(path: Path) -> list[dict[str, str]]:
 
 
 def convert_split(
-    examples: Iterable[dict[str, str]], split: str, origin: str, tool: bool = False
+    examples: Iterable[dict[str, str]], split: str, origin: str, variant: str = "single"
 ) -> pa.Table:
-    """Rows {question, answer} → a verl-schema table (`tool`: the multi-turn variant); `origin` (file or
+    """Rows {question, answer} → a verl-schema table (`variant`: one of `VARIANTS`); `origin` (file or
     hub split) names errors."""
-    make = make_tool_row if tool else make_row
+    make, schema = VARIANTS[variant]
     rows = []
     for index, example in enumerate(examples):
         try:
             rows.append(make(example["question"], example["answer"], split, index))
         except GSM8KError as err:
             raise GSM8KError(f"{origin}, row {index}: {err}") from err
-    return pa.Table.from_pylist(rows, schema=TOOL_SCHEMA if tool else SCHEMA)
+    return pa.Table.from_pylist(rows, schema=schema)
 
 
 def _load_local(folder: Path) -> dict[str, tuple[list[dict[str, str]], str]]:
@@ -195,9 +249,9 @@ def _load_hub(name: str) -> dict[str, tuple[list[dict[str, str]], str]]:
     return {s: (list(loaded[s]), f"{name} [{s}]") for s in SPLITS}
 
 
-def prepare_gsm8k(src: str | Path, out_dir: str | Path, tool: bool = False) -> dict[str, Path]:
-    """Write `out_dir/train.parquet` and `out_dir/test.parquet` from `src` (`tool`: verl's multi-turn
-    variant); return the paths by split."""
+def prepare_gsm8k(src: str | Path, out_dir: str | Path, variant: str = "single") -> dict[str, Path]:
+    """Write `out_dir/train.parquet` and `out_dir/test.parquet` from `src` (`variant`: verl's single-turn
+    rows, or one of its multi-turn variants, `VARIANTS`); return the paths by split."""
     src_path = Path(src).expanduser()
     if src_path.is_dir():
         splits = _load_local(src_path)
@@ -208,7 +262,7 @@ def prepare_gsm8k(src: str | Path, out_dir: str | Path, tool: bool = False) -> d
     out = Path(out_dir).expanduser()
     # Convert both before writing either, so a bad test split leaves no half-written output behind.
     tables = {
-        split: convert_split(examples, split, origin, tool) for split, (examples, origin) in splits.items()
+        split: convert_split(examples, split, origin, variant) for split, (examples, origin) in splits.items()
     }
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
