@@ -117,6 +117,21 @@ def test_native_engine_settings_are_read_as_the_run_reads_them(files, capsys):
     assert "actor_rollout_ref.rollout.dtype='bf8'" in out
 
 
+def test_an_override_config_key_the_model_lacks_is_named_before_the_run(files, capsys):
+    """A typo in override_config would stop the run at load: doctor names it first, with the closest
+    field; a real field (and the loader's attn_implementation) passes."""
+    typo = "+actor_rollout_ref.model.override_config.attention_dropuot=0.0"
+    assert doctor.main([*seed_command(files), typo]) == 1
+    out = capsys.readouterr().out
+    assert "actor_rollout_ref.model.override_config.attention_dropuot" in out
+    assert "did you mean actor_rollout_ref.model.override_config.attention_dropout?" in out
+    fine = [
+        "+actor_rollout_ref.model.override_config.attention_dropout=0.0",
+        "+actor_rollout_ref.model.override_config.attn_implementation=eager",
+    ]
+    assert doctor.main([*seed_command(files), *fine]) == 0
+
+
 def test_model_folders_data_rows_and_vocabularies_are_checked_without_loading_weights(
     files, capsys, tmp_path
 ):

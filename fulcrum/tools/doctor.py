@@ -4,7 +4,8 @@ Exit 0 with a short summary (resolved batch sizes, device, keys without effect) 
 exit 1 with each problem named when it would fail or waste compute. The checks are small functions
 in CHECKS, each returning findings; add a function to add a rule. Over 400 lines because every
 set-up check that needs no weights (model folders, data files, vocabularies, devices) sits here, one
-small function each; the lever rules are in doctor_rules.py and the memory estimate in memory_estimate.py.
+small function each; the lever rules are in doctor_rules.py, the checks that read a model's config.json
+or a multi-turn run's files in doctor_model.py, and the memory estimate in memory_estimate.py.
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from fulcrum.agent.interaction_config import config_problems
 from fulcrum.config import (
     ConfigError,
     FulcrumConfig,
@@ -49,6 +47,7 @@ from fulcrum.models.folder import (
     vocab_problems,
 )
 from fulcrum.models.lora import adapter_folder_problems
+from fulcrum.tools.doctor_model import MODEL_CHECKS
 from fulcrum.tools.doctor_rules import LEVER_CHECKS, memory_lines
 
 USAGE = """usage: fulcrum doctor [--config FILE] [--device-memory-gib GIB] [KEY=VALUE ...]
@@ -250,87 +249,12 @@ def check_resume(ctx: Context) -> list[Finding]:
     return []
 
 
-def check_rollout_engine(ctx: Context) -> list[Finding]:
-    """The native engine's own reading of the rollout keys (dtype, engine_kwargs.native), as the run does it."""
-    rollout = ctx.cfg.actor_rollout_ref.rollout
-    if rollout.name != "native":
-        return []
-    from fulcrum.rollout.native.config import engine_config_from
-
-    try:
-        engine_config_from(rollout, model_max_len=rollout.prompt_length + rollout.response_length)
-    except (ValueError, TypeError) as exc:
-        return [_error(str(exc))]
-    return []
-
-
-def check_native_model_fields(ctx: Context) -> list[Finding]:
-    """A model field the native engine does not honour (hidden_act, RoPE type...) makes the run sample
-    with the slower hf backend, as fulcrum.rollout.build_rollout does; say so now (reads config.json)."""
-    path = Path(os.path.expanduser(ctx.cfg.actor_rollout_ref.model.path))
-    if ctx.cfg.actor_rollout_ref.rollout.name != "native" or not (path / "config.json").is_file():
-        return []
-    from transformers import AutoConfig
-
-    from fulcrum.rollout.native import native_unsupported_reason
-
-    try:
-        model_config = AutoConfig.from_pretrained(path)
-    except Exception:  # an architecture transformers does not know: check_model_paths speaks for it
-        return []
-    try:  # against the engine this configuration builds (its max_model_len)
-        reason = native_unsupported_reason(ctx.cfg.actor_rollout_ref.rollout, model_config)
-    except (ValueError, TypeError):  # bad engine keys: check_native_engine_kwargs speaks for them
-        return []
-    if reason is None:
-        return []
-    return [
-        _warning(
-            f"actor_rollout_ref.rollout.name: the native engine does not run {reason}; the run samples "
-            "with the hf backend (slower, same results)"
-        )
-    ]
-
-
 def check_logger_packages(ctx: Context) -> list[Finding]:
     findings = []
     for name in ("wandb", "mlflow"):
         if name in ctx.cfg.trainer.logger and importlib.util.find_spec(name) is None:
             findings.append(_error(f"trainer.logger: lists {name} but the package {name!r} is not installed"))
     return findings
-
-
-def check_tool_config(ctx: Context) -> list[Finding]:
-    """A multi-turn run's tool config exists and lists tools (their classes are not imported: doctor
-    never runs user code; the trainer's start-up loads them)."""
-    multi_turn = ctx.cfg.actor_rollout_ref.rollout.multi_turn
-    key = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
-    if not multi_turn.enable or (multi_turn.interaction_config_path and not multi_turn.tool_config_path):
-        return []  # a conversation with a simulated user needs no tools
-    if not multi_turn.tool_config_path:
-        return [
-            _warning(
-                f"{key} is not set: the conversations have no tools (a call is answered as an unknown tool)"
-            )
-        ]
-    path = Path(os.path.expanduser(multi_turn.tool_config_path))
-    if not path.is_file():
-        return [_error(f"{key}: {path} does not exist")]
-    try:
-        tools = OmegaConf.to_container(OmegaConf.load(path)).get("tools")  # type: ignore[union-attr]
-    except Exception as exc:
-        return [_error(f"{key}: {path} is not a YAML mapping ({exc})")]
-    if not isinstance(tools, list) or not tools:
-        return [_error(f"{key}: {path} has no `tools:` list")]
-    return []
-
-
-def check_interaction_config(ctx: Context) -> list[Finding]:
-    """A multi-turn run's interaction config is well formed (its classes are imported at start-up only)."""
-    multi_turn = ctx.cfg.actor_rollout_ref.rollout.multi_turn
-    if not (multi_turn.enable and multi_turn.interaction_config_path):
-        return []
-    return [_error(problem) for problem in config_problems(multi_turn.interaction_config_path)]
 
 
 def check_rollout_alias(ctx: Context) -> list[Finding]:
@@ -354,12 +278,9 @@ CHECKS: list[Callable[[Context], list[Finding]]] = [
     check_data_rows,
     check_custom_reward,
     check_resume,
-    check_rollout_engine,
-    check_native_model_fields,
     check_logger_packages,
     check_rollout_alias,
-    check_tool_config,
-    check_interaction_config,
+    *MODEL_CHECKS,  # fulcrum/tools/doctor_model.py: the model's config, the engine, multi-turn files
     *LEVER_CHECKS,  # fulcrum/tools/doctor_rules.py: data, generation and memory levers
 ]
 
