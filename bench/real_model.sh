@@ -12,6 +12,7 @@
 #   bash bench/real_model.sh multistep MODEL_DIR WORK [RESULTS]             # SFT warm start + 6 RL runs
 #   bash bench/real_model.sh throughput MODEL_DIR GSM8K_SRC WORK RESULTS    # seed and GRPO step shapes
 #   bash bench/real_model.sh multistep-tools MODEL_DIR WORK [RESULTS]       # GRPO with a calculator vs without, 3 seeds
+#   bash bench/real_model.sh multistep-lora MODEL_DIR WORK [RESULTS]        # GRPO with LoRA vs full fine-tuning, 3 seeds
 #
 # Each stage fits one 10-minute call; the gsm8k stages share WORK (bench/learning.py resumes from it).
 # The settings below are the benchmark: every figure in BENCHMARKS.md's real-model section names them.
@@ -56,6 +57,16 @@ case $stage in
     python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 4.5 --deadline-min 9.3 \
       --set "${COMMON[@]}" base_model="$1" sft_lr=5e-5 sft_steps=400 sft_check_every=20 \
       max_response_length=128 max_prompt_length=256 ;;
+  multistep-lora)
+    # LoRA against full fine-tuning on the multi-step task from the same SmolLM2 warm start, GRPO, 3 seeds
+    # each, the same budget: rank 32 / alpha 64 on every linear, at 10x the full run's learning rate (verl
+    # advises an order of magnitude more for LoRA).
+    LORA=actor_rollout_ref.model.lora_rank=32,actor_rollout_ref.model.lora_alpha=64,actor_rollout_ref.model.target_modules=all-linear,actor_rollout_ref.actor.optim.lr=5e-5
+    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 4.5 --deadline-min 9.3 \
+      --set "${COMMON[@]}" base_model="$1" sft_lr=5e-5 sft_steps=400 sft_check_every=20 \
+      max_response_length=128 max_prompt_length=256 --variants \
+      $(for s in 1 2 3; do echo "full-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s"; done) \
+      $(for s in 1 2 3; do echo "lora-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s,$LORA"; done) ;;
   multistep-tools)
     # Both warm starts (tool traces / worked solutions, same SFT budget) and the six GRPO runs in one call:
     # bench/learning_tools.py's TOOLS plan is sized for SmolLM2 on one H200.
