@@ -26,10 +26,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shapes import shape_of
+
 from fulcrum.data.dataset import left_pad
 from fulcrum.rollout import SamplingParams, logprob_diff
 from fulcrum.rollout.native import EngineConfig, NativeEngine
-from fulcrum.rollout.testing import QWEN25_05B_SHAPE, random_causal_lm
+from fulcrum.rollout.testing import random_causal_lm
 
 SMALL_SHAPE = dict(
     vocab_size=512,
@@ -71,10 +73,13 @@ def timed(fn, device: torch.device) -> float:
 
 
 def build_model(args, device: torch.device) -> torch.nn.Module:
-    shape = SMALL_SHAPE if args.small else QWEN25_05B_SHAPE
+    """The random model of `--shape` (bench/shapes.py), or a tiny Qwen2 with `--small`."""
+    model_type, shape = (
+        ("qwen2", SMALL_SHAPE) if args.small else shape_of(getattr(args, "shape", "qwen2.5-0.5b"))
+    )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
-        model = random_causal_lm("qwen2", seed=0, dtype=dtype, **shape)
+        model = random_causal_lm(model_type, seed=0, dtype=dtype, **shape)
     model.generation_config.eos_token_id = None  # EOS ignored: every response is max_tokens long
     return model
 
@@ -257,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="a tiny model (smoke test of the script)")
+    parser.add_argument("--shape", default="qwen2.5-0.5b", help="qwen2.5-0.5b, qwen3-0.6b or qwen3-moe-small")
     parser.add_argument("--prompts", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--lengths", default=None, help="JSON list of prompt lengths")

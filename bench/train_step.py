@@ -36,20 +36,23 @@ from pathlib import Path
 import torch
 from packed_knobs import add_packed_knobs, apply_packed_knobs, knob_summary
 
-from fulcrum.rollout.testing import QWEN25_05B_SHAPE
 
-
-def make_model(out: Path, seed: int = 0) -> Path:
-    """A random Qwen2.5-0.5B-shaped model in bf16 with the tiny tokenizer and chat template."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+def make_model(out: Path, seed: int = 0, shape: str = "qwen2.5-0.5b") -> Path:
+    """A random model of a named shape (bench/shapes.py; the Qwen2.5-0.5B shape by default) in bf16 with
+    the tiny tokenizer and chat template."""
+    from shapes import shape_of
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from fulcrum.models.tiny import IM_END, PAD_TOKEN, build_tokenizer
 
     tokenizer = build_tokenizer()
     eos_id, pad_id = tokenizer.convert_tokens_to_ids([IM_END, PAD_TOKEN])
-    config = Qwen2Config(**QWEN25_05B_SHAPE, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+    model_type, fields = shape_of(shape)
+    config = AutoConfig.for_model(
+        model_type, **fields, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None
+    )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -177,8 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
-    mk = sub.add_parser("make-model", help="write the Qwen2.5-0.5B-shaped random model")
+    mk = sub.add_parser(
+        "make-model", help="write a random model of a named shape (Qwen2.5-0.5B's by default)"
+    )
     mk.add_argument("--out", type=Path, required=True)
+    mk.add_argument("--shape", default="qwen2.5-0.5b", help="qwen2.5-0.5b, qwen3-0.6b or qwen3-moe-small")
     rn = sub.add_parser("run", help="run the seed command for --steps steps and summarise")
     rn.add_argument("--data", type=Path, required=True)
     rn.add_argument("--model", type=Path, required=True)
@@ -196,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ck.add_argument("--summary", type=Path, default=None)
     args, extra = parser.parse_known_args(argv)
     if args.cmd == "make-model":
-        print(f"wrote {make_model(args.out)}")
+        print(f"wrote {make_model(args.out, shape=args.shape)}")
         return 0
     if args.cmd == "checkpoint":
         text = json.dumps(

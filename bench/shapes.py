@@ -1,0 +1,66 @@
+"""The random-weight model shapes the GPU benchmarks measure, by name (`--shape` of bench/rollout.py and
+`bench/train_step.py make-model`).
+
+    python bench/rollout.py --shape qwen3-0.6b --skip-hf --json rollout_qwen3.json
+    python bench/train_step.py make-model --shape qwen3-moe-small --out .bench/qwen3-moe-small
+
+qwen2.5-0.5b    the reference shape of every GPU figure (hidden 896, 24 layers, 14 heads / 2 KV heads,
+                intermediate 4864, vocabulary 151,936, tied embeddings)
+qwen3-0.6b      Qwen3-0.6B's: QK-norm, 16 heads of 128 over a hidden size of 1024, 28 layers, 8 KV
+                heads, intermediate 3072, tied embeddings
+qwen3-moe-small a small Qwen3-MoE: Qwen3-30B-A3B's layout (128-wide heads, top-8 of 128 experts of 768)
+                scaled down to hidden 1024, 16 layers, 32 experts of 384, top 4 (1.0B parameters; 0.47B
+                active a token, 0.16B of them outside the embedding and the LM head), so that a step fits
+                beside the others in one call
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fulcrum.rollout.testing import QWEN25_05B_SHAPE
+
+COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+# name -> (model_type, config fields)
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2.5-0.5b": ("qwen2", dict(QWEN25_05B_SHAPE)),
+    "qwen3-0.6b": (
+        "qwen3",
+        dict(
+            COMMON,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-moe-small": (
+        "qwen3_moe",
+        dict(
+            COMMON,
+            hidden_size=1024,
+            intermediate_size=3072,
+            moe_intermediate_size=384,
+            num_experts=32,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=128,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
+
+def shape_of(name: str) -> tuple[str, dict[str, Any]]:
+    """(model_type, config fields) of a named shape; a clear error naming the known ones."""
+    if name not in SHAPES:
+        raise SystemExit(f"--shape {name!r}: one of {', '.join(SHAPES)}")
+    model_type, fields = SHAPES[name]
+    return model_type, dict(fields)
