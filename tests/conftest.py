@@ -1,4 +1,4 @@
-"""Shared pytest setup: GPU tests are skipped where no CUDA device is present; the one-layer tiny model."""
+"""Shared pytest setup: GPU tests are skipped where no CUDA device is present; the tiny models."""
 
 import os
 
@@ -39,3 +39,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         intermediate_size=64,
         max_position_embeddings=2048,
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The default tiny Qwen2 model folder (`build_tiny_model`, seed 0), built once (read-only)."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2", seed=0))

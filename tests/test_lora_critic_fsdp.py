@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from helpers_dist import run_ranks
 from test_lora import CPU, cfg_for, rl_batch
@@ -17,13 +16,6 @@ from fulcrum.workers.critic import CriticWorker
 
 STEPS = 2
 VALUE_HEAD = ("score.weight", "score.bias")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from fulcrum.models.tiny import build_tiny_model
-
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen2", seed=0))
 
 
 def new_critic(model_dir: str) -> CriticWorker:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from helpers_dist import run_ranks
 from test_lora import CPU, cfg_for, rl_batch
@@ -18,13 +17,6 @@ STEPS = 3  # updates before the checkpoint; one more after it
 # Summing two ranks' gradient shares changes them by a few ulps; Adam's first steps turn that into
 # ~1e-6 on the adapters (see test_parallel_fsdp.WEIGHT_ATOL); a lost or wrong shard moves them by ~lr.
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from fulcrum.models.tiny import build_tiny_model
-
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen2", seed=0))
 
 
 def new_actor(model_dir: str) -> ActorWorker:

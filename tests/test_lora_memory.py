@@ -30,13 +30,6 @@ from fulcrum.workers.critic import CriticWorker
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from fulcrum.models.tiny import build_tiny_model
-
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen2", seed=0))
-
-
 @pytest.fixture
 def bf16_compute(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(precision.COMPUTE_DTYPES, "cpu", BF16)

@@ -48,13 +48,6 @@ def two_turn_batch(seed: int = 0, tool_ids: list[int] | None = None) -> Batch:
     return assemble_batch(items, token_ids, logprobs, [0, 1, 2], P, R, 0, "u", loss_masks=masks)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from fulcrum.models.tiny import build_tiny_model
-
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen2", seed=0))
-
-
 def test_assemble_batch_keeps_tool_tokens_in_the_sequence_and_out_of_the_loss() -> None:
     batch = two_turn_batch()
     for i, (p, mask) in enumerate(SHAPES):

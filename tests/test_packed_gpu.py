@@ -125,13 +125,6 @@ def test_compiled_checkpointed_layers_match_eager_on_cuda(
     assert torch.nn.functional.cosine_similarity(g_eager, g_compiled, dim=0) > 0.999
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from fulcrum.models.tiny import build_tiny_model
-
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen2", seed=0))
-
-
 def stream_syncs(fn) -> int:
     """How many times `fn()` made the host wait for the GPU's stream (cudaStreamSynchronize calls)."""
     from torch.profiler import ProfilerActivity, profile

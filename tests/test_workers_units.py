@@ -24,13 +24,6 @@ from fulcrum.workers.optim import build_lr_scheduler, warmup_steps
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from fulcrum.models.tiny import build_tiny_model
-
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen2", seed=0))
-
-
 def make_batch(b: int = 6, p: int = 10, r: int = 7, seed: int = 0) -> Batch:
     """Prompts of 3..(3+b) tokens left-padded, responses of 1..b tokens right-padded (verl layout)."""
     g = torch.Generator().manual_seed(seed)

@@ -17,13 +17,6 @@ from fulcrum.workers.critic import CriticWorker
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from fulcrum.models.tiny import build_tiny_model
-
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen2", seed=0))
-
-
 def cfg_for(model: str, *extra: str):
     return load_config(
         [
