@@ -130,8 +130,14 @@ def score_batch(batch: Batch, tokenizer: Any, manager: Any) -> tuple[torch.Tenso
             lengths,
         )
     )
-    scores = torch.zeros(batch["responses"].shape, dtype=torch.float32)
-    for i, position in enumerate(reward_positions(batch).tolist()):
-        if position >= 0:
-            scores[i, position] = result.scores[i]
-    return scores, result
+    return token_level_scores(batch, result.scores), result
+
+
+def token_level_scores(batch: Batch, scores: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """(B, R) float32: each row's score on its last policy token (`fulcrum.batch.reward_positions`),
+    0 elsewhere; an empty response gets none."""
+    out = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+    positions = reward_positions(batch)
+    rows = torch.nonzero(positions >= 0).squeeze(-1)
+    out[rows, positions[rows]] = torch.as_tensor(scores, dtype=torch.float32)[rows]
+    return out

@@ -1,5 +1,5 @@
 """Stages 1-2 of a step, and validation: prompts through the rollout engine into a Batch, each response
-scored on its last token by the reward manager and/or a reward model, as verl combines them.
+scored on its last policy token by the reward manager and/or a reward model, as verl combines them.
 
 With algorithm.filter_groups.enable (DAPO) a step generates further prompt batches until enough prompt
 groups have responses that differ; with adv_estimator=remax each prompt also gets a greedy response,
@@ -24,10 +24,10 @@ from fulcrum.agent.interaction import BaseInteraction
 from fulcrum.agent.interaction_config import load_interaction_config
 from fulcrum.agent.loop import Conversation, ConversationRequest, LoopLimits, ToolAgentLoop, request_of
 from fulcrum.agent.metrics import conversation_metrics, spread
-from fulcrum.batch import Batch, assemble_batch, response_lengths, reward_positions
+from fulcrum.batch import Batch, assemble_batch, response_lengths
 from fulcrum.config import FulcrumConfig
 from fulcrum.models.reward_model import RewardModel
-from fulcrum.reward.scoring import RewardResult, score_batch
+from fulcrum.reward.scoring import RewardResult, score_batch, token_level_scores
 from fulcrum.rollout import RolloutEngine, SamplingParams, sampling_params
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer.data_parallel import generate_shares, map_shares
@@ -192,11 +192,7 @@ class Sampler:
             ]
             with_scores = Batch(batch.tensors, dict(batch.non_tensors, extra_info=infos))
             return score_batch(with_scores, self.tokenizer, self.reward_manager)
-        token_level = torch.zeros(batch["responses"].shape, dtype=torch.float32)
-        positions = reward_positions(batch)
-        rows = torch.nonzero(positions >= 0).squeeze(-1)
-        token_level[rows, positions[rows]] = rm_scores[rows]
-        return token_level, RewardResult(scores=rm_scores.tolist())
+        return token_level_scores(batch, rm_scores), RewardResult(scores=rm_scores.tolist())
 
     def generate_and_score(
         self,
