@@ -80,6 +80,12 @@ def parse_call(block: str) -> FunctionCall:
     return FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
 
 
+def hermes_call(name: str, arguments: dict[str, Any]) -> str:
+    """One call written in the Hermes format, as `parse_hermes` reads it back (and Qwen's template
+    renders a `tool_calls` entry): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
+    return f"{TOOL_CALL_START}\n{json.dumps({'name': name, 'arguments': arguments})}\n{TOOL_CALL_END}"
+
+
 def parse_hermes(text: str) -> ParsedMessage:
     """The calls of a decoded assistant message written in the Hermes format (see the module docstring)."""
     if TOOL_CALL_START not in text or TOOL_CALL_END not in text:

@@ -24,32 +24,32 @@ The tool's answer is a `tool` message, as the agent loop appends it.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 
 from fulcrum.agent.calculator_tool import CalculatorTool
+from fulcrum.agent.parser import hermes_call
 from fulcrum.data.multistep import equation_chain
 from fulcrum.data.synthetic import write_parquet
 
 TOOL_NAME = "calculator"
 AGENT_NAME = "tool_agent"
 SPLITS = ("train", "test", "dev")
-SYSTEM_PROMPT = (
-    "You can use a calculator. To compute something, call it like this:\n"
-    + "<tool_call>\n"
-    + json.dumps({"name": TOOL_NAME, "arguments": {"expression": "2 + 3"}})
-    + "\n</tool_call>\n"
-    + 'Call it once for each step, using its answers, then give the final answer after "####".'
-)
 
 
 def tool_call_text(expression: str) -> str:
     """One Hermes call of the calculator, as the agent loop parses it."""
-    call = json.dumps({"name": TOOL_NAME, "arguments": {"expression": expression}})
-    return f"<tool_call>\n{call}\n</tool_call>"
+    return hermes_call(TOOL_NAME, {"expression": expression})
+
+
+SYSTEM_PROMPT = (
+    "You can use a calculator. To compute something, call it like this:\n"
+    + tool_call_text("2 + 3")
+    + "\n"
+    + 'Call it once for each step, using its answers, then give the final answer after "####".'
+)
 
 
 def worked_steps(solution: str) -> list[tuple[str, str]]:
