@@ -39,11 +39,9 @@ fi
 if [ "$SMOKE" = 1 ]; then
   MODEL=$(realpath -m "${MODEL:-$WORK/tiny_model}")
   [ -f "$MODEL/config.json" ] || (cd "$NEW" && PYTHONPATH=$NEW $PY -m fulcrum.cli tiny-model --out "$MODEL" >/dev/null)
-  ROLLOUT_ARGS="--small --device cpu --prompts 8 --new-tokens 8 --grpo-prompts 2 --grpo-n 2 --repeats 1"
-  STEP_ARGS="data.train_batch_size=4 actor_rollout_ref.actor.ppo_mini_batch_size=4 data.max_response_length=8
-    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 critic.ppo_micro_batch_size_per_gpu=2
-    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4
-    critic.forward_micro_batch_size_per_gpu=4 trainer.device=cpu"
+  . "$(dirname "$0")/smoke_args.sh"
+  ROLLOUT_ARGS=$SMOKE_ROLLOUT_ARGS
+  STEP_ARGS=$SMOKE_STEP_ARGS
   GRPO_ARGS="algorithm.adv_estimator=grpo actor_rollout_ref.rollout.n=2"
   ENGINE=hf
 else

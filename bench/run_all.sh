@@ -59,11 +59,9 @@ fi
 if [ "$SMOKE" = 1 ]; then
   MODEL=${MODEL:-$WORK/tiny_model}
   [ -f "$MODEL/config.json" ] || $PY -m fulcrum.cli tiny-model --out "$MODEL" >/dev/null
-  ROLLOUT_ARGS="--small --device cpu --prompts 8 --new-tokens 8 --grpo-prompts 2 --grpo-n 2 --skip-hf --repeats 1"
-  STEP_ARGS="data.train_batch_size=4 actor_rollout_ref.actor.ppo_mini_batch_size=4 data.max_response_length=8
-    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 critic.ppo_micro_batch_size_per_gpu=2
-    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4
-    critic.forward_micro_batch_size_per_gpu=4 trainer.device=cpu"
+  . "$(dirname "$0")/smoke_args.sh"
+  ROLLOUT_ARGS=$SMOKE_ROLLOUT_ARGS
+  STEP_ARGS=$SMOKE_STEP_ARGS
   TRL_ARGS="--smoke"
 else
   MODEL=${MODEL:-.bench/qwen05}
