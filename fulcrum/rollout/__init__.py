@@ -54,6 +54,10 @@ HF_CANNOT_FOLLOW = (
     "actor_rollout_ref.model.lm_head_fp32=True needs the native rollout engine (rollout.name=native): "
     "the hf backend's logits are rounded to the model's dtype"
 )
+HF_NO_TURNS = (
+    "actor_rollout_ref.rollout.multi_turn.enable=True needs the native rollout engine (rollout.name=native): "
+    "the hf backend only generates whole batches, not conversations turn by turn"
+)
 
 
 def eos_token_ids_of(model: nn.Module, tokenizer: Any) -> list[int]:
@@ -110,27 +114,23 @@ def build_rollout(
         )
     eos_ids = eos_token_ids_of(model, tokenizer)
     pad_id = pad_token_id_of(tokenizer, eos_ids)
+    # What only the native engine does: a run that needs it is refused rather than sent to hf.
+    needs_native = [
+        why
+        for on, why in ((lm_head_fp32, HF_CANNOT_FOLLOW), (rollout_cfg.multi_turn.enable, HF_NO_TURNS))
+        if on
+    ]
     if native_requested(rollout_cfg, device):
         from fulcrum.rollout.native import build_native_engine, native_unsupported_reason
 
         reason = native_unsupported_reason(rollout_cfg, model.config)
         if reason is None:
             return build_native_engine(rollout_cfg, model, eos_ids, pad_id, device, lm_head_fp32)
-        if lm_head_fp32:
-            raise ValueError(f"{HF_CANNOT_FOLLOW}; the native engine does not run {reason}")
-        if rollout_cfg.multi_turn.enable:
-            raise ValueError(
-                "actor_rollout_ref.rollout.multi_turn.enable=True needs the native engine (the one that serves "
-                f"requests turn by turn), which does not run {reason}"
-            )
+        if needs_native:
+            raise ValueError(f"{needs_native[0]}; the native engine does not run {reason}")
         logger.warning("rollout: the native engine does not run %s; using the hf backend", reason)
-    elif rollout_cfg.multi_turn.enable:
-        raise ValueError(
-            "actor_rollout_ref.rollout.multi_turn.enable=True needs rollout.name=native: the hf backend only "
-            "generates whole batches, not conversations turn by turn"
-        )
-    elif lm_head_fp32:
-        raise ValueError(f"{HF_CANNOT_FOLLOW}; here rollout.name={name} on {device} gives the hf backend")
+    elif needs_native:
+        raise ValueError(f"{needs_native[0]}; here rollout.name={name} on {device} gives the hf backend")
     elif name != "hf":
         logger.info(
             "rollout: name=%s on %s: using the hf backend (the native engine is for CUDA)", name, device
