@@ -15,8 +15,11 @@
 #   bash bench/real_model.sh multistep-lora MODEL_DIR WORK [RESULTS]        # GRPO with LoRA vs full fine-tuning, 3 seeds
 #
 # Each stage fits one 10-minute call; the gsm8k stages share WORK (bench/learning.py resumes from it).
+# DEADLINE_MIN (9.3) stops every run of a learning stage that many minutes after it started: lower it when
+# the same call converts the model first.
 # The settings below are the benchmark: every figure in BENCHMARKS.md's real-model section names them.
 set -euo pipefail
+DEADLINE_MIN=${DEADLINE_MIN:-9.3}
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 stage=${1:?stage: convert | parity | gsm8k-warm | gsm8k-rl | multistep}
@@ -45,16 +48,16 @@ case $stage in
     python bench/learning.py --out "$3" ${4:+--results "$4"} --stop-after-warm \
       --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" ;;
   gsm8k-rl)
-    python bench/learning.py --out "$3" ${4:+--results "$4"} --budget-min 7 --deadline-min 9.3 \
+    python bench/learning.py --out "$3" ${4:+--results "$4"} --budget-min 7 --deadline-min "$DEADLINE_MIN" \
       --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" ;;
   gsm8k-rl-more)
     # the next call, on the same warm machine: every run resumes from the checkpoint it saved at its stop
-    python bench/learning.py --out "$3" ${4:+--results "$4"} --budget-min 7 --deadline-min 9.3 --continue-runs \
+    python bench/learning.py --out "$3" ${4:+--results "$4"} --budget-min 7 --deadline-min "$DEADLINE_MIN" --continue-runs \
       --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" ;;
   multistep)
     # The multi-step task's own warm-start rule (format >= 95 %, dev accuracy in [0.3, 0.6]) at SmolLM2's
     # learning rate; a shorter RL budget, since SFT runs in the same call.
-    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 4.5 --deadline-min 9.3 \
+    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 4.5 --deadline-min "$DEADLINE_MIN" \
       --set "${COMMON[@]}" base_model="$1" sft_lr=5e-5 sft_steps=400 sft_check_every=20 \
       max_response_length=128 max_prompt_length=256 ;;
   multistep-lora)
@@ -62,7 +65,7 @@ case $stage in
     # each, the same budget: rank 32 / alpha 64 on every linear, at 10x the full run's learning rate (verl
     # advises an order of magnitude more for LoRA).
     LORA=actor_rollout_ref.model.lora_rank=32,actor_rollout_ref.model.lora_alpha=64,actor_rollout_ref.model.target_modules=all-linear,actor_rollout_ref.actor.optim.lr=5e-5
-    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 4.5 --deadline-min 9.3 \
+    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 4.5 --deadline-min "$DEADLINE_MIN" \
       --set "${COMMON[@]}" base_model="$1" sft_lr=5e-5 sft_steps=400 sft_check_every=20 \
       max_response_length=128 max_prompt_length=256 --variants \
       $(for s in 1 2 3; do echo "full-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s"; done) \
