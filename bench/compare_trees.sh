@@ -33,12 +33,13 @@ run() {
 }
 
 if [ ! -f "$DATA/train.parquet" ]; then
-  (cd "$NEW" && PYTHONPATH=$NEW $PY -m fulcrum.cli data gsm8k --src ../shared/data/gsm8k --out "$DATA") \
+  (cd "$NEW" && PYTHONPATH=$NEW${PYTHONPATH:+:$PYTHONPATH} $PY -m fulcrum.cli data gsm8k --src ../shared/data/gsm8k --out "$DATA") \
     || { echo "no GSM8K data in $DATA"; exit 1; }
 fi
 if [ "$SMOKE" = 1 ]; then
   MODEL=$(realpath -m "${MODEL:-$WORK/tiny_model}")
-  [ -f "$MODEL/config.json" ] || (cd "$NEW" && PYTHONPATH=$NEW $PY -m fulcrum.cli tiny-model --out "$MODEL" >/dev/null)
+  [ -f "$MODEL/config.json" ] || (cd "$NEW" && PYTHONPATH=$NEW${PYTHONPATH:+:$PYTHONPATH} $PY -m fulcrum.cli tiny-model --out "$MODEL" >/dev/null) \
+    || { echo "could not make the model in $MODEL"; exit 1; }
   . "$(dirname "$0")/smoke_args.sh"
   ROLLOUT_ARGS=$SMOKE_ROLLOUT_ARGS
   STEP_ARGS=$SMOKE_STEP_ARGS
@@ -46,7 +47,8 @@ if [ "$SMOKE" = 1 ]; then
   ENGINE=hf
 else
   MODEL=$(realpath -m "${MODEL:-$NEW/.bench/qwen05}")
-  [ -f "$MODEL/config.json" ] || (cd "$NEW" && PYTHONPATH=$NEW $PY bench/train_step.py make-model --out "$MODEL" >/dev/null)
+  [ -f "$MODEL/config.json" ] || (cd "$NEW" && PYTHONPATH=$NEW${PYTHONPATH:+:$PYTHONPATH} $PY bench/train_step.py make-model --out "$MODEL" >/dev/null) \
+    || { echo "could not make the model in $MODEL"; exit 1; }
   ROLLOUT_ARGS=""
   STEP_ARGS=""
   # vs_trl.py's fulcrum side: 64 prompts x 8, one mini-batch, micro-batches of 32, no KL term

@@ -61,9 +61,12 @@ def test_compiled_chunks_equal_eager_with_fp32_logits(with_entropy: bool) -> Non
         use_compiled_chunks(False)
     (lp_e, ent_e, gh_e, gw_e), (lp_c, ent_c, gh_c, gw_c) = results
     assert lp_c.dtype == torch.float32
-    torch.testing.assert_close(lp_c, lp_e, atol=1e-6, rtol=1e-6)
+    # The compiled chunk sums the 32,000 float32 terms of each row in another order than eager: log-probs
+    # (down to -15) and entropies (up to 7.4) agree to some float32 ulps of their size, not to 1e-6; a wrong
+    # formula (a temperature or a max left out) moves them by more than 0.1.
+    torch.testing.assert_close(lp_c, lp_e, atol=1e-5, rtol=1e-6)
     if with_entropy:
-        torch.testing.assert_close(ent_c.detach(), ent_e.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent_c.detach(), ent_e.detach(), atol=1e-4, rtol=0)
     for got, want in ((gh_c, gh_e), (gw_c, gw_e)):  # bf16 gradients: one bf16 step apart at most
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
 
