@@ -9,7 +9,10 @@
 #   bash bench/real_model.sh gsm8k-warm MODEL_DIR GSM8K_SRC WORK [RESULTS]   # base check + SFT (+ checks)
 #   bash bench/real_model.sh gsm8k-rl MODEL_DIR GSM8K_SRC WORK [RESULTS]     # the 6 RL runs (resumes WORK)
 #   bash bench/real_model.sh gsm8k-rl-more MODEL_DIR GSM8K_SRC WORK [RESULTS]  # each run 7 more minutes
-#   bash bench/real_model.sh multistep MODEL_DIR WORK [RESULTS]             # SFT warm start + 6 RL runs
+#   bash bench/real_model.sh multistep MODEL_DIR WORK [RESULTS]             # SFT warm start + 6 RL runs (4.5 min)
+#   bash bench/real_model.sh multistep-warm MODEL_DIR WORK [RESULTS]        # SFT warm start only
+#   bash bench/real_model.sh multistep-rl MODEL_DIR WORK [RESULTS]          # the 6 RL runs, 8 min (WORK's warm start)
+#   bash bench/real_model.sh multistep-rl-more MODEL_DIR WORK [RESULTS]     # each run 5.2 more min
 #   bash bench/real_model.sh throughput MODEL_DIR GSM8K_SRC WORK RESULTS    # seed and GRPO step shapes
 #   bash bench/real_model.sh multistep-tools MODEL_DIR WORK [RESULTS]       # GRPO with a calculator vs without, 3 seeds
 #   bash bench/real_model.sh multistep-lora MODEL_DIR WORK [RESULTS]        # GRPO with LoRA vs full fine-tuning, 3 seeds
@@ -22,7 +25,7 @@ set -euo pipefail
 DEADLINE_MIN=${DEADLINE_MIN:-9.3}
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-stage=${1:?stage: convert | parity | gsm8k-warm | gsm8k-rl | multistep}
+stage=${1:?stage: convert | parity | gsm8k-warm | gsm8k-rl | gsm8k-rl-more | multistep | multistep-warm | multistep-rl | multistep-rl-more | throughput | multistep-tools | multistep-lora}
 shift
 
 # SmolLM2's answers to GSM8K: prompts (chat template and system prompt included) up to 239 tokens in the
@@ -36,6 +39,9 @@ COMMON=(max_prompt_length=320 max_response_length=256 gradient_checkpointing=tru
 # saves a checkpoint when its budget stops it, so gsm8k-rl-more continues it in the next call.
 GSM8K=(task=gsm8k num_dev=200 sft_lr=5e-5 sft_steps=228 sft_check_every=57 warm_min_accuracy=1.0
   min_format_accuracy=0.5 save_at_stop=true)
+# The multi-step task (fulcrum.data.multistep): its own warm-start rule (format >= 95 %, dev accuracy in
+# [0.3, 0.6]) at SmolLM2's learning rate, shorter prompts and responses.
+MULTISTEP=(sft_lr=5e-5 sft_steps=400 sft_check_every=20 max_response_length=128 max_prompt_length=256)
 
 case $stage in
   convert)
@@ -55,19 +61,29 @@ case $stage in
     python bench/learning.py --out "$3" ${4:+--results "$4"} --budget-min 7 --deadline-min "$DEADLINE_MIN" --continue-runs \
       --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" ;;
   multistep)
-    # The multi-step task's own warm-start rule (format >= 95 %, dev accuracy in [0.3, 0.6]) at SmolLM2's
-    # learning rate; a shorter RL budget, since SFT runs in the same call.
+    # SFT and RL in one call, so a shorter RL budget.
     python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 4.5 --deadline-min "$DEADLINE_MIN" \
-      --set "${COMMON[@]}" base_model="$1" sft_lr=5e-5 sft_steps=400 sft_check_every=20 \
-      max_response_length=128 max_prompt_length=256 ;;
+      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" ;;
+  multistep-warm)
+    python bench/learning.py --out "$2" ${3:+--results "$3"} --stop-after-warm \
+      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" ;;
+  multistep-rl)
+    # RL from WORK's warm start for a whole call; an earlier stage's rl/ folder is kept aside as rl_earlier/.
+    # Each run saves a checkpoint when its budget stops it, so multistep-rl-more continues it.
+    if [ -d "$2/rl" ]; then rm -rf "$2/rl_earlier"; mv "$2/rl" "$2/rl_earlier"; fi
+    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 8 --deadline-min "$DEADLINE_MIN" \
+      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true ;;
+  multistep-rl-more)
+    # the next call, on the same warm machine: every run resumes from the checkpoint it saved at its stop
+    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 5.2 --deadline-min 6.4 --continue-runs \
+      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true ;;
   multistep-lora)
     # LoRA against full fine-tuning on the multi-step task from the same SmolLM2 warm start, GRPO, 3 seeds
     # each, the same budget: rank 32 / alpha 64 on every linear, at 10x the full run's learning rate (verl
     # advises an order of magnitude more for LoRA).
     LORA=actor_rollout_ref.model.lora_rank=32,actor_rollout_ref.model.lora_alpha=64,actor_rollout_ref.model.target_modules=all-linear,actor_rollout_ref.actor.optim.lr=5e-5
     python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 4.5 --deadline-min "$DEADLINE_MIN" \
-      --set "${COMMON[@]}" base_model="$1" sft_lr=5e-5 sft_steps=400 sft_check_every=20 \
-      max_response_length=128 max_prompt_length=256 --variants \
+      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" --variants \
       $(for s in 1 2 3; do echo "full-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s"; done) \
       $(for s in 1 2 3; do echo "lora-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s,$LORA"; done) ;;
   multistep-tools)
