@@ -180,13 +180,14 @@ def pad_right(x: torch.Tensor, length: int) -> torch.Tensor:
 
 def trimmed_inputs(mb: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The micro-batch's (input_ids, attention_mask, position_ids) on `device` with all-padding columns
-    trimmed (see trim_padding), and how many response columns remain."""
-    return trim_padding(
-        host_to_device(mb["input_ids"], device),
-        host_to_device(mb["attention_mask"], device),
-        host_to_device(mb["position_ids"], device),
-        mb.prompt_length,
+    trimmed (see trim_padding), and how many response columns remain.
+
+    Trimmed on the host, where the batch lives: the columns to keep are read from the mask (`nonzero`,
+    `.item()`), which on the device would make the host wait for the GPU six times a micro-batch."""
+    ids, mask, pos, r_kept = trim_padding(
+        mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb.prompt_length
     )
+    return host_to_device(ids, device), host_to_device(mask, device), host_to_device(pos, device), r_kept
 
 
 def forward_log_prob(
