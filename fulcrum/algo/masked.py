@@ -19,9 +19,10 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None
     """sum_i values_i * mask_i over `axis` (all elements when None).
 
     values, mask: same shape, e.g. (B, T). Masked-out entries are replaced by 0 before the product,
-    so a NaN or inf sitting in padding cannot leak into the sum.
+    so a NaN or inf sitting in padding cannot leak into the sum. (A Python 0.0 keeps `values`' dtype
+    and, unlike a zero tensor, launches nothing: losses call this several times a micro-batch.)
     """
-    kept = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+    kept = torch.where(mask.bool(), values, 0.0)
     return (kept * mask).sum(dim=axis) if axis is not None else (kept * mask).sum()
 
 

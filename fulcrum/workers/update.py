@@ -126,7 +126,15 @@ def mean_metrics(metrics: dict[str, list[torch.Tensor | float]]) -> dict[str, fl
     """Mean of each metric's values; device tensors are brought to the host in one copy."""
     tensors = [(k, i) for k, v in metrics.items() for i, x in enumerate(v) if isinstance(x, torch.Tensor)]
     if tensors:
-        stacked = torch.stack([metrics[k][i].detach().float().reshape(()) for k, i in tensors])  # type: ignore[union-attr]
+        stacked = torch.stack([as_scalar(metrics[k][i]) for k, i in tensors])  # type: ignore[arg-type]
         for (k, i), value in zip(tensors, stacked.cpu().tolist(), strict=True):
             metrics[k][i] = value
     return {k: float(sum(float(x) for x in v) / len(v)) for k, v in metrics.items()}
+
+
+def as_scalar(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a detached float32 0-d tensor; one that already is goes as it is (each detach or reshape
+    is an op dispatched per metric per micro-batch)."""
+    if x.dim() == 0 and x.dtype == torch.float32 and not x.requires_grad:
+        return x
+    return x.detach().float().reshape(())
