@@ -10,6 +10,7 @@ holds the batch (padded rows write into the scratch block 0 and are ignored).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -37,6 +38,19 @@ def use_triton_on(device: torch.device) -> bool:
     if device.type == "cuda":
         return os.environ.get("FULCRUM_NATIVE_TRITON", "1") != "0"
     return os.environ.get("FULCRUM_NATIVE_TRITON") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def padded_tables(tables: list[list[int]], rows: int, width: int) -> torch.Tensor:
+    """Block tables as one (rows, width) int32 host tensor, zero-padded (block 0 is scratch).
+
+    Filled from one flat list: a nested list of padded rows costs the host about twice as much, and
+    this runs before every decode window, while the device waits."""
+    lengths = torch.tensor([len(table) for table in tables] + [0] * (rows - len(tables)))
+    out = torch.zeros(rows, width, dtype=torch.int32)
+    out[torch.arange(width) < lengths[:, None]] = torch.tensor(
+        list(itertools.chain.from_iterable(tables)), dtype=torch.int32
+    )
+    return out
 
 
 class ModelRunner:
@@ -199,19 +213,14 @@ class ModelRunner:
 
     def _table_tensor(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
-        table = torch.zeros(len(seqs), width, dtype=torch.int32)
-        for row, seq in enumerate(seqs):
-            table[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-        return table.to(self.device)
+        return padded_tables([s.block_table for s in seqs], len(seqs), width).to(self.device)
 
     # ------------------------------------------------------------------------------ decode
     def decode(self, seqs: list[Sequence], steps: int, sampler) -> tuple[list[list[int]], list[list[float]]]:
-        """`steps` decode steps over `seqs`; (tokens[k][b], logprobs[k][b]) read back once at the end."""
+        """`steps` decode steps over `seqs`; (tokens[b][k], logprobs[b][k]) read back once at the end."""
         batch = len(seqs)
         padded = self._bucket(batch) if self.use_graphs else batch
-        width = self.max_blocks_per_seq
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        host_tables = torch.tensor(rows + [[0] * width] * (padded - batch), dtype=torch.int32)
+        host_tables = padded_tables([s.block_table for s in seqs], padded, self.max_blocks_per_seq)
         last = torch.tensor([s.token_ids[-1] for s in seqs] + [0] * (padded - batch), dtype=torch.long)
         pos = torch.tensor([s.num_tokens - 1 for s in seqs] + [0] * (padded - batch), dtype=torch.long)
         self.input_ids[:padded].copy_(last, non_blocking=True)
@@ -230,7 +239,9 @@ class ModelRunner:
             self.input_ids[:batch] = tokens
             self.positions[:batch] += 1
             self.context_lens[:batch] += 1
-        return self.out_tokens[:steps, :batch].tolist(), self.out_logprobs[:steps, :batch].tolist()
+        # One row per sequence: the scheduler takes each sequence's tokens as one slice.
+        tokens = self.out_tokens[:steps, :batch].t().contiguous()
+        return tokens.tolist(), self.out_logprobs[:steps, :batch].t().contiguous().tolist()
 
     def _bucket(self, batch: int) -> int:
         return next(size for size in self.capture_sizes if size >= batch)

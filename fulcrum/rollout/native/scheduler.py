@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from fulcrum.rollout.base import FinishReason
 from fulcrum.rollout.native.block_manager import BlockManager, blocks_for
 from fulcrum.rollout.native.config import EngineConfig
 from fulcrum.rollout.native.sequence import Sequence, Status
@@ -189,16 +190,16 @@ class Scheduler:
         steps = max(1, min(self.config.decode_steps, left))
         if self._blocks_needed(steps) > self.blocks.num_free:
             steps = 1
-        while self._blocks_needed(steps) > self.blocks.num_free:
-            if self.evict_held():
-                continue
-            # A waiting sequence with blocks (a prompt part-way through a chunked prefill, a next turn
-            # over its kept prefix) gives them back before a running one is preempted.
-            if self._release_parked():
-                continue
-            self._preempt(self.running.pop())
-            if not self.running:
-                raise RuntimeError("the KV cache cannot hold a single decoding sequence: raise its size")
+            while self._blocks_needed(1) > self.blocks.num_free:
+                if self.evict_held():
+                    continue
+                # A waiting sequence with blocks (a prompt part-way through a chunked prefill, a next
+                # turn over its kept prefix) gives them back before a running one is preempted.
+                if self._release_parked():
+                    continue
+                self._preempt(self.running.pop())
+                if not self.running:
+                    raise RuntimeError("the KV cache cannot hold a single decoding sequence: raise its size")
         for seq in self.running:
             self.blocks.grow(seq, seq.num_tokens + steps - 1)
         return DecodeWork(list(self.running), steps)
@@ -241,29 +242,34 @@ class Scheduler:
             for member, token, logprob in zip(family, tokens[done], logprobs[done], strict=True):
                 member.status = Status.RUNNING
                 self.running.append(member)
-                self._append(member, token, logprob)
+                self._take(member, [token], [logprob])
             done += 1
         self.running = [s for s in self.running if s.status is Status.RUNNING]
 
     def after_decode(self, work: DecodeWork, tokens: list[list[int]], logprobs: list[list[float]]) -> None:
-        """`tokens[k][b]`: the token sampled at step k for `work.seqs[b]`."""
-        for b, seq in enumerate(work.seqs):
-            for k in range(work.steps):
-                if seq.status is not Status.RUNNING:
-                    break  # surplus tokens after a stop or max_tokens
-                seq.num_computed = seq.num_tokens
-                self._append(seq, tokens[k][b], logprobs[k][b])
+        """`tokens[b]` / `logprobs[b]`: the `work.steps` tokens sampled for `work.seqs[b]`, in step order."""
+        for seq, seq_tokens, seq_logprobs in zip(work.seqs, tokens, logprobs, strict=True):
+            self._take(seq, seq_tokens, seq_logprobs)
         self.running = [s for s in self.running if s.status is Status.RUNNING]
 
-    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
-        seq.token_ids.append(token)
-        seq.logprobs.append(logprob)
-        if token in seq.stop_ids:
-            seq.finish_reason = "stop"
-        elif seq.num_generated >= seq.max_tokens:
-            seq.finish_reason = "length"
-        else:
+    def _take(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:
+        """Append a running sequence's sampled `tokens` up to the first that ends its turn (a stop id,
+        or its max_tokens-th token); the window's surplus tokens after it are dropped.
+
+        One slice per sequence, not one call per token: this runs between two decode windows, while
+        the device waits for the next one."""
+        room = max(1, seq.max_tokens - seq.num_generated)  # the running sequence takes one at least
+        taken = tokens[:room]
+        reason: FinishReason | None = "length" if len(taken) == room else None
+        if not seq.stop_ids.isdisjoint(taken):
+            end = next(k for k, token in enumerate(taken) if token in seq.stop_ids) + 1
+            taken, reason = taken[:end], "stop"
+        seq.token_ids += taken
+        seq.logprobs += logprobs[: len(taken)]
+        seq.num_computed = seq.num_tokens - 1  # the last token's K/V are written by the next step
+        if reason is None:
             return
+        seq.finish_reason = reason
         seq.status = Status.FINISHED
         if seq.keep:
             self.held[seq.output_index] = seq
