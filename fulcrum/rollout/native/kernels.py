@@ -27,12 +27,14 @@ if HAVE_TRITON:
         cache_addr_ptr, k_offset, v_offset,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         TILE: tl.constexpr, PRECISION: tl.constexpr, INDIRECT: tl.constexpr, CACHE_DTYPE: tl.constexpr,
+        SLIDING: tl.constexpr,
     ):  # fmt: skip
         # One program per (sequence, KV head): the GROUP query heads that share the KV head are
         # processed together, so each K/V tile is read once. Online softmax over TILE-token tiles.
         # INDIRECT: the cache's address is read from the device (cache_addr_ptr) instead of being an
         # argument, so a CUDA graph holding this kernel survives the cache being freed and reallocated.
-        # window > 0: only the window latest positions are read (sliding-window layers); 0: all.
+        # SLIDING (window > 0): only the window latest positions are read (sliding-window layers). A
+        # compile-time switch, so full-attention layers run the loop from 0 with no position floor.
         if INDIRECT:
             # The alignment hint restores the vectorised loads that a pointer argument gets for free.
             base = tl.multiple_of(tl.load(cache_addr_ptr), 16).to(tl.pointer_type(CACHE_DTYPE))
@@ -53,10 +55,17 @@ if HAVE_TRITON:
         m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-        first = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
-        for start in range((first // TILE) * TILE, context_len, TILE):
+        if SLIDING:
+            first = tl.maximum(context_len - window, 0)
+            tile_start = (first // TILE) * TILE
+        else:
+            first = 0
+            tile_start = 0
+        for start in range(tile_start, context_len, TILE):
             pos = start + tl.arange(0, TILE)
-            pos_ok = (pos < context_len) & (pos >= first)
+            pos_ok = pos < context_len
+            if SLIDING:
+                pos_ok = pos_ok & (pos >= first)
             block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_ok, other=0)
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_offset = slot[:, None] * stride_k_slot + kv_head * stride_k_head + dim[None, :]
@@ -245,6 +254,7 @@ def paged_decode_attention(
         out.stride(0), out.stride(1), context_lens, 0, 0,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
         TILE=64, PRECISION=precision, INDIRECT=False, CACHE_DTYPE=_TL_DTYPES[q.dtype],
+        SLIDING=bool(window),
     )  # fmt: skip
     return out
 
@@ -271,6 +281,7 @@ def paged_decode_attention_indirect(
         out.stride(0), out.stride(1), cache.address, k_offset, v_offset,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
         TILE=64, PRECISION=precision, INDIRECT=True, CACHE_DTYPE=_TL_DTYPES[cache.dtype],
+        SLIDING=bool(window),
     )  # fmt: skip
     return out
 
