@@ -165,6 +165,21 @@ def test_responses_at_the_length_limit() -> None:
     assert "length_limit" not in rules(rows)  # the last 3 steps average 17%
 
 
+def test_grpo_groups_that_all_score_alike() -> None:
+    rows = healthy_rows()
+    for i, row in enumerate(rows):
+        row["critic/score/groups_alike"] = 0.2 if i < 6 else 0.8
+        row["critic/score/mean"] = 0.9
+    findings = [f for f in diagnose(rows) if f.rule == "groups_without_signal"]
+    assert len(findings) == 1 and findings[0].step == 12
+    assert "0.80" in findings[0].message and "mostly solved" in findings[0].message
+    assert "rollout.n" in findings[0].fix and "filter_groups" in findings[0].fix
+    rows[-1]["critic/score/groups_alike"] = rows[-2]["critic/score/groups_alike"] = 0.1
+    rows[-3]["critic/score/groups_alike"] = 0.3
+    assert "groups_without_signal" not in rules(rows)  # the median of the last 5 is 0.3
+    assert "groups_without_signal" not in rules(healthy_rows())  # PPO rows carry no such metric
+
+
 def test_memory_creeping_up_after_warm_up() -> None:
     rows = healthy_rows()
     for i, row in enumerate(rows):

@@ -68,6 +68,17 @@ def test_data_metrics_hand_values() -> None:
     assert m["prompt_length/mean"] == 2.5 and m["prompt_length/clip_ratio"] == 0.5
 
 
+def test_groups_scored_alike_counts_groups_whose_advantages_grpo_zeroes() -> None:
+    batch = Batch.concat([hand_batch()] * 3)  # sequence scores 1, 0, 1, 0, 1, 0
+    batch.non_tensors["uid"] = ["a", "b", "a", "b", "c", "c"]  # a: 1, 1 (alike); b: 0, 0 (alike); c: 1, 0
+    m = M.compute_data_metrics(batch, use_critic=False)
+    assert m["critic/score/groups_alike"] == pytest.approx(2 / 3)
+    batch.non_tensors["uid"] = ["a", "a", "b", "b", "c", "c"]  # each group has a 1 and a 0
+    assert M.compute_data_metrics(batch, use_critic=False)["critic/score/groups_alike"] == 0.0
+    batch.non_tensors["uid"] = list("abcdef")  # one response a prompt (PPO): no groups to speak of
+    assert "critic/score/groups_alike" not in M.compute_data_metrics(batch, use_critic=False)
+
+
 def test_data_metrics_without_critic_omit_values() -> None:
     m = M.compute_data_metrics(hand_batch(), use_critic=False)
     assert "critic/values/mean" not in m and "critic/vf_explained_var" not in m

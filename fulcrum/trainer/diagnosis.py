@@ -57,6 +57,11 @@ KL_MIN_HISTORY = 5
 # 27 M model (2026-12-01): actor lr 3e-4 gave actor/ppo_kl 0.04-0.17 and actor/kl_loss 2.3-6.2 from the
 # first steps and lost the task (validation 0.41 -> 0.06); lr 1e-4 and 3e-5 stayed at ppo_kl <= 0.012
 # (one step of 0.022) and kl_loss <= 0.09.
+# GRPO's signal: most groups of n alike for ALIKE_STEPS steps. On SmolLM2's multi-step runs (2026-12-01) the
+# training reward passed 0.7 with entropy near 0.02 nats a token, and GRPO's validation accuracy flattened
+# while PPO's (one sample a prompt, a critic) still rose.
+ALIKE_LIMIT = 0.5
+ALIKE_STEPS = 5
 KL_HIGH_LIMITS = {"actor/ppo_kl": 0.02, "actor/kl_loss": 1.0, "actor/reward_kl_penalty": 1.0}
 KL_HIGH_STEPS = 3
 REWARD_WINDOW = 5  # steps per median of the training reward
@@ -366,6 +371,35 @@ def non_finite(rows: Sequence[Row]) -> list[Finding]:
     return []
 
 
+def groups_without_signal(rows: Sequence[Row]) -> list[Finding]:
+    """critic/score/groups_alike: the median over the last ALIKE_STEPS steps at or above ALIKE_LIMIT (most
+    prompt groups score alike, so most of a GRPO-style step teaches nothing)."""
+    points = finite_series(training_rows(rows), "critic/score/groups_alike")
+    if len(points) < ALIKE_STEPS:
+        return []
+    recent = statistics.median(v for _, v in points[-ALIKE_STEPS:])
+    if recent < ALIKE_LIMIT:
+        return []
+    scores = finite_series(training_rows(rows), "critic/score/mean")
+    side = ""
+    if scores:
+        mean = scores[-1][1]
+        side = f" (critic/score/mean {mean:.2f}: {'mostly solved groups' if mean >= 0.5 else 'mostly failed groups'})"
+    return [
+        Finding(
+            (),
+            f"critic/score/groups_alike {recent:.2f} (median of the last {ALIKE_STEPS} steps): that share of the "
+            f"prompt groups scored alike, so their advantages are 0{side}",
+            "warning",
+            fix="a larger actor_rollout_ref.rollout.n or rollout.temperature (more varied answers), "
+            "algorithm.filter_groups.enable=True (DAPO's dynamic sampling: only groups with signal are trained), "
+            "or prompts nearer the model's level; PPO with a critic learns from every sample",
+            rule="groups_without_signal",
+            step=points[-1][0],
+        )
+    ]
+
+
 RULES: list[Callable[[Sequence[Row]], list[Finding]]] = [
     bottleneck,
     non_finite,
@@ -377,6 +411,7 @@ RULES: list[Callable[[Sequence[Row]], list[Finding]]] = [
     advantage_drift,
     length_limit,
     memory_creep,
+    groups_without_signal,
 ]
 
 

@@ -21,7 +21,7 @@ import resource
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ import torch
 from fulcrum.batch import Batch, response_lengths
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import matmul_param_count, train_flops
+from fulcrum.trainer.dynamic_sampling import rows_with_signal
 
 GiB = 1024**3
 
@@ -154,7 +155,20 @@ def compute_data_metrics(batch: Batch, use_critic: bool) -> dict[str, float]:
     )
     metrics.update(_stats("prompt_length", prompt_length))
     metrics["prompt_length/clip_ratio"] = torch.eq(prompt_length, batch.prompt_length).float().mean().item()
+    alike = groups_scored_alike(sequence_score, batch.non_tensors.get("uid"))
+    if alike is not None:
+        metrics["critic/score/groups_alike"] = alike
     return metrics
+
+
+def groups_scored_alike(sequence_score: torch.Tensor, uids: Sequence[Hashable] | None) -> float | None:
+    """The fraction of prompt groups whose responses all scored the same (TRL's `frac_reward_zero_std`):
+    under GRPO-style estimators their advantages are 0, so they cost a backward pass and teach nothing.
+    None when no prompt has more than one response (rollout.n = 1: PPO's usual shape)."""
+    if uids is None or len(set(uids)) == len(uids):
+        return None
+    _, kept, dropped = rows_with_signal(sequence_score.tolist(), uids)
+    return dropped / (kept + dropped)
 
 
 def validation_metrics(batch: Batch, scores: list[float], n: int) -> dict[str, float]:
