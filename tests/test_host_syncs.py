@@ -5,6 +5,8 @@ CUDA run has."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from host_work import counting
@@ -12,6 +14,7 @@ from test_workers_update import cfg_for, rl_batch
 
 from fulcrum.config.sections import actor_section, critic_section
 from fulcrum.models import precision
+from fulcrum.models.tiny import build_tiny_model
 from fulcrum.workers.actor import ActorWorker
 from fulcrum.workers.critic import CriticWorker
 from fulcrum.workers.micro_batch import make_micro_batches
@@ -86,3 +89,47 @@ def test_the_counter_sees_device_syncs_and_not_host_ones(tiny_dir: str) -> None:
         weight[weight > 0]
         (weight * 2).cpu()
     assert work.counts.syncs == 3
+
+
+@pytest.fixture(scope="module")
+def deep_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model's family, 12 narrow layers: 147 parameter tensors against the tiny model's 51."""
+    size = {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64}
+    folder = tmp_path_factory.mktemp("deep_qwen2")
+    return str(build_tiny_model(folder, arch="qwen2", seed=0, num_hidden_layers=12, **size))
+
+
+def update_ops_per_micro_batch(model_dir: str, role: str) -> float:
+    """Eager device ops a packed update (one mini-batch of `rl_batch`) adds per micro-batch: the update
+    cut into micro-batches of one row against the same update in one micro-batch."""
+    ops, micro_batches = [], []
+    for size in (8, 1):
+        cfg = cfg_for(model_dir, *sizes(size))
+        batch = rl_batch()
+        worker: ActorWorker | CriticWorker
+        if role == "actor":
+            worker = ActorWorker(actor_section(cfg), CPU, 10)
+            batch["old_log_probs"] = worker.compute_log_prob(batch)[0]
+            run = functools.partial(worker.update_policy, batch, global_step=1)
+        else:
+            worker = CriticWorker(critic_section(cfg), CPU, 10)
+            batch["values"] = worker.compute_values(batch)
+            run = functools.partial(worker.update_critic, batch, global_step=1)
+        micro_batches.append(len(make_micro_batches(batch, size, False, None, "micro", packed=True)[0]))
+        with counting([worker.model], (worker.optimizer,)) as work:
+            run()
+        ops.append(work.counts.device_ops)
+    assert micro_batches[0] == 1 and micro_batches[1] >= 6
+    return (ops[1] - ops[0]) / (micro_batches[1] - micro_batches[0])
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_an_updates_host_work_per_micro_batch_does_not_grow_with_the_parameter_count(
+    tiny_dir: str, deep_dir: str, role: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A micro-batch's gradients reach the float32 masters in a few ops whatever the number of parameter
+    tensors, as its forward and loss do: on a GPU each eager op is host time the device may wait for,
+    and a small model's many small tensors made that time grow with depth (SmolLM2-135M: 273 tensors)."""
+    monkeypatch.setitem(precision.COMPUTE_DTYPES, "cpu", torch.bfloat16)
+    shallow, deep = (update_ops_per_micro_batch(d, role) for d in (tiny_dir, deep_dir))
+    assert abs(deep - shallow) <= 2, (shallow, deep)

@@ -380,3 +380,30 @@ def test_no_cpp_compiler_keeps_the_python_wrapper(
         assert "no C++ compiler for inductor's C++ wrapper" in caplog.text
     finally:
         packed.cpp_compiler_found.cache_clear()
+
+
+def test_compute_weights_backward_leaves_the_gradients_loss_backward_leaves() -> None:
+    """`ComputeWeights.backward` (gradients handed back by autograd, none stored on the copies) ends in
+    the same float32 gradients, bit for bit, as `loss.backward()`: the copied masters', a parameter kept
+    out of the copies (its own dtype, as the critic's value head), over micro-batches of which one
+    reaches part of the model only."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(5, 3, dtype=torch.float64) for _ in range(3)]
+
+    def gradients(through_compute: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        compute = ComputeWeights(model, dtype=torch.float64, keep=("1",))
+        compute.refresh()
+        for i, x in enumerate(inputs):
+            with compute.swapped_in():
+                hidden = model[0](x) if i < 2 else x[:, :1].expand(5, 4)  # the last: model[1] only
+                loss = model[1](hidden.float()).square().sum()
+                compute.backward(loss) if through_compute else loss.backward()
+            compute.accumulate_grads()
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    want, got = gradients(False), gradients(True)
+    assert want.keys() == got.keys() == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    for name in want:
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], want[name]), name

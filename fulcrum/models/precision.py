@@ -4,9 +4,10 @@ The model keeps its float32 parameters: the optimiser, checkpoints and the rollo
 them unchanged. `ComputeWeights` makes one bf16 copy of each, from the masters, once per optimiser
 step (one batched copy, `refresh`), swaps the copies into the module for the forward and backward
 (`swapped_in`), and drops them afterwards (`release`), so generation does not carry them. Gradients
-then land on the bf16 copies; `accumulate_grads` adds them into the masters' float32 `.grad` (views
-of one buffer) after each micro-batch, so accumulation over micro-batches is in float32, as with
-autocast or FSDP's `reduce_dtype=float32`.
+are taken with respect to the bf16 copies (`backward`); `accumulate_grads` adds them into the masters'
+float32 `.grad` (views of one buffer) after each micro-batch, so accumulation over micro-batches is in
+float32, as with autocast or FSDP's `reduce_dtype=float32`. A micro-batch's host work for this does
+not grow with the number of parameters: a few foreach and flat ops move every gradient.
 
 Why not autocast: it re-casts every float32 weight in every micro-batch, and again in each
 gradient-checkpoint recomputation (27k `copy_` kernels in one seed-command update, measured), and
@@ -81,7 +82,14 @@ class ComputeWeights:
         self.masters = [p for _, p in named]
         self.dtype = dtype
         self.copies: list[torch.Tensor] = []
+        # The copies and masters that get gradients (a frozen parameter outside `dtype` has a copy too).
+        self._trained: list[tuple[torch.Tensor, torch.Tensor]] = []
+        copied = {id(p) for p in self.masters}
+        # Trained parameters computed in their own dtype (under `keep`): `backward` fills their `.grad`.
+        self.uncopied = [p for p in module.parameters() if p.requires_grad and id(p) not in copied]
         self._flat_ref: weakref.ref[torch.Tensor] | None = None
+        self._pending: list[torch.Tensor | None] | None = None  # `backward`'s gradients of the trained copies
+        self._staging: Staging | None = None
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -90,11 +98,17 @@ class ComputeWeights:
             self.copies = [
                 torch.empty_like(p, dtype=self.dtype).requires_grad_(p.requires_grad) for p in self.masters
             ]
-        torch._foreach_copy_(self.copies, [p.detach() for p in self.masters])
+            self._trained = [
+                (c, p) for c, p in zip(self.copies, self.masters, strict=True) if c.requires_grad
+            ]
+            shapes = [c.shape for c, _ in self._trained]
+            if self._staging is not None and self._staging.shapes != shapes:
+                self._staging = None  # made for other trained parameters
+        torch._foreach_copy_(self.copies, self.masters)  # under no_grad the masters need no detach each
 
     def release(self) -> None:
         """Drop the copies (their memory returns to the allocator's cache); `refresh` makes new ones."""
-        self.copies = []
+        self.copies, self._trained, self._pending = [], [], None
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -106,59 +120,75 @@ class ComputeWeights:
         ):
             yield
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()` inside `swapped_in`, once per micro-batch before `accumulate_grads`: the
+        trained copies' gradients are held for it; the uncopied trained parameters' go into their `.grad`
+        as `loss.backward()` would put them.
+
+        `torch.autograd.grad` hands the gradients back, where `loss.backward()` would store each in its
+        leaf's `.grad` through autograd's accumulation step, an op (a `detach`) per parameter.
+        """
+        if self._pending is not None:
+            raise RuntimeError("ComputeWeights.backward twice without accumulate_grads in between")
+        copies = [c for c, _ in self._trained]
+        inputs = [*copies, *self.uncopied]
+        if not inputs:
+            loss.backward()
+            return
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+        self._pending = list(grads[: len(copies)])
+        add_to_grads(self.uncopied, list(grads[len(copies) :]))
+
     @torch.no_grad()
     def accumulate_grads(self) -> None:
-        """masters.grad (float32) += copies.grad, in a few kernels for the whole model; the copies'
-        gradients are cleared.
+        """masters.grad (float32) += the trained copies' gradients (`backward`'s, else the copies' own
+        `.grad`, which are cleared), in a few ops and kernels for the whole model.
 
         The first accumulation after the optimiser dropped the masters' gradients makes them views
-        into one float32 buffer; the copies' gradients are then concatenated, at most `FLAT_CHUNK`
-        elements at a time, and added chunk by chunk. Per parameter, a float32 += bf16 add takes
-        PyTorch's one-kernel-per-tensor path even through `_foreach_add_`: 290 kernels and launches a
-        micro-batch on Qwen2.5-0.5B, 9.6% of an actor update's GPU time (measured). The buffer is held
-        only through the masters' `.grad`, so the optimiser's release of the gradients frees it. A
-        micro-batch that leaves a copy without gradient, or masters holding gradients of their own,
-        take the per-parameter path.
+        into one float32 buffer. The gradients are then copied, at most `FLAT_CHUNK` elements at a time,
+        by one `_foreach_copy_` into views of a buffer in their dtype (`Staging`), which is added to the
+        float32 buffer. Per parameter, a float32 += bf16 add takes PyTorch's one-kernel-per-tensor path
+        even through `_foreach_add_`: 290 kernels and launches a micro-batch on Qwen2.5-0.5B, 9.6% of an
+        actor update's GPU time (measured). The float32 buffer is held only through the masters'
+        `.grad`, so the optimiser's release of the gradients frees it. A micro-batch that leaves a copy
+        without gradient, or masters holding gradients of their own, take the per-parameter path.
         """
-        if not self.masters:
+        if not self._trained:
             return
-        grads = [copy.grad for copy in self.copies]
-        for copy in self.copies:
-            copy.grad = None
+        if self._pending is not None:
+            grads, self._pending = self._pending, None
+        else:
+            grads = [c.grad for c, _ in self._trained]
+            for c, _ in self._trained:
+                c.grad = None
+        trained = [m for _, m in self._trained]
         flat = self._flat_grad()
-        fresh = flat is None and all(m.grad is None for m in self.masters)
-        if any(g is None for g in grads) or (flat is None and not fresh):
+        fresh = flat is None and all(m.grad is None for m in trained)
+        present = [g for g in grads if g is not None]
+        if len(present) < len(grads) or (flat is None and not fresh):
             self._add_each(grads)
             return
         if flat is None:
-            flat = torch.empty(
-                sum(m.numel() for m in self.masters), dtype=torch.float32, device=grads[0].device
-            )
-            offset = 0
-            for master in self.masters:
-                master.grad = flat[offset : offset + master.numel()].view_as(master)
-                offset += master.numel()
+            flat = torch.empty(sum(m.numel() for m in trained), dtype=torch.float32, device=present[0].device)
+            for master, view in zip(trained, flat.split([m.numel() for m in trained]), strict=True):
+                master.grad = view.view_as(master)
             self._flat_ref = weakref.ref(flat)
-        start = 0
-        for group in groups_of_at_most(grads, FLAT_CHUNK):
-            joined = torch.cat([g.reshape(-1) for g in group])  # (n,) in the copies' dtype
-            target = flat[start : start + joined.numel()]
-            if fresh:
-                target.copy_(joined)
-            else:
-                target.add_(joined)
-            start += joined.numel()
+        staging = self._staging
+        if staging is None or not staging.serves(present[0], FLAT_CHUNK):
+            # The gradients' shapes and dtype are the copies': views made once serve every micro-batch.
+            staging = self._staging = Staging(present, FLAT_CHUNK)
+        staging.add_into(flat, present, fresh)
 
     def _flat_grad(self) -> torch.Tensor | None:
-        """The float32 buffer behind every master's `.grad`, or None when they are not (all) its views."""
+        """The float32 buffer behind every trained master's `.grad`, or None when they are not (all) its views."""
         flat = self._flat_ref() if self._flat_ref is not None else None
-        if flat is None or any(m.grad is None or m.grad._base is not flat for m in self.masters):
+        if flat is None or any(m.grad is None or m.grad._base is not flat for _, m in self._trained):
             return None
         return flat
 
     def _add_each(self, grads: list[torch.Tensor | None]) -> None:
         masters, present = [], []
-        for master, grad in zip(self.masters, grads, strict=True):
+        for (_, master), grad in zip(self._trained, grads, strict=True):
             if grad is None:
                 continue
             if master.grad is None:
@@ -167,6 +197,69 @@ class ComputeWeights:
             present.append(grad)
         if masters:
             torch._foreach_add_(masters, present)
+
+
+class Staging:
+    """A buffer in the gradients' dtype seen as runs of at most `elements` elements (a larger tensor
+    alone, `groups_of_at_most`), each run also as views shaped like its gradients, so that one
+    `_foreach_copy_` concatenates a run however many tensors it holds. The views are made once. The
+    buffer's storage is allocated only inside `add_into` and emptied after (as FSDP2 empties its
+    all-gather buffers under the parameters' views): like a concatenation's result, it takes memory
+    only while the gradients it copies are alive."""
+
+    def __init__(self, like: list[torch.Tensor], elements: int) -> None:
+        self.elements = elements
+        self.shapes = [g.shape for g in like]
+        self.dtype, self.device = like[0].dtype, like[0].device
+        groups = list(groups_of_at_most(like, elements))
+        sizes = [sum(g.numel() for g in group) for group in groups]
+        self.buffer = torch.empty(max(sizes), dtype=self.dtype, device=self.device)
+        self.nbytes = self.buffer.untyped_storage().nbytes()
+        self.runs: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        for group, size in zip(groups, sizes, strict=True):
+            run = self.buffer[:size]
+            pieces = run.split([g.numel() for g in group])
+            self.runs.append((run, [piece.view(g.shape) for piece, g in zip(pieces, group, strict=True)]))
+        self.buffer.untyped_storage().resize_(0)
+
+    def serves(self, grad: torch.Tensor, elements: int) -> bool:
+        """Whether these runs stage gradients like `grad` (dtype, device) in chunks of `elements`."""
+        return (grad.dtype, grad.device, elements) == (self.dtype, self.device, self.elements)
+
+    def add_into(self, flat: torch.Tensor, grads: list[torch.Tensor], fresh: bool) -> None:
+        """flat += the concatenated `grads` (flat = them, when `fresh`), run by run."""
+        storage = self.buffer.untyped_storage()
+        storage.resize_(self.nbytes)
+        try:
+            start = first = 0
+            for run, views in self.runs:
+                torch._foreach_copy_(views, grads[first : first + len(views)])
+                target = flat[start : start + run.numel()]
+                if fresh:
+                    target.copy_(run)
+                else:
+                    target.add_(run)
+                start += run.numel()
+                first += len(views)
+        finally:
+            storage.resize_(0)
+
+
+@torch.no_grad()
+def add_to_grads(params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+    """What `loss.backward()` does to leaves' `.grad`: a parameter's first gradient becomes its `.grad`
+    (a tensor of its own), later ones are added in place (one foreach op); None leaves it alone."""
+    targets, present = [], []
+    for param, grad in zip(params, grads, strict=True):
+        if grad is None:
+            continue
+        if param.grad is None:
+            param.grad = grad.clone()
+        else:
+            targets.append(param.grad)
+            present.append(grad)
+    if targets:
+        torch._foreach_add_(targets, present)
 
 
 def groups_of_at_most(tensors: list[torch.Tensor], elements: int) -> Iterator[list[torch.Tensor]]:

@@ -231,7 +231,7 @@ class ActorWorker:
             policy_loss = policy_loss + coef * share * balance
             out["actor/load_balancing_loss"] = balance.detach()
             out["actor/load_balancing_coef"] = coef
-        policy_loss.backward()
+        self.forwards.backward(policy_loss)
         return out
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

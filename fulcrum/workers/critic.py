@@ -94,7 +94,7 @@ class CriticWorker:
             loss_agg_mode=self.loss_agg_mode,
             **agg,
         )
-        vf_loss.backward()
+        self.forwards.backward(vf_loss)
         return {
             "critic/vf_loss": vf_loss.detach(),
             "critic/vf_clipfrac": vf_clipfrac,

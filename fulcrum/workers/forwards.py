@@ -4,7 +4,7 @@
 One `ModelForwards` per model (actor, reference, critic): its no-grad passes (`no_grad_pass`,
 `sum_pi_squared`), its
 forwards on one micro-batch, and, for the update loop (fulcrum.workers.update), `active()` around
-the micro-batches and `accumulate_grads()` after each backward.
+the micro-batches, `backward(loss)` and `accumulate_grads()` for each.
 """
 
 from __future__ import annotations
@@ -139,6 +139,14 @@ class ModelForwards:
                 yield
         finally:
             self.compute.release()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()` of a micro-batch inside `active()`; with compute weights, their gradients are
+        held for `accumulate_grads` (`ComputeWeights.backward`)."""
+        if self.compute is None:
+            loss.backward()
+        else:
+            self.compute.backward(loss)
 
     def accumulate_grads(self) -> None:
         """After each micro-batch's backward: compute-weight gradients into the float32 masters."""
