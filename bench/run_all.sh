@@ -29,29 +29,9 @@ PY=${PYTHON:-python3}
 DEADLINE_S=${DEADLINE_S:-550}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 started=$(date +%s)
-elapsed() { echo "[$(( $(date +%s) - started )) s] $*"; }
-
-# part NAME SECONDS COMMAND...: run COMMAND (output in $WORK/NAME.log) for at most SECONDS, fewer when the
-# deadline is nearer (leaving 10 s for the table); skipped when under 20 s are left.
-part() {
-  local name=$1 limit=$2; shift 2
-  local left=$(( DEADLINE_S - 10 - ($(date +%s) - started) ))
-  [ "$left" -lt "$limit" ] && limit=$left
-  if [ "$limit" -lt 20 ]; then elapsed "$name SKIPPED: out of time"; echo "skipped: out of time" >"$WORK/$name.log"; return; fi
-  elapsed "$name: up to $limit s"
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
-  local code=$?
-  if [ "$code" = 124 ] || [ "$code" = 137 ]; then elapsed "$name STOPPED at its $limit s limit"; tail -5 "$WORK/$name.log"
-  elif [ "$code" != 0 ]; then elapsed "$name FAILED (exit $code)"; tail -20 "$WORK/$name.log"
-  else elapsed "$name done"; fi
-}
-
-for wheels in .whl .whl-trl; do  # the device image lacks omegaconf, trl and datasets
-  if [ -d "$wheels" ] && ! $PY -c "import omegaconf, trl, datasets" 2>/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_run_all "$wheels"/*.whl \
-      && export PYTHONPATH=$PYTHONPATH:/tmp/site_run_all
-  fi
-done
+# shellcheck source=bench/parts.sh
+. bench/parts.sh
+wheels "$PY"  # the device image lacks omegaconf, trl and datasets
 if [ ! -f "$DATA/train.parquet" ]; then
   $PY -m fulcrum.cli data gsm8k --src ../shared/data/gsm8k --out "$DATA" || { echo "no GSM8K data in $DATA"; exit 1; }
 fi

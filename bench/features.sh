@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU figures of the features beside the core step, in one device call (one H200, < 9.5 min by
+# default), each a part under its own limit (bench/parts.sh):
+#   multi_turn  bench/multi_turn.py: 512 conversations x 3 turns with a 1-ms tool against single-turn
+#               generation of the same tokens, and one 200-ms tool (the multi-turn page's floor: 0.75)
+#   checkpoint  the seed command for 12 steps with a save every 5 (trainer.save_in_background): the step's
+#               stall, the wait for the previous write and each write's seconds (summary "checkpoints")
+#   lora        bench/lora.py: the 0.5B GRPO shape, LoRA rank 32 against full fine-tuning, same call
+#   qwen3, qwen3_moe   bench/rollout.py --shape qwen3-0.6b | qwen3-moe-small (the engine on those families)
+#   lora7b      bench/lora.py --shape 7b (writes a 15 GB random model first; a call of its own)
+#
+#   PARTS=multi_turn,checkpoint,qwen3,qwen3_moe RESULTS=$OUT bash bench/features.sh
+#   SMOKE=1 bash bench/features.sh      # multi_turn and the shape parts' scripts on the CPU, tiny models (~1 min)
+#
+# Inputs as bench/run_all.sh's ($DATA, $MODEL made when missing; carried wheel folders installed). With
+# $RESULTS set, at most 8 files are copied there: each part's JSON and one tar.gz of the logs.
+set -u
+cd "$(dirname "$0")/.."
+WORK=${WORK:-/tmp/features}; mkdir -p "$WORK"
+RESULTS=${RESULTS:-}
+SMOKE=${SMOKE:-0}
+DATA=${DATA:-.bench/gsm8k}
+PY=${PYTHON:-python3}
+DEADLINE_S=${DEADLINE_S:-560}
+PARTS=${PARTS:-multi_turn,checkpoint,qwen3,qwen3_moe}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+started=$(date +%s)
+# shellcheck source=bench/parts.sh
+. bench/parts.sh
+wheels "$PY"
+wants() { [[ ",$PARTS," == *",$1,"* ]]; }
+rm -rf "$WORK"/*.json "$WORK"/ckpt_run "$WORK"/lora "$WORK"/lora7b
+
+if [ "$SMOKE" = 1 ]; then
+  . bench/smoke_args.sh
+  SMALL=(--small --device cpu)
+  read -r -a SHAPE_ARGS <<<"$SMOKE_ROLLOUT_ARGS"  # a tiny Qwen2 in place of the shape: the script's path only
+  PARTS=multi_turn,qwen3,qwen3_moe  # the others time training steps of the 0.5B shape: GPU only
+else
+  SMALL=()
+  SHAPE_ARGS=()
+  if wants checkpoint || wants lora; then
+    if [ ! -f "$DATA/train.parquet" ]; then
+      $PY -m fulcrum.cli data gsm8k --src ../shared/data/gsm8k --out "$DATA" || { echo "no GSM8K data in $DATA"; exit 1; }
+    fi
+    MODEL=${MODEL:-.bench/qwen05}
+    [ -f "$MODEL/config.json" ] || $PY bench/train_step.py make-model --out "$MODEL" >/dev/null \
+      || { echo "could not make the model in $MODEL"; exit 1; }
+  fi
+fi
+elapsed "parts: $PARTS"
+
+# Limits (H200): the engine benches ~40-60 s each with graph capture; a 0.5B seed step ~6 s after ~60 s of
+# loading and compiling, a save of its 12 GB state 22-26 s in the step before background saving.
+if wants multi_turn; then
+  part multi_turn 150 "$PY" bench/multi_turn.py "${SMALL[@]}" --json "$WORK/multi_turn.json"
+fi
+if wants checkpoint; then
+  part checkpoint 240 "$PY" bench/train_step.py run --data "$DATA" --model "$MODEL" --run "$WORK/ckpt_run" --steps 12 \
+    --summary "$WORK/checkpoint.json" actor_rollout_ref.rollout.name=native trainer.test_freq=-1 trainer.save_freq=5 \
+    trainer.resume_mode=disable
+fi
+for shape in qwen3 qwen3_moe; do
+  if wants $shape; then
+    name=qwen3-0.6b; [ $shape = qwen3_moe ] && name=qwen3-moe-small
+    part $shape 100 "$PY" bench/rollout.py "${SHAPE_ARGS[@]}" --shape $name --skip-hf --json "$WORK/rollout_$shape.json"
+  fi
+done
+if wants lora; then
+  part lora 280 "$PY" bench/lora.py --data "$DATA" --model "$MODEL" --out "$WORK/lora" --steps 3
+fi
+if wants lora7b; then
+  part lora7b 540 "$PY" bench/lora.py --shape 7b --data "$DATA" --model "${MODEL7B:-/tmp/qwen7b}" --out "$WORK/lora7b" --steps 2
+fi
+
+if [ -n "$RESULTS" ]; then  # the parts' JSON (LoRA's named by variant) and the logs, at most 8 files
+  mkdir -p "$RESULTS"
+  for f in "$WORK"/*.json "$WORK"/lora/*.json "$WORK"/lora7b/*.json; do
+    [ -f "$f" ] || continue
+    case $f in "$WORK"/lora*/*) name=$(basename "$(dirname "$f")")_$(basename "$f") ;; *) name=$(basename "$f") ;; esac
+    cp "$f" "$RESULTS/$name"
+  done
+  (cd "$WORK" && tar czf "$RESULTS/features_logs.tar.gz" ./*.log)
+fi
+elapsed done
