@@ -72,8 +72,9 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if (shared / f"{split}.jsonl").is_file():
             lines = (shared / f"{split}.jsonl").read_text().splitlines()[:4]
             (src / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
-        else:  # the release is not committed; two made-up rows in its format
-            row = {"question": "Tom has 1 apple and buys 2. How many?", "answer": "1 + 2 = 3\n#### 3"}
+        else:  # the release is not committed; made-up rows in its format, whose answer is not the
+            # stand-in model's "3" (TOOL_TEXT's reward=0.0, as on the release's first rows)
+            row = {"question": "Tom has 2 apples and buys 3. How many?", "answer": "2 + 3 = 5\n#### 5"}
             (src / f"{split}.jsonl").write_text((json.dumps(row) + "\n") * 4)
     assert data_main(["gsm8k", "--src", str(src), "--out", str(root / "data"), "--multi-turn-tool"]) == 0
     shutil.copy(root / "data/train.parquet", root / "data.parquet")
