@@ -62,9 +62,11 @@ SECTIONS: list[tuple[str, list[Panel]]] = [
                 prefix="val-core/",
             ),
             Panel(
-                "Advantages",
+                "Advantages, and prompt groups scored alike",
                 ("critic/advantages/mean", "critic/advantages/max", "critic/advantages/min"),
-                "the mean stays near 0 after whitening; drifting: reward scale, critic",
+                "the mean stays near 0 after whitening; drifting: reward scale, critic; groups_alike "
+                "(right axis) high: GRPO learns from few groups (a larger rollout.n or temperature, filter_groups)",
+                right_keys=("critic/score/groups_alike",),
             ),
         ],
     ),
