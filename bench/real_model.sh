@@ -89,7 +89,8 @@ case $stage in
   multistep-tools)
     # Both warm starts (tool traces / worked solutions, same SFT budget) and the six GRPO runs in one call:
     # bench/learning_tools.py's TOOLS plan is sized for SmolLM2 on one H200.
-    python bench/learning_tools.py --out "$2" ${3:+--results "$3"} --set base_model="$1" ;;
+    python bench/learning_tools.py --out "$2" ${3:+--results "$3"} --set base_model="$1" \
+      deadline_s="$(awk "BEGIN { print $DEADLINE_MIN * 60 }")" ;;
   throughput)
     # The seed command's shape (512 x 256, PPO with a critic, micro-batches of 8) and the GRPO shape
     # (128 prompts x 8, micro-batches of 64) on SmolLM2 with the native engine: 4 steps, the first compiles.
