@@ -1,0 +1,413 @@
+"""Where a decode step's time goes in the native engine: kernels by kind, launch gaps, the host between windows.
+
+    python bench/decode_profile.py --json decode_profile.json               # one GPU, Qwen2.5-0.5B shape
+    python bench/decode_profile.py --model DIR --json smollm2_profile.json  # a real checkpoint (`fulcrum pretrained`)
+    python bench/decode_profile.py --small --device cpu --prompts 8 --new-tokens 32   # a smoke run
+
+Workload and engine: bench/rollout.py's (`bench_native`: the same EngineConfig, CUDA graphs on unless
+`--enforce-eager`, every bucket captured, a warm-up generate, then `--repeats` timed ones without the
+profiler). Then one more generate runs under `torch.profiler` (CPU and CUDA activities), with three
+host annotations added to the engine's instance (its code is unchanged): `prefill` around each
+prefill step (first-token sampling included), `decode_window` around each window of `decode_steps`
+steps (one host round trip), `decode_step` around each step's forward (a graph replay, or the eager
+forward). A GPU event (kernel, memcpy, memset) belongs to the step whose host span holds its launch
+(the runtime or driver call with the same correlation id: the kernels of a graph replay share the
+`cudaGraphLaunch`'s), so a step is its forward plus the sampler and bookkeeping that follow it.
+
+Per decode step, on the GPU timeline: `wall` (first event of the step to the first of the next; the
+last step of a window ends at its last event), `busy` (the union of its events), `idle` (wall - busy:
+the GPU waiting for launches), `busy` split by `KERNEL_CATEGORIES`, and `host` (the host span of the
+step). Medians over steps, and totals over the decode phase: its wall (first to last decode event),
+busy, idle within windows, and the GPU idle between consecutive windows (the host reading the
+window's tokens, the scheduler, the next window's block tables). The prefill phase: steps, host
+seconds, GPU busy. Printed as a table, written as JSON with `--json`; `--trace FILE` keeps the
+Chrome trace (.json or .json.gz; Perfetto opens it).
+
+On the CPU there are no device events: step times are the host spans, the categories stay empty, and
+the CPU ops with the most self time over the whole profiled generate are listed instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gzip
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rollout import bench_native, build_model, prompt_lengths, random_prompts, timed
+
+from fulcrum.rollout import SamplingParams
+from fulcrum.rollout.native import NativeEngine
+
+# Kernel name -> category: the first category with a pattern that is a substring of the lower-cased
+# name wins, so the order matters ("index_copy" is a KV write before "copy" is a copy; the prefill's
+# flash kernels mention softmax but are attention). A name that matches none is "other"; the JSON
+# lists the busiest names of every category, "other" included, so the patterns can be checked.
+KERNEL_CATEGORIES: dict[str, tuple[str, ...]] = {
+    # the paged decode kernel (kernels.py), the gather fallback's SDPA, the prefill's flash kernels
+    "attention": ("paged_decode", "decode_attention", "flash", "fmha", "attention", "sdpa"),
+    # K/V of the new tokens into the paged cache: `index_copy_`, or the indirect-cache kernel
+    "kv_write": ("store_kv", "index_copy", "index_put"),
+    # the fused Gumbel-max kernel; the torch sampler's softmax / argmax / sort / exponential noise
+    "sampling": ("gumbel_sample", "softmax", "argmax", "topk", "sort", "distribution", "multinomial"),
+    # cuBLAS / CUTLASS GEMMs and GEMVs (Hopper: sm90_xmma_*, cutlass3x_sm90_*, nvjet_*)
+    "gemm": ("gemm", "gemv", "cutlass", "cublas", "nvjet", "xmma", "sm90_", "splitkreduce"),
+    # the Triton kernels of kernels.py (_add_rms_norm_kernel, _rope_kernel, _silu_mul_kernel)
+    "norm_rope_act": ("rms_norm", "rope", "silu", "gelu"),
+    # transfers and fills: Memcpy HtoD/DtoH/DtoD, Memset, copy and fill kernels
+    "copy": ("memcpy", "memset", "copy", "fill"),
+}
+OTHER = "other"
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # the trace's device events
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # Triton launches through the driver API
+PREFILL, WINDOW, STEP = "prefill", "decode_window", "decode_step"
+
+
+@dataclass
+class DeviceEvent:
+    name: str
+    start: float  # µs, the trace's clock
+    end: float
+    category: str
+
+
+@dataclass
+class Step:
+    host_start: float
+    host_end: float
+    events: list[DeviceEvent] = field(default_factory=list)
+
+
+@dataclass
+class Window:
+    host_start: float
+    host_end: float
+    steps: list[Step] = field(default_factory=list)
+
+    def events(self) -> list[DeviceEvent]:
+        return [e for step in self.steps for e in step.events]
+
+
+def category_of(name: str) -> str:
+    """The KERNEL_CATEGORIES entry of a device event's name (OTHER when no pattern matches)."""
+    lowered = name.lower()
+    for category, patterns in KERNEL_CATEGORIES.items():
+        if any(pattern in lowered for pattern in patterns):
+            return category
+    return OTHER
+
+
+def union_us(spans: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (events on several streams may overlap)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+# ---------------------------------------------------------------------------------- trace -> windows
+def host_spans(trace: list[dict[str, Any]], label: str) -> list[tuple[float, float]]:
+    """(start, end) µs of the host annotations named `label`, in time order."""
+    spans = [
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+        for e in trace
+        if e.get("cat") == "user_annotation" and e.get("name") == label
+    ]
+    return sorted(spans)
+
+
+def launched_events(trace: list[dict[str, Any]]) -> list[tuple[float, DeviceEvent]]:
+    """(host launch time, event) of every device event whose launch call the trace holds."""
+    launches = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in trace
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+    }
+    out = []
+    for e in trace:
+        correlation = e.get("args", {}).get("correlation")
+        if e.get("cat") in GPU_CATEGORIES and correlation in launches:
+            start = float(e["ts"])
+            event = DeviceEvent(e["name"], start, start + float(e.get("dur", 0)), category_of(e["name"]))
+            out.append((launches[correlation], event))
+    return sorted(out, key=lambda pair: pair[0])
+
+
+def decode_windows(trace: list[dict[str, Any]]) -> list[Window]:
+    """The decode windows, their steps, and each step's device events (by host launch time).
+
+    A step runs from its forward's annotation to the next one's (the last to the window's end); the
+    window's set-up before its first step (block tables, inputs) counts in its first step."""
+    windows = [Window(start, end) for start, end in host_spans(trace, WINDOW)]
+    step_starts = [start for start, _ in host_spans(trace, STEP)]
+    for window in windows:
+        starts = [s for s in step_starts if window.host_start <= s <= window.host_end]
+        if not starts:
+            continue
+        bounds = [window.host_start, *starts[1:], window.host_end]
+        window.steps = [Step(lo, hi) for lo, hi in itertools.pairwise(bounds)]
+    for launch, event in launched_events(trace):
+        for window in windows:
+            if window.host_start <= launch <= window.host_end:
+                step = next(s for s in reversed(window.steps) if s.host_start <= launch)
+                step.events.append(event)
+                break
+    return [w for w in windows if w.steps]
+
+
+def prefill_figures(trace: list[dict[str, Any]], on_device: bool) -> dict[str, float]:
+    """The prefill phase: steps, host seconds and (on a device) the union of its device events."""
+    spans = host_spans(trace, PREFILL)
+    figures = {"steps": len(spans), "host_s": round(sum(hi - lo for lo, hi in spans) / 1e6, 4)}
+    if on_device:
+        events = [e for launch, e in launched_events(trace) if any(lo <= launch <= hi for lo, hi in spans)]
+        figures["gpu_busy_s"] = round(union_us((e.start, e.end) for e in events) / 1e6, 4)
+    return figures
+
+
+# ---------------------------------------------------------------------------------- windows -> figures
+def step_rows(window: Window, on_device: bool) -> list[dict[str, float]]:
+    """Per step (µs): wall, host, and on a device busy, idle and busy per category."""
+    rows = []
+    for k, step in enumerate(window.steps):
+        row = {"host": step.host_end - step.host_start}
+        if on_device and step.events:
+            start = min(e.start for e in step.events)
+            following = window.steps[k + 1].events if k + 1 < len(window.steps) else []
+            end = min(e.start for e in following) if following else max(e.end for e in step.events)
+            busy = union_us((e.start, min(e.end, end)) for e in step.events)
+            row.update(wall=end - start, busy=busy, idle=end - start - busy)
+            for category in (*KERNEL_CATEGORIES, OTHER):
+                row[category] = sum(e.end - e.start for e in step.events if e.category == category)
+        else:
+            row["wall"] = row["host"]
+        rows.append(row)
+    return rows
+
+
+def between_windows(windows: list[Window], on_device: bool) -> list[dict[str, float]]:
+    """Per pair of consecutive windows (µs): host time outside both, and the GPU idle between them."""
+    rows = []
+    for before, after in itertools.pairwise(windows):
+        row = {"host": after.host_start - before.host_end}
+        if on_device and before.events() and after.events():
+            row["gpu_idle"] = min(e.start for e in after.events()) - max(e.end for e in before.events())
+        rows.append(row)
+    return rows
+
+
+def medians(rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({key for row in rows for key in row})
+    return {key: round(statistics.median(row[key] for row in rows if key in row), 1) for key in keys}
+
+
+def top_names(windows: list[Window], steps: int, count: int = 5) -> dict[str, list[list[Any]]]:
+    """Per category: its busiest device event names, [name, µs per step, events per step]."""
+    time_of: dict[tuple[str, str], float] = defaultdict(float)
+    calls: dict[tuple[str, str], int] = defaultdict(int)
+    for event in (e for w in windows for e in w.events()):
+        time_of[event.category, event.name] += event.end - event.start
+        calls[event.category, event.name] += 1
+    out: dict[str, list[list[Any]]] = defaultdict(list)
+    for (category, name), us in sorted(time_of.items(), key=lambda item: -item[1]):
+        if len(out[category]) < count:
+            out[category].append([name[:120], round(us / steps, 1), round(calls[category, name] / steps, 2)])
+    return dict(out)
+
+
+def decode_figures(windows: list[Window], on_device: bool) -> dict[str, Any]:
+    """The decode phase: totals (s), per-step and between-window medians (µs), top kernels."""
+    steps = [row for window in windows for row in step_rows(window, on_device)]
+    gaps = between_windows(windows, on_device)
+    figures: dict[str, Any] = {
+        "windows": len(windows),
+        "steps": len(steps),
+        "step_median_us": medians(steps),
+        "step_mean_us": {k: round(sum(r.get(k, 0) for r in steps) / len(steps), 1) for k in steps[0]},
+        "between_windows_median_us": medians(gaps) if gaps else {},
+    }
+    events = [e for w in windows for e in w.events()]
+    if on_device and events:
+        totals_us = {
+            "wall_s": max(e.end for e in events) - min(e.start for e in events),
+            "gpu_busy_s": union_us((e.start, e.end) for e in events),
+            "idle_in_windows_s": sum(r.get("idle", 0) for r in steps),
+            "idle_between_windows_s": sum(r.get("gpu_idle", 0) for r in gaps),
+        }
+        figures.update({key: round(us / 1e6, 4) for key, us in totals_us.items()})
+        figures["top_kernels"] = top_names(windows, len(steps))
+    else:
+        figures["wall_s"] = round((windows[-1].host_end - windows[0].host_start) / 1e6, 4)
+    return figures
+
+
+# ---------------------------------------------------------------------------------- profiling
+def annotate(obj: object, method: str, label: str) -> None:
+    """Wrap `obj.method` (on the instance only) in a profiler annotation named `label`."""
+    original: Callable[..., Any] = getattr(obj, method)
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with record_function(label):
+            return original(*args, **kwargs)
+
+    setattr(obj, method, wrapped)
+
+
+def annotate_engine(engine: NativeEngine) -> None:
+    """Mark prefill steps, decode windows and decode steps; the step is a replay or an eager forward."""
+    runner = engine.runner
+    annotate(engine.stepper, "_prefill", PREFILL)
+    annotate(runner, "decode", WINDOW)
+    annotate(runner, "_graph_logits" if runner.use_graphs else "_decode_forward", STEP)
+
+
+def load_trace(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as handle:
+        return json.load(handle)["traceEvents"]
+
+
+def profiled_generate(
+    engine: NativeEngine, prompts: list[list[int]], params: SamplingParams, device: torch.device, trace: Path
+) -> tuple[float, list[dict[str, Any]], list[list[Any]]]:
+    """One generate under the profiler: (seconds, trace events, top CPU ops by self time).
+
+    The CPU ops are listed on the CPU only: there they are the split; on a GPU, sorting a whole
+    rollout's ops costs time and says less than the kernels do."""
+    on_device = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+    with profile(activities=activities) as prof:
+        seconds = timed(lambda: engine.generate(prompts, params), device)
+    prof.export_chrome_trace(str(trace))
+    cpu_ops: list[list[Any]] = []
+    if not on_device:
+        averages = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)
+        cpu_ops = [[a.key[:80], round(a.self_cpu_time_total / 1e3, 2), a.count] for a in averages[:10]]
+    return seconds, load_trace(trace), cpu_ops
+
+
+# ---------------------------------------------------------------------------------- report
+def print_table(summary: dict[str, Any]) -> None:
+    decode, prefill = summary["decode"], summary["prefill"]
+    step, mean = decode["step_median_us"], decode["step_mean_us"]
+    busy = f", GPU busy {prefill['gpu_busy_s']:.4f} s" if "gpu_busy_s" in prefill else ""
+    print(f"\ndecode: {decode['windows']} windows, {decode['steps']} steps, {decode['wall_s']:.4f} s; "
+          f"prefill: {prefill['steps']} steps, host {prefill['host_s']:.4f} s{busy}")  # fmt: skip
+    print(f"{'per decode step (µs)':<28}{'median':>10}{'mean':>10}")
+    keys = ["wall", "host", "busy", "idle", *KERNEL_CATEGORIES, OTHER]
+    for key in (k for k in keys if k in step):
+        print(f"{key:<28}{step[key]:>10.1f}{mean[key]:>10.1f}")
+    for key, value in decode["between_windows_median_us"].items():
+        print(f"{'between windows: ' + key:<28}{value:>10.1f}")
+    for key in ("gpu_busy_s", "idle_in_windows_s", "idle_between_windows_s"):
+        if key in decode:
+            print(f"{'decode total: ' + key:<28}{decode[key]:>10.4f}")
+    for category, rows in decode.get("top_kernels", {}).items():
+        for name, us_per_step, per_step in rows:
+            print(f"  {category:<14}{us_per_step:>8.1f} µs/step {per_step:>6} a step  {name[:70]}")
+    for name, self_ms, calls in summary.get("top_cpu_ops", []):
+        print(f"  cpu op {name[:40]:<40}{self_ms:>10.2f} ms self{calls:>8} calls")
+    if "note" in summary:
+        print(f"note: {summary['note']}")
+
+
+def load_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """A checkpoint from `--model DIR` (bf16 on CUDA), else bench/rollout.py's random model."""
+    if args.model is None:
+        return build_model(args, device)
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
+    model.generation_config.eos_token_id = None  # EOS ignored: every response is max_tokens long
+    return model
+
+
+# The workload and engine options of bench/rollout.py, with its defaults: both scripts build one engine.
+WORKLOAD_OPTIONS: dict[str, tuple[type, Any]] = {
+    "--prompts": (int, 512),
+    "--new-tokens": (int, 256),
+    "--max-num-seqs": (int, 512),
+    "--max-num-batched-tokens": (int, 16384),
+    "--decode-steps": (int, 16),
+    "--gpu-memory-utilization": (float, 0.5),
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="a tiny model (smoke test of the script)")
+    parser.add_argument("--shape", default="qwen2.5-0.5b", help="a bench/shapes.py shape (random weights)")
+    parser.add_argument("--model", default=None, help="a Hugging Face checkpoint folder instead of --shape")
+    parser.add_argument("--lengths", default=None, help="JSON list of prompt lengths")
+    for option, (kind, default) in WORKLOAD_OPTIONS.items():
+        parser.add_argument(option, type=kind, default=default)
+    for flag in ("--enforce-eager", "--indirect-kv-cache"):
+        parser.add_argument(flag, action="store_true")
+    parser.add_argument("--repeats", type=int, default=1, help="timed generates without the profiler")
+    parser.add_argument("--trace", default=None, help="keep the Chrome trace here (.json or .json.gz)")
+    parser.add_argument("--json", default=None, help="also write the summary here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(min(torch.get_num_threads(), 8))
+    device = torch.device(args.device)
+    on_device = device.type == "cuda"
+    summary: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "argv": sys.argv[1:],
+        "torch": torch.__version__,
+    }
+    if on_device:
+        summary["gpu"] = torch.cuda.get_device_name(device)
+    model = load_model(args, device)
+    prompts = random_prompts(prompt_lengths(args.prompts, args.lengths), model.config.vocab_size)
+    engine = bench_native(args, model, prompts, device, summary)  # built, captured, warmed up, timed
+    annotate_engine(engine)
+    summary["cuda_graphs"] = engine.runner.use_graphs
+    params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    with tempfile.TemporaryDirectory() as folder:
+        trace_path = Path(args.trace or Path(folder) / "trace.json")
+        seconds, trace, cpu_ops = profiled_generate(engine, prompts, params, device, trace_path)
+    summary["profiled_generate_s"] = round(seconds, 4)
+    summary["prefill"] = prefill_figures(trace, on_device)
+    summary["decode"] = decode_figures(decode_windows(trace), on_device)
+    summary["kernel_categories"] = KERNEL_CATEGORIES
+    if not on_device:
+        summary["note"] = (
+            "no device events on the CPU: step times are host spans, kernel categories are empty; "
+            "top_cpu_ops lists [op, self ms, calls] over the whole profiled generate (an annotation's "
+            "self time is the Python between its ops)"
+        )
+        summary["top_cpu_ops"] = cpu_ops
+    print_table(summary)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
