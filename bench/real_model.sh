@@ -13,6 +13,7 @@
 #   bash bench/real_model.sh multistep-warm MODEL_DIR WORK [RESULTS]        # SFT warm start only
 #   bash bench/real_model.sh multistep-rl MODEL_DIR WORK [RESULTS]          # the 6 RL runs, 8 min (WORK's warm start)
 #   bash bench/real_model.sh multistep-rl-more MODEL_DIR WORK [RESULTS]     # each run 5.2 more min
+#   bash bench/real_model.sh multistep-grpo-levers MODEL_DIR WORK [RESULTS]  # GRPO with DAPO's filter / n=16, 8 min
 #   bash bench/real_model.sh throughput MODEL_DIR GSM8K_SRC WORK RESULTS    # seed and GRPO step shapes
 #   bash bench/real_model.sh multistep-tools MODEL_DIR WORK [RESULTS]       # GRPO with a calculator vs without, 3 seeds
 #   bash bench/real_model.sh multistep-lora MODEL_DIR WORK [RESULTS]        # GRPO with LoRA vs full fine-tuning, 3 seeds
@@ -25,7 +26,7 @@ set -euo pipefail
 DEADLINE_MIN=${DEADLINE_MIN:-9.3}
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-stage=${1:?stage: convert | parity | gsm8k-warm | gsm8k-rl | gsm8k-rl-more | multistep | multistep-warm | multistep-rl | multistep-rl-more | throughput | multistep-tools | multistep-lora}
+stage=${1:?stage: convert | parity | gsm8k-warm | gsm8k-rl | gsm8k-rl-more | multistep | multistep-warm | multistep-rl | multistep-rl-more | multistep-grpo-levers | throughput | multistep-tools | multistep-lora}
 shift
 
 # SmolLM2's answers to GSM8K: prompts (chat template and system prompt included) up to 239 tokens in the
@@ -77,6 +78,18 @@ case $stage in
     # the next call, on the same warm machine: every run resumes from the checkpoint it saved at its stop
     python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 5.2 --deadline-min 6.4 --continue-runs \
       --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true ;;
+  multistep-grpo-levers)
+    # GRPO's levers for groups that all score alike (critic/score/groups_alike), from WORK's warm start, 3 seeds
+    # each, multistep-rl's 8-minute budget: DAPO's dynamic sampling (only groups with signal are trained; up to
+    # 4 generation rounds a step) and 16 responses a prompt over half the prompts (the same 512 a step).
+    # Their baseline is multistep-rl's GRPO runs; rl/ is kept aside as rl_earlier/ as there.
+    if [ -d "$2/rl" ]; then rm -rf "$2/rl_earlier"; mv "$2/rl" "$2/rl_earlier"; fi
+    DAPO=algorithm.filter_groups.enable=True,algorithm.filter_groups.metric=reward,algorithm.filter_groups.max_num_gen_batches=4
+    N16=actor_rollout_ref.rollout.n=16,data.train_batch_size=32,actor_rollout_ref.actor.ppo_mini_batch_size=16
+    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 8 --deadline-min "$DEADLINE_MIN" \
+      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" --variants \
+      $(for s in 1 2 3; do echo "dapo-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s,$DAPO"; done) \
+      $(for s in 1 2 3; do echo "n16-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s,$N16"; done) ;;
   multistep-lora)
     # LoRA against full fine-tuning on the multi-step task from the same SmolLM2 warm start, GRPO, 3 seeds
     # each, the same budget: rank 32 / alpha 64 on every linear, at 10x the full run's learning rate (verl
