@@ -44,6 +44,10 @@ GSM8K=(task=gsm8k num_dev=200 sft_lr=5e-5 sft_steps=228 sft_check_every=57 warm_
 # [0.3, 0.6]) at SmolLM2's learning rate, shorter prompts and responses.
 MULTISTEP=(sft_lr=5e-5 sft_steps=400 sft_check_every=20 max_response_length=128 max_prompt_length=256)
 
+# set_aside_rl WORK: an earlier stage's RL runs kept as WORK/rl_earlier/, so a stage starts its runs afresh
+# from WORK's warm start (bench/learning.py would take finished runs in WORK/rl/ as this stage's).
+set_aside_rl() { if [ -d "$1/rl" ]; then rm -rf "$1/rl_earlier"; mv "$1/rl" "$1/rl_earlier"; fi; }
+
 case $stage in
   convert)
     python -m fulcrum.cli pretrained smollm2-135m-instruct --from "$1" --out "$2" ;;
@@ -71,7 +75,7 @@ case $stage in
   multistep-rl)
     # RL from WORK's warm start for a whole call; an earlier stage's rl/ folder is kept aside as rl_earlier/.
     # Each run saves a checkpoint when its budget stops it, so multistep-rl-more continues it.
-    if [ -d "$2/rl" ]; then rm -rf "$2/rl_earlier"; mv "$2/rl" "$2/rl_earlier"; fi
+    set_aside_rl "$2"
     python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 8 --deadline-min "$DEADLINE_MIN" \
       --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true ;;
   multistep-rl-more)
@@ -83,7 +87,7 @@ case $stage in
     # each, multistep-rl's 8-minute budget: DAPO's dynamic sampling (only groups with signal are trained; up to
     # 4 generation rounds a step) and 16 responses a prompt over half the prompts (the same 512 a step).
     # Their baseline is multistep-rl's GRPO runs; rl/ is kept aside as rl_earlier/ as there.
-    if [ -d "$2/rl" ]; then rm -rf "$2/rl_earlier"; mv "$2/rl" "$2/rl_earlier"; fi
+    set_aside_rl "$2"
     DAPO=algorithm.filter_groups.enable=True,algorithm.filter_groups.metric=reward,algorithm.filter_groups.max_num_gen_batches=4
     N16=actor_rollout_ref.rollout.n=16,data.train_batch_size=32,actor_rollout_ref.actor.ppo_mini_batch_size=16
     python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 8 --deadline-min "$DEADLINE_MIN" \

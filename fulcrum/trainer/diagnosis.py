@@ -374,13 +374,14 @@ def non_finite(rows: Sequence[Row]) -> list[Finding]:
 def groups_without_signal(rows: Sequence[Row]) -> list[Finding]:
     """critic/score/groups_alike: the median over the last ALIKE_STEPS steps at or above ALIKE_LIMIT (most
     prompt groups score alike, so most of a GRPO-style step teaches nothing)."""
-    points = finite_series(training_rows(rows), "critic/score/groups_alike")
+    train = training_rows(rows)
+    points = finite_series(train, "critic/score/groups_alike")
     if len(points) < ALIKE_STEPS:
         return []
     recent = statistics.median(v for _, v in points[-ALIKE_STEPS:])
     if recent < ALIKE_LIMIT:
         return []
-    scores = finite_series(training_rows(rows), "critic/score/mean")
+    scores = finite_series(train, "critic/score/mean")
     side = ""
     if scores:
         mean = scores[-1][1]
