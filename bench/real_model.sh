@@ -14,19 +14,22 @@
 #   bash bench/real_model.sh multistep-rl MODEL_DIR WORK [RESULTS]          # the 6 RL runs, 8 min (WORK's warm start)
 #   bash bench/real_model.sh multistep-rl-more MODEL_DIR WORK [RESULTS]     # each run 5.2 more min
 #   bash bench/real_model.sh multistep-grpo-levers MODEL_DIR WORK [RESULTS]  # GRPO with DAPO's filter / n=16, 8 min
+#   bash bench/real_model.sh multistep-rl-dapo MODEL_DIR WORK [RESULTS]     # PPO beside GRPO with DAPO's filter, 8 min
+#   bash bench/real_model.sh multistep-rl-dapo-more MODEL_DIR WORK [RESULTS]  # each of those 5.2 more min
 #   bash bench/real_model.sh throughput MODEL_DIR GSM8K_SRC WORK RESULTS    # seed and GRPO step shapes
 #   bash bench/real_model.sh multistep-tools MODEL_DIR WORK [RESULTS]       # GRPO with a calculator vs without, 3 seeds
 #   bash bench/real_model.sh multistep-lora MODEL_DIR WORK [RESULTS]        # GRPO with LoRA vs full fine-tuning, 3 seeds
 #
 # Each stage fits one 10-minute call; the gsm8k stages share WORK (bench/learning.py resumes from it).
 # DEADLINE_MIN (9.3) stops every run of a learning stage that many minutes after it started: lower it when
-# the same call converts the model first.
+# the same call converts the model first. BUDGET_MIN sets the RL minutes of the multistep-rl-dapo stages.
 # The settings below are the benchmark: every figure in BENCHMARKS.md's real-model section names them.
 set -euo pipefail
+MORE_DEADLINE_MIN=${DEADLINE_MIN:-6.4}  # a -more stage's default: its budget plus the runs' restart
 DEADLINE_MIN=${DEADLINE_MIN:-9.3}
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-stage=${1:?stage: convert | parity | gsm8k-warm | gsm8k-rl | gsm8k-rl-more | multistep | multistep-warm | multistep-rl | multistep-rl-more | multistep-grpo-levers | throughput | multistep-tools | multistep-lora}
+stage=${1:?stage: convert | parity | gsm8k-warm | gsm8k-rl | gsm8k-rl-more | multistep | multistep-warm | multistep-rl | multistep-rl-more | multistep-grpo-levers | multistep-rl-dapo | multistep-rl-dapo-more | throughput | multistep-tools | multistep-lora}
 shift
 
 # SmolLM2's answers to GSM8K: prompts (chat template and system prompt included) up to 239 tokens in the
@@ -47,6 +50,16 @@ MULTISTEP=(sft_lr=5e-5 sft_steps=400 sft_check_every=20 max_response_length=128 
 # set_aside_rl WORK: an earlier stage's RL runs kept as WORK/rl_earlier/, so a stage starts its runs afresh
 # from WORK's warm start (bench/learning.py would take finished runs in WORK/rl/ as this stage's).
 set_aside_rl() { if [ -d "$1/rl" ]; then rm -rf "$1/rl_earlier"; mv "$1/rl" "$1/rl_earlier"; fi; }
+
+# DAPO's dynamic sampling, verl's keys: a step trains only prompt groups whose rewards differ, generating
+# rounds until it has data.train_batch_size of them (max_num_gen_batches=0: no round limit, since at 75 %
+# accuracy most groups of 8 score alike and a limit would stop the run with an error).
+DAPO=algorithm.filter_groups.enable=True,algorithm.filter_groups.metric=reward
+# ms_dapo_variants: multistep-rl's PPO runs, and GRPO with dynamic sampling in place of its plain GRPO runs.
+ms_dapo_variants() {
+  for s in 1 2 3; do echo "ppo-s$s=algorithm.adv_estimator=gae,trainer.seed=$s"; done
+  for s in 1 2 3; do echo "grpo-dapo-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s,$DAPO,algorithm.filter_groups.max_num_gen_batches=0"; done
+}
 
 case $stage in
   convert)
@@ -88,12 +101,21 @@ case $stage in
     # 4 generation rounds a step) and 16 responses a prompt over half the prompts (the same 512 a step).
     # Their baseline is multistep-rl's GRPO runs; rl/ is kept aside as rl_earlier/ as there.
     set_aside_rl "$2"
-    DAPO=algorithm.filter_groups.enable=True,algorithm.filter_groups.metric=reward,algorithm.filter_groups.max_num_gen_batches=4
     N16=actor_rollout_ref.rollout.n=16,data.train_batch_size=32,actor_rollout_ref.actor.ppo_mini_batch_size=16
     python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 8 --deadline-min "$DEADLINE_MIN" \
       --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" --variants \
-      $(for s in 1 2 3; do echo "dapo-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s,$DAPO"; done) \
+      $(for s in 1 2 3; do echo "dapo-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s,$DAPO,algorithm.filter_groups.max_num_gen_batches=4"; done) \
       $(for s in 1 2 3; do echo "n16-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s,$N16"; done) ;;
+  multistep-rl-dapo)
+    # PPO as multistep-rl, beside GRPO with dynamic sampling (the lever `fulcrum report` names when
+    # critic/score/groups_alike stays high, as plain GRPO's did on this task); each run saves at its stop.
+    set_aside_rl "$2"
+    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min "${BUDGET_MIN:-8}" --deadline-min "$DEADLINE_MIN" \
+      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true --variants $(ms_dapo_variants) ;;
+  multistep-rl-dapo-more)
+    # the next call, on the same warm machine: every run resumes from the checkpoint it saved at its stop
+    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min "${BUDGET_MIN:-5.2}" --deadline-min "$MORE_DEADLINE_MIN" \
+      --continue-runs --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true --variants $(ms_dapo_variants) ;;
   multistep-lora)
     # LoRA against full fine-tuning on the multi-step task from the same SmolLM2 warm start, GRPO, 3 seeds
     # each, the same budget: rank 32 / alpha 64 on every linear, at 10x the full run's learning rate (verl
