@@ -9,6 +9,8 @@
 #   bash bench/real_model.sh gsm8k-warm MODEL_DIR GSM8K_SRC WORK [RESULTS]   # base check + SFT (+ checks)
 #   bash bench/real_model.sh gsm8k-rl MODEL_DIR GSM8K_SRC WORK [RESULTS]     # the 6 RL runs (resumes WORK)
 #   bash bench/real_model.sh gsm8k-rl-more MODEL_DIR GSM8K_SRC WORK [RESULTS]  # each run 7 more minutes
+#   bash bench/real_model.sh gsm8k-rl-dapo MODEL_DIR GSM8K_SRC WORK [RESULTS]  # PPO beside GRPO with DAPO's filter
+#   bash bench/real_model.sh gsm8k-rl-dapo-more MODEL_DIR GSM8K_SRC WORK [RESULTS]  # each of those 5.2 more min
 #   bash bench/real_model.sh multistep MODEL_DIR WORK [RESULTS]             # SFT warm start + 6 RL runs (4.5 min)
 #   bash bench/real_model.sh multistep-warm MODEL_DIR WORK [RESULTS]        # SFT warm start only
 #   bash bench/real_model.sh multistep-rl MODEL_DIR WORK [RESULTS]          # the 6 RL runs, 8 min (WORK's warm start)
@@ -22,14 +24,14 @@
 #
 # Each stage fits one 10-minute call; the gsm8k stages share WORK (bench/learning.py resumes from it).
 # DEADLINE_MIN (9.3) stops every run of a learning stage that many minutes after it started: lower it when
-# the same call converts the model first. BUDGET_MIN sets the RL minutes of the multistep-rl-dapo stages.
+# the same call converts the model first. BUDGET_MIN sets the RL minutes of the -dapo stages.
 # The settings below are the benchmark: every figure in BENCHMARKS.md's real-model section names them.
 set -euo pipefail
 MORE_DEADLINE_MIN=${DEADLINE_MIN:-6.4}  # a -more stage's default: its budget plus the runs' restart
 DEADLINE_MIN=${DEADLINE_MIN:-9.3}
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-stage=${1:?stage: convert | parity | gsm8k-warm | gsm8k-rl | gsm8k-rl-more | multistep | multistep-warm | multistep-rl | multistep-rl-more | multistep-grpo-levers | multistep-rl-dapo | multistep-rl-dapo-more | throughput | multistep-tools | multistep-lora}
+stage=${1:?stage: convert | parity | gsm8k-warm | gsm8k-rl | gsm8k-rl-more | gsm8k-rl-dapo | gsm8k-rl-dapo-more | multistep | multistep-warm | multistep-rl | multistep-rl-more | multistep-grpo-levers | multistep-rl-dapo | multistep-rl-dapo-more | throughput | multistep-tools | multistep-lora}
 shift
 
 # SmolLM2's answers to GSM8K: prompts (chat template and system prompt included) up to 239 tokens in the
@@ -52,11 +54,12 @@ MULTISTEP=(sft_lr=5e-5 sft_steps=400 sft_check_every=20 max_response_length=128 
 set_aside_rl() { if [ -d "$1/rl" ]; then rm -rf "$1/rl_earlier"; mv "$1/rl" "$1/rl_earlier"; fi; }
 
 # DAPO's dynamic sampling, verl's keys: a step trains only prompt groups whose rewards differ, generating
-# rounds until it has data.train_batch_size of them (max_num_gen_batches=0: no round limit, since at 75 %
-# accuracy most groups of 8 score alike and a limit would stop the run with an error).
+# rounds until it has data.train_batch_size of them (max_num_gen_batches=0: no round limit, since when most
+# groups of 8 score alike, solved at 75 % on the multi-step task or failed at 3 % on GSM8K, a limit would
+# stop the run with an error).
 DAPO=algorithm.filter_groups.enable=True,algorithm.filter_groups.metric=reward
-# ms_dapo_variants: multistep-rl's PPO runs, and GRPO with dynamic sampling in place of its plain GRPO runs.
-ms_dapo_variants() {
+# dapo_variants: the PPO runs of the grid, and GRPO with dynamic sampling in place of its plain GRPO runs.
+dapo_variants() {
   for s in 1 2 3; do echo "ppo-s$s=algorithm.adv_estimator=gae,trainer.seed=$s"; done
   for s in 1 2 3; do echo "grpo-dapo-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s,$DAPO,algorithm.filter_groups.max_num_gen_batches=0"; done
 }
@@ -78,6 +81,15 @@ case $stage in
     # the next call, on the same warm machine: every run resumes from the checkpoint it saved at its stop
     python bench/learning.py --out "$3" ${4:+--results "$4"} --budget-min 7 --deadline-min "$DEADLINE_MIN" --continue-runs \
       --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" ;;
+  gsm8k-rl-dapo)
+    # PPO beside GRPO with dynamic sampling from gsm8k-warm's SFT start (3 % accuracy: most groups of 8
+    # fail alike); an earlier stage's rl/ folder is kept aside as rl_earlier/; each run saves at its stop.
+    set_aside_rl "$3"
+    python bench/learning.py --out "$3" ${4:+--results "$4"} --budget-min "${BUDGET_MIN:-7}" --deadline-min "$DEADLINE_MIN" \
+      --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" --variants $(dapo_variants) ;;
+  gsm8k-rl-dapo-more)
+    python bench/learning.py --out "$3" ${4:+--results "$4"} --budget-min "${BUDGET_MIN:-5.2}" --deadline-min "$MORE_DEADLINE_MIN" \
+      --continue-runs --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" --variants $(dapo_variants) ;;
   multistep)
     # SFT and RL in one call, so a shorter RL budget.
     python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 4.5 --deadline-min "$DEADLINE_MIN" \
@@ -111,11 +123,11 @@ case $stage in
     # critic/score/groups_alike stays high, as plain GRPO's did on this task); each run saves at its stop.
     set_aside_rl "$2"
     python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min "${BUDGET_MIN:-8}" --deadline-min "$DEADLINE_MIN" \
-      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true --variants $(ms_dapo_variants) ;;
+      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true --variants $(dapo_variants) ;;
   multistep-rl-dapo-more)
     # the next call, on the same warm machine: every run resumes from the checkpoint it saved at its stop
     python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min "${BUDGET_MIN:-5.2}" --deadline-min "$MORE_DEADLINE_MIN" \
-      --continue-runs --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true --variants $(ms_dapo_variants) ;;
+      --continue-runs --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true --variants $(dapo_variants) ;;
   multistep-lora)
     # LoRA against full fine-tuning on the multi-step task from the same SmolLM2 warm start, GRPO, 3 seeds
     # each, the same budget: rank 32 / alpha 64 on every linear, at 10x the full run's learning rate (verl
