@@ -29,7 +29,11 @@ def test_rounds_accumulate_until_enough_prompts_then_cut_to_the_batch() -> None:
     assert gate.enough
     batch = gate.take()
     assert batch.non_tensors["uid"] == ["r1-1", "r1-1", "r2-0", "r2-0", "r2-1", "r2-1"]
-    assert gate.metrics() == {"train/num_gen_batches": 2.0, "training/filter_groups/evicted_samples": 2.0}
+    assert gate.metrics() == {
+        "train/num_gen_batches": 2.0,
+        "training/filter_groups/evicted_samples": 2.0,
+        "training/filter_groups/groups_alike": 2 / 6,  # 2 of the 6 groups generated scored alike
+    }
 
 
 def test_too_many_rounds_stops_with_the_reason() -> None:

@@ -83,6 +83,9 @@ def test_dapo_with_rollout_correction(
     steps = [r for r in rows if "train/num_gen_batches" in r]
     assert max(r["train/num_gen_batches"] for r in steps) >= 2  # extra rounds were drawn
     assert all(r["training/filter_groups/evicted_samples"] >= 1 for r in steps)
+    # the share before the filter: what the kept batch's critic/score/groups_alike (0) no longer shows
+    assert all(0 < r["training/filter_groups/groups_alike"] <= 1 for r in steps)
+    assert all(r.get("critic/score/groups_alike", 0.0) == 0.0 for r in steps)
     for key in ("rollout_is_mean", "rollout_is_eff_sample_size", "rollout_rs_token_k1_masked_fraction", "kl"):
         assert f"rollout_corr/{key}" in step, key
     # The engine and the trainer score the same policy: weights near 1, almost nothing rejected.

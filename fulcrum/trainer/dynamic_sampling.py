@@ -6,8 +6,10 @@ estimators: it costs a backward pass and teaches nothing. As in verl's DAPO trai
 generated and scored, the groups without signal are dropped, and rounds are added until enough
 prompts remain (then the batch is cut to train_batch_size prompts), or `max_num_gen_batches` rounds
 (<= 0: no limit) have not sufficed, which stops the run with an error that says why.
-Metrics: `train/num_gen_batches` (rounds this step, verl's DAPO name) and
-`training/filter_groups/evicted_samples` (groups dropped this step, verl's v1 name).
+Metrics: `train/num_gen_batches` (rounds this step, verl's DAPO name),
+`training/filter_groups/evicted_samples` (groups dropped this step, verl's v1 name) and
+`training/filter_groups/groups_alike` (the dropped share of all groups generated this step: what
+`critic/score/groups_alike` would read without the filter, which reads 0 on the kept batch).
 """
 
 from __future__ import annotations
@@ -67,12 +69,14 @@ class GroupFilter:
         self.num_prompts = 0
         self.num_gen_batches = 0
         self.evicted = 0
+        self.generated = 0  # prompt groups generated over the rounds
 
     def add(self, batch: Any, values: Sequence[float]) -> None:
         """Add one generated and scored round; `batch.non_tensors['uid']` groups its rows."""
         self.num_gen_batches += 1
         rows, kept, dropped = rows_with_signal(values, batch.non_tensors["uid"])
         self.evicted += dropped
+        self.generated += kept + dropped
         self.num_prompts += kept
         if rows:
             self.kept.append(batch.select(torch.tensor(rows, dtype=torch.long)))
@@ -97,6 +101,7 @@ class GroupFilter:
         return {
             "train/num_gen_batches": float(self.num_gen_batches),
             "training/filter_groups/evicted_samples": float(self.evicted),
+            "training/filter_groups/groups_alike": self.evicted / max(self.generated, 1),
         }
 
     def take(self) -> Any:
