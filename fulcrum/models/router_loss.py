@@ -12,6 +12,14 @@ true; then the actor adds coef · loss to its policy loss and reports the loss a
 
 The router logits are read by forward hooks on the routers (`mlp.gate` of the expert layers), so the
 packed path, which runs the decoder layers itself, and the padded one see the same thing.
+
+Under Ulysses sequence parallelism (`fulcrum.parallel.ulysses`) each rank's routers see only its slice
+of the micro-batch's stream, padded at the stream's end. The loss is not a sum over tokens (Σ_e f_e · P_e
+of a slice is not the stream's), so it is not formed per slice: each rank sums its real tokens' per-expert
+statistics (top-k picks, softmax probabilities, row count), the sums are added up over the group
+(`sum_over_group`: all-reduce forward, identity backward) and every rank forms the same whole-micro-batch
+loss from them, reports it, and back-propagates only through its own tokens' probabilities; the group's
+gradients then add up to that loss's, as without SP. The stream's pad tokens do not count.
 """
 
 from __future__ import annotations
@@ -23,9 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from fulcrum.parallel.ulysses import SequenceParallel, sum_over_group
+
 
 def load_balancing_loss(
-    router_logits: Sequence[torch.Tensor], top_k: int, token_mask: torch.Tensor | None = None
+    router_logits: Sequence[torch.Tensor],
+    top_k: int,
+    token_mask: torch.Tensor | None = None,
+    sp: SequenceParallel | None = None,
 ) -> torch.Tensor:
     """Switch Transformer's auxiliary loss over all expert layers, as Hugging Face's
     `load_balancing_loss_func`: E · Σ_e f_e · P_e, where over the (layer, token) rows that count
@@ -34,6 +47,10 @@ def load_balancing_loss(
     router_logits: one (N, E) tensor per expert layer; token_mask: (N,) 1 = a real token (None: all
     count). Equals top_k when routing is uniform, up to E · top_k when every token picks the same
     experts. Returns a float32 scalar; gradients reach the routers through P_e.
+
+    sp: the sequence-parallel group whose ranks each hold a slice of the stream (router_logits and
+    token_mask this rank's): the sums behind f_e and P_e are taken over the whole group's rows, so every
+    rank returns the whole stream's loss; its gradient reaches only this rank's routers' rows.
     """
     mask = None if token_mask is None else token_mask.reshape(-1).float()
     experts = router_logits[0].shape[-1]
@@ -47,6 +64,10 @@ def load_balancing_loss(
         counts = counts + (picked * weight[:, None]).sum(0)
         probs = probs + (p * weight[:, None]).sum(0)
         rows = rows + weight.sum()
+    if sp is not None:  # one all-reduce of the group's [counts, probs, rows]
+        counts, probs, rows = sum_over_group(torch.cat([counts, probs, rows[None]]), sp).split(
+            [experts, experts, 1]
+        )
     return experts * ((counts / rows) * (probs / rows)).sum()
 
 

@@ -32,12 +32,12 @@ def shard_stream(packed: PackedMicroBatch, sp_size: int, sp_rank: int) -> Stream
     """Rank `sp_rank`'s share of `packed` for a group of `sp_size` (index work, on the host).
 
     The stream is padded to a multiple of `sp_size` with pad tokens (id 0) that form a sequence of their
-    own at the end, so no real token attends to them; rank r takes tokens r·n … (r+1)·n - 1. The
-    predictors are in stream order, so each rank's are a contiguous run of the M, and gathering the
-    ranks' results in rank order gives the M in order.
+    own at the end, so no real token attends to them (`real_tokens` tells them apart); rank r takes
+    tokens r·n … (r+1)·n - 1. The predictors are in stream order, so each rank's are a contiguous run
+    of the M, and gathering the ranks' results in rank order gives the M in order.
     """
     n_real = packed.input_ids.numel()
-    n = -(-n_real // sp_size)  # tokens per rank
+    n = tokens_per_rank(n_real, sp_size)
     pad = n * sp_size - n_real
     ids = torch.cat([packed.input_ids, packed.input_ids.new_zeros(pad)])  # (N',)
     positions = torch.cat([packed.position_ids, torch.arange(pad, dtype=packed.position_ids.dtype)])
@@ -56,3 +56,16 @@ def shard_stream(packed: PackedMicroBatch, sp_size: int, sp_rank: int) -> Stream
         labels=packed.labels[mine],
         counts=torch.bincount(owner, minlength=sp_size).tolist(),
     )
+
+
+def tokens_per_rank(n_real: int, sp_size: int) -> int:
+    """n: the tokens of each rank's slice of a stream of `n_real` real tokens padded to a multiple of
+    `sp_size`."""
+    return -(-n_real // sp_size)
+
+
+def real_tokens(n_real: int, sp_size: int, sp_rank: int) -> torch.Tensor:
+    """(n,) bool: which tokens of rank `sp_rank`'s slice (`shard_stream`) of a stream of `n_real` real
+    tokens are real; the positions of the padded stream at `n_real` or beyond are its pad tokens."""
+    n = tokens_per_rank(n_real, sp_size)
+    return torch.arange(sp_rank * n, (sp_rank + 1) * n) < n_real

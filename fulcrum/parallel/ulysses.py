@@ -6,7 +6,8 @@ needs every token of a sequence: before it an all-to-all over heads gives each r
 Hq / sp of the heads (`gather_seq_scatter_heads`), after it the reverse all-to-all gives each rank its
 tokens back with every head (`gather_heads_scatter_seq`), as verl's `verl/utils/ulysses.py` does.
 Per-token outputs (log-probs, values) are gathered at the end (`gather_rows`), so every rank of the group
-holds the micro-batch's whole result and computes the same loss.
+holds the micro-batch's whole result and computes the same loss; per-token sums that a loss is formed from
+(the router's load-balancing statistics) are added up over the group (`sum_over_group`) to the same end.
 
 The world is dp × sp: ranks g·sp … g·sp + sp - 1 form sequence-parallel group g and share one
 micro-batch; the data splits over the dp = world / sp groups (`dp_rank_and_size`). Gradients then add up
@@ -153,6 +154,32 @@ class _GatherRows(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         start, stop = ctx.bounds  # type: ignore[attr-defined]
         return grad[start:stop], None, None
+
+
+def sum_over_group(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """`x` summed over the ranks of the group: each rank's sum over its own tokens becomes the whole
+    stream's, on every rank.
+
+    The backward passes the gradient back unchanged, not summed over the group: every rank computes the
+    same loss from the sum, so the gradient each receives is already the whole loss's, and its own
+    tokens' part of it is what flows on from its own `x` (summing would count it `sp.size` times)."""
+    return _SumOverGroup.apply(x, sp)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, sp: SequenceParallel
+    ) -> torch.Tensor:
+        total = x.clone()
+        dist.all_reduce(total, group=sp.group)
+        return total
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return grad, None
 
 
 def sequence_parallel_heads(

@@ -226,7 +226,8 @@ class ActorWorker:
         if self.router_loss is not None:
             # This micro-batch's share of the mini-batch, by response tokens, as the policy loss's.
             coef, top_k = self.router_loss
-            balance = load_balancing_loss(router_logits, top_k, self.forwards.token_mask(mb))
+            tokens = self.forwards.token_mask(mb)  # with SP: this rank's real tokens of the stream
+            balance = load_balancing_loss(router_logits, top_k, tokens, self.forwards.sp)
             share = float(mb["response_mask"].sum()) / agg.get("batch_num_tokens", 1.0)
             policy_loss = policy_loss + coef * share * balance
             out["actor/load_balancing_loss"] = balance.detach()

@@ -31,6 +31,7 @@ from fulcrum.models.packed import (
     packing_unsupported_reason,
 )
 from fulcrum.models.precision import ComputeWeights, compute_dtype
+from fulcrum.models.stream_shard import real_tokens
 from fulcrum.parallel.fsdp import is_sharded
 from fulcrum.parallel.ulysses import SequenceParallel, check_heads, sequence_parallel_group
 from fulcrum.workers.micro_batch import (
@@ -203,8 +204,14 @@ class ModelForwards:
 
     def token_mask(self, mb: Batch) -> torch.Tensor | None:
         """Which rows of a forward's per-token tensors (e.g. router logits) are real tokens: the padded
-        forward runs the trimmed (B, T') grid, flattened; the packed stream holds only real tokens (None)."""
-        return None if self.packed else trimmed_inputs(mb, self.device)[1].reshape(-1)
+        forward runs the trimmed (B, T') grid, flattened; the packed stream holds only real tokens (None);
+        with sequence parallelism this rank's slice of it, padded at the stream's end (`real_tokens`)."""
+        if not self.packed:
+            return trimmed_inputs(mb, self.device)[1].reshape(-1)
+        if self.sp is None:
+            return None
+        n_real = int(mb["attention_mask"].sum())  # the packed stream's tokens (`pack_micro_batch`)
+        return real_tokens(n_real, self.sp.size, self.sp.rank).to(self.device)
 
     def values(self, mb: Batch, response_mask: torch.Tensor | None = None) -> torch.Tensor:
         return forward_values(self.model, mb, self.device, self.packed, response_mask, self.sp)
