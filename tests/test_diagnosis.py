@@ -60,6 +60,10 @@ def test_kl_spike_far_above_its_running_median() -> None:
     assert "actor/ppo_kl" in findings[0].message and "optim.lr" in findings[0].fix
     rows[8]["actor/ppo_kl"] = 0.006  # 3x: noise, not a spike
     assert "kl_spike" not in rules(rows)
+    for row in rows:  # a policy that barely moves: 0.0002 -> 0.003 is 15x, and still nothing
+        row["actor/ppo_kl"] = 0.0002
+    rows[8]["actor/ppo_kl"] = 0.003
+    assert "kl_spike" not in rules(rows)
 
 
 def test_kl_high_from_the_first_steps_which_the_spike_rule_cannot_see() -> None:
@@ -178,6 +182,22 @@ def test_grpo_groups_that_all_score_alike() -> None:
     rows[-3]["critic/score/groups_alike"] = 0.3
     assert "groups_without_signal" not in rules(rows)  # the median of the last 5 is 0.3
     assert "groups_without_signal" not in rules(healthy_rows())  # PPO rows carry no such metric
+
+
+def test_dapo_filter_dropping_most_groups() -> None:
+    rows = healthy_rows()
+    for i, row in enumerate(rows):
+        row["critic/score/groups_alike"] = 0.0  # the kept batch: signal by construction
+        row["training/filter_groups/groups_alike"] = 0.5 if i < 6 else 0.8
+        row["train/num_gen_batches"] = 2.0 if i < 6 else 5.0
+    findings = [f for f in diagnose(rows) if f.rule == "groups_without_signal"]
+    assert len(findings) == 1 and findings[0].step == 12
+    assert "0.80" in findings[0].message and "costs 5.0 generated ones" in findings[0].message
+    assert "5 generation rounds" in findings[0].message
+    assert "rollout.n" in findings[0].fix and "filter_groups.enable" not in findings[0].fix  # it is on
+    for row in rows[-3:]:
+        row["training/filter_groups/groups_alike"] = 0.6  # 2.5 generated a kept group: the filter's price
+    assert "groups_without_signal" not in rules(rows)
 
 
 def test_memory_creeping_up_after_warm_up() -> None:

@@ -65,8 +65,9 @@ SECTIONS: list[tuple[str, list[Panel]]] = [
                 "Advantages, and prompt groups scored alike",
                 ("critic/advantages/mean", "critic/advantages/max", "critic/advantages/min"),
                 "the mean stays near 0 after whitening; drifting: reward scale, critic; groups_alike "
-                "(right axis) high: GRPO learns from few groups (a larger rollout.n or temperature, filter_groups)",
-                right_keys=("critic/score/groups_alike",),
+                "(right axis) high: GRPO learns from few groups (a larger rollout.n or temperature, filter_groups); "
+                "with filter_groups on, its dropped share is what generation pays for",
+                right_keys=("critic/score/groups_alike", "training/filter_groups/groups_alike"),
             ),
         ],
     ),

@@ -50,7 +50,10 @@ KL_KEYS = ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty")
 MEMORY_KEYS = ("perf/max_memory_reserved_gb", "perf/max_memory_allocated_gb", "perf/cpu_memory_peak_rss_gb")
 
 KL_SPIKE_FACTOR = 10.0  # a value this many times its running median is a spike
-KL_SPIKE_FLOOR = 1e-3  # ... and above this absolute value (tiny KLs jitter by large factors)
+# ... and above this absolute value (tiny KLs jitter by large factors). actor/ppo_kl's is higher: on SmolLM2's
+# healthy multi-step runs (2026-12-01, 18 runs) it once went 0.0002 -> 0.002, 11x, with nothing wrong, while
+# healthy runs of bench/learning.py reach 0.012 and the runaway ones start at 0.04.
+KL_SPIKE_FLOORS = {"actor/ppo_kl": 5e-3, "actor/kl_loss": 1e-3, "actor/reward_kl_penalty": 1e-3}
 KL_MIN_HISTORY = 5
 # A policy that moves this far, steadily (median of KL_HIGH_STEPS steps), is running away from the start;
 # the spike rule cannot see it, as its running median is high too. Measured on bench/learning.py's
@@ -62,6 +65,10 @@ KL_MIN_HISTORY = 5
 # while PPO's (one sample a prompt, a critic) still rose.
 ALIKE_LIMIT = 0.5
 ALIKE_STEPS = 5
+# With DAPO's filter on, the trained batch has signal by construction; what alike groups cost is generation:
+# each kept group takes 1 / (1 - share) generated ones. On those runs with the filter the share rose
+# 0.40 -> 0.72 (2 -> 4 rounds a step, generation 40 % of the step); above 0.75 a kept group costs 4+.
+FILTERED_ALIKE_LIMIT = 0.75
 KL_HIGH_LIMITS = {"actor/ppo_kl": 0.02, "actor/kl_loss": 1.0, "actor/reward_kl_penalty": 1.0}
 KL_HIGH_STEPS = 3
 REWARD_WINDOW = 5  # steps per median of the training reward
@@ -158,7 +165,7 @@ def kl_spikes(rows: Sequence[Row]) -> list[Finding]:
         for i in range(KL_MIN_HISTORY, len(points)):
             step, value = points[i]
             median = statistics.median(abs(v) for _, v in points[:i])
-            if abs(value) > KL_SPIKE_FLOOR and abs(value) > KL_SPIKE_FACTOR * median:
+            if abs(value) > KL_SPIKE_FLOORS[key] and abs(value) > KL_SPIKE_FACTOR * median:
                 findings.append(
                     Finding(
                         (),
@@ -373,32 +380,45 @@ def non_finite(rows: Sequence[Row]) -> list[Finding]:
 
 def groups_without_signal(rows: Sequence[Row]) -> list[Finding]:
     """critic/score/groups_alike: the median over the last ALIKE_STEPS steps at or above ALIKE_LIMIT (most
-    prompt groups score alike, so most of a GRPO-style step teaches nothing)."""
+    prompt groups score alike, so most of a GRPO-style step teaches nothing). With algorithm.filter_groups on,
+    the share before the filter (training/filter_groups/groups_alike) at or above FILTERED_ALIKE_LIMIT: the
+    filter keeps the step's signal, paid for in generation rounds."""
     train = training_rows(rows)
-    points = finite_series(train, "critic/score/groups_alike")
+    filtered = finite_series(train, "training/filter_groups/groups_alike")
+    points = filtered or finite_series(train, "critic/score/groups_alike")
     if len(points) < ALIKE_STEPS:
         return []
     recent = statistics.median(v for _, v in points[-ALIKE_STEPS:])
-    if recent < ALIKE_LIMIT:
+    if recent < (FILTERED_ALIKE_LIMIT if filtered else ALIKE_LIMIT):
         return []
-    scores = finite_series(train, "critic/score/mean")
-    side = ""
-    if scores:
-        mean = scores[-1][1]
-        side = f" (critic/score/mean {mean:.2f}: {'mostly solved groups' if mean >= 0.5 else 'mostly failed groups'})"
-    return [
-        Finding(
-            (),
-            f"critic/score/groups_alike {recent:.2f} (median of the last {ALIKE_STEPS} steps): that share of the "
-            f"prompt groups scored alike, so their advantages are 0{side}",
-            "warning",
-            fix="a larger actor_rollout_ref.rollout.n or rollout.temperature (more varied answers), "
-            "algorithm.filter_groups.enable=True (DAPO's dynamic sampling: only groups with signal are trained), "
-            "or prompts nearer the model's level; PPO with a critic learns from every sample",
-            rule="groups_without_signal",
-            step=points[-1][0],
+    if filtered:
+        rounds = finite_series(train, "train/num_gen_batches")
+        cost = f", {rounds[-1][1]:.0f} generation rounds the last step" if rounds else ""
+        message = (
+            f"training/filter_groups/groups_alike {recent:.2f} (median of the last {ALIKE_STEPS} steps): "
+            "algorithm.filter_groups drops that share of the generated prompt groups, so each trained group "
+            f"costs {1 / max(1 - recent, 1e-6):.1f} generated ones{cost}"
         )
-    ]
+        fix = (
+            "a larger actor_rollout_ref.rollout.n or rollout.temperature (more groups with varied answers), prompts "
+            "nearer the model's level, or PPO with a critic, which learns from every sample"
+        )
+    else:
+        scores = finite_series(train, "critic/score/mean")
+        side = ""
+        if scores:
+            mean = scores[-1][1]
+            side = f" (critic/score/mean {mean:.2f}: {'mostly solved groups' if mean >= 0.5 else 'mostly failed groups'})"
+        message = (
+            f"critic/score/groups_alike {recent:.2f} (median of the last {ALIKE_STEPS} steps): that share of the "
+            f"prompt groups scored alike, so their advantages are 0{side}"
+        )
+        fix = (
+            "a larger actor_rollout_ref.rollout.n or rollout.temperature (more varied answers), "
+            "algorithm.filter_groups.enable=True (DAPO's dynamic sampling: only groups with signal are trained), "
+            "or prompts nearer the model's level; PPO with a critic learns from every sample"
+        )
+    return [Finding((), message, "warning", fix=fix, rule="groups_without_signal", step=points[-1][0])]
 
 
 RULES: list[Callable[[Sequence[Row]], list[Finding]]] = [
