@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from helpers import seed_command
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +21,9 @@ from fulcrum.algo.policy_losses import (
     policy_loss_names,
     register_policy_loss,
 )
+from fulcrum.config import ConfigError, load_config
+from fulcrum.config.schema import PolicyLossConfig
+from fulcrum.trainer.checks import check
 
 
 def policy_loss(
@@ -132,11 +136,28 @@ def test_padding_positions_do_not_change_the_policy_loss() -> None:
     old, new, adv = (torch.randn(3, 5, generator=gen) for _ in range(3))
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float32)
     junk = torch.where(mask.bool(), torch.zeros(()), torch.full((), 1e4))
+    keys = PolicyLossConfig(dro_beta=0.5)  # dro has no default
     for loss_mode in POLICY_LOSSES:
         for mode in LOSS_AGG_MODES:
-            a = policy_loss(old, new, adv, mask, loss_mode, mode)
-            b = policy_loss(old + junk, new - junk, adv + junk, mask, loss_mode, mode)
+            torch.manual_seed(0)  # clip_cov draws its tokens from torch's generator
+            a = policy_loss(old, new, adv, mask, loss_mode, mode, policy_loss=keys)
+            torch.manual_seed(0)
+            b = policy_loss(old + junk, new - junk, adv + junk, mask, loss_mode, mode, policy_loss=keys)
             torch.testing.assert_close(a, b, msg=f"{loss_mode} {mode}")
+
+
+def test_dro_without_its_beta_is_refused_naming_the_key() -> None:
+    """verl fails in the first training step; the configuration check stops the run before any model loads."""
+    dro = "actor_rollout_ref.actor.policy_loss"
+    with pytest.raises(ConfigError, match=rf"{dro}\.dro_beta.*needs policy_loss\.dro_beta > 0") as err:
+        check(load_config([*seed_command(), f"{dro}.loss_mode=dro"]))
+    assert err.value.key == f"{dro}.dro_beta"
+    with pytest.raises(ConfigError, match=rf"{dro}\.dro_beta: -1\.0 is outside its domain: > 0"):
+        check(load_config([*seed_command(), f"{dro}.loss_mode=dro", f"{dro}.dro_beta=-1"]))
+    check(load_config([*seed_command(), f"{dro}.loss_mode=dro", f"{dro}.dro_beta=0.1"]))
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=rf"{dro}\.dro_beta must be a positive number"):
+        policy_loss(x, x, x, torch.ones(1, 2), "dro")
 
 
 def test_rollout_importance_weights_scale_token_losses() -> None:

@@ -1,4 +1,5 @@
-"""fulcrum.algo against verl's own functions on the same inputs (float32, within 1e-5).
+"""fulcrum.algo against verl's own functions on the same inputs (float32, within 1e-5; the Clip-Cov, KL-Cov,
+DPPO and DRO losses within 1e-6).
 
 The expected values in tests/fixtures/verl_algo.pt were produced by verl (version stored in the file)
 with tests/fixtures/make_verl_algo_fixture.py; fulcrum does not import verl. Where fulcrum zeroes
@@ -17,6 +18,7 @@ from fulcrum.algo.advantages import compute_advantage
 from fulcrum.algo.kl import AdaptiveKLController, kl_penalty
 from fulcrum.algo.losses import agg_loss, compute_value_loss
 from fulcrum.algo.masked import masked_mean, masked_var, masked_whiten
+from fulcrum.config.schema import PolicyLossConfig
 from fulcrum.models.logprob import logprob_and_entropy
 
 FIXTURE = torch.load(Path(__file__).parent / "fixtures" / "verl_algo.pt", weights_only=True)
@@ -127,6 +129,53 @@ def test_policy_losses_match_verl_values_and_gradients(loss_mode: str, mode: str
     close(log_prob.grad, expected[-1])
 
 
+EXTRA = FIXTURE["policy_extra"]
+# "<loss_mode>_<loss_agg_mode>_w<0|1>": verl's outputs of one loss, one aggregation, with or without IS weights
+EXTRA_CASES = sorted(key for key in EXTRA if isinstance(EXTRA[key], dict) and "grad" in EXTRA[key])
+EXACT = dict(rtol=0.0, atol=1e-6)  # float32, the same operations in the same order as verl
+
+
+def extra_loss(case: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """Our loss of fixture case `case` on its inputs, after seeding torch's global generator with the seed
+    verl's call had (Clip-Cov draws its tokens from it)."""
+    rest, weighted = case.rsplit("_w", 1)
+    loss_mode, mode = rest.rsplit("_", 1)
+    keys = PolicyLossConfig(loss_mode=loss_mode, **EXTRA["keys"])
+    torch.manual_seed(EXTRA[case]["seed"])
+    return verl_fixture_policy_loss(
+        EXTRA,
+        mode,
+        loss_mode,
+        rollout_is_weights=EXTRA["rollout_is_weights"] if weighted == "1" else None,
+        clip_ratio_c=EXTRA["clip_ratio_c"],
+        policy_loss=keys,
+    )
+
+
+@pytest.mark.parametrize("case", EXTRA_CASES)
+def test_clip_cov_kl_cov_dppo_and_dro_match_verl(case: str) -> None:
+    """Loss, every metric verl returns (and no other) and the gradient wrt log_prob, within 1e-6."""
+    expected = EXTRA[case]
+    loss, metrics, log_prob = extra_loss(case)
+    torch.testing.assert_close(loss.detach(), torch.tensor(expected["loss"]), **EXACT)
+    assert sorted(metrics) == sorted(expected["metrics"])
+    for key, value in expected["metrics"].items():
+        torch.testing.assert_close(metrics[key], torch.tensor(value), **EXACT, msg=key)
+    torch.testing.assert_close(log_prob.grad, expected["grad"], **EXACT)
+
+
+def test_the_fixture_exercises_clip_cov_kl_cov_and_both_dppo_regions() -> None:
+    cases = {key: EXTRA[f"{key}_token-mean_w0"] for key in ("clip_cov", "dppo_tv", "dppo_kl")}
+    assert cases["clip_cov"]["metrics"]["actor/pg_clipfrac"] > 0, "Clip-Cov cut no token"
+    assert len({EXTRA[case]["seed"] for case in EXTRA_CASES}) > 1, "one draw only"
+    assert int(EXTRA["mask"].sum() * EXTRA["keys"]["kl_cov_ratio"]) >= 2, "KL-Cov penalises one token"
+    for name in ("dppo_tv", "dppo_kl"):
+        m = cases[name]["metrics"]
+        assert 0 < m["actor/pg_clipfrac"] < 1 and m["actor/pg_clipfrac_lower"] > 0, name
+    assert cases["dppo_tv"]["loss"] != cases["dppo_kl"]["loss"], "the two trust regions agree everywhere"
+    assert (EXTRA["advantages"] > 0).any() and (EXTRA["advantages"] < 0).any()
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_value_loss_matches_verl(mode: str) -> None:
     v = FIXTURE["value"]
@@ -214,3 +263,25 @@ def test_functions_run_on_cuda_and_match_verl() -> None:
     logp, entropy = logprob_and_entropy(lg["logits"].to(cuda), lg["labels"].to(cuda), with_entropy=True)
     close(entropy.cpu(), lg["entropy"])
     close(logp.cpu(), lg["logprobs"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss_mode", ["clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro"])
+def test_clip_cov_kl_cov_dppo_and_dro_run_on_cuda_and_match_verl(loss_mode: str) -> None:
+    """Clip-Cov and KL-Cov pick tokens across host and device (randperm, topk on the host): on the GPU they
+    pick verl's tokens too (GPU reductions round differently: within 1e-5)."""
+    cuda = torch.device("cuda")
+    case = f"{loss_mode}_token-mean_w0"
+    on_cuda = {k: v.to(cuda) if isinstance(v, torch.Tensor) else v for k, v in EXTRA.items()}
+    torch.manual_seed(EXTRA[case]["seed"])
+    loss, metrics, log_prob = verl_fixture_policy_loss(
+        on_cuda,
+        "token-mean",
+        loss_mode,
+        clip_ratio_c=EXTRA["clip_ratio_c"],
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode, **EXTRA["keys"]),
+    )
+    close(loss.detach().cpu(), EXTRA[case]["loss"])
+    close(log_prob.grad.cpu(), EXTRA[case]["grad"])
+    for key, value in EXTRA[case]["metrics"].items():
+        close(metrics[key].cpu(), value)

@@ -1,6 +1,7 @@
 """verl's recipes end to end on the CPU (tiny model, two steps each): DAPO (dynamic sampling, overlong
 penalty, clip-higher) with rollout correction, bypass mode with the optimal token baseline, PF-PPO with
-SAPO, and a reward model built by the project scoring and training a policy."""
+SAPO, the Clip-Cov and KL-Cov losses, and a reward model built by the project scoring and training a
+policy."""
 
 from __future__ import annotations
 
@@ -125,6 +126,35 @@ def test_pf_ppo_after_gae_with_sapo(assets: Path, tmp_path: Path) -> None:
     )
     assert main(seed_like(assets, run, *extra)) == 0
     finite_rows(run)
+
+
+POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
+
+
+@pytest.mark.parametrize(
+    ("loss_mode", "keys"),
+    [
+        # a band holding every covariance: each micro-batch cuts at least one token
+        ("clip_cov", (f"{POLICY_LOSS}.clip_cov_lb=-100", f"{POLICY_LOSS}.clip_cov_ub=100")),
+        ("kl_cov", (f"{POLICY_LOSS}.kl_cov_ratio=0.2",)),
+    ],
+)
+def test_clip_cov_and_kl_cov_train(
+    loss_mode: str, keys: tuple[str, ...], assets: Path, tmp_path: Path
+) -> None:
+    """Both pick their tokens from the whole micro-batch's statistics (covariances over all its tokens)."""
+    torch.set_num_threads(1)
+    reward = tmp_path / "reward.py"
+    reward.write_text(LENGTH_REWARD)
+    run = tmp_path / loss_mode
+    extra = (*GRPO, f"custom_reward_function.path={reward}", f"{POLICY_LOSS}.loss_mode={loss_mode}", *keys)
+    assert main(seed_like(assets, run, *extra)) == 0
+    steps = [row for row in finite_rows(run) if "actor/pg_loss" in row]
+    assert len(steps) == 2
+    if loss_mode == "clip_cov":
+        assert all(row["actor/pg_clipfrac"] > 0 for row in steps)
+    else:  # KL-Cov reports the mean |log-ratio| as ppo_kl
+        assert all(row["actor/ppo_kl"] >= 0 for row in steps)
 
 
 def test_a_reward_model_scores_and_trains_a_policy(assets: Path, tmp_path: Path) -> None:

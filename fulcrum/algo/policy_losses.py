@@ -11,7 +11,8 @@ Tensors (B, T), `response_mask` 1 = the token counts; `config` is a `LossConfig`
 that `agg_loss` needs so the micro-batch losses add up to the mini-batch loss. The loss is a
 differentiable scalar; metrics are detached scalars under verl's names (`actor/pg_clipfrac`, ...).
 The actor looks the loss up by name, so a new loss (here, or in a user's file named by
-`actor_rollout_ref.actor.policy_loss.path`) needs no change anywhere else.
+`actor_rollout_ref.actor.policy_loss.path`) needs no change anywhere else. verl's Clip-Cov, KL-Cov,
+DPPO and DRO losses are in fulcrum.algo.policy_losses_extra (importing `fulcrum.algo` registers them).
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ reason: one definition per key of verl's tree (~300 keys); splitting would scatt
 `fulcrum.config.loader` makes OmegaConf structured configs of these classes, so each type is one
 OmegaConf holds (`Any` where verl takes a path or a list); a `None` default that "follows" another
 key is filled when resolved (`DERIVED`, like verl's `${oc.select:...}`). `dict[str, Any]` fields
-are free-form: any sub-key may be set (`+reward_model.reward_kwargs.x=1`). The `algorithm` section
-and verl's recipe groups are in fulcrum.config.schema_recipes, `actor_rollout_ref.rollout` in
-fulcrum.config.schema_rollout, to keep this file under 500 lines.
+are free-form: any sub-key may be set (`+reward_model.reward_kwargs.x=1`). The `algorithm` section,
+verl's recipe groups and `actor.policy_loss` are in fulcrum.config.schema_recipes,
+`actor_rollout_ref.rollout` in fulcrum.config.schema_rollout, to keep this file under 500 lines.
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ from fulcrum.config.domains import (
     FRACTION,
     OFF_OR_COUNT,
     SEED,
-    SHARE,
     SIZE_OR_AUTO,
     Domain,
 )
 from fulcrum.config.keys import opt, sub
-from fulcrum.config.schema_recipes import AlgorithmConfig, OverlongBufferConfig
+from fulcrum.config.schema_recipes import AlgorithmConfig, OverlongBufferConfig, PolicyLossConfig
 from fulcrum.config.schema_recipes import KLControlConfig as KLControlConfig  # re-exported
 from fulcrum.config.schema_rollout import RolloutConfig
 
@@ -131,17 +130,6 @@ class ModelConfig:
 
 
 @dataclass
-class PolicyLossConfig:
-    loss_mode: str = opt("vanilla", "policy loss: vanilla (PPO clip), gspo, geo_mean, gpg, cispo, sapo")
-    path: str | None = opt(None, "a .py file or module to import: it registers losses (register_policy_loss)")
-    clip_cov_ratio: float = opt(0.0002, "fraction of tokens clipped by clip-cov", SHARE)
-    clip_cov_lb: float = opt(1.0, "lower bound for clip-cov", ANY_NUMBER)
-    clip_cov_ub: float = opt(5.0, "upper bound for clip-cov", ANY_NUMBER)
-    kl_cov_ratio: float = opt(0.0002, "fraction of tokens given a KL penalty by kl-cov", SHARE)
-    ppo_kl_coef: float = opt(0.1, "KL coefficient of kl-cov", AT_LEAST_0)
-
-
-@dataclass
 class CheckpointConfig:
     save_contents: list[str] = opt(["model", "optimizer", "extra"], "what a checkpoint holds")
     load_contents: list[str] | None = opt(None, "what resume loads; null follows save_contents")
@@ -221,7 +209,9 @@ class ActorConfig:
     clip_ratio_high: float | None = opt(0.2, "upper clip epsilon; null follows clip_ratio", ABOVE_0)
     policy_loss: PolicyLossConfig = sub(PolicyLossConfig, "policy loss variant")
     clip_ratio_c: float = opt(
-        3.0, "dual-clip constant C (clips when advantage < 0)", Domain(1, low_open=True)
+        3.0,
+        "dual-clip constant C (clips when advantage < 0); dppo_tv/dppo_kl truncate the ratio at C",
+        Domain(1, low_open=True),
     )
     loss_agg_mode: str = opt(
         "token-mean",

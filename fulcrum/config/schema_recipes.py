@@ -1,14 +1,15 @@
 # ruff: noqa: RUF009  -- `opt`/`sub` return dataclasses.field(...) objects, not shared default values
 """The `algorithm` section of the key tree (fulcrum.config.schema holds the rest): advantage estimation,
-the KL controller, verl's recipe groups (PF-PPO, DAPO's dynamic sampling, rollout correction), and
-reward_model.overlong_buffer (DAPO). Same conventions as fulcrum.config.schema."""
+the KL controller, verl's recipe groups (PF-PPO, DAPO's dynamic sampling, rollout correction),
+reward_model.overlong_buffer (DAPO), and actor.policy_loss (the policy losses of verl's recipes and their
+keys). Same conventions as fulcrum.config.schema."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fulcrum.config.domains import ABOVE_0, ANY_NUMBER, AT_LEAST_0, AT_LEAST_1, FRACTION
+from fulcrum.config.domains import ABOVE_0, ANY_NUMBER, AT_LEAST_0, AT_LEAST_1, FRACTION, SHARE
 from fulcrum.config.keys import opt, sub
 
 
@@ -20,6 +21,33 @@ class OverlongBufferConfig:
     )
     penalty_factor: float = opt(1.0, "penalty at max_response_length", AT_LEAST_0)
     log: bool = opt(False, "log overlong_reward / overlong per response")
+
+
+# ---------------------------------------------------------------------------- actor.policy_loss
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = opt(
+        "vanilla",
+        "policy loss: vanilla (PPO clip), gspo, geo_mean, gpg, cispo, sapo, clip_cov, kl_cov, dppo_tv, "
+        "dppo_kl, dro",
+    )
+    path: str | None = opt(None, "a .py file or module to import: it registers losses (register_policy_loss)")
+    clip_cov_ratio: float = opt(
+        0.0002, "clip_cov: share of valid tokens (at least 1) whose gradient is cut", SHARE
+    )
+    clip_cov_lb: float = opt(
+        1.0, "clip_cov: lower bound of a cut token's advantage-log-prob covariance", ANY_NUMBER
+    )
+    clip_cov_ub: float = opt(
+        5.0, "clip_cov: upper bound of a cut token's advantage-log-prob covariance", ANY_NUMBER
+    )
+    kl_cov_ratio: float = opt(
+        0.0002, "kl_cov: share of valid tokens (largest covariance) given a |log-ratio| penalty", SHARE
+    )
+    ppo_kl_coef: float = opt(0.1, "kl_cov: coefficient of that |log-ratio| penalty", AT_LEAST_0)
+    dro_beta: float | None = opt(
+        None, "dro: coefficient of the quadratic log-ratio penalty; loss_mode=dro needs it set", ABOVE_0
+    )
 
 
 # ----------------------------------------------------------------------------------- algorithm

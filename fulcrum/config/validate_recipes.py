@@ -1,6 +1,6 @@
 """Rules for verl's recipe keys (fulcrum.config.validate lists them with its own): rollout correction,
-DAPO dynamic sampling and overlong penalty, PF-PPO, the optimal-token-baseline estimator, reward managers,
-multi-turn rollouts."""
+DAPO dynamic sampling and overlong penalty, PF-PPO, the optimal-token-baseline estimator, the DRO loss,
+reward managers, multi-turn rollouts."""
 
 from __future__ import annotations
 
@@ -27,6 +27,18 @@ def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:
             Finding(
                 ("algorithm.filter_groups.enable", "actor_rollout_ref.rollout.n"),
                 "dynamic sampling keeps groups whose responses differ; set rollout.n >= 2",
+            )
+        )
+    if actor.policy_loss.loss_mode == "dro" and actor.policy_loss.dro_beta is None:
+        # verl raises this inside the first training step; here it stops the run before any model loads.
+        # (A value <= 0 is outside the key's domain, which names it too.)
+        problems.append(
+            Finding(
+                (
+                    "actor_rollout_ref.actor.policy_loss.dro_beta",
+                    "actor_rollout_ref.actor.policy_loss.loss_mode",
+                ),
+                "loss_mode=dro needs policy_loss.dro_beta > 0, the weight of its quadratic log-ratio penalty",
             )
         )
     gen = cfg.data.gen_batch_size
