@@ -4,7 +4,8 @@ Mask convention everywhere: `response_mask` (B, T), 1 = the token counts. docs/a
 every estimator and loss with its formula and its verl name, and shows how to register a new one.
 """
 
-from fulcrum.algo import policy_losses_extra as policy_losses_extra  # registers its losses on import
+from fulcrum.algo import covariance_losses as covariance_losses  # registers its losses on import
+from fulcrum.algo import divergence_losses as divergence_losses  # registers its losses on import
 from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS, compute_advantage, register_adv_est
 from fulcrum.algo.kl import (
     KL_PENALTY_NAMES,

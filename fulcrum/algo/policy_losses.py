@@ -12,7 +12,8 @@ that `agg_loss` needs so the micro-batch losses add up to the mini-batch loss. T
 differentiable scalar; metrics are detached scalars under verl's names (`actor/pg_clipfrac`, ...).
 The actor looks the loss up by name, so a new loss (here, or in a user's file named by
 `actor_rollout_ref.actor.policy_loss.path`) needs no change anywhere else. verl's Clip-Cov, KL-Cov,
-DPPO and DRO losses are in fulcrum.algo.policy_losses_extra (importing `fulcrum.algo` registers them).
+DPPO and DRO losses are in fulcrum.algo.covariance_losses and fulcrum.algo.divergence_losses (importing
+`fulcrum.algo` registers them).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def policy_loss_names(path: str | None = None) -> tuple[str, ...]:
     return tuple(POLICY_LOSSES)
 
 
-def _clip_bounds(config: LossConfig) -> tuple[float, float]:
+def clip_bounds(config: LossConfig) -> tuple[float, float]:
     """(eps_low, eps_high): clip_ratio_low / clip_ratio_high, each following clip_ratio when null."""
     low = config.clip_ratio if config.clip_ratio_low is None else config.clip_ratio_low
     high = config.clip_ratio if config.clip_ratio_high is None else config.clip_ratio_high
@@ -118,15 +119,15 @@ def _clip_bounds(config: LossConfig) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def _weighted(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
+def weighted(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
     return pg_losses if rollout_is_weights is None else pg_losses * rollout_is_weights
 
 
-def _clamped_log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
+def clamped_log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
     return torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
 
 
-def _metrics(clipfrac: torch.Tensor, ppo_kl: torch.Tensor, clipfrac_lower: torch.Tensor) -> Metrics:
+def clip_metrics(clipfrac: torch.Tensor, ppo_kl: torch.Tensor, clipfrac_lower: torch.Tensor) -> Metrics:
     return {
         "actor/pg_clipfrac": clipfrac.detach(),
         "actor/ppo_kl": ppo_kl.detach(),
@@ -156,8 +157,8 @@ def vanilla_policy_loss(
     clip_ratio_c = float(config.clip_ratio_c)
     if clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be greater than 1.0 for dual-clip PPO, got {clip_ratio_c}")
-    eps_low, eps_high = _clip_bounds(config)
-    log_ratio = _clamped_log_ratio(old_log_prob, log_prob)
+    eps_low, eps_high = clip_bounds(config)
+    log_ratio = clamped_log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(log_ratio)
 
     loss_unclipped = -advantages * ratio
@@ -170,9 +171,9 @@ def vanilla_policy_loss(
     negative = advantages < 0
     pg_clipfrac_lower = masked_mean((torch.gt(loss_ppo, loss_cap) & negative).float(), response_mask)
 
-    pg_losses = _weighted(torch.where(negative, loss_dual, loss_ppo), rollout_is_weights)
+    pg_losses = weighted(torch.where(negative, loss_dual, loss_ppo), rollout_is_weights)
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
-    return pg_loss, _metrics(pg_clipfrac, masked_mean(-log_ratio, response_mask), pg_clipfrac_lower)
+    return pg_loss, clip_metrics(pg_clipfrac, masked_mean(-log_ratio, response_mask), pg_clipfrac_lower)
 
 
 @register_policy_loss("gspo")
@@ -193,7 +194,7 @@ def gspo_policy_loss(
     clip_ratio_c is ignored). The paper aggregates with seq-mean-token-mean; verl (and we) use `loss_agg_mode`.
     pg_clipfrac_lower is 0; ppo_kl = masked mean of (logp_old - logp).
     """
-    eps_low, eps_high = _clip_bounds(config)
+    eps_low, eps_high = clip_bounds(config)
     log_ratio = log_prob - old_log_prob  # (B, T)
     seq_len = response_mask.sum(dim=-1).clamp(min=1)  # (B,)
     seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1) / seq_len  # (B,)
@@ -202,11 +203,11 @@ def gspo_policy_loss(
 
     loss_unclipped = -advantages * seq_ratio
     loss_clipped = -advantages * torch.clamp(seq_ratio, 1 - eps_low, 1 + eps_high)
-    pg_losses = _weighted(torch.maximum(loss_unclipped, loss_clipped), rollout_is_weights)
+    pg_losses = weighted(torch.maximum(loss_unclipped, loss_clipped), rollout_is_weights)
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
     pg_clipfrac = masked_mean(torch.gt(loss_clipped, loss_unclipped).float(), response_mask)
     zero = torch.zeros((), device=pg_loss.device)
-    return pg_loss, _metrics(pg_clipfrac, masked_mean(-log_ratio, response_mask), zero)
+    return pg_loss, clip_metrics(pg_clipfrac, masked_mean(-log_ratio, response_mask), zero)
 
 
 @register_policy_loss("geo_mean")
@@ -229,7 +230,7 @@ def geo_mean_policy_loss(
     w (B, T), L_i is multiplied by their geometric mean exp(sum_t log(w + 1e-10) / n_i).
     pg_clipfrac = masked mean of [d clipped and A > 0]; pg_clipfrac_lower the same for A < 0.
     """
-    eps_low, eps_high = _clip_bounds(config)
+    eps_low, eps_high = clip_bounds(config)
     log_ratio = log_prob - old_log_prob
     sign = torch.sign(advantages)
     log_ratio_clipped = torch.clamp(log_ratio, -eps_low, eps_high)
@@ -242,7 +243,7 @@ def geo_mean_policy_loss(
         log_w = torch.log(rollout_is_weights + 1e-10)
         pg_losses = pg_losses * torch.exp(masked_sum(log_w, response_mask, axis=-1) / n_tokens)
     clipped = (log_ratio != log_ratio_clipped).float()
-    return pg_losses.mean(), _metrics(
+    return pg_losses.mean(), clip_metrics(
         masked_mean(clipped * (advantages > 0).float(), response_mask),
         masked_mean(-log_ratio, response_mask),
         masked_mean(clipped * (advantages < 0).float(), response_mask),
@@ -267,15 +268,15 @@ def cispo_policy_loss(
     pg_loss = agg_loss(L, loss_agg_mode); pg_clipfrac = masked mean of [clip changed the ratio];
     pg_clipfrac_lower = 0; ppo_kl = masked mean of (logp_old - logp) (after the clamp).
     """
-    eps_low, eps_high = _clip_bounds(config)
-    log_ratio = _clamped_log_ratio(old_log_prob, log_prob)
+    eps_low, eps_high = clip_bounds(config)
+    log_ratio = clamped_log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    pg_losses = _weighted(-clipped_ratio.detach() * advantages * log_prob, rollout_is_weights)
+    pg_losses = weighted(-clipped_ratio.detach() * advantages * log_prob, rollout_is_weights)
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
     pg_clipfrac = masked_mean((ratio != clipped_ratio).float(), response_mask)
     zero = torch.zeros((), device=pg_loss.device)
-    return pg_loss, _metrics(pg_clipfrac, masked_mean(-log_ratio, response_mask), zero)
+    return pg_loss, clip_metrics(pg_clipfrac, masked_mean(-log_ratio, response_mask), zero)
 
 
 @register_policy_loss("sapo")
@@ -297,16 +298,16 @@ def sapo_policy_loss(
     pg_loss = agg_loss(L, "seq-mean-token-mean") whatever actor.loss_agg_mode says, as verl.
     pg_clipfrac and pg_clipfrac_lower are 0; ppo_kl = masked mean of (logp_old - logp) (after the clamp).
     """
-    log_ratio = _clamped_log_ratio(old_log_prob, log_prob)
+    log_ratio = clamped_log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(log_ratio)
     pos = torch.as_tensor(float(config.tau_pos), dtype=advantages.dtype, device=advantages.device)
     neg = torch.as_tensor(float(config.tau_neg), dtype=advantages.dtype, device=advantages.device)
     taus = torch.where(advantages > 0, pos, neg)
     gates = torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)
-    pg_losses = _weighted(-gates * advantages, rollout_is_weights)
+    pg_losses = weighted(-gates * advantages, rollout_is_weights)
     pg_loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean", **config.global_batch_info)
     zero = torch.zeros((), device=pg_loss.device)
-    return pg_loss, _metrics(zero, masked_mean(-log_ratio, response_mask), zero)
+    return pg_loss, clip_metrics(zero, masked_mean(-log_ratio, response_mask), zero)
 
 
 @register_policy_loss("gpg")
@@ -327,6 +328,6 @@ def reinforce_policy_loss(
     It is also Group Policy Gradient's loss (GPG, Chu et al. 2025; verl `compute_policy_loss_gpg`,
     loss_mode=gpg, paired with algorithm.adv_estimator=gpg): verl's -logp * A equals -A * logp to the bit.
     """
-    pg_losses = _weighted(-advantages * log_prob, rollout_is_weights)
+    pg_losses = weighted(-advantages * log_prob, rollout_is_weights)
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
     return pg_loss, {"actor/ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).detach()}
