@@ -56,3 +56,20 @@ def test_metric_values_by_name() -> None:
     assert group_metric_values("acc", scores, [1, 0], {"acc": [0, 1]}) == [0.0, 1.0]
     with pytest.raises(KeyError, match="metric='pass'"):
         group_metric_values("pass", scores, [1, 0], {"acc": [0, 1]})
+
+
+def test_a_step_that_keeps_drawing_rounds_says_so_every_ten() -> None:
+    gate = GroupFilter(prompts_needed=4, max_num_gen_batches=0)
+    notes = []
+    for r in range(20):
+        gate.add(*round_batch(f"r{r}", [[1, 1], [0, 0]] if r != 3 else [[1, 0], [0, 0]]))
+        notes.append(gate.progress_note(step=7))
+    assert [i + 1 for i, n in enumerate(notes) if n] == [10, 20]
+    assert notes[9] is not None
+    assert "step 7" in notes[9] and "10 rounds (no round limit)" in notes[9]
+    assert "holds 1 of the 4 prompts" in notes[9] and "95% of the 20 prompt groups" in notes[9]
+    assert "rollout.n" in notes[9]
+    enough = GroupFilter(prompts_needed=1, max_num_gen_batches=0)
+    for r in range(10):
+        enough.add(*round_batch(f"e{r}", [[1, 0]]))
+    assert enough.progress_note(step=1) is None  # nothing to say once the step has its prompts

@@ -22,6 +22,7 @@ import torch
 
 # filter_groups.metric names computed from the batch; any other name is a reward extra key.
 SEQ_REWARD_METRICS = ("reward", "seq_reward", "seq_final_reward")
+NOTE_EVERY_ROUNDS = 10  # rounds of one step between progress lines on the console
 
 
 def group_metric_values(
@@ -88,6 +89,25 @@ class GroupFilter:
     def may_generate_more(self) -> bool:
         """False once max_num_gen_batches rounds were generated (<= 0: never)."""
         return self.max_num_gen_batches <= 0 or self.num_gen_batches < self.max_num_gen_batches
+
+    def progress_note(self, step: int) -> str | None:
+        """Every NOTE_EVERY_ROUNDS rounds of one step, a line saying how far the step is from enough prompts:
+        with no round limit (max_num_gen_batches <= 0) a policy whose groups all score alike would otherwise
+        generate round after round with nothing on the console."""
+        if self.num_gen_batches % NOTE_EVERY_ROUNDS or self.enough:
+            return None
+        share = self.evicted / max(self.generated, 1)
+        limit = (
+            f"max_num_gen_batches={self.max_num_gen_batches}"
+            if self.max_num_gen_batches > 0
+            else "no round limit"
+        )
+        return (
+            f"step {step}: algorithm.filter_groups has generated {self.num_gen_batches} rounds ({limit}) and holds "
+            f"{self.num_prompts} of the {self.prompts_needed} prompts it needs: {share:.0%} of the "
+            f"{self.generated} prompt groups scored alike. A larger rollout.n or temperature, or prompts nearer "
+            "the model's level, give more groups with signal"
+        )
 
     def too_many_rounds(self) -> RuntimeError:
         return RuntimeError(

@@ -13,6 +13,7 @@ user (fulcrum.agent.interaction); its turn scores reach the reward function in `
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,8 @@ from fulcrum.trainer import metrics as M
 from fulcrum.trainer.data_parallel import generate_shares, map_shares
 from fulcrum.trainer.dynamic_sampling import GroupFilter, group_metric_values
 from fulcrum.trainer.generations import dump_generations, generation_rows
+
+logger = logging.getLogger(__name__)
 
 
 def reward_model_of(cfg: Any, policy_tokenizer: Any, device: torch.device) -> RewardModel | None:
@@ -238,6 +241,9 @@ class Sampler:
                 batch,
                 group_metric_values(fg.metric, batch["token_level_scores"], reward.scores, reward.extra),
             )
+            note = gate.progress_note(step)
+            if note:
+                logger.warning(note)
             if gate.enough:
                 break
             if not gate.may_generate_more():
