@@ -30,10 +30,12 @@ is already there (a second call resumes):
 6. with `--results DIR` (a device call's $OUT): at most 6 files copied there (`pack`).
 
 `--variants NAME=KEY=VALUE[,KEY=VALUE...] ...` (or `--variants levers`, a built-in set) replaces stage
-4's grid: one run per variant (the first of `--seeds`, the algorithm the variant names), all started
-together from the same warm start under the same budget and deadline, at most six (MEMORY); the
-summary, its table and the curves name each run by its variant, with its KL at the end and at its
-peak. The variants, and why the built-in set is what it is: `learning_variants.py`.
+4's grid: one run per variant (its own `trainer.seed`, else the first of `--seeds`; the algorithm the
+variant names), all started together from the same warm start under the same budget and deadline, at
+most six (MEMORY); the summary, its table and the curves name each run by its variant, with its KL at
+the end and at its peak; variants that differ only in `trainer.seed` are averaged as seeds of one
+setting (mean ± std and range). The variants, and why the built-in set is what it is:
+`learning_variants.py`.
 
 MEMORY (six processes on one 140 GiB card; `fulcrum doctor` with the runs' overrides itemises it): per
 process the engine's fixed 0.03 x 140 = 4.2 GiB (KV cache 3.4 GiB), actor + reference (+ critic)
@@ -69,7 +71,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from learning_report import RunResult, curves_of, markdown, plot, summarise, val_key_of
-from learning_variants import Variant, check_overrides, merge_overrides, parse_variants
+from learning_variants import Variant, check_overrides, merge_overrides, parse_variants, variant_seed
 from learning_warm import _env, _step, dump_stats, fulcrum, sft_and_choose, warm_start_check
 
 
@@ -296,9 +298,9 @@ def _progress(run: Path) -> str:
 
 def planned_runs(plan: Plan, variants: list[Variant]) -> list[tuple[str, int, Variant | None]]:
     """(algorithm, seed, variant) of each RL run: the algorithms x seeds grid, or one run per variant
-    with the first seed."""
+    with its own trainer.seed (the plan's first seed when it sets none)."""
     if variants:
-        return [(v.algo, plan.seeds[0], v) for v in variants]
+        return [(v.algo, variant_seed(v, plan.seeds[0]), v) for v in variants]
     return [(algo, seed, None) for algo in plan.algos for seed in plan.seeds]
 
 

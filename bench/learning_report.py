@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from learning_variants import without_seed
+
 # The validation-accuracy curve's name; a run's own key is `val-core/<data_source>/reward/mean@1` (the
 # multi-step task's or GSM8K's), found by `val_key_of`.
 VAL_KEY = "val-core/synthetic/multistep/reward/mean@1"
@@ -141,7 +143,30 @@ def summarise(
             by_algo[algo]["failed"] = sum(1 for r in runs if r["algo"] == algo and "gain" not in r)
     curves = {r.label: r.curves for r in results}
     summary = {"plan": asdict(plan), "warm_start": warm, "runs": runs, "by_algo": by_algo, "curves": curves}
-    return {**summary, "variants": variants} if variants else summary
+    if not variants:
+        return summary
+    return {**summary, "variants": variants, "by_setting": seeds_of_settings(runs, variants)}
+
+
+def seeds_of_settings(runs: list[dict], variants: dict[str, list[str]]) -> dict[str, dict]:
+    """Variants whose overrides differ only in trainer.seed are seeds of one setting: per such setting
+    (two runs or more, named by its variants joined with ", ") the spread of their final, best accuracy
+    and gain, and how many seeds; failed runs counted apart, as in the grid."""
+    settings: dict[tuple[str, ...], list[str]] = {}
+    for name, overrides in variants.items():
+        settings.setdefault(without_seed(overrides), []).append(name)
+    out: dict[str, dict] = {}
+    for names in settings.values():
+        if len(names) < 2:
+            continue
+        mine = [r for r in runs if r.get("variant") in names and "gain" in r]
+        spread = {k: _spread([r[k] for r in mine]) for k in ("final_accuracy", "best_accuracy", "gain")}
+        out[", ".join(names)] = {
+            **(spread if mine else {}),
+            "seeds": len(mine),
+            "failed": len(names) - len(mine),
+        }
+    return out
 
 
 def _number(value: float | None, spec: str) -> str:
@@ -176,9 +201,10 @@ def markdown(summary: dict) -> str:
     variants = summary.get("variants")
     if variants:
         listed = "; ".join(f"`{name}`: `{' '.join(o)}`" for name, o in variants.items())
-        seed = summary["runs"][0]["seed"] if summary["runs"] else "?"
+        seed = summary.get("plan", {}).get("seeds", ["?"])[0]
         lines.append(
-            f"Variants, one run each (seed {seed}) from this warm start, over the plan's overrides: {listed}."
+            f"Variants, one run each from this warm start (seed {seed} unless a variant sets trainer.seed), over "
+            f"the plan's overrides: {listed}."
         )
     who = ["variant", "algorithm"] if variants else ["algorithm", "seed"]
     measures = ["steps", "RL minutes", "step 0", "final", "best", "gain"]
@@ -190,7 +216,11 @@ def markdown(summary: dict) -> str:
         "| " + " | ".join(["---"] * len(who + measures)) + " |",
     ]
     for r in summary["runs"]:
-        cells = [r["variant"], names[r["algo"]]] if variants else [names[r["algo"]], str(r["seed"])]
+        cells = (
+            [r["variant"], algorithm_name(r["algo"], variants[r["variant"]], names)]
+            if variants
+            else [names[r["algo"]], str(r["seed"])]
+        )
         if "gain" not in r:
             failed = (
                 f"**failed** (exit {r['exit_code']}) at step {r.get('failed_at_step', 0)}: {r['error'][:160]}"
@@ -203,21 +233,37 @@ def markdown(summary: dict) -> str:
         cells += [_number(r["final_explained_variance"], ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
     lines += _answers_table(summary["runs"], names)
-    if variants:  # one seed each: no averages
+    if variants:  # averages only over variants that are seeds of one setting
+        groups = {k: v for k, v in summary.get("by_setting", {}).items() if v["seeds"]}
+        lines += _spread_table("variants (seeds of one setting)", groups, {k: k for k in groups})
         return "\n".join(lines) + "\n"
-    lines += [
+    lines += _spread_table("algorithm", summary["by_algo"], names)
+    return "\n".join(lines) + "\n"
+
+
+def algorithm_name(algo: str, overrides: list[str], names: dict[str, str]) -> str:
+    """The algorithm's name in the tables, with DAPO's dynamic sampling when the overrides switch it on."""
+    sampling = any(o.replace(" ", "").lower() == "algorithm.filter_groups.enable=true" for o in overrides)
+    return names[algo] + (" + dynamic sampling" if sampling else "")
+
+
+def _spread_table(who: str, spreads: dict[str, dict], names: dict[str, str]) -> list[str]:
+    """Mean ± std (range) of the final accuracy and the gain, a row per algorithm or setting."""
+    if not spreads:
+        return []
+    lines = [
         "",
-        "| algorithm | seeds | final accuracy, mean ± std (range) | gain, mean ± std (range) |",
+        f"| {who} | seeds | final accuracy, mean ± std (range) | gain, mean ± std (range) |",
         "| --- | --- | --- | --- |",
     ]
-    for algo, s in summary["by_algo"].items():
+    for key, s in spreads.items():
         f, g = s["final_accuracy"], s["gain"]
         seeds = f"{s.get('seeds', '?')}" + (f" (+{s['failed']} failed)" if s.get("failed") else "")
         lines.append(
-            f"| {names[algo]} | {seeds} | {f['mean']:.3f} ± {f['std']:.3f} ({f['min']:.3f}–{f['max']:.3f}) | "
+            f"| {names[key]} | {seeds} | {f['mean']:.3f} ± {f['std']:.3f} ({f['min']:.3f}–{f['max']:.3f}) | "
             f"{g['mean']:+.3f} ± {g['std']:.3f} ({g['min']:+.3f} … {g['max']:+.3f}) |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _answers_table(runs: list[dict], names: dict[str, str]) -> list[str]:

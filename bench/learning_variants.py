@@ -141,3 +141,17 @@ def merge_overrides(base: list[str], changes: tuple[str, ...] | list[str]) -> li
             position[key] = len(merged)
             merged.append(text)
     return merged
+
+
+SEED_KEY = "trainer.seed"
+
+
+def variant_seed(variant: Variant, default: int) -> int:
+    """The variant's own `trainer.seed` (its last), or `default`."""
+    seeds = [text.split("=", 1)[1].strip() for text in variant.overrides if override_key(text) == SEED_KEY]
+    return int(seeds[-1]) if seeds else default
+
+
+def without_seed(overrides: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """The overrides less `trainer.seed`: variants that agree on these are seeds of one setting."""
+    return tuple(text for text in overrides if override_key(text) != SEED_KEY)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from learning import planned_runs
 from learning_report import RunResult, markdown, summarise
 from learning_variants import LEVERS, MAX_RUNS, check_overrides, merge_overrides, parse_variants
 
@@ -89,3 +90,35 @@ def test_the_summary_has_one_row_per_variant_with_its_kl() -> None:
     assert "| grpo-kl0.1 | GRPO | 3 | 0.3 | 0.400 | 0.500 | 0.500 | +0.100 | 0.120 | 0.300 | — |" in text
     assert "| ppo-clr1e-5 | PPO (GAE, critic) | **failed** (exit 1) at step 2" in text
     assert "mean ± std" not in text  # one seed per variant: nothing to average
+
+
+def test_variants_that_differ_only_in_seed_are_averaged_as_one_setting() -> None:
+    dapo = "algorithm.filter_groups.enable=True"
+    variants = {
+        "ppo-s1": ["algorithm.adv_estimator=gae", "trainer.seed=1"],
+        "ppo-s2": ["algorithm.adv_estimator=gae", "trainer.seed=2"],
+        "dapo-s1": ["algorithm.adv_estimator=grpo", "trainer.seed=1", dapo],
+        "dapo-s2": ["algorithm.adv_estimator=grpo", "trainer.seed=2", dapo],
+        "lone": ["algorithm.adv_estimator=grpo", "x=1"],
+    }
+    parsed = parse_variants([f"{n}={','.join(o)}" for n, o in variants.items()])
+    assert [seed for _, seed, _ in planned_runs(_SeedPlan(), parsed)] == [1, 2, 1, 2, 7]  # lone: the plan's
+    finals = {"ppo-s1": 0.6, "ppo-s2": 0.8, "dapo-s1": 0.7, "dapo-s2": 0.7, "lone": 0.5}
+    runs = [
+        RunResult(v.algo, seed, -15, True, {}, [[0.0, 0, 0.4], [1.0, 9, finals[v.name]]], 9, variant=v.name)
+        for v, (_, seed, _) in zip(parsed, planned_runs(_SeedPlan(), parsed), strict=True)
+    ]
+    warm = {"accuracy": 0.4, "format_accuracy": 1.0, "num_problems": 24}
+    summary = summarise(warm, runs, _Plan(), variants)
+    assert list(summary["by_setting"]) == ["ppo-s1, ppo-s2", "dapo-s1, dapo-s2"]  # "lone" has no other seed
+    assert summary["by_setting"]["ppo-s1, ppo-s2"]["gain"]["mean"] == pytest.approx(0.3)
+    assert summary["by_setting"]["ppo-s1, ppo-s2"]["gain"]["std"] == pytest.approx(0.1414, abs=1e-4)
+    text = markdown(summary)
+    assert "| dapo-s1 | GRPO + dynamic sampling | 9 |" in text and "| lone | GRPO | 9 |" in text
+    assert "| ppo-s1, ppo-s2 | 2 | 0.700 ± 0.141 (0.600–0.800) | +0.300 ± 0.141 (+0.200 … +0.400) |" in text
+
+
+@dataclass(frozen=True)
+class _SeedPlan:  # what planned_runs reads of bench/learning.py's Plan
+    seeds: tuple[int, ...] = (7,)
+    algos: tuple[str, ...] = ("gae", "grpo")
