@@ -7,9 +7,12 @@
 #               stall, the wait for the previous write and each write's seconds (summary "checkpoints")
 #   lora        bench/lora.py: the 0.5B GRPO shape, LoRA rank 32 against full fine-tuning, same call
 #   qwen3, qwen3_moe   bench/rollout.py --shape qwen3-0.6b | qwen3-moe-small (the engine on those families)
+#   qwen3_grpo, qwen3_moe_grpo   the GRPO step (64 prompts x 8, micro-batches of 32, gradient checkpointing,
+#               native rollout) on those shapes, 3 steps: tok/s/GPU, MFU and the phases (bench/train_step.py)
 #   lora7b      bench/lora.py --shape 7b (writes a 15 GB random model first; a call of its own)
 #
 #   PARTS=multi_turn,checkpoint,qwen3,qwen3_moe RESULTS=$OUT bash bench/features.sh
+#   PARTS=qwen3_grpo,qwen3_moe_grpo RESULTS=$OUT bash bench/features.sh
 #   SMOKE=1 bash bench/features.sh      # multi_turn and the shape parts' scripts on the CPU, tiny models (~1 min)
 #
 # Inputs as bench/run_all.sh's ($DATA, $MODEL made when missing; carried wheel folders installed). With
@@ -29,24 +32,34 @@ started=$(date +%s)
 . bench/parts.sh
 wheels "$PY"
 wants() { [[ ",$PARTS," == *",$1,"* ]]; }
-rm -rf "$WORK"/*.json "$WORK"/ckpt_run "$WORK"/lora "$WORK"/lora7b
+rm -rf "$WORK"/*.json "$WORK"/ckpt_run "$WORK"/lora "$WORK"/lora7b "$WORK"/grpo_* "$WORK"/model_*
 
 if [ "$SMOKE" = 1 ]; then
   . bench/smoke_args.sh
   SMALL=(--small --device cpu)
   read -r -a SHAPE_ARGS <<<"$SMOKE_ROLLOUT_ARGS"  # a tiny Qwen2 in place of the shape: the script's path only
-  PARTS=multi_turn,qwen3,qwen3_moe  # the others time training steps of the 0.5B shape: GPU only
+  PARTS=multi_turn,qwen3,qwen3_moe,qwen3_grpo,qwen3_moe_grpo  # the others time the 0.5B shape's steps: GPU only
+  TINY=(--tiny)  # the shapes' families at a CPU size
+  # shellcheck disable=SC2206  # a word list over several lines
+  STEP_SMOKE=($SMOKE_STEP_ARGS)
 else
   SMALL=()
   SHAPE_ARGS=()
-  if wants checkpoint || wants lora; then
+  TINY=()
+  STEP_SMOKE=()
+  if wants checkpoint || wants lora || wants qwen3_grpo || wants qwen3_moe_grpo; then
     if [ ! -f "$DATA/train.parquet" ]; then
       $PY -m fulcrum.cli data gsm8k --src ../shared/data/gsm8k --out "$DATA" || { echo "no GSM8K data in $DATA"; exit 1; }
     fi
+  fi
+  if wants checkpoint || wants lora; then
     MODEL=${MODEL:-.bench/qwen05}
     [ -f "$MODEL/config.json" ] || $PY bench/train_step.py make-model --out "$MODEL" >/dev/null \
       || { echo "could not make the model in $MODEL"; exit 1; }
   fi
+fi
+if [ "$SMOKE" = 1 ] && { wants qwen3_grpo || wants qwen3_moe_grpo; } && [ ! -f "$DATA/train.parquet" ]; then
+  $PY -m fulcrum.cli data gsm8k --src ../shared/data/gsm8k --out "$DATA" || { echo "no GSM8K data in $DATA"; exit 1; }
 fi
 elapsed "parts: $PARTS"
 
@@ -64,6 +77,20 @@ for shape in qwen3 qwen3_moe; do
   if wants $shape; then
     name=qwen3-0.6b; [ $shape = qwen3_moe ] && name=qwen3-moe-small
     part $shape 100 "$PY" bench/rollout.py "${SHAPE_ARGS[@]}" --shape $name --skip-hf --json "$WORK/rollout_$shape.json"
+  fi
+done
+# The GRPO step on each shape: the model is written first (random bf16, ~1.2 / 2.0 GB), then 3 steps.
+GRPO_STEP=(algorithm.adv_estimator=grpo data.train_batch_size=64 actor_rollout_ref.rollout.n=8
+  actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32
+  actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.rollout.name=native
+  trainer.test_freq=-1 trainer.save_freq=-1 trainer.resume_mode=disable)
+for shape in qwen3 qwen3_moe; do
+  if wants ${shape}_grpo; then
+    name=qwen3-0.6b; [ $shape = qwen3_moe ] && name=qwen3-moe-small
+    part ${shape}_grpo 200 bash -c "$PY bench/train_step.py make-model --shape $name ${TINY[*]} --out $WORK/model_$shape >/dev/null \
+      && $PY bench/train_step.py run --data $DATA --model $WORK/model_$shape --run $WORK/grpo_$shape --steps 3 \
+      --summary $WORK/grpo_$shape.json ${GRPO_STEP[*]} ${STEP_SMOKE[*]}"
   fi
 done
 if wants lora; then

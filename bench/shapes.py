@@ -58,9 +58,28 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def shape_of(name: str) -> tuple[str, dict[str, Any]]:
-    """(model_type, config fields) of a named shape; a clear error naming the known ones."""
+# A shape's family at a size the CPU trains in seconds (`tiny=True`: the smoke runs of the GPU parts): the
+# same model_type and features (QK-norm, head_dim != hidden / heads, experts and top-k, tied or not), small
+# numbers, and one embedding row per token of the tiny tokenizer.
+TINY_FIELDS = dict(
+    vocab_size=2048,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=1024,
+)
+TINY_MOE_FIELDS = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+
+
+def shape_of(name: str, tiny: bool = False) -> tuple[str, dict[str, Any]]:
+    """(model_type, config fields) of a named shape, or with `tiny` its family at TINY_FIELDS' size; a
+    clear error naming the known ones."""
     if name not in SHAPES:
         raise SystemExit(f"--shape {name!r}: one of {', '.join(SHAPES)}")
     model_type, fields = SHAPES[name]
+    if tiny:
+        fields = {**fields, **TINY_FIELDS, **(TINY_MOE_FIELDS if "num_experts" in fields else {})}
     return model_type, dict(fields)

@@ -37,9 +37,9 @@ import torch
 from packed_knobs import add_packed_knobs, apply_packed_knobs, knob_summary
 
 
-def make_model(out: Path, seed: int = 0, shape: str = "qwen2.5-0.5b") -> Path:
-    """A random model of a named shape (bench/shapes.py; the Qwen2.5-0.5B shape by default) in bf16 with
-    the tiny tokenizer and chat template."""
+def make_model(out: Path, seed: int = 0, shape: str = "qwen2.5-0.5b", tiny: bool = False) -> Path:
+    """A random model of a named shape (bench/shapes.py; the Qwen2.5-0.5B shape by default; `tiny`: its
+    family at a CPU smoke's size) in bf16 with the tiny tokenizer and chat template."""
     from shapes import shape_of
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -47,7 +47,7 @@ def make_model(out: Path, seed: int = 0, shape: str = "qwen2.5-0.5b") -> Path:
 
     tokenizer = build_tokenizer()
     eos_id, pad_id = tokenizer.convert_tokens_to_ids([IM_END, PAD_TOKEN])
-    model_type, fields = shape_of(shape)
+    model_type, fields = shape_of(shape, tiny)
     config = AutoConfig.for_model(
         model_type, **fields, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None
     )
@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     mk.add_argument("--out", type=Path, required=True)
     mk.add_argument("--shape", default="qwen2.5-0.5b", help="qwen2.5-0.5b, qwen3-0.6b or qwen3-moe-small")
+    mk.add_argument(
+        "--tiny", action="store_true", help="the shape's family at a size the CPU trains in seconds"
+    )
     rn = sub.add_parser("run", help="run the seed command for --steps steps and summarise")
     rn.add_argument("--data", type=Path, required=True)
     rn.add_argument("--model", type=Path, required=True)
@@ -202,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ck.add_argument("--summary", type=Path, default=None)
     args, extra = parser.parse_known_args(argv)
     if args.cmd == "make-model":
-        print(f"wrote {make_model(args.out, shape=args.shape)}")
+        print(f"wrote {make_model(args.out, shape=args.shape, tiny=args.tiny)}")
         return 0
     if args.cmd == "checkpoint":
         text = json.dumps(
