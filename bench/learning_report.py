@@ -131,16 +131,14 @@ def summarise(
     warm: dict, results: list[RunResult], plan: Any, variants: dict[str, list[str]] | None = None
 ) -> dict:
     """Per run: accuracy at step 0, at the last validation and the best; per algorithm mean ± std and
-    range; with `variants` (name -> its overrides; one run each) no averages, and the variants listed."""
-    runs, by_algo = [_run_row(r) for r in results], {}
+    range; with `variants` (name -> its overrides; one run each) the variants listed, and averages only
+    over variants that are seeds of one setting (`seeds_of_settings`)."""
+    runs = [_run_row(r) for r in results]
+    by_algo = {}
     for algo in () if variants else plan.algos:
-        mine = [r for r in runs if r["algo"] == algo and "gain" in r]
-        if mine:  # failed runs are not averaged in (a dead run's "gain" of 0 would hide it): counted apart
-            by_algo[algo] = {
-                k: _spread([r[k] for r in mine]) for k in ("final_accuracy", "best_accuracy", "gain")
-            }
-            by_algo[algo]["seeds"] = len(mine)
-            by_algo[algo]["failed"] = sum(1 for r in runs if r["algo"] == algo and "gain" not in r)
+        spread = seed_spread([r for r in runs if r["algo"] == algo])
+        if spread:
+            by_algo[algo] = spread
     curves = {r.label: r.curves for r in results}
     summary = {"plan": asdict(plan), "warm_start": warm, "runs": runs, "by_algo": by_algo, "curves": curves}
     if not variants:
@@ -156,17 +154,22 @@ def seeds_of_settings(runs: list[dict], variants: dict[str, list[str]]) -> dict[
     for name, overrides in variants.items():
         settings.setdefault(without_seed(overrides), []).append(name)
     out: dict[str, dict] = {}
-    for names in settings.values():
-        if len(names) < 2:
-            continue
-        mine = [r for r in runs if r.get("variant") in names and "gain" in r]
-        spread = {k: _spread([r[k] for r in mine]) for k in ("final_accuracy", "best_accuracy", "gain")}
-        out[", ".join(names)] = {
-            **(spread if mine else {}),
-            "seeds": len(mine),
-            "failed": len(names) - len(mine),
-        }
+    for names in (n for n in settings.values() if len(n) > 1):
+        spread = seed_spread([r for r in runs if r.get("variant") in names])
+        if spread:
+            out[", ".join(names)] = spread
     return out
+
+
+def seed_spread(group: list[dict]) -> dict | None:
+    """Over the runs of one algorithm or setting: mean ± std and range of the final, best accuracy and
+    gain, how many seeds, and how many failed (not averaged in: a dead run's gain of 0 would hide it);
+    None when every run failed."""
+    mine = [r for r in group if "gain" in r]
+    if not mine:
+        return None
+    spread: dict = {k: _spread([r[k] for r in mine]) for k in ("final_accuracy", "best_accuracy", "gain")}
+    return {**spread, "seeds": len(mine), "failed": len(group) - len(mine)}
 
 
 def _number(value: float | None, spec: str) -> str:
@@ -234,8 +237,7 @@ def markdown(summary: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += _answers_table(summary["runs"], names)
     if variants:  # averages only over variants that are seeds of one setting
-        groups = {k: v for k, v in summary.get("by_setting", {}).items() if v["seeds"]}
-        lines += _spread_table("variants (seeds of one setting)", groups, {k: k for k in groups})
+        lines += _spread_table("variants (seeds of one setting)", summary.get("by_setting", {}))
         return "\n".join(lines) + "\n"
     lines += _spread_table("algorithm", summary["by_algo"], names)
     return "\n".join(lines) + "\n"
@@ -247,7 +249,7 @@ def algorithm_name(algo: str, overrides: list[str], names: dict[str, str]) -> st
     return names[algo] + (" + dynamic sampling" if sampling else "")
 
 
-def _spread_table(who: str, spreads: dict[str, dict], names: dict[str, str]) -> list[str]:
+def _spread_table(who: str, spreads: dict[str, dict], names: dict[str, str] | None = None) -> list[str]:
     """Mean ± std (range) of the final accuracy and the gain, a row per algorithm or setting."""
     if not spreads:
         return []
@@ -260,7 +262,7 @@ def _spread_table(who: str, spreads: dict[str, dict], names: dict[str, str]) -> 
         f, g = s["final_accuracy"], s["gain"]
         seeds = f"{s.get('seeds', '?')}" + (f" (+{s['failed']} failed)" if s.get("failed") else "")
         lines.append(
-            f"| {names[key]} | {seeds} | {f['mean']:.3f} ± {f['std']:.3f} ({f['min']:.3f}–{f['max']:.3f}) | "
+            f"| {(names or {}).get(key, key)} | {seeds} | {f['mean']:.3f} ± {f['std']:.3f} ({f['min']:.3f}–{f['max']:.3f}) | "
             f"{g['mean']:+.3f} ± {g['std']:.3f} ({g['min']:+.3f} … {g['max']:+.3f}) |"
         )
     return lines

@@ -10,7 +10,7 @@
 #   bash bench/real_model.sh gsm8k-rl MODEL_DIR GSM8K_SRC WORK [RESULTS]     # the 6 RL runs (resumes WORK)
 #   bash bench/real_model.sh gsm8k-rl-more MODEL_DIR GSM8K_SRC WORK [RESULTS]  # each run 7 more minutes
 #   bash bench/real_model.sh gsm8k-rl-dapo MODEL_DIR GSM8K_SRC WORK [RESULTS]  # PPO beside GRPO with DAPO's filter
-#   bash bench/real_model.sh gsm8k-rl-dapo-more MODEL_DIR GSM8K_SRC WORK [RESULTS]  # each of those 5.2 more min
+#   bash bench/real_model.sh gsm8k-rl-dapo-more MODEL_DIR GSM8K_SRC WORK [RESULTS]  # each of those 7 more minutes
 #   bash bench/real_model.sh multistep MODEL_DIR WORK [RESULTS]             # SFT warm start + 6 RL runs (4.5 min)
 #   bash bench/real_model.sh multistep-warm MODEL_DIR WORK [RESULTS]        # SFT warm start only
 #   bash bench/real_model.sh multistep-rl MODEL_DIR WORK [RESULTS]          # the 6 RL runs, 8 min (WORK's warm start)
@@ -24,7 +24,7 @@
 #
 # Each stage fits one 10-minute call; the gsm8k stages share WORK (bench/learning.py resumes from it).
 # DEADLINE_MIN (9.3) stops every run of a learning stage that many minutes after it started: lower it when
-# the same call converts the model first. BUDGET_MIN sets the RL minutes of the -dapo stages.
+# the same call converts the model first. BUDGET_MIN sets the RL minutes of the -rl stages.
 # The settings below are the benchmark: every figure in BENCHMARKS.md's real-model section names them.
 set -euo pipefail
 MORE_DEADLINE_MIN=${DEADLINE_MIN:-6.4}  # a -more stage's default: its budget plus the runs' restart
@@ -58,10 +58,19 @@ set_aside_rl() { if [ -d "$1/rl" ]; then rm -rf "$1/rl_earlier"; mv "$1/rl" "$1/
 # groups of 8 score alike, solved at 75 % on the multi-step task or failed at 3 % on GSM8K, a limit would
 # stop the run with an error).
 DAPO=algorithm.filter_groups.enable=True,algorithm.filter_groups.metric=reward
-# dapo_variants: the PPO runs of the grid, and GRPO with dynamic sampling in place of its plain GRPO runs.
-dapo_variants() {
+# rl_variants: for a -dapo stage, its runs as --variants: the grid's PPO runs, and GRPO with dynamic sampling
+# in place of its plain GRPO runs; nothing for the other stages (the algorithms x seeds grid).
+rl_variants() {
+  case $stage in *-dapo*) ;; *) return ;; esac
+  echo --variants
   for s in 1 2 3; do echo "ppo-s$s=algorithm.adv_estimator=gae,trainer.seed=$s"; done
   for s in 1 2 3; do echo "grpo-dapo-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s,$DAPO,algorithm.filter_groups.max_num_gen_batches=0"; done
+}
+# learn WORK RESULTS ARGS...: bench/learning.py in WORK, copying its results to RESULTS when it is not empty.
+learn() {
+  local out=$1 results=$2
+  shift 2
+  python bench/learning.py --out "$out" ${results:+--results "$results"} "$@"
 }
 
 case $stage in
@@ -72,41 +81,39 @@ case $stage in
     python bench/real_parity.py --model "$1" --data "$3/gsm8k/test.parquet" --prompts 64 --max-tokens 256 \
       --lm-head-fp32 off,on --out "$3/parity_bf16.json" ;;
   gsm8k-warm)
-    python bench/learning.py --out "$3" ${4:+--results "$4"} --stop-after-warm \
-      --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" ;;
-  gsm8k-rl)
-    python bench/learning.py --out "$3" ${4:+--results "$4"} --budget-min 7 --deadline-min "$DEADLINE_MIN" \
-      --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" ;;
-  gsm8k-rl-more)
+    learn "$3" "${4:-}" --stop-after-warm --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" ;;
+  gsm8k-rl | gsm8k-rl-dapo)
+    # The six RL runs from gsm8k-warm's SFT start (gsm8k-rl resumes WORK's). -dapo: GRPO with dynamic
+    # sampling beside the PPO runs (3 % accuracy: most groups of 8 fail alike), an earlier stage's rl/
+    # folder kept aside as rl_earlier/.
+    if [ "$stage" = gsm8k-rl-dapo ]; then set_aside_rl "$3"; fi
+    # shellcheck disable=SC2046  # rl_variants is a word list
+    learn "$3" "${4:-}" --budget-min "${BUDGET_MIN:-7}" --deadline-min "$DEADLINE_MIN" \
+      --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" $(rl_variants) ;;
+  gsm8k-rl-more | gsm8k-rl-dapo-more)
     # the next call, on the same warm machine: every run resumes from the checkpoint it saved at its stop
-    python bench/learning.py --out "$3" ${4:+--results "$4"} --budget-min 7 --deadline-min "$DEADLINE_MIN" --continue-runs \
-      --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" ;;
-  gsm8k-rl-dapo)
-    # PPO beside GRPO with dynamic sampling from gsm8k-warm's SFT start (3 % accuracy: most groups of 8
-    # fail alike); an earlier stage's rl/ folder is kept aside as rl_earlier/; each run saves at its stop.
-    set_aside_rl "$3"
-    python bench/learning.py --out "$3" ${4:+--results "$4"} --budget-min "${BUDGET_MIN:-7}" --deadline-min "$DEADLINE_MIN" \
-      --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" --variants $(dapo_variants) ;;
-  gsm8k-rl-dapo-more)
-    python bench/learning.py --out "$3" ${4:+--results "$4"} --budget-min "${BUDGET_MIN:-5.2}" --deadline-min "$MORE_DEADLINE_MIN" \
-      --continue-runs --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" --variants $(dapo_variants) ;;
+    # shellcheck disable=SC2046
+    learn "$3" "${4:-}" --budget-min "${BUDGET_MIN:-7}" --deadline-min "$DEADLINE_MIN" --continue-runs \
+      --set "${COMMON[@]}" "${GSM8K[@]}" base_model="$1" gsm8k_src="$2" $(rl_variants) ;;
   multistep)
     # SFT and RL in one call, so a shorter RL budget.
-    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 4.5 --deadline-min "$DEADLINE_MIN" \
-      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" ;;
+    learn "$2" "${3:-}" --budget-min 4.5 --deadline-min "$DEADLINE_MIN" --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" ;;
   multistep-warm)
-    python bench/learning.py --out "$2" ${3:+--results "$3"} --stop-after-warm \
-      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" ;;
-  multistep-rl)
+    learn "$2" "${3:-}" --stop-after-warm --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" ;;
+  multistep-rl | multistep-rl-dapo)
     # RL from WORK's warm start for a whole call; an earlier stage's rl/ folder is kept aside as rl_earlier/.
-    # Each run saves a checkpoint when its budget stops it, so multistep-rl-more continues it.
+    # Each run saves a checkpoint when its budget stops it, so the -more stage continues it. -dapo: GRPO with
+    # dynamic sampling beside the PPO runs (the lever `fulcrum report` names when critic/score/groups_alike
+    # stays high, as plain GRPO's did on this task).
     set_aside_rl "$2"
-    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 8 --deadline-min "$DEADLINE_MIN" \
-      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true ;;
-  multistep-rl-more)
+    # shellcheck disable=SC2046
+    learn "$2" "${3:-}" --budget-min "${BUDGET_MIN:-8}" --deadline-min "$DEADLINE_MIN" \
+      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true $(rl_variants) ;;
+  multistep-rl-more | multistep-rl-dapo-more)
     # the next call, on the same warm machine: every run resumes from the checkpoint it saved at its stop
-    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 5.2 --deadline-min 6.4 --continue-runs \
-      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true ;;
+    # shellcheck disable=SC2046
+    learn "$2" "${3:-}" --budget-min "${BUDGET_MIN:-5.2}" --deadline-min "$MORE_DEADLINE_MIN" --continue-runs \
+      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true $(rl_variants) ;;
   multistep-grpo-levers)
     # GRPO's levers for groups that all score alike (critic/score/groups_alike), from WORK's warm start, 3 seeds
     # each, multistep-rl's 8-minute budget: DAPO's dynamic sampling (only groups with signal are trained; up to
@@ -114,26 +121,16 @@ case $stage in
     # Their baseline is multistep-rl's GRPO runs; rl/ is kept aside as rl_earlier/ as there.
     set_aside_rl "$2"
     N16=actor_rollout_ref.rollout.n=16,data.train_batch_size=32,actor_rollout_ref.actor.ppo_mini_batch_size=16
-    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 8 --deadline-min "$DEADLINE_MIN" \
+    learn "$2" "${3:-}" --budget-min 8 --deadline-min "$DEADLINE_MIN" \
       --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" --variants \
       $(for s in 1 2 3; do echo "dapo-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s,$DAPO,algorithm.filter_groups.max_num_gen_batches=4"; done) \
       $(for s in 1 2 3; do echo "n16-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s,$N16"; done) ;;
-  multistep-rl-dapo)
-    # PPO as multistep-rl, beside GRPO with dynamic sampling (the lever `fulcrum report` names when
-    # critic/score/groups_alike stays high, as plain GRPO's did on this task); each run saves at its stop.
-    set_aside_rl "$2"
-    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min "${BUDGET_MIN:-8}" --deadline-min "$DEADLINE_MIN" \
-      --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true --variants $(dapo_variants) ;;
-  multistep-rl-dapo-more)
-    # the next call, on the same warm machine: every run resumes from the checkpoint it saved at its stop
-    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min "${BUDGET_MIN:-5.2}" --deadline-min "$MORE_DEADLINE_MIN" \
-      --continue-runs --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" save_at_stop=true --variants $(dapo_variants) ;;
   multistep-lora)
     # LoRA against full fine-tuning on the multi-step task from the same SmolLM2 warm start, GRPO, 3 seeds
     # each, the same budget: rank 32 / alpha 64 on every linear, at 10x the full run's learning rate (verl
     # advises an order of magnitude more for LoRA).
     LORA=actor_rollout_ref.model.lora_rank=32,actor_rollout_ref.model.lora_alpha=64,actor_rollout_ref.model.target_modules=all-linear,actor_rollout_ref.actor.optim.lr=5e-5
-    python bench/learning.py --out "$2" ${3:+--results "$3"} --budget-min 4.5 --deadline-min "$DEADLINE_MIN" \
+    learn "$2" "${3:-}" --budget-min 4.5 --deadline-min "$DEADLINE_MIN" \
       --set "${COMMON[@]}" "${MULTISTEP[@]}" base_model="$1" --variants \
       $(for s in 1 2 3; do echo "full-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s"; done) \
       $(for s in 1 2 3; do echo "lora-s$s=algorithm.adv_estimator=grpo,trainer.seed=$s,$LORA"; done) ;;

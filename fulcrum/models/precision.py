@@ -82,8 +82,10 @@ class ComputeWeights:
         self.masters = [p for _, p in named]
         self.dtype = dtype
         self.copies: list[torch.Tensor] = []
-        # The copies and masters that get gradients (a frozen parameter outside `dtype` has a copy too).
-        self._trained: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # The copies and masters that get gradients (a frozen parameter outside `dtype` has a copy too),
+        # as two aligned lists made with the copies, so a micro-batch builds no list of its own.
+        self._trained_copies: list[torch.Tensor] = []
+        self._trained_masters: list[torch.Tensor] = []
         copied = {id(p) for p in self.masters}
         # Trained parameters computed in their own dtype (under `keep`): `backward` fills their `.grad`.
         self.uncopied = [p for p in module.parameters() if p.requires_grad and id(p) not in copied]
@@ -98,17 +100,17 @@ class ComputeWeights:
             self.copies = [
                 torch.empty_like(p, dtype=self.dtype).requires_grad_(p.requires_grad) for p in self.masters
             ]
-            self._trained = [
-                (c, p) for c, p in zip(self.copies, self.masters, strict=True) if c.requires_grad
-            ]
-            shapes = [c.shape for c, _ in self._trained]
+            trained = [(c, p) for c, p in zip(self.copies, self.masters, strict=True) if c.requires_grad]
+            self._trained_copies = [c for c, _ in trained]
+            self._trained_masters = [p for _, p in trained]
+            shapes = [c.shape for c in self._trained_copies]
             if self._staging is not None and self._staging.shapes != shapes:
                 self._staging = None  # made for other trained parameters
         torch._foreach_copy_(self.copies, self.masters)  # under no_grad the masters need no detach each
 
     def release(self) -> None:
         """Drop the copies (their memory returns to the allocator's cache); `refresh` makes new ones."""
-        self.copies, self._trained, self._pending = [], [], None
+        self.copies, self._trained_copies, self._trained_masters, self._pending = [], [], [], None
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -130,7 +132,7 @@ class ComputeWeights:
         """
         if self._pending is not None:
             raise RuntimeError("ComputeWeights.backward twice without accumulate_grads in between")
-        copies = [c for c, _ in self._trained]
+        copies = self._trained_copies
         inputs = [*copies, *self.uncopied]
         if not inputs:
             loss.backward()
@@ -153,15 +155,15 @@ class ComputeWeights:
         `.grad`, so the optimiser's release of the gradients frees it. A micro-batch that leaves a copy
         without gradient, or masters holding gradients of their own, take the per-parameter path.
         """
-        if not self._trained:
+        if not self._trained_copies:
             return
         if self._pending is not None:
             grads, self._pending = self._pending, None
         else:
-            grads = [c.grad for c, _ in self._trained]
-            for c, _ in self._trained:
+            grads = [c.grad for c in self._trained_copies]
+            for c in self._trained_copies:
                 c.grad = None
-        trained = [m for _, m in self._trained]
+        trained = self._trained_masters
         flat = self._flat_grad()
         fresh = flat is None and all(m.grad is None for m in trained)
         present = [g for g in grads if g is not None]
@@ -182,13 +184,13 @@ class ComputeWeights:
     def _flat_grad(self) -> torch.Tensor | None:
         """The float32 buffer behind every trained master's `.grad`, or None when they are not (all) its views."""
         flat = self._flat_ref() if self._flat_ref is not None else None
-        if flat is None or any(m.grad is None or m.grad._base is not flat for _, m in self._trained):
+        if flat is None or any(m.grad is None or m.grad._base is not flat for m in self._trained_masters):
             return None
         return flat
 
     def _add_each(self, grads: list[torch.Tensor | None]) -> None:
         masters, present = [], []
-        for (_, master), grad in zip(self._trained, grads, strict=True):
+        for master, grad in zip(self._trained_masters, grads, strict=True):
             if grad is None:
                 continue
             if master.grad is None:

@@ -70,14 +70,12 @@ class GroupFilter:
         self.num_prompts = 0
         self.num_gen_batches = 0
         self.evicted = 0
-        self.generated = 0  # prompt groups generated over the rounds
 
     def add(self, batch: Any, values: Sequence[float]) -> None:
         """Add one generated and scored round; `batch.non_tensors['uid']` groups its rows."""
         self.num_gen_batches += 1
         rows, kept, dropped = rows_with_signal(values, batch.non_tensors["uid"])
         self.evicted += dropped
-        self.generated += kept + dropped
         self.num_prompts += kept
         if rows:
             self.kept.append(batch.select(torch.tensor(rows, dtype=torch.long)))
@@ -85,6 +83,11 @@ class GroupFilter:
     @property
     def enough(self) -> bool:
         return self.num_prompts >= self.prompts_needed
+
+    @property
+    def alike_share(self) -> float:
+        """The share of the prompt groups generated so far that scored alike (and were dropped)."""
+        return self.evicted / max(self.num_prompts + self.evicted, 1)
 
     def may_generate_more(self) -> bool:
         """False once max_num_gen_batches rounds were generated (<= 0: never)."""
@@ -96,7 +99,6 @@ class GroupFilter:
         generate round after round with nothing on the console."""
         if self.num_gen_batches % NOTE_EVERY_ROUNDS or self.enough:
             return None
-        share = self.evicted / max(self.generated, 1)
         limit = (
             f"max_num_gen_batches={self.max_num_gen_batches}"
             if self.max_num_gen_batches > 0
@@ -104,8 +106,8 @@ class GroupFilter:
         )
         return (
             f"step {step}: algorithm.filter_groups has generated {self.num_gen_batches} rounds ({limit}) and holds "
-            f"{self.num_prompts} of the {self.prompts_needed} prompts it needs: {share:.0%} of the "
-            f"{self.generated} prompt groups scored alike. A larger rollout.n or temperature, or prompts nearer "
+            f"{self.num_prompts} of the {self.prompts_needed} prompts it needs: {self.alike_share:.0%} of the "
+            f"{self.num_prompts + self.evicted} prompt groups scored alike. A larger rollout.n or temperature, or prompts nearer "
             "the model's level, give more groups with signal"
         )
 
@@ -121,7 +123,7 @@ class GroupFilter:
         return {
             "train/num_gen_batches": float(self.num_gen_batches),
             "training/filter_groups/evicted_samples": float(self.evicted),
-            "training/filter_groups/groups_alike": self.evicted / max(self.generated, 1),
+            "training/filter_groups/groups_alike": self.alike_share,
         }
 
     def take(self) -> Any:
