@@ -2,7 +2,9 @@
 
     python bench/compare_table.py WORK      # WORK holds rollout_{old,new}.json, seed_*.json, grpo_*.json
 
-A figure moves when new / old leaves [1 - TOLERANCE, 1 + TOLERANCE] (the 3 % that a refactor may not
+A step part run in several rounds (`ROUNDS=2 bash bench/compare_trees.sh`) leaves one JSON a round,
+`grpo_old_r1.json`, `grpo_old_r2.json`, ...: its figure is the median over the warm steps of every round,
+so that one run's host drift weighs no more than one round. A figure moves when new / old leaves [1 - TOLERANCE, 1 + TOLERANCE] (the 3 % that a refactor may not
 exceed); a part that left no JSON is named as missing, not counted as a change.
 """
 
@@ -33,10 +35,15 @@ def rollout_figures(summary: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def step_figures(summary: dict[str, Any], label: str) -> dict[str, float]:
-    """tok/s/GPU and seconds of a train_step.py run: the median over its warm steps (all but the first)."""
+def warm_steps(summary: dict[str, Any]) -> list[dict[str, float]]:
+    """A train_step.py run's steps after the first (which loads and compiles); the first when alone."""
     steps = summary.get("steps") or []
-    warm = steps[1:] or steps
+    return steps[1:] or steps
+
+
+def step_figures(runs: list[dict[str, Any]], label: str) -> dict[str, float]:
+    """tok/s/GPU and seconds of one or more train_step.py runs: the median over their warm steps."""
+    warm = [step for run in runs for step in warm_steps(run)]
     if not warm:
         return {}
     return {
@@ -51,8 +58,10 @@ def figures(work: Path, tree: str) -> dict[str, float]:
     if (r := _load(work / f"rollout_{tree}.json")) and "native_tok_per_s" in r:
         out.update(rollout_figures(r))
     for part, label in (("seed", "seed PPO step"), ("grpo", "GRPO step 64 x 8")):
-        if s := _load(work / f"{part}_{tree}.json"):
-            out.update(step_figures(s, label))
+        paths = [work / f"{part}_{tree}.json", *sorted(work.glob(f"{part}_{tree}_r*.json"))]
+        runs = [s for s in map(_load, paths) if s]
+        if runs:
+            out.update(step_figures(runs, label))
     return out
 
 

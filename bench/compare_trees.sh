@@ -9,6 +9,11 @@
 #   bash bench/compare_trees.sh /tmp/old                    # new = this tree; work files in $WORK (/tmp/compare)
 #   RESULTS=$OUT bash bench/compare_trees.sh /tmp/old       # copies the table and the JSON there
 #   SMOKE=1 bash bench/compare_trees.sh /tmp/old            # the same on the CPU with a tiny model (~3 min)
+#   PARTS=grpo ROUNDS=2 bash bench/compare_trees.sh /tmp/old   # only the GRPO step, old/new/old/new
+#
+# A step figure moves by up to 10 % between two runs of the same tree (the host's speed drifts; the GRPO
+# step measured 56.8k-62.5k tok/s for one tree in one call, 2026-12-02): ROUNDS=N runs each step part N
+# times, the trees alternating, and the table takes the median over the warm steps of all rounds.
 #
 # Inputs (made when missing): $DATA (GSM8K in verl's parquet) and $MODEL (the random Qwen2.5-0.5B shape, made by
 # the new tree's bench/train_step.py make-model), shared by both trees. Each part runs under its own limit.
@@ -18,6 +23,9 @@ OLD=$(cd "${1:?usage: compare_trees.sh OLD_TREE_DIR}" && pwd)
 WORK=${WORK:-/tmp/compare}; mkdir -p "$WORK"
 RESULTS=${RESULTS:-}
 SMOKE=${SMOKE:-0}
+ROUNDS=${ROUNDS:-1}
+PARTS=${PARTS:-rollout,seed,grpo}
+wants() { [[ ",$PARTS," == *",$1,"* ]]; }
 DATA=$(realpath -m "${DATA:-$NEW/.bench/gsm8k}")
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
@@ -62,23 +70,30 @@ COMMON="actor_rollout_ref.rollout.name=$ENGINE trainer.test_freq=-1 trainer.save
 elapsed "model $MODEL, data $DATA; old $OLD, new $NEW"
 rm -rf "$WORK"/*.json "$WORK"/run_*
 
-# Limits (H200): the engine alone ~40 s without HF; a step ~60-90 s with loading and compiling.
-for tree in old new; do
-  dir=$OLD; [ $tree = new ] && dir=$NEW
-  # shellcheck disable=SC2086  # the *_ARGS are word lists
-  run "$dir" "rollout_$tree" 100 $PY bench/rollout.py --skip-hf $ROLLOUT_ARGS --json "$WORK/rollout_$tree.json"
-done
-for tree in old new; do
-  dir=$OLD; [ $tree = new ] && dir=$NEW
-  # shellcheck disable=SC2086
-  run "$dir" "seed_$tree" 130 $PY bench/train_step.py run --data "$DATA" --model "$MODEL" --run "$WORK/run_seed_$tree" \
-    --steps 2 --summary "$WORK/seed_$tree.json" $COMMON $STEP_ARGS
-done
-for tree in old new; do
-  dir=$OLD; [ $tree = new ] && dir=$NEW
-  # shellcheck disable=SC2086
-  run "$dir" "grpo_$tree" 110 $PY bench/train_step.py run --data "$DATA" --model "$MODEL" --run "$WORK/run_grpo_$tree" \
-    --steps 3 --summary "$WORK/grpo_$tree.json" $COMMON $GRPO_ARGS $STEP_ARGS
+# Limits (H200): the engine alone ~40 s without HF; a step ~60-100 s with loading and compiling.
+tree_dir() { if [ "$1" = new ]; then echo "$NEW"; else echo "$OLD"; fi; }
+if wants rollout; then
+  for tree in old new; do
+    # shellcheck disable=SC2086  # the *_ARGS are word lists
+    run "$(tree_dir $tree)" "rollout_$tree" 100 $PY bench/rollout.py --skip-hf $ROLLOUT_ARGS --json "$WORK/rollout_$tree.json"
+  done
+fi
+for round in $(seq 1 "$ROUNDS"); do
+  suffix=""; [ "$ROUNDS" -gt 1 ] && suffix="_r$round"
+  for tree in old new; do
+    if wants seed; then
+      # shellcheck disable=SC2086
+      run "$(tree_dir $tree)" "seed_$tree$suffix" 140 $PY bench/train_step.py run --data "$DATA" --model "$MODEL" \
+        --run "$WORK/run_seed_$tree$suffix" --steps 3 --summary "$WORK/seed_$tree$suffix.json" $COMMON $STEP_ARGS
+    fi
+  done
+  for tree in old new; do
+    if wants grpo; then
+      # shellcheck disable=SC2086
+      run "$(tree_dir $tree)" "grpo_$tree$suffix" 120 $PY bench/train_step.py run --data "$DATA" --model "$MODEL" \
+        --run "$WORK/run_grpo_$tree$suffix" --steps 5 --summary "$WORK/grpo_$tree$suffix.json" $COMMON $GRPO_ARGS $STEP_ARGS
+    fi
+  done
 done
 
 $PY "$NEW/bench/compare_table.py" "$WORK" | tee "$WORK/compare.md"

@@ -32,3 +32,16 @@ def test_the_table_takes_warm_steps_and_names_a_missing_part(tmp_path: Path) -> 
     assert seed.endswith("| 0.806 | SLOWER |")
     rollout = next(r for r in rows if r.startswith("| rollout: native engine"))
     assert "missing" in rollout and rollout.endswith("| — | — |")
+
+
+def test_rounds_of_a_part_are_pooled_over_their_warm_steps(tmp_path: Path) -> None:
+    def steps(*tok_s: float) -> dict:
+        return {"steps": [{"perf/throughput": t, "timing_s/step": 1e5 / t} for t in tok_s]}
+
+    # one round on a slow host, one on a fast one: the median of all warm steps, not of one round
+    (tmp_path / "grpo_old_r1.json").write_text(json.dumps(steps(1.0, 56_000, 57_000, 58_000)))
+    (tmp_path / "grpo_old_r2.json").write_text(json.dumps(steps(1.0, 62_000, 63_000, 64_000)))
+    (tmp_path / "grpo_new_r1.json").write_text(json.dumps(steps(1.0, 60_000, 61_000, 59_000)))
+    old, new = figures(tmp_path, "old"), figures(tmp_path, "new")
+    assert old["GRPO step 64 x 8: tok/s/GPU"] == 60_000  # (58,000 + 62,000) / 2 over six warm steps
+    assert new["GRPO step 64 x 8: tok/s/GPU"] == 60_000
