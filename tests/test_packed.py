@@ -8,6 +8,7 @@ import itertools
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from fulcrum.models.packed import (
 )
 from fulcrum.models.precision import ComputeWeights
 from fulcrum.models.value_head import CriticModel
+from fulcrum.rollout.testing import random_causal_lm
 from fulcrum.workers.micro_batch import (
     forward_log_prob,
     forward_values,
@@ -380,6 +382,71 @@ def test_no_cpp_compiler_keeps_the_python_wrapper(
         assert "no C++ compiler for inductor's C++ wrapper" in caplog.text
     finally:
         packed.cpp_compiler_found.cache_clear()
+
+
+def test_layers_calling_an_op_the_c_shim_lacks_keep_the_python_wrapper(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Qwen3-MoE's experts call aten's `_grouped_mm`, which torch 2.11's C shim lacks (the C++ wrapper's
+    code then fails to build; 2.13's declares it): its compiled layers get inductor's Python wrapper
+    where the shim lacks the op, the C++ wrapper where it declares it. Both ways of compiling the layers
+    hand that choice to `torch.compile`, asking the shim of the device the weights are on. A dense
+    model, and a Qwen3-MoE whose layers are all dense, keep the C++ wrapper without asking."""
+    from transformers import AutoConfig
+
+    from fulcrum.models import packed
+
+    asked: list[tuple[str, str]] = []
+    chosen: list[object] = []
+
+    def compile_spy(fn: object, **kwargs: object) -> object:
+        chosen.append(kwargs["options"])
+        return fn
+
+    monkeypatch.setattr(packed, "cpp_compiler_found", lambda: True)
+    monkeypatch.setattr(torch, "compile", compile_spy)
+    moe = random_causal_lm("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    for declared in (False, True):
+        monkeypatch.setattr(
+            packed, "c_shim_declares", lambda op, device, d=declared: asked.append((op, device)) or d
+        )
+        want = {"cpp_wrapper": True} if declared else None
+        assert packed.compile_options("inductor", moe.config, "cuda") == want
+        packed.compile_decoder_layers(moe.model)
+        packed.compile_inside_layers(moe.model)
+        assert chosen[-2:] == [want, want]
+    assert asked == [("_grouped_mm", "cuda"), ("_grouped_mm", "cpu"), ("_grouped_mm", "cpu")] * 2
+    asked.clear()
+    all_dense = AutoConfig.for_model("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[0, 1])
+    for config in (random_causal_lm("qwen3").config, all_dense):
+        assert packed.compile_options("inductor", config, "cuda") == {"cpp_wrapper": True}
+    assert not asked
+
+
+def test_c_shim_declares_reads_the_installed_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whether torch's generated c_shim_<device>.h declares an op's function: the installed torch's
+    header (it declares `_scaled_mm`, as 2.11's and 2.13's do), one without the op (torch 2.11's CUDA shim
+    has `_scaled_grouped_mm`, not `_grouped_mm`), and no header at all, taken as the op missing."""
+    from fulcrum.models import packed
+
+    packed.c_shim_declares.cache_clear()
+    try:
+        assert packed.c_shim_declares("_scaled_mm", "cuda")
+        declaration = "AOTI_TORCH_EXPORT AOTITorchError aoti_torch_{}(AtenTensorHandle self);\n"
+        (tmp_path / "c_shim_cuda.h").write_text(declaration.format("cuda__scaled_grouped_mm"))
+        (tmp_path / "c_shim_cpu.h").write_text(declaration.format("cpu__grouped_mm"))
+        monkeypatch.setattr(packed, "SHIM_HEADERS", tmp_path)
+        packed.c_shim_declares.cache_clear()
+        with caplog.at_level("WARNING", logger="fulcrum.models.packed"):
+            assert packed.c_shim_declares("_grouped_mm", "cpu")
+            assert not packed.c_shim_declares("_grouped_mm", "cuda")
+            assert not packed.c_shim_declares("_grouped_mm", "xpu")
+        assert "has no aoti_torch_cuda__grouped_mm" in caplog.text
+        assert "has no aoti_torch_xpu__grouped_mm" in caplog.text
+    finally:
+        packed.c_shim_declares.cache_clear()
 
 
 def test_compute_weights_backward_leaves_the_gradients_loss_backward_leaves() -> None:

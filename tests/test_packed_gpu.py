@@ -19,6 +19,10 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 SHAPE = dict(
     vocab_size=32000, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8
 )
+# Qwen3-MoE at that size: 8 experts (2 a token) on every layer but one dense one.
+MOE_SHAPE = dict(
+    SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, mlp_only_layers=[1], head_dim=32
+)
 
 
 def batch_for(vocab: int):
@@ -79,31 +83,40 @@ def test_packed_bf16_values_match_padded_fp32() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    ("save_attention", "cpp_wrapper"), [(True, True), (False, False)], ids=["default", "recompute-attention"]
+    ("arch", "save_attention", "cpp_wrapper"),
+    [("qwen2", True, True), ("qwen2", False, False), ("qwen3_moe", True, True)],
+    ids=["default", "recompute-attention", "qwen3-moe"],
 )
 def test_compiled_checkpointed_layers_match_eager_on_cuda(
-    save_attention: bool, cpp_wrapper: bool, monkeypatch: pytest.MonkeyPatch
+    arch: str, save_attention: bool, cpp_wrapper: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The trainer's default on CUDA (decoder layers compiled, each checkpointed inside its compiled
     call, the flash kernel's outputs kept by the checkpoint, inductor's C++ wrapper) against the same
     bf16 packed path uncompiled and without checkpointing: the same log-probs and gradients up to bf16
     rounding, over two micro-batches of different token counts (dynamic sizes). Also with attention
-    recomputed in the backward (`SAVE_ATTENTION_OUTPUTS` off) under inductor's Python wrapper."""
+    recomputed in the backward (`SAVE_ATTENTION_OUTPUTS` off) under inductor's Python wrapper, and a
+    Qwen3-MoE, whose experts call aten's `_grouped_mm`: the C++ wrapper where the installed torch's C
+    shim declares it, else the Python wrapper (torch 2.11's lacks it, and its C++ failed to build)."""
     from fulcrum.models import packed
 
     monkeypatch.setattr(packed, "SAVE_ATTENTION_OUTPUTS", save_attention)
     monkeypatch.setattr(packed, "CPP_WRAPPER", cpp_wrapper)
     assert (packed.compile_options() is not None) == cpp_wrapper
     torch._dynamo.reset()  # the setting is read while tracing
+    shape = MOE_SHAPE if arch == "qwen3_moe" else SHAPE
     results = []
     for compiled in (False, True):
-        model = random_causal_lm("qwen2", seed=0, init_std=0.05, **SHAPE).to(CUDA).train()
+        model = random_causal_lm(arch, seed=0, init_std=0.05, **shape).to(CUDA).train()
         if compiled:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         forwards = ModelForwards(
             model, CUDA, use_remove_padding=True, role="actor", use_torch_compile=compiled
         )
         assert getattr(model.model, "fulcrum_checkpoint", False) == compiled
+        if arch == "qwen3_moe":  # transformers' experts run F.grouped_mm on bf16 weights under compile
+            assert model.config._experts_implementation == "grouped_mm"
+            wrapper = {"cpp_wrapper": True} if packed.c_shim_declares("_grouped_mm", "cuda") else None
+            assert packed.layer_compile_options(model.model, "inductor") == wrapper
         logps = []
         with forwards.active():
             for b in (12, 7):

@@ -26,6 +26,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -181,7 +182,8 @@ SAVE_ATTENTION_OUTPUTS = True
 # instead of generated Python, whose per-kernel cost bounded the seed command's micro-batches (seed step
 # 35.0k tok/s with it, 28.8k without in another call of the same kind, BENCHMARKS.md, "The training
 # step", trees f3b1f99 and 9cbfb34).
-# Needs SAVE_ATTENTION_OUTPUTS (above).
+# Needs SAVE_ATTENTION_OUTPUTS (above), and is left out for layers that call an op the installed
+# torch's C shim lacks (`compile_options`).
 # TORCHINDUCTOR_CPP_WRAPPER=0 in the environment turns it off.
 CPP_WRAPPER = os.environ.get("TORCHINDUCTOR_CPP_WRAPPER", "1") != "0"
 ATTENTION_OPS = frozenset(
@@ -206,13 +208,49 @@ def _attention_saving_contexts() -> tuple[object, object]:
     return create_selective_checkpoint_contexts(keep_attention_outputs)
 
 
-def compile_options(backend: str = "inductor") -> dict[str, object] | None:
+def compile_options(
+    backend: str = "inductor", config: object | None = None, device: str = "cuda"
+) -> dict[str, object] | None:
     """`torch.compile` options for the training passes' compiled code: inductor's C++ wrapper when
     `CPP_WRAPPER` and the attention outputs are kept (`SAVE_ATTENTION_OUTPUTS`; without them the
-    checkpointed regions hold the RNG-replay op the wrapper refuses), else inductor's defaults."""
-    if backend == "inductor" and CPP_WRAPPER and SAVE_ATTENTION_OUTPUTS and cpp_compiler_found():
-        return {"cpp_wrapper": True}
-    return None
+    checkpointed regions hold the RNG-replay op the wrapper refuses), else inductor's defaults. For
+    the decoder layers of a model (its Hugging Face `config`, on `device`), inductor's defaults also
+    where they call aten's `_grouped_mm` (`ModelSpec.grouped_mm`) and the installed torch's C shim
+    for `device` lacks it (`c_shim_declares`)."""
+    if backend != "inductor" or not (CPP_WRAPPER and SAVE_ATTENTION_OUTPUTS and cpp_compiler_found()):
+        return None
+    spec = spec_for(config) if config is not None else None
+    if spec is not None and spec.grouped_mm(config) and not c_shim_declares("_grouped_mm", device):
+        return None
+    return {"cpp_wrapper": True}
+
+
+# The C++ wrapper calls an op that inductor leaves to aten through the C shim's
+# `aoti_torch_<device>_<op>`, declared in torch's generated c_shim_<device>.h. torch 2.11's
+# c_shim_cuda.h lacks `aoti_torch_cuda__grouped_mm` (2.13's declares it): a mixture of experts'
+# compiled layers then failed to build their C++, and keep the Python wrapper on such a torch.
+SHIM_HEADERS = Path(torch.__file__).parent / "include/torch/csrc/inductor/aoti_torch/generated"
+
+
+@functools.cache
+def c_shim_declares(op: str, device: str) -> bool:
+    """Whether the installed torch's C shim for `device` declares `aoti_torch_<device>_<op>` (aten's
+    `op`, e.g. "_grouped_mm"); False, with a warning, when it does not or its header is not found."""
+    header = SHIM_HEADERS / f"c_shim_{device}.h"
+    try:
+        declared = f"aoti_torch_{device}_{op}(" in header.read_text()
+    except OSError:
+        declared = False
+    if not declared:
+        logger.warning(
+            "torch %s's C shim (%s) has no aoti_torch_%s_%s: compiled layers that call it use inductor's "
+            "Python wrapper, slower at small micro-batches (torch 2.13 declares aoti_torch_cuda__grouped_mm)",
+            torch.__version__,
+            header,
+            device,
+            op,
+        )
+    return declared
 
 
 @functools.cache
@@ -236,6 +274,11 @@ def cpp_compiler_found() -> bool:
         )
         return False
     return True
+
+
+def layer_compile_options(base: nn.Module, backend: str) -> dict[str, object] | None:
+    """`compile_options` for the decoder layers of `base`, on the device its weights are on."""
+    return compile_options(backend, base.config, next(base.parameters()).device.type)
 
 
 def compile_decoder_layers(
@@ -262,7 +305,7 @@ def compile_decoder_layers(
         layers[i : i + layers_per_region] for i in range(0, len(layers), layers_per_region)
     ]
     base.fulcrum_compiled_run = torch.compile(
-        run_decoder_layers, dynamic=True, backend=backend, options=compile_options(backend)
+        run_decoder_layers, dynamic=True, backend=backend, options=layer_compile_options(base, backend)
     )
 
 
@@ -280,7 +323,8 @@ def compile_inside_layers(base: nn.Module, backend: str = "inductor") -> None:
     get an instance `forward`, nothing registered.
     """
     checkpointed = take_over_checkpointing(base)  # transformers' wrapper would sit outside FSDP's hooks
-    compiled = torch.compile(run_layer_body, dynamic=True, backend=backend, options=compile_options(backend))
+    options = layer_compile_options(base, backend)
+    compiled = torch.compile(run_layer_body, dynamic=True, backend=backend, options=options)
     for layer in base.layers[: base.config.num_hidden_layers]:
         layer.forward = functools.partial(
             _packed_layer_call, compiled, layer, type(layer).forward, checkpointed

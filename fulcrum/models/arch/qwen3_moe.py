@@ -82,4 +82,5 @@ SPEC = ModelSpec(
     },
     moe_layers=moe_layers,
     moe_shape=moe_shape,
+    grouped_mm=lambda config: any(moe_layers(config)),
 )

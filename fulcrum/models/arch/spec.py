@@ -303,6 +303,9 @@ class ModelSpec:
     # (moe_layers, experts, active_experts, expert_intermediate); empty for a dense family.
     moe_layers: Callable[[Any], list[bool]] = lambda _config: []
     moe_shape: Callable[[Any], dict[str, int]] = lambda _config: {}
+    # The training path's layers call aten's `_grouped_mm` (Hugging Face's experts, whose default
+    # `experts_implementation` is grouped_mm): `fulcrum.models.packed.compile_options` asks it.
+    grouped_mm: Callable[[Any], bool] = never
 
     def shape(self, config: Any) -> ModelShape:
         norms = 4 if self.sandwich_norms else 2
