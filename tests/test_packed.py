@@ -20,11 +20,8 @@ from fulcrum.algo.losses import compute_value_loss
 from fulcrum.models import precision
 from fulcrum.models.linear_logprob import linear_log_softmax
 from fulcrum.models.load import load_backbone, load_causal_lm
-from fulcrum.models.packed import (
-    enable_packed_attention,
-    pack_micro_batch,
-    right_padded_causal_attention,
-)
+from fulcrum.models.packed import enable_packed_attention, pack_micro_batch
+from fulcrum.models.packed_attention import right_padded_causal_attention
 from fulcrum.models.precision import ComputeWeights
 from fulcrum.models.value_head import CriticModel
 from fulcrum.rollout.testing import random_causal_lm

@@ -3,25 +3,21 @@
 A micro-batch of padded rows (B, P + R) becomes one stream of its N real tokens, each sequence's
 positions restarting at 0, with `cu_seqlens` (S + 1,) marking where sequences start. The decoder's
 own layers run over the stream (Hugging Face modules and weights, nothing re-implemented but the
-outer loop); attention goes through `packed_attention`, registered with transformers under
-`PACKED_ATTENTION`: flash-style varlen attention on CUDA (`torch.nn.attention.varlen.varlen_attn`,
-causal, GQA); elsewhere one causal SDPA over the sequences laid out side by side, right-padded to
-the longest (`right_padded_causal_attention`: one call per layer, where a Python loop of one SDPA
-per sequence made many small ops; that loop is the tests' reference).
-Calls without packing metadata fall through to transformers' SDPA, so a model switched to packed
-attention still runs padded batches as before.
+outer loop); attention goes through `fulcrum.models.packed_attention.packed_attention`, registered with
+transformers under `PACKED_ATTENTION`: flash-style varlen attention on CUDA, one causal SDPA over the
+sequences side by side elsewhere. Calls without packing metadata fall through to transformers' SDPA, so a
+model switched to packed attention still runs padded batches as before.
 
 Only the positions that predict a response token are then read (`PackedMicroBatch.predictor`), so
 the LM head or value head runs on M ≤ N rows, and padding costs no compute anywhere.
 
-Over 400 lines: the packing, the three attention paths and the compiled regions (plain, and inside
-FSDP units) all depend on the stream's layout (`cu_seqlens`, `max_seqlen`), which this one module defines.
+The packing and the compiled regions (plain, and inside FSDP units) depend on the stream's layout
+(`cu_seqlens`, `max_seqlen`), which this module defines; the attention over it is its own module.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -30,26 +26,15 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fulcrum.batch import host_to_device
 from fulcrum.models.arch import SPECS, spec_for
-from fulcrum.parallel.ulysses import SequenceParallel, gather_heads_scatter_seq, sequence_parallel_heads
+from fulcrum.models.packed_attention import packed_attention
+from fulcrum.parallel.ulysses import SequenceParallel
 
 logger = logging.getLogger(__name__)
-
-try:  # torch >= 2.10
-    from torch.nn.attention.varlen import varlen_attn
-
-    _VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
-except ImportError:  # pragma: no cover - older torch: CUDA packing falls back to per-sequence SDPA
-    varlen_attn = None
-    _VARLEN_PARAMS = frozenset()
-# aten's flash kernel with its own derivative (varlen when given cumulative sequence offsets).
-_ATEN_FLASH = getattr(torch.ops.aten, "_flash_attention_forward", None)
 
 # The name under which `packed_attention` is registered with transformers' attention interfaces.
 PACKED_ATTENTION = "fulcrum_packed"
@@ -395,115 +380,6 @@ def run_decoder_layers(
             kwargs = {**kwargs, "position_embeddings": tables[layer.self_attn.layer_type]}
         hidden = call_layer(layer, hidden, recompute, kwargs)
     return hidden
-
-
-def packed_attention(
-    module: nn.Module,
-    query: torch.Tensor,  # (1, Hq, N, D)
-    key: torch.Tensor,  # (1, Hkv, N, D)
-    value: torch.Tensor,  # (1, Hkv, N, D)
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention-interface signature; returns ((1, N, Hq, D), None) for packed calls.
-
-    Packed calls carry `fulcrum_cu_seqlens` and `fulcrum_max_seqlen`; any other call is SDPA's. A
-    layer's `sliding_window` W (Mistral) lets a token see the W latest positions, itself included.
-    """
-    cu_seqlens = kwargs.pop("fulcrum_cu_seqlens", None)
-    max_seqlen = kwargs.pop("fulcrum_max_seqlen", None)
-    sp = kwargs.pop("fulcrum_sp", None)
-    if cu_seqlens is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    if dropout:
-        raise ValueError("packed attention has no attention dropout: set the model's attention_dropout to 0")
-    if isinstance(sp, SequenceParallel):  # this rank's n tokens, all heads -> all tokens, its heads
-        query, key, value = sequence_parallel_heads(query, key, value, sp)  # (1, H / sp, N', D)
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (N, H, D)
-    assert isinstance(cu_seqlens, torch.Tensor) and isinstance(max_seqlen, int)
-    window = kwargs.get("sliding_window")
-    window = int(window) if window is not None and max_seqlen > int(window) else None  # else no effect
-    if q.is_cuda and (_ATEN_FLASH is not None or varlen_attn is not None):
-        out = varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scaling, window)
-    else:
-        out = right_padded_causal_attention(q, k, v, cu_seqlens, scaling, window)
-    if isinstance(sp, SequenceParallel):
-        out = gather_heads_scatter_seq(out, sp)  # (N', Hq / sp, D) -> (n, Hq, D)
-    return out.unsqueeze(0), None  # (1, N, Hq, D)
-
-
-def right_padded_causal_attention(
-    q: torch.Tensor,  # (N, Hq, D)
-    k: torch.Tensor,  # (N, Hkv, D)
-    v: torch.Tensor,  # (N, Hkv, D)
-    cu_seqlens: torch.Tensor,  # (S + 1,)
-    scale: float | None,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Varlen causal attention as one SDPA call: (N, Hq, D), equal to one causal SDPA per sequence
-    (with `window`, key j is seen by query i when i - window < j <= i).
-
-    Token t of sequence s goes to row s, column t - cu[s] of an (S, L) grid, L the longest length;
-    the rest is zeros. Each sequence starts at column 0, so under the causal mask a real query only
-    sees its own sequence's earlier keys (the padding lies after it); the padding queries' outputs
-    are dropped. Cost S × L² per head against Σ L_s²: on the CPU the one call beats S small ones.
-    """
-    n, heads, dim = q.shape
-    lengths = cu_seqlens.diff().long()  # (S,)
-    s, longest = len(lengths), int(lengths.max())
-    seq = torch.repeat_interleave(torch.arange(s, device=q.device), lengths.to(q.device))  # (N,)
-    flat = seq * longest + torch.arange(n, device=q.device) - cu_seqlens.to(q.device).long()[seq]  # (N,)
-
-    def grid(x: torch.Tensor) -> torch.Tensor:  # (N, H, D) -> (S, H, L, D)
-        out = x.new_zeros(s * longest, x.shape[1], dim).index_copy(0, flat, x)
-        return out.view(s, longest, x.shape[1], dim).transpose(1, 2)
-
-    if window is None:
-        causal: dict[str, object] = {"is_causal": True}
-    else:
-        offset = torch.arange(longest, device=q.device)[:, None] - torch.arange(longest, device=q.device)
-        causal = {"attn_mask": (offset >= 0) & (offset < window)}  # (L, L): query row, key column
-    out = F.scaled_dot_product_attention(
-        grid(q), grid(k), grid(v), scale=scale, enable_gqa=heads != k.shape[1], **causal
-    )  # (S, Hq, L, D)
-    return out.transpose(1, 2).reshape(s * longest, heads, dim).index_select(0, flat)
-
-
-def varlen_causal_attention(
-    q: torch.Tensor,  # (N, Hq, D)
-    k: torch.Tensor,  # (N, Hkv, D)
-    v: torch.Tensor,  # (N, Hkv, D)
-    cu_seqlens: torch.Tensor,  # (S + 1,) int32
-    max_seqlen: int,
-    scale: float | None,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Flash varlen attention, causal (with `window`, over the window latest keys), grouped-query heads
-    handled by the kernel: (N, Hq, D).
-
-    The aten flash kernel is called directly (what `torch.nn.attention.varlen.varlen_attn` calls;
-    its derivative is aten's): the Python custom-op layer of `varlen_attn` costs ~0.2 ms of CPU per
-    call, which at 24 layers × (forward, recomputation, backward) bounded small micro-batches.
-    """
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    left = -1 if window is None else window - 1  # keys i - left .. i
-    if _ATEN_FLASH is not None:
-        sliding = {} if window is None else {"window_size_left": left, "window_size_right": 0}
-        return _ATEN_FLASH(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale, **sliding
-        )[0]
-    kwargs: dict[str, object] = {"scale": scale}
-    if "is_causal" in _VARLEN_PARAMS and window is None:  # torch 2.10–2.12
-        kwargs["is_causal"] = True
-    else:  # later: causal is a window (left unbounded, right 0)
-        kwargs["window_size"] = (left, 0)
-    if "enable_gqa" in _VARLEN_PARAMS:
-        kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
 
 
 def packed_hidden_states(

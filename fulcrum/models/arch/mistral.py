@@ -4,7 +4,7 @@ v0.2 and later have none).
 
 Every path applies the window: the engine's attention (prefill masks, the decode kernels start at the
 window's first key), the padded training forward in its mask (`fulcrum.models.logprob.no_empty_rows_mask`),
-the packed one in its attention (`fulcrum.models.packed.packed_attention`).
+the packed one in its attention (`fulcrum.models.packed_attention.packed_attention`).
 """
 
 from __future__ import annotations
