@@ -10,6 +10,8 @@
 #   qwen3_grpo, qwen3_moe_grpo   the GRPO step (64 prompts x 8, micro-batches of 32, gradient checkpointing,
 #               native rollout) on those shapes, 3 steps: tok/s/GPU, MFU and the phases (bench/train_step.py)
 #   lora7b      bench/lora.py --shape 7b (writes a 15 GB random model first; a call of its own)
+#   host        the seed command for 3 steps, then again with one CPU-burning neighbour process per host core
+#               (`bench/train_step.py run --burn N`): how much the step's figure depends on the host's speed
 #
 #   PARTS=multi_turn,checkpoint,qwen3,qwen3_moe RESULTS=$OUT bash bench/features.sh
 #   PARTS=qwen3_grpo,qwen3_moe_grpo RESULTS=$OUT bash bench/features.sh
@@ -32,7 +34,7 @@ started=$(date +%s)
 . bench/parts.sh
 wheels "$PY"
 wants() { [[ ",$PARTS," == *",$1,"* ]]; }
-rm -rf "$WORK"/*.json "$WORK"/ckpt_run "$WORK"/lora "$WORK"/lora7b "$WORK"/grpo_* "$WORK"/model_*
+rm -rf "$WORK"/*.json "$WORK"/ckpt_run "$WORK"/lora "$WORK"/lora7b "$WORK"/grpo_* "$WORK"/model_* "$WORK"/host_*
 
 if [ "$SMOKE" = 1 ]; then
   . bench/smoke_args.sh
@@ -47,12 +49,12 @@ else
   SHAPE_ARGS=()
   TINY=()
   STEP_SMOKE=()
-  if wants checkpoint || wants lora || wants qwen3_grpo || wants qwen3_moe_grpo; then
+  if wants checkpoint || wants lora || wants host || wants qwen3_grpo || wants qwen3_moe_grpo; then
     if [ ! -f "$DATA/train.parquet" ]; then
       $PY -m fulcrum.cli data gsm8k --src ../shared/data/gsm8k --out "$DATA" || { echo "no GSM8K data in $DATA"; exit 1; }
     fi
   fi
-  if wants checkpoint || wants lora; then
+  if wants checkpoint || wants lora || wants host; then
     MODEL=${MODEL:-.bench/qwen05}
     [ -f "$MODEL/config.json" ] || $PY bench/train_step.py make-model --out "$MODEL" >/dev/null \
       || { echo "could not make the model in $MODEL"; exit 1; }
@@ -93,6 +95,12 @@ for shape in qwen3 qwen3_moe; do
       --summary $WORK/grpo_$shape.json ${GRPO_STEP[*]} ${STEP_SMOKE[*]}"
   fi
 done
+if wants host; then
+  SEED_RUN=(--data "$DATA" --model "$MODEL" --steps 3 actor_rollout_ref.rollout.name=native trainer.test_freq=-1
+    trainer.save_freq=-1 trainer.resume_mode=disable)
+  part host 300 bash -c "$PY bench/train_step.py run --run $WORK/host_plain --summary $WORK/host_plain.json ${SEED_RUN[*]} \
+    && $PY bench/train_step.py run --run $WORK/host_burn --summary $WORK/host_burn.json --burn $(nproc) ${SEED_RUN[*]}"
+fi
 if wants lora; then
   part lora 280 "$PY" bench/lora.py --data "$DATA" --model "$MODEL" --out "$WORK/lora" --steps 3
 fi

@@ -10,10 +10,14 @@ trees through PYTHONPATH and imports this file from bench/ itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -69,6 +73,21 @@ def host_speed() -> dict[str, object]:
         "python_loop_ms": round(python_loop_ms(), 1),
         "launch_us": round(launch, 2) if launch is not None else None,
     }
+
+
+@contextlib.contextmanager
+def cpu_burners(count: int) -> Iterator[None]:
+    """`count` neighbour processes spinning a Python loop while the block runs: a slowed host, to show how
+    much a figure depends on the host's speed. Each takes a core while cores are free, and beyond the
+    host's core count they share them with the run; all are killed when the block ends, however it ends."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in burners:
+            proc.kill()
+        for proc in burners:
+            proc.wait()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ critic with AdamW moments, float32 as the workers hold them; `--device cpu` for 
 
 The summary's `host` holds `bench/host_speed.py`'s probe before and after the run (Python loop ms,
 µs per kernel launch, load): the seed command's updates are host-bound, so its figure moves with them.
+`--burn N` runs N CPU-burning neighbour processes through the run (probes included): the same command
+with and without them says how much the figure depends on the host (`bench/features.sh` part `host`).
 """
 
 from __future__ import annotations
@@ -194,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     rn.add_argument("--run", type=Path, required=True)
     rn.add_argument("--steps", type=int, default=3)
     rn.add_argument("--summary", type=Path, default=None)
+    rn.add_argument(
+        "--burn", type=int, default=0, help="CPU-burning neighbour processes during the run (a slowed host)"
+    )
     add_packed_knobs(rn)
     ck = sub.add_parser(
         "checkpoint", help="time the saves alone: step stall and write, background and in-step"
@@ -215,18 +220,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.summary:
             args.summary.write_text(text)
         return 0
-    from host_speed import host_speed
+    from host_speed import cpu_burners, host_speed
 
     from fulcrum.trainer.main_ppo import main as train_main
 
     apply_packed_knobs(args)
-    host_before = host_speed()
-    print(f"host before the run: {host_before}", flush=True)
-    code = train_main(seed_overrides(args.data, args.model, args.run, args.steps) + extra)
+    with cpu_burners(args.burn):
+        host_before = host_speed()
+        print(f"host before the run: {host_before} ({args.burn} burners)", flush=True)
+        code = train_main(seed_overrides(args.data, args.model, args.run, args.steps) + extra)
+        host_after = host_speed()
     if code != 0:
         return code
     summary = summarise(args.run)
-    summary["host"] = {"before": host_before, "after": host_speed()}
+    summary["host"] = {"before": host_before, "after": host_after, "burners": args.burn}
     summary.update(knob_summary())
     summary["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     summary["torch"] = torch.__version__
