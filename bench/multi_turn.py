@@ -13,7 +13,11 @@ is the engine and driver machinery of a tool rollout without the parsing.
 - single-turn: the same N prompts x T*K tokens in one `generate`; the ratio multi / single (the
   issue's floor is 0.75);
 - slow tool: the multi-turn run with one conversation's tool taking 200 ms: the batch's time against
-  the fast run's, and that conversation's finish against the others' (it should delay only itself).
+  the fast run's, and that conversation's finish against the others' (it should delay only itself);
+- for both kinds, where the time went: `prefill_s`, `decode_s` and the rest, `host_s` (the driver, the
+  request calls, scheduling, tool waits; `host_us_per_turn` for multi-turn), of which the cyclic
+  garbage collector ran `gc_s` (`gc_full` full collections, each a scan of every object of the
+  process).
 
     python bench/multi_turn.py                        # on one GPU: prints a JSON summary
     python bench/multi_turn.py --small --device cpu   # a smoke run of the same code on a tiny model
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import sys
@@ -151,11 +156,26 @@ async def conversations(
 def counted(
     engine: NativeEngine, run: Callable[[], object], device: torch.device
 ) -> tuple[float, dict[str, float]]:
-    """Seconds of `run()` (bench/rollout.py's `timed`) and the engine's counters it moved."""
+    """Seconds of `run()` (bench/rollout.py's `timed`) and the engine's counters it moved, with the
+    seconds the cyclic garbage collector ran meanwhile (`gc_s`) and its full collections."""
+    clock = {"gc_s": 0.0, "gc_full": 0}
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        clock["gc_s"] += time.perf_counter() - started[0]
+        clock["gc_full"] += info["generation"] == 2
+
     before = engine.counters
-    seconds = timed(run, device)
+    gc.callbacks.append(on_gc)
+    try:
+        seconds = timed(run, device)
+    finally:
+        gc.callbacks.remove(on_gc)
     after = engine.counters
-    return seconds, {key: after[key] - before[key] for key in after}
+    return seconds, {**{key: after[key] - before[key] for key in after}, **clock}
 
 
 def multi_turn_run(
@@ -198,11 +218,14 @@ def median_run(runs: list[BatchRun]) -> BatchRun:
 
 
 def engine_figures(run: BatchRun) -> dict[str, float]:
-    """The counters a reader checks: prefilled tokens and steps, decode steps, evictions, preemptions."""
-    keys = ("prefill_tokens", "prefill_steps", "decode_steps", "evictions", "preemptions")
+    """The counters a reader checks: prefilled tokens and steps, decode steps, evictions, preemptions;
+    the seconds in prefill and decode, and the rest (`host_s`: the driver, the request calls, the
+    scheduler, tool waits, the garbage collector's `gc_s` among them)."""
+    keys = ("prefill_tokens", "prefill_steps", "decode_steps", "evictions", "preemptions", "gc_full")
     figures = {key: int(run.counters[key]) for key in keys}
-    figures["prefill_s"] = round(run.counters["prefill_s"], 4)
-    figures["decode_s"] = round(run.counters["decode_s"], 4)
+    for key in ("prefill_s", "decode_s", "gc_s"):
+        figures[key] = round(run.counters[key], 4)
+    figures["host_s"] = round(run.seconds - run.counters["prefill_s"] - run.counters["decode_s"], 4)
     return figures
 
 
@@ -224,6 +247,7 @@ def multi_turn_summary(runs: list[BatchRun], work: Workload, prompt_tokens: int)
         "expected_prefill_tokens": expected,
         "recomputed_tokens": figures["prefill_tokens"] - expected,
         **figures,
+        "host_us_per_turn": round(figures["host_s"] / (work.conversations * work.turns) * 1e6, 1),
     }
 
 
@@ -306,13 +330,15 @@ def measure(args: argparse.Namespace, work: Workload, summary: dict[str, Any]) -
 
 
 def report(summary: dict[str, Any]) -> None:
-    """The figures in three lines before the JSON."""
+    """The figures in four lines before the JSON."""
     single, multi, slow = summary["single_turn"], summary["multi_turn"], summary["slow_tool"]
     print(f"single-turn: {single['tok_per_s']:,} tok/s; multi-turn: {multi['tok_per_s']:,} generated tok/s "
           f"({multi['total_tok_per_s']:,} with tool tokens), ratio {summary['ratio_multi_over_single']} "
           f"(floor {FLOOR})", flush=True)  # fmt: skip
     print(f"multi-turn prefill: {multi['prefill_tokens']:,} tokens (expected {multi['expected_prefill_tokens']:,}), "
           f"evictions {multi['evictions']}, preemptions {multi['preemptions']}", flush=True)  # fmt: skip
+    print(f"outside prefill and decode: single-turn {single['host_s']} s, multi-turn {multi['host_s']} s "
+          f"({multi['host_us_per_turn']} us a turn; garbage collector {multi['gc_s']} s)", flush=True)  # fmt: skip
     print(f"slow tool ({slow['slow_latency_ms']} ms): batch {slow['fast_batch_s']} -> {slow['slow_batch_s']} s; "
           f"slow conversation done at {slow['slow_finish_s']} s, the others by {slow['others_finish_max_s']} s "
           f"(fast run: {slow['fast_finish_max_s']} s)", flush=True)  # fmt: skip

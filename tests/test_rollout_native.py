@@ -17,6 +17,7 @@ from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.rollout import HFRollout, SamplingParams, build_rollout
 from fulcrum.rollout.native import EngineConfig, NativeEngine
 from fulcrum.rollout.native.block_manager import BlockManager
+from fulcrum.rollout.native.model_runner import packed_positions
 from fulcrum.rollout.native.scheduler import DecodeWork, PrefillWork, Scheduler
 from fulcrum.rollout.native.sequence import Sequence
 from fulcrum.rollout.testing import random_causal_lm
@@ -162,6 +163,15 @@ def test_n_samples_share_the_prompts_full_blocks():
     assert [s.token_ids[-1] for s in scheduler.running] == [7, 8, 9, 10]
     decode = scheduler.schedule()
     assert isinstance(decode, DecodeWork) and decode.steps == 4  # max_tokens 5, one already sampled
+
+
+def test_packed_positions_index_each_token_by_its_sequence_and_position():
+    """A prefill step's chunks: sequence i contributes lengths[i] tokens from position starts[i]."""
+    starts, lengths = [0, 5, 17, 3], [3, 1, 4, 2]
+    index, positions, offsets = packed_positions(starts, lengths, torch.device("cpu"))
+    assert index.tolist() == [i for i, n in enumerate(lengths) for _ in range(n)]
+    assert positions.tolist() == [p for s, n in zip(starts, lengths, strict=True) for p in range(s, s + n)]
+    assert offsets == [0, 3, 4, 8, 10] and positions.dtype == index.dtype == torch.long
 
 
 def test_build_rollout_native_on_cpu_and_fallback_for_other_architectures(model, caplog):

@@ -53,6 +53,24 @@ def padded_tables(tables: list[list[int]], rows: int, width: int) -> torch.Tenso
     return out
 
 
+def packed_positions(
+    starts: list[int], lengths: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Sequences packed one after another, `lengths[i]` tokens of sequence i from position `starts[i]`:
+    each token's sequence index (N,) and position (N,) on `device`, and the offsets [0, l0, ..., N].
+
+    A few ops on the device whatever the number of sequences, and only per-sequence lists copied to
+    it: a prefill step of next turns has hundreds of sequences, each a few new tokens over a long
+    cached context whose slots are indexed too."""
+    offsets = [0, *itertools.accumulate(lengths)]
+    shift = torch.tensor([s - o for s, o in zip(starts, offsets, strict=False)], device=device)
+    counts = torch.tensor(lengths, device=device)
+    index = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), counts, output_size=offsets[-1]
+    )
+    return index, torch.arange(offsets[-1], device=device) + shift[index], offsets
+
+
 class ModelRunner:
     def __init__(self, model: DecoderLM, config: EngineConfig, device: torch.device) -> None:
         self.model = model
@@ -181,34 +199,30 @@ class ModelRunner:
         """Run the chunks of `work`; logits (C, V) at the last token of each of the C completed prompts."""
         dev, bs = self.device, self.block_size
         ids: list[int] = []
-        positions: list[int] = []
         for seq, start, length in zip(work.seqs, work.starts, work.lengths, strict=True):
             ids += seq.token_ids[start : start + length]
-            positions += range(start, start + length)
         q_lens = list(work.lengths)
         k_lens = [s + n for s, n in zip(work.starts, work.lengths, strict=True)]
         tables = self._table_tensor(work.seqs)
-        seq_index = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens)).to(dev)
-        pos_t = torch.tensor(positions, dtype=torch.long).to(dev)
+        seq_index, pos_t, cu_q = packed_positions(work.starts, q_lens, dev)
         context_slots = None
         if any(work.starts):
-            k_index = torch.repeat_interleave(torch.arange(len(k_lens)), torch.tensor(k_lens)).to(dev)
-            k_pos = torch.cat([torch.arange(n) for n in k_lens]).to(dev)
+            k_index, k_pos, cu_k = packed_positions([0] * len(k_lens), k_lens, dev)
             context_slots = ops.block_slots(tables, k_index, k_pos, bs)
-        cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-        cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+        else:
+            cu_k = cu_q
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=ops.block_slots(tables, seq_index, pos_t, bs),
             block_size=bs,
-            cu_seqlens_q=cu_q.to(dev),
-            cu_seqlens_k=cu_k.to(dev),
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32).to(dev),
+            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32).to(dev),
             q_lens=q_lens,
             k_lens=k_lens,
             context_slots=context_slots,
         )
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(dev), pos_t, self.kv_cache, meta)
-        last = [int(cu_q[i + 1]) - 1 for i, done in enumerate(work.completes) if done]
+        last = [cu_q[i + 1] - 1 for i, done in enumerate(work.completes) if done]
         return self.model.logits(hidden[torch.tensor(last, dtype=torch.long, device=dev)])
 
     def _table_tensor(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -71,6 +71,9 @@ class Stepper:
         self.next_id = 0
         # Running totals since the engine was built; `generate` reports its own share as differences.
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        # One stop set per (stop ids, ignore_eos), shared by the sequences that use it: a batch of
+        # conversations would otherwise build one per turn.
+        self._stop_sets: dict[tuple[tuple[int, ...], bool], frozenset[int]] = {}
 
     # ------------------------------------------------------------------------------ requests
     def new_sampler(self, params: SamplingParams) -> None:
@@ -93,6 +96,13 @@ class Stepper:
                 f"with {sampling_key(params)} must wait until they finish"
             )
         self.new_sampler(params)
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        key = (tuple(params.stop_token_ids), params.ignore_eos)
+        stop_ids = self._stop_sets.get(key)
+        if stop_ids is None:
+            stop_ids = self._stop_sets[key] = stop_ids_of(params, self.eos_token_ids)
+        return stop_ids
 
     def check_turn(self, num_tokens: int, params: SamplingParams) -> None:
         """Refuse a turn that cannot run: no tokens, too long for max_model_len, n above max_num_seqs."""
@@ -121,7 +131,7 @@ class Stepper:
                 output_index=request_id,
                 max_tokens=params.max_tokens,
                 num_samples=params.n,
-                stop_ids=stop_ids_of(params, self.eos_token_ids),
+                stop_ids=self._stop_ids(params),
                 keep=keep,
             )
         )
@@ -136,8 +146,7 @@ class Stepper:
         if seq is not None:
             self.check_turn(seq.num_tokens + len(tokens), params)
         self._sampler_for(params)
-        stop_ids = stop_ids_of(params, self.eos_token_ids)
-        self.scheduler.resume(seq_id, list(tokens), params.max_tokens, stop_ids, keep)
+        self.scheduler.resume(seq_id, list(tokens), params.max_tokens, self._stop_ids(params), keep)
 
     def release(self, seq_id: int) -> None:
         self.scheduler.release(seq_id)
