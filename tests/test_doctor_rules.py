@@ -16,6 +16,7 @@ from helpers import seed_command
 
 from fulcrum.config import load_config
 from fulcrum.models.arch import model_shape
+from fulcrum.rollout.native.memory import kv_cache_budget
 from fulcrum.tools import doctor, doctor_rules
 from fulcrum.tools.memory_estimate import estimate, param_count
 
@@ -284,9 +285,10 @@ def test_checkpointing_and_micro_batch_move_the_update_estimate(files: Path) -> 
 
 
 def test_out_of_memory_predicted_on_a_small_card(files: Path, capsys) -> None:
-    code, out = run([*seed_command(files), "--device-memory-gib", "24"], capsys)
+    code, out = run([*seed_command(files), "--device-memory-gib", "16"], capsys)
     assert code == 1
-    assert "predicted out of memory in generation" in out and "24.0 GiB device" in out
+    assert "predicted out of memory in actor update" in out and "16.0 GiB device" in out
+    assert "leaves no room for the KV cache" in out  # generation: the training state fills the card
     code, out = run([*seed_command(files), "--device-memory-gib", "140"], capsys)
     assert code == 0 and "predicted out of memory" not in out
     assert "memory estimate per device (device 140.0 GiB): peak 102.5 GiB while in generation" in out
@@ -306,3 +308,22 @@ def test_reference_and_hf_backend_in_the_estimate(files: Path) -> None:
     assert with_ref.peak.total - without.peak.total == 4 * param_count(shape)
     # hf: the cache of the decoding batch, 512 sequences x 768 tokens x 24 layers x K and V x 2 heads x 64 x 2 bytes
     assert generation.items["KV cache of generate (bf16)"] == 512 * 768 * 24 * 2 * 2 * 64 * 2
+
+
+def test_the_kv_cache_leaves_the_engine_workspace_room_on_a_full_card(files: Path) -> None:
+    """The engine sizes its cache from what is free before its workspace exists: a cache that took all of
+    it less 1 GiB would leave a prefill step or the sampler no room (the estimate said 27.1 GiB in
+    generation on a 24 GiB card for the seed command). Cache + workspace + 1 GiB now fit in what is free."""
+    shape = model_shape(QWEN25_05B)
+    cfg = load_config([*seed_command(files)])
+    est = estimate(
+        cfg, shape, 24 * 2**30, True, uses_critic=True, uses_reference=False, responses_per_device=512
+    )
+    generation = est.phases[0]
+    assert generation.total <= 24 * 2**30 - 2**30
+    utilization = cfg.actor_rollout_ref.rollout.gpu_memory_utilization
+    weights, workspace = generation.items["engine weights (bf16)"], generation.items["engine workspace"]
+    by_fraction = kv_cache_budget(24 * 2**30, utilization, weights, workspace, float("inf"))
+    assert 0 < est.kv_cache_bytes < by_fraction  # what is free bounds it here, not the fraction
+    assert kv_cache_budget(100.0, 0.5, 10.0, 5.0, 1e12) == 35.0  # the fraction: 50 - 10 - 5
+    assert kv_cache_budget(100.0, 0.5, 10.0, 5.0, 2**30 + 20.0) == 15.0  # free - workspace - 1 GiB

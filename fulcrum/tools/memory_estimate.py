@@ -50,6 +50,7 @@ from typing import Any
 
 from fulcrum.models.arch import ModelShape, model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token, param_count
+from fulcrum.rollout.native.memory import engine_workspace_bytes, kv_cache_budget
 from fulcrum.tools.lora_params import ModelParams, model_params
 
 GiB = 1024**3
@@ -221,13 +222,6 @@ def forward_logits_bytes(shape: ModelShape, rows: int, response_len: int) -> flo
     return 2 * logits_block_elements(shape, rows, response_len)
 
 
-def engine_workspace_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num_seqs: int) -> float:
-    """The native engine's reserve beside the cache (its model_runner): one prefill step's widest tensors
-    and the logits of a full decode batch, plus 512 MiB."""
-    prefill = max_num_batched_tokens * (8 * shape.hidden + 6 * shape.intermediate) * 2
-    return prefill + max_num_seqs * shape.vocab * 10 + 512 * 1024**2
-
-
 def weight_items(role: str, params: ModelParams) -> dict[str, float]:
     """What `role`'s weights keep resident: fp32 masters and AdamW's two fp32 moments of the trained
     parameters (12 B each), and a LoRA model's frozen base once in bf16 (2 B each)."""
@@ -314,12 +308,18 @@ def estimate(
     if rollout.name == "native":
         engine_weights = 2 * p_actor
         workspace = engine_workspace_bytes(
-            shape, int(rollout.max_num_batched_tokens), int(rollout.max_num_seqs)
+            shape.hidden,
+            shape.intermediate,
+            shape.vocab,
+            int(rollout.max_num_batched_tokens),
+            int(rollout.max_num_seqs),
+            bool(arr.model.lm_head_fp32),
         )
-        budget = device_bytes * float(rollout.gpu_memory_utilization) - engine_weights - workspace
-        # The engine also leaves 1 GiB of what is free when it wakes up.
-        free_now = device_bytes - generation.total - engine_weights
-        kv = max(0.0, min(budget, free_now - GiB))
+        free_now = device_bytes - generation.total - engine_weights  # when the engine sizes its cache
+        budget = kv_cache_budget(
+            device_bytes, float(rollout.gpu_memory_utilization), engine_weights, workspace, free_now
+        )
+        kv = max(0.0, budget)
         generation.items["engine weights (bf16)"] = engine_weights
         generation.items["engine workspace"] = workspace
         generation.items[f"KV cache (gpu_memory_utilization={rollout.gpu_memory_utilization})"] = kv

@@ -22,6 +22,7 @@ from fulcrum.rollout.native.attention import AttentionMetadata
 from fulcrum.rollout.native.block_manager import blocks_for
 from fulcrum.rollout.native.config import EngineConfig
 from fulcrum.rollout.native.kernels import HAVE_TRITON, IndirectCache
+from fulcrum.rollout.native.memory import engine_workspace_bytes, kv_cache_budget
 from fulcrum.rollout.native.models.decoder import DecoderLM
 from fulcrum.rollout.native.scheduler import PrefillWork
 from fulcrum.rollout.native.sequence import Sequence
@@ -120,13 +121,16 @@ class ModelRunner:
         total = torch.cuda.get_device_properties(self.device).total_memory
         weights = sum(t.numel() * t.element_size() for t in self.model.weight_tensors())
         m, cfg = self.model, self.config
-        # Activation room: one prefill step's widest tensors plus the logits of a full decode batch.
-        workspace = cfg.max_num_batched_tokens * (8 * m.hidden + 6 * m.config.intermediate_size) * 2
-        logit_bytes = 12 if cfg.lm_head_fp32 else 10  # the decode batch's logits and the sampler's copies
-        workspace += cfg.max_num_seqs * m.config.vocab_size * logit_bytes + (512 << 20)
-        budget = total * cfg.gpu_memory_utilization - weights - workspace
+        workspace = engine_workspace_bytes(
+            m.hidden,
+            m.config.intermediate_size,
+            m.config.vocab_size,
+            cfg.max_num_batched_tokens,
+            cfg.max_num_seqs,
+            cfg.lm_head_fp32,
+        )
         free_now, _ = torch.cuda.mem_get_info(self.device)
-        budget = min(budget, free_now - (1 << 30))
+        budget = kv_cache_budget(total, cfg.gpu_memory_utilization, weights, workspace, free_now)
         blocks = int(budget // self.bytes_per_block())
         if blocks < 2:
             raise RuntimeError(
