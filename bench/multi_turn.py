@@ -16,8 +16,9 @@ is the engine and driver machinery of a tool rollout without the parsing.
   the fast run's, and that conversation's finish against the others' (it should delay only itself);
 - for both kinds, where the time went: `prefill_s`, `decode_s` and the rest, `host_s` (the driver, the
   request calls, scheduling, tool waits; `host_us_per_turn` for multi-turn), of which the cyclic
-  garbage collector ran `gc_s` (`gc_full` full collections, each a scan of every object of the
-  process).
+  garbage collector ran `gc_s` (`gc_full` full collections, each a scan of every object the
+  collector tracks: the objects made before the timed runs are frozen first, as the trainer freezes
+  its own before the first step; `--no-gc-freeze` leaves them in).
 
     python bench/multi_turn.py                        # on one GPU: prints a JSON summary
     python bench/multi_turn.py --small --device cpu   # a smoke run of the same code on a tiny model
@@ -310,6 +311,9 @@ def measure(args: argparse.Namespace, work: Workload, summary: dict[str, Any]) -
     engine = build_engine(args, model, prompts, work)
     single_turn_run(engine, prompts, work, device)  # warm-up: Triton compiles, allocator settles
     multi_turn_run(engine, prompts, answers, fast, work, args)
+    if not args.no_gc_freeze:  # as the trainer does before its first step (PPOTrainer.fit)
+        gc.collect()
+        gc.freeze()
     singles, multis, slows = [], [], []
     for _ in range(args.repeats):
         singles.append(single_turn_run(engine, prompts, work, device))
@@ -368,6 +372,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Workload]:
         parser.add_argument(flag, type=type(default), default=default)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--step-in-thread", action="store_true", help="AsyncRollout(step_in_thread=True)")
+    parser.add_argument(
+        "--no-gc-freeze", action="store_true", help="leave the setup's objects to the cycle collector"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (3; --small: 1)")
     parser.add_argument("--json", default=None, help="also write the summary here")
     args = parser.parse_args(argv)

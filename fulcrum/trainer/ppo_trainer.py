@@ -18,6 +18,7 @@ startup.py.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -278,6 +279,10 @@ class PPOTrainer:
         if cfg.save_on_interrupt and self.checkpoints is not None:
             interrupt.install()
         start_step = self.global_step
+        # Each full pass of the cycle collector walks every long-lived object (0.2 s for the 370k that models,
+        # engine and libraries leave): frozen, collections skip them; unfrozen at the end for the next run.
+        gc.collect()
+        gc.freeze()
         try:
             self._prompt_stream = self._batches()
             before_step = self._data_position()
@@ -319,6 +324,7 @@ class PPOTrainer:
             # The suspended generator holds this trainer (a reference cycle that only the garbage
             # collector would break): drop it, so nothing outlives the run by accident.
             self._prompt_stream = None
+            gc.unfreeze()
         return last
 
     def _data_position(self) -> tuple[dict[str, Any], int]:
