@@ -31,7 +31,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from fulcrum.data.synthetic import GSM8K_INSTRUCTION, Problem, verl_row, write_parquet
+from fulcrum.data.synthetic import GSM8K_INSTRUCTION, Problem, distinct_problems, verl_row, write_parquet
 
 DATA_SOURCE = "synthetic/multistep"
 OPERATIONS = ("+", "-", "*", "/")
@@ -150,24 +150,17 @@ def make_rows(
     """`num_rows` verl-schema rows, reproducible from `seed`, with distinct questions and distinct
     equation chains, none of them in `exclude_questions` / `exclude_chains`."""
     rng = random.Random(f"multistep/{seed}/{split}")
-    questions, chains = set(exclude_questions or ()), set(exclude_chains or ())
-    rows: list[dict] = []
-    attempts = 0
-    while len(rows) < num_rows:
-        attempts += 1
-        if attempts > 50 * num_rows + 1000:
-            raise ValueError(
-                f"cannot make {num_rows} distinct {split} problems with {task}: widen the number ranges "
-                f"or ask for fewer rows (made {len(rows)})"
-            )
-        problem = make_problem(rng, task)
-        chain = equation_chain(problem.solution)
-        if problem.question in questions or chain in chains:
-            continue
-        questions.add(problem.question)
-        chains.add(chain)
-        row = verl_row(problem, task.instruction, task.data_source, split, len(rows))
-        row["extra_info"]["num_steps"] = chain.count("\n") + 1
+    problems = distinct_problems(
+        num_rows,
+        lambda: make_problem(rng, task),
+        lambda problem: (problem.question, equation_chain(problem.solution)),
+        (set(exclude_questions or ()), set(exclude_chains or ())),
+        f"cannot make {num_rows} distinct {split} problems with {task}: widen the number ranges or ask for fewer rows",
+    )
+    rows = []
+    for i, problem in enumerate(problems):
+        row = verl_row(problem, task.instruction, task.data_source, split, i)
+        row["extra_info"]["num_steps"] = equation_chain(problem.solution).count("\n") + 1
         rows.append(row)
     return rows
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,22 +159,41 @@ def make_rows(
 ) -> list[dict]:
     """`num_rows` verl-schema rows with distinct questions (none in `exclude`), reproducible from `seed`."""
     rng = random.Random(f"{seed}/{split}")
-    seen = set(exclude or ())
-    rows: list[dict] = []
+    problems = distinct_problems(
+        num_rows,
+        lambda: make_problem(rng, task),
+        lambda problem: (problem.question,),
+        (set(exclude or ()),),
+        f"cannot make {num_rows} distinct {split} problems with {task}: widen the operand range or ask for fewer rows",
+    )
+    return [
+        verl_row(problem, task.instruction, task.data_source, split, i) for i, problem in enumerate(problems)
+    ]
+
+
+def distinct_problems(
+    count: int,
+    draw: Callable[[], Problem],
+    keys: Callable[[Problem], tuple[str, ...]],
+    seen: tuple[set[str], ...],
+    refusal: str,
+) -> list[Problem]:
+    """`count` drawn problems whose keys are each new to their set of `seen` (a key per set, added as the
+    problem is taken); after 50·count + 1000 draws the task's space is too small: ValueError(`refusal`)."""
+    problems: list[Problem] = []
     attempts = 0
-    while len(rows) < num_rows:
+    while len(problems) < count:
         attempts += 1
-        if attempts > 50 * num_rows + 1000:
-            raise ValueError(
-                f"cannot make {num_rows} distinct {split} problems with {task}: widen the operand range "
-                f"or ask for fewer rows (made {len(rows)})"
-            )
-        problem = make_problem(rng, task)
-        if problem.question in seen:
+        if attempts > 50 * count + 1000:
+            raise ValueError(f"{refusal} (made {len(problems)})")
+        problem = draw()
+        problem_keys = keys(problem)
+        if any(key in taken for key, taken in zip(problem_keys, seen, strict=True)):
             continue
-        seen.add(problem.question)
-        rows.append(verl_row(problem, task.instruction, task.data_source, split, len(rows)))
-    return rows
+        for key, taken in zip(problem_keys, seen, strict=True):
+            taken.add(key)
+        problems.append(problem)
+    return problems
 
 
 def verl_row(problem: Problem, instruction: str | None, data_source: str, split: str, index: int) -> dict:
