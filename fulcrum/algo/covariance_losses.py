@@ -11,23 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from fulcrum.algo.losses import agg_loss
 from fulcrum.algo.masked import masked_mean
-from fulcrum.algo.policy_losses import (
-    LossConfig,
-    Metrics,
-    clip_bounds,
-    register_policy_loss,
-    weighted,
-)
-
-
-def _ppo_surrogates(
-    advantages: torch.Tensor, ratio: torch.Tensor, config: LossConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's two terms (-A ρ, -A clip(ρ, 1 - eps_low, 1 + eps_high)), both (B, T)."""
-    eps_low, eps_high = clip_bounds(config)
-    return -advantages * ratio, -advantages * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+from fulcrum.algo.policy_losses import LossConfig, Metrics, aggregate, ppo_surrogates, register_policy_loss
 
 
 def _clip_cov_cut(
@@ -84,12 +69,12 @@ def clip_cov_policy_loss(
     pg_clipfrac_lower.
     """
     log_ratio = log_prob - old_log_prob
-    loss_unclipped, loss_clipped = _ppo_surrogates(advantages, torch.exp(log_ratio), config)
+    loss_unclipped, loss_clipped = ppo_surrogates(advantages, torch.exp(log_ratio), config)
     # Tokens PPO's clip already holds back get no further cut (verl sets their covariance to -inf).
     candidates = (response_mask > 0) & ~(loss_clipped > loss_unclipped)
     cut = _clip_cov_cut(advantages, log_prob, response_mask, candidates, config)
-    pg_losses = weighted(torch.maximum(loss_unclipped, loss_clipped) * cut, rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
+    pg_losses = torch.maximum(loss_unclipped, loss_clipped) * cut
+    pg_loss = aggregate(pg_losses, rollout_is_weights, response_mask, loss_agg_mode, config)
     return pg_loss, {
         "actor/pg_clipfrac": masked_mean((cut == 0).float(), response_mask).detach(),
         "actor/ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
@@ -140,6 +125,6 @@ def kl_cov_policy_loss(
     loss_pg = -advantages * torch.exp(log_ratio)
     loss_penalised = loss_pg + config.policy_loss.ppo_kl_coef * abs_log_ratio
     chosen = _kl_cov_tokens(advantages, log_prob, response_mask, config.policy_loss.kl_cov_ratio)
-    pg_losses = weighted(torch.where(chosen, loss_penalised, loss_pg), rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
+    pg_losses = torch.where(chosen, loss_penalised, loss_pg)
+    pg_loss = aggregate(pg_losses, rollout_is_weights, response_mask, loss_agg_mode, config)
     return pg_loss, {"actor/ppo_kl": masked_mean(abs_log_ratio, response_mask).detach()}

@@ -14,16 +14,15 @@ from collections.abc import Callable
 
 import torch
 
-from fulcrum.algo.losses import agg_loss
 from fulcrum.algo.masked import masked_mean
 from fulcrum.algo.policy_losses import (
     LossConfig,
     Metrics,
+    aggregate,
     clamped_log_ratio,
     clip_bounds,
     clip_metrics,
     register_policy_loss,
-    weighted,
 )
 
 DRO_BETA_KEY = "actor_rollout_ref.actor.policy_loss.dro_beta"
@@ -60,8 +59,8 @@ def _dppo_policy_loss(
     truncated = torch.clamp(ratio, max=clip_ratio_c).detach()
     may_rise, may_fall = trust_region(old_log_prob.detach(), log_prob.detach(), eps_low, eps_high)
     valid = torch.where(advantages > 0, may_rise, may_fall).float()
-    pg_losses = weighted(-advantages * truncated * log_prob * valid, rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
+    pg_losses = -advantages * truncated * log_prob * valid
+    pg_loss = aggregate(pg_losses, rollout_is_weights, response_mask, loss_agg_mode, config)
     return pg_loss, clip_metrics(
         masked_mean(1.0 - valid, response_mask),
         masked_mean(-log_ratio, response_mask),
@@ -168,6 +167,6 @@ def dro_policy_loss(
     if beta is None or beta <= 0:
         raise ValueError(f"{DRO_BETA_KEY} must be a positive number with loss_mode=dro, got {beta}")
     log_ratio = log_prob - old_log_prob
-    pg_losses = weighted(-(log_prob * advantages - 0.5 * beta * log_ratio.square()), rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
+    pg_losses = -(log_prob * advantages - 0.5 * beta * log_ratio.square())
+    pg_loss = aggregate(pg_losses, rollout_is_weights, response_mask, loss_agg_mode, config)
     return pg_loss, {"actor/ppo_kl": masked_mean(-log_ratio, response_mask).detach()}

@@ -119,8 +119,26 @@ def clip_bounds(config: LossConfig) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def weighted(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
-    return pg_losses if rollout_is_weights is None else pg_losses * rollout_is_weights
+def aggregate(
+    pg_losses: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: LossConfig,
+) -> torch.Tensor:
+    """A loss's scalar from its token losses (B, T): agg_loss(L * w, loss_agg_mode) over this mini-batch's
+    counts (`config.global_batch_info`), w the rollout importance weights when given."""
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
+
+
+def ppo_surrogates(
+    advantages: torch.Tensor, ratio: torch.Tensor, config: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's two terms (-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high)), both (B, T)."""
+    eps_low, eps_high = clip_bounds(config)
+    return -advantages * ratio, -advantages * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
 
 
 def clamped_log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
@@ -157,12 +175,8 @@ def vanilla_policy_loss(
     clip_ratio_c = float(config.clip_ratio_c)
     if clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be greater than 1.0 for dual-clip PPO, got {clip_ratio_c}")
-    eps_low, eps_high = clip_bounds(config)
     log_ratio = clamped_log_ratio(old_log_prob, log_prob)
-    ratio = torch.exp(log_ratio)
-
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    loss_unclipped, loss_clipped = ppo_surrogates(advantages, torch.exp(log_ratio), config)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
     pg_clipfrac = masked_mean(torch.gt(loss_clipped, loss_unclipped).float(), response_mask)
 
@@ -171,8 +185,8 @@ def vanilla_policy_loss(
     negative = advantages < 0
     pg_clipfrac_lower = masked_mean((torch.gt(loss_ppo, loss_cap) & negative).float(), response_mask)
 
-    pg_losses = weighted(torch.where(negative, loss_dual, loss_ppo), rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
+    pg_losses = torch.where(negative, loss_dual, loss_ppo)
+    pg_loss = aggregate(pg_losses, rollout_is_weights, response_mask, loss_agg_mode, config)
     return pg_loss, clip_metrics(pg_clipfrac, masked_mean(-log_ratio, response_mask), pg_clipfrac_lower)
 
 
@@ -194,17 +208,15 @@ def gspo_policy_loss(
     clip_ratio_c is ignored). The paper aggregates with seq-mean-token-mean; verl (and we) use `loss_agg_mode`.
     pg_clipfrac_lower is 0; ppo_kl = masked mean of (logp_old - logp).
     """
-    eps_low, eps_high = clip_bounds(config)
     log_ratio = log_prob - old_log_prob  # (B, T)
     seq_len = response_mask.sum(dim=-1).clamp(min=1)  # (B,)
     seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1) / seq_len  # (B,)
     token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
     seq_ratio = torch.exp(torch.clamp(token_log_ratio, max=GSPO_LOG_RATIO_MAX))  # (B, T)
 
-    loss_unclipped = -advantages * seq_ratio
-    loss_clipped = -advantages * torch.clamp(seq_ratio, 1 - eps_low, 1 + eps_high)
-    pg_losses = weighted(torch.maximum(loss_unclipped, loss_clipped), rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
+    loss_unclipped, loss_clipped = ppo_surrogates(advantages, seq_ratio, config)
+    pg_losses = torch.maximum(loss_unclipped, loss_clipped)
+    pg_loss = aggregate(pg_losses, rollout_is_weights, response_mask, loss_agg_mode, config)
     pg_clipfrac = masked_mean(torch.gt(loss_clipped, loss_unclipped).float(), response_mask)
     zero = torch.zeros((), device=pg_loss.device)
     return pg_loss, clip_metrics(pg_clipfrac, masked_mean(-log_ratio, response_mask), zero)
@@ -272,8 +284,8 @@ def cispo_policy_loss(
     log_ratio = clamped_log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    pg_losses = weighted(-clipped_ratio.detach() * advantages * log_prob, rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
+    pg_losses = -clipped_ratio.detach() * advantages * log_prob
+    pg_loss = aggregate(pg_losses, rollout_is_weights, response_mask, loss_agg_mode, config)
     pg_clipfrac = masked_mean((ratio != clipped_ratio).float(), response_mask)
     zero = torch.zeros((), device=pg_loss.device)
     return pg_loss, clip_metrics(pg_clipfrac, masked_mean(-log_ratio, response_mask), zero)
@@ -304,8 +316,7 @@ def sapo_policy_loss(
     neg = torch.as_tensor(float(config.tau_neg), dtype=advantages.dtype, device=advantages.device)
     taus = torch.where(advantages > 0, pos, neg)
     gates = torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)
-    pg_losses = weighted(-gates * advantages, rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean", **config.global_batch_info)
+    pg_loss = aggregate(-gates * advantages, rollout_is_weights, response_mask, "seq-mean-token-mean", config)
     zero = torch.zeros((), device=pg_loss.device)
     return pg_loss, clip_metrics(zero, masked_mean(-log_ratio, response_mask), zero)
 
@@ -328,6 +339,5 @@ def reinforce_policy_loss(
     It is also Group Policy Gradient's loss (GPG, Chu et al. 2025; verl `compute_policy_loss_gpg`,
     loss_mode=gpg, paired with algorithm.adv_estimator=gpg): verl's -logp * A equals -A * logp to the bit.
     """
-    pg_losses = weighted(-advantages * log_prob, rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)
+    pg_loss = aggregate(-advantages * log_prob, rollout_is_weights, response_mask, loss_agg_mode, config)
     return pg_loss, {"actor/ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).detach()}
