@@ -15,7 +15,7 @@
 #
 #   PARTS=multi_turn,checkpoint,qwen3,qwen3_moe RESULTS=$OUT bash bench/features.sh
 #   PARTS=qwen3_grpo,qwen3_moe_grpo RESULTS=$OUT bash bench/features.sh
-#   SMOKE=1 bash bench/features.sh      # multi_turn and the shape parts' scripts on the CPU, tiny models (~1 min)
+#   SMOKE=1 bash bench/features.sh      # multi_turn, the shape parts' and lora's scripts on the CPU, tiny models
 #
 # Inputs as bench/run_all.sh's ($DATA, $MODEL made when missing; carried wheel folders installed). With
 # $RESULTS set, at most 8 files are copied there: each part's JSON and one tar.gz of the logs.
@@ -40,8 +40,11 @@ if [ "$SMOKE" = 1 ]; then
   . bench/smoke_args.sh
   SMALL=(--small --device cpu)
   read -r -a SHAPE_ARGS <<<"$SMOKE_ROLLOUT_ARGS"  # a tiny Qwen2 in place of the shape: the script's path only
-  PARTS=multi_turn,qwen3,qwen3_moe,qwen3_grpo,qwen3_moe_grpo  # the others time the 0.5B shape's steps: GPU only
+  # the others time the 0.5B shape's seed steps: GPU only
+  PARTS=multi_turn,qwen3,qwen3_moe,qwen3_grpo,qwen3_moe_grpo,lora
   TINY=(--tiny)  # the shapes' families at a CPU size
+  MODEL=$WORK/model_tiny
+  $PY bench/train_step.py make-model --tiny --out "$MODEL" >/dev/null || { echo "could not make $MODEL"; exit 1; }
   # shellcheck disable=SC2206  # a word list over several lines
   STEP_SMOKE=($SMOKE_STEP_ARGS)
 else
@@ -49,18 +52,13 @@ else
   SHAPE_ARGS=()
   TINY=()
   STEP_SMOKE=()
-  if wants checkpoint || wants lora || wants host || wants qwen3_grpo || wants qwen3_moe_grpo; then
-    if [ ! -f "$DATA/train.parquet" ]; then
-      $PY -m fulcrum.cli data gsm8k --src ../shared/data/gsm8k --out "$DATA" || { echo "no GSM8K data in $DATA"; exit 1; }
-    fi
-  fi
   if wants checkpoint || wants lora || wants host; then
     MODEL=${MODEL:-.bench/qwen05}
     [ -f "$MODEL/config.json" ] || $PY bench/train_step.py make-model --out "$MODEL" >/dev/null \
       || { echo "could not make the model in $MODEL"; exit 1; }
   fi
 fi
-if [ "$SMOKE" = 1 ] && { wants qwen3_grpo || wants qwen3_moe_grpo; } && [ ! -f "$DATA/train.parquet" ]; then
+if { wants checkpoint || wants lora || wants host || wants qwen3_grpo || wants qwen3_moe_grpo; } && [ ! -f "$DATA/train.parquet" ]; then
   $PY -m fulcrum.cli data gsm8k --src ../shared/data/gsm8k --out "$DATA" || { echo "no GSM8K data in $DATA"; exit 1; }
 fi
 elapsed "parts: $PARTS"
@@ -81,18 +79,14 @@ for shape in qwen3 qwen3_moe; do
     part $shape 100 "$PY" bench/rollout.py "${SHAPE_ARGS[@]}" --shape $name --skip-hf --json "$WORK/rollout_$shape.json"
   fi
 done
-# The GRPO step on each shape: the model is written first (random bf16, ~1.2 / 2.0 GB), then 3 steps.
-GRPO_STEP=(algorithm.adv_estimator=grpo data.train_batch_size=64 actor_rollout_ref.rollout.n=8
-  actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32
-  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32
-  actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.rollout.name=native
-  trainer.test_freq=-1 trainer.save_freq=-1 trainer.resume_mode=disable)
+# The GRPO step (train_step.py --grpo) on each shape: the model is written first (random bf16, ~1.2 / 2.0 GB),
+# then 3 steps.
 for shape in qwen3 qwen3_moe; do
   if wants ${shape}_grpo; then
     name=qwen3-0.6b; [ $shape = qwen3_moe ] && name=qwen3-moe-small
     part ${shape}_grpo 200 bash -c "$PY bench/train_step.py make-model --shape $name ${TINY[*]} --out $WORK/model_$shape >/dev/null \
       && $PY bench/train_step.py run --data $DATA --model $WORK/model_$shape --run $WORK/grpo_$shape --steps 3 \
-      --summary $WORK/grpo_$shape.json ${GRPO_STEP[*]} ${STEP_SMOKE[*]}"
+      --summary $WORK/grpo_$shape.json --grpo ${STEP_SMOKE[*]}"
   fi
 done
 if wants host; then
@@ -102,7 +96,7 @@ if wants host; then
     && $PY bench/train_step.py run --run $WORK/host_burn --summary $WORK/host_burn.json --burn $(nproc) ${SEED_RUN[*]}"
 fi
 if wants lora; then
-  part lora 280 "$PY" bench/lora.py --data "$DATA" --model "$MODEL" --out "$WORK/lora" --steps 3
+  part lora 280 "$PY" bench/lora.py --data "$DATA" --model "$MODEL" --out "$WORK/lora" --steps 3 "${STEP_SMOKE[@]}"
 fi
 if wants lora7b; then
   part lora7b 540 "$PY" bench/lora.py --shape 7b --data "$DATA" --model "${MODEL7B:-/tmp/qwen7b}" --out "$WORK/lora7b" --steps 2

@@ -1,5 +1,6 @@
-"""Benchmark: LoRA (rank 32, all-linear) against full fine-tuning on the 0.5B GRPO shape, one device,
-the same call: throughput and peak memory of each, from `bench/train_step.py run`; and a 7B shape
+"""Benchmark: LoRA (rank 32, all-linear) against full fine-tuning on the 0.5B GRPO shape
+(`bench/train_step.py run --grpo`: 64 prompts x 8 through the native engine, with a KL loss so that the
+reference pass runs), one device, the same call: throughput and peak memory of each; and a 7B shape
 that only LoRA fits on one H200 (`--shape 7b`).
 
     fulcrum data gsm8k --src ../shared/data/gsm8k --out .bench/data
@@ -12,9 +13,8 @@ Each variant writes `<out>/<variant>.json` (train_step.py's summary); this print
 variant with its throughput and memory figures (`peak_allocated_gb`: the run's largest
 perf/max_memory_allocated_gb, the frozen base held once in bf16), and the LoRA/full ratios. The
 learning rate differs as verl advises (3e-5 with LoRA, 1.5e-6 without); it does not change the time
-of a step. The 7B shape runs LoRA only, with the native engine and a smaller batch (the seed
-command's 2,560 responses through hf generate would take the call's time); full fine-tuning there is
-`fulcrum doctor`'s predicted out-of-memory, printed beside it.
+of a step. The 7B shape runs LoRA only, 64 prompts x 5 in micro-batches of 4; full fine-tuning there
+is `fulcrum doctor`'s predicted out-of-memory, printed beside it.
 """
 
 from __future__ import annotations
@@ -27,11 +27,8 @@ from pathlib import Path
 
 from fulcrum.rollout.testing import QWEN25_05B_SHAPE
 
-GRPO = [
-    "algorithm.adv_estimator=grpo",
-    "actor_rollout_ref.rollout.n=5",
-    "actor_rollout_ref.actor.use_kl_loss=True",
-]
+KL_LOSS = ["actor_rollout_ref.actor.use_kl_loss=True"]
+GRPO_7B = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=5", *KL_LOSS]
 LORA = [
     "actor_rollout_ref.model.lora_rank=32",
     "actor_rollout_ref.model.lora_alpha=32",
@@ -98,7 +95,7 @@ def doctor_peak(data: Path, model: Path, keys: list[str]) -> str:
 def doctor_keys(data: Path, model: Path) -> list[str]:
     from train_step import seed_overrides  # bench/ is on the path: this script's folder
 
-    return seed_overrides(data, model, Path("/tmp/doctor_run"), 1) + GRPO + SMALL_STEP
+    return seed_overrides(data, model, Path("/tmp/doctor_run"), 1) + GRPO_7B + SMALL_STEP
 
 
 def figures(summary: dict) -> dict[str, float]:
@@ -127,11 +124,11 @@ def main() -> int:
     parser.add_argument("--shape", choices=("0.5b", "7b"), default="0.5b")
     args, extra = parser.parse_known_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    variants = VARIANTS
+    preset, variants = ["--grpo", *KL_LOSS], VARIANTS
     if args.shape == "7b":
         if not (args.model / "config.json").is_file():
             print(f"wrote {make_7b(args.model)}", flush=True)
-        variants = {"lora": LORA + SMALL_STEP}
+        preset, variants = GRPO_7B, {"lora": LORA + SMALL_STEP}
         for name, keys in (("full", []), ("lora", LORA)):
             print(
                 json.dumps({"doctor": name, "estimate": doctor_peak(args.data, args.model, keys)}), flush=True
@@ -142,7 +139,7 @@ def main() -> int:
         command = [
             sys.executable, str(Path(__file__).with_name("train_step.py")), "run",
             "--data", str(args.data), "--model", str(args.model), "--run", str(args.out / f"run_{name}"),
-            "--steps", str(args.steps), "--summary", str(summary), *GRPO, *keys, *extra,
+            "--steps", str(args.steps), "--summary", str(summary), *preset, *keys, *extra,
         ]  # fmt: skip
         subprocess.run(command, check=True)
         data = json.loads(summary.read_text())

@@ -99,6 +99,24 @@ def seed_overrides(data: Path, model: Path, run: Path, steps: int) -> list[str]:
     ]
 
 
+# The GRPO step of BENCHMARKS.md's GRPO and architecture rows, over the seed command: 64 prompts x 8
+# responses through the native engine, micro-batches of 32 with gradient checkpointing, no validation or save.
+GRPO_STEP = [
+    "algorithm.adv_estimator=grpo",
+    "data.train_batch_size=64",
+    "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.rollout.name=native",
+    "trainer.test_freq=-1",
+    "trainer.save_freq=-1",
+    "trainer.resume_mode=disable",
+]
+
+
 def summarise(run: Path) -> dict[str, object]:
     """Per step: throughput, step time, every timing_s/*, peak memory; plus the mean over steps after the first."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -199,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     rn.add_argument(
         "--burn", type=int, default=0, help="CPU-burning neighbour processes during the run (a slowed host)"
     )
+    rn.add_argument(
+        "--grpo", action="store_true", help="the GRPO step shape (64 prompts x 8, native rollout; GRPO_STEP)"
+    )
     add_packed_knobs(rn)
     ck = sub.add_parser(
         "checkpoint", help="time the saves alone: step stall and write, background and in-step"
@@ -228,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     with cpu_burners(args.burn):
         host_before = host_speed()
         print(f"host before the run: {host_before} ({args.burn} burners)", flush=True)
-        code = train_main(seed_overrides(args.data, args.model, args.run, args.steps) + extra)
+        preset = GRPO_STEP if args.grpo else []
+        code = train_main(seed_overrides(args.data, args.model, args.run, args.steps) + preset + extra)
         host_after = host_speed()
     if code != 0:
         return code
