@@ -58,7 +58,8 @@ else
       || { echo "could not make the model in $MODEL"; exit 1; }
   fi
 fi
-if { wants checkpoint || wants lora || wants host || wants qwen3_grpo || wants qwen3_moe_grpo; } && [ ! -f "$DATA/train.parquet" ]; then
+if { wants checkpoint || wants lora || wants lora7b || wants host || wants qwen3_grpo || wants qwen3_moe_grpo; } &&
+  [ ! -f "$DATA/train.parquet" ]; then
   $PY -m fulcrum.cli data gsm8k --src ../shared/data/gsm8k --out "$DATA" || { echo "no GSM8K data in $DATA"; exit 1; }
 fi
 elapsed "parts: $PARTS"
