@@ -73,6 +73,42 @@ def test_background_write_holds_the_step_state_and_writes_the_same_files(
             assert torch.equal(tensor, expected[name][key]), f"{name}.{key} is not the snapshot's"
 
 
+def test_later_saves_copy_into_the_first_saves_host_memory_and_each_holds_its_own_step(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot's host buffers are kept from one save to the next (no new memory to fault in), and
+    reusing them never mixes steps: each checkpoint loads back to the weights of the step it was taken
+    at, also when the next step trains while its write is held."""
+    roles = make_roles(model_dir, seed=1)
+    manager = CheckpointManager(tmp_path, None)
+    expected = {}
+    pointers = []
+    for step in (1, 2, 3):
+        train_step(roles)
+        release = hold_role_writes(monkeypatch)
+        manager.save(step, roles, {"epoch": 0}, background=True)
+        expected[step] = {
+            n: {k: v.clone() for k, v in r.model.state_dict().items()} for n, r in roles.items()
+        }
+        pointers.append(sorted(b.data_ptr() for b in manager.host_buffers.buffers.values()))
+        train_step(roles)  # changes the live tensors while the write waits
+        release.set()
+        manager.wait()
+        monkeypatch.undo()
+    live = {t.data_ptr(): t.nbytes for r in roles.values() for t in r.model.state_dict().values()}
+    for role in roles.values():
+        for moments in role.optimizer.state.values():
+            live |= {moments[k].data_ptr(): moments[k].nbytes for k in ("exp_avg", "exp_avg_sq")}
+    assert pointers[0] == pointers[1] == pointers[2]  # the same host memory at every save
+    assert manager.host_buffers.nbytes() >= sum(live.values())  # weights and moments, each once
+    for step, weights in expected.items():
+        fresh = make_roles(model_dir, seed=2)
+        manager.load(tmp_path / f"global_step_{step}", fresh)
+        for name, role in fresh.items():
+            for key, tensor in role.model.state_dict().items():
+                assert torch.equal(tensor, weights[name][key]), f"step {step}: {name}.{key}"
+
+
 def test_a_full_disk_in_the_background_is_the_same_error_at_the_next_save_and_publishes_nothing(
     tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

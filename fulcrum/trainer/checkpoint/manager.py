@@ -56,7 +56,7 @@ from fulcrum.trainer.checkpoint.layout import (
 )
 from fulcrum.trainer.checkpoint.rng import capture_rng_state, restore_rng_state
 from fulcrum.trainer.checkpoint.sharded import load_optimizer_state
-from fulcrum.trainer.checkpoint.snapshot import RoleSnapshot, snapshot_role
+from fulcrum.trainer.checkpoint.snapshot import HostBuffers, RoleSnapshot, snapshot_role
 
 RESUME_MODES = ("auto", "disable", "resume_path")
 
@@ -167,6 +167,7 @@ class CheckpointManager:
         self.run_dir = Path(run_dir)
         self.settings = CheckpointSettings.from_trainer_cfg(trainer_cfg)
         self.writer = BackgroundWriter()  # the writes of save(background=True)
+        self.host_buffers = HostBuffers()  # their snapshots' host memory, reused by every save
         self.waited_s = 0.0  # how long the last wait() blocked on the previous write
 
     # ------------------------------------------------------------------ save
@@ -218,7 +219,10 @@ class CheckpointManager:
                 check_tensors_finite((gathered or {}).items(), where)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         final = self.run_dir / step_dir_name(step)
-        snaps = {name: snapshot_role(role, copy) for name, role in roles.items()}
+        try:
+            snaps = {name: snapshot_role(role, copy, self.host_buffers) for name, role in roles.items()}
+        finally:
+            self.host_buffers.finish()
         # About what the save writes: weights (or adapters) and optimiser state; tokenizer and JSON are small.
         needed = sum(snap.host_bytes() for snap in snaps.values())
         free = shutil.disk_usage(self.run_dir).free
