@@ -17,6 +17,7 @@ from test_checkpoint import TINY, make_roles, train_step
 from fulcrum.models.tiny import build_tiny_model
 from fulcrum.trainer.checkpoint import LATEST_FILE, CheckpointManager, DiskFullError, read_latest_step
 from fulcrum.trainer.checkpoint import manager as ckpt_mod
+from fulcrum.trainer.checkpoint.snapshot import HostBuffers, host_copies
 from fulcrum.trainer.main_ppo import main as train_main
 
 
@@ -107,6 +108,21 @@ def test_later_saves_copy_into_the_first_saves_host_memory_and_each_holds_its_ow
         for name, role in fresh.items():
             for key, tensor in role.model.state_dict().items():
                 assert torch.equal(tensor, weights[name][key]), f"step {step}: {name}.{key}"
+
+
+def test_temporaries_of_two_roles_never_share_a_host_buffer() -> None:
+    """A LoRA role's adapter state is made of copies that die after its snapshot; the next role's copies
+    of the same shapes often get their memory. Each snapshot must still hold its own role's values."""
+    live = {role: [torch.randn(4, 32) for _ in range(16)] for role in ("actor", "critic")}
+    buffers = HostBuffers()
+    for _ in range(100):
+        snaps = {
+            role: host_copies({i: t.to("cpu", copy=True) for i, t in enumerate(tensors)}, buffers=buffers)
+            for role, tensors in live.items()
+        }
+        buffers.finish()
+        for role, tensors in live.items():
+            assert all(torch.equal(snaps[role][i], t) for i, t in enumerate(tensors)), role
 
 
 def test_a_full_disk_in_the_background_is_the_same_error_at_the_next_save_and_publishes_nothing(

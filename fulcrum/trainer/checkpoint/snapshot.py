@@ -83,12 +83,15 @@ class HostBuffers:
 
     A save copies each live tensor into the buffer of its `tensor_key` (allocated when new) and, once
     every role is taken, `finish` drops the buffers it did not use, so a tensor the model replaced does
-    not hold memory.
+    not hold memory. The tensors copied are held until `finish`: a role's state can be temporaries
+    (LoRA adapters' `state_dict` makes copies), and a freed one's memory could go to the next role's
+    tensor of the same shape — the same key, so one buffer would hold both roles' values.
     """
 
     def __init__(self) -> None:
         self.buffers: dict[TensorKey, torch.Tensor] = {}
         self.used: set[TensorKey] = set()
+        self.sources: list[torch.Tensor] = []  # this save's tensors, alive until `finish`
 
     def copy(self, key: TensorKey, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of `tensor`, in the buffer kept for `key`."""
@@ -99,13 +102,15 @@ class HostBuffers:
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
             buffer = self.buffers[key] = torch.empty(source.shape, dtype=source.dtype)
         self.used.add(key)
+        self.sources.append(source)
         return buffer.copy_(source)
 
     def finish(self) -> None:
-        """Free the buffers this save left unused."""
+        """Free the buffers this save left unused; let go of the tensors it copied."""
         for key in set(self.buffers) - self.used:
             del self.buffers[key]
         self.used.clear()
+        self.sources.clear()
 
     def nbytes(self) -> int:
         """Host bytes the buffers hold."""
