@@ -29,7 +29,6 @@ import torch
 from tqdm import tqdm
 
 from fulcrum.algo.kl import build_kl_controller
-from fulcrum.algo.losses import agg_loss
 from fulcrum.config import FulcrumConfig, to_dict, uses_critic, uses_reference
 from fulcrum.config.sections import actor_section, critic_section, reference_section
 from fulcrum.data.dataset import rl_datasets
@@ -40,7 +39,7 @@ from fulcrum.parallel import DistInfo, max_over_ranks, on_main
 from fulcrum.parallel.fsdp import is_sharded
 from fulcrum.reward.guard import guard_manager
 from fulcrum.reward.managers import manager_from_config
-from fulcrum.rollout import build_rollout, logprob_diff, uses_native_engine
+from fulcrum.rollout import build_rollout, uses_native_engine
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer.advantage_stage import (
     advantages_of,
@@ -55,6 +54,7 @@ from fulcrum.trainer.data_parallel import engine_tp_size, on_shares, startup_lin
 from fulcrum.trainer.diagnosis import LiveDiagnosis
 from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, StepAbandoned, explain_oom
 from fulcrum.trainer.loggers import Tracking
+from fulcrum.trainer.old_log_probs import old_log_prob_stage, recorded_old_log_prob_metrics
 from fulcrum.trainer.run_dir import open_run_dir
 from fulcrum.trainer.sampling import Sampler, reward_model_of, tools_of
 from fulcrum.trainer.startup import kl_startup_line, resolve_total_steps, seed_everything, startup_lines
@@ -399,20 +399,15 @@ class PPOTrainer:
             metrics["reward/num_nonfinite"] = float(reward.num_nonfinite)  # NaN/inf scores among them
             for message in reward.errors:
                 logger.warning("step %d: reward scored 0 after an error: %s", self.global_step, message)
-            # 3. old log-probs (and entropy), reference log-probs, values
+            # 3. old log-probs and entropy (unless the update gives them), reference log-probs, values
             if self.correction is not None and self.correction.bypass_mode:
                 batch["old_log_probs"] = batch["rollout_log_probs"]  # bypass: no old-log-prob pass (verl)
             else:
-                with M.timer("old_log_prob", timing, peaks):
-                    old_log_probs, entropys = on_shares(
-                        self.actor.compute_log_prob, batch, self.actor.forwards.sp_size
-                    )
-                    batch["old_log_probs"] = old_log_probs
-                    mask = batch["response_mask"].float()
-                    metrics["actor/entropy"] = agg_loss(entropys, mask, arr.actor.loss_agg_mode).item()
-                    metrics.update(
-                        logprob_diff(batch["rollout_log_probs"], old_log_probs, batch["response_mask"])
-                    )
+                read_first = self.kl_ctrl is not None or self.correction is not None  # before the update
+                step, distributed = self.global_step, self.dist.distributed
+                metrics.update(
+                    old_log_prob_stage(self.actor, batch, cfg, step, read_first, distributed, timing, peaks)
+                )
             if arr.actor.calculate_sum_pi_squared:
                 with M.timer("old_log_prob", timing):
                     batch["sum_pi_squared"] = on_shares(
@@ -450,6 +445,7 @@ class PPOTrainer:
             if int(cfg.trainer.critic_warmup) <= self.global_step:
                 with M.timer("update_actor", timing, peaks):
                     metrics.update(self.actor.update_policy(batch, self.global_step))
+                    metrics.update(recorded_old_log_prob_metrics(self.actor, batch))
                 # 6. the new weights into the engine (in place; the hf backend shares the module)
                 with M.timer("update_weights", timing):
                     self.rollout.update_weights(self.actor.named_weights())

@@ -27,7 +27,11 @@ from fulcrum.parallel.fsdp import full_named_tensors
 from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
-from fulcrum.workers.update import UpdatePlan, ppo_update
+from fulcrum.workers.update import UpdatePlan, one_optimizer_step, ppo_update
+
+ROW = (
+    "update_row"  # a batch column the update adds: each row's index, to put recorded log-probs back in order
+)
 
 
 def compute_log_prob(
@@ -160,6 +164,10 @@ class ActorWorker:
         self.router_loss = router_loss_settings(self.model)
         # Rollout correction's bypass mode (set by the trainer): the loss corrects against the engine.
         self.bypass: RolloutCorrection | None = None
+        # The update under way is strictly on-policy (one optimiser step); `recorded` gathers its forward's
+        # (rows, log-probs, entropies) when the batch came without old log-probs.
+        self.on_policy = False
+        self.recorded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Old log-probs and entropies (B, R) of the batch's responses under the current policy."""
@@ -174,9 +182,34 @@ class ActorWorker:
     def update_policy(self, batch: Batch, global_step: int = 0) -> dict[str, float]:
         """One PPO update (fulcrum.workers.update.ppo_update) of the loss named by actor.policy_loss.loss_mode.
 
-        Needs `old_log_probs`, `advantages` (and `ref_log_prob` with use_kl_loss).
+        Needs `advantages` (and `ref_log_prob` with use_kl_loss), and `old_log_probs` unless the update is
+        strictly on-policy (`one_optimizer_step`). Then the loss takes its own forward's log-probs, detached,
+        as the old ones (ratio exactly 1, as verl's dp_actor), and a batch without `old_log_probs` gets
+        them and the entropies recorded for `recorded_log_probs` (fulcrum/trainer/old_log_probs.py).
         """
+        self.on_policy = one_optimizer_step(self.plan, len(batch))
+        self.recorded = None
+        if "old_log_probs" not in batch:
+            if not self.on_policy:
+                raise ValueError(
+                    f"actor update: the batch has no old_log_probs, and {len(batch)} responses over "
+                    f"mini-batches of {self.plan.mini_batch_size} x {self.plan.ppo_epochs} epochs take "
+                    "more than one optimiser step (only a strictly on-policy update can do without them)"
+                )
+            self.recorded = []
+            batch = Batch({**batch.tensors, ROW: torch.arange(len(batch))}, batch.non_tensors)
         return ppo_update(self, batch, global_step)
+
+    def recorded_log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last update's log-probs and entropies (B, R), float32 on the CPU, in the batch's row order:
+        what the old-log-prob pass gives, from the update's forward before its step."""
+        if not self.recorded:
+            raise RuntimeError("recorded_log_probs: the last update had old_log_probs and recorded nothing")
+        rows = torch.cat([r for r, _, _ in self.recorded])
+        log_probs, entropys = (torch.cat([part[i] for part in self.recorded]).float().cpu() for i in (1, 2))
+        order = torch.empty_like(rows)
+        order[rows] = torch.arange(len(rows))
+        return log_probs[order], entropys[order]
 
     def micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]:
         """Forward, loss (this micro-batch's share of the mini-batch loss), backward; detached metrics.
@@ -188,13 +221,22 @@ class ActorWorker:
         """
         cfg = self.cfg
         mask = host_to_device(mb["response_mask"], self.device).float()
-        with_entropy = float(cfg.entropy_coeff) != 0.0
+        entropy_coeff = float(cfg.entropy_coeff)
+        with_entropy = entropy_coeff != 0.0 or self.recorded is not None
         routed = (
             contextlib.nullcontext([]) if self.router_loss is None else recorded_router_logits(self.model)
         )
         with routed as router_logits:
             log_prob, entropy = self.forwards.log_prob(mb, self.temperature, with_entropy, mask)
-        old_log_prob = host_to_device(mb["old_log_probs"], self.device)
+        if self.on_policy and self.bypass is None:  # the weights that scored the batch: ratio exactly 1
+            old_log_prob = log_prob.detach()
+        else:
+            old_log_prob = host_to_device(mb["old_log_probs"], self.device)
+        if self.recorded is not None:
+            assert entropy is not None
+            self.recorded.append((mb[ROW], log_prob.detach(), entropy.detach()))
+            if entropy_coeff == 0.0:
+                entropy = None  # recorded only: its autograd graph (the padded path's saved logits) goes now
         advantages = host_to_device(mb["advantages"], self.device)
         config = LossConfig.of(cfg, agg)
         if self.bypass is not None:  # old log-probs are the engine's; correct against the current policy
@@ -216,7 +258,7 @@ class ActorWorker:
         policy_loss = pg_loss
         if entropy is not None:
             entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
-            policy_loss = policy_loss - float(cfg.entropy_coeff) * entropy_loss
+            policy_loss = policy_loss - entropy_coeff * entropy_loss
         if cfg.use_kl_loss:
             kld = kl_penalty(log_prob, host_to_device(mb["ref_log_prob"], self.device), cfg.kl_loss_type)
             kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, **agg)

@@ -57,6 +57,12 @@ class Trainable(Protocol):
     def micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]: ...
 
 
+def one_optimizer_step(plan: UpdatePlan, rows: int) -> bool:
+    """An update of `rows` responses takes one optimiser step (one epoch, one mini-batch): it is strictly
+    on-policy, its forward sees the weights the batch was scored under."""
+    return plan.ppo_epochs == 1 and rows <= plan.mini_batch_size
+
+
 def ppo_update(worker: Trainable, batch: Batch, global_step: int) -> dict[str, float]:
     """One update over `batch`; returns the role's metrics (verl's reduction).
 

@@ -1,0 +1,92 @@
+"""Stage 3's old log-probs: their own forward pass over the batch, or — when the actor's update is strictly
+on-policy and nothing reads them before it — the update's forward itself.
+
+An update that consumes the batch in one optimiser step (one epoch, one mini-batch) sees the weights the
+batch was scored under, so its loss takes the old log-probs from its own forward, detached: the ratio is
+exactly 1, as in verl's dp_actor (`on_policy`) and TRL (`num_iterations=1`). verl still runs the old
+pass on that path, for the entropy metric and what reads old log-probs before the update; fulcrum runs
+it only when something does: the KL penalty in the reward, rollout correction (decoupled weights or
+rejection), an advantage estimator that takes `old_log_probs`, or several processes (the update's rows
+are spread over the ranks). Otherwise the actor records its forward's log-probs and entropies and the
+same metrics come from them (`actor/entropy`, `rollout/logprob_diff_*`); `timing_s/old_log_prob` is 0.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS
+from fulcrum.algo.losses import agg_loss
+from fulcrum.batch import Batch
+from fulcrum.rollout import logprob_diff
+from fulcrum.trainer import metrics as M
+from fulcrum.trainer.data_parallel import on_shares
+from fulcrum.workers.actor import ActorWorker
+from fulcrum.workers.update import UpdatePlan, one_optimizer_step
+
+
+def estimator_reads_old_log_probs(name: str) -> bool:
+    """The advantage estimator `name` takes `old_log_probs` (declared in its signature)."""
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    return estimator is not None and "old_log_probs" in inspect.signature(estimator).parameters
+
+
+def update_gives_old_log_probs(
+    cfg: Any, actor_plan: UpdatePlan, rows: int, global_step: int, before_update: bool, distributed: bool
+) -> bool:
+    """The old-log-prob pass can be left out this step: the actor updates now, in one optimiser step over
+    `rows` responses, in one process, and nothing reads old log-probs before the update
+    (`before_update`: the KL penalty in the reward or rollout correction is on)."""
+    return (
+        not distributed
+        and not before_update
+        and int(cfg.trainer.critic_warmup) <= global_step
+        and not estimator_reads_old_log_probs(cfg.algorithm.adv_estimator)
+        and one_optimizer_step(actor_plan, rows)
+    )
+
+
+def old_log_prob_metrics(
+    batch: Batch, log_probs: torch.Tensor, entropys: torch.Tensor, loss_agg_mode: str
+) -> dict[str, float]:
+    """`actor/entropy` (aggregated as the loss) and the rollout-vs-training log-prob gap of the policy
+    that scored the batch, whichever forward gave its log-probs."""
+    mask = batch["response_mask"]
+    return {
+        "actor/entropy": agg_loss(entropys, mask.float(), loss_agg_mode).item(),
+        **logprob_diff(batch["rollout_log_probs"], log_probs, mask),
+    }
+
+
+def old_log_prob_stage(
+    actor: ActorWorker,
+    batch: Batch,
+    cfg: Any,
+    global_step: int,
+    read_first: bool,
+    distributed: bool,
+    timing: dict[str, float],
+    peaks: dict[str, float],
+) -> dict[str, float]:
+    """Stage 3's old log-probs into `batch` by their own pass (timed as `old_log_prob`), with its
+    metrics; or, when `update_gives_old_log_probs`, nothing now (`timing_s/old_log_prob` 0): the actor's
+    update records them and `recorded_old_log_prob_metrics` reports the same metrics after it."""
+    if update_gives_old_log_probs(cfg, actor.plan, len(batch), global_step, read_first, distributed):
+        timing["old_log_prob"] = 0.0
+        return {}
+    with M.timer("old_log_prob", timing, peaks):
+        log_probs, entropys = on_shares(actor.compute_log_prob, batch, actor.forwards.sp_size)
+        batch["old_log_probs"] = log_probs
+        return old_log_prob_metrics(batch, log_probs, entropys, actor.cfg.loss_agg_mode)
+
+
+def recorded_old_log_prob_metrics(actor: ActorWorker, batch: Batch) -> dict[str, float]:
+    """After an update that gave the old log-probs (the batch has none): the metrics of the old pass,
+    from the log-probs and entropies the update's forward recorded."""
+    if "old_log_probs" in batch:
+        return {}
+    log_probs, entropys = actor.recorded_log_probs()
+    return old_log_prob_metrics(batch, log_probs, entropys, actor.cfg.loss_agg_mode)
