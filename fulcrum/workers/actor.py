@@ -29,9 +29,8 @@ from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
 from fulcrum.workers.update import UpdatePlan, one_optimizer_step, ppo_update
 
-ROW = (
-    "update_row"  # a batch column the update adds: each row's index, to put recorded log-probs back in order
-)
+# A batch column an update without old log-probs adds: each row's index, to put what it records in order.
+ROW = "update_row"
 
 
 def compute_log_prob(
