@@ -62,7 +62,7 @@ def step_rows(run_dir: Path) -> list[dict[str, float]]:
     ids=["on-policy", "two-mini-batches", "kl-in-reward"],
 )
 def test_the_trainer_leaves_the_pass_out_only_when_nothing_needs_it(
-    tmp_path: Path, extra: dict[str, object], pass_runs: bool
+    tmp_path: Path, extra: dict[str, object], pass_runs: bool, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assets = make_assets(tmp_path / "assets")
     keys = {
@@ -73,6 +73,8 @@ def test_the_trainer_leaves_the_pass_out_only_when_nothing_needs_it(
     }
     run_dir = tmp_path / "run"
     assert train_main(short_run_overrides(assets, run_dir, **keys)) == 0
+    said = "old log-probs: from the actor's update" in capsys.readouterr().out  # the start-up line
+    assert said != pass_runs
     for row in step_rows(run_dir):
         assert (row["timing_s/old_log_prob"] > 0) == pass_runs
         # the pass's metrics either way: from the pass, or from the update's forward

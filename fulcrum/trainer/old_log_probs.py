@@ -7,7 +7,7 @@ exactly 1, as in verl's dp_actor (`on_policy`) and TRL (`num_iterations=1`). ver
 pass on that path, for the entropy metric and what reads old log-probs before the update; fulcrum runs
 it only when something does: the KL penalty in the reward, rollout correction (decoupled weights or
 rejection), an advantage estimator that takes `old_log_probs`, or several processes (the update's rows
-are spread over the ranks). Otherwise the actor records its forward's log-probs and entropies and the
+are spread over the ranks). The run says so at start-up (`startup.startup_lines`). Otherwise the actor records its forward's log-probs and entropies and the
 same metrics come from them (`actor/entropy`, `rollout/logprob_diff_*`); `timing_s/old_log_prob` is 0.
 """
 
@@ -21,8 +21,10 @@ import torch
 from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS
 from fulcrum.algo.losses import agg_loss
 from fulcrum.batch import Batch
+from fulcrum.config import world_size
 from fulcrum.rollout import logprob_diff
 from fulcrum.trainer import metrics as M
+from fulcrum.trainer.advantage_stage import rollout_correction_of
 from fulcrum.trainer.data_parallel import on_shares
 from fulcrum.workers.actor import ActorWorker
 from fulcrum.workers.update import UpdatePlan, one_optimizer_step
@@ -34,17 +36,27 @@ def estimator_reads_old_log_probs(name: str) -> bool:
     return estimator is not None and "old_log_probs" in inspect.signature(estimator).parameters
 
 
-def update_gives_old_log_probs(
-    cfg: Any, actor_plan: UpdatePlan, rows: int, global_step: int, before_update: bool, distributed: bool
-) -> bool:
-    """The old-log-prob pass can be left out this step: the actor updates now, in one optimiser step over
-    `rows` responses, in one process, and nothing reads old log-probs before the update
-    (`before_update`: the KL penalty in the reward or rollout correction is on)."""
+def update_can_give_old_log_probs(cfg: Any) -> bool:
+    """The run's settings let the actor's update give the old log-probs: one epoch, a mini-batch as large
+    as the step's batch, one process, and nothing that reads them before the update (the KL penalty in
+    the reward, rollout correction, an estimator that takes them)."""
+    actor = cfg.actor_rollout_ref.actor
     return (
-        not distributed
-        and not before_update
-        and int(cfg.trainer.critic_warmup) <= global_step
+        int(actor.ppo_epochs) == 1
+        and int(actor.ppo_mini_batch_size) >= int(cfg.data.train_batch_size)
+        and world_size(cfg) == 1
+        and not cfg.algorithm.use_kl_in_reward
+        and rollout_correction_of(cfg) is None
         and not estimator_reads_old_log_probs(cfg.algorithm.adv_estimator)
+    )
+
+
+def update_gives_old_log_probs(cfg: Any, actor_plan: UpdatePlan, rows: int, global_step: int) -> bool:
+    """The old-log-prob pass is left out this step: the settings allow it, the actor updates now, and
+    its update of `rows` responses takes one optimiser step."""
+    return (
+        update_can_give_old_log_probs(cfg)
+        and int(cfg.trainer.critic_warmup) <= global_step
         and one_optimizer_step(actor_plan, rows)
     )
 
@@ -66,15 +78,13 @@ def old_log_prob_stage(
     batch: Batch,
     cfg: Any,
     global_step: int,
-    read_first: bool,
-    distributed: bool,
     timing: dict[str, float],
     peaks: dict[str, float],
 ) -> dict[str, float]:
     """Stage 3's old log-probs into `batch` by their own pass (timed as `old_log_prob`), with its
     metrics; or, when `update_gives_old_log_probs`, nothing now (`timing_s/old_log_prob` 0): the actor's
     update records them and `recorded_old_log_prob_metrics` reports the same metrics after it."""
-    if update_gives_old_log_probs(cfg, actor.plan, len(batch), global_step, read_first, distributed):
+    if update_gives_old_log_probs(cfg, actor.plan, len(batch), global_step):
         timing["old_log_prob"] = 0.0
         return {}
     with M.timer("old_log_prob", timing, peaks):

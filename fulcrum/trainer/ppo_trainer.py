@@ -403,11 +403,7 @@ class PPOTrainer:
             if self.correction is not None and self.correction.bypass_mode:
                 batch["old_log_probs"] = batch["rollout_log_probs"]  # bypass: no old-log-prob pass (verl)
             else:
-                read_first = self.kl_ctrl is not None or self.correction is not None  # before the update
-                step, distributed = self.global_step, self.dist.distributed
-                metrics.update(
-                    old_log_prob_stage(self.actor, batch, cfg, step, read_first, distributed, timing, peaks)
-                )
+                metrics.update(old_log_prob_stage(self.actor, batch, cfg, self.global_step, timing, peaks))
             if arr.actor.calculate_sum_pi_squared:
                 with M.timer("old_log_prob", timing):
                     batch["sum_pi_squared"] = on_shares(

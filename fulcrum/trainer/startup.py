@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from fulcrum.config import FulcrumConfig
+from fulcrum.trainer.old_log_probs import update_can_give_old_log_probs
 
 
 def seed_everything(seed: int) -> None:
@@ -81,6 +82,11 @@ def startup_lines(cfg: Any) -> list[str]:
         lines.append(
             f"dynamic sampling: groups whose {alg.filter_groups.metric} is equal across responses are dropped; "
             f"up to {alg.filter_groups.max_num_gen_batches or 'unlimited'} generation rounds per step"
+        )
+    if update_can_give_old_log_probs(cfg):
+        lines.append(
+            "old log-probs: from the actor's update (one epoch, one mini-batch a step: strictly on-policy, ratio 1 "
+            "as in verl); no old-log-prob pass, so rollout.log_prob_micro_batch_size_per_gpu has no effect"
         )
     if alg.use_pf_ppo and alg.adv_estimator != "gae":
         lines.append("note: algorithm.use_pf_ppo has no effect: PF-PPO resamples after gae only (as verl)")
