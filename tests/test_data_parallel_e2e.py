@@ -97,6 +97,10 @@ def test_two_processes_take_the_same_steps_as_one(
         for key in COMPARED:
             assert b[key] == pytest.approx(a[key], abs=1e-5, rel=1e-5), key
         assert b["response_length/mean"] == a["response_length/mean"]
+        # One epoch, one mini-batch: the update gave the old log-probs (each rank its rows, gathered),
+        # so the pass ran in neither, and its metrics still agree.
+        assert a["timing_s/old_log_prob"] == b["timing_s/old_log_prob"] == 0.0
+        assert b["rollout/logprob_diff_mean"] == pytest.approx(a["rollout/logprob_diff_mean"], abs=1e-6)
     saved = [load_file(tmp_path / run / "global_step_2/actor/model.safetensors") for run in ("one", "two")]
     assert saved[0].keys() == saved[1].keys()
     for name, weight in saved[0].items():

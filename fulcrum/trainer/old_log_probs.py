@@ -6,9 +6,10 @@ batch was scored under, so its loss takes the old log-probs from its own forward
 exactly 1, as in verl's dp_actor (`on_policy`) and TRL (`num_iterations=1`). verl still runs the old
 pass on that path, for the entropy metric and what reads old log-probs before the update; fulcrum runs
 it only when something does: the KL penalty in the reward, rollout correction (decoupled weights or
-rejection), an advantage estimator that takes `old_log_probs`, or several processes (the update's rows
-are spread over the ranks). The run says so at start-up (`startup.startup_lines`). Otherwise the actor records its forward's log-probs and entropies and the
-same metrics come from them (`actor/entropy`, `rollout/logprob_diff_*`); `timing_s/old_log_prob` is 0.
+rejection) or an advantage estimator that takes `old_log_probs`. Otherwise the actor records its
+forward's log-probs and entropies (with several processes each rank its share of the rows, then every
+rank gathers them all) and the same metrics come from them (`actor/entropy`, `rollout/logprob_diff_*`);
+`timing_s/old_log_prob` is 0, and the run says so at start-up (`startup.startup_lines`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS
 from fulcrum.algo.losses import agg_loss
 from fulcrum.batch import Batch
-from fulcrum.config import world_size
 from fulcrum.rollout import logprob_diff
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer.advantage_stage import rollout_correction_of
@@ -38,13 +38,12 @@ def estimator_reads_old_log_probs(name: str) -> bool:
 
 def update_can_give_old_log_probs(cfg: Any) -> bool:
     """The run's settings let the actor's update give the old log-probs: one epoch, a mini-batch as large
-    as the step's batch, one process, and nothing that reads them before the update (the KL penalty in
-    the reward, rollout correction, an estimator that takes them)."""
+    as the step's batch, and nothing that reads them before the update (the KL penalty in the reward,
+    rollout correction, an estimator that takes them)."""
     actor = cfg.actor_rollout_ref.actor
     return (
         int(actor.ppo_epochs) == 1
         and int(actor.ppo_mini_batch_size) >= int(cfg.data.train_batch_size)
-        and world_size(cfg) == 1
         and not cfg.algorithm.use_kl_in_reward
         and rollout_correction_of(cfg) is None
         and not estimator_reads_old_log_probs(cfg.algorithm.adv_estimator)

@@ -23,6 +23,7 @@ from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
 from fulcrum.models.lora import Adapters, LoraSettings
 from fulcrum.models.router_loss import load_balancing_loss, recorded_router_logits, router_loss_settings
+from fulcrum.parallel import all_gather_rows, current
 from fulcrum.parallel.fsdp import full_named_tensors
 from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
@@ -195,17 +196,25 @@ class ActorWorker:
                     f"mini-batches of {self.plan.mini_batch_size} x {self.plan.ppo_epochs} epochs take "
                     "more than one optimiser step (only a strictly on-policy update can do without them)"
                 )
-            self.recorded = []
+            # An empty first entry: a rank whose share is empty still has something to concatenate.
+            empty = torch.zeros(0, batch.response_length, device=self.device)
+            self.recorded = [(torch.zeros(0, dtype=torch.long), empty, empty)]
             batch = Batch({**batch.tensors, ROW: torch.arange(len(batch))}, batch.non_tensors)
         return ppo_update(self, batch, global_step)
 
     def recorded_log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The last update's log-probs and entropies (B, R), float32 on the CPU, in the batch's row order:
         what the old-log-prob pass gives, from the update's forward before its step."""
-        if not self.recorded:
+        if self.recorded is None:
             raise RuntimeError("recorded_log_probs: the last update had old_log_probs and recorded nothing")
         rows = torch.cat([r for r, _, _ in self.recorded])
         log_probs, entropys = (torch.cat([part[i] for part in self.recorded]).float().cpu() for i in (1, 2))
+        info = current()
+        if info.distributed:  # each data-parallel share once: the first rank of a sequence-parallel group
+            first = info.rank % self.forwards.sp_size == 0
+            rows, log_probs, entropys = (
+                all_gather_rows(t if first else t[:0]) for t in (rows, log_probs, entropys)
+            )
         order = torch.empty_like(rows)
         order[rows] = torch.arange(len(rows))
         return log_probs[order], entropys[order]
