@@ -12,6 +12,10 @@ qwen3-moe-small a small Qwen3-MoE: Qwen3-30B-A3B's layout (128-wide heads, top-8
                 scaled down to hidden 1024, 16 layers, 32 experts of 384, top 4 (1.0B parameters; 0.47B
                 active a token, 0.16B of them outside the embedding and the LM head), so that a step fits
                 beside the others in one call
+smollm2-135m    SmolLM2-135M-Instruct's (Llama: hidden 576, 30 layers, 9 heads / 3 KV heads of 64,
+                intermediate 1536, vocabulary 49,152, tied embeddings) with random weights: the real
+                model's speed without its GGUF (the engine's time does not depend on the weights, only the
+                responses' lengths do: random weights run every response to its limit)
 """
 
 from __future__ import annotations
@@ -53,6 +57,22 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             num_key_value_heads=4,
             head_dim=128,
             tie_word_embeddings=False,
+        ),
+    ),
+    "smollm2-135m": (
+        "llama",
+        dict(
+            vocab_size=49152,
+            max_position_embeddings=8192,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            tie_word_embeddings=True,
         ),
     ),
 }

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "make-model", help="write a random model of a named shape (Qwen2.5-0.5B's by default)"
     )
     mk.add_argument("--out", type=Path, required=True)
-    mk.add_argument("--shape", default="qwen2.5-0.5b", help="qwen2.5-0.5b, qwen3-0.6b or qwen3-moe-small")
+    mk.add_argument("--shape", default="qwen2.5-0.5b", help="a bench/shapes.py shape (random weights)")
     mk.add_argument(
         "--tiny", action="store_true", help="the shape's family at a size the CPU trains in seconds"
     )
