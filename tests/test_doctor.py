@@ -35,6 +35,16 @@ def test_seed_command_passes(files, capsys):
     assert "device      cpu" in out
 
 
+def test_the_summary_says_where_the_old_log_probs_come_from(files, capsys):
+    """The seed command's 4 mini-batches need the old-log-prob pass (its micro-batch is named); one
+    mini-batch of the whole batch gets them from the update, and the summary says there is no pass."""
+    assert doctor.main(seed_command(files)) == 0
+    assert "log-prob micro-batch 16" in capsys.readouterr().out
+    assert doctor.main([*seed_command(files), "actor_rollout_ref.actor.ppo_mini_batch_size=512"]) == 0
+    out = capsys.readouterr().out
+    assert "old log-probs from the update" in out and "log-prob micro-batch" not in out
+
+
 def test_keys_without_effect_are_listed(files, capsys):
     argv = [
         *seed_command(files),

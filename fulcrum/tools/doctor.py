@@ -49,6 +49,7 @@ from fulcrum.models.folder import (
 from fulcrum.models.lora import adapter_folder_problems
 from fulcrum.tools.doctor_model import MODEL_CHECKS
 from fulcrum.tools.doctor_rules import LEVER_CHECKS, memory_lines
+from fulcrum.trainer.old_log_probs import update_can_give_old_log_probs
 
 USAGE = """usage: fulcrum doctor [--config FILE] [--device-memory-gib GIB] [KEY=VALUE ...]
        fulcrum doctor --keys        list every configuration key with its default and meaning
@@ -300,6 +301,13 @@ def keys_without_effect(cfg: FulcrumConfig) -> list[str]:
     ]
 
 
+def old_log_prob_summary(cfg: FulcrumConfig) -> str:
+    """Where the old log-probs come from: their own pass (its micro-batch), or the on-policy update."""
+    if update_can_give_old_log_probs(cfg):
+        return "old log-probs from the update (one epoch, one mini-batch: no old-log-prob pass)"
+    return f"log-prob micro-batch {cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu}"
+
+
 def summary(ctx: Context) -> list[str]:
     cfg = ctx.cfg
     arr = cfg.actor_rollout_ref
@@ -311,7 +319,7 @@ def summary(ctx: Context) -> list[str]:
         f"step        {train} prompts x n={n} = {train * n} responses, "
         f"prompt <= {arr.rollout.prompt_length} + response <= {arr.rollout.response_length} tokens",
         f"rollout     {arr.rollout.name}, tensor parallel {arr.rollout.tensor_model_parallel_size}, "
-        f"temperature {arr.rollout.temperature}, log-prob micro-batch {arr.rollout.log_prob_micro_batch_size_per_gpu}",
+        f"temperature {arr.rollout.temperature}, " + old_log_prob_summary(cfg),
     ]
     roles = [("actor", arr.actor)] + ([("critic", cfg.critic)] if uses_critic(cfg) else [])
     for name, role in roles:

@@ -52,6 +52,7 @@ from fulcrum.models.arch import ModelShape, model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token, param_count
 from fulcrum.rollout.native.memory import engine_workspace_bytes, kv_cache_budget
 from fulcrum.tools.lora_params import ModelParams, model_params
+from fulcrum.trainer.old_log_probs import update_can_give_old_log_probs
 
 GiB = 1024**3
 # The H200 the benchmarks ran on (about 140 GiB as torch reports it): the device assumed when none is
@@ -128,7 +129,7 @@ class Sizes:
     update_rows: dict[str, int]  # role -> rows of the largest training micro-batch
     forward_rows: dict[str, int]  # role -> rows of the largest no-grad forward micro-batch
     checkpointing: dict[str, bool]  # role -> gradient checkpointing
-    with_entropy: bool  # the actor's update also needs the softmax (entropy_coeff != 0)
+    with_entropy: bool  # the actor's update also computes the entropy (entropy_coeff != 0, or on-policy)
 
 
 def _rows(micro: int | None, dynamic: bool, token_limit: int | None, seq_len: int) -> int:
@@ -184,7 +185,7 @@ def sizes_from(cfg: Any) -> Sizes:
             "actor": bool(arr.model.enable_gradient_checkpointing),
             "critic": bool(critic.model.enable_gradient_checkpointing),
         },
-        with_entropy=float(arr.actor.entropy_coeff) != 0.0,
+        with_entropy=float(arr.actor.entropy_coeff) != 0.0 or update_can_give_old_log_probs(cfg),
     )
 
 
@@ -343,9 +344,10 @@ def estimate(
     if uses_critic:
         phases.append(update_phase("critic", critic.trained, base, shape, sizes))
     actor_rows, critic_rows = sizes.forward_rows["actor"], sizes.forward_rows["critic"]
-    phases.append(
-        forward_phase("old log-prob forward", actor.trained, actor_rows, base, shape, sizes, lm_head=True)
-    )
+    if not update_can_give_old_log_probs(cfg):  # else the on-policy update gives them: no such pass
+        phases.append(
+            forward_phase("old log-prob forward", actor.trained, actor_rows, base, shape, sizes, lm_head=True)
+        )
     if uses_critic:
         phases.append(
             forward_phase("values forward", critic.trained, critic_rows, base, shape, sizes, lm_head=False)

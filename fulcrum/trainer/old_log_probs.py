@@ -15,7 +15,7 @@ rank gathers them all) and the same metrics come from them (`actor/entropy`, `ro
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,8 +26,10 @@ from fulcrum.rollout import logprob_diff
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer.advantage_stage import rollout_correction_of
 from fulcrum.trainer.data_parallel import on_shares
-from fulcrum.workers.actor import ActorWorker
-from fulcrum.workers.update import UpdatePlan, one_optimizer_step
+
+if TYPE_CHECKING:  # `fulcrum doctor` reads the settings rule here; the workers' imports cost it half a second
+    from fulcrum.workers.actor import ActorWorker
+    from fulcrum.workers.update import UpdatePlan
 
 
 def estimator_reads_old_log_probs(name: str) -> bool:
@@ -53,6 +55,8 @@ def update_can_give_old_log_probs(cfg: Any) -> bool:
 def update_gives_old_log_probs(cfg: Any, actor_plan: UpdatePlan, rows: int, global_step: int) -> bool:
     """The old-log-prob pass is left out this step: the settings allow it, the actor updates now, and
     its update of `rows` responses takes one optimiser step."""
+    from fulcrum.workers.update import one_optimizer_step  # loaded by the trainer already (see above)
+
     return (
         update_can_give_old_log_probs(cfg)
         and int(cfg.trainer.critic_warmup) <= global_step
