@@ -125,6 +125,23 @@ def test_temporaries_of_two_roles_never_share_a_host_buffer() -> None:
             assert all(torch.equal(snaps[role][i], t) for i, t in enumerate(tensors)), role
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_snapshot_of_cuda_tensors_holds_their_values_while_training_changes_them() -> None:
+    """The copy into a kept host buffer is complete when the snapshot returns: a step launched right
+    after (in place, on the same stream) does not reach it, at the first save or a later one."""
+    live = {"w": torch.randn(4096, 1024, device="cuda"), "b": torch.randn(1024, device="cuda")}
+    buffers = HostBuffers()
+    for _ in range(2):
+        expected = {k: v.cpu() for k, v in live.items()}
+        snap = host_copies(live, buffers=buffers)
+        buffers.finish()
+        for v in live.values():
+            v.mul_(2.0).add_(1.0)  # the next step
+        torch.cuda.synchronize()
+        assert all(torch.equal(snap[k], expected[k]) for k in live)
+
+
 def test_a_full_disk_in_the_background_is_the_same_error_at_the_next_save_and_publishes_nothing(
     tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

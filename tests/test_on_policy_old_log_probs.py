@@ -17,6 +17,7 @@ from fulcrum.trainer.main_ppo import main as train_main
 from fulcrum.workers.actor import ActorWorker
 
 CPU = torch.device("cpu")
+CUDA = torch.device("cuda")
 
 
 def test_an_update_without_old_log_probs_trains_as_with_their_pass_and_records_it(tiny_dir: str) -> None:
@@ -80,3 +81,20 @@ def test_the_trainer_leaves_the_pass_out_only_when_nothing_needs_it(
         # the pass's metrics either way: from the pass, or from the update's forward
         assert row["actor/entropy"] > 0
         assert 0 <= row["rollout/logprob_diff_mean"] <= row["rollout/logprob_diff_max"] < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_update_records_what_the_compiled_pass_gives(tiny_dir: str) -> None:
+    """The packed bf16 path on CUDA, decoder layers and log-softmax chunks compiled (the chunks with the
+    entropy too, in the update): what an update without old log-probs records is its pass's result at
+    bf16's tolerance (the project's: mean gap 0.02), and the loss saw a ratio of exactly 1."""
+    actor = ActorWorker(actor_section(cfg_for(tiny_dir)), CUDA, total_training_steps=10)
+    batch = rl_batch()
+    old, entropy = actor.compute_log_prob(batch)
+    metrics = actor.update_policy(rl_batch(), global_step=1)
+    recorded, recorded_entropy = actor.recorded_log_probs()
+    mask = batch["response_mask"].bool()
+    assert (recorded[mask] - old[mask]).abs().mean() < 0.02
+    assert (recorded_entropy[mask] - entropy[mask]).abs().mean() < 0.02 * entropy[mask].abs().mean()
+    assert metrics["actor/ppo_kl"] == 0.0 and torch.isfinite(recorded).all()
