@@ -131,12 +131,13 @@ def on_main(fn: Callable[[], T]) -> T:
     return value
 
 
-def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
-    """Every rank's CPU tensor concatenated along dim 0 in rank order (shares may differ in length)."""
-    _, world = _world()
+def all_gather_rows(rows: torch.Tensor, sp_size: int = 1) -> torch.Tensor:
+    """Every rank's CPU tensor concatenated along dim 0 in rank order (shares may differ in length). With
+    sequence parallelism of `sp_size`, the ranks of a group hold the same rows: only its first gives them."""
+    rank, world = _world()
     if world == 1:
         return rows
-    return torch.cat(all_gather_objects(rows.cpu()))
+    return torch.cat(all_gather_objects(rows.cpu() if rank % sp_size == 0 else rows[:0].cpu()))
 
 
 def rank_rows(total: int, sp_size: int = 1) -> list[int]:

@@ -24,8 +24,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
-import torch
-
 from fulcrum.batch import Batch
 from fulcrum.config import FulcrumConfig
 from fulcrum.config.validate import sp_roles
@@ -113,13 +111,9 @@ def on_shares(fn: Callable[[Batch], T], batch: Batch, sp_size: int = 1) -> T:
         return fn(batch)
     start, stop = share_bounds(len(batch), info.rank // sp_size, info.world_size // sp_size)
     out: Any = fn(batch.select(list(range(start, stop))))
-
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        return all_gather_rows(t if info.rank % sp_size == 0 else t[:0])
-
     if isinstance(out, tuple):
-        return tuple(None if t is None else gather(t) for t in out)  # type: ignore[return-value]
-    return gather(out)
+        return tuple(None if t is None else all_gather_rows(t, sp_size) for t in out)  # type: ignore[return-value]
+    return all_gather_rows(out, sp_size)
 
 
 def share_text(total: int, parts: int) -> str:

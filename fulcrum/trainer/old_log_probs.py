@@ -27,9 +27,8 @@ from fulcrum.trainer import metrics as M
 from fulcrum.trainer.advantage_stage import rollout_correction_of
 from fulcrum.trainer.data_parallel import on_shares
 
-if TYPE_CHECKING:  # `fulcrum doctor` reads the settings rule here; the workers' imports cost it half a second
+if TYPE_CHECKING:  # `fulcrum doctor` reads the settings rule here; the worker's imports cost it half a second
     from fulcrum.workers.actor import ActorWorker
-    from fulcrum.workers.update import UpdatePlan
 
 
 def estimator_reads_old_log_probs(name: str) -> bool:
@@ -52,16 +51,11 @@ def update_can_give_old_log_probs(cfg: Any) -> bool:
     )
 
 
-def update_gives_old_log_probs(cfg: Any, actor_plan: UpdatePlan, rows: int, global_step: int) -> bool:
-    """The old-log-prob pass is left out this step: the settings allow it, the actor updates now, and
-    its update of `rows` responses takes one optimiser step."""
-    from fulcrum.workers.update import one_optimizer_step  # loaded by the trainer already (see above)
-
-    return (
-        update_can_give_old_log_probs(cfg)
-        and int(cfg.trainer.critic_warmup) <= global_step
-        and one_optimizer_step(actor_plan, rows)
-    )
+def update_gives_old_log_probs(cfg: Any, global_step: int) -> bool:
+    """The old-log-prob pass is left out this step: the settings allow it and the actor updates now. (A
+    step's batch never outgrows train_batch_size × n, so the update takes one optimiser step; the actor
+    refuses a batch without old log-probs that would take more.)"""
+    return update_can_give_old_log_probs(cfg) and int(cfg.trainer.critic_warmup) <= global_step
 
 
 def old_log_prob_metrics(
@@ -87,7 +81,7 @@ def old_log_prob_stage(
     """Stage 3's old log-probs into `batch` by their own pass (timed as `old_log_prob`), with its
     metrics; or, when `update_gives_old_log_probs`, nothing now (`timing_s/old_log_prob` 0): the actor's
     update records them and `recorded_old_log_prob_metrics` reports the same metrics after it."""
-    if update_gives_old_log_probs(cfg, actor.plan, len(batch), global_step):
+    if update_gives_old_log_probs(cfg, global_step):
         timing["old_log_prob"] = 0.0
         return {}
     with M.timer("old_log_prob", timing, peaks):

@@ -23,7 +23,7 @@ from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
 from fulcrum.models.lora import Adapters, LoraSettings
 from fulcrum.models.router_loss import load_balancing_loss, recorded_router_logits, router_loss_settings
-from fulcrum.parallel import all_gather_rows, current
+from fulcrum.parallel import all_gather_rows
 from fulcrum.parallel.fsdp import full_named_tensors
 from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
@@ -207,14 +207,13 @@ class ActorWorker:
         what the old-log-prob pass gives, from the update's forward before its step."""
         if self.recorded is None:
             raise RuntimeError("recorded_log_probs: the last update had old_log_probs and recorded nothing")
-        rows = torch.cat([r for r, _, _ in self.recorded])
-        log_probs, entropys = (torch.cat([part[i] for part in self.recorded]).float().cpu() for i in (1, 2))
-        info = current()
-        if info.distributed:  # each data-parallel share once: the first rank of a sequence-parallel group
-            first = info.rank % self.forwards.sp_size == 0
-            rows, log_probs, entropys = (
-                all_gather_rows(t if first else t[:0]) for t in (rows, log_probs, entropys)
-            )
+        # Each rank recorded the rows of its share: all of them, from every rank.
+        sp_size = self.forwards.sp_size
+        rows = all_gather_rows(torch.cat([r for r, _, _ in self.recorded]), sp_size)
+        log_probs, entropys = (
+            all_gather_rows(torch.cat([part[i] for part in self.recorded]).float().cpu(), sp_size)
+            for i in (1, 2)
+        )
         order = torch.empty_like(rows)
         order[rows] = torch.arange(len(rows))
         return log_probs[order], entropys[order]

@@ -112,10 +112,6 @@ class HostBuffers:
         self.used.clear()
         self.sources.clear()
 
-    def nbytes(self) -> int:
-        """Host bytes the buffers hold."""
-        return sum(tensor_bytes(buffer) for buffer in self.buffers.values())
-
 
 def host_copies(
     obj: Any,
