@@ -122,9 +122,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--shape", choices=("0.5b", "7b"), default="0.5b")
+    parser.add_argument(
+        "--order", default="full,lora", help="the variants of the 0.5B shape, in the order they run"
+    )
     args, extra = parser.parse_known_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    preset, variants = ["--grpo", *KL_LOSS], VARIANTS
+    preset = ["--grpo", *KL_LOSS]
+    variants = {name: VARIANTS[name] for name in args.order.split(",")}
     if args.shape == "7b":
         if not (args.model / "config.json").is_file():
             print(f"wrote {make_7b(args.model)}", flush=True)
