@@ -3,7 +3,7 @@
 # default), each a part under its own limit (bench/parts.sh):
 #   multi_turn  bench/multi_turn.py: 512 conversations x 3 turns with a 1-ms tool against single-turn
 #               generation of the same tokens, and one 200-ms tool (the multi-turn page's floor: 0.75)
-#   checkpoint  the seed command for 12 steps with a save every 5 (trainer.save_in_background): the step's
+#   checkpoint  the seed command for 9 steps with a save every 3 (trainer.save_in_background): the step's
 #               stall, the wait for the previous write and each write's seconds (summary "checkpoints")
 #   lora        bench/lora.py: the 0.5B GRPO shape, LoRA rank 32 against full fine-tuning, same call
 #   qwen3, qwen3_moe   bench/rollout.py --shape qwen3-0.6b | qwen3-moe-small (the engine on those families)
@@ -70,8 +70,9 @@ if wants multi_turn; then
   part multi_turn 150 "$PY" bench/multi_turn.py "${SMALL[@]}" --json "$WORK/multi_turn.json"
 fi
 if wants checkpoint; then
-  part checkpoint 240 "$PY" bench/train_step.py run --data "$DATA" --model "$MODEL" --run "$WORK/ckpt_run" --steps 12 \
-    --summary "$WORK/checkpoint.json" actor_rollout_ref.rollout.name=native trainer.test_freq=-1 trainer.save_freq=5 \
+  # 9 steps, a save every 3: ~100 s to the first warm step, then ~6 s a step and the saves' stalls
+  part checkpoint 330 "$PY" bench/train_step.py run --data "$DATA" --model "$MODEL" --run "$WORK/ckpt_run" --steps 9 \
+    --summary "$WORK/checkpoint.json" actor_rollout_ref.rollout.name=native trainer.test_freq=-1 trainer.save_freq=3 \
     trainer.resume_mode=disable
 fi
 for shape in qwen3 qwen3_moe; do
@@ -97,7 +98,7 @@ if wants host; then
     && $PY bench/train_step.py run --run $WORK/host_burn --summary $WORK/host_burn.json --burn $(nproc) ${SEED_RUN[*]}"
 fi
 if wants lora; then
-  part lora 280 "$PY" bench/lora.py --data "$DATA" --model "$MODEL" --out "$WORK/lora" --steps 3 "${STEP_SMOKE[@]}"
+  part lora 330 "$PY" bench/lora.py --data "$DATA" --model "$MODEL" --out "$WORK/lora" --steps 3 --order lora,full "${STEP_SMOKE[@]}"
 fi
 if wants lora7b; then
   part lora7b 540 "$PY" bench/lora.py --shape 7b --data "$DATA" --model "${MODEL7B:-/tmp/qwen7b}" --out "$WORK/lora7b" --steps 2

@@ -39,6 +39,20 @@ def hold_role_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     return release
 
 
+def weights_of(roles: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """Each role's weights now, copied."""
+    return {n: {k: v.clone() for k, v in r.model.state_dict().items()} for n, r in roles.items()}
+
+
+def assert_loads_back(manager: CheckpointManager, path: Path, model_dir: Path, expected: dict) -> None:
+    """`path` loaded into fresh roles gives the weights `expected` (from `weights_of`)."""
+    fresh = make_roles(model_dir, seed=2)
+    manager.load(path, fresh)
+    for name, role in fresh.items():
+        for key, tensor in role.model.state_dict().items():
+            assert torch.equal(tensor, expected[name][key]), f"{path.name}: {name}.{key} is not the saved one"
+
+
 def file_hashes(ckpt: Path) -> dict[str, str]:
     manifest = json.loads((ckpt / "checkpoint.json").read_text())
     return {name: entry["sha256"] for name, entry in manifest["files"].items()}
@@ -58,20 +72,13 @@ def test_background_write_holds_the_step_state_and_writes_the_same_files(
     later = CheckpointManager(tmp_path / "later", None)
     path = later.save(1, roles, {"epoch": 0}, background=True)
     assert later.writer.busy and not path.exists()  # the step goes on while the write runs
-    expected = {
-        name: {k: v.clone() for k, v in role.model.state_dict().items()} for name, role in roles.items()
-    }
+    expected = weights_of(roles)
     train_step(roles)  # the next step changes weights, moments and generators in place
     release.set()
     later.wait()
     assert read_latest_step(tmp_path / "later") == 1
     assert file_hashes(path) == file_hashes(tmp_path / "now" / "global_step_1")  # byte for byte
-
-    fresh = make_roles(model_dir, seed=2)
-    later.load(path, fresh)
-    for name, role in fresh.items():
-        for key, tensor in role.model.state_dict().items():
-            assert torch.equal(tensor, expected[name][key]), f"{name}.{key} is not the snapshot's"
+    assert_loads_back(later, path, model_dir, expected)
 
 
 def test_later_saves_copy_into_the_first_saves_host_memory_and_each_holds_its_own_step(
@@ -88,9 +95,7 @@ def test_later_saves_copy_into_the_first_saves_host_memory_and_each_holds_its_ow
         train_step(roles)
         release = hold_role_writes(monkeypatch)
         manager.save(step, roles, {"epoch": 0}, background=True)
-        expected[step] = {
-            n: {k: v.clone() for k, v in r.model.state_dict().items()} for n, r in roles.items()
-        }
+        expected[step] = weights_of(roles)
         pointers.append(sorted(b.data_ptr() for b in manager.host_buffers.buffers.values()))
         train_step(roles)  # changes the live tensors while the write waits
         release.set()
@@ -104,11 +109,51 @@ def test_later_saves_copy_into_the_first_saves_host_memory_and_each_holds_its_ow
     held = sum(b.nbytes for b in manager.host_buffers.buffers.values())
     assert held >= sum(live.values())  # weights and moments, each once
     for step, weights in expected.items():
-        fresh = make_roles(model_dir, seed=2)
-        manager.load(tmp_path / f"global_step_{step}", fresh)
-        for name, role in fresh.items():
-            for key, tensor in role.model.state_dict().items():
-                assert torch.equal(tensor, weights[name][key]), f"step {step}: {name}.{key}"
+        assert_loads_back(manager, tmp_path / f"global_step_{step}", model_dir, weights)
+
+
+def test_the_first_save_copies_into_memory_prepared_beside_the_steps_before_it(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """`prepare_host_buffers` (called by the trainer after the first step) maps every buffer the first
+    background save needs, on a thread: that save allocates nothing, and what it writes is the state of
+    its own step, not the zeros of the prepared memory nor the step the plan was made at."""
+    roles = make_roles(model_dir, seed=1)
+    train_step(roles)  # the optimisers' moments exist from here on
+    manager = CheckpointManager(tmp_path, None)
+    manager.prepare_host_buffers(roles)
+    manager.prepare_host_buffers(roles)  # once per manager: a second call does nothing
+    train_step(roles)  # the step after the plan changes every tensor in place
+    manager._join_prepare()
+    prepared = {key: buffer.data_ptr() for key, buffer in manager.host_buffers.buffers.items()}
+    live = [t for r in roles.values() for t in r.model.state_dict().values()]
+    assert len(prepared) >= len({t.data_ptr() for t in live})  # weights (and moments) mapped ahead
+    assert all(not buffer.any() for buffer in manager.host_buffers.buffers.values())  # zeroed, not copied
+    expected = weights_of(roles)
+    path = manager.save(2, roles, {"epoch": 0}, background=True)
+    manager.wait()
+    assert {k: b.data_ptr() for k, b in manager.host_buffers.buffers.items()} == prepared
+    assert_loads_back(manager, path, model_dir, expected)
+
+
+def test_trainer_prepares_the_first_saves_host_memory_after_its_first_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[set[str]] = []
+    prepare = CheckpointManager.prepare_host_buffers
+
+    def recorded(self: CheckpointManager, roles: dict) -> None:
+        calls.append(set(roles))
+        prepare(self, roles)
+
+    monkeypatch.setattr(CheckpointManager, "prepare_host_buffers", recorded)
+    assets = make_assets(tmp_path)
+    run = tmp_path / "run"
+    train_main(
+        short_run_overrides(assets, run, **{"trainer.total_training_steps": 3, "trainer.save_freq": 3})
+    )
+    assert calls and calls[0] == {"actor", "critic"}  # asked on the steps without a save, before it
+    assert read_latest_step(run) == 3
 
 
 def test_temporaries_of_two_roles_never_share_a_host_buffer() -> None:

@@ -469,6 +469,8 @@ class PPOTrainer:
                     "save_checkpoint", timing
                 ):  # the stall: snapshot, and any wait for the last write
                     self.save_checkpoint()
+            elif self.checkpoints is not None and trainer_cfg.save_freq > 0 and not self.dist.distributed:
+                self.checkpoints.prepare_host_buffers(self.roles())  # once: the first save's memory, mapped
         # 8. metrics
         critic = (self.critic.model.config, self.critic.ppo_epochs) if self.critic is not None else None
         metrics.update(

@@ -10,11 +10,13 @@ write that finishes before the next step (no second host copy).
 
 The copies go into `HostBuffers` kept from one save to the next: fresh host memory costs a page fault
 per page at its first write, which made copying into it 2–3× slower than into memory already touched
-(64 MB tensors on a 2-core CPU host: 1.1–1.5 s against 0.4–0.7 s for 2.15 GB). Saves never overlap (the
-next waits for the previous write), so one set of buffers serves them all; the price is one checkpoint's
-size of host RAM held for the run instead of during each write. They are pageable memory, not pinned:
-torch's pinned allocator rounds each tensor up to a power of two (up to 1.8× the state's size,
-page-locked).
+(64 MB tensors on a 2-core CPU host: 1.1–1.5 s against 0.4–0.7 s for 2.15 GB), and 11× slower from an
+H200 (8 GB device to host: 7.85 s into fresh memory, 0.68 s into the same memory again;
+`bench/host_copy.py`). Saves never overlap (the next waits for the previous write), so one set of
+buffers serves them all; the price is one checkpoint's size of host RAM held for the run instead of
+during each write. `plan_role_buffers` and `HostBuffers.allocate` let the first save's buffers be mapped
+beside training before it (`CheckpointManager.prepare_host_buffers`). They are pageable memory, not pinned: torch's pinned allocator rounds each tensor up to a power of two (up to
+1.8× the state's size, page-locked).
 """
 
 from __future__ import annotations
@@ -78,6 +80,15 @@ def tensor_key(tensor: torch.Tensor) -> TensorKey:
     return (storage_ptr(tensor), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype)
 
 
+@dataclass(frozen=True)
+class BufferPlan:
+    """A host buffer a save will copy into: the live tensor's key, shape and dtype."""
+
+    key: TensorKey
+    shape: torch.Size
+    dtype: torch.dtype
+
+
 class HostBuffers:
     """Host tensors that snapshots copy into, reused by every save (see the module docstring).
 
@@ -92,18 +103,31 @@ class HostBuffers:
         self.buffers: dict[TensorKey, torch.Tensor] = {}
         self.used: set[TensorKey] = set()
         self.sources: list[torch.Tensor] = []  # this save's tensors, alive until `finish`
+        # While a walk plans (`plan_role_buffers`): the buffers `copy` was asked for; nothing is copied.
+        self.planned: list[BufferPlan] | None = None
 
     def copy(self, key: TensorKey, tensor: torch.Tensor) -> torch.Tensor:
-        """A host copy of `tensor`, in the buffer kept for `key`."""
+        """A host copy of `tensor`, in the buffer kept for `key` (while planning: `tensor`, noted)."""
         source = tensor.detach()
         if type(source) is not torch.Tensor or not source.is_contiguous():
-            return source.to("cpu", copy=True)  # a DTensor or a strided view: a copy of its own
+            # A DTensor or a strided view: a copy of its own, nothing to keep.
+            return source if self.planned is not None else source.to("cpu", copy=True)
+        if self.planned is not None:
+            self.planned.append(BufferPlan(key, source.shape, source.dtype))
+            return source
         buffer = self.buffers.get(key)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
             buffer = self.buffers[key] = torch.empty(source.shape, dtype=source.dtype)
         self.used.add(key)
         self.sources.append(source)
         return buffer.copy_(source)
+
+    def allocate(self, plans: list[BufferPlan]) -> None:
+        """The buffers of `plans` that are missing, allocated and zeroed: every page mapped, so that the
+        save that copies into them pays no page faults. Safe on another thread until that save starts."""
+        for plan in plans:
+            if plan.key not in self.buffers:
+                self.buffers[plan.key] = torch.empty(plan.shape, dtype=plan.dtype).zero_()
 
     def finish(self) -> None:
         """Free the buffers this save left unused; let go of the tensors it copied."""
@@ -193,6 +217,21 @@ def copy_rule(role: Any, copy: bool) -> Callable[[torch.Tensor], bool]:
         [live_model.state_dict(), live_optimizer.state if live_optimizer is not None else {}]
     )
     return lambda t: t.device.type != "cpu" or storage_ptr(t) in live
+
+
+def plan_role_buffers(role: Any, buffers: HostBuffers) -> list[BufferPlan]:
+    """The buffers a background snapshot of `role` copies its weights and optimiser state into — the
+    walk of `snapshot_role` over a worker without LoRA adapters, copying nothing, reading neither the
+    tokenizer nor the schedule. Run between two steps, where the snapshot itself would run."""
+    optimizer = getattr(role, "optimizer", None)
+    buffers.planned = []
+    try:
+        host_copies(dict(role.model.state_dict()), buffers=buffers)
+        if optimizer is not None:
+            host_copies(optimizer.state_dict(), buffers=buffers)
+        return buffers.planned
+    finally:
+        buffers.planned = None
 
 
 def snapshot_role(role: Any, copy: bool, buffers: HostBuffers | None = None) -> RoleSnapshot:
