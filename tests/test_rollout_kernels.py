@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,3 +96,105 @@ def test_gumbel_sampler_follows_the_tempered_distribution_and_greedy_is_argmax()
     a, _ = gumbel_sample(wide, 1.0, torch.tensor([7], device=DEVICE))
     b, _ = gumbel_sample(wide, 1.0, torch.tensor([7], device=DEVICE))
     assert a.tolist() == b.tolist()  # the seed decides the sample
+
+
+def philox_uniforms(seed: int, counters: np.ndarray) -> np.ndarray:
+    """tl.randint4x(seed, counters) through tl.rand's conversion to [0, 1): (N,) int -> (N, 4) fp32.
+
+    Philox4x32-10 on (counter, 0, 0, 0) with key (seed mod 2^32, seed // 2^32); the uniform of a
+    32-bit output x read as int32 is (x if x >= 0 else -x - 1) * 4.6566127342e-10.
+    """
+    low = np.uint64(0xFFFFFFFF)
+    c0 = counters.astype(np.uint64)
+    c1, c2, c3 = np.zeros_like(c0), np.zeros_like(c0), np.zeros_like(c0)
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+    for _ in range(10):
+        a, b = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
+        c0, c1, c2, c3 = (b >> np.uint64(32)) ^ c1 ^ k0, b & low, (a >> np.uint64(32)) ^ c3 ^ k1, a & low
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & low, (k1 + np.uint64(0xBB67AE85)) & low
+    signed = np.stack([c0, c1, c2, c3], axis=1).astype(np.uint32).view(np.int32).astype(np.int64)
+    magnitude = np.where(signed < 0, -signed - 1, signed)
+    return magnitude.astype(np.float32) * np.float32(4.6566127342e-10)
+
+
+def reference_gumbel_scores(logits: torch.Tensor, temperature: float, seed: int) -> torch.Tensor:
+    """Gumbel scores logits / T - log(-log u): u of (row r, index i) is lane i % 4 of Philox counter
+    r * ceil(V / 4) + i // 4, clamped to [1e-20, 0.99999994]."""
+    rows, vocab = logits.shape
+    quads = -(-vocab // 4)
+    u = philox_uniforms(seed, np.arange(rows * quads)).reshape(rows, quads * 4)[:, :vocab]
+    u = torch.from_numpy(u).clamp(1e-20, 0.99999994)
+    return logits.float().cpu() / temperature - (-u.log()).log()
+
+
+def test_gumbel_sampler_is_gumbel_max_of_philox_noise_four_uniforms_per_call():
+    """One Philox call gives the uniforms of four consecutive entries; V = 5003 ends mid-quad and mid-tile."""
+    from fulcrum.rollout.native.kernels import gumbel_sample
+
+    torch.manual_seed(1)
+    logits = torch.randn(3, 5003, device=DEVICE) * 3
+    tokens, logprobs = gumbel_sample(logits, 0.7, torch.tensor([2**33 + 5], device=DEVICE))
+    assert tokens.tolist() == reference_gumbel_scores(logits, 0.7, 2**33 + 5).argmax(-1).tolist()
+    expected = (logits / 0.7).log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(logprobs, expected)
+
+
+@pytest.mark.parametrize("temperature", [0.8, 0.0], ids=["sampled", "greedy"])
+def test_gumbel_sampler_tokens_do_not_depend_on_the_split_of_a_row(temperature):
+    """V = 5003 in 1, 2, 3 or 5 chunks of whole 1024-entry tiles; V = 2050 (not a multiple of 4), one row."""
+    from fulcrum.rollout.native.kernels import gumbel_sample, sample_chunks
+
+    torch.manual_seed(2)
+    seed = torch.tensor([99], device=DEVICE)
+    for rows, vocab, splits in [(3, 5003, (1, 2, 3, 5)), (1, 2050, (1, 2, 3))]:
+        assert [sample_chunks(vocab, s)[1] for s in splits] == list(splits)  # each count is used as is
+        logits = torch.randn(rows, vocab, device=DEVICE)
+        base_tokens, base_logprobs = gumbel_sample(logits, temperature, seed)
+        for s in splits:
+            tokens, logprobs = gumbel_sample(logits, temperature, seed, splits=s)
+            assert tokens.tolist() == base_tokens.tolist()
+            torch.testing.assert_close(logprobs, base_logprobs, atol=1e-6, rtol=0)
+
+
+def test_gumbel_sampler_over_a_5003_entry_vocabulary_follows_the_tempered_distribution():
+    """The mass sits on entries of one quad (1021-1023), across a tile edge (1023 | 1024), in the last quad.
+
+    The rows are split in two chunks (cut at 3072); an entry that shared its noise with its quad
+    neighbours, or a misplaced lane, would take the frequency of its neighbours or none at all.
+    """
+    from fulcrum.rollout.native.kernels import gumbel_sample
+
+    hot = torch.tensor([0, 1021, 1022, 1023, 1024, 3071, 3072, 5000, 5002], device=DEVICE)
+    row = torch.full((5003,), -4.0, device=DEVICE)
+    row[hot] = torch.tensor([1.0, 1.5, 1.5, 1.5, 1.0, 0.5, 0.5, 1.5, 1.0], device=DEVICE)
+    logits = row.repeat(256, 1)  # 256 draws: standard errors up to 0.024 here
+    tokens, logprobs = gumbel_sample(logits, 0.5, torch.tensor([5], device=DEVICE), splits=2)
+    expected = (row / 0.5).softmax(-1)
+    freq = torch.bincount(tokens, minlength=5003).float() / len(tokens)
+    torch.testing.assert_close(freq[hot], expected[hot], atol=0.07, rtol=0)
+    torch.testing.assert_close(freq[hot].sum(), expected[hot].sum(), atol=0.03, rtol=0)
+    torch.testing.assert_close(logprobs, expected.log()[tokens])
+
+
+def test_gumbel_sampler_breaks_ties_to_the_lowest_index_across_lanes_tiles_and_chunks():
+    """Greedy over rows whose maximum repeats: at 2, 5, 1026 (2's lane in the next tile) and 4000; at 1026
+    and 4000; everywhere."""
+    from fulcrum.rollout.native.kernels import gumbel_sample
+
+    logits = torch.rand(3, 5003, device=DEVICE)
+    logits[0, [2, 5, 1026, 4000]] = 3.0
+    logits[1, [1026, 4000]] = 3.0
+    logits[2] = 0.0
+    for splits in (1, 2, 5):
+        tokens, _ = gumbel_sample(logits, 0.0, torch.tensor([0], device=DEVICE), splits=splits)
+        assert tokens.tolist() == [2, 1026, 0] == logits.argmax(-1).tolist()
+
+
+def test_gumbel_sampler_split_count_fills_the_device_with_whole_tiles():
+    from fulcrum.rollout.native.kernels import sample_chunks, sample_splits
+
+    assert sample_splits(512, 151936, 132) == 2  # 1024 programs for 4 x 132 wanted
+    assert sample_splits(1, 151936, 132) == 149  # capped at one 1024-entry tile each
+    assert sample_splits(4096, 151936, 132) == 1
+    assert sample_chunks(151936, 2) == (76800, 2)  # 148.4 tiles of 1024: 75 and 73.4
+    assert sample_chunks(5003, 4) == (2048, 3)  # four chunks of whole tiles would leave one empty
