@@ -79,6 +79,37 @@ def test_fused_norms_rope_and_swiglu_match_torch(dtype):
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), ops.silu_and_mul(gate_up), **tol(dtype))
 
 
+@pytest.mark.parametrize("indirect", [False, True], ids=["cache-tensor", "indirect-cache"])
+def test_rope_and_store_kv_rotates_and_writes_the_cache_like_rope_then_index_copy(indirect):
+    """The fused kernel leaves q and k rotated in place and k, v at their slots of the layer's planes,
+    exactly as rope_inplace followed by the cache's index_copy_ did; other slots and layers untouched."""
+    from fulcrum.rollout.native import kernels
+
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim, layers, slots = 5, 14, 2, 64, 3, 40
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEVICE)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    positions = torch.tensor([0, 7, 3, 30, 12], device=DEVICE)
+    slot_mapping = torch.tensor([4, 17, 0, 39, 22], device=DEVICE)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
+    cos_sin = ops.rope_cos_sin(inv_freq, 64, 1.0)
+    cache = torch.randn(layers, 2, slots, kv_heads, dim, device=DEVICE)
+    expected_cache = cache.clone()
+    expected_q, expected_k = ops.apply_rope(q, positions, cos_sin), ops.apply_rope(k, positions, cos_sin)
+    expected_cache[1, 0].index_copy_(0, slot_mapping, expected_k)
+    expected_cache[1, 1].index_copy_(0, slot_mapping, v)
+    target = cache
+    if indirect:
+        target = kernels.IndirectCache(tuple(cache.shape), cache.dtype, cache.device)
+        target.point_to(cache)
+    kernels.rope_and_store_kv(q, k, v, positions, cos_sin, slot_mapping, target, 1)
+    torch.testing.assert_close(q, expected_q, **tol(torch.float32))
+    torch.testing.assert_close(k, expected_k, **tol(torch.float32))
+    torch.testing.assert_close(cache, expected_cache, **tol(torch.float32))
+
+
 def test_gumbel_sampler_follows_the_tempered_distribution_and_greedy_is_argmax():
     from fulcrum.rollout.native.kernels import gumbel_sample
 

@@ -72,16 +72,19 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    kv_stored: bool = False,
 ) -> torch.Tensor:
     """q: (N, Hq, D), k, v: (N, Hkv, D) of the new tokens; kv_cache (layers, 2, slots, Hkv, D) -> (N, Hq, D).
 
     `window`: a sliding-window layer's width (a token sees the window latest positions, itself
     included); None for full causal attention. The cache keeps every position either way.
+    `kv_stored`: k and v are already at their slots (`kernels.rope_and_store_kv` wrote them).
     """
     if meta.indirect_cache is not None:
         from fulcrum.rollout.native import kernels
 
-        kernels.store_kv_indirect(k, v, meta.slot_mapping, meta.indirect_cache, layer)
+        if not kv_stored:
+            kernels.store_kv_indirect(k, v, meta.slot_mapping, meta.indirect_cache, layer)
         return kernels.paged_decode_attention_indirect(
             q,
             meta.indirect_cache,
@@ -93,8 +96,9 @@ def paged_attention(
             window,
         )
     k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    if not kv_stored:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
     if not meta.is_prefill:
         if meta.use_triton:
             from fulcrum.rollout.native.kernels import paged_decode_attention

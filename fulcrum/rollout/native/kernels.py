@@ -131,15 +131,30 @@ if HAVE_TRITON:
     @triton.jit
     def _rope_kernel(
         q_ptr, k_ptr, positions_ptr, cos_sin_ptr, stride_q_tok, stride_k_tok, num_q_heads, num_k_heads,
-        HALF: tl.constexpr, HEADS_PAD: tl.constexpr,
+        v_ptr, stride_v_tok, slots_ptr, cache_ptr, cache_addr_ptr, k_offset, v_offset,
+        HALF: tl.constexpr, HEADS_PAD: tl.constexpr, STORE: tl.constexpr, INDIRECT: tl.constexpr,
+        CACHE_DTYPE: tl.constexpr,
     ):  # fmt: skip
         # In place on q (N, Hq, D) and k (N, Hkv, D) rows that may be strided views of one qkv buffer.
+        # STORE: also write the rotated k and v (N, Hkv, D) at each token's cache slot (K plane at
+        # k_offset, V plane at v_offset, elements from the cache's start; the start read on the device
+        # when INDIRECT, as the paged kernel does): the K/V write costs no kernel of its own, where two
+        # index_copy_ launches a layer were 5 % of a decode step (48 of its ~290 kernels).
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions_ptr + tok)
         half = tl.arange(0, HALF)
         cos = tl.load(cos_sin_ptr + pos * 2 * HALF + half)[None, :]
         sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + half)[None, :]
         heads = tl.arange(0, HEADS_PAD)
+        k_ok = (heads < num_k_heads)[:, None]
+        in_row = heads[:, None] * (2 * HALF) + half[None, :]  # a head's first half, within a token's row
+        if STORE:
+            if INDIRECT:
+                cache_ptr = tl.multiple_of(tl.load(cache_addr_ptr), 16).to(tl.pointer_type(CACHE_DTYPE))
+            slot_row = cache_ptr + tl.load(slots_ptr + tok).to(tl.int64) * (num_k_heads * 2 * HALF) + in_row
+            v_first = v_ptr + tok * stride_v_tok + in_row
+            tl.store(slot_row + v_offset, tl.load(v_first, mask=k_ok, other=0.0), mask=k_ok)
+            tl.store(slot_row + v_offset + HALF, tl.load(v_first + HALF, mask=k_ok, other=0.0), mask=k_ok)
         for which in tl.static_range(2):
             if which == 0:
                 base = q_ptr + tok * stride_q_tok
@@ -148,13 +163,16 @@ if HAVE_TRITON:
                 base = k_ptr + tok * stride_k_tok
                 count = num_k_heads
             ok = (heads < count)[:, None]
-            first_ptr = base + heads[:, None] * (2 * HALF) + half[None, :]
+            first_ptr = base + in_row
             x1 = tl.load(first_ptr, mask=ok, other=0.0)
             x2 = tl.load(first_ptr + HALF, mask=ok, other=0.0)
-            y1 = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
-            y2 = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
-            tl.store(first_ptr, y1.to(x1.dtype), mask=ok)
-            tl.store(first_ptr + HALF, y2.to(x1.dtype), mask=ok)
+            y1 = (x1.to(tl.float32) * cos - x2.to(tl.float32) * sin).to(x1.dtype)
+            y2 = (x2.to(tl.float32) * cos + x1.to(tl.float32) * sin).to(x1.dtype)
+            tl.store(first_ptr, y1, mask=ok)
+            tl.store(first_ptr + HALF, y2, mask=ok)
+            if STORE and which == 1:
+                tl.store(slot_row + k_offset, y1, mask=ok)
+                tl.store(slot_row + k_offset + HALF, y2, mask=ok)
 
     @triton.jit
     def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
@@ -384,7 +402,43 @@ def rope_inplace(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     assert q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == head_dim and k.stride(1) == head_dim
     _rope_kernel[(tokens,)](
         q, k, positions, cos_sin, q.stride(0), k.stride(0), num_q_heads, k.shape[1],
-        HALF=head_dim // 2, HEADS_PAD=_next_pow2(max(num_q_heads, k.shape[1])),
+        k, 0, positions, k, positions, 0, 0,
+        HALF=head_dim // 2, HEADS_PAD=_next_pow2(max(num_q_heads, k.shape[1])), STORE=False,
+        INDIRECT=False, CACHE_DTYPE=_TL_DTYPES[k.dtype],
+    )  # fmt: skip
+
+
+def rope_and_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    slots: torch.Tensor,
+    cache: torch.Tensor | IndirectCache,
+    layer: int,
+) -> None:
+    """`rope_inplace(q, k, ...)`, and the rotated k and v (N, Hkv, D) written at `slots` (N,) of layer
+    `layer` of `cache`: a (layers, 2, slots, Hkv, D) tensor, or an IndirectCache. One kernel for what
+    rope_inplace and the cache's two index_copy_ (or store_kv_indirect) did."""
+    tokens, num_q_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    for t in (q, k, v):
+        assert t.stride(2) == 1 and t.stride(1) == head_dim
+    if isinstance(cache, IndirectCache):
+        k_offset, v_offset = cache.offsets(layer)
+        tensor, address, indirect, dtype = k, cache.address, True, cache.dtype
+    else:
+        assert cache.is_contiguous() and cache.shape[-2:] == (kv_heads, head_dim)
+        plane = cache.shape[2] * kv_heads * head_dim
+        k_offset, v_offset = 2 * layer * plane, (2 * layer + 1) * plane
+        tensor, address, indirect, dtype = cache, positions, False, cache.dtype
+    assert dtype == k.dtype == v.dtype
+    _rope_kernel[(tokens,)](
+        q, k, positions, cos_sin, q.stride(0), k.stride(0), num_q_heads, kv_heads,
+        v, v.stride(0), slots, tensor, address, k_offset, v_offset,
+        HALF=head_dim // 2, HEADS_PAD=_next_pow2(max(num_q_heads, kv_heads)), STORE=True,
+        INDIRECT=indirect, CACHE_DTYPE=_TL_DTYPES[dtype],
     )  # fmt: skip
 
 
