@@ -70,10 +70,14 @@ def test_fused_norms_rope_and_swiglu_match_torch(dtype):
     cos_sin = ops.rope_cos_sin(inv_freq, 128, 1.0)
     q = qkv[:, : heads * dim].view(tokens, heads, dim)
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
     expected_q, expected_k = ops.apply_rope(q, positions, cos_sin), ops.apply_rope(k, positions, cos_sin)
-    kernels.rope_inplace(q, k, positions, cos_sin)
+    cache = torch.zeros(1, 2, tokens, kv_heads, dim, device=DEVICE, dtype=dtype)
+    slots = torch.arange(tokens, device=DEVICE)
+    kernels.rope_and_store_kv(q, k, v, positions, cos_sin, slots, cache, 0)
     torch.testing.assert_close(q, expected_q, **tol(dtype))
     torch.testing.assert_close(k, expected_k, **tol(dtype))
+    torch.testing.assert_close(cache[0, 0], expected_k, **tol(dtype))
 
     gate_up = torch.randn(4, 2 * 300, device=DEVICE, dtype=dtype)
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), ops.silu_and_mul(gate_up), **tol(dtype))
@@ -82,7 +86,7 @@ def test_fused_norms_rope_and_swiglu_match_torch(dtype):
 @pytest.mark.parametrize("indirect", [False, True], ids=["cache-tensor", "indirect-cache"])
 def test_rope_and_store_kv_rotates_and_writes_the_cache_like_rope_then_index_copy(indirect):
     """The fused kernel leaves q and k rotated in place and k, v at their slots of the layer's planes,
-    exactly as rope_inplace followed by the cache's index_copy_ did; other slots and layers untouched."""
+    exactly as the rotation (ops.apply_rope) then the cache's index_copy_ do; other slots and layers untouched."""
     from fulcrum.rollout.native import kernels
 
     torch.manual_seed(0)

@@ -83,8 +83,8 @@ def paged_attention(
     if meta.indirect_cache is not None:
         from fulcrum.rollout.native import kernels
 
-        if not kv_stored:
-            kernels.store_kv_indirect(k, v, meta.slot_mapping, meta.indirect_cache, layer)
+        # The decoder's rotary kernel writes k and v there (kernels.rope_and_store_kv).
+        assert kv_stored, "an IndirectCache is written by kernels.rope_and_store_kv"
         return kernels.paged_decode_attention_indirect(
             q,
             meta.indirect_cache,

@@ -92,23 +92,6 @@ if HAVE_TRITON:
         )
 
     @triton.jit
-    def _store_kv_kernel(
-        k_ptr, v_ptr, slots_ptr, cache_addr_ptr, k_offset, v_offset, stride_k_tok, stride_v_tok,
-        WIDTH: tl.constexpr, BLOCK: tl.constexpr, CACHE_DTYPE: tl.constexpr,
-    ):  # fmt: skip
-        # cache[k_offset + slot * WIDTH + :] = k[token]; the same for v (WIDTH = Hkv * D), with the cache
-        # address read on the device (see INDIRECT above).
-        tok = tl.program_id(0).to(tl.int64)
-        base = tl.multiple_of(tl.load(cache_addr_ptr), 16).to(tl.pointer_type(CACHE_DTYPE))
-        slot = tl.load(slots_ptr + tok).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < WIDTH
-        k = tl.load(k_ptr + tok * stride_k_tok + cols, mask=ok)
-        v = tl.load(v_ptr + tok * stride_v_tok + cols, mask=ok)
-        tl.store(base + k_offset + slot * WIDTH + cols, k, mask=ok)
-        tl.store(base + v_offset + slot * WIDTH + cols, v, mask=ok)
-
-    @triton.jit
     def _add_rms_norm_kernel(
         x_ptr, residual_ptr, weight_ptr, out_ptr, eps, hidden, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
     ):
@@ -132,13 +115,12 @@ if HAVE_TRITON:
     def _rope_kernel(
         q_ptr, k_ptr, positions_ptr, cos_sin_ptr, stride_q_tok, stride_k_tok, num_q_heads, num_k_heads,
         v_ptr, stride_v_tok, slots_ptr, cache_ptr, cache_addr_ptr, k_offset, v_offset,
-        HALF: tl.constexpr, HEADS_PAD: tl.constexpr, STORE: tl.constexpr, INDIRECT: tl.constexpr,
-        CACHE_DTYPE: tl.constexpr,
+        HALF: tl.constexpr, HEADS_PAD: tl.constexpr, INDIRECT: tl.constexpr, CACHE_DTYPE: tl.constexpr,
     ):  # fmt: skip
-        # In place on q (N, Hq, D) and k (N, Hkv, D) rows that may be strided views of one qkv buffer.
-        # STORE: also write the rotated k and v (N, Hkv, D) at each token's cache slot (K plane at
-        # k_offset, V plane at v_offset, elements from the cache's start; the start read on the device
-        # when INDIRECT, as the paged kernel does): the K/V write costs no kernel of its own, where two
+        # In place on q (N, Hq, D) and k (N, Hkv, D) rows that may be strided views of one qkv buffer;
+        # then the rotated k and v (N, Hkv, D) written at each token's cache slot (K plane at k_offset,
+        # V plane at v_offset, elements from the cache's start; the start read on the device when
+        # INDIRECT, as the paged kernel does): the K/V write costs no kernel of its own, where two
         # index_copy_ launches a layer were 5 % of a decode step (48 of its ~290 kernels).
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions_ptr + tok)
@@ -148,13 +130,12 @@ if HAVE_TRITON:
         heads = tl.arange(0, HEADS_PAD)
         k_ok = (heads < num_k_heads)[:, None]
         in_row = heads[:, None] * (2 * HALF) + half[None, :]  # a head's first half, within a token's row
-        if STORE:
-            if INDIRECT:
-                cache_ptr = tl.multiple_of(tl.load(cache_addr_ptr), 16).to(tl.pointer_type(CACHE_DTYPE))
-            slot_row = cache_ptr + tl.load(slots_ptr + tok).to(tl.int64) * (num_k_heads * 2 * HALF) + in_row
-            v_first = v_ptr + tok * stride_v_tok + in_row
-            tl.store(slot_row + v_offset, tl.load(v_first, mask=k_ok, other=0.0), mask=k_ok)
-            tl.store(slot_row + v_offset + HALF, tl.load(v_first + HALF, mask=k_ok, other=0.0), mask=k_ok)
+        if INDIRECT:
+            cache_ptr = tl.multiple_of(tl.load(cache_addr_ptr), 16).to(tl.pointer_type(CACHE_DTYPE))
+        slot_row = cache_ptr + tl.load(slots_ptr + tok).to(tl.int64) * (num_k_heads * 2 * HALF) + in_row
+        v_first = v_ptr + tok * stride_v_tok + in_row
+        tl.store(slot_row + v_offset, tl.load(v_first, mask=k_ok, other=0.0), mask=k_ok)
+        tl.store(slot_row + v_offset + HALF, tl.load(v_first + HALF, mask=k_ok, other=0.0), mask=k_ok)
         for which in tl.static_range(2):
             if which == 0:
                 base = q_ptr + tok * stride_q_tok
@@ -170,7 +151,7 @@ if HAVE_TRITON:
             y2 = (x2.to(tl.float32) * cos + x1.to(tl.float32) * sin).to(x1.dtype)
             tl.store(first_ptr, y1, mask=ok)
             tl.store(first_ptr + HALF, y2, mask=ok)
-            if STORE and which == 1:
+            if which == 1:
                 tl.store(slot_row + k_offset, y1, mask=ok)
                 tl.store(slot_row + k_offset + HALF, y2, mask=ok)
 
@@ -369,20 +350,6 @@ def paged_decode_attention_indirect(
     return out
 
 
-def store_kv_indirect(
-    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, cache: IndirectCache, layer: int
-):
-    """Write k, v (N, Hkv, D) at `slots` (N,) of layer `layer` of an IndirectCache."""
-    tokens, kv_heads, head_dim = k.shape
-    assert k.stride(1) == head_dim and k.stride(2) == 1 and v.stride(1) == head_dim and v.stride(2) == 1
-    k_offset, v_offset = cache.offsets(layer)
-    width = kv_heads * head_dim
-    _store_kv_kernel[(tokens,)](
-        k, v, slots, cache.address, k_offset, v_offset, k.stride(0), v.stride(0),
-        WIDTH=width, BLOCK=_next_pow2(width), CACHE_DTYPE=_TL_DTYPES[cache.dtype],
-    )  # fmt: skip
-
-
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
@@ -396,18 +363,6 @@ def add_rms_norm(
     return out
 
 
-def rope_inplace(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
-    """Triton twin of ops.apply_rope on q (N, Hq, D) and k (N, Hkv, D), in place (rows may be strided)."""
-    tokens, num_q_heads, head_dim = q.shape
-    assert q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == head_dim and k.stride(1) == head_dim
-    _rope_kernel[(tokens,)](
-        q, k, positions, cos_sin, q.stride(0), k.stride(0), num_q_heads, k.shape[1],
-        k, 0, positions, k, positions, 0, 0,
-        HALF=head_dim // 2, HEADS_PAD=_next_pow2(max(num_q_heads, k.shape[1])), STORE=False,
-        INDIRECT=False, CACHE_DTYPE=_TL_DTYPES[k.dtype],
-    )  # fmt: skip
-
-
 def rope_and_store_kv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -418,9 +373,10 @@ def rope_and_store_kv(
     cache: torch.Tensor | IndirectCache,
     layer: int,
 ) -> None:
-    """`rope_inplace(q, k, ...)`, and the rotated k and v (N, Hkv, D) written at `slots` (N,) of layer
-    `layer` of `cache`: a (layers, 2, slots, Hkv, D) tensor, or an IndirectCache. One kernel for what
-    rope_inplace and the cache's two index_copy_ (or store_kv_indirect) did."""
+    """Triton twin of ops.apply_rope on q (N, Hq, D) and k (N, Hkv, D), in place (rows may be strided),
+    and the rotated k and v (N, Hkv, D) written at `slots` (N,) of layer `layer` of `cache`: a (layers,
+    2, slots, Hkv, D) tensor, or an IndirectCache. One kernel for the rotation and the cache's two
+    index_copy_."""
     tokens, num_q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     for t in (q, k, v):
@@ -437,8 +393,8 @@ def rope_and_store_kv(
     _rope_kernel[(tokens,)](
         q, k, positions, cos_sin, q.stride(0), k.stride(0), num_q_heads, kv_heads,
         v, v.stride(0), slots, tensor, address, k_offset, v_offset,
-        HALF=head_dim // 2, HEADS_PAD=_next_pow2(max(num_q_heads, kv_heads)), STORE=True,
-        INDIRECT=indirect, CACHE_DTYPE=_TL_DTYPES[dtype],
+        HALF=head_dim // 2, HEADS_PAD=_next_pow2(max(num_q_heads, kv_heads)), INDIRECT=indirect,
+        CACHE_DTYPE=_TL_DTYPES[dtype],
     )  # fmt: skip
 
 
