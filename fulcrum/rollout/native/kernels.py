@@ -295,6 +295,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# The paged decode kernel's launch: TILE positions a loop iteration, and Triton's num_warps and num_stages
+# (absent: Triton's defaults). `bench/attention_sweep.py` times the alternatives on a GPU.
+DECODE_LAUNCH: dict[str, int] = {"TILE": 64}
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -305,8 +310,10 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    launch: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """Triton twin of ops.decode_attention_gather. q: (B, Hq, D); caches (slots, Hkv, D) -> (B, Hq, D)."""
+    """Triton twin of ops.decode_attention_gather. q: (B, Hq, D); caches (slots, Hkv, D) -> (B, Hq, D).
+    `launch` replaces DECODE_LAUNCH (TILE, num_warps, num_stages)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -317,8 +324,8 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), context_lens, 0, 0,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
-        TILE=64, PRECISION=precision, INDIRECT=False, CACHE_DTYPE=_TL_DTYPES[q.dtype],
-        SLIDING=bool(window),
+        PRECISION=precision, INDIRECT=False, CACHE_DTYPE=_TL_DTYPES[q.dtype], SLIDING=bool(window),
+        **(launch or DECODE_LAUNCH),
     )  # fmt: skip
     return out
 
@@ -344,8 +351,8 @@ def paged_decode_attention_indirect(
         q.stride(0), q.stride(1), cache.num_kv_heads * head_dim, head_dim, block_tables.stride(0),
         out.stride(0), out.stride(1), cache.address, k_offset, v_offset,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
-        TILE=64, PRECISION=precision, INDIRECT=True, CACHE_DTYPE=_TL_DTYPES[cache.dtype],
-        SLIDING=bool(window),
+        PRECISION=precision, INDIRECT=True, CACHE_DTYPE=_TL_DTYPES[cache.dtype], SLIDING=bool(window),
+        **DECODE_LAUNCH,
     )  # fmt: skip
     return out
 
