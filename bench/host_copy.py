@@ -8,8 +8,8 @@
 2. A stand-in for a host-bound training step (a loop of small kernel launches, synchronised), timed
    alone and while a writer serialises the host copies to `--dir` the way a checkpoint does
    (safetensors for weights, torch.save for optimiser state, then sha256 of each file): on a thread of
-   this process, and in a child process. The ratio is how much a write beside training slows a step
-   that waits on the host.
+   this process (also with each file fsync'ed, as a checkpoint's are), and in a child process. The
+   ratio is how much a write beside training slows a step that waits on the host.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import json
 import multiprocessing as mp
+import os
 import shutil
 import threading
 import time
@@ -50,8 +51,9 @@ def register(tensors: list[torch.Tensor]) -> None:
         assert int(err) == 0, f"cudaHostRegister failed: {err}"
 
 
-def write_state(tensors: list[torch.Tensor], folder: Path) -> float:
-    """Half the tensors as safetensors, half through torch.save; sha256 of both files."""
+def write_state(tensors: list[torch.Tensor], folder: Path, fsync: bool = False) -> float:
+    """Half the tensors as safetensors, half through torch.save; sha256 of both files; with `fsync`,
+    each file forced to disk as a checkpoint's are."""
     start = time.perf_counter()
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
@@ -63,6 +65,8 @@ def write_state(tensors: list[torch.Tensor], folder: Path) -> float:
         with path.open("rb") as f:
             while block := f.read(8 * 2**20):
                 digest.update(block)
+            if fsync:
+                os.fsync(f.fileno())
     return time.perf_counter() - start
 
 
@@ -127,6 +131,15 @@ def main() -> None:
     out["write_thread_s"] = result["write_s"]
     out["step_beside_thread_ms"] = 1e3 * median(beside)
     out["step_beside_thread_max_ms"] = 1e3 * max(beside)
+    writer = threading.Thread(target=lambda: result.update(write_s=write_state(pageable, args.dir, True)))
+    writer.start()
+    beside = []
+    while writer.is_alive():
+        beside += launch_loop(0.5)
+    writer.join()
+    out["write_fsync_thread_s"] = result["write_s"]
+    out["step_beside_fsync_thread_ms"] = 1e3 * median(beside)
+    out["step_beside_fsync_thread_max_ms"] = 1e3 * max(beside)
     ctx = mp.get_context("fork")
     done = ctx.Queue()
     child = ctx.Process(target=child_write, args=(pageable, str(args.dir), done))
