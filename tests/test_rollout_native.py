@@ -17,7 +17,7 @@ from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.rollout import HFRollout, SamplingParams, build_rollout
 from fulcrum.rollout.native import EngineConfig, NativeEngine
 from fulcrum.rollout.native.block_manager import BlockManager
-from fulcrum.rollout.native.model_runner import packed_positions
+from fulcrum.rollout.native.model_runner import packed_positions, padded_tables
 from fulcrum.rollout.native.scheduler import DecodeWork, PrefillWork, Scheduler
 from fulcrum.rollout.native.sequence import Sequence
 from fulcrum.rollout.testing import random_causal_lm
@@ -172,6 +172,15 @@ def test_packed_positions_index_each_token_by_its_sequence_and_position():
     assert index.tolist() == [i for i, n in enumerate(lengths) for _ in range(n)]
     assert positions.tolist() == [p for s, n in zip(starts, lengths, strict=True) for p in range(s, s + n)]
     assert offsets == [0, 3, 4, 8, 10] and positions.dtype == index.dtype == torch.long
+
+
+def test_padded_tables_put_each_table_in_its_row_and_zeros_elsewhere():
+    """Rows beyond the tables (the CUDA graph's padding) and an empty table are all block 0."""
+    tables = [[5, 9, 2], [], [7], [1, 2, 3, 4]]
+    out = padded_tables(tables, rows=6, width=5)
+    assert out.dtype == torch.int32 and out.shape == (6, 5)
+    expected = [table + [0] * (5 - len(table)) for table in tables] + [[0] * 5] * 2
+    assert out.tolist() == expected
 
 
 def test_build_rollout_native_on_cpu_and_fallback_for_other_architectures(model, caplog):
