@@ -124,7 +124,7 @@ def test_the_first_save_copies_into_memory_prepared_beside_the_steps_before_it(
     manager.prepare_host_buffers(roles)
     manager.prepare_host_buffers(roles)  # once per manager: a second call does nothing
     train_step(roles)  # the step after the plan changes every tensor in place
-    manager._join_prepare()
+    manager.host_buffers.wait_prepared()
     prepared = {key: buffer.data_ptr() for key, buffer in manager.host_buffers.buffers.items()}
     live = [t for r in roles.values() for t in r.model.state_dict().values()]
     assert len(prepared) >= len({t.data_ptr() for t in live})  # weights (and moments) mapped ahead

@@ -15,13 +15,15 @@ H200 (8 GB device to host: 7.85 s into fresh memory, 0.68 s into the same memory
 `bench/host_copy.py`). Saves never overlap (the next waits for the previous write), so one set of
 buffers serves them all; the price is one checkpoint's size of host RAM held for the run instead of
 during each write. `plan_role_buffers` and `HostBuffers.allocate` let the first save's buffers be mapped
-beside training before it (`CheckpointManager.prepare_host_buffers`). They are pageable memory, not pinned: torch's pinned allocator rounds each tensor up to a power of two (up to
+beside training before it (`HostBuffers.prepare`). They are pageable memory, not pinned: torch's pinned allocator rounds each tensor up to a power of two (up to
 1.8× the state's size, page-locked).
 """
 
 from __future__ import annotations
 
+import logging
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +33,8 @@ import torch
 
 from fulcrum.trainer.checkpoint.adapters import trained_outside_adapters
 from fulcrum.trainer.checkpoint.sharded import GatheredModel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,6 +109,7 @@ class HostBuffers:
         self.sources: list[torch.Tensor] = []  # this save's tensors, alive until `finish`
         # While a walk plans (`plan_role_buffers`): the buffers `copy` was asked for; nothing is copied.
         self.planned: list[BufferPlan] | None = None
+        self._preparing: threading.Thread | None = None  # `prepare`'s allocation, joined by the save
 
     def copy(self, key: TensorKey, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of `tensor`, in the buffer kept for `key` (while planning: `tensor`, noted)."""
@@ -128,6 +133,37 @@ class HostBuffers:
         for plan in plans:
             if plan.key not in self.buffers:
                 self.buffers[plan.key] = torch.empty(plan.shape, dtype=plan.dtype).zero_()
+
+    def prepare(self, roles: dict[str, Any]) -> None:
+        """Map the buffers the first save of `roles` copies into: planned here (`plan_role_buffers`, so
+        call between two steps, after the optimisers' first step: their moments exist from then on),
+        allocated on a thread beside the next steps, which `wait_prepared` (the save's first act) joins.
+        That save's stall is then a copy into touched memory (0.68 against 7.85 s for 8 GB from an
+        H200). Once per set of buffers. Roles whose snapshot copies tensors made for it (LoRA adapters,
+        gathered shards: new tensors at every save, so new keys) are left to the save."""
+        if self._preparing is not None:
+            return
+        plans = [
+            plan
+            for role in roles.values()
+            if getattr(role, "adapters", None) is None and getattr(role, "live_model", None) is None
+            for plan in plan_role_buffers(role, self)
+        ]
+        self._preparing = threading.Thread(
+            target=self._allocate_beside, args=(plans,), name="fulcrum-checkpoint-prepare"
+        )
+        self._preparing.start()
+
+    def _allocate_beside(self, plans: list[BufferPlan]) -> None:
+        try:
+            self.allocate(plans)
+        except Exception as exc:  # the save allocates what is missing; nothing is lost
+            logger.warning("checkpoint host buffers not prepared ahead of the first save: %s", exc)
+
+    def wait_prepared(self) -> None:
+        """Block until `prepare`'s thread (if any) has allocated its buffers."""
+        if self._preparing is not None:
+            self._preparing.join()
 
     def finish(self) -> None:
         """Free the buffers this save left unused; let go of the tensors it copied."""
