@@ -275,7 +275,8 @@ def annotate_engine(engine: NativeEngine) -> None:
     """Mark prefill steps, decode windows and decode steps; the step is a replay or an eager forward."""
     runner = engine.runner
     annotate(engine.stepper, "_prefill", PREFILL)
-    annotate(runner, "decode", WINDOW)
+    # With overlap_windows a window is launched (the next one ahead of the read of the last).
+    annotate(runner, "launch_decode" if engine.config.overlap_windows else "decode", WINDOW)
     annotate(runner, "_graph_logits" if runner.use_graphs else "_decode_forward", STEP)
 
 
@@ -363,7 +364,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lengths", default=None, help="JSON list of prompt lengths")
     for option, (kind, default) in WORKLOAD_OPTIONS.items():
         parser.add_argument(option, type=kind, default=default)
-    for flag in ("--enforce-eager", "--indirect-kv-cache"):
+    for flag in ("--enforce-eager", "--indirect-kv-cache", "--overlap-windows"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--repeats", type=int, default=1, help="timed generates without the profiler")
     parser.add_argument("--trace", default=None, help="keep the Chrome trace here (.json or .json.gz)")

@@ -25,8 +25,11 @@ def prompts_of(lengths: list[int], seed: int = 0, vocab: int = 256) -> list[list
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize(("arch", "indirect"), [("qwen2", False), ("llama", True)])
-def test_fp32_greedy_with_graphs_and_kernels_matches_hf(arch, indirect):
+@pytest.mark.parametrize(
+    ("arch", "indirect", "overlap"), [("qwen2", False, False), ("llama", True, False), ("qwen2", False, True)]
+)
+def test_fp32_greedy_with_graphs_and_kernels_matches_hf(arch, indirect, overlap):
+    """The third case launches each decode window before reading the last (overlap_windows)."""
     model = random_causal_lm(arch, init_std=0.2).to(CUDA)
     prompts = prompts_of([1, 300, 7, 64, 16, 150, 33, 2, 95, 17])
     hf = HFRollout(model, [EOS], 0, CUDA, autocast=False)  # an fp32 reference
@@ -36,7 +39,7 @@ def test_fp32_greedy_with_graphs_and_kernels_matches_hf(arch, indirect):
     expected = hf.generate(prompts, params)
     config = EngineConfig(
         max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, num_kv_blocks=24, decode_steps=4,
-        dtype=torch.float32, indirect_kv_cache=indirect,
+        dtype=torch.float32, indirect_kv_cache=indirect, overlap_windows=overlap,
     )  # fmt: skip
     engine = NativeEngine(model, [EOS], 0, config, CUDA)
     assert engine.runner.use_triton and engine.runner.use_graphs

@@ -45,7 +45,10 @@ def engine_for(model: torch.nn.Module, **overrides) -> NativeEngine:
     return NativeEngine(model, [EOS], 0, EngineConfig(**{**config, **overrides}), CPU)
 
 
-def test_greedy_matches_hf_under_preemption_chunked_prefill_and_stop_ids(model):
+@pytest.mark.parametrize("overlap", [False, True], ids=["windows-in-turn", "overlap-windows"])
+def test_greedy_matches_hf_under_preemption_chunked_prefill_and_stop_ids(model, overlap):
+    """With overlap_windows the next window is launched before this one is read (rows that stopped in
+    it decode for nothing, sequences that stopped leave the next): the same tokens, stops and order."""
     prompts = mixed_prompts(0, LENGTHS)
     hf = HFRollout(model, [EOS], 0, CPU)
     free = hf.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
@@ -55,8 +58,9 @@ def test_greedy_matches_hf_under_preemption_chunked_prefill_and_stop_ids(model):
     expected = hf.generate(prompts, params)
     assert "stop" in expected.finish_reasons and "length" in expected.finish_reasons
     # 24 blocks of 16 tokens cannot hold 20 sequences of up to 324 tokens: preemption is forced.
-    engine = engine_for(model, num_kv_blocks=24, max_num_batched_tokens=64)
+    engine = engine_for(model, num_kv_blocks=24, max_num_batched_tokens=64, overlap_windows=overlap)
     out = engine.generate(prompts, params)
+    assert not engine.has_unfinished_requests() and engine.counters["blocks_in_use"] == 0
     assert engine.stats["preemptions"] > 0
     assert engine.stats["prefill_steps"] >= sum(LENGTHS) // 64  # the 300-token prompt came in chunks
     assert out.token_ids == expected.token_ids
@@ -211,6 +215,7 @@ def test_engine_config_reads_verl_keys_and_our_engine_kwargs():
             "actor_rollout_ref.rollout.enforce_eager=true",
             "+actor_rollout_ref.rollout.engine_kwargs.native.block_size=32",
             "+actor_rollout_ref.rollout.engine_kwargs.native.decode_steps=4",
+            "+actor_rollout_ref.rollout.engine_kwargs.native.overlap_windows=true",
         ]
     )
     rollout = cfg.actor_rollout_ref.rollout
@@ -223,6 +228,7 @@ def test_engine_config_reads_verl_keys_and_our_engine_kwargs():
     )
     assert config.max_model_len == rollout.prompt_length + rollout.response_length
     assert config.free_cache_engine is bool(rollout.free_cache_engine)
+    assert config.overlap_windows is True
     rollout.engine_kwargs["native"] = {"blocksize": 8}
     with pytest.raises(ValueError, match=r"engine_kwargs\.native: unknown keys \['blocksize'\]"):
         engine_config_from(rollout, model_max_len=4096)
@@ -243,8 +249,9 @@ def test_the_engine_defaults_are_the_documented_ones():
     assert run.dtype == direct.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["windows-in-turn", "overlap-windows"])
 @pytest.mark.parametrize("trial", range(6))
-def test_greedy_matches_hf_across_random_engine_shapes(trial):
+def test_greedy_matches_hf_across_random_engine_shapes(trial, overlap):
     """Block sizes 1-32, 1-8 decode steps, caches down to the minimum, tiny token budgets and seat counts."""
     import random
 
@@ -263,6 +270,7 @@ def test_greedy_matches_hf_across_random_engine_shapes(trial):
         block_size=block_size,
         num_kv_blocks=rng.choice([tightest, tightest + 5]),
         decode_steps=rng.randint(1, 8),
+        overlap_windows=overlap,
     )
     params = SamplingParams(
         n=n, temperature=0, max_tokens=max_tokens, stop_token_ids=[rng.randint(3, 255) for _ in range(20)]
@@ -271,3 +279,32 @@ def test_greedy_matches_hf_across_random_engine_shapes(trial):
     expected = HFRollout(model, [EOS], 0, CPU).generate(prompts, params)
     assert out.token_ids == expected.token_ids, config
     assert out.finish_reasons == expected.finish_reasons
+
+
+def test_overlapped_windows_are_launched_ahead_and_give_the_same_tokens(model, monkeypatch):
+    """Most windows of a batch whose responses stop at different lengths are launched before the one
+    before them is read, and greedy tokens, log-probs and finish reasons equal windows in turn; sampled
+    runs repeat for a seed."""
+    prompts = mixed_prompts(3, LENGTHS)
+    free = HFRollout(model, [EOS], 0, CPU).generate(prompts, SamplingParams(temperature=0, max_tokens=30))
+    stop = Counter(t for r in free.token_ids for t in r[2:]).most_common(2)[1][0]
+    greedy = SamplingParams(n=2, temperature=0, max_tokens=30, stop_token_ids=[stop])
+    expected = engine_for(model).generate(prompts, greedy)
+    assert "stop" in expected.finish_reasons and "length" in expected.finish_reasons
+    engine = engine_for(model, overlap_windows=True)
+    ahead: list[int] = []
+    launch = engine.runner.launch_decode
+
+    def counted(seqs, steps, sampler, rows=None):
+        ahead.append(rows is not None)
+        return launch(seqs, steps, sampler, rows)
+
+    monkeypatch.setattr(engine.runner, "launch_decode", counted)
+    out = engine.generate(prompts, greedy)
+    assert sum(ahead) >= len(ahead) // 2 and engine.stats["decode_steps"] > 0
+    assert out.token_ids == expected.token_ids and out.finish_reasons == expected.finish_reasons
+    for ours, theirs in zip(out.logprobs, expected.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=1e-5, rtol=0)
+    sampled = SamplingParams(n=2, temperature=1.0, max_tokens=30, stop_token_ids=[stop], seed=7)
+    assert engine.generate(prompts, sampled).token_ids == engine.generate(prompts, sampled).token_ids
+    assert not engine.has_unfinished_requests() and engine.counters["blocks_in_use"] == 0

@@ -109,9 +109,10 @@ def run_conversations(
     return final
 
 
-def test_interleaved_conversations_of_different_turn_counts_equal_each_one_run_alone(model):
+@pytest.mark.parametrize("overlap", [False, True], ids=["windows-in-turn", "overlap-windows"])
+def test_interleaved_conversations_of_different_turn_counts_equal_each_one_run_alone(model, overlap):
     count = 7
-    engine = engine_for(model)
+    engine = engine_for(model, overlap_windows=overlap)
     together = run_conversations(engine, count, GREEDY)
     assert engine.counters["held"] == 0 and engine.counters["blocks_in_use"] == 0
     steps_together = engine.counters["prefill_steps"] + engine.counters["decode_steps"]
@@ -135,18 +136,20 @@ def test_interleaved_conversations_of_different_turn_counts_equal_each_one_run_a
     assert steps_together < steps_alone / 2  # turns of different conversations shared the steps
 
 
-def test_held_blocks_give_way_under_memory_pressure_without_changing_a_token(model):
+@pytest.mark.parametrize("overlap", [False, True], ids=["windows-in-turn", "overlap-windows"])
+def test_held_blocks_give_way_under_memory_pressure_without_changing_a_token(model, overlap):
     roomy = run_conversations(engine_for(model), 6, GREEDY)
     # 12 blocks of 8 tokens: six conversations of up to 70 tokens cannot all keep their blocks.
-    tight = engine_for(model, num_kv_blocks=12, block_size=8)
+    tight = engine_for(model, num_kv_blocks=12, block_size=8, overlap_windows=overlap)
     squeezed = run_conversations(tight, 6, GREEDY, tool_steps=3)
     assert tight.counters["evictions"] > 0
     assert {k: v.token_ids for k, v in squeezed.items()} == {k: v.token_ids for k, v in roomy.items()}
     assert tight.counters["blocks_in_use"] == 0
 
 
-def test_an_evicted_or_slept_sequence_recomputes_its_prefix_and_continues_alike(model):
-    engine = engine_for(model)
+@pytest.mark.parametrize("overlap", [False, True], ids=["windows-in-turn", "overlap-windows"])
+def test_an_evicted_or_slept_sequence_recomputes_its_prefix_and_continues_alike(model, overlap):
+    engine = engine_for(model, overlap_windows=overlap)
     first = run_to(engine, engine.add_request(ids(3, 30), GREEDY, keep=True))
     engine.resume(first.seq_id, [5, 6], GREEDY, keep=True)
     expected = run_to(engine, first.seq_id)

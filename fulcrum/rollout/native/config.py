@@ -34,6 +34,10 @@ class EngineConfig:
     enforce_eager: bool = SCHEMA.enforce_eager  # no CUDA graphs
     cudagraph_capture_sizes: list[int] | None = SCHEMA.cudagraph_capture_sizes  # None: 1,2,4,8,16,32..
     decode_steps: int = 16  # decode steps per scheduler round (tokens past a stop are dropped)
+    # Launch the next decode window before reading this one, so the device decodes while the host reads
+    # the tokens and schedules (between two windows an H200 idled 5.4 ms, 9 % of a 0.5B generate). The
+    # next window runs over the same rows: a row whose sequence stopped in this one decodes for nothing.
+    overlap_windows: bool = False
     # Decode kernels read the cache address from the device, so graphs survive sleep/wake_up without a
     # recapture; costs ~20% decode speed on an H200 (0.5B), so off unless sleeps are frequent and
     # the decode batch takes many sizes.
@@ -73,7 +77,7 @@ class EngineConfig:
 
 
 # Our knobs under rollout.engine_kwargs.native: their defaults are EngineConfig's own.
-NATIVE_KWARGS = ("block_size", "num_kv_blocks", "decode_steps", "indirect_kv_cache")
+NATIVE_KWARGS = ("block_size", "num_kv_blocks", "decode_steps", "indirect_kv_cache", "overlap_windows")
 
 
 def engine_config_from(

@@ -122,6 +122,7 @@ class NativeEngine:
     def sleep(self) -> None:
         """Free the KV cache (and the CUDA graphs that point into it) while the model trains. Held
         samples stay resumable; their next turn recomputes their tokens."""
+        self.stepper.settle()
         self.stepper.scheduler.drop_held_blocks()
         self.runner.free_cache()
 
@@ -133,7 +134,7 @@ class NativeEngine:
         """Release the device resources (KV cache, CUDA graphs) before the process group is left; the
         engine stays usable (the next `generate` takes them again). Requests in flight are dropped."""
         self.runner.release_graphs()
-        self.stepper.scheduler.abort()
+        self.stepper.abort()
         self.sleep()
 
     @property
@@ -210,7 +211,7 @@ class NativeEngine:
         try:
             return self._generate(prompts, params)
         except BaseException:
-            self.stepper.scheduler.abort()  # an interrupted batch must not stay in flight
+            self.stepper.abort()  # an interrupted batch must not stay in flight
             raise
         finally:
             if self.config.free_cache_engine:

@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,6 +41,16 @@ def use_triton_on(device: torch.device) -> bool:
     if device.type == "cuda":
         return os.environ.get("FULCRUM_NATIVE_TRITON", "1") != "0"
     return os.environ.get("FULCRUM_NATIVE_TRITON") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass
+class DecodeLaunch:
+    """A decode window in flight: the host tensors its tokens and log-probs are copied into, and the
+    event that marks the copy done (None on the CPU, where everything ran already)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    done: torch.cuda.Event | None
 
 
 def padded_tables(tables: list[list[int]], rows: int, width: int) -> torch.Tensor:
@@ -84,9 +95,11 @@ class ModelRunner:
         model.use_triton = self.use_triton
         model.fp32_logits = config.lm_head_fp32
         self.use_graphs = device.type == "cuda" and not config.enforce_eager
-        # A window may run past a sequence's last token by up to decode_steps - 1 tokens.
-        self.max_blocks_per_seq = blocks_for(config.max_model_len + config.decode_steps, self.block_size)
-        model.ensure_positions(config.max_model_len + config.decode_steps)
+        # A window may run past a sequence's last token by up to decode_steps - 1 tokens; with
+        # overlap_windows, the window launched before that one was read, by decode_steps more.
+        overrun = config.decode_steps * (2 if config.overlap_windows else 1)
+        self.max_blocks_per_seq = blocks_for(config.max_model_len + overrun, self.block_size)
+        model.ensure_positions(config.max_model_len + overrun)
         self.num_blocks = model.tp.agree_min(self._cache_blocks(), device)
         self.kv_cache: torch.Tensor | None = None
         # Optionally the decode kernels read the cache through its device-held address: graphs survive sleep.
@@ -105,8 +118,16 @@ class ModelRunner:
         self.block_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=device)
         self.slot_mapping = torch.zeros(max_bs, dtype=torch.long, device=device)
         self.row_index = torch.arange(max_bs, device=device)
-        self.out_tokens = torch.zeros(config.decode_steps, max_bs, dtype=torch.long, device=device)
-        self.out_logprobs = torch.zeros(config.decode_steps, max_bs, dtype=torch.float32, device=device)
+        # Two windows' outputs: with overlap_windows the next window writes one while the host reads the
+        # other (from pinned host copies on CUDA, so that reading one does not wait for the next).
+        self.out_tokens = torch.zeros(2, config.decode_steps, max_bs, dtype=torch.long, device=device)
+        self.out_logprobs = torch.zeros(2, config.decode_steps, max_bs, dtype=torch.float32, device=device)
+        pinned = device.type == "cuda"
+        size = max_bs * config.decode_steps
+        self.host_tokens = torch.zeros(2, size, dtype=torch.long, pin_memory=pinned)
+        self.host_logprobs = torch.zeros(2, size, dtype=torch.float32, pin_memory=pinned)
+        self._slot = 0
+        self._last_steps = 0  # steps of the window launched last
 
     # ------------------------------------------------------------------------------ KV cache
     def bytes_per_block(self) -> int:
@@ -238,30 +259,65 @@ class ModelRunner:
     # ------------------------------------------------------------------------------ decode
     def decode(self, seqs: list[Sequence], steps: int, sampler) -> tuple[list[list[int]], list[list[float]]]:
         """`steps` decode steps over `seqs`; (tokens[b][k], logprobs[b][k]) read back once at the end."""
+        return self.read_decode(self.launch_decode(seqs, steps, sampler))
+
+    def launch_decode(
+        self, seqs: list[Sequence], steps: int, sampler, rows: list[int] | None = None
+    ) -> DecodeLaunch:
+        """Queue `steps` decode steps over `seqs` and the copy of their tokens to the host; `read_decode`
+        waits for them. `rows`: each sequence's row in the window launched just before, whose state the
+        device already advanced (last token, position, context length): those rows are gathered on the
+        device, and only the block tables come from the host, whose tokens lag that window."""
         batch = len(seqs)
         padded = self._bucket(batch) if self.use_graphs else batch
         host_tables = padded_tables([s.block_table for s in seqs], padded, self.max_blocks_per_seq)
-        last = torch.tensor([s.token_ids[-1] for s in seqs] + [0] * (padded - batch), dtype=torch.long)
-        pos = torch.tensor([s.num_tokens - 1 for s in seqs] + [0] * (padded - batch), dtype=torch.long)
-        self.input_ids[:padded].copy_(last, non_blocking=True)
-        self.positions[:padded].copy_(pos, non_blocking=True)
-        self.context_lens[:padded].copy_((pos + 1).to(torch.int32), non_blocking=True)
+        if rows is not None:
+            if rows != list(range(batch)):
+                index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+                for state in (self.input_ids, self.positions, self.context_lens):
+                    state[:batch] = state.index_select(0, index)
+            if padded > batch:  # padding rows as a fresh window leaves them: position 0, in block 0
+                self.input_ids[batch:padded] = 0
+                self.positions[batch:padded] = 0
+                self.context_lens[batch:padded] = 1
+            max_context = max(s.num_tokens for s in seqs) + self._last_steps
+        else:
+            last = torch.tensor([s.token_ids[-1] for s in seqs] + [0] * (padded - batch), dtype=torch.long)
+            pos = torch.tensor([s.num_tokens - 1 for s in seqs] + [0] * (padded - batch), dtype=torch.long)
+            self.input_ids[:padded].copy_(last, non_blocking=True)
+            self.positions[:padded].copy_(pos, non_blocking=True)
+            self.context_lens[:padded].copy_((pos + 1).to(torch.int32), non_blocking=True)
+            max_context = int(pos[:batch].max()) + 1
         self.block_tables[:padded].copy_(host_tables, non_blocking=True)
-        max_context = int(pos[:batch].max()) + 1
+        slot, self._slot, self._last_steps = self._slot, 1 - self._slot, steps
+        out_tokens, out_logprobs = self.out_tokens[slot], self.out_logprobs[slot]
         for k in range(steps):
             if self.use_graphs:
                 logits = self._graph_logits(padded)
             else:
                 logits = self._decode_forward(padded, max_context + k)
             tokens, logprobs = sampler(logits[:batch])
-            self.out_tokens[k, :batch] = tokens
-            self.out_logprobs[k, :batch] = logprobs
+            out_tokens[k, :batch] = tokens
+            out_logprobs[k, :batch] = logprobs
             self.input_ids[:batch] = tokens
             self.positions[:batch] += 1
             self.context_lens[:batch] += 1
         # One row per sequence: the scheduler takes each sequence's tokens as one slice.
-        tokens = self.out_tokens[:steps, :batch].t().contiguous()
-        return tokens.tolist(), self.out_logprobs[:steps, :batch].t().contiguous().tolist()
+        # Contiguous views: a copy into a strided host tensor would not stay asynchronous.
+        host_tokens = self.host_tokens[slot, : batch * steps].view(batch, steps)
+        host_logprobs = self.host_logprobs[slot, : batch * steps].view(batch, steps)
+        host_tokens.copy_(out_tokens[:steps, :batch].t(), non_blocking=True)
+        host_logprobs.copy_(out_logprobs[:steps, :batch].t(), non_blocking=True)
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if done is not None:
+            done.record()
+        return DecodeLaunch(host_tokens, host_logprobs, done)
+
+    def read_decode(self, launch: DecodeLaunch) -> tuple[list[list[int]], list[list[float]]]:
+        """The tokens and log-probs of a launched window, (tokens[b][k], logprobs[b][k])."""
+        if launch.done is not None:
+            launch.done.synchronize()
+        return launch.tokens.tolist(), launch.logprobs.tolist()
 
     def _bucket(self, batch: int) -> int:
         return next(size for size in self.capture_sizes if size >= batch)

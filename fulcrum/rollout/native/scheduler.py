@@ -41,8 +41,12 @@ class PrefillWork:
 
 @dataclass
 class DecodeWork:
+    """`steps` decode steps over `seqs`. `rows`: launched right after another window (`schedule_ahead`),
+    each sequence's row in that window, whose state on the device it continues; None: from the host."""
+
     seqs: list[Sequence]
     steps: int
+    rows: list[int] | None = None
 
 
 class Scheduler:
@@ -246,10 +250,40 @@ class Scheduler:
             done += 1
         self.running = [s for s in self.running if s.status is Status.RUNNING]
 
+    def schedule_ahead(self, work: DecodeWork) -> DecodeWork | None:
+        """The window after `work` (in flight, its tokens not read yet), to launch before reading it.
+
+        Its rows are those of `work` whose sequences still run as the host knows them (a window
+        behind) and do not reach max_tokens within `work`; their blocks cover both windows. A row whose
+        sequence stops in `work` decodes for nothing in it (`after_decode` skips it): at most one
+        window past its end, which the runner's block tables and positions leave room for. None when
+        the next round may be something else: a sequence waits for its prefill, no row goes on past
+        `work`, or the free blocks do not cover both windows (no preemption or eviction here)."""
+        if self.waiting:
+            return None
+        rows = [
+            row
+            for row, seq in enumerate(work.seqs)
+            if seq.status is Status.RUNNING and seq.max_tokens - seq.num_generated > work.steps
+        ]
+        if not rows:
+            return None
+        seqs = [work.seqs[row] for row in rows]
+        steps = min(self.config.decode_steps, max(s.max_tokens - s.num_generated for s in seqs) - work.steps)
+        end = work.steps + steps - 1  # tokens past num_tokens the blocks must hold
+        if sum(self.blocks.extra_blocks(seq, seq.num_tokens + end) for seq in seqs) > self.blocks.num_free:
+            return None
+        for seq in seqs:
+            self.blocks.grow(seq, seq.num_tokens + end)
+        self.peak_blocks = max(self.peak_blocks, self.blocks.num_usable - self.blocks.num_free)
+        return DecodeWork(seqs, steps, rows)
+
     def after_decode(self, work: DecodeWork, tokens: list[list[int]], logprobs: list[list[float]]) -> None:
-        """`tokens[b]` / `logprobs[b]`: the `work.steps` tokens sampled for `work.seqs[b]`, in step order."""
+        """`tokens[b]` / `logprobs[b]`: the `work.steps` tokens sampled for `work.seqs[b]`, in step order.
+        Rows of sequences no longer running (stopped in the window before: `schedule_ahead`) are skipped."""
         for seq, seq_tokens, seq_logprobs in zip(work.seqs, tokens, logprobs, strict=True):
-            self._take(seq, seq_tokens, seq_logprobs)
+            if seq.status is Status.RUNNING:
+                self._take(seq, seq_tokens, seq_logprobs)
         self.running = [s for s in self.running if s.status is Status.RUNNING]
 
     def _take(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:

@@ -23,7 +23,7 @@ from fulcrum.parallel.tensor_parallel import TensorParallel
 from fulcrum.rollout.base import SamplingParams, SequenceOutput
 from fulcrum.rollout.native.block_manager import BlockManager
 from fulcrum.rollout.native.config import EngineConfig
-from fulcrum.rollout.native.model_runner import ModelRunner
+from fulcrum.rollout.native.model_runner import DecodeLaunch, ModelRunner
 from fulcrum.rollout.native.sampler import DeviceSampler
 from fulcrum.rollout.native.scheduler import DecodeWork, PrefillWork, Scheduler
 from fulcrum.rollout.native.sequence import Sequence
@@ -74,6 +74,8 @@ class Stepper:
         # One stop set per (stop ids, ignore_eos), shared by the sequences that use it: a batch of
         # conversations would otherwise build one per turn.
         self._stop_sets: dict[tuple[tuple[int, ...], bool], frozenset[int]] = {}
+        # overlap_windows: the decode window launched ahead, read by the next `step`.
+        self.inflight: tuple[DecodeWork, DecodeLaunch] | None = None
 
     # ------------------------------------------------------------------------------ requests
     def new_sampler(self, params: SamplingParams) -> None:
@@ -152,30 +154,67 @@ class Stepper:
         self.scheduler.release(seq_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        """Work queued or running, a window in flight, or turns finished by `settle` not handed out."""
+        return self.scheduler.has_work() or self.inflight is not None or bool(self.scheduler.finished)
+
+    def settle(self) -> None:
+        """Read the window in flight (overlap_windows) into the scheduler, launching none after it: the
+        turns it finishes come out of the next `step`."""
+        if self.inflight is not None:
+            work, launch = self.inflight
+            self.inflight = None
+            tick = time.perf_counter()
+            self.scheduler.after_decode(work, *self.runner.read_decode(launch))
+            self._count_decode(work, tick)
+
+    def abort(self) -> None:
+        """Drop every queued and running sequence (held ones stay), after the window in flight ends."""
+        if self.inflight is not None:
+            self.runner.read_decode(self.inflight[1])
+            self.inflight = None
+        self.scheduler.abort()
 
     # ------------------------------------------------------------------------------ stepping
     def step(self) -> list[SequenceOutput]:
         """One scheduler round; the turns it finished, in the order they finished."""
         scheduler = self.scheduler
-        if not scheduler.has_work():
-            return []
-        self.runner.copy_blocks(scheduler.pending_copies)
-        scheduler.pending_copies.clear()
-        work = scheduler.schedule()
-        tick = time.perf_counter()
-        if isinstance(work, DecodeWork):
-            tokens, logprobs = self.runner.decode(work.seqs, work.steps, self.sampler)
-            scheduler.after_decode(work, tokens, logprobs)
-            self.counters["decode_s"] += time.perf_counter() - tick
-            self.counters["decode_steps"] += work.steps
-        else:
-            self._prefill(work)
-            self.counters["prefill_s"] += time.perf_counter() - tick
-            self.counters["prefill_steps"] += 1
-            self.counters["prefill_tokens"] += sum(work.lengths)
+        if self.inflight is not None:  # a window launched by the step before: read it now
+            work, launch = self.inflight
+            self.inflight = None
+            self._decode(work, launch, time.perf_counter())
+        elif scheduler.has_work():
+            self.runner.copy_blocks(scheduler.pending_copies)
+            scheduler.pending_copies.clear()
+            work = scheduler.schedule()
+            tick = time.perf_counter()
+            if isinstance(work, DecodeWork) and self.config.overlap_windows:
+                self._decode(work, self.runner.launch_decode(work.seqs, work.steps, self.sampler), tick)
+            elif isinstance(work, DecodeWork):
+                tokens, logprobs = self.runner.decode(work.seqs, work.steps, self.sampler)
+                scheduler.after_decode(work, tokens, logprobs)
+                self._count_decode(work, tick)
+            else:
+                self._prefill(work)
+                self.counters["prefill_s"] += time.perf_counter() - tick
+                self.counters["prefill_steps"] += 1
+                self.counters["prefill_tokens"] += sum(work.lengths)
         finished, scheduler.finished = scheduler.finished, []
         return [output_of(seq) for seq in finished]
+
+    def _decode(self, work: DecodeWork, launch: DecodeLaunch, tick: float) -> None:
+        """overlap_windows: launch the window after `work` (`Scheduler.schedule_ahead`), then read the
+        launched `work` into the scheduler, so the device decodes while the host reads and schedules."""
+        ahead = self.scheduler.schedule_ahead(work)
+        if ahead is not None:
+            launched = self.runner.launch_decode(ahead.seqs, ahead.steps, self.sampler, ahead.rows)
+            self.inflight = (ahead, launched)
+        tokens, logprobs = self.runner.read_decode(launch)
+        self.scheduler.after_decode(work, tokens, logprobs)
+        self._count_decode(work, tick)
+
+    def _count_decode(self, work: DecodeWork, tick: float) -> None:
+        self.counters["decode_s"] += time.perf_counter() - tick
+        self.counters["decode_steps"] += work.steps
 
     def _prefill(self, work: PrefillWork) -> None:
         """Prefill `work`; sample the first token of each of the n samples of every completed prompt."""
