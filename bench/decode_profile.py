@@ -8,9 +8,11 @@ Workload and engine: bench/rollout.py's (`bench_native`: the same EngineConfig, 
 `--enforce-eager`, every bucket captured, a warm-up generate, then `--repeats` timed ones without the
 profiler). Then one more generate runs under `torch.profiler` (CPU and CUDA activities), with three
 host annotations added to the engine's instance (its code is unchanged): `prefill` around each
-prefill step (first-token sampling included), `decode_window` around each window of `decode_steps`
-steps (one host round trip), `decode_step` around each step's forward (a graph replay, or the eager
-forward). A GPU event (kernel, memcpy, memset) belongs to the step whose host span holds its launch
+prefill step (first-token sampling included), `decode_window` around each window's launch
+(`launch_decode`: its `decode_steps` steps and the copy of its tokens to the host; the read that waits
+for them follows, between windows, so the host between windows includes that wait: trees before the
+launch/read split annotated `decode`, read included), `decode_step` around each step's forward (a
+graph replay, or the eager forward). A GPU event (kernel, memcpy, memset) belongs to the step whose host span holds its launch
 (the runtime or driver call with the same correlation id: the kernels of a graph replay share the
 `cudaGraphLaunch`'s), so a step is its forward plus the sampler and bookkeeping that follow it.
 
@@ -275,8 +277,7 @@ def annotate_engine(engine: NativeEngine) -> None:
     """Mark prefill steps, decode windows and decode steps; the step is a replay or an eager forward."""
     runner = engine.runner
     annotate(engine.stepper, "_prefill", PREFILL)
-    # With overlap_windows a window is launched (the next one ahead of the read of the last).
-    annotate(runner, "launch_decode" if engine.config.overlap_windows else "decode", WINDOW)
+    annotate(runner, "launch_decode", WINDOW)  # its steps' launches; the read comes after, between windows
     annotate(runner, "_graph_logits" if runner.use_graphs else "_decode_forward", STEP)
 
 

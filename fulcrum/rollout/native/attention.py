@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: store the step's K/V, then prefill (packed, causal) or decode (paged).
+"""Attention over the paged KV cache: rotate and store the step's K/V (`rotate_and_store`), then prefill
+(packed, causal) or decode (paged).
 
 The CUDA path uses `varlen_attn` (FlashAttention inside torch >= 2.10) for prefill and the Triton
 paged kernel for decode; the CPU path (and any dtype FlashAttention does not take) uses SDPA.
@@ -63,6 +64,33 @@ def _flash_prefill(q, k, v, meta: AttentionMetadata, scale: float, window: int |
     )
 
 
+def rotate_and_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    layer: int,
+    meta: AttentionMetadata,
+    use_triton: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (N, Hq, D) and k (N, Hkv, D) rotated (RoPE at `positions`), and the rotated k and v written at
+    their slots (`meta.slot_mapping`) of layer `layer` of the cache, before `paged_attention` reads it.
+    With Triton one kernel does both (`kernels.rope_and_store_kv`, into the cache tensor or the
+    IndirectCache); else the torch twins and two `index_copy_`."""
+    if use_triton:
+        from fulcrum.rollout.native import kernels
+
+        cache = meta.indirect_cache if meta.indirect_cache is not None else kv_cache
+        kernels.rope_and_store_kv(q, k, v, positions, cos_sin, meta.slot_mapping, cache, layer)
+        return q, k
+    q, k = ops.apply_rope(q, positions, cos_sin), ops.apply_rope(k, positions, cos_sin)
+    kv_cache[layer, 0].index_copy_(0, meta.slot_mapping, k)
+    kv_cache[layer, 1].index_copy_(0, meta.slot_mapping, v)
+    return q, k
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -72,19 +100,16 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
-    kv_stored: bool = False,
 ) -> torch.Tensor:
-    """q: (N, Hq, D), k, v: (N, Hkv, D) of the new tokens; kv_cache (layers, 2, slots, Hkv, D) -> (N, Hq, D).
+    """q: (N, Hq, D), k, v: (N, Hkv, D) of the new tokens, already in the cache (`rotate_and_store`);
+    kv_cache (layers, 2, slots, Hkv, D) -> (N, Hq, D).
 
     `window`: a sliding-window layer's width (a token sees the window latest positions, itself
     included); None for full causal attention. The cache keeps every position either way.
-    `kv_stored`: k and v are already at their slots (`kernels.rope_and_store_kv` wrote them).
     """
     if meta.indirect_cache is not None:
         from fulcrum.rollout.native import kernels
 
-        # The decoder's rotary kernel writes k and v there (kernels.rope_and_store_kv).
-        assert kv_stored, "an IndirectCache is written by kernels.rope_and_store_kv"
         return kernels.paged_decode_attention_indirect(
             q,
             meta.indirect_cache,
@@ -96,9 +121,6 @@ def paged_attention(
             window,
         )
     k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
-    if not kv_stored:
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
     if not meta.is_prefill:
         if meta.use_triton:
             from fulcrum.rollout.native.kernels import paged_decode_attention

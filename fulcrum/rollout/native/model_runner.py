@@ -257,10 +257,6 @@ class ModelRunner:
         return padded_tables([s.block_table for s in seqs], len(seqs), width).to(self.device)
 
     # ------------------------------------------------------------------------------ decode
-    def decode(self, seqs: list[Sequence], steps: int, sampler) -> tuple[list[list[int]], list[list[float]]]:
-        """`steps` decode steps over `seqs`; (tokens[b][k], logprobs[b][k]) read back once at the end."""
-        return self.read_decode(self.launch_decode(seqs, steps, sampler))
-
     def launch_decode(
         self, seqs: list[Sequence], steps: int, sampler, rows: list[int] | None = None
     ) -> DecodeLaunch:

@@ -192,9 +192,9 @@ class Scheduler:
     def _schedule_decode(self) -> DecodeWork:
         left = max(seq.max_tokens - seq.num_generated for seq in self.running)
         steps = max(1, min(self.config.decode_steps, left))
-        if self._blocks_needed(steps) > self.blocks.num_free:
+        if self._blocks_needed(self.running, steps - 1) > self.blocks.num_free:
             steps = 1
-            while self._blocks_needed(1) > self.blocks.num_free:
+            while self._blocks_needed(self.running, 0) > self.blocks.num_free:
                 if self.evict_held():
                     continue
                 # A waiting sequence with blocks (a prompt part-way through a chunked prefill, a next
@@ -204,8 +204,7 @@ class Scheduler:
                 self._preempt(self.running.pop())
                 if not self.running:
                     raise RuntimeError("the KV cache cannot hold a single decoding sequence: raise its size")
-        for seq in self.running:
-            self.blocks.grow(seq, seq.num_tokens + steps - 1)
+        self._grow(self.running, steps - 1)
         return DecodeWork(list(self.running), steps)
 
     def _release_parked(self) -> bool:
@@ -217,8 +216,15 @@ class Scheduler:
                 return True
         return False
 
-    def _blocks_needed(self, steps: int) -> int:
-        return sum(self.blocks.extra_blocks(seq, seq.num_tokens + steps - 1) for seq in self.running)
+    def _blocks_needed(self, seqs: list[Sequence], ahead: int) -> int:
+        """Blocks `seqs` lack to hold num_tokens + `ahead` tokens each (a window of `steps` steps needs
+        ahead = steps - 1: it writes the K/V of the last known token and of all but its last sampled one)."""
+        return sum(self.blocks.extra_blocks(seq, seq.num_tokens + ahead) for seq in seqs)
+
+    def _grow(self, seqs: list[Sequence], ahead: int) -> None:
+        """Give `seqs` the blocks `_blocks_needed(seqs, ahead)` counted."""
+        for seq in seqs:
+            self.blocks.grow(seq, seq.num_tokens + ahead)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)
@@ -270,11 +276,10 @@ class Scheduler:
             return None
         seqs = [work.seqs[row] for row in rows]
         steps = min(self.config.decode_steps, max(s.max_tokens - s.num_generated for s in seqs) - work.steps)
-        end = work.steps + steps - 1  # tokens past num_tokens the blocks must hold
-        if sum(self.blocks.extra_blocks(seq, seq.num_tokens + end) for seq in seqs) > self.blocks.num_free:
+        ahead = work.steps + steps - 1  # both windows, past the tokens the host knows
+        if self._blocks_needed(seqs, ahead) > self.blocks.num_free:
             return None
-        for seq in seqs:
-            self.blocks.grow(seq, seq.num_tokens + end)
+        self._grow(seqs, ahead)
         self.peak_blocks = max(self.peak_blocks, self.blocks.num_usable - self.blocks.num_free)
         return DecodeWork(seqs, steps, rows)
 

@@ -163,9 +163,7 @@ class Stepper:
         if self.inflight is not None:
             work, launch = self.inflight
             self.inflight = None
-            tick = time.perf_counter()
-            self.scheduler.after_decode(work, *self.runner.read_decode(launch))
-            self._count_decode(work, tick)
+            self._read(work, launch, time.perf_counter())
 
     def abort(self) -> None:
         """Drop every queued and running sequence (held ones stay), after the window in flight ends."""
@@ -187,12 +185,8 @@ class Stepper:
             scheduler.pending_copies.clear()
             work = scheduler.schedule()
             tick = time.perf_counter()
-            if isinstance(work, DecodeWork) and self.config.overlap_windows:
+            if isinstance(work, DecodeWork):
                 self._decode(work, self.runner.launch_decode(work.seqs, work.steps, self.sampler), tick)
-            elif isinstance(work, DecodeWork):
-                tokens, logprobs = self.runner.decode(work.seqs, work.steps, self.sampler)
-                scheduler.after_decode(work, tokens, logprobs)
-                self._count_decode(work, tick)
             else:
                 self._prefill(work)
                 self.counters["prefill_s"] += time.perf_counter() - tick
@@ -202,17 +196,18 @@ class Stepper:
         return [output_of(seq) for seq in finished]
 
     def _decode(self, work: DecodeWork, launch: DecodeLaunch, tick: float) -> None:
-        """overlap_windows: launch the window after `work` (`Scheduler.schedule_ahead`), then read the
-        launched `work` into the scheduler, so the device decodes while the host reads and schedules."""
-        ahead = self.scheduler.schedule_ahead(work)
-        if ahead is not None:
-            launched = self.runner.launch_decode(ahead.seqs, ahead.steps, self.sampler, ahead.rows)
-            self.inflight = (ahead, launched)
-        tokens, logprobs = self.runner.read_decode(launch)
-        self.scheduler.after_decode(work, tokens, logprobs)
-        self._count_decode(work, tick)
+        """Read the launched window `work` into the scheduler. With overlap_windows, the window after it
+        is launched first (`Scheduler.schedule_ahead`), so the device decodes while the host reads."""
+        if self.config.overlap_windows:
+            ahead = self.scheduler.schedule_ahead(work)
+            if ahead is not None:
+                launched = self.runner.launch_decode(ahead.seqs, ahead.steps, self.sampler, ahead.rows)
+                self.inflight = (ahead, launched)
+        self._read(work, launch, tick)
 
-    def _count_decode(self, work: DecodeWork, tick: float) -> None:
+    def _read(self, work: DecodeWork, launch: DecodeLaunch, tick: float) -> None:
+        """The launched window's tokens into the scheduler; its seconds since `tick` and steps counted."""
+        self.scheduler.after_decode(work, *self.runner.read_decode(launch))
         self.counters["decode_s"] += time.perf_counter() - tick
         self.counters["decode_steps"] += work.steps
 

@@ -256,15 +256,12 @@ def copy_rule(role: Any, copy: bool) -> Callable[[torch.Tensor], bool]:
 
 
 def plan_role_buffers(role: Any, buffers: HostBuffers) -> list[BufferPlan]:
-    """The buffers a background snapshot of `role` copies its weights and optimiser state into — the
-    walk of `snapshot_role` over a worker without LoRA adapters, copying nothing, reading neither the
-    tokenizer nor the schedule. Run between two steps, where the snapshot itself would run."""
-    optimizer = getattr(role, "optimizer", None)
+    """The buffers a background snapshot of `role` copies into: `snapshot_role`'s own walk, with
+    `buffers` noting each tensor instead of copying it. On the training thread, between two steps, as
+    the snapshot itself (it also reads the tokenizer and the schedule, which a step may be using)."""
     buffers.planned = []
     try:
-        host_copies(dict(role.model.state_dict()), buffers=buffers)
-        if optimizer is not None:
-            host_copies(optimizer.state_dict(), buffers=buffers)
+        snapshot_role(role, copy=True, buffers=buffers)
         return buffers.planned
     finally:
         buffers.planned = None

@@ -22,7 +22,7 @@ from fulcrum.models.arch import ModelSpec
 from fulcrum.models.head_logits import head_logits
 from fulcrum.parallel.tensor_parallel import TensorParallel, shard_heads, shard_range
 from fulcrum.rollout.native import ops
-from fulcrum.rollout.native.attention import AttentionMetadata, paged_attention
+from fulcrum.rollout.native.attention import AttentionMetadata, paged_attention, rotate_and_store
 from fulcrum.rollout.native.models import moe
 
 Shard = tuple[int, int, int]  # (dim, start, length) of an HF tensor that one tensor-parallel rank holds
@@ -270,16 +270,8 @@ class DecoderLM:
         if self.qk_norm:
             q, k = self._head_norm(q, layer["q_norm"]), self._head_norm(k, layer["k_norm"])
         cos_sin = self.cos_sin[self.rope_kind[i]]
-        if self.use_triton:  # one kernel rotates q and k and writes k and v into the cache
-            from fulcrum.rollout.native import kernels
-
-            cache = meta.indirect_cache if meta.indirect_cache is not None else kv_cache
-            kernels.rope_and_store_kv(q, k, v, positions, cos_sin, meta.slot_mapping, cache, i)
-        else:
-            q, k = ops.apply_rope(q, positions, cos_sin), ops.apply_rope(k, positions, cos_sin)
-        attn = paged_attention(
-            q, k, v, kv_cache, i, meta, self.scale, self.windows[i], kv_stored=self.use_triton
-        )
+        q, k = rotate_and_store(q, k, v, positions, cos_sin, kv_cache, i, meta, self.use_triton)
+        attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale, self.windows[i])
         if self.tp.size == 1:
             return F.linear(attn.reshape(tokens, self.q_size), layer["o"], layer.get("o_bias"))
         # row-parallel: sum the ranks' partial products, then the bias once
