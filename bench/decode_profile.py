@@ -365,7 +365,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lengths", default=None, help="JSON list of prompt lengths")
     for option, (kind, default) in WORKLOAD_OPTIONS.items():
         parser.add_argument(option, type=kind, default=default)
-    for flag in ("--enforce-eager", "--indirect-kv-cache", "--overlap-windows"):
+    for flag in ("--enforce-eager", "--indirect-kv-cache", "--sequential-windows"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--repeats", type=int, default=1, help="timed generates without the profiler")
     parser.add_argument("--trace", default=None, help="keep the Chrome trace here (.json or .json.gz)")

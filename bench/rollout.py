@@ -93,7 +93,7 @@ def bench_native(args, model, prompts, device, summary: dict) -> NativeEngine:
         decode_steps=args.decode_steps,
         enforce_eager=args.enforce_eager,
         indirect_kv_cache=args.indirect_kv_cache,
-        overlap_windows=getattr(args, "overlap_windows", False),
+        overlap_windows=not getattr(args, "sequential_windows", False),
         num_kv_blocks=getattr(args, "num_kv_blocks", None),  # set by bench/rollout_levers.py only
     )
     tick = time.perf_counter()
@@ -276,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         "--indirect-kv-cache", action="store_true", help="graphs survive sleep (slower decode)"
     )
     parser.add_argument(
-        "--overlap-windows", action="store_true", help="launch each decode window before reading the last"
+        "--sequential-windows",
+        action="store_true",
+        help="read each decode window before launching the next (engine_kwargs.native.overlap_windows=false)",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--grpo-prompts", type=int, default=64)

@@ -215,7 +215,7 @@ def test_engine_config_reads_verl_keys_and_our_engine_kwargs():
             "actor_rollout_ref.rollout.enforce_eager=true",
             "+actor_rollout_ref.rollout.engine_kwargs.native.block_size=32",
             "+actor_rollout_ref.rollout.engine_kwargs.native.decode_steps=4",
-            "+actor_rollout_ref.rollout.engine_kwargs.native.overlap_windows=true",
+            "+actor_rollout_ref.rollout.engine_kwargs.native.overlap_windows=false",
         ]
     )
     rollout = cfg.actor_rollout_ref.rollout
@@ -228,7 +228,7 @@ def test_engine_config_reads_verl_keys_and_our_engine_kwargs():
     )
     assert config.max_model_len == rollout.prompt_length + rollout.response_length
     assert config.free_cache_engine is bool(rollout.free_cache_engine)
-    assert config.overlap_windows is True
+    assert config.overlap_windows is False  # on by default
     rollout.engine_kwargs["native"] = {"blocksize": 8}
     with pytest.raises(ValueError, match=r"engine_kwargs\.native: unknown keys \['blocksize'\]"):
         engine_config_from(rollout, model_max_len=4096)
