@@ -1,7 +1,10 @@
 """Seeded sampling of the native engine gives the same tokens as it always has: the tokens below were
 sampled by `NativeEngine.generate` before it ran on the per-request scheduler API, on the CPU in fp32
 (tiny random qwen2, init std 0.2). A change to the sampler's call order, the batch composition of a
-step or the preemption policy shows here as a changed token."""
+step or the preemption policy shows here as a changed token. Each case runs with the decode windows
+read in turn and overlapped (`overlap_windows`, the default): a sampled token's noise follows its row
+in the step, and where a sequence stops inside a window the overlapped path keeps the rows of the
+window it launched ahead (the filtered case's last token, pinned on its own)."""
 
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ FILTERED = [
     [90, 1],
     [206, 57, 247, 111, 156, 55],
 ]
+# overlap_windows: the last sequence's sixth token is drawn in a window launched before the fifth
+# sequence's stop was read, in the row it had then.
+FILTERED_OVERLAPPED = [*FILTERED[:5], [206, 57, 247, 111, 156, 196]]
 PREEMPTED = [
     [77, 194, 30, 221, 179, 74, 49, 34, 201, 246, 1, 18],
     [77, 179, 18, 112, 88, 46, 212, 179, 229, 124, 242, 176],
@@ -65,10 +71,19 @@ def model() -> torch.nn.Module:
     return random_causal_lm("qwen2", init_std=0.2)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_seeded_tokens_are_the_pinned_ones(model, case):
+def test_seeded_tokens_are_the_pinned_ones(model, case, overlap):
     overrides, params, expected, preemptions = CASES[case]
-    config = dict(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=512, decode_steps=4)
+    if overlap and case == "filtered":
+        expected = FILTERED_OVERLAPPED
+    config = dict(
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+        max_model_len=512,
+        decode_steps=4,
+        overlap_windows=overlap,
+    )
     engine = NativeEngine(model, [1], 0, EngineConfig(**{**config, **overrides}), CPU)
     generator = torch.Generator().manual_seed(21)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (5, 40, 17)]
