@@ -5,7 +5,6 @@
 #               generation of the same tokens, and one 200-ms tool (the multi-turn page's floor: 0.75)
 #   checkpoint  the seed command for 9 steps with a save every 3 (trainer.save_in_background): the step's
 #               stall, the wait for the previous write and each write's seconds (summary "checkpoints")
-#   checkpoint_thread   the same with the write on a thread of the trainer (FULCRUM_CHECKPOINT_WRITER=thread)
 #   lora        bench/lora.py: the 0.5B GRPO shape, LoRA rank 32 against full fine-tuning, same call
 #   qwen3, qwen3_moe   bench/rollout.py --shape qwen3-0.6b | qwen3-moe-small (the engine on those families)
 #   qwen3_grpo, qwen3_moe_grpo   the GRPO step (64 prompts x 8, micro-batches of 32, gradient checkpointing,
@@ -35,7 +34,7 @@ started=$(date +%s)
 . bench/parts.sh
 wheels "$PY"
 wants() { [[ ",$PARTS," == *",$1,"* ]]; }
-rm -rf "$WORK"/*.json "$WORK"/ckpt_run_* "$WORK"/lora "$WORK"/lora7b "$WORK"/grpo_* "$WORK"/model_* "$WORK"/host_*
+rm -rf "$WORK"/*.json "$WORK"/ckpt_run "$WORK"/lora "$WORK"/lora7b "$WORK"/grpo_* "$WORK"/model_* "$WORK"/host_*
 
 if [ "$SMOKE" = 1 ]; then
   . bench/smoke_args.sh
@@ -53,13 +52,13 @@ else
   SHAPE_ARGS=()
   TINY=()
   STEP_SMOKE=()
-  if wants checkpoint || wants checkpoint_thread || wants lora || wants host; then
+  if wants checkpoint || wants lora || wants host; then
     MODEL=${MODEL:-.bench/qwen05}
     [ -f "$MODEL/config.json" ] || $PY bench/train_step.py make-model --out "$MODEL" >/dev/null \
       || { echo "could not make the model in $MODEL"; exit 1; }
   fi
 fi
-if { wants checkpoint || wants checkpoint_thread || wants lora || wants lora7b || wants host || wants qwen3_grpo || wants qwen3_moe_grpo; } &&
+if { wants checkpoint || wants lora || wants lora7b || wants host || wants qwen3_grpo || wants qwen3_moe_grpo; } &&
   [ ! -f "$DATA/train.parquet" ]; then
   $PY -m fulcrum.cli data gsm8k --src ../shared/data/gsm8k --out "$DATA" || { echo "no GSM8K data in $DATA"; exit 1; }
 fi
@@ -70,16 +69,12 @@ elapsed "parts: $PARTS"
 if wants multi_turn; then
   part multi_turn 150 "$PY" bench/multi_turn.py "${SMALL[@]}" --json "$WORK/multi_turn.json"
 fi
-# 9 steps, a save every 3: ~100 s to the first warm step, then ~6 s a step and the saves' stalls. checkpoint:
-# the writer process (the default); checkpoint_thread: the same run with the write on a thread of the trainer.
-for writer in process thread; do
-  name=checkpoint; [ $writer = thread ] && name=checkpoint_thread
-  if wants $name; then
-    part $name 330 env FULCRUM_CHECKPOINT_WRITER=$writer "$PY" bench/train_step.py run --data "$DATA" --model "$MODEL" \
-      --run "$WORK/ckpt_run_$writer" --steps 9 --summary "$WORK/$name.json" actor_rollout_ref.rollout.name=native \
-      trainer.test_freq=-1 trainer.save_freq=3 trainer.resume_mode=disable
-  fi
-done
+if wants checkpoint; then
+  # 9 steps, a save every 3: ~100 s to the first warm step, then ~6 s a step and the saves' stalls
+  part checkpoint 330 "$PY" bench/train_step.py run --data "$DATA" --model "$MODEL" --run "$WORK/ckpt_run" --steps 9 \
+    --summary "$WORK/checkpoint.json" actor_rollout_ref.rollout.name=native trainer.test_freq=-1 trainer.save_freq=3 \
+    trainer.resume_mode=disable
+fi
 for shape in qwen3 qwen3_moe; do
   if wants $shape; then
     name=qwen3-0.6b; [ $shape = qwen3_moe ] && name=qwen3-moe-small

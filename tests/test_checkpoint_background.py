@@ -6,12 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,8 +17,6 @@ from test_checkpoint import TINY, make_roles, train_step
 from fulcrum.models.tiny import build_tiny_model
 from fulcrum.trainer.checkpoint import LATEST_FILE, CheckpointManager, DiskFullError, read_latest_step
 from fulcrum.trainer.checkpoint import manager as ckpt_mod
-from fulcrum.trainer.checkpoint.background import WriterDied
-from fulcrum.trainer.checkpoint.layout import verify_checkpoint
 from fulcrum.trainer.checkpoint.snapshot import HostBuffers, host_copies
 from fulcrum.trainer.main_ppo import main as train_main
 
@@ -33,27 +26,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0, intermediate_size=64, **TINY)
 
 
-class Release:
-    """A flag the test sets and a write waits for, in this process or in the forked writer (a file)."""
-
-    def __init__(self) -> None:
-        self.path = Path(tempfile.mkdtemp(prefix="fulcrum-release-")) / "go"
-
-    def set(self) -> None:
-        self.path.touch()
-
-    def wait(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not self.path.exists():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
-
-def hold_role_writes(monkeypatch: pytest.MonkeyPatch) -> Release:
-    """Make every role write wait for the returned flag: the test acts while the write is under way."""
-    release = Release()
+def hold_role_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make every role write wait for the returned event: the test acts while the write is under way."""
+    release = threading.Event()
     write_role = ckpt_mod.CheckpointManager._write_role
 
     def held(role_dir: Path, snap: object) -> None:
@@ -262,7 +237,7 @@ def test_a_cancelled_write_removes_its_folder_and_the_previous_checkpoint_stays_
 def test_a_full_disk_in_the_last_background_write_ends_the_run_with_the_usual_message(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Step 2's checkpoint fails in the background writer after the loop is done: the run waits for it and
+    """Step 2's checkpoint fails on the writer thread after the loop is done: the run waits for it and
     ends as a full disk during a save in the step ends, exit 1 and one paragraph, step 1 kept."""
     assets = make_assets(tmp_path / "assets")
     run_dir = tmp_path / "run"
@@ -280,88 +255,3 @@ def test_a_full_disk_in_the_last_background_write_ends_the_run_with_the_usual_me
     assert "Traceback" not in err and "global_step_1 is intact" in err
     assert sorted(p.name for p in run_dir.glob("global_step_*")) == ["global_step_1"]
     assert read_latest_step(run_dir) == 1 and not list(run_dir.glob("*.tmp-*"))
-
-
-def writer_pid_of_next_write(monkeypatch: pytest.MonkeyPatch, note: Path) -> None:
-    """Make each role write note the pid of the process that writes it."""
-    write_role = ckpt_mod.CheckpointManager._write_role
-
-    def noted(role_dir: Path, snap: object) -> None:
-        note.write_text(str(os.getpid()))
-        write_role(role_dir, snap)
-
-    monkeypatch.setattr(ckpt_mod.CheckpointManager, "_write_role", staticmethod(noted))
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="the writer is a thread where the platform does not fork")
-def test_the_write_runs_in_its_own_process_and_a_ctrl_c_there_does_not_stop_it(
-    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The trainer's interpreter is not shared with the write (its lock is what slowed the steps beside a
-    writer thread), and Ctrl-C, which a terminal sends to both, is the trainer's to act on."""
-    roles = make_roles(model_dir, seed=1)
-    manager = CheckpointManager(tmp_path / "run", None)
-    note = tmp_path / "writer_pid"
-    writer_pid_of_next_write(monkeypatch, note)
-    release = hold_role_writes(monkeypatch)  # wraps the noting write: noted once released
-    path = manager.save(1, roles, {"epoch": 0}, background=True)
-    child = manager.writer._child[0]
-    os.kill(child, signal.SIGINT)
-    release.set()
-    manager.wait()
-    assert int(note.read_text()) == child != os.getpid()
-    assert verify_checkpoint(path, ["actor", "critic"]) == []
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="the writer is a thread where the platform does not fork")
-def test_a_writer_killed_on_its_own_is_an_error_that_names_the_checkpoint_and_leaves_nothing(
-    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    roles = make_roles(model_dir, seed=1)
-    manager = CheckpointManager(tmp_path, None)
-    manager.save(1, roles, {"epoch": 0}, background=True)
-    manager.wait()
-    hold_role_writes(monkeypatch)
-    manager.save(2, roles, {"epoch": 0}, background=True)
-    os.kill(manager.writer._child[0], signal.SIGKILL)
-    with pytest.raises(WriterDied, match=r"global_step_2: the writer process ended \(signal 9\)"):
-        manager.wait()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", LATEST_FILE]
-    assert read_latest_step(tmp_path) == 1
-
-
-TRAINER_WITH_A_WRITE_UNDER_WAY = """
-import os, sys, time
-from fulcrum.trainer.checkpoint.background import BackgroundWriter
-writer = BackgroundWriter("process")
-writer.submit("global_step_1", lambda: time.sleep(120))
-print(writer._child[0], flush=True)
-time.sleep(120)
-"""
-
-
-def process_gone(pid: int) -> bool:
-    """No such process, or only its exit status left (a zombie waiting for its new parent to reap it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_sigkill_of_the_trainer_kills_its_write_too() -> None:
-    """A killed trainer's write must not go on and publish beside the run that resumes after it."""
-    trainer = subprocess.Popen(
-        [sys.executable, "-c", TRAINER_WITH_A_WRITE_UNDER_WAY], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        child = int(trainer.stdout.readline())
-        assert not process_gone(child)
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait(30)
-        deadline = time.monotonic() + 10
-        while not process_gone(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert process_gone(child), f"the writer {child} outlived its trainer"
-    finally:
-        trainer.kill()

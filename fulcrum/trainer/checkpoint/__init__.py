@@ -15,7 +15,7 @@ Layout of one checkpoint (every file loads without unpickling arbitrary objects)
 
 Modules: `atomic` (fsync, atomic replace, streamed hashes), `layout` (names, manifest, verification),
 `rng` (generator state), `hf_folder` (models as Hugging Face folders), `snapshot` (a role's state as
-host copies, taken between steps), `background` (the writer process beside training), `manager` (save,
+host copies, taken between steps), `background` (the writer thread beside training), `manager` (save,
 resume, retention).
 """
 

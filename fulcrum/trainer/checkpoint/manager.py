@@ -27,7 +27,7 @@ import torch
 
 from fulcrum.trainer.checkpoint.adapters import is_adapter_folder, load_adapter_folder, save_adapter_folder
 from fulcrum.trainer.checkpoint.atomic import fsync_dir, fsync_tree, write_text_atomic
-from fulcrum.trainer.checkpoint.background import BackgroundWriter, WriterDied
+from fulcrum.trainer.checkpoint.background import BackgroundWriter
 from fulcrum.trainer.checkpoint.hf_folder import (
     check_tensors_finite,
     check_weights_finite,
@@ -75,7 +75,7 @@ class CheckpointSettings:
     resume_from_path: str | None = None
     max_actor_ckpt_to_keep: int | None = None
     max_critic_ckpt_to_keep: int | None = None
-    save_in_background: bool = True  # the trainer's saves: by the writer process, or in the step
+    save_in_background: bool = True  # the trainer's saves: on the writer thread, or in the step
 
     @classmethod
     def from_trainer_cfg(cls, trainer_cfg: Any) -> CheckpointSettings:
@@ -137,7 +137,6 @@ class PendingSave:
 
     step: int
     final: Path  # global_step_N, the name it is published under
-    tmp: Path  # global_step_N.tmp-<trainer's pid>, where it is written first
     needed: int  # estimated bytes, for the full-disk message
     state: dict[str, Any]  # trainer_state.json
     run_config: dict[str, Any] | None
@@ -170,7 +169,6 @@ class CheckpointManager:
         self.writer = BackgroundWriter()  # the writes of save(background=True)
         self.host_buffers = HostBuffers()  # their snapshots' host memory, reused by every save
         self.waited_s = 0.0  # how long the last wait() blocked on the previous write
-        self._writing: Path | None = None  # the background write's temporary folder
 
     def prepare_host_buffers(self, roles: dict[str, Any]) -> None:
         """Map the host memory the first background save of `roles` copies into, on a thread beside the
@@ -189,28 +187,21 @@ class CheckpointManager:
     ) -> Path:
         """Write `global_step_<step>` atomically; returns its path. A background write still running is
         waited for first, and its error raised here. Now (`background=False`): from the live tensors,
-        raising DiskFullError on a full disk. In the background: from a host snapshot taken here, by
-        the writer process (`background.BackgroundWriter`); its error is raised by the next `save` or
-        `wait`."""
+        raising DiskFullError on a full disk. In the background: from a host snapshot taken here, on
+        the writer thread; its error is raised by the next `save` or `wait`."""
         self.wait()
         self.host_buffers.wait_prepared()
         pending = self._prepare(step, roles, trainer_state, run_config, copy=background)
         if not background:
             return self._write(pending)
         self.writer.submit(pending.final.name, lambda: self._write(pending))
-        self._writing = pending.tmp
         return pending.final
 
     def wait(self) -> None:
-        """Block until the background write (if any) is on disk; raise its error if it failed. A writer
-        process that died without cleaning up (killed on its own) leaves its folder: removed here."""
+        """Block until the background write (if any) is on disk; raise its error if it failed."""
         started = time.perf_counter()
         try:
             self.writer.wait()
-        except WriterDied:
-            if self._writing is not None:
-                shutil.rmtree(self._writing, ignore_errors=True)
-            raise
         finally:
             self.waited_s = time.perf_counter() - started
 
@@ -244,14 +235,13 @@ class CheckpointManager:
         free = shutil.disk_usage(self.run_dir).free
         if needed > free:
             raise self._disk_full(final, needed, free)
-        # The trainer's pid, not the writer process's: resume removes the folder once the trainer is gone.
-        tmp = self.run_dir / f"{final.name}.tmp-{os.getpid()}"
-        return PendingSave(step, final, tmp, needed, state, run_config, capture_rng_state(), snaps)
+        return PendingSave(step, final, needed, state, run_config, capture_rng_state(), snaps)
 
     def _write(self, pending: PendingSave) -> Path:
         """`pending` into `global_step_N.tmp-<pid>`, fsync'ed, renamed into place; then the latest-step
         file and retention. On any failure the temporary folder is removed and nothing is published."""
-        final, tmp = pending.final, pending.tmp
+        final = pending.final
+        tmp = self.run_dir / f"{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             tmp.mkdir()

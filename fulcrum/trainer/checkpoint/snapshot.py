@@ -1,4 +1,4 @@
-"""What a checkpoint writes of one role, taken between two steps: the state a background writer can put on
+"""What a checkpoint writes of one role, taken between two steps: the state a writer thread can put on
 disk while training goes on.
 
 Training changes weights, optimiser moments and the tokenizer's backend settings in place, so a write
