@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.side != "both":
         result = (run_trl if args.side == "trl" else run_fulcrum)(args.model, args.data, args.out, shape)
-        (args.out / f"{args.side}.json").write_text(json.dumps(result))
+        partial = args.out / f"{args.side}.json.partial"
+        partial.write_text(json.dumps(result))
+        partial.rename(args.out / f"{args.side}.json")  # whole or absent, should the side be stopped now
         return 0
 
     env = {
@@ -239,10 +241,12 @@ def main(argv: list[str] | None = None) -> int:
             code = subprocess.call(cmd, env=env, timeout=args.timeout_s)
         except subprocess.TimeoutExpired:  # call() has killed it
             code = f"stopped after {args.timeout_s:.0f} s"
-        if code != 0 or not (args.out / f"{side}.json").exists():
+        if not (args.out / f"{side}.json").exists():  # written once every step has run, then the side exits
             failed[side] = f"failed ({code})"
             print(f"vs_trl: the {side} side {failed[side]}; see above", file=sys.stderr, flush=True)
             continue
+        if code != 0:
+            print(f"vs_trl: the {side} side wrote its steps, then its process was {code}", file=sys.stderr)
         results[side] = json.loads((args.out / f"{side}.json").read_text())
         results[side]["tokens_per_s"] = warm_tokens_per_s(results[side]["steps"])
     ratio = results["fulcrum"]["tokens_per_s"] / results["trl"]["tokens_per_s"] if len(results) == 2 else None
