@@ -176,7 +176,8 @@ def test_gumbel_sampler_is_gumbel_max_of_philox_noise_four_uniforms_per_call():
 
 @pytest.mark.parametrize("temperature", [0.8, 0.0], ids=["sampled", "greedy"])
 def test_gumbel_sampler_tokens_do_not_depend_on_the_split_of_a_row(temperature):
-    """V = 5003 in 1, 2, 3 or 5 chunks of whole 1024-entry tiles; V = 2050 (not a multiple of 4), one row."""
+    """V = 5003 in 1, 2, 3 or 5 chunks of whole 1024-entry tiles; V = 2050 (not a multiple of 4), one row;
+    then in tiles of other sizes."""
     from fulcrum.rollout.native.kernels import gumbel_sample, sample_chunks
 
     torch.manual_seed(2)
@@ -188,6 +189,11 @@ def test_gumbel_sampler_tokens_do_not_depend_on_the_split_of_a_row(temperature):
         for s in splits:
             tokens, logprobs = gumbel_sample(logits, temperature, seed, splits=s)
             assert tokens.tolist() == base_tokens.tolist()
+            torch.testing.assert_close(logprobs, base_logprobs, atol=1e-6, rtol=0)
+        # nor on the launch bench/sample_sweep.py tunes: tiles of 512 or 2048 entries, programs per SM
+        for launch in ({"block": 512}, {"block": 2048, "programs_per_sm": 16}):
+            tokens, logprobs = gumbel_sample(logits, temperature, seed, **launch)
+            assert tokens.tolist() == base_tokens.tolist(), launch
             torch.testing.assert_close(logprobs, base_logprobs, atol=1e-6, rtol=0)
 
 

@@ -425,13 +425,25 @@ SAMPLE_PROGRAMS_PER_SM = 4
 DEFAULT_SM_COUNT = 132
 
 
-def sample_splits(batch: int, vocab: int, sm_count: int, block: int = SAMPLE_BLOCK) -> int:
-    """Programs per row for gumbel_sample: about SAMPLE_PROGRAMS_PER_SM per multiprocessor in all.
+# The sampler's launch beyond BLOCK and the split's aim: Triton's num_warps and num_stages (absent:
+# Triton's defaults). `bench/sample_sweep.py` times BLOCK, programs per SM and these on a GPU; the tokens
+# are the same under every launch (an entry's noise depends on its index only).
+SAMPLE_LAUNCH: dict[str, int] = {}
 
-    splits = clamp(ceil(SAMPLE_PROGRAMS_PER_SM * sm_count / batch), 1, ceil(vocab / block)),
+
+def sample_splits(
+    batch: int,
+    vocab: int,
+    sm_count: int,
+    block: int = SAMPLE_BLOCK,
+    programs_per_sm: int = SAMPLE_PROGRAMS_PER_SM,
+) -> int:
+    """Programs per row for gumbel_sample: about `programs_per_sm` per multiprocessor in all.
+
+    splits = clamp(ceil(programs_per_sm * sm_count / batch), 1, ceil(vocab / block)),
     the upper bound keeping every chunk at least one tile long.
     """
-    return max(1, min(_cdiv(SAMPLE_PROGRAMS_PER_SM * sm_count, batch), _cdiv(vocab, block)))
+    return max(1, min(_cdiv(programs_per_sm * sm_count, batch), _cdiv(vocab, block)))
 
 
 def sample_chunks(vocab: int, splits: int, block: int = SAMPLE_BLOCK) -> tuple[int, int]:
@@ -450,7 +462,14 @@ def _sm_count(device: torch.device) -> int:
 
 
 def gumbel_sample(
-    logits: torch.Tensor, temperature: float, seed: torch.Tensor, *, splits: int | None = None
+    logits: torch.Tensor,
+    temperature: float,
+    seed: torch.Tensor,
+    *,
+    splits: int | None = None,
+    block: int = SAMPLE_BLOCK,
+    programs_per_sm: int = SAMPLE_PROGRAMS_PER_SM,
+    launch: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of logits (B, V) by Gumbel-max; greedy when temperature == 0.
 
@@ -458,14 +477,19 @@ def gumbel_sample(
     `seed` is a one-element int64 device tensor (read on the device, so CUDA graphs may hold it).
     `splits` (programs per row, at most ceil(V / SAMPLE_BLOCK) used) defaults to sample_splits(B, V,
     the device's multiprocessors), fixed for a given (B, V, device) as CUDA graphs need; the tokens
-    do not depend on it, the log-probs only through the order of a float sum.
+    do not depend on it, the log-probs only through the order of a float sum. `block` (entries a loop
+    iteration, a multiple of 4), `programs_per_sm` and `launch` (num_warps, num_stages; default
+    SAMPLE_LAUNCH) change the launch only, never the tokens.
     """
     batch, vocab = logits.shape
     quads_per_row = _cdiv(vocab, 4)
     assert batch * quads_per_row < 2**31, "the Philox counter is int32"
     device = logits.device
-    wanted = sample_splits(batch, vocab, _sm_count(device)) if splits is None else splits
-    chunk, used = sample_chunks(vocab, wanted)
+    assert block % 4 == 0, "a tile holds whole Philox quads"
+    wanted = (
+        sample_splits(batch, vocab, _sm_count(device), block, programs_per_sm) if splits is None else splits
+    )
+    chunk, used = sample_chunks(vocab, wanted, block)
     tokens = torch.empty(batch, dtype=torch.long, device=device)
     logprobs = torch.empty(batch, dtype=torch.float32, device=device)
     part_f = torch.empty((3, batch, used), dtype=torch.float32, device=device)
@@ -474,7 +498,8 @@ def gumbel_sample(
     inv_temperature = 1.0 if greedy else 1.0 / temperature
     _gumbel_sample_partial_kernel[(batch, used)](
         logits, logits.stride(0), vocab, quads_per_row, chunk, inv_temperature, seed,
-        part_f[0], part_f[1], part_f[2], part_idx, GREEDY=greedy, BLOCK=SAMPLE_BLOCK,
+        part_f[0], part_f[1], part_f[2], part_idx, GREEDY=greedy, BLOCK=block,
+        **(launch if launch is not None else SAMPLE_LAUNCH),
     )  # fmt: skip
     _gumbel_sample_combine_kernel[(batch,)](
         logits, logits.stride(0), vocab, used, inv_temperature,
