@@ -18,9 +18,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_sweep import time_call  # CUDA events, the median after warm-up
 
 from fulcrum.rollout.native import kernels
 
@@ -31,21 +35,6 @@ BLOCKS = (512, 1024, 2048, 4096)
 PROGRAMS_PER_SM = (2, 4, 8, 16)
 WARPS = (2, 4, 8, 16)
 STAGES = (1, 2, 3)
-
-
-def time_call(fn, repeats: int = 50, warmup: int = 5) -> float:
-    """Median µs of `fn()` by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def sweep_shape(name: str, rows: int, vocab: int, device: torch.device, small: bool) -> dict:
