@@ -3,14 +3,16 @@
     python bench/sample_sweep.py [--json out.json]
     python bench/sample_sweep.py --small      # the script's path under TRITON_INTERPRET=1 (no GPU)
 
-The decode step of the 0.5B shape spends 341 µs of its 2,464 in `kernels.gumbel_sample` (512 rows of
-151,936 logits: one Philox call per four entries, two logs and two exps per entry; BENCHMARKS.md,
-"Where a decode step's time goes"); it was predicted at 120–150 µs. This times one call on each shape's decode batch (bf16 logits, the engine's default, temperature 1) for every combination of
-BLOCK (entries a loop iteration), programs per multiprocessor (the split of each row), num_warps and
-num_stages. Each configuration's tokens are checked equal to the current default's (an entry's noise
-depends on its index only, so every launch samples the same tokens) and its log-probs close, before it
-is timed (CUDA events, median of 50 calls after 5). It prints one line per configuration and the best
-per shape with its speed-up and the rate in logits read per ns.
+The decode step of the 0.5B shape spends 341 µs of its 2,464 in `sample_kernels.gumbel_sample` (512
+rows of 151,936 logits: one Philox call per four entries, two logs and two exps per entry; BENCHMARKS.md,
+"Where a decode step's time goes"); it was predicted at 120–150 µs. This times one call on each shape's
+decode batch (bf16 logits, the engine's default, temperature 1) for every combination of BLOCK (entries
+a loop iteration), programs per multiprocessor (the split of each row), num_warps, num_stages and
+TILE_SOFTMAX (the softmax's running max and sum per program: one exp an entry, not two). Each
+configuration's tokens are checked equal to the current default's (an entry's noise depends on its
+index only, so every launch samples the same tokens) and its log-probs close, before it is timed (CUDA
+events, median of 50 calls after 5). It prints one line per configuration and the best per shape with
+its speed-up and the rate in logits read per ns.
 """
 
 from __future__ import annotations
@@ -26,15 +28,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_sweep import time_call  # CUDA events, the median after warm-up
 
-from fulcrum.rollout.native import kernels
+from fulcrum.rollout.native import sample_kernels
 
 # (name, rows, vocabulary): the decode batches of the two shapes profiled
 SHAPES = [("qwen2.5-0.5b", 512, 151936), ("smollm2-135m", 1024, 49152)]
 SMALL_SHAPES = [("small", 8, 1000)]
 BLOCKS = (512, 1024, 2048, 4096)
 PROGRAMS_PER_SM = (2, 4, 8, 16)
-WARPS = (2, 4, 8, 16)
-STAGES = (1, 2, 3)
+WARPS = (2, 4, 8)
+STAGES = (1, 2)
+TILE_SOFTMAX = (0, 1)  # the softmax's running max and sum per element (two exps) or per program (one)
 
 
 def sweep_shape(name: str, rows: int, vocab: int, device: torch.device, small: bool) -> dict:
@@ -44,44 +47,38 @@ def sweep_shape(name: str, rows: int, vocab: int, device: torch.device, small: b
     seed = torch.tensor([1234], dtype=torch.int64, device=device)
 
     def run(**launch: object) -> tuple[torch.Tensor, torch.Tensor]:
-        return kernels.gumbel_sample(logits, 1.0, seed, **launch)
+        return sample_kernels.gumbel_sample(logits, 1.0, seed, **launch)
 
     timer = (lambda fn: 0.0) if small else time_call
     ref_tokens, ref_logprobs = run()
     default_us = timer(run)
     results = []
-    grid = itertools.product(BLOCKS, PROGRAMS_PER_SM, WARPS, STAGES)
+    grid = itertools.product(BLOCKS, PROGRAMS_PER_SM, WARPS, STAGES, TILE_SOFTMAX)
     if small:  # the path only: a few launches on the interpreter
-        grid = [(512, 4, 4, 1), (1024, 2, 2, 2)]
-    for block, per_sm, warps, stages in grid:
-        launch = {
-            "block": block,
-            "programs_per_sm": per_sm,
-            "launch": {"num_warps": warps, "num_stages": stages},
-        }
+        grid = [(512, 4, 4, 1, 0), (1024, 2, 2, 2, 1)]
+    for block, per_sm, warps, stages, tile_softmax in grid:
+        kernel = {"num_warps": warps, "num_stages": stages, "TILE_SOFTMAX": tile_softmax}
+        launch = {"block": block, "programs_per_sm": per_sm, "launch": kernel}
         try:
             tokens, logprobs = run(**launch)
             assert torch.equal(tokens, ref_tokens), "another token sampled"
-            torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)  # the sum's order
             us = timer(lambda launch=launch: run(**launch))
         except Exception as exc:  # a configuration Triton cannot build (shared memory, registers)
             print(f"{name} {launch}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}", flush=True)
             continue
-        row = {
-            "shape": name,
-            "BLOCK": block,
-            "programs_per_sm": per_sm,
-            "num_warps": warps,
-            "num_stages": stages,
-        }
+        row = {"shape": name, "BLOCK": block, "programs_per_sm": per_sm, **kernel}
         row |= {"us": round(us, 2), "logits_per_ns": round(rows * vocab / us / 1e3, 2) if us else None}
         results.append(row)
         print(json.dumps(row), flush=True)
     best = min(results, key=lambda r: r["us"])
     summary = {
         "shape": name,
-        "default": {"BLOCK": kernels.SAMPLE_BLOCK, "programs_per_sm": kernels.SAMPLE_PROGRAMS_PER_SM}
-        | kernels.SAMPLE_LAUNCH,
+        "default": {
+            "BLOCK": sample_kernels.SAMPLE_BLOCK,
+            "programs_per_sm": sample_kernels.SAMPLE_PROGRAMS_PER_SM,
+            **sample_kernels.SAMPLE_LAUNCH,
+        },
         "default_us": round(default_us, 2),
         "best": best,
         "speedup": round(default_us / best["us"], 3) if best["us"] else None,

@@ -1,13 +1,8 @@
-"""Triton kernels for the CUDA path: paged decode attention, fused norms, RoPE, SwiGLU, Gumbel-max sampling.
+"""Triton kernels for the CUDA path: paged decode attention, fused norms, RoPE, SwiGLU (the sampler's
+are in `sample_kernels`).
 
 Each mirrors a torch function of `ops.py` (tests compare them, on the GPU or under TRITON_INTERPRET=1).
 Importing this module needs `triton`; `HAVE_TRITON` says whether it is there.
-
-Sampling (`gumbel_sample`) was bound by the integer multiplies of its Philox4x32-10 noise, so each
-Philox call serves four vocabulary entries (all four of its 32-bit outputs), and each row is split
-over several programs whose partial results a second small kernel combines: a small batch still
-fills the GPU, and a large one gets more warps per SM to hide the multiply latency (487 -> 341 µs a
-0.5B decode step on an H200).
 """
 
 from __future__ import annotations
@@ -30,10 +25,10 @@ if HAVE_TRITON:
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
         scale, window,
         stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_bt, stride_o_tok, stride_o_head,
-        cache_addr_ptr, k_offset, v_offset,
+        cache_addr_ptr, k_offset, v_offset, part_out_ptr, part_lse_ptr,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         TILE: tl.constexpr, PRECISION: tl.constexpr, INDIRECT: tl.constexpr, CACHE_DTYPE: tl.constexpr,
-        SLIDING: tl.constexpr,
+        SLIDING: tl.constexpr, SPLITS: tl.constexpr,
     ):  # fmt: skip
         # One program per (sequence, KV head): the GROUP query heads that share the KV head are
         # processed together, so each K/V tile is read once. Online softmax over TILE-token tiles.
@@ -41,6 +36,10 @@ if HAVE_TRITON:
         # argument, so a CUDA graph holding this kernel survives the cache being freed and reallocated.
         # SLIDING (window > 0): only the window latest positions are read (sliding-window layers). A
         # compile-time switch, so full-attention layers run the loop from 0 with no position floor.
+        # SPLITS > 1 (flash-decoding): program (seq, kv_head, split) reads the split-th of the context's
+        # tiles and writes its heads' normalised partial output and log-sum-exp to part_out / part_lse
+        # (B, Hq, SPLITS, D) and (B, Hq, SPLITS); _decode_combine_kernel merges them. More programs
+        # for a batch whose (sequence, KV head) pairs leave the GPU's warps short of memory requests.
         if INDIRECT:
             # The alignment hint restores the vectorised loads that a pointer argument gets for free.
             base = tl.multiple_of(tl.load(cache_addr_ptr), 16).to(tl.pointer_type(CACHE_DTYPE))
@@ -67,7 +66,14 @@ if HAVE_TRITON:
         else:
             first = 0
             tile_start = 0
-        for start in range(tile_start, context_len, TILE):
+        loop_end = context_len
+        if SPLITS > 1:
+            split = tl.program_id(2)
+            tiles = tl.cdiv(context_len - tile_start, TILE)
+            per_split = tl.cdiv(tiles, SPLITS) * TILE
+            tile_start = tile_start + split * per_split
+            loop_end = tl.minimum(context_len, tile_start + per_split)
+        for start in range(tile_start, loop_end, TILE):
             pos = start + tl.arange(0, TILE)
             pos_ok = pos < context_len
             if SLIDING:
@@ -85,12 +91,38 @@ if HAVE_TRITON:
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(
-            out_ptr + seq * stride_o_tok + head[:, None] * stride_o_head + dim[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=head_ok[:, None],
-        )
+        if SPLITS > 1:  # a split past the context read nothing: weight 0 in the combine
+            read = l_i > 0
+            part = tl.where(read[:, None], acc / tl.where(read, l_i, 1.0)[:, None], 0.0)
+            lse = tl.where(read, m_i + tl.log(tl.where(read, l_i, 1.0)), float("-inf"))
+            row = (seq * GROUP * tl.num_programs(1) + head) * SPLITS + tl.program_id(2)  # (b, h, split)
+            tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dim[None, :], part, mask=head_ok[:, None])
+            tl.store(part_lse_ptr + row, lse, mask=head_ok)
+        else:
+            out = acc / l_i[:, None]
+            tl.store(
+                out_ptr + seq * stride_o_tok + head[:, None] * stride_o_head + dim[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=head_ok[:, None],
+            )
+
+    @triton.jit
+    def _decode_combine_kernel(
+        part_out_ptr, part_lse_ptr, out_ptr, stride_o_tok, stride_o_head,
+        HEADS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (sequence, query head): out = sum_s w_s * o_s / sum_s w_s, w_s = exp(lse_s - max lse).
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        split = tl.arange(0, SPLITS_PAD)
+        dim = tl.arange(0, HEAD_DIM)
+        ok = split < SPLITS
+        row = (seq * HEADS + head) * SPLITS + split
+        lse = tl.load(part_lse_ptr + row, mask=ok, other=float("-inf"))
+        weight = tl.exp(lse - tl.max(lse, 0))  # every context has a token: one split at least read
+        part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + dim[None, :], mask=ok[:, None], other=0.0)
+        out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+        tl.store(out_ptr + seq * stride_o_tok + head * stride_o_head + dim, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -166,105 +198,6 @@ if HAVE_TRITON:
         out = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
-    @triton.jit
-    def _gumbel_sample_partial_kernel(
-        logits_ptr, stride_row, vocab, quads_per_row, chunk, inv_temperature, seed_ptr,
-        part_max_ptr, part_sum_ptr, part_best_ptr, part_idx_ptr,
-        GREEDY: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        # Program (row, part) reduces the chunk [part * chunk, (part + 1) * chunk) of its row to four
-        # partials: the max of logits/T, the sum of exp(logits/T - that max), the best Gumbel score
-        # logits/T - log(-log u) and the lowest index holding it; _gumbel_sample_combine_kernel merges
-        # the chunks of a row. GREEDY drops the noise (the score is logits/T, T = 1).
-        #
-        # Cost: one Philox4x32-10 per element (tl.rand keeps one of its four 32-bit outputs) made the
-        # one-program-per-row kernel integer-multiply bound: 488 µs of a 2,830 µs decode step at
-        # 512 x 151936 on an H200. Here one Philox call serves the four consecutive elements
-        # 4Q .. 4Q + 3 of a row (lane = index % 4 picks one of its outputs), a quarter of that work;
-        # the split gives a small batch the whole GPU and a 512-row batch twice the programs of one
-        # per row (more warps per SM to hide the multiply latency). Expected about 120-150 µs per
-        # decode step at 512 x 151936 on an H200; measured 341 (from 487): the multiplies were not all
-        # of it, and bench/sample_sweep.py times the launch for the rest.
-        row = tl.program_id(0).to(tl.int64)
-        part = tl.program_id(1)
-        lo = part * chunk
-        hi = tl.minimum(lo + chunk, vocab)
-        seed = tl.load(seed_ptr)
-        # The tile as (BLOCK // 4, 4): row q holds the elements 4q .. 4q + 3 of the tile, which share
-        # one Philox call. Tiles start at multiples of BLOCK (a multiple of 4), so these are the
-        # elements 4Q .. 4Q + 3 of the row, Q = start // 4 + q.
-        quad = tl.arange(0, BLOCK // 4)
-        lane = tl.arange(0, 4)[None, :]
-        cols = quad[:, None] * 4 + lane
-        run_max = tl.full((BLOCK // 4, 4), float("-inf"), tl.float32)
-        run_sum = tl.zeros((BLOCK // 4, 4), tl.float32)
-        best_val = tl.full((BLOCK // 4, 4), float("-inf"), tl.float32)
-        best_idx = tl.zeros((BLOCK // 4, 4), tl.int32)
-        for start in range(lo, hi, BLOCK):
-            idx = start + cols
-            ok = idx < hi
-            x = tl.load(logits_ptr + row * stride_row + idx, mask=ok, other=float("-inf")).to(tl.float32)
-            x = x * inv_temperature
-            new_max = tl.maximum(run_max, x)
-            safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-            run_sum = run_sum * tl.exp(run_max - safe) + tl.exp(x - safe)
-            run_max = new_max
-            if GREEDY:
-                score = x
-            else:
-                # Philox counter row * ceil(V / 4) + Q: an element's noise depends on (seed, row,
-                # index) only, never on the split. The wrapper keeps batch * ceil(V / 4) < 2^31
-                # (56,536 rows at V = 151936), so the counter fits in int32, as tl.rand's does.
-                counter = (row * quads_per_row + start // 4).to(tl.int32) + quad
-                r0, r1, r2, r3 = tl.randint4x(seed, counter)
-                bits = tl.where(
-                    lane == 0,
-                    r0[:, None],
-                    tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])),
-                )
-                u = tl.uint_to_uniform_float(bits)  # tl.rand's conversion: [0, 1)
-                u = tl.minimum(tl.maximum(u, 1e-20), 0.99999994)
-                score = x - tl.log(-tl.log(u))
-            score = tl.where(ok, score, float("-inf"))
-            better = score > best_val  # strict: a lane keeps its lowest index among equal scores
-            best_val = tl.where(better, score, best_val)
-            best_idx = tl.where(better, idx, best_idx)
-        chunk_max = tl.max(run_max)
-        safe_max = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
-        chunk_best = tl.max(best_val)
-        slot = row * tl.num_programs(1) + part
-        tl.store(part_max_ptr + slot, chunk_max)
-        tl.store(part_sum_ptr + slot, tl.sum(run_sum * tl.exp(run_max - safe_max)))
-        tl.store(part_best_ptr + slot, chunk_best)
-        tl.store(part_idx_ptr + slot, tl.min(tl.where(best_val == chunk_best, best_idx, vocab)))
-
-    @triton.jit
-    def _gumbel_sample_combine_kernel(
-        logits_ptr, stride_row, vocab, splits, inv_temperature,
-        part_max_ptr, part_sum_ptr, part_best_ptr, part_idx_ptr, tokens_ptr, logprobs_ptr,
-        SPLITS_PAD: tl.constexpr,
-    ):  # fmt: skip
-        # One program per row merges its chunks' partials: row max M = max_i m_i, the softmax
-        # denominator sum_i s_i * exp(m_i - M), and the best score with the lowest index among equal
-        # scores (the chunks are disjoint index ranges, each reporting its lowest: torch.argmax's
-        # tie-break). log-prob = picked / T - M - log(denominator).
-        row = tl.program_id(0).to(tl.int64)
-        part = tl.arange(0, SPLITS_PAD)
-        ok = part < splits
-        slot = row * splits + part
-        part_max = tl.load(part_max_ptr + slot, mask=ok, other=float("-inf"))
-        part_sum = tl.load(part_sum_ptr + slot, mask=ok, other=0.0)
-        part_best = tl.load(part_best_ptr + slot, mask=ok, other=float("-inf"))
-        part_idx = tl.load(part_idx_ptr + slot, mask=ok, other=0)
-        row_max = tl.max(part_max, 0)
-        safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
-        total = tl.sum(part_sum * tl.exp(part_max - safe_max), 0)
-        top = tl.max(part_best, 0)
-        token = tl.min(tl.where(ok & (part_best == top), part_idx, vocab), 0)
-        picked = tl.load(logits_ptr + row * stride_row + token).to(tl.float32) * inv_temperature
-        tl.store(tokens_ptr + row, token.to(tl.int64))
-        tl.store(logprobs_ptr + row, picked - row_max - tl.log(total))
-
 
 class IndirectCache:
     """A KV cache (layers, 2, slots, Hkv, D) seen through a one-element device tensor holding its address.
@@ -297,11 +230,55 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# The paged decode kernel's launch: TILE positions a loop iteration, and Triton's num_warps and num_stages
+# The paged decode kernel's launch: TILE positions a loop iteration, SPLITS programs a (sequence, KV head)
+# (flash-decoding; 1: the kernel writes the output itself), and Triton's num_warps and num_stages
 # (absent: Triton's defaults). `bench/attention_sweep.py` times the alternatives on a GPU: on an H200 one
 # warp a program with 4 stages was the fastest launch common to both shapes swept, 1.27x Triton's
-# defaults on Qwen2.5-0.5B's (76.6 -> 60.4 us a layer's call) and 1.14x on SmolLM2-135M's (BENCHMARKS.md).
-DECODE_LAUNCH: dict[str, int] = {"TILE": 64, "num_warps": 1, "num_stages": 4}
+# defaults on Qwen2.5-0.5B's (76.6 -> 60.4 us a layer's call) and 1.14x on SmolLM2-135M's (BENCHMARKS.md);
+# SPLITS > 1 was not swept then.
+DECODE_LAUNCH: dict[str, int] = {"TILE": 64, "SPLITS": 1, "num_warps": 1, "num_stages": 4}
+
+
+def _decode(
+    q: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    cache_strides: tuple[int, int],
+    indirect: tuple[torch.Tensor, int, int] | None,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    out: torch.Tensor,
+    window: int | None,
+    cache_dtype: torch.dtype,
+    num_kv_heads: int,
+    launch: dict[str, int] | None,
+) -> torch.Tensor:
+    """Launch _paged_decode_kernel (and, with SPLITS > 1, _decode_combine_kernel) into `out`."""
+    batch, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    params = {**DECODE_LAUNCH, **(launch or {})}
+    splits = params["SPLITS"]
+    if splits > 1:
+        part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # not written
+    address, k_offset, v_offset = indirect if indirect is not None else (context_lens, 0, 0)
+    _paged_decode_kernel[(batch, num_kv_heads, splits)](
+        q, caches[0], caches[1], block_tables, context_lens, out, scale, window or 0,
+        q.stride(0), q.stride(1), cache_strides[0], cache_strides[1], block_tables.stride(0),
+        out.stride(0), out.stride(1), address, k_offset, v_offset, part_out, part_lse,
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INDIRECT=indirect is not None,
+        CACHE_DTYPE=_TL_DTYPES[cache_dtype], SLIDING=bool(window), **params,
+    )  # fmt: skip
+    if splits > 1:
+        _decode_combine_kernel[(batch, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            HEADS=num_heads, SPLITS=splits, SPLITS_PAD=max(2, _next_pow2(splits)), HEAD_DIM=head_dim,
+        )  # fmt: skip
+    return out
 
 
 def paged_decode_attention(
@@ -317,21 +294,12 @@ def paged_decode_attention(
     launch: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Triton twin of ops.decode_attention_gather. q: (B, Hq, D); caches (slots, Hkv, D) -> (B, Hq, D).
-    `launch` replaces DECODE_LAUNCH (TILE, num_warps, num_stages)."""
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    out = torch.empty_like(q) if out is None else out
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _paged_decode_kernel[(batch, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale, window or 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), context_lens, 0, 0,
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
-        PRECISION=precision, INDIRECT=False, CACHE_DTYPE=_TL_DTYPES[q.dtype], SLIDING=bool(window),
-        **(launch or DECODE_LAUNCH),
+    `launch` overrides DECODE_LAUNCH's keys (TILE, SPLITS, num_warps, num_stages)."""
+    return _decode(
+        q, (k_cache, v_cache), (k_cache.stride(0), k_cache.stride(1)), None, block_tables, context_lens,
+        block_size, scale, torch.empty_like(q) if out is None else out, window, q.dtype, k_cache.shape[1],
+        launch,
     )  # fmt: skip
-    return out
 
 
 def paged_decode_attention_indirect(
@@ -345,20 +313,12 @@ def paged_decode_attention_indirect(
     window: int | None = None,
 ) -> torch.Tensor:
     """paged_decode_attention over layer `layer` of an IndirectCache (address read on the device)."""
-    batch, num_heads, head_dim = q.shape
-    group = num_heads // cache.num_kv_heads
-    out = torch.empty_like(q)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    k_offset, v_offset = cache.offsets(layer)
-    _paged_decode_kernel[(batch, cache.num_kv_heads)](
-        q, q, q, block_tables, context_lens, out, scale, window or 0,
-        q.stride(0), q.stride(1), cache.num_kv_heads * head_dim, head_dim, block_tables.stride(0),
-        out.stride(0), out.stride(1), cache.address, k_offset, v_offset,
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
-        PRECISION=precision, INDIRECT=True, CACHE_DTYPE=_TL_DTYPES[cache.dtype], SLIDING=bool(window),
-        **DECODE_LAUNCH,
+    head_dim = q.shape[2]
+    return _decode(
+        q, (q, q), (cache.num_kv_heads * head_dim, head_dim), (cache.address, *cache.offsets(layer)),
+        block_tables, context_lens, block_size, scale, torch.empty_like(q), window, cache.dtype,
+        cache.num_kv_heads, None,
     )  # fmt: skip
-    return out
 
 
 def add_rms_norm(
@@ -417,95 +377,3 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
     return out
-
-
-# Elements per tile of the sampling kernels; a multiple of 4 (one Philox call per 4 elements).
-SAMPLE_BLOCK = 1024
-# Sampling programs per multiprocessor that the split aims for, over the whole batch.
-SAMPLE_PROGRAMS_PER_SM = 4
-# Multiprocessors assumed off CUDA (the interpreter): an H200's, so the split matches the GPU's.
-DEFAULT_SM_COUNT = 132
-
-
-# The sampler's launch beyond BLOCK and the split's aim: Triton's num_warps and num_stages (absent:
-# Triton's defaults). `bench/sample_sweep.py` times BLOCK, programs per SM and these on a GPU; the tokens
-# are the same under every launch (an entry's noise depends on its index only).
-SAMPLE_LAUNCH: dict[str, int] = {}
-
-
-def sample_splits(
-    batch: int,
-    vocab: int,
-    sm_count: int,
-    block: int = SAMPLE_BLOCK,
-    programs_per_sm: int = SAMPLE_PROGRAMS_PER_SM,
-) -> int:
-    """Programs per row for gumbel_sample: about `programs_per_sm` per multiprocessor in all.
-
-    splits = clamp(ceil(programs_per_sm * sm_count / batch), 1, ceil(vocab / block)),
-    the upper bound keeping every chunk at least one tile long.
-    """
-    return max(1, min(_cdiv(programs_per_sm * sm_count, batch), _cdiv(vocab, block)))
-
-
-def sample_chunks(vocab: int, splits: int, block: int = SAMPLE_BLOCK) -> tuple[int, int]:
-    """(chunk, splits used): the row cut into chunks of whole tiles, none of them empty.
-
-    chunk = ceil(ceil(vocab / splits) / block) * block, splits used = ceil(vocab / chunk) <= splits.
-    """
-    chunk = _cdiv(_cdiv(vocab, splits), block) * block
-    return chunk, _cdiv(vocab, chunk)
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return DEFAULT_SM_COUNT
-
-
-def gumbel_sample(
-    logits: torch.Tensor,
-    temperature: float,
-    seed: torch.Tensor,
-    *,
-    splits: int | None = None,
-    block: int = SAMPLE_BLOCK,
-    programs_per_sm: int = SAMPLE_PROGRAMS_PER_SM,
-    launch: dict[str, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of logits (B, V) by Gumbel-max; greedy when temperature == 0.
-
-    Returns (tokens (B,) int64, log-probs (B,) fp32 under softmax(logits / T), T = 1 when greedy).
-    `seed` is a one-element int64 device tensor (read on the device, so CUDA graphs may hold it).
-    `splits` (programs per row, at most ceil(V / block) used) defaults to sample_splits(B, V,
-    the device's multiprocessors), fixed for a given (B, V, device) as CUDA graphs need; the tokens
-    do not depend on it, the log-probs only through the order of a float sum. `block` (entries a loop
-    iteration, a multiple of 4), `programs_per_sm` and `launch` (num_warps, num_stages; default
-    SAMPLE_LAUNCH) change the launch only, never the tokens.
-    """
-    batch, vocab = logits.shape
-    quads_per_row = _cdiv(vocab, 4)
-    assert batch * quads_per_row < 2**31, "the Philox counter is int32"
-    device = logits.device
-    assert block % 4 == 0, "a tile holds whole Philox quads"
-    wanted = (
-        sample_splits(batch, vocab, _sm_count(device), block, programs_per_sm) if splits is None else splits
-    )
-    chunk, used = sample_chunks(vocab, wanted, block)
-    tokens = torch.empty(batch, dtype=torch.long, device=device)
-    logprobs = torch.empty(batch, dtype=torch.float32, device=device)
-    part_f = torch.empty((3, batch, used), dtype=torch.float32, device=device)
-    part_idx = torch.empty((batch, used), dtype=torch.int32, device=device)
-    greedy = temperature == 0
-    inv_temperature = 1.0 if greedy else 1.0 / temperature
-    _gumbel_sample_partial_kernel[(batch, used)](
-        logits, logits.stride(0), vocab, quads_per_row, chunk, inv_temperature, seed,
-        part_f[0], part_f[1], part_f[2], part_idx, GREEDY=greedy, BLOCK=block,
-        **(launch if launch is not None else SAMPLE_LAUNCH),
-    )  # fmt: skip
-    _gumbel_sample_combine_kernel[(batch,)](
-        logits, logits.stride(0), vocab, used, inv_temperature,
-        part_f[0], part_f[1], part_f[2], part_idx, tokens, logprobs,
-        SPLITS_PAD=max(16, _next_pow2(used)),
-    )  # fmt: skip
-    return tokens, logprobs

@@ -31,7 +31,7 @@ class DeviceSampler:
         """logits (B, V) -> (tokens (B,) int64, log-probs (B,) fp32)."""
         p = self.params
         if self.use_triton:
-            from fulcrum.rollout.native.kernels import gumbel_sample
+            from fulcrum.rollout.native.sample_kernels import gumbel_sample
 
             tokens, logprobs = gumbel_sample(logits, p.temperature, self.seed)
             self.seed.add_(1)
