@@ -12,9 +12,10 @@ prefill step (first-token sampling included), `decode_window` around each window
 (`launch_decode`: its `decode_steps` steps and the copy of its tokens to the host; the read that waits
 for them follows, between windows, so the host between windows includes that wait: trees before the
 launch/read split annotated `decode`, read included), `decode_step` around each step's forward (a
-graph replay, or the eager forward). A GPU event (kernel, memcpy, memset) belongs to the step whose host span holds its launch
-(the runtime or driver call with the same correlation id: the kernels of a graph replay share the
-`cudaGraphLaunch`'s), so a step is its forward plus the sampler and bookkeeping that follow it.
+graph replay, or the eager forward). A GPU event (kernel, memcpy, memset) belongs to the step whose
+host span holds its launch (the runtime or driver call with the same correlation id: the kernels of a
+graph replay share the `cudaGraphLaunch`'s), so a step is its forward plus the sampler and bookkeeping
+that follow it.
 
 Per decode step, on the GPU timeline: `wall` (first event of the step to the first of the next; the
 last step of a window ends at its last event), `busy` (the union of its events), `idle` (wall - busy:

@@ -138,7 +138,7 @@ def test_interleaved_conversations_of_different_turn_counts_equal_each_one_run_a
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["windows-in-turn", "overlap-windows"])
 def test_held_blocks_give_way_under_memory_pressure_without_changing_a_token(model, overlap):
-    roomy = run_conversations(engine_for(model), 6, GREEDY)
+    roomy = run_conversations(engine_for(model, overlap_windows=False), 6, GREEDY)
     # 12 blocks of 8 tokens: six conversations of up to 70 tokens cannot all keep their blocks.
     tight = engine_for(model, num_kv_blocks=12, block_size=8, overlap_windows=overlap)
     squeezed = run_conversations(tight, 6, GREEDY, tool_steps=3)

@@ -218,15 +218,16 @@ class IndirectCache:
 
     def offsets(self, layer: int) -> tuple[int, int]:
         """Element offsets of layer `layer`'s K and V planes from the cache's start."""
-        plane = self.num_slots * self.num_kv_heads * self.head_dim
-        return 2 * layer * plane, (2 * layer + 1) * plane
+        return plane_offsets(self.num_slots * self.num_kv_heads * self.head_dim, layer)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def plane_offsets(plane: int, layer: int) -> tuple[int, int]:
+    """Element offsets of layer `layer`'s K and V planes in a (layers, 2, slots, Hkv, D) cache whose
+    planes hold `plane` = slots * Hkv * D elements each."""
+    return 2 * layer * plane, (2 * layer + 1) * plane
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -269,14 +270,14 @@ def _decode(
         q, caches[0], caches[1], block_tables, context_lens, out, scale, window or 0,
         q.stride(0), q.stride(1), cache_strides[0], cache_strides[1], block_tables.stride(0),
         out.stride(0), out.stride(1), address, k_offset, v_offset, part_out, part_lse,
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INDIRECT=indirect is not None,
         CACHE_DTYPE=_TL_DTYPES[cache_dtype], SLIDING=bool(window), **params,
     )  # fmt: skip
     if splits > 1:
         _decode_combine_kernel[(batch, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
-            HEADS=num_heads, SPLITS=splits, SPLITS_PAD=max(2, _next_pow2(splits)), HEAD_DIM=head_dim,
+            HEADS=num_heads, SPLITS=splits, SPLITS_PAD=max(2, next_pow2(splits)), HEAD_DIM=head_dim,
         )  # fmt: skip
     return out
 
@@ -329,7 +330,7 @@ def add_rms_norm(
     out = torch.empty_like(x)
     _add_rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, eps, hidden,
-        HAS_RESIDUAL=residual is not None, BLOCK=_next_pow2(hidden),
+        HAS_RESIDUAL=residual is not None, BLOCK=next_pow2(hidden),
     )  # fmt: skip
     return out
 
@@ -357,14 +358,13 @@ def rope_and_store_kv(
         tensor, address, indirect, dtype = k, cache.address, True, cache.dtype
     else:
         assert cache.is_contiguous() and cache.shape[-2:] == (kv_heads, head_dim)
-        plane = cache.shape[2] * kv_heads * head_dim
-        k_offset, v_offset = 2 * layer * plane, (2 * layer + 1) * plane
+        k_offset, v_offset = plane_offsets(cache.shape[2] * kv_heads * head_dim, layer)
         tensor, address, indirect, dtype = cache, positions, False, cache.dtype
     assert dtype == k.dtype == v.dtype
     _rope_kernel[(tokens,)](
         q, k, positions, cos_sin, q.stride(0), k.stride(0), num_q_heads, kv_heads,
         v, v.stride(0), slots, tensor, address, k_offset, v_offset,
-        HALF=head_dim // 2, HEADS_PAD=_next_pow2(max(num_q_heads, kv_heads)), INDIRECT=indirect,
+        HALF=head_dim // 2, HEADS_PAD=next_pow2(max(num_q_heads, kv_heads)), INDIRECT=indirect,
         CACHE_DTYPE=_TL_DTYPES[dtype],
     )  # fmt: skip
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fulcrum.rollout.native.kernels import HAVE_TRITON, _cdiv, _next_pow2
+from fulcrum.rollout.native.kernels import HAVE_TRITON, next_pow2
 
 if HAVE_TRITON:
     import triton
@@ -138,6 +138,10 @@ if HAVE_TRITON:
         tl.store(logprobs_ptr + row, picked - row_max - tl.log(total))
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 # Elements per tile of the sampling kernels; a multiple of 4 (one Philox call per 4 elements).
 SAMPLE_BLOCK = 1024
 # Sampling programs per multiprocessor that the split aims for, over the whole batch.
@@ -226,6 +230,6 @@ def gumbel_sample(
     _gumbel_sample_combine_kernel[(batch,)](
         logits, logits.stride(0), vocab, used, inv_temperature,
         part_f[0], part_f[1], part_f[2], part_idx, tokens, logprobs,
-        SPLITS_PAD=max(16, _next_pow2(used)),
+        SPLITS_PAD=max(16, next_pow2(used)),
     )  # fmt: skip
     return tokens, logprobs

@@ -136,8 +136,11 @@ class Scheduler:
     # ------------------------------------------------------------------------------ scheduling
     def schedule(self) -> PrefillWork | DecodeWork:
         work = self._schedule()
-        self.peak_blocks = max(self.peak_blocks, self.blocks.num_usable - self.blocks.num_free)
+        self._note_peak()
         return work
+
+    def _note_peak(self) -> None:
+        self.peak_blocks = max(self.peak_blocks, self.blocks.num_usable - self.blocks.num_free)
 
     def _schedule(self) -> PrefillWork | DecodeWork:
         prefill = self._schedule_prefill()
@@ -280,7 +283,7 @@ class Scheduler:
         if self._blocks_needed(seqs, ahead) > self.blocks.num_free:
             return None
         self._grow(seqs, ahead)
-        self.peak_blocks = max(self.peak_blocks, self.blocks.num_usable - self.blocks.num_free)
+        self._note_peak()
         return DecodeWork(seqs, steps, rows)
 
     def after_decode(self, work: DecodeWork, tokens: list[list[int]], logprobs: list[list[float]]) -> None:

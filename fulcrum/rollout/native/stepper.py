@@ -157,29 +157,29 @@ class Stepper:
         """Work queued or running, a window in flight, or turns finished by `settle` not handed out."""
         return self.scheduler.has_work() or self.inflight is not None or bool(self.scheduler.finished)
 
+    def _take_inflight(self) -> tuple[DecodeWork, DecodeLaunch] | None:
+        """The window in flight (overlap_windows), no longer in flight once taken."""
+        inflight, self.inflight = self.inflight, None
+        return inflight
+
     def settle(self) -> None:
         """Read the window in flight (overlap_windows) into the scheduler, launching none after it: the
         turns it finishes come out of the next `step`."""
-        if self.inflight is not None:
-            work, launch = self.inflight
-            self.inflight = None
-            self._read(work, launch, time.perf_counter())
+        if (inflight := self._take_inflight()) is not None:
+            self._read(*inflight, time.perf_counter())
 
     def abort(self) -> None:
         """Drop every queued and running sequence (held ones stay), after the window in flight ends."""
-        if self.inflight is not None:
-            self.runner.read_decode(self.inflight[1])
-            self.inflight = None
+        if (inflight := self._take_inflight()) is not None:
+            self.runner.read_decode(inflight[1])
         self.scheduler.abort()
 
     # ------------------------------------------------------------------------------ stepping
     def step(self) -> list[SequenceOutput]:
         """One scheduler round; the turns it finished, in the order they finished."""
         scheduler = self.scheduler
-        if self.inflight is not None:  # a window launched by the step before: read it now
-            work, launch = self.inflight
-            self.inflight = None
-            self._decode(work, launch, time.perf_counter())
+        if (inflight := self._take_inflight()) is not None:  # launched by the step before: read it now
+            self._decode(*inflight, time.perf_counter())
         elif scheduler.has_work():
             self.runner.copy_blocks(scheduler.pending_copies)
             scheduler.pending_copies.clear()

@@ -15,8 +15,8 @@ H200 (8 GB device to host: 7.85 s into fresh memory, 0.68 s into the same memory
 `bench/host_copy.py`). Saves never overlap (the next waits for the previous write), so one set of
 buffers serves them all; the price is one checkpoint's size of host RAM held for the run instead of
 during each write. `plan_role_buffers` and `HostBuffers.allocate` let the first save's buffers be mapped
-beside training before it (`HostBuffers.prepare`). They are pageable memory, not pinned: torch's pinned allocator rounds each tensor up to a power of two (up to
-1.8× the state's size, page-locked).
+beside training before it (`HostBuffers.prepare`). They are pageable memory, not pinned: torch's pinned
+allocator rounds each tensor up to a power of two (up to 1.8× the state's size, page-locked).
 """
 
 from __future__ import annotations
