@@ -73,6 +73,33 @@ def time_call(fn, repeats: int = 50, warmup: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def best_common(results: list[dict], keys: tuple[str, ...]) -> dict | None:
+    """The launch that every shape ran, chosen by its worst speed-up over the shapes' defaults.
+
+    For a launch L present in every shape's rows: worst(L) = min over shapes of default_us / us(L); the
+    one with the largest worst(L), with its speed-up per shape. A default changes only on this figure
+    (BENCHMARKS.md: a launch becomes the default when it wins by more than 5 % on both shapes).
+    """
+    per_shape = [
+        {
+            tuple(row[k] for k in keys): result["summary"]["default_us"] / row["us"]
+            for row in result["rows"]
+            if row["us"]
+        }
+        for result in results
+    ]
+    common = set.intersection(*(set(speedups) for speedups in per_shape)) if per_shape else set()
+    if not common:
+        return None
+    launch = max(common, key=lambda k: (min(s[k] for s in per_shape), k))
+    return {
+        "launch": dict(zip(keys, launch, strict=True)),
+        "speedup": {
+            r["summary"]["shape"]: round(s[launch], 3) for r, s in zip(results, per_shape, strict=True)
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -113,8 +140,10 @@ def main() -> None:
         }
         print(json.dumps(summary), flush=True)
         results.append({"summary": summary, "rows": rows})
+    common = best_common(results, ("TILE", "SPLITS", "num_warps", "num_stages"))
+    print(json.dumps({"best_common": common}), flush=True)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps({"shapes": results, "best_common": common}, indent=1))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,15 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout import bench_native, build_model, prompt_lengths, random_prompts, timed
+from rollout import (
+    add_launch_options,
+    bench_native,
+    build_model,
+    prompt_lengths,
+    random_prompts,
+    set_launches,
+    timed,
+)
 
 from fulcrum.rollout import SamplingParams
 from fulcrum.rollout.native import NativeEngine
@@ -371,6 +379,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="timed generates without the profiler")
     parser.add_argument("--trace", default=None, help="keep the Chrome trace here (.json or .json.gz)")
     parser.add_argument("--json", default=None, help="also write the summary here")
+    add_launch_options(parser)
     return parser.parse_args(argv)
 
 
@@ -386,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if on_device:
         summary["gpu"] = torch.cuda.get_device_name(device)
+    summary["launch"] = set_launches(args.decode_launch, args.sample_launch)
     model = load_model(args, device)
     prompts = random_prompts(prompt_lengths(args.prompts, args.lengths), model.config.vocab_size)
     engine = bench_native(args, model, prompts, device, summary)  # built, captured, warmed up, timed

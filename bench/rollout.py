@@ -257,6 +257,45 @@ def bench_hf(args, model, prompts, device, summary: dict) -> None:
           f"(first call {first:.1f} s)", flush=True)  # fmt: skip
 
 
+def add_launch_options(parser: argparse.ArgumentParser) -> None:
+    """--decode-launch and --sample-launch: the kernel launches to run with (set_launches)."""
+    parser.add_argument(
+        "--decode-launch",
+        default=None,
+        help="JSON over kernels.DECODE_LAUNCH, e.g. '{\"SPLITS\": 2}' (bench/attention_sweep.py's best_common)",
+    )
+    parser.add_argument(
+        "--sample-launch",
+        default=None,
+        help="JSON of the sampler's launch: BLOCK, programs_per_sm, num_warps, num_stages, TILE_SOFTMAX "
+        "(bench/sample_sweep.py's best_common)",
+    )
+
+
+def set_launches(decode: str | None, sample: str | None) -> dict:
+    """Set the engine's kernel launches for this process from the sweeps' JSON (before the engine
+    captures its graphs); returns the launches in force."""
+    from fulcrum.rollout.native import kernels, sample_kernels
+
+    if decode:
+        kernels.DECODE_LAUNCH.update(json.loads(decode))
+    if sample:
+        launch = json.loads(sample)
+        sample_kernels.SAMPLE_BLOCK = int(launch.pop("BLOCK", sample_kernels.SAMPLE_BLOCK))
+        sample_kernels.SAMPLE_PROGRAMS_PER_SM = int(
+            launch.pop("programs_per_sm", sample_kernels.SAMPLE_PROGRAMS_PER_SM)
+        )
+        sample_kernels.SAMPLE_LAUNCH.update(launch)
+    return {
+        "decode": dict(kernels.DECODE_LAUNCH),
+        "sample": {
+            "BLOCK": sample_kernels.SAMPLE_BLOCK,
+            "programs_per_sm": sample_kernels.SAMPLE_PROGRAMS_PER_SM,
+            **sample_kernels.SAMPLE_LAUNCH,
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -286,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--hf-cache", default="static")
     parser.add_argument("--hf-repeats", type=int, default=1)
+    add_launch_options(parser)
     parser.add_argument("--json", default=None, help="also write the summary here")
     args = parser.parse_args(argv)
     torch.set_num_threads(min(torch.get_num_threads(), 8))
@@ -293,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "torch": torch.__version__}
     if device.type == "cuda":
         summary["gpu"] = torch.cuda.get_device_name(device)
+    summary["launch"] = set_launches(args.decode_launch, args.sample_launch)
     model = build_model(args, device)
     lengths = prompt_lengths(args.prompts, args.lengths)
     summary["prompt_len"] = {

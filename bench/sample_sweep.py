@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_sweep import time_call  # CUDA events, the median after warm-up
+from attention_sweep import best_common, time_call  # CUDA events, the median after warm-up
 
 from fulcrum.rollout.native import sample_kernels
 
@@ -38,6 +38,11 @@ PROGRAMS_PER_SM = (2, 4, 8, 16)
 WARPS = (2, 4, 8)
 STAGES = (1, 2)
 TILE_SOFTMAX = (0, 1)  # the softmax's running max and sum per element (two exps) or per program (one)
+
+
+# A row's launch, as bench/rollout.py --sample-launch takes it (BLOCK and programs_per_sm: the
+# module's SAMPLE_BLOCK and SAMPLE_PROGRAMS_PER_SM; the rest: SAMPLE_LAUNCH).
+LAUNCH_KEYS = ("BLOCK", "programs_per_sm", "num_warps", "num_stages", "TILE_SOFTMAX")
 
 
 def sweep_shape(name: str, rows: int, vocab: int, device: torch.device, small: bool) -> dict:
@@ -97,8 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cpu" if args.small else "cuda")
     shapes = SMALL_SHAPES if args.small else SHAPES
     results = [sweep_shape(*shape, device, args.small) for shape in shapes]
+    common = None if args.small else best_common(results, LAUNCH_KEYS)
+    print(json.dumps({"best_common": common}), flush=True)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps({"shapes": results, "best_common": common}, indent=1))
 
 
 if __name__ == "__main__":

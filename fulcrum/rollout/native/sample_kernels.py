@@ -193,8 +193,8 @@ def gumbel_sample(
     seed: torch.Tensor,
     *,
     splits: int | None = None,
-    block: int = SAMPLE_BLOCK,
-    programs_per_sm: int = SAMPLE_PROGRAMS_PER_SM,
+    block: int | None = None,
+    programs_per_sm: int | None = None,
     launch: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of logits (B, V) by Gumbel-max; greedy when temperature == 0.
@@ -204,9 +204,12 @@ def gumbel_sample(
     `splits` (programs per row, at most ceil(V / block) used) defaults to sample_splits(B, V,
     the device's multiprocessors), fixed for a given (B, V, device) as CUDA graphs need; the tokens
     do not depend on it, the log-probs only through the order of a float sum. `block` (entries a loop
-    iteration, a multiple of 4), `programs_per_sm` and `launch` (over SAMPLE_LAUNCH: TILE_SOFTMAX,
-    num_warps, num_stages) change how the work is laid out, never the tokens.
+    iteration, a multiple of 4; SAMPLE_BLOCK when None), `programs_per_sm` (SAMPLE_PROGRAMS_PER_SM when
+    None) and `launch` (over SAMPLE_LAUNCH: TILE_SOFTMAX, num_warps, num_stages) change how the work is
+    laid out, never the tokens. The module's defaults are read at each call, so a benchmark may set them.
     """
+    block = SAMPLE_BLOCK if block is None else block
+    programs_per_sm = SAMPLE_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
     batch, vocab = logits.shape
     quads_per_row = _cdiv(vocab, 4)
     assert batch * quads_per_row < 2**31, "the Philox counter is int32"
