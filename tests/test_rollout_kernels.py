@@ -263,8 +263,12 @@ def test_gumbel_sampler_breaks_ties_to_the_lowest_index_across_lanes_tiles_and_c
 def test_gumbel_sampler_split_count_fills_the_device_with_whole_tiles():
     from fulcrum.rollout.native.sample_kernels import sample_chunks, sample_splits
 
-    assert sample_splits(512, 151936, 132) == 2  # 1024 programs for 4 x 132 wanted
-    assert sample_splits(1, 151936, 132) == 149  # capped at one 1024-entry tile each
-    assert sample_splits(4096, 151936, 132) == 1
-    assert sample_chunks(151936, 2) == (76800, 2)  # 148.4 tiles of 1024: 75 and 73.4
-    assert sample_chunks(5003, 4) == (2048, 3)  # four chunks of whole tiles would leave one empty
+    tiles = {"block": 1024}
+    assert sample_splits(512, 151936, 132, programs_per_sm=4, **tiles) == 2  # 1024 programs for 4 x 132
+    assert sample_splits(1, 151936, 132, programs_per_sm=4, **tiles) == 149  # capped at one tile each
+    assert sample_splits(4096, 151936, 132, programs_per_sm=4, **tiles) == 1
+    assert sample_chunks(151936, 2, **tiles) == (76800, 2)  # 148.4 tiles of 1024: 75 and 73.4
+    assert sample_chunks(5003, 4, **tiles) == (2048, 3)  # four chunks of whole tiles would leave one empty
+    # the defaults (tiles of 512, 16 programs per SM): a 0.5B decode batch gets 2,560 programs
+    assert sample_splits(512, 151936, 132) == 5
+    assert sample_chunks(151936, 5) == (30720, 5)

@@ -7,7 +7,8 @@ this module needs `triton` (see `kernels.HAVE_TRITON`).
 Sampling was bound by the integer multiplies of its Philox4x32-10 noise, so each Philox call serves four
 vocabulary entries (all four of its 32-bit outputs), and each row is split over several programs whose
 partial results a second small kernel combines: a small batch still fills the GPU, and a large one gets
-more warps per SM to hide the multiply latency (487 -> 341 µs a 0.5B decode step on an H200).
+more warps per SM to hide the multiply latency (487 -> 341 µs a 0.5B decode step on an H200; 306 µs
+with the swept launch below).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ if HAVE_TRITON:
         # the split gives a small batch the whole GPU and a 512-row batch twice the programs of one
         # per row (more warps per SM to hide the multiply latency). Expected about 120-150 µs per
         # decode step at 512 x 151936 on an H200; measured 341 (from 487): the multiplies were not all
-        # of it, and bench/sample_sweep.py times the launch for the rest.
+        # of it. bench/sample_sweep.py's best launch (tiles of 512, 16 programs per SM) took it to 306.
         #
         # TILE_SOFTMAX keeps the softmax's running max and sum per program, not per element: a tile's
         # max and sum of exp(x - max) are reductions over the tile, and each element pays one exp
@@ -143,9 +144,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 # Elements per tile of the sampling kernels; a multiple of 4 (one Philox call per 4 elements).
-SAMPLE_BLOCK = 1024
+SAMPLE_BLOCK = 512
 # Sampling programs per multiprocessor that the split aims for, over the whole batch.
-SAMPLE_PROGRAMS_PER_SM = 4
+SAMPLE_PROGRAMS_PER_SM = 16
 # Multiprocessors assumed off CUDA (the interpreter): an H200's, so the split matches the GPU's.
 DEFAULT_SM_COUNT = 132
 
@@ -154,7 +155,10 @@ DEFAULT_SM_COUNT = 132
 # per program instead of per element: one exp an element instead of two), Triton's num_warps and
 # num_stages (absent: Triton's defaults). `bench/sample_sweep.py` times BLOCK, programs per SM and these
 # on a GPU; the tokens are the same under every launch (an entry's noise depends on its index only).
-SAMPLE_LAUNCH: dict[str, int] = {"TILE_SOFTMAX": 0}
+# These defaults (with BLOCK 512 and 16 programs per SM) are the sweep's fastest launch common to both
+# shapes: 1.13x (0.5B, 512 x 151,936) and 1.12x (SmolLM2, 1,024 x 49,152) over BLOCK 1024, 4 programs
+# per SM and Triton's launch (H200, 2026-12-02); TILE_SOFTMAX gained nothing (the exps do not bind).
+SAMPLE_LAUNCH: dict[str, int] = {"TILE_SOFTMAX": 0, "num_warps": 4, "num_stages": 2}
 
 
 def sample_splits(
