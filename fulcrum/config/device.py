@@ -5,6 +5,7 @@ torch is imported only inside these functions, so `import fulcrum.config` stays 
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from fulcrum.config.keys import ConfigError
@@ -61,3 +62,25 @@ def select_device(
             "trainer.device",
         )
     return torch.device("cuda", local_rank)
+
+
+# torch's intra-op CPU threads in a process that trains on CUDA. Its CPU work is small (batch assembly,
+# packing, pinned copies), yet at the default of one thread per core each such op above torch's grain
+# size forks a pool as wide as the machine, and on a loaded host every pool waits for its slowest
+# thread: beside one CPU-burning process per core, the seed command's warm steps took 16.8 and 10.5 s
+# with 4 threads, and three steps with 16 did not finish in the time that four took (BENCHMARKS.md,
+# "A host under load").
+HOST_THREADS_ON_CUDA = 4
+
+
+def cap_host_threads(device: torch.device) -> int | None:
+    """On CUDA, lower torch's intra-op threads to HOST_THREADS_ON_CUDA, unless OMP_NUM_THREADS says how
+    many (torchrun sets 1 for its processes; a user's setting wins). Returns the count now in force when
+    it was changed, None when left alone (a CPU run keeps every core: its compute is there)."""
+    import torch
+
+    if device.type != "cuda" or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    threads = min(torch.get_num_threads(), HOST_THREADS_ON_CUDA)
+    torch.set_num_threads(threads)
+    return threads

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fulcrum.config import ConfigError, FulcrumConfig, advise
-from fulcrum.config.device import select_device
+from fulcrum.config.device import cap_host_threads, select_device
 from fulcrum.models.folder import (
     ModelPathError,
     model_folder_problems,
@@ -128,6 +128,7 @@ def _run_ppo(cfg: FulcrumConfig) -> int:
         if debug_requested():
             raise
         return 1
+    cap_host_threads(device)
     info = init_distributed(device.type)
     quiet_other_ranks(info)
     run_dir = Path(trainer_cfg.default_local_dir).expanduser()
