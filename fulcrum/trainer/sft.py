@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from fulcrum.batch import host_to_device
 from fulcrum.config import ConfigError, load_structured, save_config, to_dict
-from fulcrum.config.device import select_device
+from fulcrum.config.device import cap_host_threads, select_device
 from fulcrum.models.load import autocast_for, load_causal_lm, load_tokenizer
 from fulcrum.trainer import run_lock
 from fulcrum.trainer.loggers import Tracking
@@ -354,6 +354,7 @@ def run_sft(cfg: SFTConfig, log: Any = print) -> SFTResult:
     device = select_device(
         cfg.trainer.device, cpu_when_no_cuda=True
     )  # one device: n_gpus_per_node is ignored
+    cap_host_threads(device)
     run_dir = Path(cfg.trainer.default_local_dir).expanduser()
     try:
         run_lock.acquire(run_dir, "fulcrum sft")
