@@ -1,7 +1,7 @@
 """Attention over a packed stream: the three paths behind `fulcrum.models.packed`'s attention interface.
 
 A packed call carries the stream's `cu_seqlens` (S + 1,) and `max_seqlen`; each sequence attends
-causally to its own earlier tokens only. On CUDA: aten's flash kernel in its varlen form (or
+causally to its own earlier tokens only. On CUDA in half precision: aten's flash kernel in its varlen form (or
 `torch.nn.attention.varlen.varlen_attn`), grouped-query heads handled by the kernel; elsewhere one causal
 SDPA over the sequences laid out side by side, right-padded to the longest. A call without packing
 metadata is transformers' SDPA, so a model switched to packed attention still runs padded batches.
@@ -59,7 +59,7 @@ def packed_attention(
     assert isinstance(cu_seqlens, torch.Tensor) and isinstance(max_seqlen, int)
     window = kwargs.get("sliding_window")
     window = int(window) if window is not None and max_seqlen > int(window) else None  # else no effect
-    if q.is_cuda and (_ATEN_FLASH is not None or varlen_attn is not None):
+    if has_flash_varlen(q):
         out = varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scaling, window)
     else:
         out = right_padded_causal_attention(q, k, v, cu_seqlens, scaling, window)
@@ -105,28 +105,46 @@ def right_padded_causal_attention(
     return out.transpose(1, 2).reshape(s * longest, heads, dim).index_select(0, flat)
 
 
+def has_flash_varlen(x: torch.Tensor) -> bool:
+    """Whether `varlen_causal_attention` runs on `x`: a CUDA tensor of a half-precision dtype, with
+    aten's flash kernel (or `varlen_attn`) in this torch."""
+    return (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and (_ATEN_FLASH is not None or varlen_attn is not None)
+    )
+
+
 def varlen_causal_attention(
     q: torch.Tensor,  # (N, Hq, D)
-    k: torch.Tensor,  # (N, Hkv, D)
-    v: torch.Tensor,  # (N, Hkv, D)
+    k: torch.Tensor,  # (M, Hkv, D)
+    v: torch.Tensor,  # (M, Hkv, D)
     cu_seqlens: torch.Tensor,  # (S + 1,) int32
     max_seqlen: int,
     scale: float | None,
     window: int | None = None,
+    *,
+    cu_seqlens_k: torch.Tensor | None = None,  # (S + 1,) int32; None: the queries' own
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
     """Flash varlen attention, causal (with `window`, over the window latest keys), grouped-query heads
     handled by the kernel: (N, Hq, D).
 
+    Sequence s's queries may be the last of its keys (`cu_seqlens_k` longer than `cu_seqlens`: a
+    prefill over a cached context); causal then aligns them to the end of the keys, as flash-attn does.
     The aten flash kernel is called directly (what `torch.nn.attention.varlen.varlen_attn` calls;
     its derivative is aten's): the Python custom-op layer of `varlen_attn` costs ~0.2 ms of CPU per
-    call, which at 24 layers × (forward, recomputation, backward) bounded small micro-batches.
+    call, which at 24 layers × (forward, recomputation, backward) bounded small micro-batches, and
+    the rollout engine's prefill (24 layers a step) too.
     """
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    max_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
     left = -1 if window is None else window - 1  # keys i - left .. i
     if _ATEN_FLASH is not None:
         sliding = {} if window is None else {"window_size_left": left, "window_size_right": 0}
         return _ATEN_FLASH(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale, **sliding
+            q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, 0.0, True, False, scale=scale, **sliding
         )[0]
     kwargs: dict[str, object] = {"scale": scale}
     if "is_causal" in _VARLEN_PARAMS and window is None:  # torch 2.10–2.12
@@ -135,4 +153,4 @@ def varlen_causal_attention(
         kwargs["window_size"] = (left, 0)
     if "enable_gqa" in _VARLEN_PARAMS:
         kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    return varlen_attn(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, **kwargs)

@@ -1,27 +1,20 @@
 """Attention over the paged KV cache: rotate and store the step's K/V (`rotate_and_store`), then prefill
 (packed, causal) or decode (paged).
 
-The CUDA path uses `varlen_attn` (FlashAttention inside torch >= 2.10) for prefill and the Triton
-paged kernel for decode; the CPU path (and any dtype FlashAttention does not take) uses SDPA.
+The CUDA path uses aten's flash kernel in its varlen form for prefill (the training passes' call,
+`fulcrum.models.packed_attention.varlen_causal_attention`) and the Triton paged kernel for decode; the CPU
+path (and any dtype FlashAttention does not take) uses SDPA.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from fulcrum.models.packed_attention import has_flash_varlen, varlen_causal_attention
 from fulcrum.rollout.native import ops
-
-try:  # torch >= 2.10
-    from torch.nn.attention.varlen import varlen_attn
-
-    _VARLEN_PARAMS = inspect.signature(varlen_attn).parameters
-except ImportError:  # older torch: SDPA per sequence
-    varlen_attn = None
-    _VARLEN_PARAMS = {}
 
 
 @dataclass
@@ -45,23 +38,6 @@ class AttentionMetadata:
     # CUDA decode: the cache seen through its device-held address (kernels.IndirectCache), so that
     # captured graphs outlive a sleep / wake-up cycle. None: index the cache tensor directly.
     indirect_cache: Any = None
-
-
-def _flash_prefill(q, k, v, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
-    if window is not None:  # keys i - (window - 1) .. i
-        causal: dict[str, Any] = {"window_size": (window - 1, 0)}
-    elif "is_causal" in _VARLEN_PARAMS:
-        causal = {"is_causal": True}
-    else:
-        causal = {"window_size": (-1, 0)}
-    extra = {"scale": scale} if "scale" in _VARLEN_PARAMS else {}
-    if "enable_gqa" in _VARLEN_PARAMS:
-        extra["enable_gqa"] = True
-    # FlashAttention wants the head dim contiguous; q/k/v may be strided views of the fused qkv.
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return varlen_attn(
-        q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, max(meta.q_lens), max(meta.k_lens), **causal, **extra
-    )
 
 
 def rotate_and_store(
@@ -149,6 +125,16 @@ def paged_attention(
     if meta.context_slots is not None:  # part of the context is already cached: read it all back
         k = k_cache.index_select(0, meta.context_slots)
         v = v_cache.index_select(0, meta.context_slots)
-    if varlen_attn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        return _flash_prefill(q, k, v, meta, scale, window)
+    if has_flash_varlen(q):  # a step's new tokens are the last of each sequence's keys
+        return varlen_causal_attention(
+            q,
+            k,
+            v,
+            meta.cu_seqlens_q,
+            max(meta.q_lens),
+            scale,
+            window,
+            cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_k=max(meta.k_lens),
+        )
     return ops.prefill_attention_sdpa(q, k, v, meta.q_lens, meta.k_lens, scale, window)
