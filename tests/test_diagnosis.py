@@ -236,3 +236,20 @@ def test_live_diagnosis_says_each_rule_once() -> None:
     assert len(printed) == 2
     assert printed[0].startswith("diagnosis (length_limit) step 1:")
     assert printed[1].startswith("diagnosis (bottleneck)")  # once the warm steps tell
+
+
+def test_a_saturated_host_while_the_host_driven_phases_bound_the_step() -> None:
+    rows = healthy_rows()  # update_actor + update_critic: 80 % of each step
+    for row in rows:
+        row["perf/cpu_load"] = 1.4
+    findings = [f for f in diagnose(rows) if f.rule == "host_loaded"]
+    assert findings and findings[0].severity == "warning"
+    assert "1.40 runnable tasks per CPU" in findings[0].message and "80%" in findings[0].message
+    assert "micro-batch" in findings[0].fix and "free the host's CPUs" in findings[0].fix
+    for row in rows[-3:]:
+        row["perf/cpu_load"] = 0.2  # the load went: the median of the last 3 steps decides
+    assert "host_loaded" not in rules(rows)
+    for row in rows:  # loaded, but generation (CUDA graphs) is most of the step
+        row["perf/cpu_load"] = 1.4
+        row["timing_s/gen"], row["timing_s/update_actor"], row["timing_s/update_critic"] = 8.0, 1.0, 0.5
+    assert "host_loaded" not in rules(rows)

@@ -126,6 +126,18 @@ def test_mfu_is_zero_on_cpu_and_memory_metrics_present() -> None:
     assert mem["perf/cpu_memory_used_gb"] > 0 and mem["perf/cpu_memory_peak_rss_gb"] > 0
 
 
+def test_host_load_is_the_load_average_per_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(M.os, "getloadavg", lambda: (24.0, 20.0, 16.0))
+    monkeypatch.setattr(M.os, "cpu_count", lambda: 16)
+    assert M.host_load_metrics() == {"perf/cpu_load": 1.5}
+
+    def no_load_average() -> tuple[float, float, float]:
+        raise OSError("no load average here")
+
+    monkeypatch.setattr(M.os, "getloadavg", no_load_average)
+    assert M.host_load_metrics() == {}
+
+
 def test_jsonl_always_written_and_console_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tracking = Tracking(["console"], tmp_path, "p", "e", {})
     tracking.log({"critic/score/mean": 0.25, "val-core/openai/gsm8k/reward/mean@1": 0.5}, step=3)

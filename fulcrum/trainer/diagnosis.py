@@ -78,6 +78,14 @@ ADV_DRIFT_LIMIT = 0.1  # |mean advantage| ...
 ADV_DRIFT_STEPS = 3  # ... for this many steps in a row
 CRITIC_MIN_STEPS = 10
 MEMORY_MIN_STEPS = 6  # warm steps needed before calling memory growth a creep
+# Runnable tasks per CPU (perf/cpu_load, median of HOST_LOAD_STEPS steps) at which the host is saturated.
+# The trainer itself keeps a few threads busy (4 CPU threads on CUDA, fulcrum.config.device): on a host of
+# 16 CPUs that is about 0.1-0.2; beside one CPU-burning process per core it read 1.0-1.5 and the seed
+# command's training passes ran 1.7-3x slower (BENCHMARKS.md, "A host under load").
+HOST_LOAD_LIMIT = 1.0
+HOST_LOAD_STEPS = 3
+# The phases that launch their kernels one by one from the host (generation replays CUDA graphs).
+HOST_BOUND_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_actor", "reward")
 
 
 def as_float(value: Any) -> float | None:
@@ -356,6 +364,32 @@ def memory_creep(rows: Sequence[Row]) -> list[Finding]:
     return []
 
 
+def host_loaded(rows: Sequence[Row]) -> list[Finding]:
+    """The host's CPUs saturated (perf/cpu_load, median of the last HOST_LOAD_STEPS training steps, at or
+    above HOST_LOAD_LIMIT) while the step's time goes mostly to phases the host drives."""
+    points = finite_series(rows, "perf/cpu_load")
+    if len(points) < HOST_LOAD_STEPS:
+        return []
+    load = statistics.median(v for _, v in points[-HOST_LOAD_STEPS:])
+    shares = phase_shares(rows)
+    host_share = sum(shares.get(phase, 0.0) for phase in HOST_BOUND_PHASES)
+    if load < HOST_LOAD_LIMIT or host_share < 0.5:
+        return []
+    return [
+        Finding(
+            (),
+            f"the host's CPUs are saturated: {load:.2f} runnable tasks per CPU (perf/cpu_load, median of the "
+            f"last {HOST_LOAD_STEPS} steps) while {host_share:.0%} of the step is spent in phases whose kernels "
+            "the CPU launches one by one, so each waits its turn for a core",
+            "warning",
+            fix="free the host's CPUs (other jobs, data loading, a reward server on this machine), or give each "
+            "launch more work: larger micro-batch sizes or use_dynamic_bsz=True (`fulcrum tune` measures them)",
+            rule="host_loaded",
+            step=points[-1][0],
+        )
+    ]
+
+
 def non_finite(rows: Sequence[Row]) -> list[Finding]:
     """NaN/Inf in a loss or gradient norm, and steps the trainer skipped for it (training/nan_skipped_steps)."""
     for i, row in enumerate(training_rows(rows)):
@@ -432,6 +466,7 @@ RULES: list[Callable[[Sequence[Row]], list[Finding]]] = [
     advantage_drift,
     length_limit,
     memory_creep,
+    host_loaded,
     groups_without_signal,
 ]
 

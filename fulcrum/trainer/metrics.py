@@ -17,6 +17,7 @@ Docs for each metric and the lever it points to: docs/metrics.md.
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import sys
 import time
@@ -201,6 +202,7 @@ def step_metrics(
     metrics.update(update_mfu_metrics(batch, timing_raw, actor, critic, device, n_devices))
     metrics.update(memory_metrics(device, peaks))
     metrics.update(phase_memory_metrics(peaks or {}))
+    metrics.update(host_load_metrics())
     return metrics
 
 
@@ -331,6 +333,17 @@ def memory_metrics(device: torch.device, peaks: dict[str, float] | None = None) 
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     out["perf/cpu_memory_peak_rss_gb"] = peak_rss / (GiB if sys.platform == "darwin" else 1024**2)
     return out
+
+
+def host_load_metrics() -> dict[str, float]:
+    """perf/cpu_load: the host's 1-minute load average per CPU (runnable tasks per core; above 1 the
+    CPUs are oversubscribed and every kernel launch of a host-bound pass waits its turn). Nothing where
+    the OS keeps no load average."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return {}
+    return {"perf/cpu_load": load / max(os.cpu_count() or 1, 1)}
 
 
 def _system_memory_used_gb() -> float:
