@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fulcrum.trainer.diagnosis import LiveDiagnosis, diagnose, phase_shares
+from fulcrum.trainer.diagnosis import LiveDiagnosis, diagnose
+from fulcrum.trainer.diagnosis_resources import phase_shares
 
 
 def healthy_rows(n: int = 12) -> list[dict[str, Any]]:

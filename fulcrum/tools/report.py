@@ -25,14 +25,9 @@ from typing import Any
 
 from fulcrum.config.finding import Finding
 from fulcrum.tools.report_files import ReportError, Run, check_out_file, load_run, write_report
-from fulcrum.trainer.diagnosis import (
-    PHASE_LEVERS,
-    as_float,
-    diagnose,
-    phase_shares,
-    series,
-    training_rows,
-)
+from fulcrum.trainer.diagnosis import diagnose
+from fulcrum.trainer.diagnosis_resources import PHASE_LEVERS, phase_shares
+from fulcrum.trainer.metric_rows import as_float, series, training_rows
 
 USAGE = "fulcrum report RUN_DIR [--compare OTHER_RUN] [--out FILE [--force]]"
 

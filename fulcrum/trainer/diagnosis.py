@@ -1,43 +1,22 @@
-"""Diagnosis rules over a run's metrics rows: which phase bounds the step, and which signal says the run is
-going wrong, each with the lever to pull.
+"""Diagnosis rules over a run's metrics rows: which signal says the run is going wrong, each with the lever to
+pull, beside the rules about where the step's time and memory go (`fulcrum.trainer.diagnosis_resources`).
 
 Pure functions over `rows` (one dict per `metrics.jsonl` line, oldest first; values may be the strings
-"nan"/"inf" the JSON logger writes). No torch, no I/O: `fulcrum report` calls `diagnose(rows)` on a
+"nan"/"inf" the JSON logger writes: `fulcrum.trainer.metric_rows`). No torch, no I/O: `fulcrum report` calls `diagnose(rows)` on a
 finished run, and the trainer calls `LiveDiagnosis.observe(row)` after each step to print a one-line
 diagnosis the first time a rule fires. docs/metrics.md and docs/levers.md explain the metrics and levers.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from fulcrum.config.finding import Finding
+from fulcrum.trainer.diagnosis_resources import bottleneck, host_loaded, memory_creep
+from fulcrum.trainer.metric_rows import Row, as_float, finite_series, series, step_of, training_rows
 
-Row = dict[str, Any]
-
-# Step phases (timing_s/<phase>) and the lever for each when it bounds the step.
-PHASE_LEVERS: dict[str, str] = {
-    "gen": "actor_rollout_ref.rollout.name=native, a larger rollout.max_num_seqs, rollout.gpu_memory_utilization "
-    "(more KV cache, fewer preemptions), or a shorter data.max_response_length",
-    "gen_max": "ReMax's greedy baseline generation: as for gen",
-    "reward": "a faster custom reward function (it runs on the CPU, one response at a time)",
-    "old_log_prob": "a larger rollout.log_prob_micro_batch_size_per_gpu, or use_dynamic_bsz=True",
-    "ref": "a larger ref.log_prob_micro_batch_size_per_gpu, or use_dynamic_bsz=True",
-    "values": "a larger critic.forward_micro_batch_size_per_gpu, or critic.use_dynamic_bsz=True",
-    "adv": "advantage estimation should be cheap; report it as a bug",
-    "update_critic": "a larger critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz=True, or "
-    "critic.model.enable_gradient_checkpointing=False if memory allows (`fulcrum tune` measures them)",
-    "update_actor": "a larger actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz=True, or "
-    "model.enable_gradient_checkpointing=False if memory allows (`fulcrum tune` measures them)",
-    "update_weights": "weight sync to the engine should be milliseconds; report it as a bug",
-    "testing": "a larger trainer.test_freq (validation runs inside the step that does it)",
-    "save_checkpoint": "a larger trainer.save_freq (the step waits for the host copy of the state, and for "
-    "the previous checkpoint's write when it is still running; with trainer.save_in_background=False, for all of it)",
-}
 NON_FINITE_KEYS = (
     "actor/pg_loss",
     "actor/kl_loss",
@@ -47,7 +26,6 @@ NON_FINITE_KEYS = (
     "critic/grad_norm",
 )
 KL_KEYS = ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty")
-MEMORY_KEYS = ("perf/max_memory_reserved_gb", "perf/max_memory_allocated_gb", "perf/cpu_memory_peak_rss_gb")
 
 KL_SPIKE_FACTOR = 10.0  # a value this many times its running median is a spike
 # ... and above this absolute value (tiny KLs jitter by large factors). actor/ppo_kl's is higher: on SmolLM2's
@@ -77,94 +55,9 @@ LENGTH_CLIP_LIMIT = 0.2  # share of responses at the length limit
 ADV_DRIFT_LIMIT = 0.1  # |mean advantage| ...
 ADV_DRIFT_STEPS = 3  # ... for this many steps in a row
 CRITIC_MIN_STEPS = 10
-MEMORY_MIN_STEPS = 6  # warm steps needed before calling memory growth a creep
-# Runnable tasks per CPU (perf/cpu_load, median of HOST_LOAD_STEPS steps) at which the host is saturated.
-# The trainer itself keeps a few threads busy (4 CPU threads on CUDA, fulcrum.config.device): on a host of
-# 16 CPUs that is about 0.1-0.2; beside one CPU-burning process per core it read 1.0-1.5 and the seed
-# command's training passes ran 1.7-3x slower (BENCHMARKS.md, "A host under load").
-HOST_LOAD_LIMIT = 1.0
-HOST_LOAD_STEPS = 3
-# The phases that launch their kernels one by one from the host (generation replays CUDA graphs).
-HOST_BOUND_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_actor", "reward")
-
-
-def as_float(value: Any) -> float | None:
-    """A metric value as a float: numbers, and the "nan"/"inf" strings of metrics.jsonl; None otherwise."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
-
-
-def training_rows(rows: Sequence[Row]) -> list[Row]:
-    """The rows of training steps (those with a step time); a validation-only row (step 0) is not one."""
-    return [r for r in rows if as_float(r.get("timing_s/step")) is not None]
-
-
-def series(rows: Sequence[Row], key: str) -> list[tuple[int, float]]:
-    """(step, value) of every row that has `key` with a numeric value (NaN included)."""
-    out = []
-    for i, row in enumerate(rows):
-        value = as_float(row.get(key))
-        if value is not None:
-            out.append((int(row.get("step", i + 1)), value))
-    return out
-
-
-def finite_series(rows: Sequence[Row], key: str) -> list[tuple[int, float]]:
-    """(step, value) of the training steps that have a finite `key` (NaN and Inf are `non_finite`'s)."""
-    return [(s, v) for s, v in series(training_rows(rows), key) if math.isfinite(v)]
-
-
-def _step(row: Row, default: int) -> int:
-    step = as_float(row.get("step"))
-    return int(step) if step is not None else default
 
 
 # ------------------------------------------------------------------------------------------ rules
-def phase_shares(rows: Sequence[Row]) -> dict[str, float]:
-    """Share of step time per phase: Σ timing_s/<phase> ÷ Σ timing_s/step over the warm training steps
-    (the first step, which compiles and allocates, is left out when there are others)."""
-    train = training_rows(rows)
-    warm = train[1:] if len(train) > 1 else train
-    total = sum(as_float(r["timing_s/step"]) or 0.0 for r in warm)
-    if total <= 0:
-        return {}
-    shares = {}
-    for phase in PHASE_LEVERS:
-        spent = sum(v for r in warm if (v := as_float(r.get(f"timing_s/{phase}"))) is not None and v == v)
-        if spent > 0:
-            shares[phase] = spent / total
-    return dict(sorted(shares.items(), key=lambda kv: -kv[1]))
-
-
-def bottleneck(rows: Sequence[Row]) -> list[Finding]:
-    """The phase with the largest share of the warm steps' time, and the lever that shortens it."""
-    shares = phase_shares(rows)
-    if not shares:
-        return []
-    phase, share = next(iter(shares.items()))
-    train = training_rows(rows)
-    first = _step(train[1] if len(train) > 1 else train[0], 1)
-    others = ", ".join(f"{p} {s:.0%}" for p, s in list(shares.items())[1:4])
-    return [
-        Finding(
-            (),
-            f"the bottleneck is {phase}: {share:.0%} of step time" + (f" (then {others})" if others else ""),
-            "info",
-            fix=PHASE_LEVERS[phase],
-            rule="bottleneck",
-            step=first,
-        )
-    ]
-
-
 def kl_spikes(rows: Sequence[Row]) -> list[Finding]:
     """A KL value above KL_SPIKE_FACTOR × the median of the values before it (and above KL_SPIKE_FLOOR)."""
     findings = []
@@ -338,58 +231,6 @@ def length_limit(rows: Sequence[Row]) -> list[Finding]:
     ]
 
 
-def memory_creep(rows: Sequence[Row]) -> list[Finding]:
-    """Peak memory still rising after warm-up: past the first 2 steps, at least MEMORY_MIN_STEPS steps, a
-    rise in >= 75% of step pairs, and a total rise above max(5%, 0.25 GiB)."""
-    train = training_rows(rows)
-    for key in MEMORY_KEYS:
-        points = [(s, v) for s, v in finite_series(train, key) if v > 0][2:]
-        if len(points) < MEMORY_MIN_STEPS:
-            continue
-        rises = sum(1 for (_, a), (_, b) in itertools.pairwise(points) if b > a)
-        growth = points[-1][1] - points[0][1]
-        if rises >= 0.75 * (len(points) - 1) and growth > max(0.05 * points[0][1], 0.25):
-            return [
-                Finding(
-                    (),
-                    f"{key} rose in {rises} of {len(points) - 1} warm steps, {points[0][1]:.2f} -> "
-                    f"{points[-1][1]:.2f} GiB: something grows every step",
-                    "warning",
-                    fix="look for tensors kept across steps (metrics holding graphs, growing caches); for "
-                    "fragmentation, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-                    rule="memory_creep",
-                    step=points[-1][0],
-                )
-            ]
-    return []
-
-
-def host_loaded(rows: Sequence[Row]) -> list[Finding]:
-    """The host's CPUs saturated (perf/cpu_load, median of the last HOST_LOAD_STEPS training steps, at or
-    above HOST_LOAD_LIMIT) while the step's time goes mostly to phases the host drives."""
-    points = finite_series(rows, "perf/cpu_load")
-    if len(points) < HOST_LOAD_STEPS:
-        return []
-    load = statistics.median(v for _, v in points[-HOST_LOAD_STEPS:])
-    shares = phase_shares(rows)
-    host_share = sum(shares.get(phase, 0.0) for phase in HOST_BOUND_PHASES)
-    if load < HOST_LOAD_LIMIT or host_share < 0.5:
-        return []
-    return [
-        Finding(
-            (),
-            f"the host's CPUs are saturated: {load:.2f} runnable tasks per CPU (perf/cpu_load, median of the "
-            f"last {HOST_LOAD_STEPS} steps) while {host_share:.0%} of the step is spent in phases whose kernels "
-            "the CPU launches one by one, so each waits its turn for a core",
-            "warning",
-            fix="free the host's CPUs (other jobs, data loading, a reward server on this machine), or give each "
-            "launch more work: larger micro-batch sizes or use_dynamic_bsz=True (`fulcrum tune` measures them)",
-            rule="host_loaded",
-            step=points[-1][0],
-        )
-    ]
-
-
 def non_finite(rows: Sequence[Row]) -> list[Finding]:
     """NaN/Inf in a loss or gradient norm, and steps the trainer skipped for it (training/nan_skipped_steps)."""
     for i, row in enumerate(training_rows(rows)):
@@ -406,7 +247,7 @@ def non_finite(rows: Sequence[Row]) -> list[Finding]:
                     fix="a smaller actor.optim.lr / critic.optim.lr, a lower grad_clip, and check the reward "
                     "function's output for NaN",
                     rule="non_finite",
-                    step=_step(row, i + 1),
+                    step=step_of(row, i + 1),
                 )
             ]
     return []

@@ -1,0 +1,132 @@
+"""The diagnosis rules about where a step's time and memory go: which phase bounds the step, memory that
+grows every step, a host whose CPUs are saturated. Pure functions over metrics rows (`fulcrum.trainer.
+metric_rows`); `fulcrum.trainer.diagnosis` runs them with the rules about learning.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Sequence
+
+from fulcrum.config.finding import Finding
+from fulcrum.trainer.metric_rows import Row, as_float, finite_series, step_of, training_rows
+
+# Step phases (timing_s/<phase>) and the lever for each when it bounds the step.
+PHASE_LEVERS: dict[str, str] = {
+    "gen": "actor_rollout_ref.rollout.name=native, a larger rollout.max_num_seqs, rollout.gpu_memory_utilization "
+    "(more KV cache, fewer preemptions), or a shorter data.max_response_length",
+    "gen_max": "ReMax's greedy baseline generation: as for gen",
+    "reward": "a faster custom reward function (it runs on the CPU, one response at a time)",
+    "old_log_prob": "a larger rollout.log_prob_micro_batch_size_per_gpu, or use_dynamic_bsz=True",
+    "ref": "a larger ref.log_prob_micro_batch_size_per_gpu, or use_dynamic_bsz=True",
+    "values": "a larger critic.forward_micro_batch_size_per_gpu, or critic.use_dynamic_bsz=True",
+    "adv": "advantage estimation should be cheap; report it as a bug",
+    "update_critic": "a larger critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz=True, or "
+    "critic.model.enable_gradient_checkpointing=False if memory allows (`fulcrum tune` measures them)",
+    "update_actor": "a larger actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz=True, or "
+    "model.enable_gradient_checkpointing=False if memory allows (`fulcrum tune` measures them)",
+    "update_weights": "weight sync to the engine should be milliseconds; report it as a bug",
+    "testing": "a larger trainer.test_freq (validation runs inside the step that does it)",
+    "save_checkpoint": "a larger trainer.save_freq (the step waits for the host copy of the state, and for "
+    "the previous checkpoint's write when it is still running; with trainer.save_in_background=False, for all of it)",
+}
+MEMORY_KEYS = ("perf/max_memory_reserved_gb", "perf/max_memory_allocated_gb", "perf/cpu_memory_peak_rss_gb")
+MEMORY_MIN_STEPS = 6  # warm steps needed before calling memory growth a creep
+# Runnable tasks per CPU (perf/cpu_load, median of HOST_LOAD_STEPS steps) at which the host is saturated.
+# The trainer itself keeps a few threads busy (4 CPU threads on CUDA, fulcrum.config.device): on a host of
+# 16 CPUs that is about 0.1-0.2; beside one CPU-burning process per core it read 1.0-1.5 and the seed
+# command's training passes ran 1.7-3x slower (BENCHMARKS.md, "A host under load").
+HOST_LOAD_LIMIT = 1.0
+HOST_LOAD_STEPS = 3
+# The phases that launch their kernels one by one from the host (generation replays CUDA graphs).
+HOST_BOUND_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_actor", "reward")
+
+
+def phase_shares(rows: Sequence[Row]) -> dict[str, float]:
+    """Share of step time per phase: Σ timing_s/<phase> ÷ Σ timing_s/step over the warm training steps
+    (the first step, which compiles and allocates, is left out when there are others)."""
+    train = training_rows(rows)
+    warm = train[1:] if len(train) > 1 else train
+    total = sum(as_float(r["timing_s/step"]) or 0.0 for r in warm)
+    if total <= 0:
+        return {}
+    shares = {}
+    for phase in PHASE_LEVERS:
+        spent = sum(v for r in warm if (v := as_float(r.get(f"timing_s/{phase}"))) is not None and v == v)
+        if spent > 0:
+            shares[phase] = spent / total
+    return dict(sorted(shares.items(), key=lambda kv: -kv[1]))
+
+
+def bottleneck(rows: Sequence[Row]) -> list[Finding]:
+    """The phase with the largest share of the warm steps' time, and the lever that shortens it."""
+    shares = phase_shares(rows)
+    if not shares:
+        return []
+    phase, share = next(iter(shares.items()))
+    train = training_rows(rows)
+    first = step_of(train[1] if len(train) > 1 else train[0], 1)
+    others = ", ".join(f"{p} {s:.0%}" for p, s in list(shares.items())[1:4])
+    return [
+        Finding(
+            (),
+            f"the bottleneck is {phase}: {share:.0%} of step time" + (f" (then {others})" if others else ""),
+            "info",
+            fix=PHASE_LEVERS[phase],
+            rule="bottleneck",
+            step=first,
+        )
+    ]
+
+
+def memory_creep(rows: Sequence[Row]) -> list[Finding]:
+    """Peak memory still rising after warm-up: past the first 2 steps, at least MEMORY_MIN_STEPS steps, a
+    rise in >= 75% of step pairs, and a total rise above max(5%, 0.25 GiB)."""
+    train = training_rows(rows)
+    for key in MEMORY_KEYS:
+        points = [(s, v) for s, v in finite_series(train, key) if v > 0][2:]
+        if len(points) < MEMORY_MIN_STEPS:
+            continue
+        rises = sum(1 for (_, a), (_, b) in itertools.pairwise(points) if b > a)
+        growth = points[-1][1] - points[0][1]
+        if rises >= 0.75 * (len(points) - 1) and growth > max(0.05 * points[0][1], 0.25):
+            return [
+                Finding(
+                    (),
+                    f"{key} rose in {rises} of {len(points) - 1} warm steps, {points[0][1]:.2f} -> "
+                    f"{points[-1][1]:.2f} GiB: something grows every step",
+                    "warning",
+                    fix="look for tensors kept across steps (metrics holding graphs, growing caches); for "
+                    "fragmentation, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                    rule="memory_creep",
+                    step=points[-1][0],
+                )
+            ]
+    return []
+
+
+def host_loaded(rows: Sequence[Row]) -> list[Finding]:
+    """The host's CPUs saturated (perf/cpu_load, median of the last HOST_LOAD_STEPS training steps, at or
+    above HOST_LOAD_LIMIT) while the step's time goes mostly to phases the host drives."""
+    points = finite_series(rows, "perf/cpu_load")
+    if len(points) < HOST_LOAD_STEPS:
+        return []
+    load = statistics.median(v for _, v in points[-HOST_LOAD_STEPS:])
+    shares = phase_shares(rows)
+    host_share = sum(shares.get(phase, 0.0) for phase in HOST_BOUND_PHASES)
+    if load < HOST_LOAD_LIMIT or host_share < 0.5:
+        return []
+    return [
+        Finding(
+            (),
+            f"the host's CPUs are saturated: {load:.2f} runnable tasks per CPU (perf/cpu_load, median of the "
+            f"last {HOST_LOAD_STEPS} steps) while {host_share:.0%} of the step is spent in phases whose kernels "
+            "the CPU launches one by one, so each waits its turn for a core",
+            "warning",
+            fix="free the host's CPUs (other jobs, data loading, a reward server on this machine), or give each "
+            "launch more work: larger micro-batch sizes or use_dynamic_bsz=True (`fulcrum tune` measures them)",
+            rule="host_loaded",
+            step=points[-1][0],
+        )
+    ]
