@@ -11,7 +11,8 @@
 #               native rollout) on those shapes, 3 steps: tok/s/GPU, MFU and the phases (bench/train_step.py)
 #   lora7b      bench/lora.py --shape 7b (writes a 15 GB random model first; a call of its own)
 #   host        the seed command for 3 steps, then again with one CPU-burning neighbour process per host core
-#               (`bench/train_step.py run --burn N`): how much the step's figure depends on the host's speed
+#               (`bench/train_step.py run --burn N`, N the online CPUs: not `nproc`, which answers OMP_NUM_THREADS):
+#               how much the step's figure depends on the host's speed
 #
 #   PARTS=multi_turn,checkpoint,qwen3,qwen3_moe RESULTS=$OUT bash bench/features.sh
 #   PARTS=qwen3_grpo,qwen3_moe_grpo RESULTS=$OUT bash bench/features.sh
@@ -95,7 +96,7 @@ if wants host; then
   SEED_RUN=(--data "$DATA" --model "$MODEL" --steps 3 actor_rollout_ref.rollout.name=native trainer.test_freq=-1
     trainer.save_freq=-1 trainer.resume_mode=disable)
   part host 300 bash -c "$PY bench/train_step.py run --run $WORK/host_plain --summary $WORK/host_plain.json ${SEED_RUN[*]} \
-    && $PY bench/train_step.py run --run $WORK/host_burn --summary $WORK/host_burn.json --burn $(nproc) ${SEED_RUN[*]}"
+    && $PY bench/train_step.py run --run $WORK/host_burn --summary $WORK/host_burn.json --burn $(getconf _NPROCESSORS_ONLN) ${SEED_RUN[*]}"
 fi
 if wants lora; then
   part lora 330 "$PY" bench/lora.py --data "$DATA" --model "$MODEL" --out "$WORK/lora" --steps 3 --order lora,full "${STEP_SMOKE[@]}"
