@@ -149,6 +149,12 @@ SECTIONS: list[tuple[str, list[Panel]]] = [
                 ),
                 "near the device's size: gradient checkpointing, smaller micro-batches, gpu_memory_utilization",
             ),
+            Panel(
+                "Host load (runnable tasks per CPU)",
+                ("perf/cpu_load",),
+                "at 1 or above, other processes hold the CPUs that launch the training passes' kernels: free "
+                "them, or larger micro-batches (diagnosis rule host_loaded)",
+            ),
         ],
     ),
 ]
