@@ -41,6 +41,20 @@ if HAVE_TRITON:
         return -tl.log(-tl.log(u))
 
     @triton.jit
+    def _scaled_tile(logits_ptr, row, stride_row, idx, ok, inv_temperature):
+        # The tile's logits / T in float32, -inf past the chunk's end.
+        x = tl.load(logits_ptr + row * stride_row + idx, mask=ok, other=float("-inf"))
+        return x.to(tl.float32) * inv_temperature
+
+    @triton.jit
+    def _keep_best(score, ok, idx, best_val, best_idx):
+        # Each lane's best score so far and its index; strict, so a lane keeps its lowest index among equal
+        # scores.
+        score = tl.where(ok, score, float("-inf"))
+        better = score > best_val
+        return tl.where(better, score, best_val), tl.where(better, idx, best_idx)
+
+    @triton.jit
     def _gumbel_sample_partial_kernel(
         logits_ptr, stride_row, vocab, quads_per_row, chunk, inv_temperature, seed_ptr, noise_span,
         part_max_ptr, part_sum_ptr, part_best_ptr, part_idx_ptr,
@@ -86,29 +100,25 @@ if HAVE_TRITON:
         if SKIP_TILES:
             for start in range(lo, hi, BLOCK):
                 idx = start + cols
-                x = tl.load(logits_ptr + row * stride_row + idx, mask=idx < hi, other=float("-inf"))
-                run_max = tl.maximum(run_max, x.to(tl.float32) * inv_temperature)
+                run_max = tl.maximum(
+                    run_max, _scaled_tile(logits_ptr, row, stride_row, idx, idx < hi, inv_temperature)
+                )
             chunk_max = tl.max(run_max)  # finite: a chunk holds a valid entry
             floor = chunk_max - noise_span
             for start in range(lo, hi, BLOCK):
                 idx = start + cols
                 ok = idx < hi
-                x = tl.load(logits_ptr + row * stride_row + idx, mask=ok, other=float("-inf")).to(tl.float32)
-                x = x * inv_temperature
+                x = _scaled_tile(logits_ptr, row, stride_row, idx, ok, inv_temperature)
                 run_sum += tl.exp(x - chunk_max)
                 if tl.max(x) >= floor:
                     score = x + _gumbel_noise(seed, row, quads_per_row, start, quad, lane)
-                    score = tl.where(ok, score, float("-inf"))
-                    better = score > best_val  # strict: a lane keeps its lowest index among equal scores
-                    best_val = tl.where(better, score, best_val)
-                    best_idx = tl.where(better, idx, best_idx)
+                    best_val, best_idx = _keep_best(score, ok, idx, best_val, best_idx)
             chunk_sum = tl.sum(run_sum)
         else:
             for start in range(lo, hi, BLOCK):
                 idx = start + cols
                 ok = idx < hi
-                x = tl.load(logits_ptr + row * stride_row + idx, mask=ok, other=float("-inf")).to(tl.float32)
-                x = x * inv_temperature
+                x = _scaled_tile(logits_ptr, row, stride_row, idx, ok, inv_temperature)
                 new_max = tl.maximum(run_max, x)
                 safe = tl.where(new_max == float("-inf"), 0.0, new_max)
                 run_sum = run_sum * tl.exp(run_max - safe) + tl.exp(x - safe)
@@ -117,10 +127,7 @@ if HAVE_TRITON:
                     score = x
                 else:
                     score = x + _gumbel_noise(seed, row, quads_per_row, start, quad, lane)
-                score = tl.where(ok, score, float("-inf"))
-                better = score > best_val  # strict: a lane keeps its lowest index among equal scores
-                best_val = tl.where(better, score, best_val)
-                best_idx = tl.where(better, idx, best_idx)
+                best_val, best_idx = _keep_best(score, ok, idx, best_val, best_idx)
             chunk_max = tl.max(run_max)
             safe_max = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
             chunk_sum = tl.sum(run_sum * tl.exp(run_max - safe_max))
