@@ -6,6 +6,7 @@ installed); skipped otherwise (CI has no triton: the CPU engine uses the torch t
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -252,6 +253,19 @@ def test_gumbel_sampler_skipping_tiles_that_cannot_win_keeps_every_token():
             )
             assert tokens.tolist() == reference, (seed, splits)
             torch.testing.assert_close(logprobs, expected_logprobs.gather(-1, tokens[:, None])[:, 0])
+    # A chunk whose every logit is masked out (-inf) adds nothing to the softmax and holds no token, with
+    # either pass.
+    masked = logits.clone()
+    masked[:, 3000:] = float("-inf")
+    expected_logprobs = (masked / temperature).log_softmax(-1)
+    seed_t = torch.tensor([5], device=DEVICE)
+    for splits, skip in itertools.product((1, 3), (0, 1)):  # 3 chunks of 2048: the last one all -inf
+        tokens, logprobs = gumbel_sample(
+            masked, temperature, seed_t, splits=splits, launch={"SKIP_TILES": skip}
+        )
+        assert tokens.tolist() == reference_gumbel_scores(masked, temperature, 5).argmax(-1).tolist()
+        assert (tokens < 3000).all()
+        torch.testing.assert_close(logprobs, expected_logprobs.gather(-1, tokens[:, None])[:, 0])
 
 
 def test_gumbel_sampler_over_a_5003_entry_vocabulary_follows_the_tempered_distribution():

@@ -103,13 +103,14 @@ if HAVE_TRITON:
                 run_max = tl.maximum(
                     run_max, _scaled_tile(logits_ptr, row, stride_row, idx, idx < hi, inv_temperature)
                 )
-            chunk_max = tl.max(run_max)  # finite: a chunk holds a valid entry
+            chunk_max = tl.max(run_max)  # -inf when every logit of the chunk is masked out
+            safe_max = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
             floor = chunk_max - noise_span
             for start in range(lo, hi, BLOCK):
                 idx = start + cols
                 ok = idx < hi
                 x = _scaled_tile(logits_ptr, row, stride_row, idx, ok, inv_temperature)
-                run_sum += tl.exp(x - chunk_max)
+                run_sum += tl.exp(x - safe_max)
                 if tl.max(x) >= floor:
                     score = x + _gumbel_noise(seed, row, quads_per_row, start, quad, lane)
                     best_val, best_idx = _keep_best(score, ok, idx, best_val, best_idx)
