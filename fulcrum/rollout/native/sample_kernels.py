@@ -195,26 +195,37 @@ U_MIN, U_MAX = 1e-20, 0.99999994
 NOISE_SPAN = math.log(-math.log(U_MIN)) - math.log(-math.log(U_MAX)) + 0.5
 
 
+def _tiling(block: int | None, programs_per_sm: int | None) -> tuple[int, int]:
+    """(block, programs per SM): the ones given, else the module's SAMPLE_BLOCK and SAMPLE_PROGRAMS_PER_SM
+    as they are at the call (a benchmark may set them)."""
+    return (
+        SAMPLE_BLOCK if block is None else block,
+        SAMPLE_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm,
+    )
+
+
 def sample_splits(
     batch: int,
     vocab: int,
     sm_count: int,
-    block: int = SAMPLE_BLOCK,
-    programs_per_sm: int = SAMPLE_PROGRAMS_PER_SM,
+    block: int | None = None,
+    programs_per_sm: int | None = None,
 ) -> int:
     """Programs per row for gumbel_sample: about `programs_per_sm` per multiprocessor in all.
 
     splits = clamp(ceil(programs_per_sm * sm_count / batch), 1, ceil(vocab / block)),
     the upper bound keeping every chunk at least one tile long.
     """
+    block, programs_per_sm = _tiling(block, programs_per_sm)
     return max(1, min(_cdiv(programs_per_sm * sm_count, batch), _cdiv(vocab, block)))
 
 
-def sample_chunks(vocab: int, splits: int, block: int = SAMPLE_BLOCK) -> tuple[int, int]:
+def sample_chunks(vocab: int, splits: int, block: int | None = None) -> tuple[int, int]:
     """(chunk, splits used): the row cut into chunks of whole tiles, none of them empty.
 
     chunk = ceil(ceil(vocab / splits) / block) * block, splits used = ceil(vocab / chunk) <= splits.
     """
+    block, _ = _tiling(block, None)
     chunk = _cdiv(_cdiv(vocab, splits), block) * block
     return chunk, _cdiv(vocab, chunk)
 
@@ -246,8 +257,7 @@ def gumbel_sample(
     None) and `launch` (over SAMPLE_LAUNCH: SKIP_TILES, num_warps, num_stages) change how the work is
     laid out, never the tokens. The module's defaults are read at each call, so a benchmark may set them.
     """
-    block = SAMPLE_BLOCK if block is None else block
-    programs_per_sm = SAMPLE_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+    block, programs_per_sm = _tiling(block, programs_per_sm)
     batch, vocab = logits.shape
     quads_per_row = _cdiv(vocab, 4)
     assert batch * quads_per_row < 2**31, "the Philox counter is int32"
