@@ -3,13 +3,15 @@
     python bench/prefill_host.py [--prompts 512] [--json out.json]      # on the CPU, any machine
 
 A prefill step runs the scheduler, builds the packed inputs, launches the forward, samples and reads the
-first tokens, then hands them to the scheduler; the GPU idles during the host's part between two steps
-(on an H200, 4 prefill steps of the 0.5B shape's 512 prompts held the host 0.116 s against 0.084 s of GPU
-work: BENCHMARKS.md, "Where a decode step's time goes"). This times that host part alone: the engine on
-the CPU with the small random model, its forward replaced by a stub that returns zeros (so no layer runs
-and no attention), a warm-up generate of one new token, then a profiled one. It prints the wall time of
-the generate and the cumulative seconds of each host function of the step (scheduling, `after_prefill`,
-the runner's input building, the sampler), the figure to move before the prefill steps can overlap.
+first tokens, then hands them to the scheduler. Read in turn, the GPU idles during the host's part between
+two steps (on an H200, 4 prefill steps of the 0.5B shape's 512 prompts held the host 0.116 s against
+0.084 s of GPU work: BENCHMARKS.md, "Where a decode step's time goes"); with `overlap_windows` the next
+step is launched before this one's first tokens are read, and that host part runs while the GPU works.
+This times the host part alone: the engine on the CPU with the small random model, its forward replaced
+by a stub that returns zeros (so no layer runs and no attention), a warm-up generate of one new token, then
+a profiled one. It prints the wall time of the generate and the cumulative seconds of each host function
+of the step (scheduling, the runner's input building, the sampler, the scheduler's `commit_prefill` and
+`take_first_tokens`): what a GPU step must outlast for the overlap to hide it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ STEP_PARTS = (
     ("scheduler.py", "_schedule_prefill"),
     ("model_runner.py", "prefill"),
     ("sampler.py", "__call__"),
-    ("scheduler.py", "after_prefill"),
+    ("scheduler.py", "commit_prefill"),
+    ("scheduler.py", "take_first_tokens"),
 )
 
 

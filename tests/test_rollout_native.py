@@ -308,3 +308,38 @@ def test_overlapped_windows_are_launched_ahead_and_give_the_same_tokens(model, m
     sampled = SamplingParams(n=2, temperature=1.0, max_tokens=30, stop_token_ids=[stop], seed=7)
     assert engine.generate(prompts, sampled).token_ids == engine.generate(prompts, sampled).token_ids
     assert not engine.has_unfinished_requests() and engine.counters["blocks_in_use"] == 0
+
+
+def test_prefill_steps_are_launched_ahead_and_sample_the_same_tokens(model, monkeypatch):
+    """With overlap_windows, while prompts wait that fit, the next prefill step is launched before the
+    first tokens of the one before it are read; prompts in chunks, forks of n samples and seeded
+    sampling give the tokens and log-probs of steps read in turn (no response ends on its first token
+    here, so the steps hold the same sequences)."""
+    prompts = mixed_prompts(4, LENGTHS)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=6, ignore_eos=True, seed=5)
+    small_steps = dict(max_num_batched_tokens=48, max_num_seqs=64)
+    expected = engine_for(model, overlap_windows=False, **small_steps).generate(prompts, params)
+    engine = engine_for(model, overlap_windows=True, **small_steps)
+    launches: list[int] = []
+    reads: list[int] = []  # per read prefill step: how many steps had been launched by then
+    launch, read = engine.runner.launch_prefill, engine.runner.read_prefill
+
+    def counted_launch(work, sampler):
+        launches.append(1)
+        return launch(work, sampler)
+
+    def counted_read(prefill):
+        reads.append(len(launches))
+        return read(prefill)
+
+    monkeypatch.setattr(engine.runner, "launch_prefill", counted_launch)
+    monkeypatch.setattr(engine.runner, "read_prefill", counted_read)
+    out = engine.generate(prompts, params)
+    steps = engine.stats["prefill_steps"]
+    assert steps >= sum(LENGTHS) // 48 and len(launches) == steps == len(reads)
+    ahead = sum(launched > i + 1 for i, launched in enumerate(reads))  # step i read after step i + 1 left
+    assert ahead >= steps - 2, reads
+    assert out.token_ids == expected.token_ids
+    for ours, theirs in zip(out.logprobs, expected.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=1e-5, rtol=0)
+    assert not engine.has_unfinished_requests() and engine.counters["blocks_in_use"] == 0

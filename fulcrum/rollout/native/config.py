@@ -38,6 +38,7 @@ class EngineConfig:
     # the tokens and schedules (between two windows an H200 idled 5.4 ms, 9 % of a 0.5B generate). The
     # next window runs over the same rows: a row whose sequence stopped in this one decodes for nothing.
     # Measured on the H200's 0.5B rollout (512 x 256): 154k -> 169k generated tok/s (BENCHMARKS.md).
+    # Prefill steps overlap alike: the next one is launched before the first tokens of this one are read.
     overlap_windows: bool = True
     # Decode kernels read the cache address from the device, so graphs survive sleep/wake_up without a
     # recapture; costs ~20% decode speed on an H200 (0.5B), so off unless sleeps are frequent and

@@ -44,6 +44,18 @@ def use_triton_on(device: torch.device) -> bool:
 
 
 @dataclass
+class PrefillLaunch:
+    """A prefill step in flight: how many first tokens each completed prompt gets (its n), the host
+    tensors they and their log-probs are copied into, and the event that marks the copy done (None on
+    the CPU). No tensors when the step completes no prompt (only a chunk of a longer one)."""
+
+    counts: list[int]
+    tokens: torch.Tensor | None
+    logprobs: torch.Tensor | None
+    done: torch.cuda.Event | None
+
+
+@dataclass
 class DecodeLaunch:
     """A decode window in flight: the host tensors its tokens and log-probs are copied into, and the
     event that marks the copy done (None on the CPU, where everything ran already)."""
@@ -67,6 +79,15 @@ def padded_tables(tables: list[list[int]], rows: int, width: int) -> torch.Tenso
     return torch.from_numpy(out)
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device` without waiting for the device: on CUDA through pinned memory (a plain
+    `.to(device)` from pageable memory synchronizes the stream, so the host would wait for the prefill
+    step in flight before it could launch the next one)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def packed_positions(
     starts: list[int], lengths: list[int], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -77,8 +98,8 @@ def packed_positions(
     it: a prefill step of next turns has hundreds of sequences, each a few new tokens over a long
     cached context whose slots are indexed too."""
     offsets = [0, *itertools.accumulate(lengths)]
-    shift = torch.tensor([s - o for s, o in zip(starts, offsets, strict=False)], device=device)
-    counts = torch.tensor(lengths, device=device)
+    shift = to_device(torch.tensor([s - o for s, o in zip(starts, offsets, strict=False)]), device)
+    counts = to_device(torch.tensor(lengths), device)
     index = torch.repeat_interleave(
         torch.arange(len(lengths), device=device), counts, output_size=offsets[-1]
     )
@@ -213,8 +234,8 @@ class ModelRunner:
         """KV data of block src -> block dst for each (src, dst) (forks' private partial blocks)."""
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        src = to_device(torch.tensor([p[0] for p in pairs]), self.device)
+        dst = to_device(torch.tensor([p[1] for p in pairs]), self.device)
         m = self.model
         blocks = self.kv_cache.view(
             m.num_layers, 2, self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim
@@ -222,6 +243,41 @@ class ModelRunner:
         blocks[:, :, dst] = blocks[:, :, src]
 
     # ------------------------------------------------------------------------------ prefill
+    def launch_prefill(self, work: PrefillWork, sampler) -> PrefillLaunch:
+        """Queue the prefill of `work` and the first token of each of the n samples of every prompt it
+        completes (with the copy of those tokens to the host); `read_prefill` waits for them.
+
+        Nothing here waits for the device: every host tensor goes over asynchronously (`to_device`), so
+        the host can build and launch the next step while the device runs this one."""
+        counts = [seq.num_samples for seq, done in zip(work.seqs, work.completes, strict=True) if done]
+        logits = self.prefill(work)
+        if not counts:
+            return PrefillLaunch(counts, None, None, None)
+        rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        tokens, logprobs = sampler(logits[to_device(rows, self.device)])
+        pinned = self.device.type == "cuda"
+        host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=pinned)
+        host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=pinned)
+        host_tokens.copy_(tokens, non_blocking=True)
+        host_logprobs.copy_(logprobs, non_blocking=True)
+        done = torch.cuda.Event() if pinned else None
+        if done is not None:
+            done.record()
+        return PrefillLaunch(counts, host_tokens, host_logprobs, done)
+
+    def read_prefill(self, launch: PrefillLaunch) -> tuple[list[list[int]], list[list[float]]]:
+        """The first tokens and log-probs of a launched prefill, one list per completed prompt."""
+        if launch.tokens is None:
+            return [], []
+        if launch.done is not None:
+            launch.done.synchronize()
+        flat_tokens, flat_logprobs = launch.tokens.tolist(), launch.logprobs.tolist()
+        offsets = [0, *itertools.accumulate(launch.counts)]
+        return (
+            [flat_tokens[a:b] for a, b in itertools.pairwise(offsets)],
+            [flat_logprobs[a:b] for a, b in itertools.pairwise(offsets)],
+        )
+
     def prefill(self, work: PrefillWork) -> torch.Tensor:
         """Run the chunks of `work`; logits (C, V) at the last token of each of the C completed prompts."""
         dev, bs = self.device, self.block_size
@@ -242,19 +298,21 @@ class ModelRunner:
             is_prefill=True,
             slot_mapping=ops.block_slots(tables, seq_index, pos_t, bs),
             block_size=bs,
-            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32).to(dev),
-            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32).to(dev),
+            cu_seqlens_q=to_device(torch.tensor(cu_q, dtype=torch.int32), dev),
+            cu_seqlens_k=to_device(torch.tensor(cu_k, dtype=torch.int32), dev),
             q_lens=q_lens,
             k_lens=k_lens,
             context_slots=context_slots,
         )
-        hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(dev), pos_t, self.kv_cache, meta)
+        hidden = self.model.forward(
+            to_device(torch.tensor(ids, dtype=torch.long), dev), pos_t, self.kv_cache, meta
+        )
         last = [cu_q[i + 1] - 1 for i, done in enumerate(work.completes) if done]
-        return self.model.logits(hidden[torch.tensor(last, dtype=torch.long, device=dev)])
+        return self.model.logits(hidden[to_device(torch.tensor(last, dtype=torch.long), dev)])
 
     def _table_tensor(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
-        return padded_tables([s.block_table for s in seqs], len(seqs), width).to(self.device)
+        return to_device(padded_tables([s.block_table for s in seqs], len(seqs), width), self.device)
 
     # ------------------------------------------------------------------------------ decode
     def launch_decode(

@@ -239,7 +239,14 @@ class Scheduler:
     # ------------------------------------------------------------------------------ results
     def after_prefill(self, work: PrefillWork, tokens: list[list[int]], logprobs: list[list[float]]) -> None:
         """`tokens[j]` / `logprobs[j]`: the num_samples first tokens of the j-th completed sequence."""
-        done = 0
+        self.take_first_tokens(self.commit_prefill(work), tokens, logprobs)
+
+    def commit_prefill(self, work: PrefillWork) -> list[list[Sequence]]:
+        """What a launched prefill step changes before its first tokens are known: the chunks count as
+        computed, and each completed prompt runs with its n - 1 forks (they share its full blocks; a copy
+        of its partial last block each is owed, `pending_copies`). The families, one per completed
+        prompt in the step's order, for `take_first_tokens`."""
+        families = []
         for seq, length, completes in zip(work.seqs, work.lengths, work.completes, strict=True):
             seq.num_computed += length
             if not completes:
@@ -252,12 +259,34 @@ class Scheduler:
                     self.pending_copies.append(copy)
                 family.append(child)
             seq.num_samples = 1
-            for member, token, logprob in zip(family, tokens[done], logprobs[done], strict=True):
+            for member in family:
                 member.status = Status.RUNNING
                 self.running.append(member)
+            families.append(family)
+        return families
+
+    def take_first_tokens(
+        self, families: list[list[Sequence]], tokens: list[list[int]], logprobs: list[list[float]]
+    ) -> None:
+        """`tokens[j]` / `logprobs[j]`: the first token of each member of `families[j]` (`commit_prefill`)."""
+        for family, family_tokens, family_logprobs in zip(families, tokens, logprobs, strict=True):
+            for member, token, logprob in zip(family, family_tokens, family_logprobs, strict=True):
                 self._take(member, [token], [logprob])
-            done += 1
         self.running = [s for s in self.running if s.status is Status.RUNNING]
+
+    def schedule_prefill_ahead(self) -> PrefillWork | None:
+        """The next prefill step, to launch while the step before it (committed, `commit_prefill`) is in
+        flight and its first tokens are not read yet; None when no waiting prompt fits now (the next
+        round is then scheduled after the read, as usual: a decode window needs those tokens).
+
+        The sequences of the step in flight hold their seats and blocks as running ones do; one that
+        its first token ends frees them only after the read, so this step may admit less than a step
+        scheduled after the read would have (the same requests then share their steps otherwise)."""
+        if not self.waiting:
+            return None
+        work = self._schedule_prefill()
+        self._note_peak()
+        return work
 
     def schedule_ahead(self, work: DecodeWork) -> DecodeWork | None:
         """The window after `work` (in flight, its tokens not read yet), to launch before reading it.

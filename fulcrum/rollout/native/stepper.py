@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from fulcrum.parallel.tensor_parallel import TensorParallel
 from fulcrum.rollout.base import SamplingParams, SequenceOutput
 from fulcrum.rollout.native.block_manager import BlockManager
 from fulcrum.rollout.native.config import EngineConfig
-from fulcrum.rollout.native.model_runner import DecodeLaunch, ModelRunner
+from fulcrum.rollout.native.model_runner import DecodeLaunch, ModelRunner, PrefillLaunch
 from fulcrum.rollout.native.sampler import DeviceSampler
 from fulcrum.rollout.native.scheduler import DecodeWork, PrefillWork, Scheduler
 from fulcrum.rollout.native.sequence import Sequence
+
+# A round launched on the device and not read yet: a decode window or a prefill step.
+Launched = tuple[DecodeWork, DecodeLaunch] | tuple[PrefillWork, PrefillLaunch]
 
 COUNTERS = ("prefill_s", "decode_s", "prefill_steps", "prefill_tokens", "decode_steps")
 
@@ -74,8 +75,8 @@ class Stepper:
         # One stop set per (stop ids, ignore_eos), shared by the sequences that use it: a batch of
         # conversations would otherwise build one per turn.
         self._stop_sets: dict[tuple[tuple[int, ...], bool], frozenset[int]] = {}
-        # overlap_windows: the decode window launched ahead, read by the next `step`.
-        self.inflight: tuple[DecodeWork, DecodeLaunch] | None = None
+        # overlap_windows: the decode window or prefill step launched ahead, read by the next `step`.
+        self.inflight: Launched | None = None
 
     # ------------------------------------------------------------------------------ requests
     def new_sampler(self, params: SamplingParams) -> None:
@@ -157,21 +158,31 @@ class Stepper:
         """Work queued or running, a window in flight, or turns finished by `settle` not handed out."""
         return self.scheduler.has_work() or self.inflight is not None or bool(self.scheduler.finished)
 
-    def _take_inflight(self) -> tuple[DecodeWork, DecodeLaunch] | None:
-        """The window in flight (overlap_windows), no longer in flight once taken."""
+    def _take_inflight(self) -> Launched | None:
+        """The round in flight (overlap_windows), no longer in flight once taken."""
         inflight, self.inflight = self.inflight, None
         return inflight
 
     def settle(self) -> None:
-        """Read the window in flight (overlap_windows) into the scheduler, launching none after it: the
+        """Read the round in flight (overlap_windows) into the scheduler, launching none after it: the
         turns it finishes come out of the next `step`."""
-        if (inflight := self._take_inflight()) is not None:
-            self._read(*inflight, time.perf_counter())
+        if (inflight := self._take_inflight()) is None:
+            return
+        work, launch = inflight
+        if isinstance(work, DecodeWork):
+            self._read(work, launch, time.perf_counter())
+        else:
+            self._read_prefill(work, launch, self.scheduler.commit_prefill(work), time.perf_counter())
 
     def abort(self) -> None:
-        """Drop every queued and running sequence (held ones stay), after the window in flight ends."""
+        """Drop every queued and running sequence (held ones stay), after the round in flight ends."""
         if (inflight := self._take_inflight()) is not None:
-            self.runner.read_decode(inflight[1])
+            work, launch = inflight
+            if isinstance(work, DecodeWork):
+                self.runner.read_decode(launch)
+            else:  # its prompts left the queue when it was scheduled: running now, they are dropped too
+                self.runner.read_prefill(launch)
+                self.scheduler.commit_prefill(work)
         self.scheduler.abort()
 
     # ------------------------------------------------------------------------------ stepping
@@ -179,21 +190,25 @@ class Stepper:
         """One scheduler round; the turns it finished, in the order they finished."""
         scheduler = self.scheduler
         if (inflight := self._take_inflight()) is not None:  # launched by the step before: read it now
-            self._decode(*inflight, time.perf_counter())
+            work, launch = inflight
+            if isinstance(work, DecodeWork):
+                self._decode(work, launch, time.perf_counter())
+            else:
+                self._prefill(work, launch, time.perf_counter())
         elif scheduler.has_work():
-            self.runner.copy_blocks(scheduler.pending_copies)
-            scheduler.pending_copies.clear()
+            self._copy_pending_blocks()
             work = scheduler.schedule()
             tick = time.perf_counter()
             if isinstance(work, DecodeWork):
                 self._decode(work, self.runner.launch_decode(work.seqs, work.steps, self.sampler), tick)
             else:
-                self._prefill(work)
-                self.counters["prefill_s"] += time.perf_counter() - tick
-                self.counters["prefill_steps"] += 1
-                self.counters["prefill_tokens"] += sum(work.lengths)
+                self._prefill(work, self.runner.launch_prefill(work, self.sampler), tick)
         finished, scheduler.finished = scheduler.finished, []
         return [output_of(seq) for seq in finished]
+
+    def _copy_pending_blocks(self) -> None:
+        self.runner.copy_blocks(self.scheduler.pending_copies)
+        self.scheduler.pending_copies.clear()
 
     def _decode(self, work: DecodeWork, launch: DecodeLaunch, tick: float) -> None:
         """Read the launched window `work` into the scheduler. With overlap_windows, the window after it
@@ -211,22 +226,24 @@ class Stepper:
         self.counters["decode_s"] += time.perf_counter() - tick
         self.counters["decode_steps"] += work.steps
 
-    def _prefill(self, work: PrefillWork) -> None:
-        """Prefill `work`; sample the first token of each of the n samples of every completed prompt."""
-        assert self.sampler is not None
-        logits = self.runner.prefill(work)
-        counts = [seq.num_samples for seq, done in zip(work.seqs, work.completes, strict=True) if done]
-        first_tokens: list[list[int]] = []
-        first_logprobs: list[list[float]] = []
-        if counts:
-            rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(
-                self.runner.device
-            )
-            tokens_t, logprobs_t = self.sampler(logits[rows])
-            flat_tokens, flat_logprobs = tokens_t.tolist(), logprobs_t.tolist()
-            offset = 0
-            for count in counts:
-                first_tokens.append(flat_tokens[offset : offset + count])
-                first_logprobs.append(flat_logprobs[offset : offset + count])
-                offset += count
-        self.scheduler.after_prefill(work, first_tokens, first_logprobs)
+    def _prefill(self, work: PrefillWork, launch: PrefillLaunch, tick: float) -> None:
+        """Read the launched prefill step `work` (the first token of each of the n samples of every
+        prompt it completes) into the scheduler. With overlap_windows, while another prompt waits that
+        fits, the next prefill step is launched first (`Scheduler.schedule_prefill_ahead`), so the device
+        prefills while the host reads this step's tokens and builds the next one's inputs."""
+        families = self.scheduler.commit_prefill(work)
+        if self.config.overlap_windows:
+            self._copy_pending_blocks()  # the forks' copies, queued behind this step's forward
+            ahead = self.scheduler.schedule_prefill_ahead()
+            if ahead is not None:
+                self.inflight = (ahead, self.runner.launch_prefill(ahead, self.sampler))
+        self._read_prefill(work, launch, families, tick)
+
+    def _read_prefill(
+        self, work: PrefillWork, launch: PrefillLaunch, families: list[list[Sequence]], tick: float
+    ) -> None:
+        """The launched prefill's first tokens into the scheduler; its seconds since `tick` counted."""
+        self.scheduler.take_first_tokens(families, *self.runner.read_prefill(launch))
+        self.counters["prefill_s"] += time.perf_counter() - tick
+        self.counters["prefill_steps"] += 1
+        self.counters["prefill_tokens"] += sum(work.lengths)
