@@ -6,15 +6,13 @@
 The decode step of the 0.5B shape spent 344 µs of its 2,473 in `sample_kernels.gumbel_sample` (512 rows
 of 151,936 logits: one Philox call per four entries, two logs and two exps per entry), 306 with the launch
 this sweep found (BENCHMARKS.md, "Where a decode step's time goes"). This times one call on each shape's
-decode batch (bf16 logits, the engine's default, temperature 1) for every combination of BLOCK (entries a
-loop iteration), programs per multiprocessor (the split of each row), num_warps, num_stages and SKIP_TILES
-(two passes over a chunk, the tiles too far below its max to win skipping their noise), over two kinds of
-logits: `random` (N(0, 3^2), as a random-weight model's: nothing is skipped) and `trained` (a trained
-model's shape, synthetic: 64 candidates a row at N(0, 2^2), the rest at N(-25, 2^2), so that most tiles
-lie over 21 nats below the top). Each configuration's tokens are checked equal to the current default's
-(an entry's noise depends on its index only, so every launch samples the same tokens) and its log-probs
-close, before it is timed (CUDA events, median of 50 calls after 5). It prints one line per configuration,
-the best per case with its speed-up, and `best_common` over the cases.
+decode batch (bf16 logits at N(0, 3^2), the engine's default dtype, temperature 1) for every combination
+of BLOCK (entries a loop iteration), programs per multiprocessor (the split of each row), num_warps and
+num_stages. The kernel reads every entry once whatever its value, so random logits time it as a trained
+model's do. Each configuration's tokens are checked equal to the current default's (an entry's noise
+depends on its index only, so every launch samples the same tokens) and its log-probs close, before it is
+timed (CUDA events, median of 50 calls after 5). It prints one line per configuration, the best per shape
+with its speed-up, and `best_common` over the shapes.
 """
 
 from __future__ import annotations
@@ -41,29 +39,17 @@ BLOCKS = (512, 1024)
 PROGRAMS_PER_SM = (8, 16)
 WARPS = (4, 8)
 STAGES = (1, 2)
-SKIP_TILES = (0, 1)
-LOGITS = ("random", "trained")
 
 
 # A row's launch, as bench/rollout.py --sample-launch takes it (BLOCK and programs_per_sm: the
 # module's SAMPLE_BLOCK and SAMPLE_PROGRAMS_PER_SM; the rest: SAMPLE_LAUNCH).
-LAUNCH_KEYS = ("BLOCK", "programs_per_sm", "num_warps", "num_stages", "SKIP_TILES")
+LAUNCH_KEYS = ("BLOCK", "programs_per_sm", "num_warps", "num_stages")
 
 
-def make_logits(kind: str, rows: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
-    """`random`: N(0, 3^2) everywhere. `trained`: 64 candidates a row at N(0, 2^2), the rest at N(-25, 2^2)."""
-    if kind == "random":
-        return torch.randn(rows, vocab, generator=gen) * 3.0
-    logits = torch.randn(rows, vocab, generator=gen) * 2.0 - 25.0
-    candidates = torch.randint(vocab, (rows, 64), generator=gen)
-    return logits.scatter_(1, candidates, torch.randn(rows, 64, generator=gen) * 2.0)
-
-
-def sweep_shape(name: str, rows: int, vocab: int, kind: str, device: torch.device, small: bool) -> dict:
-    """Every launch on one shape's logits of one kind: its rows and the best against the default."""
+def sweep_shape(name: str, rows: int, vocab: int, device: torch.device, small: bool) -> dict:
+    """Every launch on one shape's logits: its rows and the best against the default."""
     gen = torch.Generator().manual_seed(0)
-    logits = make_logits(kind, rows, vocab, gen).to(device=device, dtype=torch.bfloat16)
-    name = f"{name}/{kind}"
+    logits = (torch.randn(rows, vocab, generator=gen) * 3.0).to(device=device, dtype=torch.bfloat16)
     seed = torch.tensor([1234], dtype=torch.int64, device=device)
 
     def run(**launch: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,11 +59,11 @@ def sweep_shape(name: str, rows: int, vocab: int, kind: str, device: torch.devic
     ref_tokens, ref_logprobs = run()
     default_us = timer(run)
     results = []
-    grid = itertools.product(BLOCKS, PROGRAMS_PER_SM, WARPS, STAGES, SKIP_TILES)
+    grid = itertools.product(BLOCKS, PROGRAMS_PER_SM, WARPS, STAGES)
     if small:  # the path only: a few launches on the interpreter
-        grid = [(512, 4, 4, 1, 0), (1024, 2, 2, 2, 1)]
-    for block, per_sm, warps, stages, skip_tiles in grid:
-        kernel = {"num_warps": warps, "num_stages": stages, "SKIP_TILES": skip_tiles}
+        grid = [(512, 4, 4, 1), (1024, 2, 2, 2)]
+    for block, per_sm, warps, stages in grid:
+        kernel = {"num_warps": warps, "num_stages": stages}
         launch = {"block": block, "programs_per_sm": per_sm, "launch": kernel}
         try:
             tokens, logprobs = run(**launch)
@@ -116,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.small else "cuda")
     shapes = SMALL_SHAPES if args.small else SHAPES
-    results = [sweep_shape(*shape, kind, device, args.small) for shape in shapes for kind in LOGITS]
+    results = [sweep_shape(*shape, device, args.small) for shape in shapes]
     common = None if args.small else best_common(results, LAUNCH_KEYS)
     print(json.dumps({"best_common": common}), flush=True)
     if args.json:

@@ -13,8 +13,6 @@ with the swept launch below).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from fulcrum.rollout.native.kernels import HAVE_TRITON, next_pow2
@@ -28,7 +26,7 @@ if HAVE_TRITON:
         # Gumbel noise -log(-log u) of the tile's elements 4Q .. 4Q + 3, Q = start // 4 + quad: Philox
         # counter row * ceil(V / 4) + Q, so an element's noise depends on (seed, row, index) only, never
         # on the split. The wrapper keeps batch * ceil(V / 4) < 2^31 (56,536 rows at V = 151936), so the
-        # counter fits in int32, as tl.rand's does. u is clamped to [U_MIN, U_MAX] (NOISE_SPAN's bounds).
+        # counter fits in int32, as tl.rand's does.
         counter = (row * quads_per_row + start // 4).to(tl.int32) + quad
         r0, r1, r2, r3 = tl.randint4x(seed, counter)
         bits = tl.where(
@@ -56,9 +54,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gumbel_sample_partial_kernel(
-        logits_ptr, stride_row, vocab, quads_per_row, chunk, inv_temperature, seed_ptr, noise_span,
+        logits_ptr, stride_row, vocab, quads_per_row, chunk, inv_temperature, seed_ptr,
         part_max_ptr, part_sum_ptr, part_best_ptr, part_idx_ptr,
-        GREEDY: tl.constexpr, BLOCK: tl.constexpr, SKIP_TILES: tl.constexpr,
+        GREEDY: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # Program (row, part) reduces the chunk [part * chunk, (part + 1) * chunk) of its row to four
         # partials: the max of logits/T, the sum of exp(logits/T - that max), the best Gumbel score
@@ -73,15 +71,10 @@ if HAVE_TRITON:
         # per row (more warps per SM to hide the multiply latency). Expected about 120-150 µs per
         # decode step at 512 x 151936 on an H200; measured 341 (from 487): the multiplies were not all
         # of it. bench/sample_sweep.py's best launch (tiles of 512, 16 programs per SM) took it to 306.
-        # Keeping the softmax's max and sum per program (one exp an element, not two) gained nothing.
-        #
-        # SKIP_TILES (not with GREEDY) reads the chunk twice: first its max M, then the softmax sum
-        # against M and the Gumbel scores, where a tile whose largest logit/T lies below M - noise_span
-        # skips its noise: any of its scores is below M's own (the noise lies in [g(U_MIN), g(U_MAX)],
-        # noise_span is that width with a margin), so it cannot hold the chunk's best. The tokens are
-        # those of the one-pass kernel; the log-probs differ by the order of a float sum. A trained
-        # model's next-token logits put most of a 150k vocabulary far below the top; random weights
-        # put none there, and pay the second read.
+        # Keeping the softmax's max and sum per program (one exp an element, not two) gained nothing;
+        # nor did reading the chunk twice so that the tiles too far below its max to win skip their
+        # noise: sampling took 114.5 µs a decode step on SmolLM2-135M's real logits against 107.0 in
+        # one pass (H200); only synthetic peaked logits favoured it.
         row = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         lo = part * chunk
@@ -97,41 +90,22 @@ if HAVE_TRITON:
         run_sum = tl.zeros((BLOCK // 4, 4), tl.float32)
         best_val = tl.full((BLOCK // 4, 4), float("-inf"), tl.float32)
         best_idx = tl.zeros((BLOCK // 4, 4), tl.int32)
-        if SKIP_TILES:
-            for start in range(lo, hi, BLOCK):
-                idx = start + cols
-                run_max = tl.maximum(
-                    run_max, _scaled_tile(logits_ptr, row, stride_row, idx, idx < hi, inv_temperature)
-                )
-            chunk_max = tl.max(run_max)  # -inf when every logit of the chunk is masked out
-            safe_max = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
-            floor = chunk_max - noise_span
-            for start in range(lo, hi, BLOCK):
-                idx = start + cols
-                ok = idx < hi
-                x = _scaled_tile(logits_ptr, row, stride_row, idx, ok, inv_temperature)
-                run_sum += tl.exp(x - safe_max)
-                if tl.max(x) >= floor:
-                    score = x + _gumbel_noise(seed, row, quads_per_row, start, quad, lane)
-                    best_val, best_idx = _keep_best(score, ok, idx, best_val, best_idx)
-            chunk_sum = tl.sum(run_sum)
-        else:
-            for start in range(lo, hi, BLOCK):
-                idx = start + cols
-                ok = idx < hi
-                x = _scaled_tile(logits_ptr, row, stride_row, idx, ok, inv_temperature)
-                new_max = tl.maximum(run_max, x)
-                safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-                run_sum = run_sum * tl.exp(run_max - safe) + tl.exp(x - safe)
-                run_max = new_max
-                if GREEDY:
-                    score = x
-                else:
-                    score = x + _gumbel_noise(seed, row, quads_per_row, start, quad, lane)
-                best_val, best_idx = _keep_best(score, ok, idx, best_val, best_idx)
-            chunk_max = tl.max(run_max)
-            safe_max = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
-            chunk_sum = tl.sum(run_sum * tl.exp(run_max - safe_max))
+        for start in range(lo, hi, BLOCK):
+            idx = start + cols
+            ok = idx < hi
+            x = _scaled_tile(logits_ptr, row, stride_row, idx, ok, inv_temperature)
+            new_max = tl.maximum(run_max, x)
+            safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+            run_sum = run_sum * tl.exp(run_max - safe) + tl.exp(x - safe)
+            run_max = new_max
+            if GREEDY:
+                score = x
+            else:
+                score = x + _gumbel_noise(seed, row, quads_per_row, start, quad, lane)
+            best_val, best_idx = _keep_best(score, ok, idx, best_val, best_idx)
+        chunk_max = tl.max(run_max)
+        safe_max = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
+        chunk_sum = tl.sum(run_sum * tl.exp(run_max - safe_max))
         chunk_best = tl.max(best_val)
         slot = row * tl.num_programs(1) + part
         tl.store(part_max_ptr + slot, chunk_max)
@@ -179,20 +153,13 @@ SAMPLE_PROGRAMS_PER_SM = 16
 DEFAULT_SM_COUNT = 132
 
 
-# The sampler's launch beyond BLOCK and the split's aim: SKIP_TILES (two passes over a chunk, the tiles
-# that cannot hold the best score skip their noise), Triton's num_warps and num_stages (absent: Triton's
-# defaults). `bench/sample_sweep.py` times BLOCK, programs per SM and these on a GPU; the tokens are the
-# same under every launch (an entry's noise depends on its index only). These defaults (with BLOCK 512
-# and 16 programs per SM) are the sweep's fastest launch common to both shapes: 1.13x (0.5B, 512 x
-# 151,936) and 1.12x (SmolLM2, 1,024 x 49,152) over BLOCK 1024, 4 programs per SM and Triton's launch
-# (H200, 2026-12-02). SKIP_TILES stays off until the sweep times it on a trained model's logits.
-SAMPLE_LAUNCH: dict[str, int] = {"SKIP_TILES": 0, "num_warps": 4, "num_stages": 2}
-
-# The uniforms' clamp in _gumbel_noise, and the width of the noise it allows, g(U_MAX) - g(U_MIN) with
-# g(u) = -log(-log u), plus a margin for float32 rounding: a tile more than this below its chunk's
-# largest logit/T cannot hold the chunk's best score (SKIP_TILES).
-U_MIN, U_MAX = 1e-20, 0.99999994
-NOISE_SPAN = math.log(-math.log(U_MIN)) - math.log(-math.log(U_MAX)) + 0.5
+# The sampler's launch beyond BLOCK and the split's aim: Triton's num_warps and num_stages (absent:
+# Triton's defaults). `bench/sample_sweep.py` times BLOCK, programs per SM and these on a GPU; the tokens
+# are the same under every launch (an entry's noise depends on its index only). These defaults (with
+# BLOCK 512 and 16 programs per SM) are the sweep's fastest launch common to both shapes: 1.13x (0.5B,
+# 512 x 151,936) and 1.12x (SmolLM2, 1,024 x 49,152) over BLOCK 1024, 4 programs per SM and Triton's
+# launch (H200, 2026-12-02).
+SAMPLE_LAUNCH: dict[str, int] = {"num_warps": 4, "num_stages": 2}
 
 
 def _tiling(block: int | None, programs_per_sm: int | None) -> tuple[int, int]:
@@ -254,8 +221,8 @@ def gumbel_sample(
     the device's multiprocessors), fixed for a given (B, V, device) as CUDA graphs need; the tokens
     do not depend on it, the log-probs only through the order of a float sum. `block` (entries a loop
     iteration, a multiple of 4; SAMPLE_BLOCK when None), `programs_per_sm` (SAMPLE_PROGRAMS_PER_SM when
-    None) and `launch` (over SAMPLE_LAUNCH: SKIP_TILES, num_warps, num_stages) change how the work is
-    laid out, never the tokens. The module's defaults are read at each call, so a benchmark may set them.
+    None) and `launch` (over SAMPLE_LAUNCH: num_warps, num_stages) change how the work is laid out,
+    never the tokens. The module's defaults are read at each call, so a benchmark may set them.
     """
     block, programs_per_sm = _tiling(block, programs_per_sm)
     batch, vocab = logits.shape
@@ -274,9 +241,8 @@ def gumbel_sample(
     greedy = temperature == 0
     inv_temperature = 1.0 if greedy else 1.0 / temperature
     kernel_launch = {**SAMPLE_LAUNCH, **(launch or {})}
-    kernel_launch["SKIP_TILES"] = int(bool(kernel_launch.get("SKIP_TILES", 0)) and not greedy)
     _gumbel_sample_partial_kernel[(batch, used)](
-        logits, logits.stride(0), vocab, quads_per_row, chunk, inv_temperature, seed, NOISE_SPAN,
+        logits, logits.stride(0), vocab, quads_per_row, chunk, inv_temperature, seed,
         part_f[0], part_f[1], part_f[2], part_idx, GREEDY=greedy, BLOCK=block, **kernel_launch,
     )  # fmt: skip
     _gumbel_sample_combine_kernel[(batch,)](
