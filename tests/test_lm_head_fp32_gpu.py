@@ -84,3 +84,22 @@ def test_engine_with_graphs_matches_eager_with_fp32_logits() -> None:
     assert outs[0].token_ids == outs[1].token_ids
     for a, b in zip(outs[0].logprobs, outs[1].logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+
+
+def test_weight_gradient_chunks_add_into_float32_in_place() -> None:
+    """`add_product_` adds a half-precision product into a float32 accumulator in one cuBLAS call:
+    in place, and as exact as float32 summation allows (the product is not rounded to bf16 first,
+    which the unfused `acc += a @ b` does)."""
+    from fulcrum.models.linear_logprob import add_product_
+
+    g = torch.Generator().manual_seed(1)
+    acc = torch.randn(4096, 256, generator=g).to(CUDA)
+    a = torch.randn(4096, 300, generator=g).to(BF16).to(CUDA)
+    b = torch.randn(300, 256, generator=g).to(BF16).to(CUDA)
+    want = acc.double() + a.double() @ b.double()
+    rounded = acc + a @ b  # the product rounded to bf16, then added
+    address = acc.data_ptr()
+    add_product_(acc, a, b)
+    assert acc.data_ptr() == address and acc.dtype == torch.float32
+    error = (acc.double() - want).abs().max().item()
+    assert error < 1e-3 < (rounded.double() - want).abs().max().item()

@@ -20,6 +20,8 @@ import torch
 
 from fulcrum.models.head_logits import head_logits
 
+_HALF = (torch.bfloat16, torch.float16)
+
 # Float32 logits elements per chunk: 2^27 (512 MiB); at V = 151,936 that is 883 rows. The backward
 # holds about four such blocks (z, p, ∂z and a temporary).
 CHUNK_ELEMENTS = 1 << 27
@@ -125,6 +127,20 @@ def _forward_chunks(
     return logp, lse, entropy
 
 
+def add_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b in place: acc (V, H) float32, a (V, c) and b (c, H) in the weights' dtype.
+
+    On CUDA with half-precision operands, one cuBLAS call that accumulates a @ b in float32 and adds it
+    into acc (beta = 1, `out_dtype`): the product is never rounded to half precision, nor written as a
+    (V, H) half tensor and read back by a separate add. At V = 152k that add moved 1.4 GB a chunk (a
+    quarter of the backward's time per chunk: BENCHMARKS.md, "The LM head's weight gradient").
+    Elsewhere (CPU `addmm` has no `out_dtype`) the product in the operands' dtype, then the add."""
+    if acc.is_cuda and acc.dtype == torch.float32 and a.dtype in _HALF and b.dtype == a.dtype:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += a @ b
+
+
 class _LinearLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -177,7 +193,7 @@ class _LinearLogSoftmax(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[s:e] = dz @ weight
             if grad_weight is not None:
-                grad_weight += dz.T @ hidden[s:e]
+                add_product_(grad_weight, dz.T, hidden[s:e])
             if grad_bias is not None:
                 grad_bias += dz.sum(0)
         return (
