@@ -87,6 +87,9 @@ OTHER = "other"
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # the trace's device events
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # Triton launches through the driver API
 PREFILL, WINDOW, STEP = "prefill", "decode_window", "decode_step"
+# A prefill step's launch: inside the step before it when the steps overlap (`overlap_windows`), else just
+# before the `PREFILL` span that reads it; the prefill phase is the union of both kinds of span.
+PREFILL_LAUNCH = "prefill_launch"
 
 
 @dataclass
@@ -184,9 +187,11 @@ def decode_windows(trace: list[dict[str, Any]]) -> list[Window]:
 
 
 def prefill_figures(trace: list[dict[str, Any]], on_device: bool) -> dict[str, float]:
-    """The prefill phase: steps, host seconds and (on a device) the union of its device events."""
-    spans = host_spans(trace, PREFILL)
-    figures = {"steps": len(spans), "host_s": round(sum(hi - lo for lo, hi in spans) / 1e6, 4)}
+    """The prefill phase: steps (their reads), host seconds (the union of the reads' and the launches'
+    spans) and, on a device, the union of the device events launched inside them."""
+    reads = host_spans(trace, PREFILL)
+    spans = reads + host_spans(trace, PREFILL_LAUNCH)
+    figures = {"steps": len(reads), "host_s": round(union_us(spans) / 1e6, 4)}
     if on_device:
         events = [e for launch, e in launched_events(trace) if any(lo <= launch <= hi for lo, hi in spans)]
         figures["gpu_busy_s"] = round(union_us((e.start, e.end) for e in events) / 1e6, 4)
@@ -286,6 +291,7 @@ def annotate_engine(engine: NativeEngine) -> None:
     """Mark prefill steps, decode windows and decode steps; the step is a replay or an eager forward."""
     runner = engine.runner
     annotate(engine.stepper, "_prefill", PREFILL)
+    annotate(runner, "launch_prefill", PREFILL_LAUNCH)
     annotate(runner, "launch_decode", WINDOW)  # its steps' launches; the read comes after, between windows
     annotate(runner, "_graph_logits" if runner.use_graphs else "_decode_forward", STEP)
 

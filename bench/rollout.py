@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -272,15 +273,28 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def known_options(launch: dict, known: Iterable[str], flag: str) -> dict:
+    """`launch` when every key is a known option; else an error naming the unknown ones (a launch
+    option the kernels no longer take would otherwise be timed as if it applied)."""
+    unknown = sorted(set(launch) - set(known))
+    if unknown:
+        raise SystemExit(f"{flag}: unknown launch options {unknown}; known: {sorted(known)}")
+    return launch
+
+
 def set_launches(decode: str | None, sample: str | None) -> dict:
     """Set the engine's kernel launches for this process from the sweeps' JSON (before the engine
     captures its graphs); returns the launches in force."""
     from fulcrum.rollout.native import kernels, sample_kernels
 
     if decode:
-        kernels.DECODE_LAUNCH.update(json.loads(decode))
+        kernels.DECODE_LAUNCH.update(
+            known_options(json.loads(decode), kernels.DECODE_LAUNCH, "--decode-launch")
+        )
     if sample:
-        launch = json.loads(sample)
+        launch = known_options(
+            json.loads(sample), {"BLOCK", "programs_per_sm", *sample_kernels.SAMPLE_LAUNCH}, "--sample-launch"
+        )
         sample_kernels.SAMPLE_BLOCK = int(launch.pop("BLOCK", sample_kernels.SAMPLE_BLOCK))
         sample_kernels.SAMPLE_PROGRAMS_PER_SM = int(
             launch.pop("programs_per_sm", sample_kernels.SAMPLE_PROGRAMS_PER_SM)

@@ -75,3 +75,18 @@ def test_kernel_names_fall_into_their_categories() -> None:
     assert category_of("flash_fwd_splitkv_kernel (softmax inside)") == "attention"
     assert category_of("void at::native::vectorized_elementwise_kernel<4, FillFunctor<long>>") == "copy"
     assert category_of("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<long>>") == "other"
+
+
+def test_prefill_counts_each_launch_whether_before_its_read_or_inside_the_step_before() -> None:
+    """Overlapped prefill steps: step 0 is launched before its read, steps 1 and 2 inside the read of the
+    step before (launched ahead). The phase's host time is the union of reads and launches (0-80 ms),
+    its GPU busy time every launched kernel's (6-46 and 50-70 ms), step 0's included."""
+    trace = [
+        host("prefill_launch", 0, 10), launch("cudaLaunchKernel", 5, 1), device("flash_fwd_kernel", 6, 20, 1),
+        host("prefill", 10, 30), host("prefill_launch", 15, 10), launch("cudaLaunchKernel", 20, 2),
+        device("flash_fwd_kernel", 26, 20, 2),
+        host("prefill", 40, 30), host("prefill_launch", 45, 10), launch("cudaLaunchKernel", 50, 3),
+        device("flash_fwd_kernel", 50, 20, 3),
+        host("prefill", 70, 10),
+    ]  # fmt: skip
+    assert prefill_figures(trace, on_device=True) == {"steps": 3, "host_s": 0.08, "gpu_busy_s": 0.06}
