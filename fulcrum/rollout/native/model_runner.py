@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fulcrum.batch import host_to_device
 from fulcrum.rollout.native import ops
 from fulcrum.rollout.native.attention import AttentionMetadata
 from fulcrum.rollout.native.block_manager import blocks_for
@@ -79,15 +80,6 @@ def padded_tables(tables: list[list[int]], rows: int, width: int) -> torch.Tenso
     return torch.from_numpy(out)
 
 
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` on `device` without waiting for the device: on CUDA through pinned memory (a plain
-    `.to(device)` from pageable memory synchronizes the stream, so the host would wait for the prefill
-    step in flight before it could launch the next one)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def packed_positions(
     starts: list[int], lengths: list[int], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -98,8 +90,8 @@ def packed_positions(
     it: a prefill step of next turns has hundreds of sequences, each a few new tokens over a long
     cached context whose slots are indexed too."""
     offsets = [0, *itertools.accumulate(lengths)]
-    shift = to_device(torch.tensor([s - o for s, o in zip(starts, offsets, strict=False)]), device)
-    counts = to_device(torch.tensor(lengths), device)
+    shift = host_to_device(torch.tensor([s - o for s, o in zip(starts, offsets, strict=False)]), device)
+    counts = host_to_device(torch.tensor(lengths), device)
     index = torch.repeat_interleave(
         torch.arange(len(lengths), device=device), counts, output_size=offsets[-1]
     )
@@ -234,8 +226,8 @@ class ModelRunner:
         """KV data of block src -> block dst for each (src, dst) (forks' private partial blocks)."""
         if not pairs:
             return
-        src = to_device(torch.tensor([p[0] for p in pairs]), self.device)
-        dst = to_device(torch.tensor([p[1] for p in pairs]), self.device)
+        src = host_to_device(torch.tensor([p[0] for p in pairs]), self.device)
+        dst = host_to_device(torch.tensor([p[1] for p in pairs]), self.device)
         m = self.model
         blocks = self.kv_cache.view(
             m.num_layers, 2, self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim
@@ -247,14 +239,15 @@ class ModelRunner:
         """Queue the prefill of `work` and the first token of each of the n samples of every prompt it
         completes (with the copy of those tokens to the host); `read_prefill` waits for them.
 
-        Nothing here waits for the device: every host tensor goes over asynchronously (`to_device`), so
-        the host can build and launch the next step while the device runs this one."""
+        Nothing here waits for the device: every host tensor goes over asynchronously (`host_to_device`:
+        a plain `.to(device)` from pageable memory synchronizes the stream), so the host can build and
+        launch the next step while the device runs this one."""
         counts = [seq.num_samples for seq, done in zip(work.seqs, work.completes, strict=True) if done]
         logits = self.prefill(work)
         if not counts:
             return PrefillLaunch(counts, None, None, None)
         rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-        tokens, logprobs = sampler(logits[to_device(rows, self.device)])
+        tokens, logprobs = sampler(logits[host_to_device(rows, self.device)])
         pinned = self.device.type == "cuda"
         host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=pinned)
         host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=pinned)
@@ -298,21 +291,21 @@ class ModelRunner:
             is_prefill=True,
             slot_mapping=ops.block_slots(tables, seq_index, pos_t, bs),
             block_size=bs,
-            cu_seqlens_q=to_device(torch.tensor(cu_q, dtype=torch.int32), dev),
-            cu_seqlens_k=to_device(torch.tensor(cu_k, dtype=torch.int32), dev),
+            cu_seqlens_q=host_to_device(torch.tensor(cu_q, dtype=torch.int32), dev),
+            cu_seqlens_k=host_to_device(torch.tensor(cu_k, dtype=torch.int32), dev),
             q_lens=q_lens,
             k_lens=k_lens,
             context_slots=context_slots,
         )
         hidden = self.model.forward(
-            to_device(torch.tensor(ids, dtype=torch.long), dev), pos_t, self.kv_cache, meta
+            host_to_device(torch.tensor(ids, dtype=torch.long), dev), pos_t, self.kv_cache, meta
         )
         last = [cu_q[i + 1] - 1 for i, done in enumerate(work.completes) if done]
-        return self.model.logits(hidden[to_device(torch.tensor(last, dtype=torch.long), dev)])
+        return self.model.logits(hidden[host_to_device(torch.tensor(last, dtype=torch.long), dev)])
 
     def _table_tensor(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
-        return to_device(padded_tables([s.block_table for s in seqs], len(seqs), width), self.device)
+        return host_to_device(padded_tables([s.block_table for s in seqs], len(seqs), width), self.device)
 
     # ------------------------------------------------------------------------------ decode
     def launch_decode(
