@@ -5,9 +5,12 @@
 An update (`fulcrum.workers.update.ppo_update`) shuffles the batch, splits it into mini-batches, and cuts
 each into packed micro-batches before it runs them: every cut copies the rows of every tensor of the
 batch. This builds a seed-sized batch (512 rows, prompts of 70–239 tokens left-padded to 512, 256 response
-tokens; the twelve tensors an update's batch carries) and times that cutting for one update, with rows
-taken by `index_select` (what `Batch.select` does) and by advanced indexing (`tensor[index]`, what it did),
-alternating, in one process; the median of --repeats each. Host work only: while it runs the GPU waits.
+tokens; the twelve tensors an update's batch carries) and times that cutting for one epoch three ways,
+alternating, in one process (the median of --repeats each): rows taken by advanced indexing
+(`tensor[index]`) or by `index_select` (what `Batch.select` does now), through four copies (the shuffled
+batch, its mini-batches, the rank's share, the micro-batches: how `ppo_update` cut) or two (the share
+taken from the batch at once, `mini_batch_shares`, then the micro-batches: how it cuts now). Host work
+only: while it runs the GPU waits.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from fulcrum.batch import Batch
 from fulcrum.workers.micro_batch import make_micro_batches
+from fulcrum.workers.update import mini_batch_shares
 
 PROMPT, RESPONSE = 512, 256
 
@@ -44,15 +48,18 @@ def seed_batch(rows: int, generator: torch.Generator) -> Batch:
     return Batch(tensors, {"uid": [str(i) for i in range(rows)]})
 
 
-def cut_update(batch: Batch, mini: int, micro: int, generator: torch.Generator) -> int:
-    """The cutting `ppo_update` does for one epoch; the number of micro-batches."""
-    count = 0
-    for part in batch.select(torch.randperm(len(batch), generator=generator)).split(mini):
-        micro_batches, _ = make_micro_batches(
-            part.select(list(range(len(part)))), micro, False, None, "micro", packed=True
-        )
-        count += len(micro_batches)
-    return count
+def cut_update(batch: Batch, mini: int, micro: int, generator: torch.Generator, composed: bool) -> int:
+    """One epoch's cutting, as `ppo_update` does it (`composed`: each mini-batch's share taken from the
+    batch in one copy, `mini_batch_shares`) or as it did (the shuffled batch, its mini-batches and the
+    share copied one after the other); the number of micro-batches."""
+    order = torch.randperm(len(batch), generator=generator)
+    if composed:
+        shares = [share for _, share in mini_batch_shares(batch, order, mini)]
+    else:
+        shares = [part.select(list(range(len(part)))) for part in batch.select(order).split(mini)]
+    return sum(
+        len(make_micro_batches(share, micro, False, None, "micro", packed=True)[0]) for share in shares
+    )
 
 
 def advanced_indexing_select(self: Batch, index: torch.Tensor | list[int]) -> Batch:
@@ -76,25 +83,30 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     generator = torch.Generator().manual_seed(0)
     batch = seed_batch(args.rows, generator)
-    selects = {"index_select": Batch.select, "advanced_indexing": advanced_indexing_select}
-    times: dict[str, list[float]] = {name: [] for name in selects}
+    variants = {  # (how a row is taken, whether the copies are composed)
+        "advanced_indexing, copied four times": (advanced_indexing_select, False),
+        "index_select, copied four times": (Batch.select, False),
+        "index_select, copied twice (ppo_update)": (Batch.select, True),
+    }
+    kept = Batch.select
+    times: dict[str, list[float]] = {name: [] for name in variants}
     count = 0
     try:
         for _ in range(args.repeats + 1):  # the first round warms up
-            for name, select in selects.items():
+            for name, (select, composed) in variants.items():
                 Batch.select = select  # type: ignore[method-assign]
                 start = time.perf_counter()
-                count = cut_update(batch, args.mini, args.micro, generator)
+                count = cut_update(batch, args.mini, args.micro, generator, composed)
                 times[name].append((time.perf_counter() - start) * 1e3)
     finally:
-        Batch.select = selects["index_select"]  # type: ignore[method-assign]
+        Batch.select = kept  # type: ignore[method-assign]
     medians = {name: round(statistics.median(values[1:]), 2) for name, values in times.items()}
     summary = {
         "rows": args.rows,
         "micro_batches": count,
         "torch_threads": torch.get_num_threads(),
         "median_ms": medians,
-        "ratio": round(medians["advanced_indexing"] / medians["index_select"], 2),
+        "ratio_to_first": {name: round(medians[next(iter(medians))] / ms, 2) for name, ms in medians.items()},
     }
     print(json.dumps(summary))
     if args.json:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -84,11 +85,9 @@ def ppo_update(worker: Trainable, batch: Batch, global_step: int) -> dict[str, f
     generator = torch.Generator().manual_seed(plan.seed * 1_000_003 + global_step)
     for _ in range(plan.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator)
-        for mini in batch.select(order).split(plan.mini_batch_size):
-            agg = global_agg_kwargs(mini["response_mask"])  # the whole mini-batch's counts
+        for agg, share in mini_batch_shares(batch, order, plan.mini_batch_size, forwards.sp_size):
             micro, _ = make_micro_batches(
-                # this rank's share (all of it in one process; its group's, with sequence parallelism)
-                mini.select(rank_rows(len(mini), forwards.sp_size)),
+                share,
                 plan.micro_batch_size,
                 plan.use_dynamic_bsz,
                 plan.max_token_len,
@@ -112,6 +111,22 @@ def ppo_update(worker: Trainable, batch: Batch, global_step: int) -> dict[str, f
     metrics[f"{plan.role}/lr"].append(worker.lr_scheduler.get_last_lr()[0])
     worker.lr_scheduler.step()
     return reduce_metrics(mean_metrics(metrics), sums=LOSS_SHARES)
+
+
+def mini_batch_shares(
+    batch: Batch, order: torch.Tensor, size: int, sp_size: int = 1
+) -> Iterator[tuple[dict[str, float], Batch]]:
+    """Per mini-batch of `size` rows taken in `order`: the whole mini-batch's `agg_loss` counts
+    (`global_agg_kwargs`) and this rank's share of its rows (all of them in one process; its group's,
+    with sequence parallelism of `sp_size`).
+
+    The share is taken from `batch` in one copy of its rows (the micro-batches copy them once more): the
+    shuffled batch, its mini-batch and the share are never materialised one after the other, which
+    copied every tensor's rows three times over on the host before a micro-batch could run."""
+    for rows in order.split(size):
+        agg = global_agg_kwargs(batch["response_mask"].index_select(0, rows))
+        share = rank_rows(len(rows), sp_size)
+        yield agg, batch.select(rows if len(share) == len(rows) else rows[torch.tensor(share)])
 
 
 def global_agg_kwargs(response_mask: torch.Tensor) -> dict[str, float]:
