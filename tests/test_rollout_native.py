@@ -157,7 +157,7 @@ def test_n_samples_share_the_prompts_full_blocks():
     work = scheduler.schedule()
     assert isinstance(work, PrefillWork) and work.lengths == [40] and work.completes == [True]
     assert blocks.num_free == 19 - 3  # 3 blocks hold the 40-token prompt
-    scheduler.after_prefill(work, [[7, 8, 9, 10]], [[-1.0, -1.0, -1.0, -1.0]])
+    scheduler.take_first_tokens(scheduler.commit_prefill(work), [[7, 8, 9, 10]], [[-1.0, -1.0, -1.0, -1.0]])
     # 2 full blocks shared by the 4 samples, 1 partial block each: 2 + 4 blocks, not 4 * 3.
     assert blocks.num_usable - blocks.num_free == 6
     assert len(scheduler.pending_copies) == 3

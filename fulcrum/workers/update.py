@@ -125,8 +125,7 @@ def mini_batch_shares(
     copied every tensor's rows three times over on the host before a micro-batch could run."""
     for rows in order.split(size):
         agg = global_agg_kwargs(batch["response_mask"].index_select(0, rows))
-        share = rank_rows(len(rows), sp_size)
-        yield agg, batch.select(rows if len(share) == len(rows) else rows[torch.tensor(share)])
+        yield agg, batch.select(rows[rank_rows(len(rows), sp_size)])
 
 
 def global_agg_kwargs(response_mask: torch.Tensor) -> dict[str, float]:

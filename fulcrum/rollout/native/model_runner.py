@@ -45,25 +45,45 @@ def use_triton_on(device: torch.device) -> bool:
 
 
 @dataclass
-class PrefillLaunch:
-    """A prefill step in flight: how many first tokens each completed prompt gets (its n), the host
-    tensors they and their log-probs are copied into, and the event that marks the copy done (None on
-    the CPU). No tensors when the step completes no prompt (only a chunk of a longer one)."""
-
-    counts: list[int]
-    tokens: torch.Tensor | None
-    logprobs: torch.Tensor | None
-    done: torch.cuda.Event | None
-
-
-@dataclass
-class DecodeLaunch:
-    """A decode window in flight: the host tensors its tokens and log-probs are copied into, and the
-    event that marks the copy done (None on the CPU, where everything ran already)."""
+class HostCopy:
+    """Sampled tokens and their log-probs on their way to the host: the host tensors they are copied
+    into and the event that marks the copy done (None on the CPU, where it ran already)."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
     done: torch.cuda.Event | None
+
+    @classmethod
+    def start(
+        cls,
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        host_tokens: torch.Tensor,
+        host_logprobs: torch.Tensor,
+    ) -> HostCopy:
+        """Queue the copy of device `tokens` / `logprobs` into the (pinned, contiguous) host tensors: it
+        stays asynchronous, so the host goes on launching while the device runs."""
+        host_tokens.copy_(tokens, non_blocking=True)
+        host_logprobs.copy_(logprobs, non_blocking=True)
+        done = torch.cuda.Event() if tokens.is_cuda else None
+        if done is not None:
+            done.record()
+        return cls(host_tokens, host_logprobs, done)
+
+    def read(self) -> tuple[list, list]:
+        """The copied tokens and log-probs as lists, once the copy is done."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.tokens.tolist(), self.logprobs.tolist()
+
+
+@dataclass
+class PrefillLaunch:
+    """A prefill step in flight: how many first tokens each completed prompt gets (its n), and their copy
+    to the host (None when the step completes no prompt, only a chunk of a longer one)."""
+
+    counts: list[int]
+    copy: HostCopy | None
 
 
 def padded_tables(tables: list[list[int]], rows: int, width: int) -> torch.Tensor:
@@ -245,26 +265,19 @@ class ModelRunner:
         counts = [seq.num_samples for seq, done in zip(work.seqs, work.completes, strict=True) if done]
         logits = self.prefill(work)
         if not counts:
-            return PrefillLaunch(counts, None, None, None)
+            return PrefillLaunch(counts, None)
         rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
         tokens, logprobs = sampler(logits[host_to_device(rows, self.device)])
         pinned = self.device.type == "cuda"
         host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=pinned)
         host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=pinned)
-        host_tokens.copy_(tokens, non_blocking=True)
-        host_logprobs.copy_(logprobs, non_blocking=True)
-        done = torch.cuda.Event() if pinned else None
-        if done is not None:
-            done.record()
-        return PrefillLaunch(counts, host_tokens, host_logprobs, done)
+        return PrefillLaunch(counts, HostCopy.start(tokens, logprobs, host_tokens, host_logprobs))
 
     def read_prefill(self, launch: PrefillLaunch) -> tuple[list[list[int]], list[list[float]]]:
         """The first tokens and log-probs of a launched prefill, one list per completed prompt."""
-        if launch.tokens is None:
+        if launch.copy is None:
             return [], []
-        if launch.done is not None:
-            launch.done.synchronize()
-        flat_tokens, flat_logprobs = launch.tokens.tolist(), launch.logprobs.tolist()
+        flat_tokens, flat_logprobs = launch.copy.read()
         offsets = [0, *itertools.accumulate(launch.counts)]
         return (
             [flat_tokens[a:b] for a, b in itertools.pairwise(offsets)],
@@ -310,7 +323,7 @@ class ModelRunner:
     # ------------------------------------------------------------------------------ decode
     def launch_decode(
         self, seqs: list[Sequence], steps: int, sampler, rows: list[int] | None = None
-    ) -> DecodeLaunch:
+    ) -> HostCopy:
         """Queue `steps` decode steps over `seqs` and the copy of their tokens to the host; `read_decode`
         waits for them. `rows`: each sequence's row in the window launched just before, whose state the
         device already advanced (last token, position, context length): those rows are gathered on the
@@ -353,18 +366,13 @@ class ModelRunner:
         # Contiguous views: a copy into a strided host tensor would not stay asynchronous.
         host_tokens = self.host_tokens[slot, : batch * steps].view(batch, steps)
         host_logprobs = self.host_logprobs[slot, : batch * steps].view(batch, steps)
-        host_tokens.copy_(out_tokens[:steps, :batch].t(), non_blocking=True)
-        host_logprobs.copy_(out_logprobs[:steps, :batch].t(), non_blocking=True)
-        done = torch.cuda.Event() if self.device.type == "cuda" else None
-        if done is not None:
-            done.record()
-        return DecodeLaunch(host_tokens, host_logprobs, done)
+        return HostCopy.start(
+            out_tokens[:steps, :batch].t(), out_logprobs[:steps, :batch].t(), host_tokens, host_logprobs
+        )
 
-    def read_decode(self, launch: DecodeLaunch) -> tuple[list[list[int]], list[list[float]]]:
+    def read_decode(self, launch: HostCopy) -> tuple[list[list[int]], list[list[float]]]:
         """The tokens and log-probs of a launched window, (tokens[b][k], logprobs[b][k])."""
-        if launch.done is not None:
-            launch.done.synchronize()
-        return launch.tokens.tolist(), launch.logprobs.tolist()
+        return launch.read()
 
     def _bucket(self, batch: int) -> int:
         return next(size for size in self.capture_sizes if size >= batch)

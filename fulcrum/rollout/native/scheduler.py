@@ -237,10 +237,6 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ------------------------------------------------------------------------------ results
-    def after_prefill(self, work: PrefillWork, tokens: list[list[int]], logprobs: list[list[float]]) -> None:
-        """`tokens[j]` / `logprobs[j]`: the num_samples first tokens of the j-th completed sequence."""
-        self.take_first_tokens(self.commit_prefill(work), tokens, logprobs)
-
     def commit_prefill(self, work: PrefillWork) -> list[list[Sequence]]:
         """What a launched prefill step changes before its first tokens are known: the chunks count as
         computed, and each completed prompt runs with its n - 1 forks (they share its full blocks; a copy

@@ -21,13 +21,13 @@ from fulcrum.parallel.tensor_parallel import TensorParallel
 from fulcrum.rollout.base import SamplingParams, SequenceOutput
 from fulcrum.rollout.native.block_manager import BlockManager
 from fulcrum.rollout.native.config import EngineConfig
-from fulcrum.rollout.native.model_runner import DecodeLaunch, ModelRunner, PrefillLaunch
+from fulcrum.rollout.native.model_runner import HostCopy, ModelRunner, PrefillLaunch
 from fulcrum.rollout.native.sampler import DeviceSampler
 from fulcrum.rollout.native.scheduler import DecodeWork, PrefillWork, Scheduler
 from fulcrum.rollout.native.sequence import Sequence
 
 # A round launched on the device and not read yet: a decode window or a prefill step.
-Launched = tuple[DecodeWork, DecodeLaunch] | tuple[PrefillWork, PrefillLaunch]
+Launched = tuple[DecodeWork, HostCopy] | tuple[PrefillWork, PrefillLaunch]
 
 COUNTERS = ("prefill_s", "decode_s", "prefill_steps", "prefill_tokens", "decode_steps")
 
@@ -210,7 +210,7 @@ class Stepper:
         self.runner.copy_blocks(self.scheduler.pending_copies)
         self.scheduler.pending_copies.clear()
 
-    def _decode(self, work: DecodeWork, launch: DecodeLaunch, tick: float) -> None:
+    def _decode(self, work: DecodeWork, launch: HostCopy, tick: float) -> None:
         """Read the launched window `work` into the scheduler. With overlap_windows, the window after it
         is launched first (`Scheduler.schedule_ahead`), so the device decodes while the host reads."""
         if self.config.overlap_windows:
@@ -220,7 +220,7 @@ class Stepper:
                 self.inflight = (ahead, launched)
         self._read(work, launch, tick)
 
-    def _read(self, work: DecodeWork, launch: DecodeLaunch, tick: float) -> None:
+    def _read(self, work: DecodeWork, launch: HostCopy, tick: float) -> None:
         """The launched window's tokens into the scheduler; its seconds since `tick` and steps counted."""
         self.scheduler.after_decode(work, *self.runner.read_decode(launch))
         self.counters["decode_s"] += time.perf_counter() - tick
