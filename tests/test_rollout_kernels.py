@@ -292,3 +292,29 @@ def test_gumbel_sampler_split_count_fills_the_device_with_whole_tiles():
     # the defaults (tiles of 512, 16 programs per SM): a 0.5B decode batch gets 2,560 programs
     assert sample_splits(512, 151936, 132) == 5
     assert sample_chunks(151936, 5) == (30720, 5)
+
+
+def compiled_variants(kernel) -> int:
+    """How many variants of a Triton kernel this process has compiled for the current device (Triton
+    3.x keeps them in `device_caches[device][0]`, one entry per specialisation of its arguments)."""
+    return len(kernel.device_caches[torch.cuda.current_device()][0])
+
+
+@pytest.mark.skipif(
+    not ON_CUDA, reason="compilation happens on a GPU only (the interpreter compiles nothing)"
+)
+def test_gumbel_sampler_compiles_once_whatever_the_batch():
+    """A rollout samples first tokens for any number of completed prompts and decodes a batch that shrinks
+    as sequences finish: a batch size not seen before must not compile a new variant of the kernels (a
+    compilation takes tenths of a second in the middle of a step)."""
+    from fulcrum.rollout.native import sample_kernels as sk
+
+    seed = torch.tensor([5], device=DEVICE)
+    logits = torch.randn(512, 151936, device=DEVICE, dtype=torch.bfloat16)
+    sk.gumbel_sample(logits, 1.0, seed)
+    kernels = (sk._gumbel_sample_partial_kernel, sk._gumbel_sample_combine_kernel)
+    before = [compiled_variants(k) for k in kernels]
+    for batch in (1, 3, 7, 16, 17, 136, 509, 64):
+        sk.gumbel_sample(logits[:batch], 1.0, seed)
+        sk.gumbel_sample(logits[torch.arange(batch, device=DEVICE)], 1.0, seed)
+    assert [compiled_variants(k) for k in kernels] == before

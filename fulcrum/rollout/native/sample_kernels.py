@@ -113,7 +113,7 @@ if HAVE_TRITON:
         tl.store(part_best_ptr + slot, chunk_best)
         tl.store(part_idx_ptr + slot, tl.min(tl.where(best_val == chunk_best, best_idx, vocab)))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["splits"])
     def _gumbel_sample_combine_kernel(
         logits_ptr, stride_row, vocab, splits, inv_temperature,
         part_max_ptr, part_sum_ptr, part_best_ptr, part_idx_ptr, tokens_ptr, logprobs_ptr,
@@ -236,18 +236,26 @@ def gumbel_sample(
     chunk, used = sample_chunks(vocab, wanted, block)
     tokens = torch.empty(batch, dtype=torch.long, device=device)
     logprobs = torch.empty(batch, dtype=torch.float32, device=device)
-    part_f = torch.empty((3, batch, used), dtype=torch.float32, device=device)
+    # One compiled variant of each kernel whatever the batch: Triton specialises a kernel on its
+    # integer arguments (== 1, divisible by 16) and on its pointers' 16-byte alignment, and compiles
+    # each new variant on first use (tenths of a second, in the middle of a rollout: the prefill's
+    # first tokens and a shrinking decode batch meet new sizes in any step). So the partials are four
+    # separate (aligned) allocations, `used` is not specialised, and the combine's width depends on
+    # the vocabulary only (`chunk` is a whole number of tiles, divisible by 16 whatever the split).
+    part_max, part_sum, part_best = (
+        torch.empty((batch, used), dtype=torch.float32, device=device) for _ in range(3)
+    )
     part_idx = torch.empty((batch, used), dtype=torch.int32, device=device)
     greedy = temperature == 0
     inv_temperature = 1.0 if greedy else 1.0 / temperature
     kernel_launch = {**SAMPLE_LAUNCH, **(launch or {})}
     _gumbel_sample_partial_kernel[(batch, used)](
         logits, logits.stride(0), vocab, quads_per_row, chunk, inv_temperature, seed,
-        part_f[0], part_f[1], part_f[2], part_idx, GREEDY=greedy, BLOCK=block, **kernel_launch,
+        part_max, part_sum, part_best, part_idx, GREEDY=greedy, BLOCK=block, **kernel_launch,
     )  # fmt: skip
     _gumbel_sample_combine_kernel[(batch,)](
         logits, logits.stride(0), vocab, used, inv_temperature,
-        part_f[0], part_f[1], part_f[2], part_idx, tokens, logprobs,
-        SPLITS_PAD=max(16, next_pow2(used)),
+        part_max, part_sum, part_best, part_idx, tokens, logprobs,
+        SPLITS_PAD=max(16, next_pow2(_cdiv(vocab, block))),
     )  # fmt: skip
     return tokens, logprobs
