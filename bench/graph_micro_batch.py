@@ -1,27 +1,30 @@
 """Benchmark: one training micro-batch replayed as a CUDA graph against the compiled regions' calls.
 
-    python bench/graph_micro_batch.py --model .bench/qwen05 [--budgets 6144,24576] [--json out.json]
+    python bench/graph_micro_batch.py --model .bench/qwen05 [--budgets 6144,24576] [--log-prob] [--json out.json]
     python bench/graph_micro_batch.py --model TINY --device cpu --budgets 1024 --prompt-width 320 \
         --response 32 --warmup-s 0   # the script's path on the CPU: uncompiled, no graph
 
 At the seed command's micro-batches of 8 the actor's update looked host-bound under the profiler
 (`bench/passes.py --profile`: 2.50 s with 1.65 s of GPU work, about 1,850 kernels a micro-batch, each
-compiled region's call holding the host for about a millisecond), at 32 GPU-bound. A CUDA graph replays a micro-batch's kernels with no host work
-between them, so a graphed path would run at the GPU's pace whatever the host. This measures what such a
-path could gain before it is built, and whether the training pass captures at all (inductor's own
-`reduce-overhead` mode crashed on it).
+compiled region's call holding the host for about a millisecond), at 32 GPU-bound. A CUDA graph replays
+a micro-batch's kernels with no host work between them, so a graphed path would run at the GPU's pace
+whatever the host. This measures what such a path could gain before it is built, and whether the
+training pass captures at all (inductor's own `reduce-overhead` mode crashed on it).
 
 The actor of `fulcrum train` as the workers build it (`ActorWorker`: packed attention, compiled decoder
 layers with checkpointing inside, bf16 compute copies of the float32 masters, compiled log-softmax
 chunks). One packed micro-batch per budget (`n × (prompt width + response)` tokens, filled with whole
 synthetic sequences as `bench/passes.py` makes them), on the device before timing; the step is its
 forward, the response tokens' log-probs (`linear_log_softmax`), a policy-gradient-shaped loss, its
-gradients (`torch.autograd.grad`, as `ComputeWeights.backward`) added into one float32 buffer. Timed per budget, median of --repeat rounds of --calls
-steps each (wall clock, the GPU synchronised at each round's ends):
+gradients (`torch.autograd.grad`, as `ComputeWeights.backward`) added into one float32 buffer. Timed per
+budget, median of --repeat rounds of --calls steps each (wall clock, the GPU synchronised at each round's
+ends):
 - `compiled`: the step as the workers run it;
 - `graphed`: the same step captured once (after warm-up on a side stream) and replayed.
-The summed gradients of one graphed step are compared with one compiled step's. Fixed shapes only: a graphed
-path for the trainer would pad each micro-batch to one of a few token counts.
+With --log-prob, the no-grad pass of old log-probs (the layers in eval mode, log-probs and entropies)
+the same way. One replay's output (the summed gradients; the log-probs and entropies) is compared with
+one call's. Fixed shapes only: a graphed path for the trainer would pad each micro-batch to one of a few
+token counts.
 """
 
 from __future__ import annotations
@@ -75,76 +78,97 @@ def rounds(fn: Callable[[], object], calls: int, repeat: int, sync: Callable[[],
     return out
 
 
+def compiled_and_graphed(
+    name: str, step: Callable[[], torch.Tensor], args: argparse.Namespace, device: torch.device
+) -> dict[str, object]:
+    """`step` timed as called and, on CUDA, captured once and replayed; `step` returns a static tensor (a
+    buffer it fills), compared between one replay and one call."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    row: dict[str, object] = {}
+    step()  # compiles
+    deadline = time.perf_counter() + args.warmup_s  # clocks and caches settle after a compilation
+    while time.perf_counter() < deadline:
+        step()
+    times = rounds(step, args.calls, args.repeat, sync)
+    row["compiled_s"] = statistics.median(times)
+    row["compiled_rounds_s"] = times
+    print(f"{name}: compiled {1e3 * row['compiled_s']:.2f} ms a micro-batch", flush=True)
+    if device.type != "cuda":
+        return row
+    expected = step().clone()
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        start = time.perf_counter()
+        with torch.cuda.graph(graph):
+            out = step()
+        row["capture_s"] = time.perf_counter() - start
+        graph.replay()
+        sync()
+        worst = float((out - expected).abs().max())
+        scale = float(expected.abs().max())
+        row["graphed_max_abs_diff"] = worst
+        row["max_abs"] = scale
+        times = rounds(graph.replay, args.calls, args.repeat, sync)
+        row["graphed_s"] = statistics.median(times)
+        row["graphed_rounds_s"] = times
+        row["compiled_over_graphed"] = row["compiled_s"] / row["graphed_s"]
+        print(
+            f"{name}: graphed {1e3 * row['graphed_s']:.2f} ms a micro-batch "
+            f"({row['compiled_over_graphed']:.2f}x), capture {row['capture_s']:.2f} s, "
+            f"largest difference {worst:.3g} (largest entry {scale:.3g})",
+            flush=True,
+        )
+        del graph
+    except Exception as err:  # the point is to learn whether it captures: report and go on
+        row["graphed_error"] = f"{type(err).__name__}: {err}"
+        print(f"{name}: graph capture failed", flush=True)
+        traceback.print_exc()
+    return row
+
+
 def bench_budget(actor, budget: int, args: argparse.Namespace, device: torch.device) -> dict:
+    """The update's micro-batch step and, with --log-prob, the no-grad log-prob pass's, at one budget."""
     model = actor.forwards.model
     base = model.get_base_model().model if hasattr(model, "get_base_model") else model.model
     packed = micro_batch(budget, args.prompt_width, args.response, model.config.vocab_size, device)
     m = packed.labels.numel()
     advantages = torch.randn(m, device=device, generator=torch.Generator(device).manual_seed(0))
     row: dict[str, object] = {"budget": budget, "tokens": packed.input_ids.numel(), "response_tokens": m}
-    on_cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     with actor.forwards.active():
-        model.train()
         head = model.get_output_embeddings().weight
         params = [p for p in model.parameters() if p.requires_grad]
-
         # As the workers: the gradients handed back (`ComputeWeights.backward`), then added into one
         # float32 buffer (`accumulate_grads`); here a single flat buffer, zeroed before each step.
         flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
+        log_probs = torch.zeros(2, m, dtype=torch.float32, device=device)
 
-        def step() -> None:
+        def update_step() -> torch.Tensor:
             flat.zero_()
             hidden = packed_hidden_states(base, packed)
             log_prob, _ = linear_log_softmax(hidden[packed.predictor], head, packed.labels)
             grads = torch.autograd.grad(-(log_prob * advantages).sum() / m, params)
-            flat.add_(torch.cat([g.reshape(-1) for g in grads]))
+            return flat.add_(torch.cat([g.reshape(-1) for g in grads]))
 
-        step()  # compiles
-        deadline = time.perf_counter() + args.warmup_s  # clocks and caches settle after a compilation
-        while time.perf_counter() < deadline:
-            step()
-        times = rounds(step, args.calls, args.repeat, sync)
-        row["compiled_s"] = statistics.median(times)
-        row["compiled_rounds_s"] = times
-        print(f"budget {budget}: compiled {1e3 * row['compiled_s']:.2f} ms a micro-batch", flush=True)
-        if not on_cuda:
-            return row
-        step()
-        expected = flat.clone()
-        try:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            start = time.perf_counter()
-            with torch.cuda.graph(graph):
-                step()
-            row["capture_s"] = time.perf_counter() - start
-            graph.replay()
-            sync()
-            worst = float((flat - expected).abs().max())
-            scale = float(expected.abs().max())
-            row["graphed_grad_max_abs_diff"] = worst
-            row["grad_max_abs"] = scale
-            times = rounds(graph.replay, args.calls, args.repeat, sync)
-            row["graphed_s"] = statistics.median(times)
-            row["graphed_rounds_s"] = times
-            row["compiled_over_graphed"] = row["compiled_s"] / row["graphed_s"]
-            print(
-                f"budget {budget}: graphed {1e3 * row['graphed_s']:.2f} ms a micro-batch "
-                f"({row['compiled_over_graphed']:.2f}x), capture {row['capture_s']:.2f} s, "
-                f"gradients' largest difference {worst:.3g} (largest entry {scale:.3g})",
-                flush=True,
+        @torch.no_grad()
+        def log_prob_step() -> torch.Tensor:  # old log-probs with entropy (`compute_log_prob`)
+            hidden = packed_hidden_states(base, packed)
+            log_prob, entropy = linear_log_softmax(
+                hidden[packed.predictor], head, packed.labels, with_entropy=True
             )
-            del graph
-        except Exception as err:  # the point is to learn whether it captures: report and go on
-            row["graphed_error"] = f"{type(err).__name__}: {err}"
-            print(f"budget {budget}: graph capture failed", flush=True)
-            traceback.print_exc()
+            log_probs[0].copy_(log_prob)
+            return log_probs[1].copy_(entropy)
+
+        model.train()
+        row["update"] = compiled_and_graphed(f"budget {budget}, update", update_step, args, device)
+        if args.log_prob:
+            model.eval()
+            row["log_prob"] = compiled_and_graphed(f"budget {budget}, log-probs", log_prob_step, args, device)
     return row
 
 
@@ -160,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--warmup-s", type=float, default=15.0)
+    parser.add_argument(
+        "--log-prob", action="store_true", help="also the no-grad log-prob pass's micro-batch"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args, overrides = parser.parse_known_args(argv)
     from fulcrum.workers.actor import ActorWorker
