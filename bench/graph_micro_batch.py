@@ -41,9 +41,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from passes import _section, synthetic_batch
+from passes import _section, seed_sizes_config, synthetic_batch
 
-from fulcrum.config import load_config
 from fulcrum.models.linear_logprob import linear_log_softmax
 from fulcrum.models.packed import PackedMicroBatch, pack_micro_batch, packed_hidden_states
 
@@ -192,17 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     from fulcrum.workers.actor import ActorWorker
 
     device = torch.device(args.device)
-    cfg = load_config(
-        [
-            f"actor_rollout_ref.model.path={args.model}",
-            f"critic.model.path={args.model}",
-            f"data.max_prompt_length={args.prompt_width}",
-            f"data.max_response_length={args.response}",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-            "actor_rollout_ref.actor.optim.lr=1e-7",
-            *overrides,
-        ]
-    )
+    cfg = seed_sizes_config(args.model, args.prompt_width, args.response, 128, overrides)
     actor = ActorWorker(_section(cfg, "actor"), device, total_training_steps=100)
     rows = [bench_budget(actor, int(b), args, device) for b in args.budgets.split(",")]
     summary = {

@@ -77,6 +77,29 @@ def synthetic_batch(rows: int, prompt_width: int, response: int, vocab: int, see
     )
 
 
+def seed_sizes_config(
+    model: str | Path, prompt_width: int, response: int, mini: int, overrides: list[str], micro: int = 8
+):
+    """The configuration of the passes at the seed command's sizes: actor and critic micro-batches of
+    `micro` (8), log-prob micro-batches of 16, mini-batches of `mini`; `overrides` last."""
+    return load_config(
+        [
+            f"actor_rollout_ref.model.path={model}",
+            f"critic.model.path={model}",
+            f"data.max_prompt_length={prompt_width}",
+            f"data.max_response_length={response}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+            f"critic.ppo_micro_batch_size_per_gpu={micro}",
+            f"critic.forward_micro_batch_size_per_gpu={micro}",
+            "actor_rollout_ref.actor.optim.lr=1e-7",
+            "critic.optim.lr=1e-7",
+            *overrides,
+        ]
+    )
+
+
 def _section(cfg, role: str):
     """The worker's typed section (fulcrum.config.sections); older trees take the whole configuration."""
     try:
@@ -306,22 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         args.cpp_wrapper = False
     apply_packed_knobs(args)
     device = torch.device("cuda")
-    cfg = load_config(
-        [
-            f"actor_rollout_ref.model.path={args.model}",
-            f"critic.model.path={args.model}",
-            f"data.max_prompt_length={args.prompt_width}",
-            f"data.max_response_length={args.response}",
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.mini}",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
-            "critic.ppo_micro_batch_size_per_gpu=8",
-            "critic.forward_micro_batch_size_per_gpu=8",
-            "actor_rollout_ref.actor.optim.lr=1e-7",
-            "critic.optim.lr=1e-7",
-            *overrides,
-        ]
-    )
+    cfg = seed_sizes_config(args.model, args.prompt_width, args.response, args.mini, overrides)
     from host_speed import host_speed
 
     host = host_speed()

@@ -33,9 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from passes import _section, synthetic_batch
-
-from fulcrum.config import load_config
+from passes import _section, seed_sizes_config, synthetic_batch
 
 
 class Timeline:
@@ -111,18 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     from fulcrum.workers.actor import ActorWorker
 
     device = torch.device(args.device)
-    cfg = load_config(
-        [
-            f"actor_rollout_ref.model.path={args.model}",
-            f"critic.model.path={args.model}",
-            f"data.max_prompt_length={args.prompt_width}",
-            f"data.max_response_length={args.response}",
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.mini}",
-            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro}",
-            "actor_rollout_ref.actor.optim.lr=1e-7",
-            *overrides,
-        ]
-    )
+    cfg = seed_sizes_config(args.model, args.prompt_width, args.response, args.mini, overrides, args.micro)
     actor = ActorWorker(_section(cfg, "actor"), device, total_training_steps=100)
     batch = synthetic_batch(args.rows, args.prompt_width, args.response, actor.model.config.vocab_size)
     batch["old_log_probs"], _ = actor.compute_log_prob(batch)
