@@ -30,11 +30,11 @@ def loss_share(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
 
 
 def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: torch.Tensor) -> float:
-    from fulcrum.parallel.fsdp import grad_norm_value
+    from fulcrum.parallel.fsdp import whole_norm
 
     optimizer.zero_grad(set_to_none=True)
     loss_share(model, rows).backward()
-    norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    norm = float(whole_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
     optimizer.step()
     return norm
 
@@ -117,12 +117,12 @@ def packed_like_loss(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor
 
 def _root_access(rank: int, world: int) -> float:
     from fulcrum.parallel import rank_share
-    from fulcrum.parallel.fsdp import grad_norm_value, run_in_root, shard_model
+    from fulcrum.parallel.fsdp import run_in_root, shard_model, whole_norm
 
     model = shard_model(random_causal_lm("qwen2").train(), torch.device("cpu"))
     rows = torch.stack(rank_share(list(batches()[0])))
     run_in_root(model, packed_like_loss, model, rows).backward()
-    return grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    return float(whole_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
 
 
 def test_code_reaching_root_parameters_runs_on_a_sharded_model():
@@ -161,7 +161,7 @@ def packed_step(
     is normalised by the whole batch's token count, so the ranks' gradients sum to one process's."""
     from test_workers_units import make_batch
 
-    from fulcrum.parallel.fsdp import full_state_dict, grad_norm_value
+    from fulcrum.parallel.fsdp import full_state_dict, whole_norm
     from fulcrum.workers.micro_batch import forward_log_prob
 
     batch = make_batch(b=6, p=10, r=7, seed=3)
@@ -172,7 +172,7 @@ def packed_step(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     logp, _ = forward_log_prob(model, batch.select(rows), 1.0, False, device, packed=True)
     (-(logp * advantages[rows].to(device)).sum() / mask.sum()).backward()
-    norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    norm = float(whole_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
     optimizer.step()
     return norm, full_state_dict(model) if isinstance(model, FSDPModule) else model.state_dict()
 

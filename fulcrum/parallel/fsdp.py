@@ -131,9 +131,10 @@ def full_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def grad_norm_value(norm: torch.Tensor) -> float:
-    """`clip_grad_norm_`'s result as a float (a DTensor over sharded gradients)."""
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+def whole_norm(norm: torch.Tensor) -> torch.Tensor:
+    """`clip_grad_norm_`'s result as a plain tensor on its device (a DTensor over sharded gradients made
+    whole); no wait for the device."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 _FULL_TO_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -20,7 +20,7 @@ from fulcrum.batch import Batch
 from fulcrum.parallel import rank_rows, reduce_metrics
 from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.micro_batch import make_micro_batches
-from fulcrum.workers.optim import clip_and_step
+from fulcrum.workers.optim import clip_and_step, warn_skipped_steps
 from fulcrum.workers.placement import Placement
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,9 @@ def ppo_update(worker: Trainable, batch: Batch, global_step: int) -> dict[str, f
             metrics[f"{plan.role}/grad_norm"].append(grad_norm)
     metrics[f"{plan.role}/lr"].append(worker.lr_scheduler.get_last_lr()[0])
     worker.lr_scheduler.step()
-    return reduce_metrics(mean_metrics(metrics), sums=LOSS_SHARES)
+    means = mean_metrics(metrics)  # the update's values reach the host here, all in one copy
+    warn_skipped_steps(plan.role, metrics[f"{plan.role}/grad_norm"])  # type: ignore[arg-type]
+    return reduce_metrics(means, sums=LOSS_SHARES)
 
 
 def mini_batch_shares(
@@ -143,7 +145,8 @@ def global_agg_kwargs(response_mask: torch.Tensor) -> dict[str, float]:
 
 
 def mean_metrics(metrics: dict[str, list[torch.Tensor | float]]) -> dict[str, float]:
-    """Mean of each metric's values; device tensors are brought to the host in one copy."""
+    """Mean of each metric's values; device tensors are brought to the host in one copy (and replaced by
+    their values in `metrics`' lists)."""
     tensors = [(k, i) for k, v in metrics.items() for i, x in enumerate(v) if isinstance(x, torch.Tensor)]
     if tensors:
         stacked = torch.stack([as_scalar(metrics[k][i]) for k, i in tensors])  # type: ignore[arg-type]
