@@ -256,3 +256,26 @@ def test_compiled_layers_under_fsdp_on_two_gpus_match_eager_fsdp():
             # Adam moves each weight by about ±lr (1e-3): a sign flipped by bf16 rounding on a tiny
             # gradient moves one element by 2e-3, wrong gradients would move most of them.
             assert (weights[name] - weight).abs().mean() < 1e-4, name
+
+
+def _fused_skip(rank: int, world: int) -> dict:
+    from fulcrum.parallel import rank_share
+    from fulcrum.parallel.fsdp import full_state_dict, shard_model
+    from fulcrum.workers.optim import clip_and_step
+
+    first, second = batches()
+    model = shard_model(random_causal_lm("qwen2").train(), CPU)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    loss_share(model, torch.stack(rank_share(list(first)))).backward()
+    clip_and_step(model, optimizer, 1.0, "actor")
+    weights = full_state_dict(model)
+    (loss_share(model, torch.stack(rank_share(list(second)))) * float("nan")).backward()
+    norm = float(clip_and_step(model, optimizer, 1.0, "actor"))
+    after = full_state_dict(model)
+    return {"norm": norm, "same": all(torch.equal(weights[k], after[k]) for k in weights)}
+
+
+def test_fused_optimiser_skips_a_nan_step_on_sharded_weights() -> None:
+    """The device-side skip (`found_inf`) with FSDP2's DTensor weights: a NaN step changes no shard."""
+    for result in run_ranks(_fused_skip, 2):
+        assert result["norm"] != result["norm"] and result["same"]  # NaN norm; weights as they were
