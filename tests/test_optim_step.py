@@ -35,7 +35,7 @@ def test_a_finite_norm_is_clipped_and_stepped_and_returned(fused: bool) -> None:
     before = [p.detach().clone() for p in model.parameters()]
     (model(torch.ones(2, 4)).sum() * 100).backward()
     expected = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
-    norm = clip_and_step(model, optimizer, grad_clip=1.0, role="actor")
+    norm = clip_and_step(model, optimizer, grad_clip=1.0)
     assert float(norm) == pytest.approx(float(expected), rel=1e-6)
     if fused:  # the device's value: nothing made the host wait for it
         assert isinstance(norm, torch.Tensor) and norm.device == before[0].device
@@ -49,11 +49,11 @@ def test_a_non_finite_norm_leaves_weights_and_optimiser_state_as_they_were(fused
     count unchanged, and the next good step continues from them as if the bad one had not happened."""
     model, optimizer = linear_and_optimizer(fused)
     model(torch.ones(2, 4)).sum().backward()
-    clip_and_step(model, optimizer, grad_clip=1.0, role="actor")
+    clip_and_step(model, optimizer, grad_clip=1.0)
     weights = [p.detach().clone() for p in model.parameters()]
     state = optimizer_state(optimizer)
     (model(torch.ones(2, 4)).sum() * float("nan")).backward()
-    norm = clip_and_step(model, optimizer, grad_clip=1.0, role="actor")
+    norm = clip_and_step(model, optimizer, grad_clip=1.0)
     assert math.isnan(float(norm))
     assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters(), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(state, optimizer_state(optimizer), strict=True))
@@ -62,9 +62,9 @@ def test_a_non_finite_norm_leaves_weights_and_optimiser_state_as_they_were(fused
     reference, reference_optimizer = linear_and_optimizer(fused)  # the same two good steps, no bad one
     for _ in range(2):
         reference(torch.ones(2, 4)).sum().backward()
-        clip_and_step(reference, reference_optimizer, grad_clip=1.0, role="actor")
+        clip_and_step(reference, reference_optimizer, grad_clip=1.0)
     model(torch.ones(2, 4)).sum().backward()
-    clip_and_step(model, optimizer, grad_clip=1.0, role="actor")
+    clip_and_step(model, optimizer, grad_clip=1.0)
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters(), strict=True))
 
 

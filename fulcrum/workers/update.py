@@ -106,12 +106,12 @@ def ppo_update(worker: Trainable, batch: Batch, global_step: int) -> dict[str, f
             for k, parts in shares.items():
                 # The ranks of a sequence-parallel group hold the same share: counted once in the sum.
                 metrics[k].append(torch.stack(parts).sum() / forwards.sp_size)
-            grad_norm = clip_and_step(forwards.model, optimizer, plan.grad_clip, plan.role, worker.placement)
+            grad_norm = clip_and_step(forwards.model, optimizer, plan.grad_clip, worker.placement)
             metrics[f"{plan.role}/grad_norm"].append(grad_norm)
     metrics[f"{plan.role}/lr"].append(worker.lr_scheduler.get_last_lr()[0])
     worker.lr_scheduler.step()
     means = mean_metrics(metrics)  # the update's values reach the host here, all in one copy
-    warn_skipped_steps(plan.role, metrics[f"{plan.role}/grad_norm"])  # type: ignore[arg-type]
+    warn_skipped_steps(plan.role, metrics[f"{plan.role}/grad_norm"])
     return reduce_metrics(means, sums=LOSS_SHARES)
 
 
