@@ -74,8 +74,18 @@ KERNEL_CATEGORIES: dict[str, tuple[str, ...]] = {
     "attention": ("paged_decode", "decode_attention", "flash", "fmha", "attention", "sdpa"),
     # K/V of the new tokens into the paged cache: `index_copy_`, or the indirect-cache kernel
     "kv_write": ("store_kv", "index_copy", "index_put"),
-    # the fused Gumbel-max kernel; the torch sampler's softmax / argmax / sort / exponential noise
-    "sampling": ("gumbel_sample", "softmax", "argmax", "topk", "sort", "distribution", "multinomial"),
+    # the Triton sampler's two kernels (_sample_tile_stats_kernel, _sample_pick_kernel; older trees'
+    # _gumbel_sample_*); the torch sampler's softmax / argmax / sort / exponential noise
+    "sampling": (
+        "_sample_",
+        "gumbel_sample",
+        "softmax",
+        "argmax",
+        "topk",
+        "sort",
+        "distribution",
+        "multinomial",
+    ),
     # cuBLAS / CUTLASS GEMMs and GEMVs (Hopper: sm90_xmma_*, cutlass3x_sm90_*, nvjet_*)
     "gemm": ("gemm", "gemv", "cutlass", "cublas", "nvjet", "xmma", "sm90_", "splitkreduce"),
     # the Triton kernels of kernels.py (_add_rms_norm_kernel, _rope_kernel, _silu_mul_kernel)

@@ -4,7 +4,7 @@
     PYTHONPATH=OLD_TREE python bench/sample_compile.py   # another tree's sampler (bench/compare_trees.sh)
 
 A rollout samples the first tokens of however many prompts a prefill step completes (n rows each) and
-decodes a batch that shrinks as sequences finish, so `sample_kernels.gumbel_sample` meets new batch sizes
+decodes a batch that shrinks as sequences finish, so `sample_kernels.sample_tokens` meets new batch sizes
 in every step. Triton compiles a new variant of a kernel whenever an integer argument changes its
 specialisation (== 1, divisible by 16) or a pointer its 16-byte alignment. This warms the sampler at the
 0.5B shape's decode batch (512 x 151,936 bf16 logits), then times the first call at each of a list of
@@ -42,11 +42,11 @@ def main() -> None:
     def timed(batch: int) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        sk.gumbel_sample(logits[:batch], 1.0, seed)
+        sk.sample_tokens(logits[:batch], 1.0, seed)
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    kernels = (sk._gumbel_sample_partial_kernel, sk._gumbel_sample_combine_kernel)
+    kernels = (sk._sample_tile_stats_kernel, sk._sample_pick_kernel)
 
     def variants() -> int:
         return sum(len(k.device_caches[torch.cuda.current_device()][0]) for k in kernels)

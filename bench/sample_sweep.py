@@ -1,18 +1,19 @@
-"""Benchmark: the native engine's Gumbel-max sampler under each launch configuration.
+"""Benchmark: the native engine's sampler under each launch configuration.
 
     python bench/sample_sweep.py [--json out.json]
     python bench/sample_sweep.py --small      # the script's path under TRITON_INTERPRET=1 (no GPU)
 
-The decode step of the 0.5B shape spent 344 µs of its 2,473 in `sample_kernels.gumbel_sample` (512 rows
-of 151,936 logits: one Philox call per four entries, two logs and two exps per entry), 306 with the launch
-this sweep found (BENCHMARKS.md, "Where a decode step's time goes"). This times one call on each shape's
-decode batch (bf16 logits at N(0, 3^2), the engine's default dtype, temperature 1) for every combination
-of BLOCK (entries a loop iteration), programs per multiprocessor (the split of each row), num_warps and
-num_stages. The kernel reads every entry once whatever its value, so random logits time it as a trained
-model's do. Each configuration's tokens are checked equal to the current default's (an entry's noise
-depends on its index only, so every launch samples the same tokens) and its log-probs close, before it is
-timed (CUDA events, median of 50 calls after 5). It prints one line per configuration, the best per shape
-with its speed-up, and `best_common` over the shapes.
+`sample_kernels.sample_tokens` samples 512 rows of 151,936 logits a 0.5B decode step (the SmolLM2 shape:
+1,024 of 49,152) in two kernels: a pass over every entry (a tile's max and softmax sum, one exp an entry)
+and a search inside one tile a row. This times one call on each shape's decode batch (bf16 logits at
+N(0, 3^2), the engine's default dtype, temperature 1) for every combination of BLOCK (entries a tile),
+programs per multiprocessor (the first pass's split of each row), num_warps and num_stages. The first pass
+reads every entry once whatever its value, so random logits time it as a trained model's do. Each
+configuration's tokens are checked against the current default's (the split never changes them; another
+BLOCK adds the tile sums in another order, so a draw within fp32 rounding of a boundary may move: more
+than one row in a thousand moved fails the configuration) and its log-probs close, before it is timed
+(CUDA events, median of 50 calls after 5). It prints one line per configuration, the best per shape with
+its speed-up, and `best_common` over the shapes.
 """
 
 from __future__ import annotations
@@ -33,10 +34,9 @@ from fulcrum.rollout.native import sample_kernels
 # (name, rows, vocabulary): the decode batches of the two shapes profiled
 SHAPES = [("qwen2.5-0.5b", 512, 151936), ("smollm2-135m", 1024, 49152)]
 SMALL_SHAPES = [("small", 8, 1000)]
-# Around the launch the first sweep found best on both shapes (BLOCK 512, 16 programs per SM, 4 warps, 2
-# stages; 2026-12-02): BLOCK 512-4096 x 2-16 programs x 2-8 warps x 1-2 stages was swept then.
-BLOCKS = (512, 1024)
-PROGRAMS_PER_SM = (8, 16)
+# The launches swept: tiles of 256-2048 entries, 4-16 first-pass programs an SM, 4 or 8 warps, 1-2 stages.
+BLOCKS = (256, 512, 1024, 2048)
+PROGRAMS_PER_SM = (4, 8, 16)
 WARPS = (4, 8)
 STAGES = (1, 2)
 
@@ -53,7 +53,7 @@ def sweep_shape(name: str, rows: int, vocab: int, device: torch.device, small: b
     seed = torch.tensor([1234], dtype=torch.int64, device=device)
 
     def run(**launch: object) -> tuple[torch.Tensor, torch.Tensor]:
-        return sample_kernels.gumbel_sample(logits, 1.0, seed, **launch)
+        return sample_kernels.sample_tokens(logits, 1.0, seed, **launch)
 
     timer = (lambda fn: 0.0) if small else time_call
     ref_tokens, ref_logprobs = run()
@@ -67,7 +67,8 @@ def sweep_shape(name: str, rows: int, vocab: int, device: torch.device, small: b
         launch = {"block": block, "programs_per_sm": per_sm, "launch": kernel}
         try:
             tokens, logprobs = run(**launch)
-            assert torch.equal(tokens, ref_tokens), "another token sampled"
+            moved = int((tokens != ref_tokens).sum())
+            assert moved * 1000 <= rows, f"{moved} of {rows} rows sampled another token"
             torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)  # the sum's order
             us = timer(lambda launch=launch: run(**launch))
         except Exception as exc:  # a configuration Triton cannot build (shared memory, registers)

@@ -41,7 +41,7 @@ def window(start: float, correlation: int) -> list[dict[str, Any]]:
         events += [device("sm90_xmma_gemm_bf16bf16", t, 4, c), device("_paged_decode_kernel", t + 4, 3, c)]
         events += [
             device("_add_rms_norm_kernel", t + 7, 1, c),
-            device("_gumbel_sample_kernel", t + 8, 2, c + 1),
+            device("_sample_pick_kernel", t + 8, 2, c + 1),
         ]
     copy = correlation + 4
     events += [launch("cudaMemcpyAsync", start + 30, copy)]

@@ -142,30 +142,33 @@ def test_rope_and_store_kv_rotates_and_writes_the_cache_like_rope_then_index_cop
     torch.testing.assert_close(cache, expected_cache, **tol(torch.float32))
 
 
-def test_gumbel_sampler_follows_the_tempered_distribution_and_greedy_is_argmax():
-    from fulcrum.rollout.native.sample_kernels import gumbel_sample
+def test_sampler_follows_the_tempered_distribution_and_greedy_is_argmax():
+    from fulcrum.rollout.native.sample_kernels import sample_tokens
 
     seed = torch.tensor([123], dtype=torch.int64, device=DEVICE)
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], device=DEVICE).repeat(4000, 1)
-    tokens, logprobs = gumbel_sample(logits, 0.5, seed)
+    tokens, logprobs = sample_tokens(logits, 0.5, seed)
     expected = (logits[0] / 0.5).softmax(-1)
     freq = torch.bincount(tokens, minlength=4).float() / len(tokens)
     torch.testing.assert_close(freq, expected, atol=0.02, rtol=0)
     torch.testing.assert_close(logprobs, expected.log()[tokens])
     wide = torch.randn(4, 5000, device=DEVICE)
-    tokens, logprobs = gumbel_sample(wide, 0.0, seed)
+    tokens, logprobs = sample_tokens(wide, 0.0, seed)
     assert tokens.tolist() == wide.argmax(-1).tolist()
     torch.testing.assert_close(logprobs, wide.log_softmax(-1).gather(-1, tokens[:, None])[:, 0])
-    a, _ = gumbel_sample(wide, 1.0, torch.tensor([7], device=DEVICE))
-    b, _ = gumbel_sample(wide, 1.0, torch.tensor([7], device=DEVICE))
+    a, _ = sample_tokens(wide, 1.0, torch.tensor([7], device=DEVICE))
+    b, _ = sample_tokens(wide, 1.0, torch.tensor([7], device=DEVICE))
+    c, _ = sample_tokens(wide, 1.0, torch.tensor([8], device=DEVICE))
     assert a.tolist() == b.tolist()  # the seed decides the sample
+    assert a.tolist() != c.tolist()
 
 
 def philox_uniforms(seed: int, counters: np.ndarray) -> np.ndarray:
     """tl.randint4x(seed, counters) through tl.rand's conversion to [0, 1): (N,) int -> (N, 4) fp32.
 
     Philox4x32-10 on (counter, 0, 0, 0) with key (seed mod 2^32, seed // 2^32); the uniform of a
-    32-bit output x read as int32 is (x if x >= 0 else -x - 1) * 4.6566127342e-10.
+    32-bit output x read as int32 is (x if x >= 0 else -x - 1) * 4.6566127342e-10. tl.rand keeps the
+    first of the four.
     """
     low = np.uint64(0xFFFFFFFF)
     c0 = counters.astype(np.uint64)
@@ -180,107 +183,111 @@ def philox_uniforms(seed: int, counters: np.ndarray) -> np.ndarray:
     return magnitude.astype(np.float32) * np.float32(4.6566127342e-10)
 
 
-def reference_gumbel_scores(logits: torch.Tensor, temperature: float, seed: int) -> torch.Tensor:
-    """Gumbel scores logits / T - log(-log u): u of (row r, index i) is lane i % 4 of Philox counter
-    r * ceil(V / 4) + i // 4, clamped to [1e-20, 0.99999994]."""
-    rows, vocab = logits.shape
-    quads = -(-vocab // 4)
-    u = philox_uniforms(seed, np.arange(rows * quads)).reshape(rows, quads * 4)[:, :vocab]
-    u = torch.from_numpy(u).clamp(1e-20, 0.99999994)
-    return logits.float().cpu() / temperature - (-u.log()).log()
+def reference_inverse_cdf(logits: torch.Tensor, temperature: float, seed: int) -> list[int]:
+    """In float64, per row r: the first index whose cumulative softmax(logits / T) exceeds u_r, the
+    first Philox output of counter r under `seed`."""
+    u = philox_uniforms(seed, np.arange(logits.shape[0]))[:, 0].astype(np.float64)
+    cdf = (logits.double().cpu() / temperature).softmax(-1).cumsum(-1).numpy()
+    return [int((row <= u_r).sum()) for row, u_r in zip(cdf, u, strict=True)]
 
 
-def test_gumbel_sampler_is_gumbel_max_of_philox_noise_four_uniforms_per_call():
-    """One Philox call gives the uniforms of four consecutive entries; V = 5003 ends mid-quad and mid-tile."""
-    from fulcrum.rollout.native.sample_kernels import gumbel_sample
+def test_sampler_is_the_inverse_cdf_of_one_philox_uniform_per_row():
+    """V = 5003 ends mid-tile; 40 rows of spread logits, so the draws land in many tiles."""
+    from fulcrum.rollout.native.sample_kernels import sample_tokens
 
     torch.manual_seed(1)
-    logits = torch.randn(3, 5003, device=DEVICE) * 3
-    tokens, logprobs = gumbel_sample(logits, 0.7, torch.tensor([2**33 + 5], device=DEVICE))
-    assert tokens.tolist() == reference_gumbel_scores(logits, 0.7, 2**33 + 5).argmax(-1).tolist()
+    logits = torch.randn(40, 5003, device=DEVICE) * 3
+    tokens, logprobs = sample_tokens(logits, 0.7, torch.tensor([2**33 + 5], device=DEVICE))
+    assert tokens.tolist() == reference_inverse_cdf(logits, 0.7, 2**33 + 5)
+    assert len(set(t // 512 for t in tokens.tolist())) > 5
     expected = (logits / 0.7).log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
     torch.testing.assert_close(logprobs, expected)
 
 
 @pytest.mark.parametrize("temperature", [0.8, 0.0], ids=["sampled", "greedy"])
-def test_gumbel_sampler_tokens_do_not_depend_on_the_split_of_a_row(temperature):
+def test_sampler_tokens_do_not_depend_on_the_split_of_a_row(temperature):
     """V = 5003 in 1, 2, 3 or 5 chunks of whole 1024-entry tiles; V = 2050 (not a multiple of 4), one row;
-    then in tiles of other sizes."""
-    from fulcrum.rollout.native.sample_kernels import gumbel_sample, sample_chunks
+    then in tiles of other sizes (whose sums the search adds in another order: a draw within fp32
+    rounding of a boundary could move, none of these does)."""
+    from fulcrum.rollout.native.sample_kernels import sample_chunks, sample_tokens
 
     torch.manual_seed(2)
     seed = torch.tensor([99], device=DEVICE)
     for rows, vocab, splits in [(3, 5003, (1, 2, 3, 5)), (1, 2050, (1, 2, 3))]:
-        assert [sample_chunks(vocab, s)[1] for s in splits] == list(splits)  # each count is used as is
+        tiles = {"block": 1024}
+        assert [sample_chunks(vocab, s, **tiles)[1] for s in splits] == list(splits)  # each count used as is
         logits = torch.randn(rows, vocab, device=DEVICE)
-        base_tokens, base_logprobs = gumbel_sample(logits, temperature, seed)
+        base_tokens, base_logprobs = sample_tokens(logits, temperature, seed, **tiles)
         for s in splits:
-            tokens, logprobs = gumbel_sample(logits, temperature, seed, splits=s)
+            tokens, logprobs = sample_tokens(logits, temperature, seed, splits=s, **tiles)
             assert tokens.tolist() == base_tokens.tolist()
-            torch.testing.assert_close(logprobs, base_logprobs, atol=1e-6, rtol=0)
-        # nor on the launch bench/sample_sweep.py tunes: tiles of 512 or 2048 entries, programs per SM
+            torch.testing.assert_close(logprobs, base_logprobs, atol=0, rtol=0)
+        # the launch bench/sample_sweep.py tunes: tiles of 512 or 2048 entries, programs per SM
         for launch in ({"block": 512}, {"block": 2048, "programs_per_sm": 16}):
-            tokens, logprobs = gumbel_sample(logits, temperature, seed, **launch)
+            tokens, logprobs = sample_tokens(logits, temperature, seed, **launch)
             assert tokens.tolist() == base_tokens.tolist(), launch
             torch.testing.assert_close(logprobs, base_logprobs, atol=1e-5, rtol=0)
 
 
-def test_gumbel_sampler_over_a_chunk_masked_to_minus_inf_gives_finite_logprobs():
-    """A chunk whose every logit is masked out (-inf) adds nothing to the softmax and holds no token: its
-    sum is taken against a finite stand-in max, where exp(-inf - -inf) would make the row's log-probs NaN.
-    In 3 chunks of 2048 the last is all -inf; in one chunk, its last tiles are."""
-    from fulcrum.rollout.native.sample_kernels import gumbel_sample
+def test_sampler_over_tiles_masked_to_minus_inf_gives_finite_logprobs():
+    """Tiles whose every logit is masked out (-inf) add nothing to the softmax and hold no token: their sum
+    is taken against a finite stand-in max, where exp(-inf - -inf) would make the row's log-probs NaN, and
+    the search steps over them. The first 1000 and the last 2003 entries of 5003 are -inf, in 1 chunk
+    and in 3 of 2048."""
+    from fulcrum.rollout.native.sample_kernels import sample_tokens
 
     torch.manual_seed(3)
-    masked = torch.randn(4, 5003, device=DEVICE) * 3
+    masked = torch.randn(16, 5003, device=DEVICE) * 3
     masked[:, 3000:] = float("-inf")
-    for temperature, seed in [(1.0, 5), (0.7, 11)]:
-        expected_logprobs = (masked / temperature).log_softmax(-1)
-        reference = reference_gumbel_scores(masked, temperature, seed).argmax(-1).tolist()
+    masked[:, :1000] = float("-inf")
+    for temperature, seed in [(1.0, 5), (0.7, 11), (0.0, 0)]:
+        expected_logprobs = (masked / (temperature or 1.0)).log_softmax(-1)
+        if temperature:
+            reference = reference_inverse_cdf(masked, temperature, seed)
+        else:
+            reference = masked.argmax(-1).tolist()
         for splits in (1, 3):
-            tokens, logprobs = gumbel_sample(
-                masked, temperature, torch.tensor([seed], device=DEVICE), splits=splits
+            tokens, logprobs = sample_tokens(
+                masked, temperature, torch.tensor([seed], device=DEVICE), splits=splits, block=1024
             )
             assert tokens.tolist() == reference, (temperature, splits)
-            assert (tokens < 3000).all()
+            assert ((tokens >= 1000) & (tokens < 3000)).all()
             torch.testing.assert_close(logprobs, expected_logprobs.gather(-1, tokens[:, None])[:, 0])
 
 
-def test_gumbel_sampler_over_a_5003_entry_vocabulary_follows_the_tempered_distribution():
-    """The mass sits on entries of one quad (1021-1023), across a tile edge (1023 | 1024), in the last quad.
+def test_sampler_over_a_5003_entry_vocabulary_follows_the_tempered_distribution():
+    """The mass sits on both sides of tile edges (511 | 512, 1023 | 1024, 3071 | 3072) and in the last,
+    partial tile (5000, 5002). A misplaced tile boundary or an off-by-one in either search would give an
+    entry its neighbour's frequency, or none."""
+    from fulcrum.rollout.native.sample_kernels import sample_tokens
 
-    The rows are split in two chunks (cut at 3072); an entry that shared its noise with its quad
-    neighbours, or a misplaced lane, would take the frequency of its neighbours or none at all.
-    """
-    from fulcrum.rollout.native.sample_kernels import gumbel_sample
-
-    hot = torch.tensor([0, 1021, 1022, 1023, 1024, 3071, 3072, 5000, 5002], device=DEVICE)
+    hot = torch.tensor([0, 511, 512, 1023, 1024, 3071, 3072, 5000, 5002], device=DEVICE)
     row = torch.full((5003,), -4.0, device=DEVICE)
-    row[hot] = torch.tensor([1.0, 1.5, 1.5, 1.5, 1.0, 0.5, 0.5, 1.5, 1.0], device=DEVICE)
-    logits = row.repeat(256, 1)  # 256 draws: standard errors up to 0.024 here
-    tokens, logprobs = gumbel_sample(logits, 0.5, torch.tensor([5], device=DEVICE), splits=2)
+    row[hot] = torch.tensor([1.0, 1.5, 1.5, 0.0, 1.0, 0.5, 0.5, 1.5, 1.0], device=DEVICE)
+    logits = row.repeat(2048, 1)  # 2048 draws: standard errors up to 0.009 here
+    tokens, logprobs = sample_tokens(logits, 0.5, torch.tensor([5], device=DEVICE), splits=2)
     expected = (row / 0.5).softmax(-1)
     freq = torch.bincount(tokens, minlength=5003).float() / len(tokens)
-    torch.testing.assert_close(freq[hot], expected[hot], atol=0.07, rtol=0)
-    torch.testing.assert_close(freq[hot].sum(), expected[hot].sum(), atol=0.03, rtol=0)
+    torch.testing.assert_close(freq[hot], expected[hot], atol=0.03, rtol=0)
+    torch.testing.assert_close(freq[hot].sum(), expected[hot].sum(), atol=0.02, rtol=0)
     torch.testing.assert_close(logprobs, expected.log()[tokens])
 
 
-def test_gumbel_sampler_breaks_ties_to_the_lowest_index_across_lanes_tiles_and_chunks():
-    """Greedy over rows whose maximum repeats: at 2, 5, 1026 (2's lane in the next tile) and 4000; at 1026
-    and 4000; everywhere."""
-    from fulcrum.rollout.native.sample_kernels import gumbel_sample
+def test_sampler_greedy_breaks_ties_to_the_lowest_index_across_tiles_and_chunks():
+    """Greedy over rows whose maximum repeats: at 2, 5, 1026 (the next tile) and 4000; at 1026 and 4000;
+    everywhere."""
+    from fulcrum.rollout.native.sample_kernels import sample_tokens
 
     logits = torch.rand(3, 5003, device=DEVICE)
     logits[0, [2, 5, 1026, 4000]] = 3.0
     logits[1, [1026, 4000]] = 3.0
     logits[2] = 0.0
     for splits in (1, 2, 5):
-        tokens, _ = gumbel_sample(logits, 0.0, torch.tensor([0], device=DEVICE), splits=splits)
+        tokens, _ = sample_tokens(logits, 0.0, torch.tensor([0], device=DEVICE), splits=splits)
         assert tokens.tolist() == [2, 1026, 0] == logits.argmax(-1).tolist()
 
 
-def test_gumbel_sampler_split_count_fills_the_device_with_whole_tiles():
+def test_sampler_split_count_fills_the_device_with_whole_tiles():
     from fulcrum.rollout.native.sample_kernels import sample_chunks, sample_splits
 
     tiles = {"block": 1024}
@@ -303,7 +310,7 @@ def compiled_variants(kernel) -> int:
 @pytest.mark.skipif(
     not ON_CUDA, reason="compilation happens on a GPU only (the interpreter compiles nothing)"
 )
-def test_gumbel_sampler_compiles_once_whatever_the_batch():
+def test_sampler_compiles_once_whatever_the_batch():
     """A rollout samples first tokens for any number of completed prompts and decodes a batch that shrinks
     as sequences finish: a batch size not seen before must not compile a new variant of the kernels (a
     compilation takes tenths of a second in the middle of a step)."""
@@ -311,10 +318,10 @@ def test_gumbel_sampler_compiles_once_whatever_the_batch():
 
     seed = torch.tensor([5], device=DEVICE)
     logits = torch.randn(512, 151936, device=DEVICE, dtype=torch.bfloat16)
-    sk.gumbel_sample(logits, 1.0, seed)
-    kernels = (sk._gumbel_sample_partial_kernel, sk._gumbel_sample_combine_kernel)
+    sk.sample_tokens(logits, 1.0, seed)
+    kernels = (sk._sample_tile_stats_kernel, sk._sample_pick_kernel)
     before = [compiled_variants(k) for k in kernels]
     for batch in (1, 3, 7, 16, 17, 136, 509, 64):
-        sk.gumbel_sample(logits[:batch], 1.0, seed)
-        sk.gumbel_sample(logits[torch.arange(batch, device=DEVICE)], 1.0, seed)
+        sk.sample_tokens(logits[:batch], 1.0, seed)
+        sk.sample_tokens(logits[torch.arange(batch, device=DEVICE)], 1.0, seed)
     assert [compiled_variants(k) for k in kernels] == before

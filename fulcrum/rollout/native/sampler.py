@@ -1,7 +1,7 @@
-"""Sampling on the device for the native engine: the fused Gumbel-max Triton kernel, else the torch sampler.
+"""Sampling on the device for the native engine: the Triton inverse-CDF sampler, else the torch sampler.
 
-The Triton kernel covers temperature and greedy (no top-k / top-p filter), the common RL case, in
-one pass over the logits; with a filter, `fulcrum.rollout.sampling.sample_next` (sort-based) runs.
+The Triton kernels cover temperature and greedy (no top-k / top-p filter), the common RL case, in
+one pass over the logits and a search inside one tile a row; with a filter, `fulcrum.rollout.sampling.sample_next` (sort-based) runs.
 Both return log-probs under softmax(logits / T) before any filter (see `fulcrum.rollout.sampling`).
 """
 
@@ -23,7 +23,7 @@ class DeviceSampler:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, (1,)).item())
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        # The Triton kernel reads its Philox seed from the device; bumping it after every call gives
+        # The Triton kernels read their Philox seed from the device; bumping it after every call gives
         # each step fresh noise without a host round trip.
         self.seed = torch.tensor([seed % (2**31 - 1)], dtype=torch.int64, device=device)
 
@@ -31,9 +31,9 @@ class DeviceSampler:
         """logits (B, V) -> (tokens (B,) int64, log-probs (B,) fp32)."""
         p = self.params
         if self.use_triton:
-            from fulcrum.rollout.native.sample_kernels import gumbel_sample
+            from fulcrum.rollout.native.sample_kernels import sample_tokens
 
-            tokens, logprobs = gumbel_sample(logits, p.temperature, self.seed)
+            tokens, logprobs = sample_tokens(logits, p.temperature, self.seed)
             self.seed.add_(1)
             return tokens, logprobs
         return sample_next(logits, p.temperature, p.top_p, p.top_k, self.generator)
