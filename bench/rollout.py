@@ -268,7 +268,7 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sample-launch",
         default=None,
-        help="JSON of the sampler's launch: BLOCK, programs_per_sm, num_warps, num_stages "
+        help="JSON of the sampler's launch: BLOCK, programs_per_sm, GROUP, num_warps, num_stages "
         "(bench/sample_sweep.py's best_common)",
     )
 

@@ -206,8 +206,8 @@ def test_sampler_is_the_inverse_cdf_of_one_philox_uniform_per_row():
 
 @pytest.mark.parametrize("temperature", [0.8, 0.0], ids=["sampled", "greedy"])
 def test_sampler_tokens_do_not_depend_on_the_split_of_a_row(temperature):
-    """V = 5003 in 1, 2, 3 or 5 chunks of whole 1024-entry tiles; V = 2050 (not a multiple of 4), one row;
-    then in tiles of other sizes (whose sums the search adds in another order: a draw within fp32
+    """V = 5003 in 1, 2, 3 or 5 chunks of whole 1024-entry tiles, walked 1, 2 or 4 tiles at a time; V = 2050
+    (not a multiple of 4), one row; then in tiles of other sizes (whose sums the search adds in another order: a draw within fp32
     rounding of a boundary could move, none of these does)."""
     from fulcrum.rollout.native.sample_kernels import sample_chunks, sample_tokens
 
@@ -219,9 +219,12 @@ def test_sampler_tokens_do_not_depend_on_the_split_of_a_row(temperature):
         logits = torch.randn(rows, vocab, device=DEVICE)
         base_tokens, base_logprobs = sample_tokens(logits, temperature, seed, **tiles)
         for s in splits:
-            tokens, logprobs = sample_tokens(logits, temperature, seed, splits=s, **tiles)
-            assert tokens.tolist() == base_tokens.tolist()
-            torch.testing.assert_close(logprobs, base_logprobs, atol=0, rtol=0)
+            # 2 or 4 tiles a loop iteration: a group that runs past its chunk's end stores nothing there
+            for group in (1, 2, 4):
+                launch = {"launch": {"GROUP": group}}
+                tokens, logprobs = sample_tokens(logits, temperature, seed, splits=s, **tiles, **launch)
+                assert tokens.tolist() == base_tokens.tolist(), (s, group)
+                torch.testing.assert_close(logprobs, base_logprobs, atol=0, rtol=0)
         # the launch bench/sample_sweep.py tunes: tiles of 512 or 2048 entries, programs per SM
         for launch in ({"block": 512}, {"block": 2048, "programs_per_sm": 16}):
             tokens, logprobs = sample_tokens(logits, temperature, seed, **launch)

@@ -24,25 +24,30 @@ if HAVE_TRITON:
     @triton.jit
     def _sample_tile_stats_kernel(
         logits_ptr, stride_row, vocab, tiles, chunk, inv_temperature, tile_max_ptr, tile_sum_ptr,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, GROUP: tl.constexpr,
     ):  # fmt: skip
         # Program (row, part) walks the tiles of the chunk [part * chunk, (part + 1) * chunk) of its row
-        # (chunk a whole number of tiles) and stores, per tile t of BLOCK entries,
+        # (chunk a whole number of tiles), GROUP tiles a loop iteration, and stores, per tile t of BLOCK
+        # entries,
         #     m_t = max_i x_i / T,   s_t = sum_i exp(x_i / T - m_t)   (s_t = 0 when the tile is all -inf).
-        # A tile's figures depend on its entries only, never on the split.
+        # A tile's figures depend on its entries only, never on the split or on GROUP (which puts more
+        # loads in flight between the reductions).
         row = tl.program_id(0).to(tl.int64)
         lo = tl.program_id(1) * chunk
         hi = tl.minimum(lo + chunk, vocab)
-        cols = tl.arange(0, BLOCK)
-        for start in range(lo, hi, BLOCK):
-            idx = start + cols
+        cols = tl.arange(0, BLOCK)[None, :]
+        for start in range(lo, hi, BLOCK * GROUP):
+            tile_start = start + tl.arange(0, GROUP) * BLOCK
+            idx = tile_start[:, None] + cols
             x = tl.load(logits_ptr + row * stride_row + idx, mask=idx < hi, other=float("-inf"))
             x = x.to(tl.float32) * inv_temperature
-            tile_max = tl.max(x)
+            tile_max = tl.max(x, 1)
             safe = tl.where(tile_max == float("-inf"), 0.0, tile_max)
-            slot = row * tiles + start // BLOCK
-            tl.store(tile_max_ptr + slot, tile_max)
-            tl.store(tile_sum_ptr + slot, tl.sum(tl.exp(x - safe)))
+            tile_sum = tl.sum(tl.exp(x - safe[:, None]), 1)
+            slot = row * tiles + tile_start // BLOCK
+            mine = tile_start < hi  # the group's tiles past the chunk belong to the next program
+            tl.store(tile_max_ptr + slot, tile_max, mask=mine)
+            tl.store(tile_sum_ptr + slot, tile_sum, mask=mine)
 
     @triton.jit
     def _sample_pick_kernel(
@@ -104,10 +109,10 @@ SAMPLE_PROGRAMS_PER_SM = 16
 DEFAULT_SM_COUNT = 132
 
 
-# The first pass's launch beyond BLOCK and the split's aim: Triton's num_warps and num_stages (absent:
-# Triton's defaults). `bench/sample_sweep.py` times BLOCK, programs per SM and these on a GPU; the split
-# never changes the tokens.
-SAMPLE_LAUNCH: dict[str, int] = {"num_warps": 4, "num_stages": 2}
+# The first pass's launch beyond BLOCK and the split's aim: GROUP (tiles a loop iteration), Triton's
+# num_warps and num_stages (absent: Triton's defaults). `bench/sample_sweep.py` times BLOCK, programs per
+# SM and these on a GPU; none of them changes the tokens.
+SAMPLE_LAUNCH: dict[str, int] = {"GROUP": 1, "num_warps": 4, "num_stages": 2}
 
 
 def _tiling(block: int | None, programs_per_sm: int | None) -> tuple[int, int]:
@@ -170,8 +175,8 @@ def sample_tokens(
     (B, V, device) as CUDA graphs need; neither the tokens nor the log-probs depend on it. `block` (entries
     a tile, a power of two; SAMPLE_BLOCK when None) sets the tiles, whose sums the search adds up: a draw
     within fp32 rounding of an entry's boundary may fall on the other side under another block.
-    `programs_per_sm` (SAMPLE_PROGRAMS_PER_SM when None) and `launch` (over SAMPLE_LAUNCH: num_warps,
-    num_stages) change how the first pass is laid out, never the result. The module's defaults are read
+    `programs_per_sm` (SAMPLE_PROGRAMS_PER_SM when None) and `launch` (over SAMPLE_LAUNCH: GROUP,
+    num_warps, num_stages) change how the first pass is laid out, never the result. The module's defaults are read
     at each call, so a benchmark may set them.
     """
     block, programs_per_sm = _tiling(block, programs_per_sm)
