@@ -224,7 +224,8 @@ def test_sampler_tokens_do_not_depend_on_the_split_of_a_row(temperature):
                 launch = {"launch": {"GROUP": group}}
                 tokens, logprobs = sample_tokens(logits, temperature, seed, splits=s, **tiles, **launch)
                 assert tokens.tolist() == base_tokens.tolist(), (s, group)
-                torch.testing.assert_close(logprobs, base_logprobs, atol=0, rtol=0)
+                exact = group == 1  # another GROUP may add a tile's entries in another order
+                torch.testing.assert_close(logprobs, base_logprobs, atol=0 if exact else 1e-6, rtol=0)
         # the launch bench/sample_sweep.py tunes: tiles of 512 or 2048 entries, programs per SM
         for launch in ({"block": 512}, {"block": 2048, "programs_per_sm": 16}):
             tokens, logprobs = sample_tokens(logits, temperature, seed, **launch)
@@ -299,9 +300,9 @@ def test_sampler_split_count_fills_the_device_with_whole_tiles():
     assert sample_splits(4096, 151936, 132, programs_per_sm=4, **tiles) == 1
     assert sample_chunks(151936, 2, **tiles) == (76800, 2)  # 148.4 tiles of 1024: 75 and 73.4
     assert sample_chunks(5003, 4, **tiles) == (2048, 3)  # four chunks of whole tiles would leave one empty
-    # the defaults (tiles of 512, 16 programs per SM): a 0.5B decode batch gets 2,560 programs
-    assert sample_splits(512, 151936, 132) == 5
-    assert sample_chunks(151936, 5) == (30720, 5)
+    # the defaults (tiles of 512, 8 programs per SM): a 0.5B decode batch gets 1,536 programs
+    assert sample_splits(512, 151936, 132) == 3
+    assert sample_chunks(151936, 3) == (50688, 3)
 
 
 def compiled_variants(kernel) -> int:

@@ -30,8 +30,8 @@ if HAVE_TRITON:
         # (chunk a whole number of tiles), GROUP tiles a loop iteration, and stores, per tile t of BLOCK
         # entries,
         #     m_t = max_i x_i / T,   s_t = sum_i exp(x_i / T - m_t)   (s_t = 0 when the tile is all -inf).
-        # A tile's figures depend on its entries only, never on the split or on GROUP (which puts more
-        # loads in flight between the reductions).
+        # A tile's figures depend on its entries only, never on the split; GROUP (which puts more loads in
+        # flight between the reductions) and num_warps may change the order of a tile's sum (fp32 rounding).
         row = tl.program_id(0).to(tl.int64)
         lo = tl.program_id(1) * chunk
         hi = tl.minimum(lo + chunk, vocab)
@@ -103,15 +103,18 @@ def _cdiv(a: int, b: int) -> int:
 
 # Entries per tile of the sampling kernels (a power of two): the first pass's unit, the second pass's scan.
 SAMPLE_BLOCK = 512
-# First-pass programs per multiprocessor that the split aims for, over the whole batch.
-SAMPLE_PROGRAMS_PER_SM = 16
+# First-pass programs per multiprocessor that the split aims for, over the whole batch: 8 was the sweep's
+# best launch common to both shapes (1.085x at 0.5B's 512 x 151,936, 1.35x at SmolLM2's 1,024 x 49,152,
+# over 16; H200, 2026-12-03).
+SAMPLE_PROGRAMS_PER_SM = 8
 # Multiprocessors assumed off CUDA (the interpreter): an H200's, so the split matches the GPU's.
 DEFAULT_SM_COUNT = 132
 
 
 # The first pass's launch beyond BLOCK and the split's aim: GROUP (tiles a loop iteration), Triton's
 # num_warps and num_stages (absent: Triton's defaults). `bench/sample_sweep.py` times BLOCK, programs per
-# SM and these on a GPU; none of them changes the tokens.
+# SM and these on a GPU; the split never changes the tokens, the others only where a tile's sum adds its
+# entries in another order (fp32 rounding at a boundary).
 SAMPLE_LAUNCH: dict[str, int] = {"GROUP": 1, "num_warps": 4, "num_stages": 2}
 
 
@@ -176,7 +179,8 @@ def sample_tokens(
     a tile, a power of two; SAMPLE_BLOCK when None) sets the tiles, whose sums the search adds up: a draw
     within fp32 rounding of an entry's boundary may fall on the other side under another block.
     `programs_per_sm` (SAMPLE_PROGRAMS_PER_SM when None) and `launch` (over SAMPLE_LAUNCH: GROUP,
-    num_warps, num_stages) change how the first pass is laid out, never the result. The module's defaults are read
+    num_warps, num_stages) change how the first pass is laid out; GROUP and num_warps may change the order
+    of a tile's sum, so, as with another block, a draw within rounding of a boundary may move. The module's defaults are read
     at each call, so a benchmark may set them.
     """
     block, programs_per_sm = _tiling(block, programs_per_sm)
