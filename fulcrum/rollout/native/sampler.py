@@ -1,7 +1,8 @@
 """Sampling on the device for the native engine: the Triton inverse-CDF sampler, else the torch sampler.
 
 The Triton kernels cover temperature and greedy (no top-k / top-p filter), the common RL case, in
-one pass over the logits and a search inside one tile a row; with a filter, `fulcrum.rollout.sampling.sample_next` (sort-based) runs.
+one pass over the logits and a search inside one tile a row; with a filter,
+`fulcrum.rollout.sampling.sample_next` (sort-based) runs.
 Both return log-probs under softmax(logits / T) before any filter (see `fulcrum.rollout.sampling`).
 """
 
