@@ -8,7 +8,8 @@ Why the inverse CDF and not Gumbel-max: Gumbel-max draws a Philox uniform and ta
 vocabulary entry, and those bound the kernel (306 µs of a 0.5B decode step on an H200, 512 x 151,936
 logits, against ~45 µs to read the logits once). The inverse CDF needs one uniform a row: a first pass
 reduces each tile of BLOCK entries to its max and its softmax sum (one exp an entry), a second finds
-the tile where the row's cumulative mass crosses u * Z and, in that tile alone, the entry.
+the tile where the row's cumulative mass crosses u * Z and, in that tile alone, the entry: 115-124 µs of
+the same step (the first pass reads the logits at ~1.3 TB/s, its per-tile reductions the limit).
 """
 
 from __future__ import annotations
