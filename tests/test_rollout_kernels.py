@@ -209,7 +209,7 @@ def test_sampler_tokens_do_not_depend_on_the_split_of_a_row(temperature):
     """V = 5003 in 1, 2, 3 or 5 chunks of whole 1024-entry tiles, walked 1, 2 or 4 tiles at a time; V = 2050
     (not a multiple of 4), one row; then in tiles of other sizes (whose sums the search adds in another order: a draw within fp32
     rounding of a boundary could move, none of these does)."""
-    from fulcrum.rollout.native.sample_kernels import sample_chunks, sample_tokens
+    from fulcrum.rollout.native.sample_kernels import SAMPLE_LAUNCH, sample_chunks, sample_tokens
 
     torch.manual_seed(2)
     seed = torch.tensor([99], device=DEVICE)
@@ -224,13 +224,43 @@ def test_sampler_tokens_do_not_depend_on_the_split_of_a_row(temperature):
                 launch = {"launch": {"GROUP": group}}
                 tokens, logprobs = sample_tokens(logits, temperature, seed, splits=s, **tiles, **launch)
                 assert tokens.tolist() == base_tokens.tolist(), (s, group)
-                exact = group == 1  # another GROUP may add a tile's entries in another order
+                exact = group == SAMPLE_LAUNCH["GROUP"]  # another may add a tile's entries in another order
                 torch.testing.assert_close(logprobs, base_logprobs, atol=0 if exact else 1e-6, rtol=0)
         # the launch bench/sample_sweep.py tunes: tiles of 512 or 2048 entries, programs per SM
         for launch in ({"block": 512}, {"block": 2048, "programs_per_sm": 16}):
             tokens, logprobs = sample_tokens(logits, temperature, seed, **launch)
             assert tokens.tolist() == base_tokens.tolist(), launch
             torch.testing.assert_close(logprobs, base_logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.8, 0.0], ids=["sampled", "greedy"])
+def test_sampler_writes_into_given_rows_and_moves_the_decode_state_on(temperature):
+    """`out=` and `advance=` (what a decode step passes): the same tokens and log-probs as a plain call,
+    written into the given rows of larger buffers; each row's next input is its token, its position and
+    context length one more; the rows past the batch untouched."""
+    from fulcrum.rollout.native.sample_kernels import DecodeState, sample_tokens
+
+    torch.manual_seed(4)
+    logits = torch.randn(6, 3001, device=DEVICE) * 2
+    seed = torch.tensor([17], device=DEVICE)
+    tokens, logprobs = sample_tokens(logits, temperature, seed)
+    out_tokens = torch.full((2, 8), -1, dtype=torch.long, device=DEVICE)
+    out_logprobs = torch.full((2, 8), 9.0, device=DEVICE)
+    ids = torch.full((8,), -1, dtype=torch.long, device=DEVICE)
+    positions = torch.arange(8, device=DEVICE) * 10
+    context_lens = (torch.arange(8, device=DEVICE) * 10 + 1).int()
+    state = DecodeState(ids[:6], positions[:6], context_lens[:6])
+    returned = sample_tokens(
+        logits, temperature, seed, out=(out_tokens[1, :6], out_logprobs[1, :6]), advance=state
+    )
+    assert returned[0].data_ptr() == out_tokens[1].data_ptr()
+    assert out_tokens[1, :6].tolist() == tokens.tolist() == ids[:6].tolist()
+    torch.testing.assert_close(out_logprobs[1, :6], logprobs, atol=0, rtol=0)
+    assert out_tokens[0].tolist() == [-1] * 8 and out_tokens[1, 6:].tolist() == [-1, -1]
+    assert out_logprobs[1, 6:].tolist() == [9.0, 9.0] and ids[6:].tolist() == [-1, -1]
+    assert positions.tolist() == [i * 10 + 1 for i in range(6)] + [60, 70]
+    assert context_lens.tolist() == [i * 10 + 2 for i in range(6)] + [61, 71]
+    assert context_lens.dtype == torch.int32
 
 
 def test_sampler_over_tiles_masked_to_minus_inf_gives_finite_logprobs():
@@ -300,9 +330,9 @@ def test_sampler_split_count_fills_the_device_with_whole_tiles():
     assert sample_splits(4096, 151936, 132, programs_per_sm=4, **tiles) == 1
     assert sample_chunks(151936, 2, **tiles) == (76800, 2)  # 148.4 tiles of 1024: 75 and 73.4
     assert sample_chunks(5003, 4, **tiles) == (2048, 3)  # four chunks of whole tiles would leave one empty
-    # the defaults (tiles of 512, 8 programs per SM): a 0.5B decode batch gets 1,536 programs
-    assert sample_splits(512, 151936, 132) == 3
-    assert sample_chunks(151936, 3) == (50688, 3)
+    # the defaults (tiles of 512, 16 programs per SM): a 0.5B decode batch gets 2,560 programs
+    assert sample_splits(512, 151936, 132) == 5
+    assert sample_chunks(151936, 5) == (30720, 5)
 
 
 def compiled_variants(kernel) -> int:

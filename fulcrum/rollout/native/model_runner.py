@@ -27,6 +27,8 @@ from fulcrum.rollout.native.config import EngineConfig
 from fulcrum.rollout.native.kernels import HAVE_TRITON, IndirectCache
 from fulcrum.rollout.native.memory import engine_workspace_bytes, kv_cache_budget
 from fulcrum.rollout.native.models.decoder import DecoderLM
+from fulcrum.rollout.native.sample_kernels import DecodeState
+from fulcrum.rollout.native.sampler import DeviceSampler
 from fulcrum.rollout.native.scheduler import PrefillWork
 from fulcrum.rollout.native.sequence import Sequence
 
@@ -322,7 +324,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------ decode
     def launch_decode(
-        self, seqs: list[Sequence], steps: int, sampler, rows: list[int] | None = None
+        self, seqs: list[Sequence], steps: int, sampler: DeviceSampler, rows: list[int] | None = None
     ) -> HostCopy:
         """Queue `steps` decode steps over `seqs` and the copy of their tokens to the host; `read_decode`
         waits for them. `rows`: each sequence's row in the window launched just before, whose state the
@@ -351,17 +353,14 @@ class ModelRunner:
         self.block_tables[:padded].copy_(host_tables, non_blocking=True)
         slot, self._slot, self._last_steps = self._slot, 1 - self._slot, steps
         out_tokens, out_logprobs = self.out_tokens[slot], self.out_logprobs[slot]
+        # Each step's sampling writes its tokens there and moves these rows on (next input, position + 1).
+        state = DecodeState(self.input_ids[:batch], self.positions[:batch], self.context_lens[:batch])
         for k in range(steps):
             if self.use_graphs:
                 logits = self._graph_logits(padded)
             else:
                 logits = self._decode_forward(padded, max_context + k)
-            tokens, logprobs = sampler(logits[:batch])
-            out_tokens[k, :batch] = tokens
-            out_logprobs[k, :batch] = logprobs
-            self.input_ids[:batch] = tokens
-            self.positions[:batch] += 1
-            self.context_lens[:batch] += 1
+            sampler.sample_step(logits[:batch], out_tokens[k, :batch], out_logprobs[k, :batch], state)
         # One row per sequence: the scheduler takes each sequence's tokens as one slice.
         # Contiguous views: a copy into a strided host tensor would not stay asynchronous.
         host_tokens = self.host_tokens[slot, : batch * steps].view(batch, steps)

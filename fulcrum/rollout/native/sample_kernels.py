@@ -8,11 +8,14 @@ Why the inverse CDF and not Gumbel-max: Gumbel-max draws a Philox uniform and ta
 vocabulary entry, and those bound the kernel (306 µs of a 0.5B decode step on an H200, 512 x 151,936
 logits, against ~45 µs to read the logits once). The inverse CDF needs one uniform a row: a first pass
 reduces each tile of BLOCK entries to its max and its softmax sum (one exp an entry), a second finds
-the tile where the row's cumulative mass crosses u * Z and, in that tile alone, the entry: 115-124 µs of
-the same step (the first pass reads the logits at ~1.3 TB/s, its per-tile reductions the limit).
+the tile where the row's cumulative mass crosses u * Z and, in that tile alone, the entry: 56 µs of the
+same step with the swept launch (the first pass reads the 155 MB of logits at ~3 TB/s; 115-124 µs with
+4-warp programs a tile at a time).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -53,8 +56,8 @@ if HAVE_TRITON:
     @triton.jit
     def _sample_pick_kernel(
         logits_ptr, stride_row, vocab, tiles, inv_temperature, seed_ptr,
-        tile_max_ptr, tile_sum_ptr, tokens_ptr, logprobs_ptr,
-        GREEDY: tl.constexpr, BLOCK: tl.constexpr, TILES_PAD: tl.constexpr,
+        tile_max_ptr, tile_sum_ptr, tokens_ptr, logprobs_ptr, ids_ptr, positions_ptr, context_lens_ptr,
+        GREEDY: tl.constexpr, BLOCK: tl.constexpr, TILES_PAD: tl.constexpr, ADVANCE: tl.constexpr,
     ):  # fmt: skip
         # One program per row. Over the tiles: M = max_t m_t, w_t = s_t exp(m_t - M) (tile t's mass
         # against M), Z = sum_t w_t, C_t = w_0 + ... + w_t. Sampled: target = u Z with u ~ U[0, 1) from
@@ -63,7 +66,9 @@ if HAVE_TRITON:
         # with probability exp(x_i / T - M) / Z, the tempered softmax (up to fp32 rounding at the
         # boundaries). Where rounding puts the target past the last mass, the last entry with mass is
         # taken. Greedy: the lowest tile holding M and its lowest entry equal to M (torch.argmax's
-        # tie-break), T = 1. log-prob = x_token / T - M - log Z.
+        # tie-break), T = 1. log-prob = x_token / T - M - log Z. ADVANCE: the row's decode state moves on
+        # here too (next input = the token, position and context length + 1), which were five more
+        # kernels a decode step.
         row = tl.program_id(0).to(tl.int64)
         t_idx = tl.arange(0, TILES_PAD)
         t_ok = t_idx < tiles
@@ -96,6 +101,20 @@ if HAVE_TRITON:
         picked = tl.load(logits_ptr + row * stride_row + token).to(tl.float32) * inv_temperature
         tl.store(tokens_ptr + row, token.to(tl.int64))
         tl.store(logprobs_ptr + row, picked - row_max - tl.log(total))
+        if ADVANCE:
+            tl.store(ids_ptr + row, token.to(tl.int64))
+            tl.store(positions_ptr + row, tl.load(positions_ptr + row) + 1)
+            tl.store(context_lens_ptr + row, tl.load(context_lens_ptr + row) + 1)
+
+
+class DecodeState(NamedTuple):
+    """A decode step's per-row state on the device, (B,) each: the next step's input token (int64), its
+    position (int64) and the context length it attends over (int32). After sampling, row r has
+    input_ids[r] = its token, positions[r] + 1, context_lens[r] + 1."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    context_lens: torch.Tensor
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -104,10 +123,11 @@ def _cdiv(a: int, b: int) -> int:
 
 # Entries per tile of the sampling kernels (a power of two): the first pass's unit, the second pass's scan.
 SAMPLE_BLOCK = 512
-# First-pass programs per multiprocessor that the split aims for, over the whole batch: 8 was the sweep's
-# best launch common to both shapes (1.085x at 0.5B's 512 x 151,936, 1.35x at SmolLM2's 1,024 x 49,152,
-# over 16; H200, 2026-12-03).
-SAMPLE_PROGRAMS_PER_SM = 8
+# First-pass programs per multiprocessor that the split aims for, over the whole batch, and the first pass's
+# launch (below): the sweep's best launch common to both shapes, 16 programs an SM of one warp, 4 tiles a
+# loop iteration (1.74x at 0.5B's 512 x 151,936, 1.35x at SmolLM2's 1,024 x 49,152, over 8 programs of 4
+# warps, 1 tile; `bench/sample_sweep.py`, H200, 2026-12-03).
+SAMPLE_PROGRAMS_PER_SM = 16
 # Multiprocessors assumed off CUDA (the interpreter): an H200's, so the split matches the GPU's.
 DEFAULT_SM_COUNT = 132
 
@@ -116,7 +136,7 @@ DEFAULT_SM_COUNT = 132
 # num_warps and num_stages (absent: Triton's defaults). `bench/sample_sweep.py` times BLOCK, programs per
 # SM and these on a GPU; the split never changes the tokens, the others only where a tile's sum adds its
 # entries in another order (fp32 rounding at a boundary).
-SAMPLE_LAUNCH: dict[str, int] = {"GROUP": 1, "num_warps": 4, "num_stages": 2}
+SAMPLE_LAUNCH: dict[str, int] = {"GROUP": 4, "num_warps": 1, "num_stages": 2}
 
 
 def _tiling(block: int | None, programs_per_sm: int | None) -> tuple[int, int]:
@@ -169,6 +189,8 @@ def sample_tokens(
     block: int | None = None,
     programs_per_sm: int | None = None,
     launch: dict[str, int] | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    advance: DecodeState | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of logits (B, V) from softmax(logits / T); greedy when temperature == 0.
 
@@ -182,7 +204,9 @@ def sample_tokens(
     `programs_per_sm` (SAMPLE_PROGRAMS_PER_SM when None) and `launch` (over SAMPLE_LAUNCH: GROUP,
     num_warps, num_stages) change how the first pass is laid out; GROUP and num_warps may change the order
     of a tile's sum, so, as with another block, a draw within rounding of a boundary may move. The module's defaults are read
-    at each call, so a benchmark may set them.
+    at each call, so a benchmark may set them. `out`: contiguous (B,) int64 and float32 tensors to write
+    the tokens and log-probs into (returned); `advance`: a decode step's state rows, moved on in the same
+    kernel (`DecodeState`).
     """
     block, programs_per_sm = _tiling(block, programs_per_sm)
     assert block & (block - 1) == 0, "a tile is a power of two entries"
@@ -193,8 +217,11 @@ def sample_tokens(
     )
     chunk, used = sample_chunks(vocab, wanted, block)
     tiles = _cdiv(vocab, block)
-    tokens = torch.empty(batch, dtype=torch.long, device=device)
-    logprobs = torch.empty(batch, dtype=torch.float32, device=device)
+    if out is None:
+        out = (torch.empty(batch, dtype=torch.long, device=device), torch.empty(batch, device=device))
+    tokens, logprobs = out
+    assert tokens.is_contiguous() and logprobs.is_contiguous() and len(tokens) == len(logprobs) == batch
+    state = advance if advance is not None else DecodeState(tokens, tokens, logprobs)
     # One compiled variant of each kernel whatever the batch: Triton specialises a kernel on its integer
     # arguments (== 1, divisible by 16) and on its pointers' 16-byte alignment, and compiles each new
     # variant on first use (tenths of a second, in the middle of a rollout: the prefill's first tokens and
@@ -209,6 +236,7 @@ def sample_tokens(
     )  # fmt: skip
     _sample_pick_kernel[(batch,)](
         logits, logits.stride(0), vocab, tiles, inv_temperature, seed, tile_max, tile_sum, tokens, logprobs,
-        GREEDY=greedy, BLOCK=block, TILES_PAD=max(16, next_pow2(tiles)),
+        state.input_ids, state.positions, state.context_lens,
+        GREEDY=greedy, BLOCK=block, TILES_PAD=max(16, next_pow2(tiles)), ADVANCE=advance is not None,
     )  # fmt: skip
     return tokens, logprobs

@@ -8,10 +8,15 @@ Both return log-probs under softmax(logits / T) before any filter (see `fulcrum.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from fulcrum.rollout.base import SamplingParams
 from fulcrum.rollout.sampling import sample_next
+
+if TYPE_CHECKING:
+    from fulcrum.rollout.native.sample_kernels import DecodeState
 
 
 class DeviceSampler:
@@ -38,3 +43,21 @@ class DeviceSampler:
             self.seed.add_(1)
             return tokens, logprobs
         return sample_next(logits, p.temperature, p.top_p, p.top_k, self.generator)
+
+    def sample_step(
+        self, logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, state: DecodeState
+    ) -> None:
+        """A decode step's sampling: tokens and log-probs (B,) written into `tokens` / `logprobs`, and the
+        step's state rows moved on (`DecodeState`): in the Triton sampler's own kernels, else by torch ops."""
+        if self.use_triton:
+            from fulcrum.rollout.native.sample_kernels import sample_tokens
+
+            sample_tokens(logits, self.params.temperature, self.seed, out=(tokens, logprobs), advance=state)
+            self.seed.add_(1)
+            return
+        sampled, sampled_logprobs = self(logits)
+        tokens.copy_(sampled)
+        logprobs.copy_(sampled_logprobs)
+        state.input_ids.copy_(sampled)
+        state.positions.add_(1)
+        state.context_lens.add_(1)
