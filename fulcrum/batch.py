@@ -16,10 +16,12 @@ engine's output. This module sits below `workers/` and `trainer/`, which both pa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -158,24 +160,19 @@ def assemble_batch(
     """
     if loss_masks is not None and [len(m) for m in loss_masks] != [len(t) for t in token_ids]:
         raise ValueError("loss_masks must give one 0/1 per response token of every sample")
-    n = len(token_ids)
-    prompts = torch.full((n, max_prompt_length), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((n, max_prompt_length), dtype=torch.long)
-    responses = torch.full((n, response_length), pad_id, dtype=torch.long)
-    response_attention = torch.zeros((n, response_length), dtype=torch.long)
-    response_mask = torch.zeros((n, response_length), dtype=torch.long)  # the loss mask
-    rollout_lp = torch.zeros((n, response_length), dtype=torch.float32)
-    for row, (ids, lps, pi) in enumerate(zip(token_ids, logprobs, prompt_index, strict=True)):
-        p = items[pi]["input_ids"][-max_prompt_length:]
-        prompts[row, max_prompt_length - len(p) :] = torch.tensor(p, dtype=torch.long)
-        prompt_mask[row, max_prompt_length - len(p) :] = 1
-        r = ids[:response_length]
-        if r:
-            responses[row, : len(r)] = torch.tensor(r, dtype=torch.long)
-            response_attention[row, : len(r)] = 1
-            loss = loss_masks[row][: len(r)] if loss_masks is not None else [1] * len(r)
-            response_mask[row, : len(r)] = torch.tensor(loss, dtype=torch.long)
-            rollout_lp[row, : len(r)] = torch.tensor(lps[: len(r)], dtype=torch.float32)
+    prompt_rows = [items[i]["input_ids"][-max_prompt_length:] for i in prompt_index]
+    response_rows = [ids[:response_length] for ids in token_ids]
+    kept = [len(r) for r in response_rows]
+    prompts, prompt_mask = padded_rows(prompt_rows, max_prompt_length, pad_id, torch.long, left=True)
+    responses, response_attention = padded_rows(response_rows, response_length, pad_id, torch.long)
+    response_mask = response_attention.clone()  # the loss mask: every response token, unless told
+    if loss_masks is not None:
+        masks = [m[:k] for m, k in zip(loss_masks, kept, strict=True)]
+        response_mask = padded_rows(masks, response_length, 0, torch.long)[0]
+    lps = [lp[:k] for lp, k in zip(logprobs, kept, strict=True)]
+    if [len(lp) for lp in lps] != kept:
+        raise ValueError("logprobs must give one log-prob per response token of every sample")
+    rollout_lp = padded_rows(lps, response_length, 0.0, torch.float32)[0]
     attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     non_tensors = {
@@ -199,3 +196,21 @@ def assemble_batch(
         },
         non_tensors,
     )
+
+
+def padded_rows(
+    rows: list[Sequence[Any]], width: int, pad: float, dtype: torch.dtype, left: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of at most `width` values as one (len(rows), width) tensor padded with `pad` on the right (on
+    the left with `left`), and its 0/1 mask (long) of the real entries.
+
+    One flat copy through numpy instead of a tensor a row: a step's 512 responses of 256 tokens
+    (responses, loss mask, log-probs, prompts) took 90-170 ms row by row on a CPU host, in the step's
+    `gen` time."""
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    cols = np.arange(width)
+    real = cols >= width - lengths[:, None] if left else cols < lengths[:, None]
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    out = np.full((len(rows), width), pad, dtype=np_dtype)
+    out[real] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np_dtype, count=int(lengths.sum()))
+    return torch.from_numpy(out), torch.from_numpy(real.astype(np.int64))
