@@ -28,7 +28,9 @@ def measure(rows: int, prompt_length: int, response_length: int, repeats: int) -
     from fulcrum.batch import assemble_batch
 
     rng = random.Random(0)
-    items = [{"input_ids": [rng.randrange(50_000) for _ in range(rng.randrange(60, 200))]} for _ in range(rows)]
+    items = [
+        {"input_ids": [rng.randrange(50_000) for _ in range(rng.randrange(60, 200))]} for _ in range(rows)
+    ]
     tokens = [[rng.randrange(50_000) for _ in range(response_length)] for _ in range(rows)]
     logprobs = [[-rng.random() for _ in range(response_length)] for _ in range(rows)]
     index = list(range(rows))
@@ -41,7 +43,9 @@ def measure(rows: int, prompt_length: int, response_length: int, repeats: int) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("trees", nargs="*", help="source trees to compare (default: this one, in process)")
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--prompt-length", type=int, default=512)
@@ -57,14 +61,19 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[float]] = {tree: [] for tree in args.trees}
     for _ in range(args.rounds):
         for tree in args.trees:
-            env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-            code = f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-            code += f"import json, assemble_host; print(json.dumps(assemble_host.measure({', '.join(sizes)})))"
-            out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+            # the script itself, not `-c`, whose first path entry is the working directory (this tree)
+            env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+            command = [sys.executable, __file__, "--rows", *sizes[:1], "--prompt-length", sizes[1]]
+            command += ["--response-length", sizes[2], "--repeats", sizes[3]]
+            out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
             results[tree].append(json.loads(out.stdout.strip().splitlines()[-1])["assemble_ms"])
     first = statistics.median(results[args.trees[0]])
     summary = {
-        tree: {"median_ms": statistics.median(ms), "runs_ms": ms, "ratio_to_first": statistics.median(ms) / first}
+        tree: {
+            "median_ms": statistics.median(ms),
+            "runs_ms": ms,
+            "ratio_to_first": statistics.median(ms) / first,
+        }
         for tree, ms in results.items()
     }
     print(json.dumps(summary, indent=1))
