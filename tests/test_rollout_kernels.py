@@ -359,3 +359,35 @@ def test_sampler_compiles_once_whatever_the_batch():
         sk.sample_tokens(logits[:batch], 1.0, seed)
         sk.sample_tokens(logits[torch.arange(batch, device=DEVICE)], 1.0, seed)
     assert [compiled_variants(k) for k in kernels] == before
+
+
+def test_the_engine_never_reads_a_kv_slot_before_writing_it(monkeypatch):
+    """On the Triton path the KV cache is not zero-filled at wake-up: whatever it holds, even NaN, the
+    greedy tokens are those of the torch path (which zero-fills it) and the log-probs finite, through
+    chunked prefill, preemption and re-prefill."""
+    from fulcrum.rollout import SamplingParams
+    from fulcrum.rollout.native import EngineConfig, NativeEngine
+    from fulcrum.rollout.testing import random_causal_lm
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in [1, 40, 7, 23, 16, 3]]
+    config = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=12, decode_steps=4,
+        dtype=torch.float32,
+    )  # fmt: skip
+    model = random_causal_lm("qwen2", init_std=0.2).to(DEVICE)
+    params = SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True)
+    monkeypatch.setenv("FULCRUM_NATIVE_TRITON", "0")
+    reference = NativeEngine(model, [1], 0, config, DEVICE)
+    assert not reference.runner.use_triton
+    expected = reference.generate(prompts, params).token_ids
+    monkeypatch.setenv("FULCRUM_NATIVE_TRITON", "1")
+    engine = NativeEngine(model, [1], 0, config, DEVICE)
+    assert engine.runner.use_triton
+    assert engine.generate(prompts, params).token_ids == expected
+    engine.wake_up()
+    engine.runner.kv_cache.fill_(float("nan"))
+    poisoned = engine.generate(prompts, params)
+    assert engine.stats["preemptions"] > 0
+    assert poisoned.token_ids == expected
+    assert all(torch.isfinite(torch.tensor(lp)).all() for lp in poisoned.logprobs)

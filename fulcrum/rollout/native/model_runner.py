@@ -209,7 +209,12 @@ class ModelRunner:
     def allocate_cache(self) -> None:
         if self.kv_cache is not None:
             return
-        self.kv_cache = torch.zeros(self._cache_shape(), dtype=self.model.dtype, device=self.device)
+        # The Triton decode kernel masks its loads to each row's context, and prefill reads back only a
+        # context's own slots: on that path no slot is read before it is written, and the cache (most of
+        # the card) is not zero-filled at every wake-up. The torch twins read whole blocks and mask the
+        # scores, where a never-written slot must hold a finite value (0 x NaN is NaN): zeros there.
+        new = torch.empty if self.use_triton else torch.zeros
+        self.kv_cache = new(self._cache_shape(), dtype=self.model.dtype, device=self.device)
         if self.indirect is not None:
             self.indirect.point_to(self.kv_cache)
         elif self.graphs and self.model.tp.agree_any(
