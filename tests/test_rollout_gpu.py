@@ -70,12 +70,16 @@ def test_fp32_greedy_with_graphs_and_kernels_matches_hf(arch, indirect, overlap)
     print(f"\nKV cache moved on wake-up: {moved}")
     kept = all(engine.runner.graphs.get(size) is graph for size, graph in graphs.items())
     assert kept == (indirect or not moved)
+    capture_before = engine.runner.graph_capture_s
     # The cache is not zero-filled on this path: no slot may be read before it is written.
     engine.runner.kv_cache.fill_(float("nan"))
     assert (
         engine.generate(prompts, short).token_ids
         == HFRollout(changed, [EOS], 0, CUDA, autocast=False).generate(prompts, short).token_ids
     )
+    # rollout/graph_capture_s is this call's recapture time, not the engine's total
+    assert engine.metrics()["rollout/graph_capture_s"] == engine.runner.graph_capture_s - capture_before
+    assert (engine.metrics()["rollout/graph_capture_s"] > 0) == (not kept)
 
 
 def test_bf16_logprob_gap_against_the_hf_forward_is_reported():

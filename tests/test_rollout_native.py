@@ -121,6 +121,10 @@ def test_generate_releases_the_cache_under_free_cache_engine(model, free_cache_e
         assert [len(r) for r in out.token_ids] == [4, 4]
         assert engine.awake is not free_cache_engine
         assert (engine.runner.kv_cache is None) is free_cache_engine
+        # the allocation and release around the call are timed apart from it; no graph on the CPU
+        metrics = engine.metrics()
+        assert metrics["rollout/wake_up_s"] >= 0 and metrics["rollout/sleep_s"] >= 0
+        assert metrics["rollout/graph_capture_s"] == 0
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

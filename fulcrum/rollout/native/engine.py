@@ -207,19 +207,26 @@ class NativeEngine:
             return RolloutOutput([], [], [], [])
         if self.stepper.has_unfinished_requests():
             raise RuntimeError("generate needs the native engine to itself: requests are in flight")
+        start = time.perf_counter()
         self.wake_up()
+        wake_up_s = time.perf_counter() - start
         try:
             return self._generate(prompts, params)
         except BaseException:
             self.stepper.abort()  # an interrupted batch must not stay in flight
             raise
         finally:
+            start = time.perf_counter()
             if self.config.free_cache_engine:
                 self.sleep()
+            # The KV cache's allocation (and its release, under free_cache_engine): outside generate_s,
+            # inside the trainer's gen time.
+            self.stats.update(wake_up_s=wake_up_s, sleep_s=time.perf_counter() - start)
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         start = time.perf_counter()
         before = self.counters
+        captured_before = self.runner.graph_capture_s
         self.stepper.scheduler.peak_blocks = 0
         self.stepper.new_sampler(params)
         first = self.stepper.add_request(prompts[0], params)
@@ -235,7 +242,7 @@ class NativeEngine:
         self.stats.update(
             generate_s=time.perf_counter() - start,
             peak_kv_gib=self.stepper.scheduler.peak_blocks * self.runner.bytes_per_block() / 2**30,
-            graph_capture_s=self.runner.graph_capture_s,
+            graph_capture_s=self.runner.graph_capture_s - captured_before,  # this call's (re)captures
         )
         return RolloutOutput(
             token_ids=[out.token_ids for out in finished],
