@@ -26,6 +26,13 @@ def add_packed_knobs(parser: argparse.ArgumentParser) -> None:
         "default), to compare",
     )
     parser.add_argument(
+        "--save-mlp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="checkpointing also keeps the MLP's gate and up projections' outputs (packed.SAVE_MLP_PROJECTIONS, "
+        "off by default), to compare",
+    )
+    parser.add_argument(
         "--cpp-wrapper",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -41,6 +48,8 @@ def apply_packed_knobs(args: argparse.Namespace) -> None:
         packed.LAYERS_PER_REGION = args.layers_per_region
     if args.save_attention is not None:
         packed.SAVE_ATTENTION_OUTPUTS = args.save_attention
+    if args.save_mlp is not None:
+        packed.SAVE_MLP_PROJECTIONS = args.save_mlp
     if args.cpp_wrapper is not None:
         packed.CPP_WRAPPER = args.cpp_wrapper
 
@@ -53,5 +62,6 @@ def knob_summary() -> dict[str, object]:
     return {
         "layers_per_region": getattr(packed, "LAYERS_PER_REGION", None),
         "save_attention": getattr(packed, "SAVE_ATTENTION_OUTPUTS", None),
+        "save_mlp": getattr(packed, "SAVE_MLP_PROJECTIONS", None),
         "cpp_wrapper": compile_options() is not None if compile_options is not None else None,
     }

@@ -251,20 +251,29 @@ def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2", seed=0))
 
 
-@pytest.mark.parametrize(("layers_per_region", "save_attention"), [(1, False), (2, False), (1, True)])
+@pytest.mark.parametrize(
+    ("layers_per_region", "save_attention", "save_mlp"),
+    [(1, False, False), (2, False, False), (1, True, False), (1, True, True), (1, False, True)],
+)
 def test_compiled_layer_twins_match_and_leave_the_model_alone(
-    qwen2_dir: str, layers_per_region: int, save_attention: bool, monkeypatch: pytest.MonkeyPatch
+    qwen2_dir: str,
+    layers_per_region: int,
+    save_attention: bool,
+    save_mlp: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """compile_decoder_layers (dynamo's eager backend here: the CPU has no inductor toolchain in CI)
     takes over gradient checkpointing, gives the same log-probs and gradients as HF's own checkpointed
     layers, and registers nothing: same state-dict keys, the layers themselves uncompiled. Regions of
     one layer (the default) and of two (the size `bench/train_step.py --layers-per-region` compares),
     and the checkpoint keeping the attention kernel's outputs (`SAVE_ATTENTION_OUTPUTS`: the CPU's
-    SDPA kernel is one of `ATTENTION_OPS`, so the selective policy does save here)."""
+    SDPA kernel is one of `ATTENTION_OPS`, so the selective policy does save here), and the outputs of
+    the MLP's expanding projections (`SAVE_MLP_PROJECTIONS`: two matmuls a layer)."""
     from fulcrum.models import packed
     from fulcrum.models.packed import compile_decoder_layers
 
     monkeypatch.setattr(packed, "SAVE_ATTENTION_OUTPUTS", save_attention)
+    monkeypatch.setattr(packed, "SAVE_MLP_PROJECTIONS", save_mlp)
     saved: list[object] = []
     keep = packed.keep_attention_outputs
 
@@ -295,7 +304,11 @@ def test_compiled_layer_twins_match_and_leave_the_model_alone(
         ].backward()
         results.append((logp.detach(), grads(model)))
     (lp_a, g_a), (lp_b, g_b) = results
-    assert bool(saved) == save_attention  # the policy ran, and saved the attention kernel's outputs
+    # the policy ran, and saved the attention kernel's outputs and the expanding projections' as asked
+    assert any(op in packed.ATTENTION_OPS for op in saved) == save_attention
+    matmuls = [op for op in saved if op in packed.MATMUL_OPS]
+    layers = len(model.model.layers)
+    assert len(matmuls) == (2 * layers if save_mlp else 0)  # gate and up, once in the forward
     assert torch.allclose(lp_a, lp_b, atol=TOL, rtol=0)
     for name in g_a:
         assert torch.allclose(g_a[name], g_b[name], atol=TOL, rtol=1e-4), name

@@ -166,6 +166,15 @@ LAYERS_PER_REGION = 1
 # 1.87 -> 1.47 s (BENCHMARKS.md, "Training passes", tree f3b1f99).
 SAVE_ATTENTION_OUTPUTS = True
 
+# Checkpointing may also keep the outputs of each layer's expanding projections (a matmul whose output is
+# wider than its input: the MLP's gate and up projections), so that the backward recomputes only the
+# attention projections and elementwise ops: about 87 % of a Qwen2.5-0.5B layer's recomputed matmul FLOPs
+# go, for 2 x intermediate x 2 B a token a layer more (19.5 kB; +2.9 GB at the seed command's 6,144-token
+# micro-batches). Off: that memory is more than the update's whole activation budget today, and the
+# update's peak may not grow; `bench/passes.py --save-mlp` and `bench/train_step.py --save-mlp` measure it.
+# (`fulcrum doctor`'s memory estimate assumes it off.)
+SAVE_MLP_PROJECTIONS = False
+
 # Inductor's C++ wrapper for the compiled regions on CUDA: their kernels are launched from compiled C++
 # instead of generated Python, whose per-kernel cost bounded the seed command's micro-batches (seed step
 # 35.0k tok/s with it, 28.8k without in another call of the same kind, BENCHMARKS.md, "The training
@@ -187,9 +196,24 @@ ATTENTION_OPS = frozenset(
 )
 
 
+MATMUL_OPS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
+
+
 def keep_attention_outputs(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-    """Selective-checkpointing policy: save what the attention kernels return, recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """Selective-checkpointing policy: save what the attention kernels return (`SAVE_ATTENTION_OUTPUTS`)
+    and, with `SAVE_MLP_PROJECTIONS`, what the expanding projections return; recompute the rest."""
+    if op in ATTENTION_OPS and SAVE_ATTENTION_OUTPUTS:
+        return CheckpointPolicy.MUST_SAVE
+    if op in MATMUL_OPS and SAVE_MLP_PROJECTIONS and expanding_matmul(op, args):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def expanding_matmul(op: object, args: tuple[object, ...]) -> bool:
+    """mm(a, b) or addmm(bias, a, b) whose output is wider than its input: b (K, N) with N > K."""
+    weight = args[2] if op is torch.ops.aten.addmm.default else args[1]
+    shape = getattr(weight, "shape", None)
+    return shape is not None and len(shape) == 2 and shape[1] > shape[0]
 
 
 def _attention_saving_contexts() -> tuple[object, object]:
@@ -355,7 +379,11 @@ def call_layer(
     if recompute:
         # The keyword only when selective: dynamo (torch 2.13) refused torch's default context_fn passed
         # explicitly ("checkpoint not implemented for ... LazyVariableTracker context_fn").
-        selective = {"context_fn": _attention_saving_contexts} if SAVE_ATTENTION_OUTPUTS else {}
+        selective = (
+            {"context_fn": _attention_saving_contexts}
+            if SAVE_ATTENTION_OUTPUTS or SAVE_MLP_PROJECTIONS
+            else {}
+        )
         out = checkpoint(layer, hidden, use_reentrant=False, **selective, **kwargs)
     else:
         out = layer(hidden, **kwargs)
