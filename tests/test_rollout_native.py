@@ -347,3 +347,12 @@ def test_prefill_steps_are_launched_ahead_and_sample_the_same_tokens(model, monk
     for ours, theirs in zip(out.logprobs, expected.logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=1e-5, rtol=0)
     assert not engine.has_unfinished_requests() and engine.counters["blocks_in_use"] == 0
+
+
+def test_every_decode_steps_output_row_starts_16_byte_aligned(model):
+    """The sampler writes each step's tokens and log-probs into a row of the window's outputs; Triton
+    compiles a kernel variant per pointer alignment, so every row must start aligned whatever
+    max_num_seqs (7 here: rows of 7 int64 would put every other one off by 8 bytes)."""
+    engine = engine_for(model, max_num_seqs=7, decode_steps=4)
+    for buffer in (engine.runner.out_tokens, engine.runner.out_logprobs):
+        assert all(buffer[s, k].data_ptr() % 16 == 0 for s in range(2) for k in range(4))

@@ -155,8 +155,11 @@ class ModelRunner:
         self.row_index = torch.arange(max_bs, device=device)
         # Two windows' outputs: with overlap_windows the next window writes one while the host reads the
         # other (from pinned host copies on CUDA, so that reading one does not wait for the next).
-        self.out_tokens = torch.zeros(2, config.decode_steps, max_bs, dtype=torch.long, device=device)
-        self.out_logprobs = torch.zeros(2, config.decode_steps, max_bs, dtype=torch.float32, device=device)
+        # Rows a multiple of 4 entries wide: every step's row starts 16-byte aligned, so the sampler that
+        # writes into it compiles one variant whatever the step (Triton specialises on pointer alignment).
+        width = -(-max_bs // 4) * 4
+        self.out_tokens = torch.zeros(2, config.decode_steps, width, dtype=torch.long, device=device)
+        self.out_logprobs = torch.zeros(2, config.decode_steps, width, dtype=torch.float32, device=device)
         pinned = device.type == "cuda"
         size = max_bs * config.decode_steps
         self.host_tokens = torch.zeros(2, size, dtype=torch.long, pin_memory=pinned)
