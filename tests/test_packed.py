@@ -275,7 +275,7 @@ def test_compiled_layer_twins_match_and_leave_the_model_alone(
     monkeypatch.setattr(packed, "SAVE_ATTENTION_OUTPUTS", save_attention)
     monkeypatch.setattr(packed, "SAVE_MLP_PROJECTIONS", save_mlp)
     saved: list[object] = []
-    keep = packed.keep_attention_outputs
+    keep = packed.selective_checkpoint_policy
 
     def recording_policy(ctx: object, op: object, *args: object, **kwargs: object) -> object:
         decision = keep(ctx, op, *args, **kwargs)
@@ -283,7 +283,7 @@ def test_compiled_layer_twins_match_and_leave_the_model_alone(
             saved.append(op)
         return decision
 
-    monkeypatch.setattr(packed, "keep_attention_outputs", recording_policy)
+    monkeypatch.setattr(packed, "selective_checkpoint_policy", recording_policy)
 
     results = []
     for compiled in (False, True):

@@ -199,7 +199,7 @@ ATTENTION_OPS = frozenset(
 MATMUL_OPS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
 
 
-def keep_attention_outputs(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+def selective_checkpoint_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
     """Selective-checkpointing policy: save what the attention kernels return (`SAVE_ATTENTION_OUTPUTS`)
     and, with `SAVE_MLP_PROJECTIONS`, what the expanding projections return; recompute the rest."""
     if op in ATTENTION_OPS and SAVE_ATTENTION_OUTPUTS:
@@ -216,8 +216,8 @@ def expanding_matmul(op: object, args: tuple[object, ...]) -> bool:
     return shape is not None and len(shape) == 2 and shape[1] > shape[0]
 
 
-def _attention_saving_contexts() -> tuple[object, object]:
-    return create_selective_checkpoint_contexts(keep_attention_outputs)
+def _selective_checkpoint_contexts() -> tuple[object, object]:
+    return create_selective_checkpoint_contexts(selective_checkpoint_policy)
 
 
 def compile_options(
@@ -380,7 +380,7 @@ def call_layer(
         # The keyword only when selective: dynamo (torch 2.13) refused torch's default context_fn passed
         # explicitly ("checkpoint not implemented for ... LazyVariableTracker context_fn").
         selective = (
-            {"context_fn": _attention_saving_contexts}
+            {"context_fn": _selective_checkpoint_contexts}
             if SAVE_ATTENTION_OUTPUTS or SAVE_MLP_PROJECTIONS
             else {}
         )

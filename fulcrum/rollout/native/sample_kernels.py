@@ -218,7 +218,10 @@ def sample_tokens(
     chunk, used = sample_chunks(vocab, wanted, block)
     tiles = _cdiv(vocab, block)
     if out is None:
-        out = (torch.empty(batch, dtype=torch.long, device=device), torch.empty(batch, device=device))
+        out = (
+            torch.empty(batch, dtype=torch.long, device=device),
+            torch.empty(batch, dtype=torch.float32, device=device),
+        )
     tokens, logprobs = out
     assert tokens.is_contiguous() and logprobs.is_contiguous() and len(tokens) == len(logprobs) == batch
     state = advance if advance is not None else DecodeState(tokens, tokens, logprobs)

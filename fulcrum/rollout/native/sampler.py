@@ -8,7 +8,7 @@ Both return log-probs under softmax(logits / T) before any filter (see `fulcrum.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,11 +37,7 @@ class DeviceSampler:
         """logits (B, V) -> (tokens (B,) int64, log-probs (B,) fp32)."""
         p = self.params
         if self.use_triton:
-            from fulcrum.rollout.native.sample_kernels import sample_tokens
-
-            tokens, logprobs = sample_tokens(logits, p.temperature, self.seed)
-            self.seed.add_(1)
-            return tokens, logprobs
+            return self._triton(logits)
         return sample_next(logits, p.temperature, p.top_p, p.top_k, self.generator)
 
     def sample_step(
@@ -50,10 +46,7 @@ class DeviceSampler:
         """A decode step's sampling: tokens and log-probs (B,) written into `tokens` / `logprobs`, and the
         step's state rows moved on (`DecodeState`): in the Triton sampler's own kernels, else by torch ops."""
         if self.use_triton:
-            from fulcrum.rollout.native.sample_kernels import sample_tokens
-
-            sample_tokens(logits, self.params.temperature, self.seed, out=(tokens, logprobs), advance=state)
-            self.seed.add_(1)
+            self._triton(logits, out=(tokens, logprobs), advance=state)
             return
         sampled, sampled_logprobs = self(logits)
         tokens.copy_(sampled)
@@ -61,3 +54,11 @@ class DeviceSampler:
         state.input_ids.copy_(sampled)
         state.positions.add_(1)
         state.context_lens.add_(1)
+
+    def _triton(self, logits: torch.Tensor, **outputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sample_kernels.sample_tokens` under this sampler's seed, then the seed bumped for the next call."""
+        from fulcrum.rollout.native.sample_kernels import sample_tokens
+
+        sampled = sample_tokens(logits, self.params.temperature, self.seed, **outputs)
+        self.seed.add_(1)
+        return sampled
