@@ -36,6 +36,8 @@ from fulcrum.trainer.metrics import estimate_train_flops
 
 H200_BF16_FLOPS = 989e12
 GiB = 1024**3
+# --ab's choices: the flags of fulcrum.models.packed an A/B can switch between calls.
+AB_KNOBS = {"save_attention": "SAVE_ATTENTION_OUTPUTS", "save_mlp": "SAVE_MLP_PROJECTIONS"}
 
 
 def prompt_lengths(count: int, seed: int = 0) -> list[int]:
@@ -196,19 +198,21 @@ def timed_pass(
     tokens: int,
     flops: float | None = None,
 ) -> None:
-    """Time one pass and record it; with --ab-save-attention, the A/B of packed.SAVE_ATTENTION_OUTPUTS
-    (recorded as `name` and `name+save_attention`)."""
-    if not args.ab_save_attention:
+    """Time one pass and record it; with --ab KNOB, the A/B of that flag of `fulcrum.models.packed`
+    (recorded as `name` and `name+KNOB`)."""
+    if args.ab is None:
         record(results, args.label, name, tokens, *measure(fn, args.repeat, args.warmup_s), flops)
         return
     from fulcrum.models import packed
 
+    flag = AB_KNOBS[args.ab]
+
     def switch(on: bool) -> None:
-        packed.SAVE_ATTENTION_OUTPUTS = on  # dynamo guards on the global: one compiled graph for each
+        setattr(packed, flag, on)  # dynamo guards on the global: one compiled graph for each setting
 
     ab = measure_ab(fn, switch, args.repeat, args.warmup_s)
     switch(False)
-    for setting, suffix in ((False, ""), (True, "+save_attention")):
+    for setting, suffix in ((False, ""), (True, f"+{args.ab}")):
         record(results, args.label, name + suffix, tokens, *ab[setting], flops)
 
 
@@ -318,12 +322,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_packed_knobs(parser)
     parser.add_argument(
+        "--ab",
+        choices=sorted(AB_KNOBS),
+        default=None,
+        help="time the passes with that flag of fulcrum.models.packed off and on, calls interleaved",
+    )
+    parser.add_argument(
         "--ab-save-attention",
-        action="store_true",
-        help="time the updates with packed.SAVE_ATTENTION_OUTPUTS off and on, calls interleaved",
+        dest="ab",
+        action="store_const",
+        const="save_attention",
+        help="--ab save_attention",
     )
     args, overrides = parser.parse_known_args(argv)
-    if args.ab_save_attention:
+    if args.ab == "save_attention":
         # The C++ wrapper refuses the checkpointed regions without the attention outputs kept: the A/B
         # compares the two under inductor's Python wrapper.
         args.cpp_wrapper = False
@@ -353,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": tokens,
         "overrides": overrides,
         **knob_summary(),
-        "ab_save_attention": args.ab_save_attention,
+        "ab": args.ab,
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "passes": results,

@@ -379,9 +379,11 @@ def call_layer(
     if recompute:
         # The keyword only when selective: dynamo (torch 2.13) refused torch's default context_fn passed
         # explicitly ("checkpoint not implemented for ... LazyVariableTracker context_fn").
+        # any() of the pair rather than `or`: dynamo then reads, and guards on, both flags, so a
+        # compiled region never outlives a change of either (bench/passes.py --ab switches them).
         selective = (
             {"context_fn": _selective_checkpoint_contexts}
-            if SAVE_ATTENTION_OUTPUTS or SAVE_MLP_PROJECTIONS
+            if any((SAVE_ATTENTION_OUTPUTS, SAVE_MLP_PROJECTIONS))
             else {}
         )
         out = checkpoint(layer, hidden, use_reentrant=False, **selective, **kwargs)
