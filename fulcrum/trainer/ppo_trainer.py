@@ -60,6 +60,7 @@ from fulcrum.trainer.sampling import Sampler, reward_model_of, tools_of
 from fulcrum.trainer.startup import kl_startup_line, resolve_total_steps, seed_everything, startup_lines
 from fulcrum.workers.actor import ActorWorker, reference_worker
 from fulcrum.workers.critic import CriticWorker
+from fulcrum.workers.state_parking import park_between_updates
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,8 @@ class PPOTrainer:
         self.critic = (
             CriticWorker(critic_section(cfg), device, total, self.tokenizer) if uses_critic(cfg) else None
         )
+        # With a critic, each model's optimiser state waits in host memory while the other one trains.
+        self.parking = park_between_updates(list(self.roles().values()), device, self.dist.distributed)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.rollout = build_rollout(
             arr.rollout,
@@ -195,6 +198,8 @@ class PPOTrainer:
         `trainer.save_in_background` rank 0 waits for the previous write, takes a host snapshot and
         writes it beside the next steps (trainer/checkpoint/background.py); an earlier write's error
         is raised here, on every rank."""
+        if self.parking is not None:  # the parked optimiser state back where state_dict() reads it
+            self.parking.restore_all()
         roles = gather_roles(self.roles())
         on_main(
             lambda: self.checkpoints.save(
@@ -242,6 +247,8 @@ class PPOTrainer:
     def _resume(self) -> None:
         if self.resume_choice.path is None:
             return
+        if self.parking is not None:
+            self.parking.restore_all()
         state = self.checkpoints.load(self.resume_choice.path, self.roles(), verify=False)
         self.global_step = int(state["global_step"])
         self.epoch = int(state.get("epoch", 0))

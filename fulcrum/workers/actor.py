@@ -28,6 +28,7 @@ from fulcrum.parallel.fsdp import full_named_tensors
 from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
+from fulcrum.workers.state_parking import OptimizerStateParking
 from fulcrum.workers.update import UpdatePlan, one_optimizer_step, ppo_update
 
 # A batch column an update without old log-probs adds: each row's index, to put what it records in order.
@@ -141,6 +142,7 @@ class ActorWorker:
             lm_head_fp32=bool(model.lm_head_fp32),
         )
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optim, device)
+        self.parking: OptimizerStateParking | None = None  # set by a trainer that updates several models
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, self.cfg.optim, total_training_steps, "actor_rollout_ref.actor.optim"
         )

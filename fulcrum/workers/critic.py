@@ -20,6 +20,7 @@ from fulcrum.models.value_head import CriticModel
 from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
+from fulcrum.workers.state_parking import OptimizerStateParking
 from fulcrum.workers.update import UpdatePlan, ppo_update
 
 
@@ -56,6 +57,7 @@ class CriticWorker:
             sp_key="critic.ulysses_sequence_parallel_size",
         )
         self.optimizer = build_optimizer(self.model.parameters(), c.optim, device)
+        self.parking: OptimizerStateParking | None = None  # set by a trainer that updates several models
         self.lr_scheduler = build_lr_scheduler(self.optimizer, c.optim, total_training_steps, "critic.optim")
         assert c.ppo_epochs is not None and c.loss_agg_mode is not None, "a resolved configuration"
         self.loss_agg_mode = c.loss_agg_mode

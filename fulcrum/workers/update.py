@@ -22,6 +22,7 @@ from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.micro_batch import make_micro_batches
 from fulcrum.workers.optim import clip_and_step, warn_skipped_steps
 from fulcrum.workers.placement import Placement
+from fulcrum.workers.state_parking import OptimizerStateParking
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class Trainable(Protocol):
     lr_scheduler: LRScheduler
     placement: Placement
     plan: UpdatePlan
+    parking: OptimizerStateParking | None  # the other models' optimiser state off the device meanwhile
 
     def micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]: ...
 
@@ -81,6 +83,8 @@ def ppo_update(worker: Trainable, batch: Batch, global_step: int) -> dict[str, f
             plan.mini_batch_size,
         )
     forwards.model.train()
+    if worker.parking is not None:  # the other models' moments out, this one's back, beside the forwards
+        worker.parking.activate(optimizer)
     metrics: dict[str, list[torch.Tensor | float]] = defaultdict(list)
     generator = torch.Generator().manual_seed(plan.seed * 1_000_003 + global_step)
     for _ in range(plan.ppo_epochs):
@@ -106,6 +110,8 @@ def ppo_update(worker: Trainable, batch: Batch, global_step: int) -> dict[str, f
             for k, parts in shares.items():
                 # The ranks of a sequence-parallel group hold the same share: counted once in the sum.
                 metrics[k].append(torch.stack(parts).sum() / forwards.sp_size)
+            if worker.parking is not None:
+                worker.parking.before_step(optimizer)
             grad_norm = clip_and_step(forwards.model, optimizer, plan.grad_clip, worker.placement)
             metrics[f"{plan.role}/grad_norm"].append(grad_norm)
     metrics[f"{plan.role}/lr"].append(worker.lr_scheduler.get_last_lr()[0])

@@ -1,0 +1,175 @@
+"""The optimiser state of the model that is not being updated, parked in pinned host memory.
+
+PPO updates two models one after the other (the critic, then the actor). Adam's two moments are read
+only by each model's own optimiser steps, so while one model trains, the other's moments (8 B a
+parameter: 3.7 GiB for a 0.5B model) can wait in host memory. At the start of a model's update the
+other models' moments are copied out and their device memory released, then its own copied back, all
+on a copy stream: the copies run beside the update's first micro-batches (its first optimiser step
+comes after a whole mini-batch of forwards and backwards), and the step waits for them on the device,
+never on the host. The update's peak falls by the other model's moments.
+
+One process, CUDA, and at least two optimisers with state: with one model (GRPO) nothing is parked.
+The tensors stay the optimiser's own (their storage is released and re-allocated in place, as FSDP2
+does with unsharded parameters), so the fused step's tensor lists and `state_dict()` see the same
+objects; anything that reads the state outside an update (a checkpoint save or load) calls
+`restore_all` first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# The share of the host's available memory the parked moments may pin: pinned pages cannot be swapped,
+# and the host also holds the batch, the data set and a background checkpoint's snapshot.
+HOST_SHARE = 0.25
+
+
+@dataclass
+class ParkedState:
+    """One optimiser's moments: the device tensors and their pinned host copies, position by position."""
+
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    host: list[torch.Tensor] = field(default_factory=list)
+    parked: bool = False
+    arrived: torch.cuda.Event | None = None  # recorded on the copy stream after the last copy back
+
+
+class OptimizerStateParking:
+    """Parks the moments of every registered optimiser but the one whose update runs (`activate`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device)
+        self.states: dict[int, ParkedState] = {}
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+
+    def register(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizers[id(optimizer)] = optimizer
+        self.states[id(optimizer)] = ParkedState()
+
+    def activate(self, optimizer: torch.optim.Optimizer) -> None:
+        """At the start of `optimizer`'s update: every other optimiser's moments to the host, then its
+        own back to the device, on the copy stream; `before_step` makes the step wait for them."""
+        if id(optimizer) not in self.states:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(compute)  # the other models' last steps wrote their moments
+        with torch.cuda.stream(self.copy_stream):
+            for key, other in self.optimizers.items():
+                if key != id(optimizer):
+                    self._park(other, self.states[key])
+            self._bring_back(self.states[id(optimizer)])
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The compute stream waits (on the device) for `optimizer`'s moments to be back."""
+        state = self.states.get(id(optimizer))
+        if state is not None and state.arrived is not None:
+            torch.cuda.current_stream(self.device).wait_event(state.arrived)
+            state.arrived = None
+
+    def restore_all(self) -> None:
+        """Every optimiser's moments back on the device, the compute stream ordered after the copies:
+        before anything reads an optimiser's state outside its update (a checkpoint)."""
+        with torch.cuda.stream(self.copy_stream):
+            for state in self.states.values():
+                self._bring_back(state)
+        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        for state in self.states.values():
+            state.arrived = None
+
+    def _park(self, optimizer: torch.optim.Optimizer, state: ParkedState) -> None:
+        """On the copy stream: the moments into their host copies, then their device memory released
+        (`record_stream`: the allocator reuses it only once the copy out has run)."""
+        if state.parked:
+            return
+        tensors = moment_tensors(optimizer)
+        if not tensors:
+            return
+        if not _same_tensors(state.tensors, tensors):  # first park, or the state was replaced (a load)
+            state.tensors = tensors
+            state.host = [torch.empty_like(t, device="cpu", pin_memory=True) for t in tensors]
+        for tensor, host in zip(state.tensors, state.host, strict=True):
+            host.copy_(tensor, non_blocking=True)
+        for tensor in state.tensors:
+            tensor.record_stream(self.copy_stream)
+            tensor.untyped_storage().resize_(0)
+        state.parked = True
+
+    def _bring_back(self, state: ParkedState) -> None:
+        """On the copy stream: device memory for the moments again, filled from the host copies."""
+        if not state.parked:
+            return
+        for tensor, host in zip(state.tensors, state.host, strict=True):
+            tensor.untyped_storage().resize_(host.untyped_storage().nbytes())
+            tensor.copy_(host, non_blocking=True)
+        state.arrived = torch.cuda.Event()
+        state.arrived.record(self.copy_stream)
+        state.parked = False
+
+
+def park_between_updates(
+    workers: Sequence[Any], device: torch.device, distributed: bool
+) -> OptimizerStateParking | None:
+    """A parking for the optimisers of `workers` (each gets it as `.parking`) when it can help: one
+    process on CUDA (FSDP's `optimizer_offload` is the several-rank tool), two or more optimisers, and
+    their moments within `HOST_SHARE` of the host's available memory (`host_available_bytes`)."""
+    optimizers = [w.optimizer for w in workers if getattr(w, "optimizer", None) is not None]
+    if device.type != "cuda" or distributed or len(optimizers) < 2:
+        return None
+    moments = sum(
+        2 * p.numel() * p.element_size() for o in optimizers for g in o.param_groups for p in g["params"]
+    )
+    available = host_available_bytes()
+    if available is not None and moments > HOST_SHARE * available:
+        logger.info(
+            "optimiser state kept on the GPU between updates: its %.1f GB would pin more than %d%% of the "
+            "host's %.1f GB available",
+            moments / 1e9,
+            HOST_SHARE * 100,
+            available / 1e9,
+        )
+        return None
+    parking = OptimizerStateParking(device)
+    for worker in workers:
+        if getattr(worker, "optimizer", None) is not None:
+            parking.register(worker.optimizer)
+            worker.parking = parking
+    return parking
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def moment_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimiser's per-parameter state tensors on CUDA but the step counts (Adam's `exp_avg`,
+    `exp_avg_sq`, `max_exp_avg_sq`), in the optimiser's parameter order."""
+    tensors = [
+        value
+        for group in optimizer.param_groups
+        for param in group["params"]
+        for key, value in optimizer.state.get(param, {}).items()
+        if key != "step" and isinstance(value, torch.Tensor) and value.is_cuda
+    ]
+    # Releasing a storage releases every tensor on it: only moments that own theirs whole are parked.
+    owned = all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
+    return tensors if owned else []
+
+
+def _same_tensors(kept: list[torch.Tensor], current: list[torch.Tensor]) -> bool:
+    return len(kept) == len(current) and all(a is b for a, b in zip(kept, current, strict=True))
