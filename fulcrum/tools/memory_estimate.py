@@ -13,6 +13,8 @@ model's. `estimate()` returns every phase, itemised:
                     + T·2h (the residual stream) + max(T·2(h + 3I), one bf16 logits block)
     update        = resident + engine weights + fp32 gradients (4P) + bf16 compute weights (2P)
                     + their bf16 gradients (2P) + activations + (actor) the LM head's blocks
+                    - the other model's AdamW state (one process with a critic: it waits in host
+                      memory meanwhile, `fulcrum.workers.state_parking`)
 
 with resident = 12 B per parameter of each trained model (+ 4 B of the reference's) + the CUDA
 context. A LoRA model (`fulcrum.tools.lora_params`) trains only its adapters: 12 B per adapter
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fulcrum.config import world_size
 from fulcrum.models.arch import ModelShape, model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token, param_count
 from fulcrum.rollout.native.memory import engine_workspace_bytes, kv_cache_budget
@@ -65,6 +68,9 @@ LOGIT_CHUNK_ELEMENTS = 1 << 27
 # fulcrum.models.packed.SAVE_ATTENTION_OUTPUTS (a test keeps them equal; not imported, as above): the
 # checkpointed layers also keep the attention kernel's outputs for the backward.
 ATTENTION_OUTPUTS_KEPT = True
+# One process with a critic parks each model's AdamW state in host memory during the other's update
+# (`fulcrum.workers.state_parking`); peaks measured before it did are checked with this off.
+OPTIMIZER_STATE_PARKED = True
 
 
 def read_model_shape(path: str | None) -> ModelShape | None:
@@ -227,15 +233,17 @@ def weight_items(role: str, params: ModelParams) -> dict[str, float]:
     """What `role`'s weights keep resident: fp32 masters and AdamW's two fp32 moments of the trained
     parameters (12 B each), and a LoRA model's frozen base once in bf16 (2 B each)."""
     if not params.lora:
-        return {
-            f"{role} weights (fp32)": 4 * params.trained,
-            f"{role} AdamW state (fp32)": 8 * params.trained,
-        }
+        return {f"{role} weights (fp32)": 4 * params.trained, adamw_item(role, params): 8 * params.trained}
     return {
         f"{role} frozen base (bf16)": 2 * params.frozen,
         f"{role} LoRA adapters (fp32)": 4 * params.trained,
-        f"{role} LoRA adapters' AdamW state (fp32)": 8 * params.trained,
+        adamw_item(role, params): 8 * params.trained,
     }
+
+
+def adamw_item(role: str, params: ModelParams) -> str:
+    """The name of `role`'s AdamW state among the resident items."""
+    return f"{role} LoRA adapters' AdamW state (fp32)" if params.lora else f"{role} AdamW state (fp32)"
 
 
 def update_phase(role: str, n_params: int, base: dict[str, float], shape: ModelShape, sizes: Sizes) -> Phase:
@@ -336,13 +344,18 @@ def estimate(
 
     phases = [generation]
     base = {**resident, **training_extra}
-    actor_update = update_phase("actor", actor.trained, base, shape, sizes)
+    # One process with a critic: during each model's update the other's AdamW state waits in host memory
+    # (fulcrum.workers.state_parking).
+    parked = OPTIMIZER_STATE_PARKED and uses_critic and world_size(cfg) == 1
+    actor_base = without(base, adamw_item("critic", critic)) if parked else base
+    critic_base = without(base, adamw_item("actor", actor)) if parked else base
+    actor_update = update_phase("actor", actor.trained, actor_base, shape, sizes)
     actor_update.items["LM head on the response tokens"] = update_logits_bytes(
         shape, sizes.update_rows["actor"], sizes.response_len, sizes.with_entropy, not actor.lora
     )
     phases.append(actor_update)
     if uses_critic:
-        phases.append(update_phase("critic", critic.trained, base, shape, sizes))
+        phases.append(update_phase("critic", critic.trained, critic_base, shape, sizes))
     actor_rows, critic_rows = sizes.forward_rows["actor"], sizes.forward_rows["critic"]
     if not update_can_give_old_log_probs(cfg):  # else the on-policy update gives them: no such pass
         phases.append(
@@ -353,6 +366,10 @@ def estimate(
             forward_phase("values forward", critic.trained, critic_rows, base, shape, sizes, lm_head=False)
         )
     return Estimate(device_bytes, device_known, phases, kv, kv_tokens)
+
+
+def without(items: dict[str, float], name: str) -> dict[str, float]:
+    return {k: v for k, v in items.items() if k != name}
 
 
 def format_estimate(est: Estimate) -> list[str]:
