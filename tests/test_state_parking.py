@@ -4,6 +4,7 @@ and a checkpoint taken between updates holds the real state."""
 
 from __future__ import annotations
 
+import copy
 import math
 import shutil
 from pathlib import Path
@@ -43,6 +44,18 @@ class Worker:
             self.optimizer.zero_grad(set_to_none=True)
 
 
+@pytest.fixture
+def parking_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(state_parking, "ENABLED", True)
+
+
+def test_off_unless_asked_for() -> None:
+    two = [Worker(8, 0, "cpu"), Worker(8, 1, "cpu")]
+    assert not state_parking.ENABLED  # FULCRUM_PARK_OPTIMIZER_STATE unset in the tests
+    assert park_between_updates(two, torch.device("cuda"), distributed=False) is None
+
+
+@pytest.mark.usefixtures("parking_on")
 def test_one_model_or_a_host_without_room_parks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = torch.device("cuda")
     assert park_between_updates([Worker(8, 0, "cpu")], cuda, distributed=False) is None
@@ -57,6 +70,7 @@ def test_one_model_or_a_host_without_room_parks_nothing(monkeypatch: pytest.Monk
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("parking_on")
 def test_parked_updates_give_the_same_weights_and_moments_as_resident_ones_in_less_memory() -> None:
     width = 1024  # 2 × 4 B × (1024² + 2·1024 + 1) ≈ 8.4 MB of moments a model
     x = torch.randn(64, width, device="cuda")
@@ -93,6 +107,7 @@ def test_parked_updates_give_the_same_weights_and_moments_as_resident_ones_in_le
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("parking_on")
 def test_a_state_loaded_between_updates_is_the_one_the_next_update_uses() -> None:
     """A checkpoint is read after `restore_all` and loaded into the optimiser (new state tensors): the
     next updates use the loaded state, not the host copies of the tensors it replaced."""
@@ -104,23 +119,19 @@ def test_a_state_loaded_between_updates_is_the_one_the_next_update_uses() -> Non
     for w in workers:
         w.update(x)
     parking.restore_all()
-    saved = [w.optimizer.state_dict() for w in workers]
-    saved = [
-        {**s, "state": {k: {n: t.clone() for n, t in v.items()} for k, v in s["state"].items()}}
-        for s in saved
-    ]
+    saved = [copy.deepcopy(w.optimizer.state_dict()) for w in workers]
     weights = [[p.detach().clone() for p in w.model.parameters()] for w in workers]
     for w in workers:  # training goes on, then the run resumes from the saved state
         w.update(x)
     parking.restore_all()
     for w, state, ws in zip(workers, saved, weights, strict=True):
-        w.optimizer.load_state_dict(state)
+        w.optimizer.load_state_dict(copy.deepcopy(state))  # a load makes tensors of its own, as from a file
         with torch.no_grad():
             for p, v in zip(w.model.parameters(), ws, strict=True):
                 p.copy_(v)
     reference = [Worker(width, 0, "cuda"), Worker(width, 1, "cuda")]
     for r, state, ws in zip(reference, saved, weights, strict=True):
-        r.optimizer.load_state_dict(state)
+        r.optimizer.load_state_dict(copy.deepcopy(state))
         with torch.no_grad():
             for p, v in zip(r.model.parameters(), ws, strict=True):
                 p.copy_(v)
@@ -134,6 +145,7 @@ def test_a_state_loaded_between_updates_is_the_one_the_next_update_uses() -> Non
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("parking_on")
 def test_a_ppo_run_with_a_critic_parks_its_state_and_checkpoints_the_real_one(tmp_path: Path) -> None:
     """Two steps with a critic on the GPU, a checkpoint each step (the step's updates parked each model's
     moments in turn): each role's written optimiser state is the live one, and a run resumed from the

@@ -8,7 +8,11 @@ on a copy stream: the copies run beside the update's first micro-batches (its fi
 comes after a whole mini-batch of forwards and backwards), and the step waits for them on the device,
 never on the host. The update's peak falls by the other model's moments.
 
-One process, CUDA, and at least two optimisers with state: with one model (GRPO) nothing is parked.
+Opt-in (`FULCRUM_PARK_OPTIMIZER_STATE=1`): measured in the seed trainer on one H200 (BENCHMARKS.md,
+"Optimiser state parked between updates"), not yet through a run that saves checkpoints on the GPU, and
+a background save's host buffers are keyed by the tensors' device addresses, which parking changes at
+every update, so each save would copy into fresh host memory. One process, CUDA, and at least two
+optimisers with state: with one model (GRPO) nothing is parked.
 The tensors stay the optimiser's own (their storage is released and re-allocated in place, as FSDP2
 does with unsharded parameters), so the fused step's tensor lists and `state_dict()` see the same
 objects; anything that reads the state outside an update (a checkpoint save or load) calls
@@ -18,6 +22,7 @@ objects; anything that reads the state outside an update (a checkpoint save or l
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +31,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# Opt-in until a GPU run with checkpoints has passed with it (see the module docstring).
+ENABLED = os.environ.get("FULCRUM_PARK_OPTIMIZER_STATE", "0") == "1"
 # The share of the host's available memory the parked moments may pin: pinned pages cannot be swapped,
 # and the host also holds the batch, the data set and a background checkpoint's snapshot.
 HOST_SHARE = 0.25
@@ -117,11 +124,11 @@ class OptimizerStateParking:
 def park_between_updates(
     workers: Sequence[Any], device: torch.device, distributed: bool
 ) -> OptimizerStateParking | None:
-    """A parking for the optimisers of `workers` (each gets it as `.parking`) when it can help: one
-    process on CUDA (FSDP's `optimizer_offload` is the several-rank tool), two or more optimisers, and
+    """A parking for the optimisers of `workers` (each gets it as `.parking`) when it is on (`ENABLED`)
+    and can help: one process on CUDA (FSDP's `optimizer_offload` is the several-rank tool), two or more optimisers, and
     their moments within `HOST_SHARE` of the host's available memory (`host_available_bytes`)."""
     optimizers = [w.optimizer for w in workers if getattr(w, "optimizer", None) is not None]
-    if device.type != "cuda" or distributed or len(optimizers) < 2:
+    if not ENABLED or device.type != "cuda" or distributed or len(optimizers) < 2:
         return None
     moments = sum(
         2 * p.numel() * p.element_size() for o in optimizers for g in o.param_groups for p in g["params"]
