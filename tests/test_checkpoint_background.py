@@ -171,6 +171,22 @@ def test_temporaries_of_two_roles_never_share_a_host_buffer() -> None:
             assert all(torch.equal(snaps[role][i], t) for i, t in enumerate(tensors)), role
 
 
+def test_a_tensor_that_moves_between_saves_keeps_its_host_buffer() -> None:
+    """A save copies into the memory the previous save used, mapped already, even when the tensor was
+    re-allocated in between (optimiser state parked off the device and brought back)."""
+    buffers = HostBuffers()
+    state = {"exp_avg": torch.randn(64, 64), "exp_avg_sq": torch.rand(64, 64)}
+    places = []
+    for _ in range(3):
+        buffers.begin_role("critic")
+        snap = host_copies(state, buffers=buffers)
+        buffers.finish()
+        assert all(torch.equal(snap[k], v) for k, v in state.items())
+        places.append({k: t.data_ptr() for k, t in snap.items()})
+        state = {k: v * 2 for k, v in state.items()}  # the same tensors at new addresses
+    assert places[0] == places[1] == places[2]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_snapshot_of_cuda_tensors_holds_their_values_while_training_changes_them() -> None:

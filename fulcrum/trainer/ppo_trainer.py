@@ -476,7 +476,14 @@ class PPOTrainer:
                     "save_checkpoint", timing
                 ):  # the stall: snapshot, and any wait for the last write
                     self.save_checkpoint()
-            elif self.checkpoints is not None and trainer_cfg.save_freq > 0 and not self.dist.distributed:
+            elif (
+                self.checkpoints is not None
+                and trainer_cfg.save_freq > 0
+                and not self.dist.distributed
+                and self.checkpoints.host_buffers_pending()
+            ):
+                if self.parking is not None:  # the plan walks the state as a save will: all of it resident
+                    self.parking.restore_all()
                 self.checkpoints.prepare_host_buffers(self.roles())  # once: the first save's memory, mapped
         # 8. metrics
         critic = (self.critic.model.config, self.critic.ppo_epochs) if self.critic is not None else None

@@ -9,10 +9,10 @@ comes after a whole mini-batch of forwards and backwards), and the step waits fo
 never on the host. The update's peak falls by the other model's moments.
 
 Opt-in (`FULCRUM_PARK_OPTIMIZER_STATE=1`): measured in the seed trainer on one H200 (BENCHMARKS.md,
-"Optimiser state parked between updates"), not yet through a run that saves checkpoints on the GPU, and
-a background save's host buffers are keyed by the tensors' device addresses, which parking changes at
-every update, so each save would copy into fresh host memory. One process, CUDA, and at least two
-optimisers with state: with one model (GRPO) nothing is parked.
+"Optimiser state parked between updates"), not yet through a run that saves checkpoints on the GPU.
+(The moments come back at new device addresses; a background save's host buffers are kept by the
+tensor's place in the snapshot, not by its address, so each save still copies into mapped memory.)
+One process, CUDA, and at least two optimisers with state: with one model (GRPO) nothing is parked.
 The tensors stay the optimiser's own (their storage is released and re-allocated in place, as FSDP2
 does with unsharded parameters), so the fused step's tensor lists and `state_dict()` see the same
 objects; anything that reads the state outside an update (a checkpoint save or load) calls
@@ -31,7 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Opt-in until a GPU run with checkpoints has passed with it (see the module docstring).
+# Opt-in until a GPU run that saves checkpoints has passed with it (see the module docstring).
 ENABLED = os.environ.get("FULCRUM_PARK_OPTIMIZER_STATE", "0") == "1"
 # The share of the host's available memory the parked moments may pin: pinned pages cannot be swapped,
 # and the host also holds the batch, the data set and a background checkpoint's snapshot.

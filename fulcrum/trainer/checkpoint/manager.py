@@ -170,6 +170,10 @@ class CheckpointManager:
         self.host_buffers = HostBuffers()  # their snapshots' host memory, reused by every save
         self.waited_s = 0.0  # how long the last wait() blocked on the previous write
 
+    def host_buffers_pending(self) -> bool:
+        """Whether `prepare_host_buffers` still has work: background saves, buffers not yet prepared."""
+        return self.settings.save_in_background and not self.host_buffers.prepared
+
     def prepare_host_buffers(self, roles: dict[str, Any]) -> None:
         """Map the host memory the first background save of `roles` copies into, on a thread beside the
         next steps (`HostBuffers.prepare`). Call between two steps, after the optimisers' first step."""
@@ -227,7 +231,7 @@ class CheckpointManager:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         final = self.run_dir / step_dir_name(step)
         try:
-            snaps = {name: snapshot_role(role, copy, self.host_buffers) for name, role in roles.items()}
+            snaps = {name: snapshot_role(role, copy, self.host_buffers, name) for name, role in roles.items()}
         finally:
             self.host_buffers.finish()
         # About what the save writes: weights (or adapters) and optimiser state; tokenizer and JSON are small.

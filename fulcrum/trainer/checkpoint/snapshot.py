@@ -77,6 +77,7 @@ def storage_ptr(tensor: torch.Tensor) -> int:
 
 
 TensorKey = tuple[Any, ...]
+Slot = tuple[str, int]  # a role's name and a tensor's place in the order its snapshot copies them
 
 
 def tensor_key(tensor: torch.Tensor) -> TensorKey:
@@ -86,9 +87,9 @@ def tensor_key(tensor: torch.Tensor) -> TensorKey:
 
 @dataclass(frozen=True)
 class BufferPlan:
-    """A host buffer a save will copy into: the live tensor's key, shape and dtype."""
+    """A host buffer a save will copy into: its slot (`HostBuffers`), the tensor's shape and dtype."""
 
-    key: TensorKey
+    slot: Slot
     shape: torch.Size
     dtype: torch.dtype
 
@@ -96,43 +97,55 @@ class BufferPlan:
 class HostBuffers:
     """Host tensors that snapshots copy into, reused by every save (see the module docstring).
 
-    A save copies each live tensor into the buffer of its `tensor_key` (allocated when new) and, once
-    every role is taken, `finish` drops the buffers it did not use, so a tensor the model replaced does
-    not hold memory. The tensors copied are held until `finish`: a role's state can be temporaries
-    (LoRA adapters' `state_dict` makes copies), and a freed one's memory could go to the next role's
-    tensor of the same shape — the same key, so one buffer would hold both roles' values.
+    A buffer belongs to a slot: the role being taken (`begin_role`) and the tensor's place in the order
+    its snapshot copies them, which every save of a run repeats. Not to the tensor's device address:
+    a tensor may move between saves (`fulcrum.workers.state_parking` re-allocates Adam's moments at
+    every update), and two roles' temporaries (LoRA adapters' `state_dict` makes copies) can take each
+    other's freed memory within one save. A save copies each tensor into its slot's buffer (allocated
+    when new or of another shape) and, once every role is taken, `finish` drops the buffers it did not
+    use, so a tensor the model replaced does not hold memory.
     """
 
     def __init__(self) -> None:
-        self.buffers: dict[TensorKey, torch.Tensor] = {}
-        self.used: set[TensorKey] = set()
-        self.sources: list[torch.Tensor] = []  # this save's tensors, alive until `finish`
+        self.buffers: dict[Slot, torch.Tensor] = {}
+        self.used: set[Slot] = set()
         # While a walk plans (`plan_role_buffers`): the buffers `copy` was asked for; nothing is copied.
         self.planned: list[BufferPlan] | None = None
         self._preparing: threading.Thread | None = None  # `prepare`'s allocation, joined by the save
+        self._role, self._next = "", 0  # the role being taken and its next tensor's place
 
-    def copy(self, key: TensorKey, tensor: torch.Tensor) -> torch.Tensor:
-        """A host copy of `tensor`, in the buffer kept for `key` (while planning: `tensor`, noted)."""
+    @property
+    def prepared(self) -> bool:
+        """Whether `prepare` ran (its allocation may still be under way)."""
+        return self._preparing is not None
+
+    def begin_role(self, name: str) -> None:
+        """The tensors copied from now on are role `name`'s, numbered from 0 in the order they come."""
+        self._role, self._next = name, 0
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of `tensor`, in the buffer kept for its slot (while planning: `tensor`, noted)."""
         source = tensor.detach()
         if type(source) is not torch.Tensor or not source.is_contiguous():
             # A DTensor or a strided view: a copy of its own, nothing to keep.
             return source if self.planned is not None else source.to("cpu", copy=True)
+        slot = (self._role, self._next)
+        self._next += 1
         if self.planned is not None:
-            self.planned.append(BufferPlan(key, source.shape, source.dtype))
+            self.planned.append(BufferPlan(slot, source.shape, source.dtype))
             return source
-        buffer = self.buffers.get(key)
+        buffer = self.buffers.get(slot)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = self.buffers[key] = torch.empty(source.shape, dtype=source.dtype)
-        self.used.add(key)
-        self.sources.append(source)
+            buffer = self.buffers[slot] = torch.empty(source.shape, dtype=source.dtype)
+        self.used.add(slot)
         return buffer.copy_(source)
 
     def allocate(self, plans: list[BufferPlan]) -> None:
         """The buffers of `plans` that are missing, allocated and zeroed: every page mapped, so that the
         save that copies into them pays no page faults. Safe on another thread until that save starts."""
         for plan in plans:
-            if plan.key not in self.buffers:
-                self.buffers[plan.key] = torch.empty(plan.shape, dtype=plan.dtype).zero_()
+            if plan.slot not in self.buffers:
+                self.buffers[plan.slot] = torch.empty(plan.shape, dtype=plan.dtype).zero_()
 
     def prepare(self, roles: dict[str, Any]) -> None:
         """Map the buffers the first save of `roles` copies into: planned here (`plan_role_buffers`, so
@@ -140,14 +153,14 @@ class HostBuffers:
         allocated on a thread beside the next steps, which `wait_prepared` (the save's first act) joins.
         That save's stall is then a copy into touched memory (0.68 against 7.85 s for 8 GB from an
         H200). Once per set of buffers. Roles whose snapshot copies tensors made for it (LoRA adapters,
-        gathered shards: new tensors at every save, so new keys) are left to the save."""
+        gathered shards: a plan would make those copies for nothing) are left to the save."""
         if self._preparing is not None:
             return
         plans = [
             plan
-            for role in roles.values()
+            for name, role in roles.items()
             if getattr(role, "adapters", None) is None and getattr(role, "live_model", None) is None
-            for plan in plan_role_buffers(role, self)
+            for plan in plan_role_buffers(role, self, name)
         ]
         self._preparing = threading.Thread(
             target=self._allocate_beside, args=(plans,), name="fulcrum-checkpoint-prepare"
@@ -166,11 +179,11 @@ class HostBuffers:
             self._preparing.join()
 
     def finish(self) -> None:
-        """Free the buffers this save left unused; let go of the tensors it copied."""
-        for key in set(self.buffers) - self.used:
-            del self.buffers[key]
+        """Free the buffers this save left unused."""
+        for slot in set(self.buffers) - self.used:
+            del self.buffers[slot]
         self.used.clear()
-        self.sources.clear()
+        self.begin_role("")
 
 
 def host_copies(
@@ -192,7 +205,7 @@ def host_copies(
             key = tensor_key(value)
             if key not in copies:
                 if buffers is not None:
-                    copies[key] = buffers.copy(key, value)
+                    copies[key] = buffers.copy(value)
                 else:
                     copies[key] = value.detach().to("cpu", copy=True)
             return copies[key]
@@ -255,22 +268,25 @@ def copy_rule(role: Any, copy: bool) -> Callable[[torch.Tensor], bool]:
     return lambda t: t.device.type != "cpu" or storage_ptr(t) in live
 
 
-def plan_role_buffers(role: Any, buffers: HostBuffers) -> list[BufferPlan]:
+def plan_role_buffers(role: Any, buffers: HostBuffers, name: str = "") -> list[BufferPlan]:
     """The buffers a background snapshot of `role` copies into: `snapshot_role`'s own walk, with
     `buffers` noting each tensor instead of copying it. On the training thread, between two steps, as
     the snapshot itself (it also reads the tokenizer and the schedule, which a step may be using)."""
     buffers.planned = []
     try:
-        snapshot_role(role, copy=True, buffers=buffers)
+        snapshot_role(role, copy=True, buffers=buffers, name=name)
         return buffers.planned
     finally:
         buffers.planned = None
+        buffers.begin_role("")
 
 
-def snapshot_role(role: Any, copy: bool, buffers: HostBuffers | None = None) -> RoleSnapshot:
+def snapshot_role(role: Any, copy: bool, buffers: HostBuffers | None = None, name: str = "") -> RoleSnapshot:
     """What the checkpoint writes of `role` (a worker, or `sharded.GatheredRole` on rank 0), with host
     copies of its tensors when `copy` (see the module docstring and `copy_rule`), in `buffers` when
-    given (the caller then calls `buffers.finish()` once every role is taken)."""
+    given, under the role's `name` (the caller then calls `buffers.finish()` once every role is taken)."""
+    if buffers is not None:
+        buffers.begin_role(name)
     needs_copy = copy_rule(role, copy)
     optimizer = getattr(role, "optimizer", None)
     scheduler = getattr(role, "lr_scheduler", None)
