@@ -151,11 +151,11 @@ def test_a_ppo_run_with_a_critic_parks_its_state_and_checkpoints_the_real_one(tm
     moments in turn): each role's written optimiser state is the live one, and a run resumed from the
     first checkpoint trains its second step."""
     assets = make_assets(tmp_path / "assets")
-    gpu = {
+    gpu = {  # uncompiled: parking does not depend on it, and the test's time is then not the compiler's
         "trainer.device": "cuda",
         "actor_rollout_ref.rollout.name": "native",
-        "trainer.save_in_background": False,
-    }
+        "actor_rollout_ref.actor.use_torch_compile": False,
+    }  # checkpoints written in the background (the default): snapshots into kept host buffers
     run = tmp_path / "run"
     trainer = PPOTrainer(load_config(short_run_overrides(assets, run, **gpu)), torch.device("cuda"))
     assert trainer.parking is not None
