@@ -17,7 +17,7 @@ from torch import nn
 from fulcrum.config import load_config
 from fulcrum.trainer.ppo_trainer import PPOTrainer
 from fulcrum.workers import state_parking
-from fulcrum.workers.state_parking import OptimizerStateParking, park_between_updates
+from fulcrum.workers.state_parking import OptimizerStateParking, park_between_updates, pinned_block_bytes
 
 
 class Worker:
@@ -62,7 +62,9 @@ def test_one_model_or_a_host_without_room_parks_nothing(monkeypatch: pytest.Monk
     two = [Worker(8, 0, "cpu"), Worker(8, 1, "cpu")]
     assert park_between_updates(two, torch.device("cpu"), distributed=False) is None
     assert park_between_updates(two, cuda, distributed=True) is None
-    # 2 × (8·8 + 8 + 8 + 1) float32 moments a model = 648 B each: a host with 2 kB available has room
+    # a pinned copy takes the next power of two of its bytes
+    assert [pinned_block_bytes(n) for n in (1, 4, 5, 1000, 1024)] == [1, 4, 8, 1024, 1024]
+    # 2 × (8·8 + 8 + 8 + 1) float32 moments a model = 648 B each (every block a power of two already): a host with 2 kB available has room
     # for 25 % of it (512 B), less than the 1,296 B of both.
     monkeypatch.setattr(state_parking, "host_available_bytes", lambda: 2048)
     assert park_between_updates(two, cuda, distributed=False) is None

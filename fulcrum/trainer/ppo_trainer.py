@@ -128,7 +128,8 @@ class PPOTrainer:
         self.critic = (
             CriticWorker(critic_section(cfg), device, total, self.tokenizer) if uses_critic(cfg) else None
         )
-        # With a critic, each model's optimiser state waits in host memory while the other one trains.
+        # FULCRUM_PARK_OPTIMIZER_STATE=1 with a critic: each model's optimiser state waits in host memory
+        # while the other one trains.
         self.parking = park_between_updates(list(self.roles().values()), device, self.dist.distributed)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.rollout = build_rollout(
@@ -247,8 +248,6 @@ class PPOTrainer:
     def _resume(self) -> None:
         if self.resume_choice.path is None:
             return
-        if self.parking is not None:
-            self.parking.restore_all()
         state = self.checkpoints.load(self.resume_choice.path, self.roles(), verify=False)
         self.global_step = int(state["global_step"])
         self.epoch = int(state.get("epoch", 0))

@@ -125,13 +125,18 @@ def park_between_updates(
     workers: Sequence[Any], device: torch.device, distributed: bool
 ) -> OptimizerStateParking | None:
     """A parking for the optimisers of `workers` (each gets it as `.parking`) when it is on (`ENABLED`)
-    and can help: one process on CUDA (FSDP's `optimizer_offload` is the several-rank tool), two or more optimisers, and
-    their moments within `HOST_SHARE` of the host's available memory (`host_available_bytes`)."""
+    and can help: one process on CUDA (FSDP's `optimizer_offload` is the several-rank tool), two or more
+    optimisers, and their moments' pinned copies (`pinned_block_bytes`) within `HOST_SHARE` of the host's
+    available memory (`host_available_bytes`)."""
     optimizers = [w.optimizer for w in workers if getattr(w, "optimizer", None) is not None]
     if not ENABLED or device.type != "cuda" or distributed or len(optimizers) < 2:
         return None
+    # torch's pinned allocator rounds each block up to a power of two: two moments a parameter, each its own.
     moments = sum(
-        2 * p.numel() * p.element_size() for o in optimizers for g in o.param_groups for p in g["params"]
+        2 * pinned_block_bytes(p.numel() * p.element_size())
+        for o in optimizers
+        for g in o.param_groups
+        for p in g["params"]
     )
     available = host_available_bytes()
     if available is not None and moments > HOST_SHARE * available:
@@ -149,6 +154,11 @@ def park_between_updates(
             parking.register(worker.optimizer)
             worker.parking = parking
     return parking
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """What a pinned host tensor of `nbytes` takes: the next power of two (torch's caching host allocator)."""
+    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 def host_available_bytes() -> int | None:
