@@ -171,6 +171,32 @@ def test_temporaries_of_two_roles_never_share_a_host_buffer() -> None:
             assert all(torch.equal(snaps[role][i], t) for i, t in enumerate(tensors)), role
 
 
+def test_a_save_and_its_plan_read_the_state_after_before_reading_state(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """The hook a trainer that parks optimiser state sets: called before the plan of the first save's
+    buffers and before every save reads the roles, whose state it may change (here: zeroes a moment)."""
+    roles = make_roles(model_dir, seed=1)
+    train_step(roles)  # the optimisers' moments exist from their first step
+    manager = CheckpointManager(tmp_path, None)
+    calls = []
+
+    def bring_back() -> None:
+        calls.append(len(calls))
+        for state in roles["actor"].optimizer.state.values():
+            state["exp_avg"].zero_()
+
+    manager.before_reading_state = bring_back
+    manager.prepare_host_buffers(roles)
+    manager.prepare_host_buffers(roles)  # once only
+    assert calls == [0]
+    manager.save(1, roles, {"epoch": 0}, background=True)
+    manager.wait()
+    assert calls == [0, 1]
+    saved = torch.load(tmp_path / "global_step_1" / "actor" / "optimizer.pt", weights_only=True)["state"]
+    assert saved and all(not entry["exp_avg"].any() for entry in saved.values())
+
+
 def test_a_tensor_that_moves_between_saves_keeps_its_host_buffer() -> None:
     """A save copies into the memory the previous save used, mapped already, even when the tensor was
     re-allocated in between (optimiser state parked off the device and brought back)."""

@@ -129,8 +129,10 @@ class PPOTrainer:
             CriticWorker(critic_section(cfg), device, total, self.tokenizer) if uses_critic(cfg) else None
         )
         # FULCRUM_PARK_OPTIMIZER_STATE=1 with a critic: each model's optimiser state waits in host memory
-        # while the other one trains.
+        # while the other one trains; a checkpoint brings it back before it reads the state.
         self.parking = park_between_updates(list(self.roles().values()), device, self.dist.distributed)
+        if self.parking is not None:
+            self.checkpoints.before_reading_state = self.parking.restore_all
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.rollout = build_rollout(
             arr.rollout,
@@ -199,8 +201,6 @@ class PPOTrainer:
         `trainer.save_in_background` rank 0 waits for the previous write, takes a host snapshot and
         writes it beside the next steps (trainer/checkpoint/background.py); an earlier write's error
         is raised here, on every rank."""
-        if self.parking is not None:  # the parked optimiser state back where state_dict() reads it
-            self.parking.restore_all()
         roles = gather_roles(self.roles())
         on_main(
             lambda: self.checkpoints.save(
@@ -475,14 +475,7 @@ class PPOTrainer:
                     "save_checkpoint", timing
                 ):  # the stall: snapshot, and any wait for the last write
                     self.save_checkpoint()
-            elif (
-                self.checkpoints is not None
-                and trainer_cfg.save_freq > 0
-                and not self.dist.distributed
-                and self.checkpoints.host_buffers_pending()
-            ):
-                if self.parking is not None:  # the plan walks the state as a save will: all of it resident
-                    self.parking.restore_all()
+            elif self.checkpoints is not None and trainer_cfg.save_freq > 0 and not self.dist.distributed:
                 self.checkpoints.prepare_host_buffers(self.roles())  # once: the first save's memory, mapped
         # 8. metrics
         critic = (self.critic.model.config, self.critic.ppo_epochs) if self.critic is not None else None

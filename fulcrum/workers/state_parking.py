@@ -15,8 +15,8 @@ tensor's place in the snapshot, not by its address, so each save still copies in
 One process, CUDA, and at least two optimisers with state: with one model (GRPO) nothing is parked.
 The tensors stay the optimiser's own (their storage is released and re-allocated in place, as FSDP2
 does with unsharded parameters), so the fused step's tensor lists and `state_dict()` see the same
-objects; anything that reads the state outside an update (a checkpoint save or load) calls
-`restore_all` first.
+objects; anything that reads the state outside an update calls `restore_all` first (the trainer makes
+it the checkpoints' `before_reading_state`; a resume loads before any update has parked anything).
 """
 
 from __future__ import annotations

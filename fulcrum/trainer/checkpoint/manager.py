@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -169,15 +170,15 @@ class CheckpointManager:
         self.writer = BackgroundWriter()  # the writes of save(background=True)
         self.host_buffers = HostBuffers()  # their snapshots' host memory, reused by every save
         self.waited_s = 0.0  # how long the last wait() blocked on the previous write
-
-    def host_buffers_pending(self) -> bool:
-        """Whether `prepare_host_buffers` still has work: background saves, buffers not yet prepared."""
-        return self.settings.save_in_background and not self.host_buffers.prepared
+        # Called before a save or its plan reads the roles' state (one process): a trainer that parks
+        # optimiser state off the device (fulcrum.workers.state_parking) brings it back here.
+        self.before_reading_state: Callable[[], None] = lambda: None
 
     def prepare_host_buffers(self, roles: dict[str, Any]) -> None:
         """Map the host memory the first background save of `roles` copies into, on a thread beside the
         next steps (`HostBuffers.prepare`). Call between two steps, after the optimisers' first step."""
-        if self.settings.save_in_background:
+        if self.settings.save_in_background and not self.host_buffers.prepared:
+            self.before_reading_state()  # the plan walks the state as a save will
             self.host_buffers.prepare(roles)
 
     # ------------------------------------------------------------------ save
@@ -195,6 +196,7 @@ class CheckpointManager:
         the writer thread; its error is raised by the next `save` or `wait`."""
         self.wait()
         self.host_buffers.wait_prepared()
+        self.before_reading_state()
         pending = self._prepare(step, roles, trainer_state, run_config, copy=background)
         if not background:
             return self._write(pending)
