@@ -118,12 +118,15 @@ GRPO_STEP = [
 
 
 def summarise(run: Path) -> dict[str, object]:
-    """Per step: throughput, step time, every timing_s/*, peak memory; plus the mean over steps after the first."""
+    """Per step: throughput, step time, every timing_s/*, peak memory, the engine's `rollout/*` figures
+    (generate, KV cache allocation and release, graph captures: what `timing_s/gen` holds besides
+    decoding); plus the mean over steps after the first."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "training/global_step" in r]
     keep = (
         "perf/",
         "timing_s/",
+        "rollout/",
         "timing_per_token_ms/",
         "response_length/mean",
         "prompt_length/mean",
@@ -131,7 +134,11 @@ def summarise(run: Path) -> dict[str, object]:
     )
     per_step = [{k: v for k, v in r.items() if k.startswith(keep)} for r in steps]
     warm = per_step[1:] or per_step
-    shared = set.intersection(*(set(r) for r in warm))
+    shared = {
+        k
+        for k in set.intersection(*(set(r) for r in warm))
+        if all(isinstance(r[k], int | float) for r in warm)
+    }
     mean_warm = {
         k: sum(r[k] for r in warm) / len(warm) for k in sorted(shared) if not k.startswith("val-core/")
     }
