@@ -15,9 +15,10 @@ from helpers import make_assets, short_run_overrides
 from torch import nn
 
 from fulcrum.config import load_config
+from fulcrum.rollout.native.kernels import next_pow2
 from fulcrum.trainer.ppo_trainer import PPOTrainer
 from fulcrum.workers import state_parking
-from fulcrum.workers.state_parking import OptimizerStateParking, park_between_updates, pinned_block_bytes
+from fulcrum.workers.state_parking import OptimizerStateParking, park_between_updates
 
 
 class Worker:
@@ -52,22 +53,21 @@ def parking_on(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_off_unless_asked_for() -> None:
     two = [Worker(8, 0, "cpu"), Worker(8, 1, "cpu")]
     assert not state_parking.ENABLED  # FULCRUM_PARK_OPTIMIZER_STATE unset in the tests
-    assert park_between_updates(two, torch.device("cuda"), distributed=False) is None
+    assert park_between_updates(two, torch.device("cuda"), distributed=False, host_available=None) is None
 
 
 @pytest.mark.usefixtures("parking_on")
-def test_one_model_or_a_host_without_room_parks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_model_or_a_host_without_room_parks_nothing() -> None:
     cuda = torch.device("cuda")
-    assert park_between_updates([Worker(8, 0, "cpu")], cuda, distributed=False) is None
+    assert park_between_updates([Worker(8, 0, "cpu")], cuda, distributed=False, host_available=None) is None
     two = [Worker(8, 0, "cpu"), Worker(8, 1, "cpu")]
-    assert park_between_updates(two, torch.device("cpu"), distributed=False) is None
-    assert park_between_updates(two, cuda, distributed=True) is None
+    assert park_between_updates(two, torch.device("cpu"), distributed=False, host_available=None) is None
+    assert park_between_updates(two, cuda, distributed=True, host_available=None) is None
     # a pinned copy takes the next power of two of its bytes
-    assert [pinned_block_bytes(n) for n in (1, 4, 5, 1000, 1024)] == [1, 4, 8, 1024, 1024]
-    # 2 × (8·8 + 8 + 8 + 1) float32 moments a model = 648 B each (every block a power of two already): a host with 2 kB available has room
-    # for 25 % of it (512 B), less than the 1,296 B of both.
-    monkeypatch.setattr(state_parking, "host_available_bytes", lambda: 2048)
-    assert park_between_updates(two, cuda, distributed=False) is None
+    assert [next_pow2(n) for n in (1, 4, 5, 1000, 1024)] == [1, 4, 8, 1024, 1024]
+    # 2 × (8·8 + 8 + 8 + 1) float32 moments a model = 648 B each (every block a power of two already): a
+    # host with 2 kB available has room for 25 % of it (512 B), less than the 1,296 B of both.
+    assert park_between_updates(two, cuda, distributed=False, host_available=2048) is None
     assert all(w.parking is None for w in two)
 
 
@@ -83,7 +83,7 @@ def test_parked_updates_give_the_same_weights_and_moments_as_resident_ones_in_le
     parked = [Worker(width, 0, "cuda"), Worker(width, 1, "cuda")]
     weights = sum(p.numel() * 4 for w in parked for p in w.model.parameters())
     moments = sum(2 * p.numel() * 4 for p in parked[0].model.parameters())
-    parking = park_between_updates(parked, torch.device("cuda"), distributed=False)
+    parking = park_between_updates(parked, torch.device("cuda"), distributed=False, host_available=None)
     assert parking is not None and all(w.parking is parking for w in parked)
     for step in range(3):  # critic, then actor, each step
         for a, b in zip(resident, parked, strict=True):
@@ -116,7 +116,7 @@ def test_a_state_loaded_between_updates_is_the_one_the_next_update_uses() -> Non
     width = 256
     x = torch.randn(32, width, device="cuda")
     workers = [Worker(width, 0, "cuda"), Worker(width, 1, "cuda")]
-    parking = park_between_updates(workers, torch.device("cuda"), distributed=False)
+    parking = park_between_updates(workers, torch.device("cuda"), distributed=False, host_available=None)
     assert parking is not None
     for w in workers:
         w.update(x)

@@ -346,11 +346,18 @@ def host_load_metrics() -> dict[str, float]:
     return {"perf/cpu_load": load / max(os.cpu_count() or 1, 1)}
 
 
-def _system_memory_used_gb() -> float:
-    """MemTotal - MemAvailable from /proc/meminfo (0.0 where there is no /proc)."""
+def host_meminfo() -> dict[str, int]:
+    """/proc/meminfo's figures in bytes (MemTotal, MemAvailable, ...); empty where there is no /proc."""
     try:
         with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) for line in f if line.split()[1:]}
-        return (info["MemTotal"] - info["MemAvailable"]) / 1024**2
-    except (OSError, KeyError, ValueError):
+            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+    except (OSError, ValueError):
+        return {}
+
+
+def _system_memory_used_gb() -> float:
+    """MemTotal - MemAvailable (0.0 where they are not known)."""
+    info = host_meminfo()
+    if "MemTotal" not in info or "MemAvailable" not in info:
         return 0.0
+    return (info["MemTotal"] - info["MemAvailable"]) / 1024**3

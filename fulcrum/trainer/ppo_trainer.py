@@ -130,7 +130,9 @@ class PPOTrainer:
         )
         # FULCRUM_PARK_OPTIMIZER_STATE=1 with a critic: each model's optimiser state waits in host memory
         # while the other one trains; a checkpoint brings it back before it reads the state.
-        self.parking = park_between_updates(list(self.roles().values()), device, self.dist.distributed)
+        self.parking = park_between_updates(
+            list(self.roles().values()), device, self.dist.distributed, M.host_meminfo().get("MemAvailable")
+        )
         if self.parking is not None:
             self.checkpoints.before_reading_state = self.parking.restore_all
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None

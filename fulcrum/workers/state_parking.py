@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from fulcrum.rollout.native.kernels import next_pow2
+
 logger = logging.getLogger(__name__)
 
 # Opt-in until a GPU run that saves checkpoints has passed with it (see the module docstring).
@@ -40,8 +42,9 @@ HOST_SHARE = 0.25
 
 @dataclass
 class ParkedState:
-    """One optimiser's moments: the device tensors and their pinned host copies, position by position."""
+    """One optimiser and its moments: the device tensors and their pinned host copies, position by position."""
 
+    optimizer: torch.optim.Optimizer
     tensors: list[torch.Tensor] = field(default_factory=list)
     host: list[torch.Tensor] = field(default_factory=list)
     parked: bool = False
@@ -54,12 +57,10 @@ class OptimizerStateParking:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.copy_stream = torch.cuda.Stream(device)
-        self.states: dict[int, ParkedState] = {}
-        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.states: dict[int, ParkedState] = {}  # by id(optimizer)
 
     def register(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizers[id(optimizer)] = optimizer
-        self.states[id(optimizer)] = ParkedState()
+        self.states[id(optimizer)] = ParkedState(optimizer)
 
     def activate(self, optimizer: torch.optim.Optimizer) -> None:
         """At the start of `optimizer`'s update: every other optimiser's moments to the host, then its
@@ -69,9 +70,9 @@ class OptimizerStateParking:
         compute = torch.cuda.current_stream(self.device)
         self.copy_stream.wait_stream(compute)  # the other models' last steps wrote their moments
         with torch.cuda.stream(self.copy_stream):
-            for key, other in self.optimizers.items():
+            for key, state in self.states.items():
                 if key != id(optimizer):
-                    self._park(other, self.states[key])
+                    self._park(state)
             self._bring_back(self.states[id(optimizer)])
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -91,12 +92,12 @@ class OptimizerStateParking:
         for state in self.states.values():
             state.arrived = None
 
-    def _park(self, optimizer: torch.optim.Optimizer, state: ParkedState) -> None:
+    def _park(self, state: ParkedState) -> None:
         """On the copy stream: the moments into their host copies, then their device memory released
         (`record_stream`: the allocator reuses it only once the copy out has run)."""
         if state.parked:
             return
-        tensors = moment_tensors(optimizer)
+        tensors = moment_tensors(state.optimizer)
         if not tensors:
             return
         if not _same_tensors(state.tensors, tensors):  # first park, or the state was replaced (a load)
@@ -122,55 +123,36 @@ class OptimizerStateParking:
 
 
 def park_between_updates(
-    workers: Sequence[Any], device: torch.device, distributed: bool
+    workers: Sequence[Any], device: torch.device, distributed: bool, host_available: int | None
 ) -> OptimizerStateParking | None:
     """A parking for the optimisers of `workers` (each gets it as `.parking`) when it is on (`ENABLED`)
     and can help: one process on CUDA (FSDP's `optimizer_offload` is the several-rank tool), two or more
-    optimisers, and their moments' pinned copies (`pinned_block_bytes`) within `HOST_SHARE` of the host's
-    available memory (`host_available_bytes`)."""
-    optimizers = [w.optimizer for w in workers if getattr(w, "optimizer", None) is not None]
-    if not ENABLED or device.type != "cuda" or distributed or len(optimizers) < 2:
+    optimisers, and their moments' pinned copies within `HOST_SHARE` of `host_available` bytes of host
+    memory (None: not known, not checked)."""
+    trained = [w for w in workers if getattr(w, "optimizer", None) is not None]
+    if not ENABLED or device.type != "cuda" or distributed or len(trained) < 2:
         return None
     # torch's pinned allocator rounds each block up to a power of two: two moments a parameter, each its own.
     moments = sum(
-        2 * pinned_block_bytes(p.numel() * p.element_size())
-        for o in optimizers
-        for g in o.param_groups
+        2 * next_pow2(p.numel() * p.element_size())
+        for w in trained
+        for g in w.optimizer.param_groups
         for p in g["params"]
     )
-    available = host_available_bytes()
-    if available is not None and moments > HOST_SHARE * available:
+    if host_available is not None and moments > HOST_SHARE * host_available:
         logger.info(
             "optimiser state kept on the GPU between updates: its %.1f GB would pin more than %d%% of the "
             "host's %.1f GB available",
             moments / 1e9,
             HOST_SHARE * 100,
-            available / 1e9,
+            host_available / 1e9,
         )
         return None
     parking = OptimizerStateParking(device)
-    for worker in workers:
-        if getattr(worker, "optimizer", None) is not None:
-            parking.register(worker.optimizer)
-            worker.parking = parking
+    for worker in trained:
+        parking.register(worker.optimizer)
+        worker.parking = parking
     return parking
-
-
-def pinned_block_bytes(nbytes: int) -> int:
-    """What a pinned host tensor of `nbytes` takes: the next power of two (torch's caching host allocator)."""
-    return 1 << max(nbytes - 1, 0).bit_length()
-
-
-def host_available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux), else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def moment_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
