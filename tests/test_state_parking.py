@@ -50,9 +50,11 @@ def parking_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(state_parking, "ENABLED", True)
 
 
-def test_off_unless_asked_for() -> None:
+def test_on_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert state_parking.switched_on({}) and state_parking.switched_on({state_parking.SWITCH: "1"})
+    assert not state_parking.switched_on({state_parking.SWITCH: "0"})
+    monkeypatch.setattr(state_parking, "ENABLED", False)
     two = [Worker(8, 0, "cpu"), Worker(8, 1, "cpu")]
-    assert not state_parking.ENABLED  # FULCRUM_PARK_OPTIMIZER_STATE unset in the tests
     assert park_between_updates(two, torch.device("cuda"), distributed=False, host_available=None) is None
 
 

@@ -8,9 +8,9 @@ on a copy stream: the copies run beside the update's first micro-batches (its fi
 comes after a whole mini-batch of forwards and backwards), and the step waits for them on the device,
 never on the host. The update's peak falls by the other model's moments.
 
-Opt-in (`FULCRUM_PARK_OPTIMIZER_STATE=1`): measured in the seed trainer on one H200 (BENCHMARKS.md,
-"Optimiser state parked between updates"), not yet through a run that saves checkpoints on the GPU.
-(The moments come back at new device addresses; a background save's host buffers are kept by the
+On by default (`FULCRUM_PARK_OPTIMIZER_STATE=0` turns it off): measured in the seed trainer on one H200
+(BENCHMARKS.md, "Optimiser state parked between updates"), and a GPU run that checkpoints every step
+writes the live state and resumes from it (tests/test_state_parking.py). (The moments come back at new device addresses; a background save's host buffers are kept by the
 tensor's place in the snapshot, not by its address, so each save still copies into mapped memory.)
 One process, CUDA, and at least two optimisers with state: with one model (GRPO) nothing is parked.
 The tensors stay the optimiser's own (their storage is released and re-allocated in place, as FSDP2
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +33,15 @@ from fulcrum.rollout.native.kernels import next_pow2
 
 logger = logging.getLogger(__name__)
 
-# Opt-in until a GPU run that saves checkpoints has passed with it (see the module docstring).
-ENABLED = os.environ.get("FULCRUM_PARK_OPTIMIZER_STATE", "0") == "1"
+SWITCH = "FULCRUM_PARK_OPTIMIZER_STATE"
+
+
+def switched_on(environ: Mapping[str, str]) -> bool:
+    """On unless the environment sets `SWITCH` to 0."""
+    return environ.get(SWITCH, "1") != "0"
+
+
+ENABLED = switched_on(os.environ)
 # The share of the host's available memory the parked moments may pin: pinned pages cannot be swapped,
 # and the host also holds the batch, the data set and a background checkpoint's snapshot.
 HOST_SHARE = 0.25
