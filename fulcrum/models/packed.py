@@ -170,8 +170,9 @@ SAVE_ATTENTION_OUTPUTS = True
 # wider than its input: the MLP's gate and up projections), so that the backward recomputes only the
 # attention projections and elementwise ops: about 87 % of a Qwen2.5-0.5B layer's recomputed matmul FLOPs
 # go, for 2 x intermediate x 2 B a token a layer more (19.5 kB; +2.9 GB at the seed command's 6,144-token
-# micro-batches). Off: that memory is more than the update's whole activation budget today, and the
-# update's peak may not grow; `bench/passes.py --save-mlp` and `bench/train_step.py --save-mlp` measure it.
+# micro-batches). Off: measured on the H200 at the seed command's sizes, calls interleaved in one process
+# (`bench/passes.py --ab save_mlp`), the actor's update 1.754 -> 1.648 s but the critic's 1.516 -> 1.623 s,
+# for +2.2-2.7 GiB at each update's peak: no gain for the step (BENCHMARKS.md, "Measured as an A/B").
 # (`fulcrum doctor`'s memory estimate assumes it off.)
 SAVE_MLP_PROJECTIONS = False
 
