@@ -50,9 +50,9 @@ def parking_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(state_parking, "ENABLED", True)
 
 
-def test_on_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert state_parking.switched_on({}) and state_parking.switched_on({state_parking.SWITCH: "1"})
-    assert not state_parking.switched_on({state_parking.SWITCH: "0"})
+def test_off_unless_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert state_parking.switched_on({state_parking.SWITCH: "1"})
+    assert not state_parking.switched_on({}) and not state_parking.switched_on({state_parking.SWITCH: "0"})
     monkeypatch.setattr(state_parking, "ENABLED", False)
     two = [Worker(8, 0, "cpu"), Worker(8, 1, "cpu")]
     assert park_between_updates(two, torch.device("cuda"), distributed=False, host_available=None) is None

@@ -13,8 +13,8 @@ model's. `estimate()` returns every phase, itemised:
                     + T·2h (the residual stream) + max(T·2(h + 3I), one bf16 logits block)
     update        = resident + engine weights + fp32 gradients (4P) + bf16 compute weights (2P)
                     + their bf16 gradients (2P) + activations + (actor) the LM head's blocks
-                    - the other model's AdamW state (one process with a critic, unless
-                      FULCRUM_PARK_OPTIMIZER_STATE=0: it waits in host memory meanwhile)
+                    - the other model's AdamW state (one process with a critic and
+                      FULCRUM_PARK_OPTIMIZER_STATE=1: it waits in host memory meanwhile)
 
 with resident = 12 B per parameter of each trained model (+ 4 B of the reference's) + the CUDA
 context. A LoRA model (`fulcrum.tools.lora_params`) trains only its adapters: 12 B per adapter
@@ -71,7 +71,7 @@ ATTENTION_OUTPUTS_KEPT = True
 # fulcrum.workers.state_parking.ENABLED (a test keeps them equal; not imported, as above): one process
 # with a critic parks each model's AdamW state in host memory during the other's update. The forward
 # phases count both states resident, as after a checkpoint (which brings parked state back).
-OPTIMIZER_STATE_PARKED = os.environ.get("FULCRUM_PARK_OPTIMIZER_STATE", "1") != "0"
+OPTIMIZER_STATE_PARKED = os.environ.get("FULCRUM_PARK_OPTIMIZER_STATE", "0") == "1"
 
 
 def read_model_shape(path: str | None) -> ModelShape | None:

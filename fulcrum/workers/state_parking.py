@@ -8,9 +8,11 @@ on a copy stream: the copies run beside the update's first micro-batches (its fi
 comes after a whole mini-batch of forwards and backwards), and the step waits for them on the device,
 never on the host. The update's peak falls by the other model's moments.
 
-On by default (`FULCRUM_PARK_OPTIMIZER_STATE=0` turns it off): measured in the seed trainer on one H200
-(BENCHMARKS.md, "Optimiser state parked between updates"), and a GPU run that checkpoints every step
-writes the live state and resumes from it (tests/test_state_parking.py). (The moments come back at new device addresses; a background save's host buffers are kept by the
+Opt-in (`FULCRUM_PARK_OPTIMIZER_STATE=1`): measured in the seed trainer on one H200 (BENCHMARKS.md,
+"Optimiser state parked between updates"), and a GPU run that checkpoints every step writes the live
+state and resumes from it (tests/test_state_parking.py). Not the default yet: the first update that parks
+a model's moments pins their host copies, and the seed step that does it (step 2, the critic's update)
+measured 5-7 s slower, once a run; and the GPU suite has not finished a run with it on. (The moments come back at new device addresses; a background save's host buffers are kept by the
 tensor's place in the snapshot, not by its address, so each save still copies into mapped memory.)
 One process, CUDA, and at least two optimisers with state: with one model (GRPO) nothing is parked.
 The tensors stay the optimiser's own (their storage is released and re-allocated in place, as FSDP2
@@ -37,8 +39,8 @@ SWITCH = "FULCRUM_PARK_OPTIMIZER_STATE"
 
 
 def switched_on(environ: Mapping[str, str]) -> bool:
-    """On unless the environment sets `SWITCH` to 0."""
-    return environ.get(SWITCH, "1") != "0"
+    """On when the environment sets `SWITCH` to 1."""
+    return environ.get(SWITCH, "0") == "1"
 
 
 ENABLED = switched_on(os.environ)
