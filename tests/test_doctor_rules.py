@@ -223,8 +223,9 @@ MICRO = (
 # checkpointed layers kept the attention outputs then and whether the other model's optimiser state was
 # parked during each update (BENCHMARKS.md): the seed's sizes with them kept (tree 16babe3), and with the
 # state parked as well (tree 0ecd48f, "Optimiser state parked between updates": the updates only, the
-# forwards then ran with the critic's state still parked, which a checkpoint brings back); before they were (tree 4facc41, "Spent gradients released, on a slower host" and
-# "Lever tuning", 2026-12-01), the seed's sizes, fulcrum tune's micro-batch 64 row and dynamic
+# forwards then ran with the critic's state still parked, which a checkpoint brings back); before they
+# were (tree 4facc41, "Spent gradients released, on a slower host" and "Lever tuning", 2026-12-01), the
+# seed's sizes, fulcrum tune's micro-batch 64 row and dynamic
 # batches of 16,384 tokens (the critic's budget stays at its default 32,768).
 MEASURED_PEAKS_GIB = [
     ((), True, True, {"critic update": 12.61, "actor update": 13.46}),

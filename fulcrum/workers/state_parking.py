@@ -12,8 +12,9 @@ Opt-in (`FULCRUM_PARK_OPTIMIZER_STATE=1`): measured in the seed trainer on one H
 "Optimiser state parked between updates"), and a GPU run that checkpoints every step writes the live
 state and resumes from it (tests/test_state_parking.py). Not the default yet: the first update that parks
 a model's moments pins their host copies, and the seed step that does it (step 2, the critic's update)
-measured 5-7 s slower, once a run; and the GPU suite has not finished a run with it on. (The moments come back at new device addresses; a background save's host buffers are kept by the
-tensor's place in the snapshot, not by its address, so each save still copies into mapped memory.)
+measured 5-7 s slower, once a run; and the GPU suite has not finished a run with it on. (The moments
+come back at new device addresses; a background save's host buffers are kept by the tensor's place in
+the snapshot, not by its address, so each save still copies into mapped memory.)
 One process, CUDA, and at least two optimisers with state: with one model (GRPO) nothing is parked.
 The tensors stay the optimiser's own (their storage is released and re-allocated in place, as FSDP2
 does with unsharded parameters), so the fused step's tensor lists and `state_dict()` see the same
