@@ -112,6 +112,23 @@ def test_update_weights_in_place_and_sleep_wake_up(model):
     assert after.token_ids != before.token_ids
 
 
+def test_the_cache_stops_at_what_max_num_seqs_full_sequences_hold_and_gives_the_same_tokens(model):
+    """Without num_kv_blocks the cache is cut to max_num_seqs sequences at full length (plus a chunked
+    prompt and the scratch block): twice max_num_seqs sequences, three of them run to max_model_len, are
+    generated without a preemption and give the tokens of an engine with ten times the cache."""
+    config = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=64, decode_steps=4)
+    engine = engine_for(model, **config)
+    # 96 tokens + two windows' overrun of 4 = 104 slots, 7 blocks of 16: 5 x 7 + 1
+    assert engine.runner.num_blocks == engine.config.usable_cache_blocks() == 36
+    prompts = mixed_prompts(5, [64, 30, 1, 48, 64, 17, 5, 64])  # the 64-token ones end at max_model_len
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = []
+    for e in (engine, engine_for(model, num_kv_blocks=360, **config)):
+        outs.append(e.generate(prompts, params).token_ids)
+        assert e.stats["preemptions"] == 0
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.parametrize("free_cache_engine", [True, False])
 def test_generate_releases_the_cache_under_free_cache_engine(model, free_cache_engine):
     engine = engine_for(model, free_cache_engine=free_cache_engine)

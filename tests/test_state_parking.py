@@ -50,9 +50,9 @@ def parking_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(state_parking, "ENABLED", True)
 
 
-def test_off_unless_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert state_parking.switched_on({state_parking.SWITCH: "1"})
-    assert not state_parking.switched_on({}) and not state_parking.switched_on({state_parking.SWITCH: "0"})
+def test_on_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert state_parking.switched_on({}) and state_parking.switched_on({state_parking.SWITCH: "1"})
+    assert not state_parking.switched_on({state_parking.SWITCH: "0"})
     monkeypatch.setattr(state_parking, "ENABLED", False)
     two = [Worker(8, 0, "cpu"), Worker(8, 1, "cpu")]
     assert park_between_updates(two, torch.device("cuda"), distributed=False, host_available=None) is None
@@ -65,12 +65,36 @@ def test_one_model_or_a_host_without_room_parks_nothing() -> None:
     two = [Worker(8, 0, "cpu"), Worker(8, 1, "cpu")]
     assert park_between_updates(two, torch.device("cpu"), distributed=False, host_available=None) is None
     assert park_between_updates(two, cuda, distributed=True, host_available=None) is None
-    # a pinned copy takes the next power of two of its bytes
+    # a pinned block takes the next power of two of its bytes
     assert [next_pow2(n) for n in (1, 4, 5, 1000, 1024)] == [1, 4, 8, 1024, 1024]
-    # 2 × (8·8 + 8 + 8 + 1) float32 moments a model = 648 B each (every block a power of two already): a
-    # host with 2 kB available has room for 25 % of it (512 B), less than the 1,296 B of both.
-    assert park_between_updates(two, cuda, distributed=False, host_available=2048) is None
+    # two float32 moments of (8·8, 8, 8, 1) parameters a model, each copy 64-byte aligned: 2 × (256 + 3 × 64)
+    # = 896 B, a block of 1,024; a host with 4 kB available has room for 25 % of it (1,024 B), less
+    # than the 2,048 B of both.
+    assert [state_parking.moment_bytes(w.optimizer) for w in two] == [896, 896]
+    assert park_between_updates(two, cuda, distributed=False, host_available=4096) is None
     assert all(w.parking is None for w in two)
+
+
+def test_the_block_pinned_ahead_holds_the_moments_an_optimiser_makes() -> None:
+    """The bytes pinned at registration (`moment_bytes`) hold every moment the optimiser then makes, each
+    a view of the block with the moment's shape and dtype, none overlapping; a block too small is refused."""
+    for amsgrad in (False, True):
+        worker = Worker(24, 0, "cpu")
+        worker.optimizer = torch.optim.AdamW(worker.model.parameters(), lr=1e-2, amsgrad=amsgrad)
+        nbytes = state_parking.moment_bytes(worker.optimizer)
+        worker.update(torch.randn(16, 24), steps=1)
+        moments = [v for st in worker.optimizer.state.values() for k, v in st.items() if k != "step"]
+        assert len(moments) == (3 if amsgrad else 2) * 4
+        block = torch.zeros(nbytes, dtype=torch.uint8)
+        views = state_parking.carve(block, moments)
+        assert views is not None
+        for view, moment in zip(views, moments, strict=True):
+            assert view.shape == moment.shape and view.dtype == moment.dtype
+            assert view.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
+            view.copy_(moment)
+        for view, moment in zip(views, moments, strict=True):  # no copy overwrote another's bytes
+            assert torch.equal(view, moment)
+        assert state_parking.carve(torch.zeros(nbytes // 2, dtype=torch.uint8), moments) is None
 
 
 @pytest.mark.gpu

@@ -13,8 +13,8 @@ model's. `estimate()` returns every phase, itemised:
                     + T·2h (the residual stream) + max(T·2(h + 3I), one bf16 logits block)
     update        = resident + engine weights + fp32 gradients (4P) + bf16 compute weights (2P)
                     + their bf16 gradients (2P) + activations + (actor) the LM head's blocks
-                    - the other model's AdamW state (one process with a critic and
-                      FULCRUM_PARK_OPTIMIZER_STATE=1: it waits in host memory meanwhile)
+                    - the other model's AdamW state (one process with a critic, unless
+                      FULCRUM_PARK_OPTIMIZER_STATE=0: it waits in host memory meanwhile)
 
 with resident = 12 B per parameter of each trained model (+ 4 B of the reference's) + the CUDA
 context. A LoRA model (`fulcrum.tools.lora_params`) trains only its adapters: 12 B per adapter
@@ -45,6 +45,7 @@ leaves out the CUDA context (0.5 GiB here).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ from typing import Any
 from fulcrum.config import world_size
 from fulcrum.models.arch import ModelShape, model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token, param_count
+from fulcrum.rollout.native.config import engine_config_from
 from fulcrum.rollout.native.memory import engine_workspace_bytes, kv_cache_budget
 from fulcrum.tools.lora_params import ModelParams, model_params
 from fulcrum.trainer.old_log_probs import update_can_give_old_log_probs
@@ -71,7 +73,7 @@ ATTENTION_OUTPUTS_KEPT = True
 # fulcrum.workers.state_parking.ENABLED (a test keeps them equal; not imported, as above): one process
 # with a critic parks each model's AdamW state in host memory during the other's update. The forward
 # phases count both states resident, as after a checkpoint (which brings parked state back).
-OPTIMIZER_STATE_PARKED = os.environ.get("FULCRUM_PARK_OPTIMIZER_STATE", "0") == "1"
+OPTIMIZER_STATE_PARKED = os.environ.get("FULCRUM_PARK_OPTIMIZER_STATE", "1") != "0"
 
 
 def read_model_shape(path: str | None) -> ModelShape | None:
@@ -329,7 +331,7 @@ def estimate(
         budget = kv_cache_budget(
             device_bytes, float(rollout.gpu_memory_utilization), engine_weights, workspace, free_now
         )
-        kv = max(0.0, budget)
+        kv = max(0.0, min(budget, usable_cache_bytes(rollout, shape, sizes.seq_len)))
         generation.items["engine weights (bf16)"] = engine_weights
         generation.items["engine workspace"] = workspace
         generation.items[f"KV cache (gpu_memory_utilization={rollout.gpu_memory_utilization})"] = kv
@@ -367,6 +369,18 @@ def estimate(
             forward_phase("values forward", critic.trained, critic_rows, base, shape, sizes, lm_head=False)
         )
     return Estimate(device_bytes, device_known, phases, kv, kv_tokens)
+
+
+def usable_cache_bytes(rollout: Any, shape: ModelShape, seq_len: int) -> float:
+    """The KV cache the native engine stops at whatever the budget (`EngineConfig.usable_cache_blocks`),
+    in bytes; unbounded when the engine's configuration does not resolve (doctor reports that elsewhere)."""
+    try:
+        config = engine_config_from(rollout, seq_len)
+    except (ValueError, TypeError, AssertionError):
+        return math.inf
+    if config.num_kv_blocks is not None:
+        return math.inf
+    return config.usable_cache_blocks() * config.block_size * kv_bytes_per_token(shape)
 
 
 def without(items: dict[str, float], name: str) -> dict[str, float]:

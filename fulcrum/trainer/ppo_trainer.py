@@ -128,7 +128,7 @@ class PPOTrainer:
         self.critic = (
             CriticWorker(critic_section(cfg), device, total, self.tokenizer) if uses_critic(cfg) else None
         )
-        # FULCRUM_PARK_OPTIMIZER_STATE=1 with a critic: each model's optimiser state waits in host memory
+        # With a critic (unless FULCRUM_PARK_OPTIMIZER_STATE=0): each model's optimiser state waits in host memory
         # while the other one trains; a checkpoint brings it back before it reads the state.
         self.parking = park_between_updates(
             list(self.roles().values()), device, self.dist.distributed, M.host_meminfo().get("MemAvailable")

@@ -8,13 +8,17 @@ on a copy stream: the copies run beside the update's first micro-batches (its fi
 comes after a whole mini-batch of forwards and backwards), and the step waits for them on the device,
 never on the host. The update's peak falls by the other model's moments.
 
-Opt-in (`FULCRUM_PARK_OPTIMIZER_STATE=1`): measured in the seed trainer on one H200 (BENCHMARKS.md,
-"Optimiser state parked between updates"), and a GPU run that checkpoints every step writes the live
-state and resumes from it (tests/test_state_parking.py). Not the default yet: the first update that parks
-a model's moments pins their host copies, and the seed step that does it (step 2, the critic's update)
-measured 5-7 s slower, once a run; and the GPU suite has not finished a run with it on. (The moments
-come back at new device addresses; a background save's host buffers are kept by the tensor's place in
-the snapshot, not by its address, so each save still copies into mapped memory.)
+The host copies of a model's moments are views of one pinned block, pinned on a thread when the
+optimiser is registered (the run's start): pinning 3.7 GiB takes about 2 s on an H200's host, which the
+first update that parked a model's moments paid on the step when each copy was pinned there (the seed
+command's step 2, whose critic update measured 5-7 s slower; 1.50 s with the block pinned ahead,
+BENCHMARKS.md).
+
+On by default (`FULCRUM_PARK_OPTIMIZER_STATE=0` turns it off): measured in the seed trainer on one H200
+(BENCHMARKS.md, "Optimiser state parked between updates"), and a GPU run that checkpoints every step writes
+the live state and resumes from it (tests/test_state_parking.py). (The moments come back at new device
+addresses; a background save's host buffers are kept by the tensor's place in the snapshot, not by its
+address, so each save still copies into mapped memory.)
 One process, CUDA, and at least two optimisers with state: with one model (GRPO) nothing is parked.
 The tensors stay the optimiser's own (their storage is released and re-allocated in place, as FSDP2
 does with unsharded parameters), so the fused step's tensor lists and `state_dict()` see the same
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,14 +45,16 @@ SWITCH = "FULCRUM_PARK_OPTIMIZER_STATE"
 
 
 def switched_on(environ: Mapping[str, str]) -> bool:
-    """On when the environment sets `SWITCH` to 1."""
-    return environ.get(SWITCH, "0") == "1"
+    """On unless the environment sets `SWITCH` to 0."""
+    return environ.get(SWITCH, "1") != "0"
 
 
 ENABLED = switched_on(os.environ)
 # The share of the host's available memory the parked moments may pin: pinned pages cannot be swapped,
 # and the host also holds the batch, the data set and a background checkpoint's snapshot.
 HOST_SHARE = 0.25
+# Each host copy starts on a multiple of this many bytes in its block: any dtype can view it.
+ALIGN = 64
 
 
 @dataclass
@@ -59,6 +66,26 @@ class ParkedState:
     host: list[torch.Tensor] = field(default_factory=list)
     parked: bool = False
     arrived: torch.cuda.Event | None = None  # recorded on the copy stream after the last copy back
+    block: torch.Tensor | None = None  # pinned bytes that `host` are views of
+    pinning: threading.Thread | None = None  # `pin`'s thread, joined by the first park
+
+    def pin(self, nbytes: int) -> None:
+        """Pin `nbytes` of host memory as `block` (on a thread: torch releases the GIL meanwhile)."""
+        try:
+            self.block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as err:  # the park then pins each copy itself, on the step
+            logger.warning("optimiser state parking: could not pin %.1f GB ahead (%s)", nbytes / 1e9, err)
+
+    def host_copies(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Pinned host tensors shaped as `tensors`: views of `block` when it holds them all (it was
+        sized for the optimiser's moments), else pinned one by one."""
+        if self.pinning is not None:
+            self.pinning.join()
+            self.pinning = None
+        views = carve(self.block, tensors) if self.block is not None else None
+        if views is None:
+            return [torch.empty_like(t, device="cpu", pin_memory=True) for t in tensors]
+        return views
 
 
 class OptimizerStateParking:
@@ -70,7 +97,13 @@ class OptimizerStateParking:
         self.states: dict[int, ParkedState] = {}  # by id(optimizer)
 
     def register(self, optimizer: torch.optim.Optimizer) -> None:
-        self.states[id(optimizer)] = ParkedState(optimizer)
+        """Park `optimizer`'s moments whenever another registered optimiser's update runs; their host
+        block is pinned from now on, on a thread."""
+        state = self.states[id(optimizer)] = ParkedState(optimizer)
+        state.pinning = threading.Thread(
+            target=state.pin, args=(moment_bytes(optimizer),), name="fulcrum-park-pin", daemon=True
+        )
+        state.pinning.start()
 
     def activate(self, optimizer: torch.optim.Optimizer) -> None:
         """At the start of `optimizer`'s update: every other optimiser's moments to the host, then its
@@ -112,7 +145,7 @@ class OptimizerStateParking:
             return
         if not _same_tensors(state.tensors, tensors):  # first park, or the state was replaced (a load)
             state.tensors = tensors
-            state.host = [torch.empty_like(t, device="cpu", pin_memory=True) for t in tensors]
+            state.host = state.host_copies(tensors)
         for tensor, host in zip(state.tensors, state.host, strict=True):
             host.copy_(tensor, non_blocking=True)
         for tensor in state.tensors:
@@ -125,7 +158,9 @@ class OptimizerStateParking:
         if not state.parked:
             return
         for tensor, host in zip(state.tensors, state.host, strict=True):
-            tensor.untyped_storage().resize_(host.untyped_storage().nbytes())
+            tensor.untyped_storage().resize_(
+                tensor.numel() * tensor.element_size()
+            )  # it owns its storage whole
             tensor.copy_(host, non_blocking=True)
         state.arrived = torch.cuda.Event()
         state.arrived.record(self.copy_stream)
@@ -142,13 +177,8 @@ def park_between_updates(
     trained = [w for w in workers if getattr(w, "optimizer", None) is not None]
     if not ENABLED or device.type != "cuda" or distributed or len(trained) < 2:
         return None
-    # torch's pinned allocator rounds each block up to a power of two: two moments a parameter, each its own.
-    moments = sum(
-        2 * next_pow2(p.numel() * p.element_size())
-        for w in trained
-        for g in w.optimizer.param_groups
-        for p in g["params"]
-    )
+    # torch's pinned allocator rounds each block up to a power of two: one block an optimiser.
+    moments = sum(next_pow2(moment_bytes(w.optimizer)) for w in trained)
     if host_available is not None and moments > HOST_SHARE * host_available:
         logger.info(
             "optimiser state kept on the GPU between updates: its %.1f GB would pin more than %d%% of the "
@@ -178,6 +208,33 @@ def moment_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     # Releasing a storage releases every tensor on it: only moments that own theirs whole are parked.
     owned = all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
     return tensors if owned else []
+
+
+def moment_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Host bytes for `optimizer`'s moments once it has stepped, each copy `ALIGN`-ed: Adam keeps two a
+    parameter in the parameter's dtype (three with amsgrad)."""
+    return sum(
+        (3 if group.get("amsgrad") else 2) * aligned(p.numel() * p.element_size())
+        for group in optimizer.param_groups
+        for p in group["params"]
+    )
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def carve(block: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Views of the bytes `block` shaped and typed as `tensors`, one after the other at `ALIGN`-ed
+    offsets; None if they do not fit."""
+    views, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if offset + nbytes > block.numel():
+            return None
+        views.append(block[offset : offset + nbytes].view(t.dtype).view(t.shape))
+        offset += aligned(nbytes)
+    return views
 
 
 def _same_tensors(kept: list[torch.Tensor], current: list[torch.Tensor]) -> bool:

@@ -63,6 +63,22 @@ class EngineConfig:
         if self.num_kv_blocks is not None:
             assert self.num_kv_blocks >= 2, "engine_kwargs.native.num_kv_blocks must be >= 2 (one is scratch)"
 
+    def max_tokens_per_seq(self) -> int:
+        """KV slots one sequence can take: max_model_len, plus what a decode window may write past a
+        sequence's last token (up to decode_steps - 1 tokens; with overlap_windows, the window launched
+        before that one was read, decode_steps more)."""
+        return self.max_model_len + self.decode_steps * (2 if self.overlap_windows else 1)
+
+    def usable_cache_blocks(self) -> int:
+        """The most KV blocks a generate can hold at once: max_num_seqs sequences at full length, one
+        prompt part-way through a chunked prefill beside them (it takes blocks before it takes a seat),
+        and the scratch block. A cache sized by gpu_memory_utilization is cut to this: a block past it is
+        never written, and the cache is allocated at every wake-up and released at every sleep (66 GiB
+        against the seed command's 10 GiB: 0.11 s a step on an H200, BENCHMARKS.md). Kept prefixes of
+        multi-turn conversations beyond it are evicted (and recomputed) sooner."""
+        per_seq = -(-self.max_tokens_per_seq() // self.block_size)
+        return (self.max_num_seqs + 1) * per_seq + 1
+
     def capture_sizes(self) -> list[int]:
         """Decode batch sizes that get a CUDA graph (a batch runs in the smallest one that holds it)."""
         if self.cudagraph_capture_sizes:

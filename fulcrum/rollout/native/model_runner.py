@@ -130,11 +130,8 @@ class ModelRunner:
         model.use_triton = self.use_triton
         model.fp32_logits = config.lm_head_fp32
         self.use_graphs = device.type == "cuda" and not config.enforce_eager
-        # A window may run past a sequence's last token by up to decode_steps - 1 tokens; with
-        # overlap_windows, the window launched before that one was read, by decode_steps more.
-        overrun = config.decode_steps * (2 if config.overlap_windows else 1)
-        self.max_blocks_per_seq = blocks_for(config.max_model_len + overrun, self.block_size)
-        model.ensure_positions(config.max_model_len + overrun)
+        self.max_blocks_per_seq = blocks_for(config.max_tokens_per_seq(), self.block_size)
+        model.ensure_positions(config.max_tokens_per_seq())
         self.num_blocks = model.tp.agree_min(self._cache_blocks(), device)
         self.kv_cache: torch.Tensor | None = None
         # Optionally the decode kernels read the cache through its device-held address: graphs survive sleep.
@@ -174,11 +171,14 @@ class ModelRunner:
         return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * element
 
     def _cache_blocks(self) -> int:
-        """Blocks from num_kv_blocks, else (CUDA) gpu_memory_utilization of the device's memory."""
+        """Blocks from num_kv_blocks, else (CUDA) gpu_memory_utilization of the device's memory, at most
+        what a generate can use (`EngineConfig.usable_cache_blocks`)."""
         if self.config.num_kv_blocks is not None:
             return int(self.config.num_kv_blocks)
         if self.device.type != "cuda":
-            return max(2, CPU_DEFAULT_CACHE_TOKENS // self.block_size + 1)
+            return max(
+                2, min(CPU_DEFAULT_CACHE_TOKENS // self.block_size + 1, self.config.usable_cache_blocks())
+            )
         total = torch.cuda.get_device_properties(self.device).total_memory
         weights = sum(t.numel() * t.element_size() for t in self.model.weight_tensors())
         m, cfg = self.model, self.config
@@ -192,7 +192,7 @@ class ModelRunner:
         )
         free_now, _ = torch.cuda.mem_get_info(self.device)
         budget = kv_cache_budget(total, cfg.gpu_memory_utilization, weights, workspace, free_now)
-        blocks = int(budget // self.bytes_per_block())
+        blocks = min(int(budget // self.bytes_per_block()), cfg.usable_cache_blocks())
         if blocks < 2:
             raise RuntimeError(
                 f"actor_rollout_ref.rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} leaves no room for "
