@@ -205,12 +205,21 @@ def seed_estimate(files: Path, *extra: str, device_gib: float = 140.0):
 
 
 def test_seed_estimate_against_the_measured_h200_peak(files: Path) -> None:
-    """BENCHMARKS.md ("Spent gradients released, on a slower host", 2026-12-01): the seed command on one
-    H200 peaked at 98.7 GiB allocated, while generating (the engine's workspace is counted whole, hence a
-    few % over)."""
+    """BENCHMARKS.md ("The KV cache cut to what the engine can use", 2026-12-03, tree 8c5daf6): the seed
+    command on one H200 peaked at 26.39 GiB allocated, while generating, with the critic's AdamW state
+    parked (it waits in host memory from the actor's update to its own). The estimate is an upper bound
+    above it by at most what it counts and that run did not hold: that state (resident again after a
+    checkpoint), the engine's workspace whole (sized for max_num_seqs rows of logits; the seed decodes 512)
+    and the CUDA context (outside torch's allocated figure)."""
     est = seed_estimate(files)
-    assert est.peak.name == "generation"
-    assert abs(est.peak.total / 2**30 - 98.7) / 98.7 < 0.05
+    generation = est.peak
+    assert generation.name == "generation"
+    measured = 26.39 * 2**30
+    not_held = sum(
+        generation.items[k]
+        for k in ("critic AdamW state (fp32)", "engine workspace", "CUDA context and workspaces")
+    )
+    assert measured <= generation.total <= measured + not_held
 
 
 MICRO = (

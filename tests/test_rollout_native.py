@@ -122,11 +122,13 @@ def test_the_cache_stops_at_what_max_num_seqs_full_sequences_hold_and_gives_the_
     assert engine.runner.num_blocks == engine.config.usable_cache_blocks() == 36
     prompts = mixed_prompts(5, [64, 30, 1, 48, 64, 17, 5, 64])  # the 64-token ones end at max_model_len
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    outs = []
+    outs, schedules = [], []
     for e in (engine, engine_for(model, num_kv_blocks=360, **config)):
         outs.append(e.generate(prompts, params).token_ids)
         assert e.stats["preemptions"] == 0
+        schedules.append([e.stats[k] for k in ("prefill_steps", "prefill_tokens", "decode_steps")])
     assert outs[0] == outs[1]
+    assert schedules[0] == schedules[1]  # the same steps: no window waited for blocks
 
 
 @pytest.mark.parametrize("free_cache_engine", [True, False])
