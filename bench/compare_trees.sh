@@ -70,7 +70,9 @@ COMMON="actor_rollout_ref.rollout.name=$ENGINE trainer.test_freq=-1 trainer.save
 elapsed "model $MODEL, data $DATA; old $OLD, new $NEW"
 rm -rf "$WORK"/*.json "$WORK"/run_*
 
-# Limits (H200): the engine alone ~40 s without HF; a step ~60-100 s with loading and compiling.
+# Limits (H200): the engine alone ~40 s without HF; a step part ~60-100 s with loading and compiling on a
+# machine that compiled before, more on a fresh one: the first GRPO part of a fresh machine's call did not
+# finish 5 steps in 130 s (2026-12-03), hence 200 s for each step part.
 tree_dir() { if [ "$1" = new ]; then echo "$NEW"; else echo "$OLD"; fi; }
 if wants rollout; then
   for tree in old new; do
@@ -83,14 +85,14 @@ for round in $(seq 1 "$ROUNDS"); do
   for tree in old new; do
     if wants seed; then
       # shellcheck disable=SC2086
-      run "$(tree_dir $tree)" "seed_$tree$suffix" 140 $PY bench/train_step.py run --data "$DATA" --model "$MODEL" \
+      run "$(tree_dir $tree)" "seed_$tree$suffix" 200 $PY bench/train_step.py run --data "$DATA" --model "$MODEL" \
         --run "$WORK/run_seed_$tree$suffix" --steps 3 --summary "$WORK/seed_$tree$suffix.json" $COMMON $STEP_ARGS
     fi
   done
   for tree in old new; do
     if wants grpo; then
       # shellcheck disable=SC2086
-      run "$(tree_dir $tree)" "grpo_$tree$suffix" 120 $PY bench/train_step.py run --data "$DATA" --model "$MODEL" \
+      run "$(tree_dir $tree)" "grpo_$tree$suffix" 200 $PY bench/train_step.py run --data "$DATA" --model "$MODEL" \
         --run "$WORK/run_grpo_$tree$suffix" --steps 5 --summary "$WORK/grpo_$tree$suffix.json" $COMMON $GRPO_ARGS $STEP_ARGS
     fi
   done
