@@ -158,9 +158,8 @@ class OptimizerStateParking:
         if not state.parked:
             return
         for tensor, host in zip(state.tensors, state.host, strict=True):
-            tensor.untyped_storage().resize_(
-                tensor.numel() * tensor.element_size()
-            )  # it owns its storage whole
+            # The tensor's own bytes (it owns its storage whole), not the host view's storage: the block.
+            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
             tensor.copy_(host, non_blocking=True)
         state.arrived = torch.cuda.Event()
         state.arrived.record(self.copy_stream)

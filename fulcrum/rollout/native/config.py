@@ -73,9 +73,10 @@ class EngineConfig:
         """The most KV blocks a generate can hold at once: max_num_seqs sequences at full length, one
         prompt part-way through a chunked prefill beside them (it takes blocks before it takes a seat),
         and the scratch block. A cache sized by gpu_memory_utilization is cut to this: a block past it is
-        never written, and the cache is allocated at every wake-up and released at every sleep (66 GiB
-        against the seed command's 10 GiB: 0.11 s a step on an H200, BENCHMARKS.md). Kept prefixes of
-        multi-turn conversations beyond it are evicted (and recomputed) sooner."""
+        never written, and the cache is allocated at every wake-up and released at every sleep (the seed
+        command on an H200: 17.4 GiB instead of 66, its release 0.01 s instead of 0.03-0.04, generation's
+        peak 26.4 GiB instead of 73.1; BENCHMARKS.md). Kept prefixes of multi-turn conversations beyond
+        it are evicted (and recomputed) sooner."""
         per_seq = -(-self.max_tokens_per_seq() // self.block_size)
         return (self.max_num_seqs + 1) * per_seq + 1
 
