@@ -74,9 +74,9 @@ class EngineConfig:
         prompt part-way through a chunked prefill beside them (it takes blocks before it takes a seat),
         and the scratch block. A cache sized by gpu_memory_utilization is cut to this: a block past it is
         never written, and the cache is allocated at every wake-up and released at every sleep (the seed
-        command on an H200: 17.4 GiB instead of 66, its release 0.01 s instead of 0.03-0.04, generation's
-        peak 26.4 GiB instead of 73.1; BENCHMARKS.md). Kept prefixes of multi-turn conversations beyond
-        it are evicted (and recomputed) sooner."""
+        command on an H200: 17.4 GiB instead of 85.7, its allocation 0.002 s instead of 0.04-0.06 and its
+        release 0.01 s instead of 0.04-0.05, generation's peak 26.4 GiB instead of 94.6; BENCHMARKS.md).
+        Kept prefixes of multi-turn conversations beyond it are evicted (and recomputed) sooner."""
         per_seq = -(-self.max_tokens_per_seq() // self.block_size)
         return (self.max_num_seqs + 1) * per_seq + 1
 
