@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from fulcrum.config.schema_rollout import RolloutConfig
+from fulcrum.rollout.native.block_manager import blocks_for
 
 _DTYPES = dict(bfloat16=torch.bfloat16, bf16=torch.bfloat16, float16=torch.float16, fp16=torch.float16)
 _DTYPES |= dict(float32=torch.float32, fp32=torch.float32)
@@ -69,6 +70,10 @@ class EngineConfig:
         before that one was read, decode_steps more)."""
         return self.max_model_len + self.decode_steps * (2 if self.overlap_windows else 1)
 
+    def blocks_per_seq(self) -> int:
+        """KV blocks one sequence can take (`max_tokens_per_seq` slots)."""
+        return blocks_for(self.max_tokens_per_seq(), self.block_size)
+
     def usable_cache_blocks(self) -> int:
         """The most KV blocks a generate can hold at once: max_num_seqs sequences at full length, one
         prompt part-way through a chunked prefill beside them (it takes blocks before it takes a seat),
@@ -77,8 +82,7 @@ class EngineConfig:
         command on an H200: 17.4 GiB instead of 85.7, its allocation 0.002 s instead of 0.04-0.06 and its
         release 0.01 s instead of 0.04-0.05, generation's peak 26.4 GiB instead of 94.6; BENCHMARKS.md).
         Kept prefixes of multi-turn conversations beyond it are evicted (and recomputed) sooner."""
-        per_seq = -(-self.max_tokens_per_seq() // self.block_size)
-        return (self.max_num_seqs + 1) * per_seq + 1
+        return (self.max_num_seqs + 1) * self.blocks_per_seq() + 1
 
     def capture_sizes(self) -> list[int]:
         """Decode batch sizes that get a CUDA graph (a batch runs in the smallest one that holds it)."""

@@ -22,7 +22,6 @@ import torch
 from fulcrum.batch import host_to_device
 from fulcrum.rollout.native import ops
 from fulcrum.rollout.native.attention import AttentionMetadata
-from fulcrum.rollout.native.block_manager import blocks_for
 from fulcrum.rollout.native.config import EngineConfig
 from fulcrum.rollout.native.kernels import HAVE_TRITON, IndirectCache
 from fulcrum.rollout.native.memory import engine_workspace_bytes, kv_cache_budget
@@ -130,7 +129,7 @@ class ModelRunner:
         model.use_triton = self.use_triton
         model.fp32_logits = config.lm_head_fp32
         self.use_graphs = device.type == "cuda" and not config.enforce_eager
-        self.max_blocks_per_seq = blocks_for(config.max_tokens_per_seq(), self.block_size)
+        self.max_blocks_per_seq = config.blocks_per_seq()
         model.ensure_positions(config.max_tokens_per_seq())
         self.num_blocks = model.tp.agree_min(self._cache_blocks(), device)
         self.kv_cache: torch.Tensor | None = None
