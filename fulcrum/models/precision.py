@@ -92,6 +92,10 @@ class ComputeWeights:
         self._flat_ref: weakref.ref[torch.Tensor] | None = None
         self._pending: list[torch.Tensor | None] | None = None  # `backward`'s gradients of the trained copies
         self._staging: Staging | None = None
+        # Resident (`keep_resident`): the copies and the gradients keep their memory, and so their
+        # addresses, from one pass to the next, as a CUDA graph replaying the passes needs.
+        self.resident = False
+        self._resident_grads: tuple[torch.Tensor, list[torch.Tensor]] | None = None
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -109,8 +113,62 @@ class ComputeWeights:
         torch._foreach_copy_(self.copies, self.masters)  # under no_grad the masters need no detach each
 
     def release(self) -> None:
-        """Drop the copies (their memory returns to the allocator's cache); `refresh` makes new ones."""
-        self.copies, self._trained_copies, self._trained_masters, self._pending = [], [], [], None
+        """Drop the copies (their memory returns to the allocator's cache); `refresh` makes new ones.
+        Resident copies stay."""
+        self._pending = None
+        if not self.resident:
+            self.copies, self._trained_copies, self._trained_masters = [], [], []
+
+    def keep_resident(self) -> None:
+        """From now on the copies are not released between passes, and each update's gradients go into
+        one float32 buffer (and, for the uncopied trained parameters, tensors) that lives as long as this
+        object: a CUDA graph of a micro-batch reads the copies and adds into the gradients at the
+        addresses it was captured with. Costs their memory (2 + 4 bytes a bf16-copied parameter)
+        through generation and the other models' passes."""
+        self.resident = True
+
+    @torch.no_grad()
+    def attach_zeroed_grads(self) -> None:
+        """Resident only, at the start of a mini-batch (the optimiser dropped the `.grad`s): every trained
+        parameter's `.grad` becomes its zeroed view of the resident gradients (made the first time)."""
+        assert self.resident and self._trained_copies, "attach_zeroed_grads: resident copies, refreshed"
+        if self._resident_grads is None:
+            masters = self._trained_masters
+            flat = torch.empty(sum(m.numel() for m in masters), dtype=torch.float32, device=masters[0].device)
+            own = [torch.empty_like(p) for p in self.uncopied]
+            self._resident_grads = (flat, own)
+        flat, own = self._resident_grads
+        flat.zero_()
+        for master, view in zip(
+            self._trained_masters, flat.split([m.numel() for m in self._trained_masters]), strict=True
+        ):
+            master.grad = view.view_as(master)
+        if own:
+            torch._foreach_zero_(own)
+        for param, grad in zip(self.uncopied, own, strict=True):
+            param.grad = grad
+        self._flat_ref = weakref.ref(flat)
+
+    def discard_pending(self) -> None:
+        """Forget `backward`'s gradients (a step abandoned before its accumulation)."""
+        self._pending = None
+
+    @torch.no_grad()
+    def add_pending_grads(self) -> None:
+        """masters.grad += `backward`'s gradients, device work only (what a captured micro-batch ends
+        with): as `accumulate_grads`, through a staging buffer in their dtype, but one that keeps its
+        memory (`Staging(resident=True)`, at most `FLAT_CHUNK` elements: 128 MiB in bf16). Needs
+        `attach_zeroed_grads` first."""
+        pending, self._pending = self._pending, None
+        assert pending is not None and self._resident_grads is not None, "add_pending_grads: attach, backward"
+        present = [g for g in pending if g is not None]
+        if len(present) < len(pending):  # a copy without gradient in this micro-batch: one add a tensor
+            self._add_each(pending)
+            return
+        staging = self._staging
+        if staging is None or not staging.resident or not staging.serves(present[0], FLAT_CHUNK):
+            staging = self._staging = Staging(present, FLAT_CHUNK, resident=True)
+        staging.add_into(self._resident_grads[0], present, fresh=False)
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -155,8 +213,8 @@ class ComputeWeights:
         `.grad`, so the optimiser's release of the gradients frees it. A micro-batch that leaves a copy
         without gradient, or masters holding gradients of their own, take the per-parameter path.
         """
-        if not self._trained_copies:
-            return
+        if not self._trained_copies or (self._pending is None and self.resident):
+            return  # nothing, or `add_pending_grads` took them (a graphed micro-batch)
         if self._pending is not None:
             grads, self._pending = self._pending, None
         else:
@@ -209,8 +267,9 @@ class Staging:
     all-gather buffers under the parameters' views): like a concatenation's result, it takes memory
     only while the gradients it copies are alive."""
 
-    def __init__(self, like: list[torch.Tensor], elements: int) -> None:
+    def __init__(self, like: list[torch.Tensor], elements: int, resident: bool = False) -> None:
         self.elements = elements
+        self.resident = resident  # the buffer keeps its memory (a CUDA graph's address) between calls
         self.shapes = [g.shape for g in like]
         self.dtype, self.device = like[0].dtype, like[0].device
         groups = list(groups_of_at_most(like, elements))
@@ -222,7 +281,8 @@ class Staging:
             run = self.buffer[:size]
             pieces = run.split([g.numel() for g in group])
             self.runs.append((run, [piece.view(g.shape) for piece, g in zip(pieces, group, strict=True)]))
-        self.buffer.untyped_storage().resize_(0)
+        if not resident:
+            self.buffer.untyped_storage().resize_(0)
 
     def serves(self, grad: torch.Tensor, elements: int) -> bool:
         """Whether these runs stage gradients like `grad` (dtype, device) in chunks of `elements`."""
@@ -231,7 +291,8 @@ class Staging:
     def add_into(self, flat: torch.Tensor, grads: list[torch.Tensor], fresh: bool) -> None:
         """flat += the concatenated `grads` (flat = them, when `fresh`), run by run."""
         storage = self.buffer.untyped_storage()
-        storage.resize_(self.nbytes)
+        if not self.resident:
+            storage.resize_(self.nbytes)
         try:
             start = first = 0
             for run, views in self.runs:
@@ -244,7 +305,8 @@ class Staging:
                 start += run.numel()
                 first += len(views)
         finally:
-            storage.resize_(0)
+            if not self.resident:
+                storage.resize_(0)
 
 
 @torch.no_grad()

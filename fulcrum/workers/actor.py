@@ -18,7 +18,7 @@ from fulcrum.algo.kl import kl_penalty
 from fulcrum.algo.losses import agg_loss
 from fulcrum.algo.policy_losses import LossConfig, get_policy_loss_fn, import_policy_losses
 from fulcrum.algo.rollout_correction import RolloutCorrection, bypass_policy_loss
-from fulcrum.batch import Batch, host_to_device
+from fulcrum.batch import Batch
 from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
 from fulcrum.models.load import load_causal_lm
 from fulcrum.models.lora import Adapters, LoraSettings
@@ -26,9 +26,11 @@ from fulcrum.models.router_loss import load_balancing_loss, recorded_router_logi
 from fulcrum.parallel import all_gather_rows
 from fulcrum.parallel.fsdp import full_named_tensors
 from fulcrum.workers.forwards import ModelForwards
+from fulcrum.workers.micro_batch import HostInputs, MicroInputs
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
 from fulcrum.workers.state_parking import OptimizerStateParking
+from fulcrum.workers.step_graphs import graphs_for
 from fulcrum.workers.update import UpdatePlan, one_optimizer_step, ppo_update
 
 # A batch column an update without old log-probs adds: each row's index, to put what it records in order.
@@ -146,6 +148,9 @@ class ActorWorker:
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, self.cfg.optim, total_training_steps, "actor_rollout_ref.actor.optim"
         )
+        self.graphs = graphs_for(
+            self.forwards
+        )  # the update's micro-batches as CUDA graphs, where they can be
         self.temperature = section.temperature
         self.log_prob_sizes = section.log_prob
         cfg = self.cfg
@@ -221,40 +226,61 @@ class ActorWorker:
         return log_probs[order], entropys[order]
 
     def micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]:
-        """Forward, loss (this micro-batch's share of the mini-batch loss), backward; detached metrics.
+        """Forward, loss (this micro-batch's share of the mini-batch loss), backward; detached metrics:
+        `loss_step`, replayed from a CUDA graph where it can be (`fulcrum.workers.step_graphs`: not while
+        recording old log-probs, in bypass mode or with a router loss, which read the batch on the host)."""
+        if (
+            self.graphs is not None
+            and self.recorded is None
+            and self.bypass is None
+            and self.router_loss is None
+        ):
+            keys = ["response_mask", "advantages"]
+            keys += [] if self.on_policy else ["old_log_probs"]
+            keys += ["ref_log_prob"] if self.cfg.use_kl_loss else []
+            keys += ["rollout_is_weights"] if "rollout_is_weights" in mb.tensors else []
+            out = self.graphs.step(mb, agg, keys, (self.on_policy,), self.loss_step)
+            if out is not None:
+                return out
+        return self.loss_step(HostInputs(mb, self.device), agg)
+
+    def loss_step(
+        self, inputs: MicroInputs, agg: dict[str, float | torch.Tensor]
+    ) -> dict[str, torch.Tensor | float]:
+        """The micro-batch's forward, loss and backward.
 
         policy loss = pg_loss - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref), each aggregated
         by actor.loss_agg_mode (+ router_aux_loss_coef * the routers' load-balancing loss, when a
         mixture of experts' config sets output_router_logits: `fulcrum.models.router_loss`). A loss reports what it defines; a loss that clips nothing reports no
-        clip fractions, which are then 0.
+        clip fractions, which are then 0. `agg`: the mini-batch's counts (floats, or 0-d device tensors
+        in a graph).
         """
         cfg = self.cfg
-        mask = host_to_device(mb["response_mask"], self.device).float()
+        mask = inputs.row("response_mask").float()
         entropy_coeff = float(cfg.entropy_coeff)
         with_entropy = entropy_coeff != 0.0 or self.recorded is not None
         routed = (
             contextlib.nullcontext([]) if self.router_loss is None else recorded_router_logits(self.model)
         )
         with routed as router_logits:
-            log_prob, entropy = self.forwards.log_prob(mb, self.temperature, with_entropy, mask)
+            log_prob, entropy = inputs.log_prob(self.forwards, self.temperature, with_entropy, mask)
         if self.on_policy and self.bypass is None:  # the weights that scored the batch: ratio exactly 1
             old_log_prob = log_prob.detach()
         else:
-            old_log_prob = host_to_device(mb["old_log_probs"], self.device)
+            old_log_prob = inputs.row("old_log_probs")
         if self.recorded is not None:
-            assert entropy is not None
-            self.recorded.append((mb[ROW], log_prob.detach(), entropy.detach()))
+            assert entropy is not None and isinstance(inputs, HostInputs)
+            self.recorded.append((inputs.batch[ROW], log_prob.detach(), entropy.detach()))
             if entropy_coeff == 0.0:
                 entropy = None  # recorded only: its autograd graph (the padded path's saved logits) goes now
-        advantages = host_to_device(mb["advantages"], self.device)
-        config = LossConfig.of(cfg, agg)
+        advantages = inputs.row("advantages")
+        config = LossConfig.of(cfg, agg)  # type: ignore[arg-type]
         if self.bypass is not None:  # old log-probs are the engine's; correct against the current policy
             pg_loss, pg_metrics = bypass_policy_loss(
                 old_log_prob, log_prob, advantages, mask, cfg.loss_agg_mode, config, self.bypass
             )
         else:
-            weights = mb.tensors.get("rollout_is_weights")
-            weights = host_to_device(weights, self.device) if weights is not None else None
+            weights = inputs.row("rollout_is_weights") if inputs.has("rollout_is_weights") else None
             pg_loss, pg_metrics = self.policy_loss(
                 old_log_prob, log_prob, advantages, mask, cfg.loss_agg_mode, config, weights
             )
@@ -269,17 +295,19 @@ class ActorWorker:
             entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
             policy_loss = policy_loss - entropy_coeff * entropy_loss
         if cfg.use_kl_loss:
-            kld = kl_penalty(log_prob, host_to_device(mb["ref_log_prob"], self.device), cfg.kl_loss_type)
+            kld = kl_penalty(log_prob, inputs.row("ref_log_prob"), cfg.kl_loss_type)
             kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, **agg)
             policy_loss = policy_loss + float(cfg.kl_loss_coef) * kl_loss
             out["actor/kl_loss"] = kl_loss.detach()
             out["actor/kl_coef"] = float(cfg.kl_loss_coef)
         if self.router_loss is not None:
             # This micro-batch's share of the mini-batch, by response tokens, as the policy loss's.
+            assert isinstance(inputs, HostInputs)
+            mb = inputs.batch
             coef, top_k = self.router_loss
             tokens = self.forwards.token_mask(mb)  # with SP: this rank's real tokens of the stream
             balance = load_balancing_loss(router_logits, top_k, tokens, self.forwards.sp)
-            share = float(mb["response_mask"].sum()) / agg.get("batch_num_tokens", 1.0)
+            share = float(mb["response_mask"].sum()) / float(agg.get("batch_num_tokens", 1.0))
             policy_loss = policy_loss + coef * share * balance
             out["actor/load_balancing_loss"] = balance.detach()
             out["actor/load_balancing_coef"] = coef

@@ -12,15 +12,17 @@ from typing import Any
 import torch
 
 from fulcrum.algo.losses import compute_value_loss
-from fulcrum.batch import Batch, host_to_device
+from fulcrum.batch import Batch
 from fulcrum.config.sections import CriticSection
 from fulcrum.models.load import load_backbone
 from fulcrum.models.lora import Adapters, LoraSettings
 from fulcrum.models.value_head import CriticModel
 from fulcrum.workers.forwards import ModelForwards
+from fulcrum.workers.micro_batch import HostInputs, MicroInputs
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
 from fulcrum.workers.state_parking import OptimizerStateParking
+from fulcrum.workers.step_graphs import graphs_for
 from fulcrum.workers.update import UpdatePlan, ppo_update
 
 
@@ -59,6 +61,9 @@ class CriticWorker:
         self.optimizer = build_optimizer(self.model.parameters(), c.optim, device)
         self.parking: OptimizerStateParking | None = None  # set by a trainer that updates several models
         self.lr_scheduler = build_lr_scheduler(self.optimizer, c.optim, total_training_steps, "critic.optim")
+        self.graphs = graphs_for(
+            self.forwards
+        )  # the update's micro-batches as CUDA graphs, where they can be
         assert c.ppo_epochs is not None and c.loss_agg_mode is not None, "a resolved configuration"
         self.loss_agg_mode = c.loss_agg_mode
         self.ppo_epochs = c.ppo_epochs
@@ -84,17 +89,28 @@ class CriticWorker:
         return ppo_update(self, batch, global_step)
 
     def micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]:
-        """Forward, value loss (this micro-batch's share of the mini-batch loss), backward; detached metrics."""
-        mask = host_to_device(mb["response_mask"], self.device).float()
-        vpreds = self.forwards.values(mb, mask)
+        """Forward, value loss (this micro-batch's share of the mini-batch loss), backward; detached
+        metrics: `loss_step`, replayed from a CUDA graph where it can be (`fulcrum.workers.step_graphs`)."""
+        if self.graphs is not None:
+            out = self.graphs.step(mb, agg, ["response_mask", "values", "returns"], (), self.loss_step)
+            if out is not None:
+                return out
+        return self.loss_step(HostInputs(mb, self.device), agg)
+
+    def loss_step(
+        self, inputs: MicroInputs, agg: dict[str, float | torch.Tensor]
+    ) -> dict[str, torch.Tensor | float]:
+        """The micro-batch's forward, clipped value loss and backward (`agg`: the mini-batch's counts)."""
+        mask = inputs.row("response_mask").float()
+        vpreds = inputs.values(self.forwards, mask)
         vf_loss, vf_clipfrac = compute_value_loss(
             vpreds=vpreds,
-            values=host_to_device(mb["values"], self.device),
-            returns=host_to_device(mb["returns"], self.device),
+            values=inputs.row("values"),
+            returns=inputs.row("returns"),
             response_mask=mask,
             cliprange_value=float(self.cfg.cliprange_value),
             loss_agg_mode=self.loss_agg_mode,
-            **agg,
+            **agg,  # type: ignore[arg-type]
         )
         self.forwards.backward(vf_loss)
         return {

@@ -24,6 +24,7 @@ from fulcrum.models.linear_logprob import use_compiled_chunks
 from fulcrum.models.load import autocast_for
 from fulcrum.models.logprob import response_logits, sum_pi_squared
 from fulcrum.models.packed import (
+    PackedMicroBatch,
     compile_decoder_layers,
     compile_inside_layers,
     compile_options,
@@ -32,7 +33,7 @@ from fulcrum.models.packed import (
 )
 from fulcrum.models.precision import ComputeWeights, compute_dtype
 from fulcrum.models.stream_shard import real_tokens
-from fulcrum.parallel.fsdp import is_sharded
+from fulcrum.parallel.fsdp import is_sharded, run_in_root
 from fulcrum.parallel.ulysses import SequenceParallel, check_heads, sequence_parallel_group
 from fulcrum.workers.micro_batch import (
     forward_log_prob,
@@ -40,6 +41,8 @@ from fulcrum.workers.micro_batch import (
     make_micro_batches,
     pad_right,
     restore_order,
+    stream_log_prob,
+    stream_values,
     trimmed_inputs,
 )
 
@@ -141,6 +144,12 @@ class ModelForwards:
         finally:
             self.compute.release()
 
+    def start_accumulation(self) -> None:
+        """At a mini-batch's start, inside `active()`: resident compute weights (`keep_resident`, for
+        graphed micro-batches) give every trained parameter its zeroed view of the resident gradients."""
+        if self.compute is not None and self.compute.resident:
+            self.compute.attach_zeroed_grads()
+
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()` of a micro-batch inside `active()`; with compute weights, their gradients are
         held for `accumulate_grads` (`ComputeWeights.backward`)."""
@@ -201,6 +210,28 @@ class ModelForwards:
             self.sp,
             self.lm_head_fp32,
         )
+
+    def packed_log_prob(
+        self, packed: PackedMicroBatch, temperature: float, with_entropy: bool, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`log_prob` of a micro-batch packed on the device already (no sequence parallelism): device
+        work only, which a CUDA graph can capture."""
+        return run_in_root(
+            self.model,
+            stream_log_prob,
+            self.model,
+            packed,
+            packed,
+            temperature,
+            with_entropy,
+            mask,
+            None,
+            self.lm_head_fp32,
+        )
+
+    def packed_values(self, packed: PackedMicroBatch, mask: torch.Tensor) -> torch.Tensor:
+        """`values` of a micro-batch packed on the device already (as `packed_log_prob`)."""
+        return run_in_root(self.model, stream_values, self.model, packed, packed, mask)
 
     def token_mask(self, mb: Batch) -> torch.Tensor | None:
         """Which rows of a forward's per-token tensors (e.g. router logits) are real tokens: the padded

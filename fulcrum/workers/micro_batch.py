@@ -11,6 +11,8 @@ micro-batch never needs more activation memory than the padded one the user size
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -274,6 +276,23 @@ def packed_log_prob(
     With `sp`, each rank of the group runs its slice of the stream and the head on its M_r positions;
     the M results are gathered on every rank."""
     packed, stream = packed_stream(mb, device, sp)
+    mask = response_mask_on(mb, device, response_mask)
+    return stream_log_prob(model, packed, stream, temperature, with_entropy, mask, sp, fp32_logits)
+
+
+def stream_log_prob(
+    model: nn.Module,
+    packed: PackedMicroBatch,
+    stream: PackedMicroBatch | StreamShard,
+    temperature: float,
+    with_entropy: bool,
+    mask: torch.Tensor,
+    sp: SequenceParallel | None = None,
+    fp32_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`packed_log_prob` of a micro-batch already packed on the device (`packed`, its (B, R) layout;
+    `stream`, what this rank runs: `packed` itself without `sp`), `mask` its (B, R) response mask.
+    Only device work: a CUDA graph can capture it (`fulcrum.workers.step_graphs`)."""
     hidden = packed_hidden_states(model.model, stream, sp)  # (N, H), or (n, H) with sp
     head = model.get_output_embeddings()
     logp, entropy = linear_log_softmax(
@@ -288,7 +307,6 @@ def packed_log_prob(
     if isinstance(stream, StreamShard) and sp is not None:
         logp = gather_rows(logp, stream.counts, sp)  # (M,)
         entropy = gather_rows(entropy, stream.counts, sp) if entropy is not None else None
-    mask = response_mask_on(mb, device, response_mask)
     return packed.scatter(logp) * mask, (packed.scatter(entropy) * mask if entropy is not None else None)
 
 
@@ -302,11 +320,22 @@ def packed_values(
     """`forward_values` without padding: the value head on the M positions before response tokens
     (with `sp` as in `packed_log_prob`)."""
     packed, stream = packed_stream(mb, device, sp)
+    return stream_values(model, packed, stream, response_mask_on(mb, device, response_mask), sp)
+
+
+def stream_values(
+    model: nn.Module,
+    packed: PackedMicroBatch,
+    stream: PackedMicroBatch | StreamShard,
+    mask: torch.Tensor,
+    sp: SequenceParallel | None = None,
+) -> torch.Tensor:
+    """`packed_values` of a micro-batch already packed on the device (as `stream_log_prob`)."""
     hidden = packed_hidden_states(model.model, stream, sp).index_select(0, stream.predictor)  # (M or M_r, H)
     values = model.value_from_hidden(hidden)  # (M,) or (M_r,) float32
     if isinstance(stream, StreamShard) and sp is not None:
         values = gather_rows(values, stream.counts, sp)  # (M,)
-    return packed.scatter(values) * response_mask_on(mb, device, response_mask)
+    return packed.scatter(values) * mask
 
 
 def packed_stream(
@@ -319,3 +348,69 @@ def packed_stream(
         packed = packed.to(device)
         return packed, packed
     return packed.to(device), shard_stream(packed, sp.size, sp.rank).to(device)
+
+
+class HostInputs:
+    """A micro-batch as the batch holds it (on the host): each input moved to `device` when a loss
+    asks for it, the forwards packing it themselves (or running it padded)."""
+
+    def __init__(self, batch: Batch, device: torch.device) -> None:
+        self.batch = batch
+        self.device = device
+
+    def has(self, key: str) -> bool:
+        return key in self.batch.tensors
+
+    def row(self, key: str) -> torch.Tensor:
+        """Its (B, R) column `key` on the device."""
+        return host_to_device(self.batch[key], self.device)
+
+    def log_prob(
+        self, forwards: ModelForwardsLike, temperature: float, with_entropy: bool, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return forwards.log_prob(self.batch, temperature, with_entropy, mask)
+
+    def values(self, forwards: ModelForwardsLike, mask: torch.Tensor) -> torch.Tensor:
+        return forwards.values(self.batch, mask)
+
+
+class DeviceInputs:
+    """A micro-batch already on the device: its packed stream and its (B, R) columns (a CUDA graph's
+    static inputs, `fulcrum.workers.step_graphs`)."""
+
+    def __init__(self, packed: PackedMicroBatch, rows: dict[str, torch.Tensor]) -> None:
+        self.packed = packed
+        self.rows = rows
+
+    def has(self, key: str) -> bool:
+        return key in self.rows
+
+    def row(self, key: str) -> torch.Tensor:
+        return self.rows[key]
+
+    def log_prob(
+        self, forwards: ModelForwardsLike, temperature: float, with_entropy: bool, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return forwards.packed_log_prob(self.packed, temperature, with_entropy, mask)
+
+    def values(self, forwards: ModelForwardsLike, mask: torch.Tensor) -> torch.Tensor:
+        return forwards.packed_values(self.packed, mask)
+
+
+MicroInputs = HostInputs | DeviceInputs
+
+
+class ModelForwardsLike(Protocol):
+    """What the inputs call on `fulcrum.workers.forwards.ModelForwards` (which imports this module)."""
+
+    def log_prob(
+        self, mb: Batch, temperature: float, with_entropy: bool, response_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def values(self, mb: Batch, response_mask: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def packed_log_prob(
+        self, packed: PackedMicroBatch, temperature: float, with_entropy: bool, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def packed_values(self, packed: PackedMicroBatch, mask: torch.Tensor) -> torch.Tensor: ...

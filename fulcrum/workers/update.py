@@ -102,6 +102,7 @@ def ppo_update(worker: Trainable, batch: Batch, global_step: int) -> dict[str, f
             optimizer.zero_grad(set_to_none=True)
             shares: dict[str, list[torch.Tensor]] = defaultdict(list)
             with forwards.active():
+                forwards.start_accumulation()
                 for mb in micro:
                     step_metrics = worker.micro_step(mb, agg)
                     forwards.accumulate_grads()

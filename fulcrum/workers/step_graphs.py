@@ -1,0 +1,275 @@
+"""Training micro-batches replayed as CUDA graphs: an update whose pace the host does not set.
+
+Why: at the seed command's micro-batches of 8 (about 6k tokens) the host launches each micro-batch's
+~2,000 kernels one by one, and only just keeps ahead of the GPU (a micro-batch's host time 1.72 s an
+update against 1.74 s of GPU span, BENCHMARKS.md "The update's parts"): a host slowed by other processes
+slowed the update 1.7-4x ("A host under load"). A CUDA graph launches a micro-batch's forward, loss,
+backward and gradient accumulation as one call.
+
+A graph has fixed shapes and fixed addresses.
+- Shapes: each micro-batch is padded to a `Bucket`: its packed stream to a multiple of `TOKEN_STEP`
+  tokens (the padding is one or more extra sequences), its response positions to a multiple of
+  `RESPONSE_STEP` (extra positions in padding rows, whose response mask is 0), its rows and sequences to
+  multiples of `ROW_STEP` (empty rows, sequences of length 0). Every loss and metric reduces under the
+  response mask, so the padding changes none of them (tests/test_step_graphs.py); it costs at most
+  `TOKEN_STEP` tokens of compute a micro-batch (2 % at the seed command's 6k).
+- Addresses: each bucket's inputs are static device buffers the micro-batch is copied into; the bf16
+  compute weights and the float32 gradients stay resident (`ComputeWeights.keep_resident`: +3 GB a 0.5B
+  model); the losses' mini-batch counts are 0-d device tensors filled before each replay.
+
+The first micro-batch of a bucket runs eagerly on the capture stream (its result counts), then the same
+step is captured; later micro-batches of the bucket replay it. All graphs of the process share one memory
+pool (they run one at a time). A step that cannot be captured (a loss that reads a value on the host)
+turns graphs off for that model with a warning, and the update goes on eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fulcrum.batch import Batch, host_to_device
+from fulcrum.models.packed import PackedMicroBatch, pack_micro_batch
+from fulcrum.workers.forwards import ModelForwards
+from fulcrum.workers.micro_batch import DeviceInputs, MicroInputs
+
+logger = logging.getLogger(__name__)
+
+# Bucket steps: tokens of the packed stream, response positions, rows and sequences.
+TOKEN_STEP = 128
+RESPONSE_STEP = 128
+ROW_STEP = 8
+# Graphs kept per model; a micro-batch whose bucket has none beyond that runs eagerly, unpadded.
+MAX_GRAPHS = 128
+
+Metrics = dict[str, torch.Tensor | float]
+StepFn = Callable[[MicroInputs, dict[str, float | torch.Tensor]], Metrics]
+
+
+def switched_on() -> bool:
+    """Graphs for the updates' micro-batches: on unless FULCRUM_TRAIN_CUDA_GRAPHS=0."""
+    return os.environ.get("FULCRUM_TRAIN_CUDA_GRAPHS", "1") != "0"
+
+
+def graphs_for(forwards: ModelForwards) -> StepGraphs | None:
+    """A `StepGraphs` for the model behind `forwards` when its updates can be graphed: on CUDA, packed,
+    with compute weights of its own (not FSDP-sharded), without sequence parallelism; else None."""
+    if not switched_on() or forwards.device.type != "cuda":
+        return None
+    if not forwards.packed or forwards.compute is None or forwards.sp is not None:
+        return None
+    return StepGraphs(forwards)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """The padded sizes of a micro-batch: stream tokens N, response positions M, rows B, sequences S."""
+
+    tokens: int
+    responses: int
+    rows: int
+    sequences: int
+
+
+def round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def bucket_for(packed: PackedMicroBatch) -> Bucket:
+    """The bucket a packed micro-batch pads to: N + 1 tokens at least (a padding sequence always
+    exists, for the padding positions to point at), rounded up; room in the rows for the padding
+    positions (R a row) and in the sequences for the padding sequences (each at most `max_seqlen`)."""
+    n, m = packed.input_ids.numel(), packed.labels.numel()
+    b, r = packed.shape
+    tokens = round_up(n + 1, TOKEN_STEP)
+    responses = round_up(m, RESPONSE_STEP)
+    extra_rows = -(-(responses - m) // r)
+    extra_sequences = -(-(tokens - n) // packed.max_seqlen)
+    sequences = packed.cu_seqlens.numel() - 1 + extra_sequences
+    return Bucket(tokens, responses, round_up(b + extra_rows, ROW_STEP), round_up(sequences, ROW_STEP))
+
+
+def pad_packed(packed: PackedMicroBatch, bucket: Bucket) -> PackedMicroBatch:
+    """`packed` (on the host) padded to `bucket`:
+
+    - tokens N..N_b-1: token 0 at positions 0, 1, ... in sequences of at most `max_seqlen`;
+    - sequences: those, then sequences of length 0 up to S_b (cu_seqlens repeats N_b);
+    - response positions M..M_b-1: predicted from stream position N (a padding token), label 0, in the
+      padding rows B, B+1, ... of the (B_b, R) grid, column after column; the rows' mask is 0.
+    """
+    n, m = packed.input_ids.numel(), packed.labels.numel()
+    b, r = packed.shape
+    extra, width = bucket.tokens - n, packed.max_seqlen
+    lengths = [width] * (extra // width) + ([extra % width] if extra % width else [])
+    ends = n + torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    empty = bucket.sequences + 1 - packed.cu_seqlens.numel() - len(lengths)
+    k = torch.arange(bucket.responses - m)
+    return PackedMicroBatch(
+        input_ids=torch.cat([packed.input_ids, packed.input_ids.new_zeros(extra)]),
+        position_ids=torch.cat([packed.position_ids, *(torch.arange(x) for x in lengths)]),
+        cu_seqlens=torch.cat(
+            [packed.cu_seqlens, ends, torch.full((empty,), bucket.tokens, dtype=torch.int32)]
+        ),
+        max_seqlen=width,
+        predictor=torch.cat([packed.predictor, torch.full((len(k),), n, dtype=torch.long)]),
+        labels=torch.cat([packed.labels, packed.labels.new_zeros(len(k))]),
+        rows=torch.cat([packed.rows, b + k // r]),
+        cols=torch.cat([packed.cols, k % r]),
+        shape=(bucket.rows, r),
+    )
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """(B, ...) → (rows, ...) with zero rows after."""
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0]))
+
+
+def padded_inputs(mb: Batch, keys: list[str]) -> tuple[Bucket, PackedMicroBatch, dict[str, torch.Tensor]]:
+    """The micro-batch packed and padded to its bucket, and its (B, R) columns `keys` padded alike; on
+    the host."""
+    packed = pack_micro_batch(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb.prompt_length)
+    bucket = bucket_for(packed)
+    return bucket, pad_packed(packed, bucket), {k: pad_rows(mb[k], bucket.rows) for k in keys}
+
+
+class Captured:
+    """One bucket's graph: its static inputs, and where its metrics land (one stacked tensor)."""
+
+    def __init__(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        inputs: DeviceInputs,
+        names: list[str],
+        consts: Metrics,
+        out: torch.Tensor,
+    ) -> None:
+        self.graph, self.inputs, self.names, self.consts, self.out = graph, inputs, names, consts, out
+
+    def replay(self, packed: PackedMicroBatch, rows: dict[str, torch.Tensor]) -> Metrics:
+        """Copy a padded micro-batch into the static inputs (asynchronously, from pinned memory), replay,
+        and take the metrics out before another graph of the pool runs."""
+        static = self.inputs.packed
+        for name in ("input_ids", "position_ids", "cu_seqlens", "predictor", "labels", "rows", "cols"):
+            getattr(static, name).copy_(getattr(packed, name).pin_memory(), non_blocking=True)
+        for key, value in rows.items():
+            self.inputs.rows[key].copy_(value.pin_memory(), non_blocking=True)
+        self.graph.replay()
+        return named_metrics(self.names, self.consts, self.out.clone())
+
+
+def split_metrics(out: Metrics) -> tuple[list[str], Metrics, torch.Tensor]:
+    """A step's metrics as (names of the tensor ones, the constant ones, the tensors stacked as float32)."""
+    names = [k for k, v in out.items() if isinstance(v, torch.Tensor)]
+    consts = {k: v for k, v in out.items() if not isinstance(v, torch.Tensor)}
+    stacked = torch.stack([out[k].detach().float().reshape(()) for k in names])  # type: ignore[union-attr]
+    return names, consts, stacked
+
+
+def named_metrics(names: list[str], consts: Metrics, values: torch.Tensor) -> Metrics:
+    return {**consts, **dict(zip(names, values.unbind(), strict=True))}
+
+
+_POOLS: dict[torch.device, object] = {}
+
+
+def shared_pool(device: torch.device) -> object:
+    """One graph memory pool per device: the actor's and the critic's graphs never run at once."""
+    if device not in _POOLS:
+        _POOLS[device] = torch.cuda.graph_pool_handle()
+    return _POOLS[device]
+
+
+class StepGraphs:
+    """The graphs of one model's update micro-batches, by (bucket, the loss's columns, its flags)."""
+
+    def __init__(self, forwards: ModelForwards, limit: int = MAX_GRAPHS) -> None:
+        assert forwards.compute is not None
+        self.forwards = forwards
+        self.compute = forwards.compute
+        self.compute.keep_resident()
+        self.limit = limit
+        self.graphs: dict[tuple[object, ...], Captured] = {}
+        self.failed: str | None = None  # why capturing stopped (then every step runs eagerly)
+        self.counts: dict[str, torch.Tensor] = {}  # the losses' mini-batch counts, as 0-d device tensors
+        self.replays = 0
+        self._stream: torch.cuda.Stream | None = None
+
+    def step(
+        self, mb: Batch, agg: dict[str, float], keys: list[str], flags: tuple[object, ...], loss_step: StepFn
+    ) -> Metrics | None:
+        """`loss_step` on `mb` (its (B, R) columns `keys`), its gradients added into the resident ones:
+        replayed when its bucket has a graph, else run eagerly and captured. None: not graphed (capture
+        failed once, or `limit` graphs exist), the caller runs it its own way."""
+        if self.failed is not None:
+            return None
+        bucket, packed, rows = padded_inputs(mb, keys)
+        key = (bucket, tuple(keys), flags, tuple(sorted(agg)))
+        captured = self.graphs.get(key)
+        if captured is None and len(self.graphs) >= self.limit:
+            return None
+        self.fill_counts(agg)
+        if captured is not None:
+            self.replays += 1
+            return captured.replay(packed, rows)
+        return self.capture(key, packed, rows, loss_step)
+
+    def fill_counts(self, agg: dict[str, float]) -> None:
+        device = self.forwards.device
+        for name, value in agg.items():
+            if name not in self.counts:
+                self.counts[name] = torch.zeros((), dtype=torch.float32, device=device)
+            self.counts[name].fill_(value)
+
+    def run(self, inputs: DeviceInputs, loss_step: StepFn) -> Metrics:
+        """What a graph holds: the loss step and the gradients' accumulation."""
+        out = loss_step(inputs, dict(self.counts))
+        self.compute.add_pending_grads()
+        return out
+
+    def capture(
+        self,
+        key: tuple[object, ...],
+        packed: PackedMicroBatch,
+        rows: dict[str, torch.Tensor],
+        loss_step: StepFn,
+    ) -> Metrics:
+        device = self.forwards.device
+        inputs = DeviceInputs(packed.to(device), {k: host_to_device(v, device) for k, v in rows.items()})
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        stream, current = self._stream, torch.cuda.current_stream(device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):  # this micro-batch, eagerly, on the stream the capture uses
+            names, consts, stacked = split_metrics(self.run(inputs, loss_step))
+            values = stacked.clone()
+        current.wait_stream(stream)
+        started = time.perf_counter()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(
+                graph, pool=shared_pool(device), stream=stream, capture_error_mode="thread_local"
+            ):
+                _, _, out = split_metrics(self.run(inputs, loss_step))
+        except Exception as err:  # any capture failure: go on eagerly, say why once
+            self.compute.discard_pending()
+            self.failed = f"{type(err).__name__}: {err}"
+            logger.warning(
+                "CUDA graphs for this model's update micro-batches are off (the step could not be "
+                "captured: %s); the update runs eagerly. FULCRUM_TRAIN_CUDA_GRAPHS=0 turns them off.",
+                self.failed,
+            )
+            return named_metrics(names, consts, values)
+        self.graphs[key] = Captured(graph, inputs, names, consts, out)
+        logger.info(
+            "captured an update micro-batch of %s in %.2f s (%d graphs, %d replays so far)",
+            key[0],
+            time.perf_counter() - started,
+            len(self.graphs),
+            self.replays,
+        )
+        return named_metrics(names, consts, values)

@@ -1,0 +1,151 @@
+"""What a graphed update micro-batch is padded with changes nothing (`fulcrum.workers.step_graphs`).
+
+A CUDA graph needs fixed shapes, so each micro-batch is padded to a bucket: extra tokens in extra
+sequences, extra response positions in extra rows whose response mask is 0, sequences of length 0.
+On the CPU (float32, eager) the actor's and the critic's loss step on the padded micro-batch give the
+unpadded one's losses, metrics and gradients. The graphs themselves run on CUDA:
+tests/test_step_graphs_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_workers_units import make_batch
+from test_workers_update import cfg_for
+
+from fulcrum.batch import Batch
+from fulcrum.config.sections import actor_section, critic_section
+from fulcrum.models.packed import pack_micro_batch
+from fulcrum.workers.actor import ActorWorker
+from fulcrum.workers.critic import CriticWorker
+from fulcrum.workers.micro_batch import DeviceInputs, HostInputs
+from fulcrum.workers.step_graphs import (
+    ROW_STEP,
+    TOKEN_STEP,
+    Bucket,
+    bucket_for,
+    pad_packed,
+    padded_inputs,
+)
+from fulcrum.workers.update import global_agg_kwargs
+
+CPU = torch.device("cpu")
+
+
+def rl_batch(b: int = 7, p: int = 10, r: int = 7) -> Batch:
+    batch = make_batch(b=b, p=p, r=r, seed=3)
+    g = torch.Generator().manual_seed(4)
+    mask = batch["response_mask"].float()
+    for key, scale, shift in (
+        ("advantages", 1.0, 0.0),
+        ("old_log_probs", 0.3, -6.0),
+        ("ref_log_prob", 0.3, -6.0),
+    ):
+        batch[key] = (torch.randn(batch["responses"].shape, generator=g) * scale + shift) * mask
+    batch["values"] = torch.randn(batch["responses"].shape, generator=g) * mask
+    batch["returns"] = torch.randn(batch["responses"].shape, generator=g) * mask
+    return batch
+
+
+def test_the_padded_stream_adds_sequences_rows_and_positions_the_mask_leaves_out() -> None:
+    batch = rl_batch()
+    packed = pack_micro_batch(
+        batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch.prompt_length
+    )
+    n, m, (b, r) = packed.input_ids.numel(), packed.labels.numel(), packed.shape
+    bucket = bucket_for(packed)
+    assert bucket.tokens % TOKEN_STEP == 0 and bucket.tokens > n
+    assert bucket.rows % ROW_STEP == 0 and bucket.sequences % ROW_STEP == 0
+    padded = pad_packed(packed, bucket)
+    assert padded.input_ids.numel() == padded.position_ids.numel() == bucket.tokens
+    assert padded.labels.numel() == padded.predictor.numel() == bucket.responses
+    assert padded.shape == (bucket.rows, r)
+    cu = padded.cu_seqlens
+    assert cu.numel() == bucket.sequences + 1 and int(cu[-1]) == bucket.tokens
+    assert torch.equal(cu[: packed.cu_seqlens.numel()], packed.cu_seqlens)
+    lengths = cu.diff()
+    assert int(lengths.min()) >= 0 and int(lengths.max()) <= packed.max_seqlen
+    # Each padding sequence's positions restart at 0.
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        if start >= n and end > start:
+            assert padded.position_ids[start:end].tolist() == list(range(end - start))
+    # Padding positions: in rows >= B, each (row, column) once, predicted from a padding token.
+    assert torch.equal(padded.predictor[:m], packed.predictor)
+    assert bool((padded.rows[m:] >= b).all()) and bool((padded.predictor[m:] >= n).all())
+    cells = set(zip(padded.rows.tolist(), padded.cols.tolist(), strict=True))
+    assert len(cells) == bucket.responses
+
+
+def test_a_long_padding_is_cut_into_sequences_no_longer_than_the_widest_row() -> None:
+    batch = rl_batch(
+        b=2, p=6, r=4
+    )  # rows of at most 10 tokens: 128-token buckets need many padding sequences
+    packed = pack_micro_batch(
+        batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch.prompt_length
+    )
+    bucket = bucket_for(packed)
+    padded = pad_packed(packed, bucket)
+    lengths = padded.cu_seqlens.diff()
+    assert int(lengths.max()) <= packed.max_seqlen == 10
+    assert int(lengths.sum()) == bucket.tokens
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_the_actor_loss_step_on_a_padded_micro_batch_equals_the_unpadded_one(
+    tiny_dir: str, mode: str, on_policy: bool
+) -> None:
+    cfg = cfg_for(
+        tiny_dir,
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+        f"actor_rollout_ref.actor.loss_agg_mode={mode}",
+    )
+    batch = rl_batch()
+    agg = global_agg_kwargs(batch["response_mask"])
+    results = []
+    for padded in (False, True):
+        actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=1)
+        assert actor.forwards.packed and actor.graphs is None  # no graphs on the CPU
+        actor.on_policy = on_policy
+        if padded:
+            keys = ["response_mask", "advantages", "ref_log_prob"] + ([] if on_policy else ["old_log_probs"])
+            bucket, packed, rows = padded_inputs(batch, keys)
+            assert isinstance(bucket, Bucket) and bucket.rows > len(batch)
+            out = actor.loss_step(DeviceInputs(packed, rows), agg)
+        else:
+            out = actor.loss_step(HostInputs(batch, CPU), agg)
+        grads = torch.cat([p.grad.flatten() for p in actor.model.parameters() if p.grad is not None])
+        results.append(({k: float(v) for k, v in out.items()}, grads))
+    (plain, plain_grads), (padded, padded_grads) = results
+    assert plain.keys() == padded.keys()
+    for key in plain:
+        assert padded[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-6), key
+    assert plain["actor/kl_loss"] != 0.0 and plain["actor/pg_loss"] != 0.0
+    assert torch.allclose(padded_grads, plain_grads, rtol=1e-4, atol=1e-6)
+    assert float(plain_grads.abs().max()) > 0
+
+
+def test_the_critic_loss_step_on_a_padded_micro_batch_equals_the_unpadded_one(tiny_dir: str) -> None:
+    cfg = cfg_for(tiny_dir, "critic.model.use_remove_padding=True", "critic.cliprange_value=0.1")
+    batch = rl_batch()
+    agg = global_agg_kwargs(batch["response_mask"])
+    results = []
+    for padded in (False, True):
+        torch.manual_seed(0)  # the value head's initial weights
+        critic = CriticWorker(critic_section(cfg), CPU, total_training_steps=1)
+        assert critic.forwards.packed and critic.graphs is None
+        if padded:
+            _, packed, rows = padded_inputs(batch, ["response_mask", "values", "returns"])
+            out = critic.loss_step(DeviceInputs(packed, rows), agg)
+        else:
+            out = critic.loss_step(HostInputs(batch, CPU), agg)
+        grads = torch.cat([p.grad.flatten() for p in critic.model.parameters() if p.grad is not None])
+        results.append(({k: float(v) for k, v in out.items()}, grads))
+    (plain, plain_grads), (padded, padded_grads) = results
+    for key in plain:
+        assert padded[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-6), key
+    assert 0.0 < plain["critic/vf_clipfrac"] < 1.0
+    assert torch.allclose(padded_grads, plain_grads, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,88 @@
+"""Graphed update micro-batches on CUDA (`fulcrum.workers.step_graphs`): a replay gives exactly what
+the captured micro-batch's eager run gave, and whole updates with graphs follow the eager ones (bf16
+compute: the padding changes the products' shapes, so not bit for bit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_step_graphs import rl_batch
+from test_workers_update import cfg_for
+
+from fulcrum.config.sections import actor_section, critic_section
+from fulcrum.workers.actor import ActorWorker
+from fulcrum.workers.critic import CriticWorker
+from fulcrum.workers.update import global_agg_kwargs
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+SETTINGS = (
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "critic.model.use_remove_padding=True",
+    "actor_rollout_ref.actor.use_torch_compile=False",  # the capture does not depend on it; the test's time would
+    "critic.use_torch_compile=False",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.entropy_coeff=0.01",
+)
+
+
+def flat_grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).clone()
+
+
+def test_a_replay_gives_exactly_what_the_captured_micro_batch_gave(tiny_dir: str) -> None:
+    actor = ActorWorker(actor_section(cfg_for(tiny_dir, *SETTINGS)), CUDA, total_training_steps=1)
+    assert actor.graphs is not None
+    batch = rl_batch(b=6)
+    agg = global_agg_kwargs(batch["response_mask"])
+    outs, grads = [], []
+    with actor.forwards.active():
+        for _ in range(2):  # captured (and run eagerly), then replayed
+            actor.forwards.start_accumulation()
+            outs.append({k: float(v) for k, v in actor.micro_step(batch, agg).items()})
+            actor.forwards.accumulate_grads()
+            grads.append(flat_grads(actor.model))
+    assert actor.graphs.failed is None, actor.graphs.failed
+    assert len(actor.graphs.graphs) == 1 and actor.graphs.replays == 1
+    assert outs[0] == outs[1]
+    assert torch.equal(grads[0], grads[1]) and float(grads[0].abs().max()) > 0
+
+
+def updated(
+    worker: ActorWorker | CriticWorker, batch, steps: int
+) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    before = torch.cat([p.detach().flatten() for p in worker.model.parameters()]).clone()
+    update = worker.update_policy if isinstance(worker, ActorWorker) else worker.update_critic
+    metrics = [update(batch, step) for step in range(steps)]
+    after = torch.cat([p.detach().flatten() for p in worker.model.parameters()])
+    return after - before, metrics
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_updates_with_graphs_follow_the_eager_ones(
+    tiny_dir: str, monkeypatch: pytest.MonkeyPatch, role: str
+) -> None:
+    cfg = cfg_for(tiny_dir, *SETTINGS)
+    batch = rl_batch(b=16)
+    runs = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("FULCRUM_TRAIN_CUDA_GRAPHS", graphs)
+        torch.manual_seed(0)
+        worker = (
+            ActorWorker(actor_section(cfg), CUDA, total_training_steps=4)
+            if role == "actor"
+            else CriticWorker(critic_section(cfg), CUDA, total_training_steps=4)
+        )
+        assert (worker.graphs is not None) == (graphs == "1")
+        runs[graphs] = updated(worker, batch, 2)
+        if worker.graphs is not None:
+            assert worker.graphs.failed is None, worker.graphs.failed
+            assert worker.graphs.graphs and worker.graphs.replays > 0
+    (eager, eager_metrics), (graphed, graphed_metrics) = runs["0"], runs["1"]
+    cosine = torch.nn.functional.cosine_similarity(eager.double(), graphed.double(), dim=0)
+    assert float(cosine) > 0.99
+    assert float(graphed.norm()) == pytest.approx(float(eager.norm()), rel=0.05)
+    for before, after in zip(eager_metrics, graphed_metrics, strict=True):
+        assert before.keys() == after.keys()
+        loss = f"{role}/{'pg_loss' if role == 'actor' else 'vf_loss'}"
+        assert after[loss] == pytest.approx(before[loss], rel=0.05, abs=1e-3)
