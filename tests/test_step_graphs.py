@@ -108,7 +108,7 @@ def test_the_actor_loss_step_on_a_padded_micro_batch_equals_the_unpadded_one(
     results = []
     for padded in (False, True):
         actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=1)
-        assert actor.forwards.packed and actor.graphs is None  # no graphs on the CPU
+        assert actor.forwards.packed and actor.forwards.graphs is None  # no graphs on the CPU
         actor.on_policy = on_policy
         if padded:
             keys = ["response_mask", "advantages", "ref_log_prob"] + ([] if on_policy else ["old_log_probs"])
@@ -136,7 +136,7 @@ def test_the_critic_loss_step_on_a_padded_micro_batch_equals_the_unpadded_one(ti
     for padded in (False, True):
         torch.manual_seed(0)  # the value head's initial weights
         critic = CriticWorker(critic_section(cfg), CPU, total_training_steps=1)
-        assert critic.forwards.packed and critic.graphs is None
+        assert critic.forwards.packed and critic.forwards.graphs is None
         if padded:
             _, packed, rows = padded_inputs(batch, ["response_mask", "values", "returns"])
             out = critic.loss_step(DeviceInputs(packed, rows), agg)

@@ -30,7 +30,6 @@ from fulcrum.workers.micro_batch import HostInputs, MicroInputs
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
 from fulcrum.workers.state_parking import OptimizerStateParking
-from fulcrum.workers.step_graphs import graphs_for
 from fulcrum.workers.update import UpdatePlan, one_optimizer_step, ppo_update
 
 # A batch column an update without old log-probs adds: each row's index, to put what it records in order.
@@ -46,11 +45,11 @@ def compute_log_prob(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(response) (B, R) and entropy (B, R) on the CPU, float32, no gradient, micro-batched."""
 
-    def forward(mb: Batch) -> tuple[torch.Tensor, ...]:
-        logp, ent = forwards.log_prob(mb, temperature, with_entropy)
+    def forward(inputs: MicroInputs) -> tuple[torch.Tensor, ...]:
+        logp, ent = inputs.log_prob(forwards, temperature, with_entropy, inputs.row("response_mask"))
         return (logp,) if ent is None else (logp, ent)
 
-    outputs = forwards.no_grad_pass(batch, sizes, forward)
+    outputs = forwards.no_grad_pass(batch, sizes, forward, graph_key=("log_prob", temperature, with_entropy))
     return outputs[0], (outputs[1] if with_entropy else None)
 
 
@@ -148,9 +147,6 @@ class ActorWorker:
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, self.cfg.optim, total_training_steps, "actor_rollout_ref.actor.optim"
         )
-        self.graphs = graphs_for(
-            self.forwards
-        )  # the update's micro-batches as CUDA graphs, where they can be
         self.temperature = section.temperature
         self.log_prob_sizes = section.log_prob
         cfg = self.cfg
@@ -229,17 +225,13 @@ class ActorWorker:
         """Forward, loss (this micro-batch's share of the mini-batch loss), backward; detached metrics:
         `loss_step`, replayed from a CUDA graph where it can be (`fulcrum.workers.step_graphs`: not while
         recording old log-probs, in bypass mode or with a router loss, which read the batch on the host)."""
-        if (
-            self.graphs is not None
-            and self.recorded is None
-            and self.bypass is None
-            and self.router_loss is None
-        ):
+        graphs = self.forwards.graphs
+        if graphs is not None and self.recorded is None and self.bypass is None and self.router_loss is None:
             keys = ["response_mask", "advantages"]
             keys += [] if self.on_policy else ["old_log_probs"]
             keys += ["ref_log_prob"] if self.cfg.use_kl_loss else []
             keys += ["rollout_is_weights"] if "rollout_is_weights" in mb.tensors else []
-            out = self.graphs.step(mb, agg, keys, (self.on_policy,), self.loss_step)
+            out = graphs.step(mb, agg, keys, (self.on_policy,), self.loss_step)
             if out is not None:
                 return out
         return self.loss_step(HostInputs(mb, self.device), agg)

@@ -22,7 +22,6 @@ from fulcrum.workers.micro_batch import HostInputs, MicroInputs
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
 from fulcrum.workers.state_parking import OptimizerStateParking
-from fulcrum.workers.step_graphs import graphs_for
 from fulcrum.workers.update import UpdatePlan, ppo_update
 
 
@@ -61,9 +60,6 @@ class CriticWorker:
         self.optimizer = build_optimizer(self.model.parameters(), c.optim, device)
         self.parking: OptimizerStateParking | None = None  # set by a trainer that updates several models
         self.lr_scheduler = build_lr_scheduler(self.optimizer, c.optim, total_training_steps, "critic.optim")
-        self.graphs = graphs_for(
-            self.forwards
-        )  # the update's micro-batches as CUDA graphs, where they can be
         assert c.ppo_epochs is not None and c.loss_agg_mode is not None, "a resolved configuration"
         self.loss_agg_mode = c.loss_agg_mode
         self.ppo_epochs = c.ppo_epochs
@@ -82,7 +78,11 @@ class CriticWorker:
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """V(s_t) for every response position (B, R), float32 on the CPU, zero outside the response mask."""
-        return self.forwards.no_grad_pass(batch, self.values_sizes, lambda mb: (self.forwards.values(mb),))[0]
+
+        def forward(inputs: MicroInputs) -> tuple[torch.Tensor]:
+            return (inputs.values(self.forwards, inputs.row("response_mask")),)
+
+        return self.forwards.no_grad_pass(batch, self.values_sizes, forward, graph_key=("values",))[0]
 
     def update_critic(self, batch: Batch, global_step: int = 0) -> dict[str, float]:
         """One update (fulcrum.workers.update.ppo_update) of the clipped value loss; needs values, returns."""
@@ -91,8 +91,9 @@ class CriticWorker:
     def micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]:
         """Forward, value loss (this micro-batch's share of the mini-batch loss), backward; detached
         metrics: `loss_step`, replayed from a CUDA graph where it can be (`fulcrum.workers.step_graphs`)."""
-        if self.graphs is not None:
-            out = self.graphs.step(mb, agg, ["response_mask", "values", "returns"], (), self.loss_step)
+        graphs = self.forwards.graphs
+        if graphs is not None:
+            out = graphs.step(mb, agg, ["response_mask", "values", "returns"], (), self.loss_step)
             if out is not None:
                 return out
         return self.loss_step(HostInputs(mb, self.device), agg)

@@ -36,6 +36,8 @@ from fulcrum.models.stream_shard import real_tokens
 from fulcrum.parallel.fsdp import is_sharded, run_in_root
 from fulcrum.parallel.ulysses import SequenceParallel, check_heads, sequence_parallel_group
 from fulcrum.workers.micro_batch import (
+    HostInputs,
+    MicroInputs,
     forward_log_prob,
     forward_values,
     make_micro_batches,
@@ -45,6 +47,7 @@ from fulcrum.workers.micro_batch import (
     stream_values,
     trimmed_inputs,
 )
+from fulcrum.workers.step_graphs import graphs_for
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +107,8 @@ class ModelForwards:
         dtype = compute_dtype(device)
         mixed = dtype != torch.float32 and not sharded
         self.compute = ComputeWeights(model, dtype, keep=keep) if mixed else None
+        # Its micro-batches (update steps, no-grad forwards) replayed as CUDA graphs, where they can be.
+        self.graphs = graphs_for(self)
 
     def sequence_parallel(self, sp_size: int, key: str, reason: str | None) -> SequenceParallel | None:
         """The sequence-parallel group of `sp_size` (None for 1), after checking that this model can
@@ -167,12 +172,16 @@ class ModelForwards:
         self,
         batch: Batch,
         sizes: ForwardSizes,
-        forward: Callable[[Batch], tuple[torch.Tensor, ...]],
+        forward: Callable[[MicroInputs], tuple[torch.Tensor, ...]],
         padded: bool = False,
+        graph_key: tuple[object, ...] | None = None,
     ) -> list[torch.Tensor]:
         """`forward` on every micro-batch in eval mode without gradients: each of its outputs over the
         whole batch, (B, ...) in the batch's row order, on the CPU. `padded`: padded micro-batches over
-        the float32 masters (no compute weights), whatever this model's layout.
+        the float32 masters (no compute weights), whatever this model's layout. `graph_key` (what besides
+        the micro-batch decides `forward`'s work, e.g. its temperature): its micro-batches replayed as CUDA
+        graphs where this model has them (`fulcrum.workers.step_graphs`); `forward` then reads only the
+        micro-batch's response mask and stream.
 
         Micro-batches hold rows of similar length (less padding; no-grad results do not depend on the
         grouping). Results stay on the device until the pass ends: one host copy, no sync per micro-batch.
@@ -187,11 +196,17 @@ class ModelForwards:
             packed=self.packed and not padded,
             model=self.model,
         )
+        graphs = self.graphs if graph_key is not None and not padded else None
         was_training = self.model.training
         self.model.eval()  # no dropout: log-probs must match what the update's ratio starts from
         try:
             with torch.no_grad(), contextlib.nullcontext() if padded else self.active():
-                outputs = [forward(mb) for mb in micro]
+                outputs = []
+                for mb in micro:
+                    out = (
+                        None if graphs is None else graphs.forward(mb, ["response_mask"], graph_key, forward)
+                    )  # type: ignore[arg-type]
+                    outputs.append(out if out is not None else forward(HostInputs(mb, self.device)))
         finally:
             self.model.train(was_training)
         return [restore_order(list(parts), order).cpu() for parts in zip(*outputs, strict=True)]
@@ -253,7 +268,9 @@ class ModelForwards:
         micro-batches under autocast. One extra forward per step, only when the estimator needs it (verl
         computes it in the old-log-prob pass)."""
 
-        def forward(mb: Batch) -> tuple[torch.Tensor]:
+        def forward(inputs: MicroInputs) -> tuple[torch.Tensor]:
+            assert isinstance(inputs, HostInputs)
+            mb = inputs.batch
             ids, mask, pos, r_kept = trimmed_inputs(mb, self.device)
             with autocast_for(self.device):
                 logits = response_logits(self.model, ids, mask, pos, r_kept)

@@ -30,13 +30,16 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from fulcrum.batch import Batch, host_to_device
 from fulcrum.models.packed import PackedMicroBatch, pack_micro_batch
-from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.micro_batch import DeviceInputs, MicroInputs
+
+if TYPE_CHECKING:
+    from fulcrum.workers.forwards import ModelForwards
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +60,15 @@ def switched_on() -> bool:
 
 
 def graphs_for(forwards: ModelForwards) -> StepGraphs | None:
-    """A `StepGraphs` for the model behind `forwards` when its updates can be graphed: on CUDA, packed,
-    with compute weights of its own (not FSDP-sharded), without sequence parallelism; else None."""
+    """A `StepGraphs` for the model behind `forwards` when its micro-batches can be graphed: on CUDA,
+    packed, with compute weights of its own (not FSDP-sharded), without sequence parallelism or LoRA
+    adapters; else None."""
     if not switched_on() or forwards.device.type != "cuda":
         return None
     if not forwards.packed or forwards.compute is None or forwards.sp is not None:
         return None
+    if any(".lora_" in name for name, _ in forwards.model.named_parameters()):
+        return None  # LoRA: the reference runs the same model with its adapters switched off on the host
     return StepGraphs(forwards)
 
 
@@ -138,28 +144,23 @@ def padded_inputs(mb: Batch, keys: list[str]) -> tuple[Bucket, PackedMicroBatch,
 
 
 class Captured:
-    """One bucket's graph: its static inputs, and where its metrics land (one stacked tensor)."""
+    """One bucket's graph: its static inputs and outputs, and what its step said besides (`extra`)."""
 
     def __init__(
-        self,
-        graph: torch.cuda.CUDAGraph,
-        inputs: DeviceInputs,
-        names: list[str],
-        consts: Metrics,
-        out: torch.Tensor,
+        self, graph: torch.cuda.CUDAGraph, inputs: DeviceInputs, outs: tuple[torch.Tensor, ...], extra: object
     ) -> None:
-        self.graph, self.inputs, self.names, self.consts, self.out = graph, inputs, names, consts, out
+        self.graph, self.inputs, self.outs, self.extra = graph, inputs, outs, extra
 
-    def replay(self, packed: PackedMicroBatch, rows: dict[str, torch.Tensor]) -> Metrics:
-        """Copy a padded micro-batch into the static inputs (asynchronously, from pinned memory), replay,
-        and take the metrics out before another graph of the pool runs."""
+    def replay(self, packed: PackedMicroBatch, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Copy a padded micro-batch into the static inputs (asynchronously, from pinned memory) and
+        replay; the caller takes what it keeps out of the outputs before another graph of the pool runs."""
         static = self.inputs.packed
         for name in ("input_ids", "position_ids", "cu_seqlens", "predictor", "labels", "rows", "cols"):
             getattr(static, name).copy_(getattr(packed, name).pin_memory(), non_blocking=True)
         for key, value in rows.items():
             self.inputs.rows[key].copy_(value.pin_memory(), non_blocking=True)
         self.graph.replay()
-        return named_metrics(self.names, self.consts, self.out.clone())
+        return self.outs
 
 
 def split_metrics(out: Metrics) -> tuple[list[str], Metrics, torch.Tensor]:
@@ -184,17 +185,21 @@ def shared_pool(device: torch.device) -> object:
     return _POOLS[device]
 
 
+GraphedFn = Callable[[DeviceInputs], tuple[tuple[torch.Tensor, ...], object]]
+
+
 class StepGraphs:
-    """The graphs of one model's update micro-batches, by (bucket, the loss's columns, its flags)."""
+    """The graphs of one model's micro-batches — its updates' steps (`step`) and its no-grad passes'
+    forwards (`forward`) — by (bucket, the columns they read, what else shapes them)."""
 
     def __init__(self, forwards: ModelForwards, limit: int = MAX_GRAPHS) -> None:
         assert forwards.compute is not None
-        self.forwards = forwards
+        self.device = forwards.device
         self.compute = forwards.compute
         self.compute.keep_resident()
         self.limit = limit
         self.graphs: dict[tuple[object, ...], Captured] = {}
-        self.failed: str | None = None  # why capturing stopped (then every step runs eagerly)
+        self.failed: str | None = None  # why capturing stopped (then every micro-batch runs eagerly)
         self.counts: dict[str, torch.Tensor] = {}  # the losses' mini-batch counts, as 0-d device tensors
         self.replays = 0
         self._stream: torch.cuda.Stream | None = None
@@ -202,51 +207,71 @@ class StepGraphs:
     def step(
         self, mb: Batch, agg: dict[str, float], keys: list[str], flags: tuple[object, ...], loss_step: StepFn
     ) -> Metrics | None:
-        """`loss_step` on `mb` (its (B, R) columns `keys`), its gradients added into the resident ones:
-        replayed when its bucket has a graph, else run eagerly and captured. None: not graphed (capture
-        failed once, or `limit` graphs exist), the caller runs it its own way."""
+        """An update's `loss_step` on `mb` (its (B, R) columns `keys`), its gradients added into the
+        resident ones; the metrics. None: not graphed (see `graphed`), the caller runs it its own way."""
+        self.fill_counts(agg)
+
+        def fn(inputs: DeviceInputs) -> tuple[tuple[torch.Tensor, ...], object]:
+            out = loss_step(inputs, dict(self.counts))
+            self.compute.add_pending_grads()
+            names, consts, stacked = split_metrics(out)
+            return (stacked,), (names, consts)
+
+        got = self.graphed(mb, keys, ("update", flags, tuple(sorted(agg))), fn)
+        if got is None:
+            return None
+        (stacked,), (names, consts) = got  # type: ignore[misc]
+        return named_metrics(names, consts, stacked.clone())
+
+    def forward(
+        self,
+        mb: Batch,
+        keys: list[str],
+        flags: tuple[object, ...],
+        fn: Callable[[DeviceInputs], tuple[torch.Tensor, ...]],
+    ) -> tuple[torch.Tensor, ...] | None:
+        """A no-grad pass's `fn` on `mb` (outputs (B, ...) per row): each output's rows of `mb`, copied out
+        of the padded ones. None: not graphed."""
+        got = self.graphed(mb, keys, ("forward", flags), lambda inputs: (fn(inputs), None))
+        if got is None:
+            return None
+        return tuple(out[: len(mb)].clone() for out in got[0])
+
+    def graphed(
+        self, mb: Batch, keys: list[str], shape: tuple[object, ...], fn: GraphedFn
+    ) -> tuple[tuple[torch.Tensor, ...], object] | None:
+        """`fn` on `mb` padded to its bucket: replayed when the bucket has a graph, else run eagerly and
+        captured. None when capturing failed once, or `limit` graphs exist and the bucket has none."""
         if self.failed is not None:
             return None
         bucket, packed, rows = padded_inputs(mb, keys)
-        key = (bucket, tuple(keys), flags, tuple(sorted(agg)))
+        key = (bucket, tuple(keys), shape)
         captured = self.graphs.get(key)
-        if captured is None and len(self.graphs) >= self.limit:
-            return None
-        self.fill_counts(agg)
         if captured is not None:
             self.replays += 1
-            return captured.replay(packed, rows)
-        return self.capture(key, packed, rows, loss_step)
+            return captured.replay(packed, rows), captured.extra
+        if len(self.graphs) >= self.limit:
+            return None
+        return self.capture(key, packed, rows, fn)
 
     def fill_counts(self, agg: dict[str, float]) -> None:
-        device = self.forwards.device
         for name, value in agg.items():
             if name not in self.counts:
-                self.counts[name] = torch.zeros((), dtype=torch.float32, device=device)
+                self.counts[name] = torch.zeros((), dtype=torch.float32, device=self.device)
             self.counts[name].fill_(value)
 
-    def run(self, inputs: DeviceInputs, loss_step: StepFn) -> Metrics:
-        """What a graph holds: the loss step and the gradients' accumulation."""
-        out = loss_step(inputs, dict(self.counts))
-        self.compute.add_pending_grads()
-        return out
-
     def capture(
-        self,
-        key: tuple[object, ...],
-        packed: PackedMicroBatch,
-        rows: dict[str, torch.Tensor],
-        loss_step: StepFn,
-    ) -> Metrics:
-        device = self.forwards.device
+        self, key: tuple[object, ...], packed: PackedMicroBatch, rows: dict[str, torch.Tensor], fn: GraphedFn
+    ) -> tuple[tuple[torch.Tensor, ...], object]:
+        device = self.device
         inputs = DeviceInputs(packed.to(device), {k: host_to_device(v, device) for k, v in rows.items()})
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         stream, current = self._stream, torch.cuda.current_stream(device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):  # this micro-batch, eagerly, on the stream the capture uses
-            names, consts, stacked = split_metrics(self.run(inputs, loss_step))
-            values = stacked.clone()
+            outs, extra = fn(inputs)
+            outs = tuple(out.clone() for out in outs)
         current.wait_stream(stream)
         started = time.perf_counter()
         try:
@@ -254,22 +279,23 @@ class StepGraphs:
             with torch.cuda.graph(
                 graph, pool=shared_pool(device), stream=stream, capture_error_mode="thread_local"
             ):
-                _, _, out = split_metrics(self.run(inputs, loss_step))
+                static, _ = fn(inputs)
         except Exception as err:  # any capture failure: go on eagerly, say why once
             self.compute.discard_pending()
             self.failed = f"{type(err).__name__}: {err}"
             logger.warning(
-                "CUDA graphs for this model's update micro-batches are off (the step could not be "
-                "captured: %s); the update runs eagerly. FULCRUM_TRAIN_CUDA_GRAPHS=0 turns them off.",
+                "CUDA graphs for this model's micro-batches are off (one could not be captured: %s); its "
+                "passes run eagerly. FULCRUM_TRAIN_CUDA_GRAPHS=0 turns them off.",
                 self.failed,
             )
-            return named_metrics(names, consts, values)
-        self.graphs[key] = Captured(graph, inputs, names, consts, out)
+            return outs, extra
+        self.graphs[key] = Captured(graph, inputs, static, extra)
         logger.info(
-            "captured an update micro-batch of %s in %.2f s (%d graphs, %d replays so far)",
+            "captured a micro-batch of %s (%s) in %.2f s (%d graphs, %d replays so far)",
             key[0],
+            key[2][0],
             time.perf_counter() - started,
             len(self.graphs),
             self.replays,
         )
-        return named_metrics(names, consts, values)
+        return outs, extra
