@@ -20,7 +20,6 @@ SETTINGS = (
     "actor_rollout_ref.model.use_remove_padding=True",
     "critic.model.use_remove_padding=True",
     "actor_rollout_ref.actor.use_torch_compile=False",  # the capture does not depend on it; the test's time would
-    "critic.use_torch_compile=False",
     "actor_rollout_ref.actor.use_kl_loss=True",
     "actor_rollout_ref.actor.entropy_coeff=0.01",
 )
