@@ -192,6 +192,32 @@ def test_the_estimate_parks_optimiser_state_when_the_trainer_does(
     assert totals[False]["generation"] == totals[True]["generation"]
 
 
+def test_the_estimate_keeps_what_the_micro_batches_graphs_keep(
+    files: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With CUDA graphs of the micro-batches each model's bf16 compute weights and fp32 gradients (6 B a
+    parameter) stay resident and the graphs' pool holds the largest update micro-batch's work: every
+    phase holds them, and an update does not count its own twice."""
+    from fulcrum.tools import memory_estimate
+    from fulcrum.workers.step_graphs import MIN_DEVICE_GIB, switched_on
+
+    assert memory_estimate.TRAIN_GRAPHS == switched_on()  # both read FULCRUM_TRAIN_CUDA_GRAPHS
+    assert memory_estimate.GRAPHS_MIN_DEVICE_GIB == MIN_DEVICE_GIB
+    phases = {}
+    for graphs in (False, True):
+        monkeypatch.setattr(memory_estimate, "TRAIN_GRAPHS", graphs)
+        phases[graphs] = {p.name: p for p in seed_estimate(files).phases}
+    shape = model_shape(QWEN25_05B)
+    actor, critic = param_count(shape), param_count(shape, lm_head=False) + shape.hidden + 1
+    pool = phases[True]["generation"].items["CUDA graphs' memory pool"]
+    assert 0 < pool < 8 * 2**30
+    grown = {name: phases[True][name].total - phases[False][name].total for name in phases[True]}
+    assert grown["generation"] == 6 * (actor + critic) + pool
+    assert grown["actor update"] == 6 * critic + pool
+    assert grown["critic update"] == 6 * actor + pool
+    assert grown["values forward"] == 6 * (actor + critic) - 2 * critic + pool
+
+
 def test_parameter_count_of_qwen25_05b() -> None:
     assert param_count(model_shape(QWEN25_05B)) == 494_032_768  # the published 0.49B
 
@@ -204,13 +230,17 @@ def seed_estimate(files: Path, *extra: str, device_gib: float = 140.0):
     )
 
 
-def test_seed_estimate_against_the_measured_h200_peak(files: Path) -> None:
+def test_seed_estimate_against_the_measured_h200_peak(files: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """BENCHMARKS.md ("The KV cache cut to what the engine can use", 2026-12-03, tree 8c5daf6): the seed
     command on one H200 peaked at 26.39 GiB allocated, while generating, with the critic's AdamW state
-    parked (it waits in host memory from the actor's update to its own). The estimate is an upper bound
+    parked (it waits in host memory from the actor's update to its own), without CUDA graphs of the
+    micro-batches. The estimate is an upper bound
     above it by at most what it counts and that run did not hold: that state (resident again after a
     checkpoint), the engine's workspace whole (sized for max_num_seqs rows of logits; the seed decodes 512)
     and the CUDA context (outside torch's allocated figure)."""
+    from fulcrum.tools import memory_estimate
+
+    monkeypatch.setattr(memory_estimate, "TRAIN_GRAPHS", False)
     est = seed_estimate(files)
     generation = est.peak
     assert generation.name == "generation"
@@ -304,12 +334,19 @@ def test_training_phase_estimates_against_the_measured_h200_peaks(
 
     monkeypatch.setattr(memory_estimate, "ATTENTION_OUTPUTS_KEPT", attention_outputs_kept)
     monkeypatch.setattr(memory_estimate, "OPTIMIZER_STATE_PARKED", parked)
+    monkeypatch.setattr(memory_estimate, "TRAIN_GRAPHS", False)  # measured before the micro-batches' graphs
     estimated = {p.name: p.total / 2**30 for p in seed_estimate(files, *overrides).phases}
     for phase, peak in measured.items():
         assert abs(estimated[phase] - peak) / peak < 0.10, (phase, estimated[phase], peak)
 
 
-def test_checkpointing_and_micro_batch_move_the_update_estimate(files: Path) -> None:
+def test_checkpointing_and_micro_batch_move_the_update_estimate(
+    files: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fulcrum.tools import memory_estimate
+
+    monkeypatch.setattr(memory_estimate, "TRAIN_GRAPHS", False)  # measured before the micro-batches' graphs
+
     def actor_update(*extra: str) -> float:
         return next(p.total for p in seed_estimate(files, *extra).phases if p.name == "actor update")
 
@@ -332,7 +369,8 @@ def test_out_of_memory_predicted_on_a_small_card(files: Path, capsys) -> None:
     assert "other phase: actor update 14.0 GiB" in out
     code, out = run([*seed_command(files), "--device-memory-gib", "140"], capsys)
     assert code == 0 and "predicted out of memory" not in out
-    assert "memory estimate per device (device 140.0 GiB): peak 34.1 GiB while in generation" in out
+    # 34.1 GiB without the micro-batches' graphs: +6 B a parameter of each model and their pool (2.4 GiB)
+    assert "memory estimate per device (device 140.0 GiB): peak 42.1 GiB while in generation" in out
 
 
 def test_reference_and_hf_backend_in_the_estimate(files: Path) -> None:
@@ -346,7 +384,9 @@ def test_reference_and_hf_backend_in_the_estimate(files: Path) -> None:
     )
     generation = with_ref.phases[0]
     assert generation.items["reference weights (fp32)"] == 4 * param_count(shape)
-    assert with_ref.peak.total - without.peak.total == 4 * param_count(shape)
+    # and its bf16 compute weights, kept for the graphs of its micro-batches
+    assert generation.items["reference compute weights kept for CUDA graphs"] == 2 * param_count(shape)
+    assert with_ref.peak.total - without.peak.total == 6 * param_count(shape)
     # hf: the cache of the decoding batch, 512 sequences x 768 tokens x 24 layers x K and V x 2 heads x 64 x 2 bytes
     assert generation.items["KV cache of generate (bf16)"] == 512 * 768 * 24 * 2 * 2 * 64 * 2
 

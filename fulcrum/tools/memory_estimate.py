@@ -74,6 +74,11 @@ ATTENTION_OUTPUTS_KEPT = True
 # with a critic parks each model's AdamW state in host memory during the other's update. The forward
 # phases count both states resident, as after a checkpoint (which brings parked state back).
 OPTIMIZER_STATE_PARKED = os.environ.get("FULCRUM_PARK_OPTIMIZER_STATE", "1") != "0"
+# fulcrum.workers.step_graphs.switched_on (a test keeps them equal; not imported, as above): one process
+# replays each packed model's micro-batches as CUDA graphs, which keeps its bf16 compute weights and fp32
+# gradients resident, and holds the graphs' memory pool (the largest captured micro-batch's work) for the run.
+TRAIN_GRAPHS = os.environ.get("FULCRUM_TRAIN_CUDA_GRAPHS", "1") != "0"
+GRAPHS_MIN_DEVICE_GIB = 48  # fulcrum.workers.step_graphs.MIN_DEVICE_GIB (a test keeps them equal)
 
 
 def read_model_shape(path: str | None) -> ModelShape | None:
@@ -249,15 +254,18 @@ def adamw_item(role: str, params: ModelParams) -> str:
     return f"{role} LoRA adapters' AdamW state (fp32)" if params.lora else f"{role} AdamW state (fp32)"
 
 
-def update_phase(role: str, n_params: int, base: dict[str, float], shape: ModelShape, sizes: Sizes) -> Phase:
+def update_phase(
+    role: str, n_params: int, base: dict[str, float], shape: ModelShape, sizes: Sizes, graphed: bool = False
+) -> Phase:
     """`role`'s ("actor" or "critic") update phase: `base` (what stays resident, name -> bytes), then
     the fp32 gradients of its `n_params` trained parameters (4 B each), their bf16 compute weights and
     bf16 gradients (2 + 2 B each) and the activations of its largest training micro-batch (sizes.update_rows[role] x
-    sizes.seq_len tokens)."""
+    sizes.seq_len tokens). `graphed`: the fp32 gradients and compute weights are in `base` already."""
     rows, checkpointing = sizes.update_rows[role], sizes.checkpointing[role]
     phase = Phase(f"{role} update", dict(base))
-    phase.items[f"{role} gradients (fp32)"] = 4 * n_params
-    phase.items["bf16 compute weights"] = 2 * n_params
+    if not graphed:
+        phase.items[f"{role} gradients (fp32)"] = 4 * n_params
+        phase.items["bf16 compute weights"] = 2 * n_params
     phase.items["gradients of the bf16 compute weights"] = 2 * n_params
     phase.items[
         f"activations, micro-batch of {rows} x {sizes.seq_len} tokens "
@@ -274,13 +282,16 @@ def forward_phase(
     shape: ModelShape,
     sizes: Sizes,
     lm_head: bool,
+    graphed: bool = False,
 ) -> Phase:
     """A no-grad forward (old log-probs, values) over micro-batches of `rows` x sizes.seq_len tokens:
-    `base`, the bf16 compute weights of the `n_params` trained parameters (2 B each), the residual stream (2h a token) and the larger of
+    `base`, the bf16 compute weights of the `n_params` trained parameters (2 B each; in `base` already
+    when `graphed`), the residual stream (2h a token) and the larger of
     one layer's working set (`forward_working_bytes`) and, with the LM head, one bf16 block of logits."""
     tokens = rows * sizes.seq_len
     phase = Phase(name, dict(base))
-    phase.items["bf16 compute weights"] = 2 * n_params
+    if not graphed:
+        phase.items["bf16 compute weights"] = 2 * n_params
     phase.items[f"hidden states, micro-batch of {rows} x {sizes.seq_len} tokens"] = 2 * shape.hidden * tokens
     working = forward_working_bytes(shape) * tokens
     logits = forward_logits_bytes(shape, rows, sizes.response_len) if lm_head else 0.0
@@ -313,6 +324,34 @@ def estimate(
     if uses_reference and not actor.lora:  # a LoRA actor's reference is its base, adapters off
         resident["reference weights (fp32)"] = 4 * p_actor
     resident["CUDA context and workspaces"] = CUDA_CONTEXT_BYTES
+    # CUDA graphs of the micro-batches (one process, packed, no LoRA, a large device): compute weights and
+    # gradients kept,
+    # and the graphs' pool, which holds the largest update micro-batch's work.
+    graphed = {
+        role: TRAIN_GRAPHS
+        and device_bytes >= GRAPHS_MIN_DEVICE_GIB * GiB
+        and world_size(cfg) == 1
+        and bool(model.use_remove_padding)
+        and not params.lora
+        for role, model, params in (("actor", arr.model, actor), ("critic", cfg.critic.model, critic))
+    }
+    graphed["critic"] = graphed["critic"] and uses_critic
+    pool = 0.0
+    for role, params in (("actor", actor), ("critic", critic)):
+        if graphed[role]:
+            resident[f"{role} compute weights and gradients kept for CUDA graphs"] = 6 * params.trained
+            work = 2 * params.trained + update_activation_bytes(
+                shape, sizes.update_rows[role], sizes.seq_len, sizes.checkpointing[role]
+            )
+            if role == "actor":
+                work += update_logits_bytes(
+                    shape, sizes.update_rows[role], sizes.response_len, sizes.with_entropy, True
+                )
+            pool = max(pool, work)
+    if uses_reference and not actor.lora and graphed["actor"]:
+        resident["reference compute weights kept for CUDA graphs"] = 2 * p_actor
+    if pool:
+        resident["CUDA graphs' memory pool"] = pool
 
     rollout = arr.rollout
     generation = Phase("generation", dict(resident))
@@ -352,21 +391,25 @@ def estimate(
     parked = OPTIMIZER_STATE_PARKED and uses_critic and world_size(cfg) == 1
     actor_base = without(base, adamw_item("critic", critic)) if parked else base
     critic_base = without(base, adamw_item("actor", actor)) if parked else base
-    actor_update = update_phase("actor", actor.trained, actor_base, shape, sizes)
+    actor_update = update_phase("actor", actor.trained, actor_base, shape, sizes, graphed["actor"])
     actor_update.items["LM head on the response tokens"] = update_logits_bytes(
         shape, sizes.update_rows["actor"], sizes.response_len, sizes.with_entropy, not actor.lora
     )
     phases.append(actor_update)
     if uses_critic:
-        phases.append(update_phase("critic", critic.trained, critic_base, shape, sizes))
+        phases.append(update_phase("critic", critic.trained, critic_base, shape, sizes, graphed["critic"]))
     actor_rows, critic_rows = sizes.forward_rows["actor"], sizes.forward_rows["critic"]
     if not update_can_give_old_log_probs(cfg):  # else the on-policy update gives them: no such pass
         phases.append(
-            forward_phase("old log-prob forward", actor.trained, actor_rows, base, shape, sizes, lm_head=True)
+            forward_phase(
+                "old log-prob forward", actor.trained, actor_rows, base, shape, sizes, True, graphed["actor"]
+            )
         )
     if uses_critic:
         phases.append(
-            forward_phase("values forward", critic.trained, critic_rows, base, shape, sizes, lm_head=False)
+            forward_phase(
+                "values forward", critic.trained, critic_rows, base, shape, sizes, False, graphed["critic"]
+            )
         )
     return Estimate(device_bytes, device_known, phases, kv, kv_tokens)
 

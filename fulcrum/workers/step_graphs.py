@@ -49,6 +49,10 @@ RESPONSE_STEP = 128
 ROW_STEP = 8
 # Graphs kept per model; a micro-batch whose bucket has none beyond that runs eagerly, unpadded.
 MAX_GRAPHS = 128
+# Graphs keep each model's compute weights and gradients resident (6 B a parameter) and a memory pool as
+# large as an update micro-batch's work: 8.5 GB more through the seed command's generation (0.5B actor
+# and critic). Devices smaller than this keep that memory for the KV cache and run eagerly.
+MIN_DEVICE_GIB = 48
 
 Metrics = dict[str, torch.Tensor | float]
 StepFn = Callable[[MicroInputs, dict[str, float | torch.Tensor]], Metrics]
@@ -62,8 +66,10 @@ def switched_on() -> bool:
 def graphs_for(forwards: ModelForwards) -> StepGraphs | None:
     """A `StepGraphs` for the model behind `forwards` when its micro-batches can be graphed: on CUDA,
     packed, with compute weights of its own (not FSDP-sharded), without sequence parallelism or LoRA
-    adapters; else None."""
+    adapters, on a device of at least `MIN_DEVICE_GIB`; else None."""
     if not switched_on() or forwards.device.type != "cuda":
+        return None
+    if torch.cuda.get_device_properties(forwards.device).total_memory < MIN_DEVICE_GIB * 2**30:
         return None
     if not forwards.packed or forwards.compute is None or forwards.sp is not None:
         return None
