@@ -170,9 +170,10 @@ class Captured:
 
 
 def split_metrics(out: Metrics) -> tuple[list[str], Metrics, torch.Tensor]:
-    """A step's metrics as (names of the tensor ones, the constant ones, the tensors stacked as float32)."""
-    names = [k for k, v in out.items() if isinstance(v, torch.Tensor)]
-    consts = {k: v for k, v in out.items() if not isinstance(v, torch.Tensor)}
+    """A step's metrics as (names of the device tensors, the rest as constants, the device tensors
+    stacked as float32). A host tensor is a constant of the step (a graph would not recompute it)."""
+    names = [k for k, v in out.items() if isinstance(v, torch.Tensor) and v.is_cuda]
+    consts = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in out.items() if k not in names}
     stacked = torch.stack([out[k].detach().float().reshape(()) for k in names])  # type: ignore[union-attr]
     return names, consts, stacked
 
