@@ -199,10 +199,10 @@ def test_the_estimate_keeps_what_the_micro_batches_graphs_keep(
     parameter) stay resident and the graphs' pool holds the largest update micro-batch's work: every
     phase holds them, and an update does not count its own twice."""
     from fulcrum.tools import memory_estimate
-    from fulcrum.workers.step_graphs import MIN_DEVICE_GIB, switched_on
+    from fulcrum.workers.step_graphs import MAX_RESIDENT_SHARE, switched_on
 
     assert memory_estimate.TRAIN_GRAPHS == switched_on()  # both read FULCRUM_TRAIN_CUDA_GRAPHS
-    assert memory_estimate.GRAPHS_MIN_DEVICE_GIB == MIN_DEVICE_GIB
+    assert memory_estimate.GRAPHS_RESIDENT_SHARE == MAX_RESIDENT_SHARE
     phases = {}
     for graphs in (False, True):
         monkeypatch.setattr(memory_estimate, "TRAIN_GRAPHS", graphs)

@@ -78,7 +78,7 @@ OPTIMIZER_STATE_PARKED = os.environ.get("FULCRUM_PARK_OPTIMIZER_STATE", "1") != 
 # replays each packed model's micro-batches as CUDA graphs, which keeps its bf16 compute weights and fp32
 # gradients resident, and holds the graphs' memory pool (the largest captured micro-batch's work) for the run.
 TRAIN_GRAPHS = os.environ.get("FULCRUM_TRAIN_CUDA_GRAPHS", "1") != "0"
-GRAPHS_MIN_DEVICE_GIB = 48  # fulcrum.workers.step_graphs.MIN_DEVICE_GIB (a test keeps them equal)
+GRAPHS_RESIDENT_SHARE = 0.05  # fulcrum.workers.step_graphs.MAX_RESIDENT_SHARE (a test keeps them equal)
 
 
 def read_model_shape(path: str | None) -> ModelShape | None:
@@ -324,12 +324,12 @@ def estimate(
     if uses_reference and not actor.lora:  # a LoRA actor's reference is its base, adapters off
         resident["reference weights (fp32)"] = 4 * p_actor
     resident["CUDA context and workspaces"] = CUDA_CONTEXT_BYTES
-    # CUDA graphs of the micro-batches (one process, packed, no LoRA, a large device): compute weights and
+    # CUDA graphs of the micro-batches (one process, packed, no LoRA, a small model for the device): compute weights and
     # gradients kept,
     # and the graphs' pool, which holds the largest update micro-batch's work.
     graphed = {
         role: TRAIN_GRAPHS
-        and device_bytes >= GRAPHS_MIN_DEVICE_GIB * GiB
+        and 6 * params.trained <= GRAPHS_RESIDENT_SHARE * device_bytes
         and world_size(cfg) == 1
         and bool(model.use_remove_padding)
         and not params.lora

@@ -49,10 +49,12 @@ RESPONSE_STEP = 128
 ROW_STEP = 8
 # Graphs kept per model; a micro-batch whose bucket has none beyond that runs eagerly, unpadded.
 MAX_GRAPHS = 128
-# Graphs keep each model's compute weights and gradients resident (6 B a parameter) and a memory pool as
-# large as an update micro-batch's work: 8.5 GB more through the seed command's generation (0.5B actor
-# and critic). Devices smaller than this keep that memory for the KV cache and run eagerly.
-MIN_DEVICE_GIB = 48
+# Graphs keep a model's bf16 compute weights and fp32 gradients resident (6 B a trained parameter) and a
+# memory pool as large as an update micro-batch's work (the seed command, 0.5B actor and critic: 8 GiB more
+# in generation). A model graphs only while those 6 B a parameter stay within this share of the device:
+# the small models whose micro-batches the host bounds (0.5B on an H200: 2 %); a larger model, or a
+# smaller device, keeps that memory for activations and the KV cache, and runs eagerly.
+MAX_RESIDENT_SHARE = 0.05
 
 Metrics = dict[str, torch.Tensor | float]
 StepFn = Callable[[MicroInputs, dict[str, float | torch.Tensor]], Metrics]
@@ -66,10 +68,11 @@ def switched_on() -> bool:
 def graphs_for(forwards: ModelForwards) -> StepGraphs | None:
     """A `StepGraphs` for the model behind `forwards` when its micro-batches can be graphed: on CUDA,
     packed, with compute weights of its own (not FSDP-sharded), without sequence parallelism or LoRA
-    adapters, on a device of at least `MIN_DEVICE_GIB`; else None."""
+    adapters, when what it keeps resident fits `MAX_RESIDENT_SHARE` of the device; else None."""
     if not switched_on() or forwards.device.type != "cuda":
         return None
-    if torch.cuda.get_device_properties(forwards.device).total_memory < MIN_DEVICE_GIB * 2**30:
+    trained = sum(p.numel() for p in forwards.model.parameters() if p.requires_grad)
+    if 6 * trained > MAX_RESIDENT_SHARE * torch.cuda.get_device_properties(forwards.device).total_memory:
         return None
     if not forwards.packed or forwards.compute is None or forwards.sp is not None:
         return None
