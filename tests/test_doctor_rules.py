@@ -195,9 +195,9 @@ def test_the_estimate_parks_optimiser_state_when_the_trainer_does(
 def test_the_estimate_keeps_what_the_micro_batches_graphs_keep(
     files: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With CUDA graphs of the micro-batches each model's bf16 compute weights and fp32 gradients (6 B a
-    parameter) stay resident and the graphs' pool holds the largest update micro-batch's work: every
-    phase holds them, and an update does not count its own twice."""
+    """With CUDA graphs of the micro-batches each model's bf16 compute weights and a bf16 buffer of their
+    gradients (4 B a parameter) stay resident and the graphs' pool holds the largest update micro-batch's
+    work: every phase holds them, and an update does not count its own twice."""
     from fulcrum.tools import memory_estimate
     from fulcrum.workers.step_graphs import MAX_RESIDENT_SHARE, switched_on
 
@@ -212,10 +212,10 @@ def test_the_estimate_keeps_what_the_micro_batches_graphs_keep(
     pool = phases[True]["generation"].items["CUDA graphs' memory pool"]
     assert 0 < pool < 8 * 2**30
     grown = {name: phases[True][name].total - phases[False][name].total for name in phases[True]}
-    assert grown["generation"] == 6 * (actor + critic) + pool
-    assert grown["actor update"] == 6 * critic + pool
-    assert grown["critic update"] == 6 * actor + pool
-    assert grown["values forward"] == 6 * (actor + critic) - 2 * critic + pool
+    assert grown["generation"] == 4 * (actor + critic) + pool
+    assert grown["actor update"] == 4 * critic + pool
+    assert grown["critic update"] == 4 * actor + pool
+    assert grown["values forward"] == 4 * (actor + critic) - 2 * critic + pool
 
 
 def test_parameter_count_of_qwen25_05b() -> None:
@@ -369,8 +369,8 @@ def test_out_of_memory_predicted_on_a_small_card(files: Path, capsys) -> None:
     assert "other phase: actor update 14.0 GiB" in out
     code, out = run([*seed_command(files), "--device-memory-gib", "140"], capsys)
     assert code == 0 and "predicted out of memory" not in out
-    # 34.1 GiB without the micro-batches' graphs: +6 B a parameter of each model and their pool (2.4 GiB)
-    assert "memory estimate per device (device 140.0 GiB): peak 42.1 GiB while in generation" in out
+    # 34.1 GiB without the micro-batches' graphs: +4 B a parameter of each model and their pool (2.4 GiB)
+    assert "memory estimate per device (device 140.0 GiB): peak 40.2 GiB while in generation" in out
 
 
 def test_reference_and_hf_backend_in_the_estimate(files: Path) -> None:

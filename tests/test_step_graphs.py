@@ -149,3 +149,33 @@ def test_the_critic_loss_step_on_a_padded_micro_batch_equals_the_unpadded_one(ti
         assert padded[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-6), key
     assert 0.0 < plain["critic/vf_clipfrac"] < 1.0
     assert torch.allclose(padded_grads, plain_grads, rtol=1e-4, atol=1e-6)
+
+
+def test_staged_gradients_add_up_as_the_eager_accumulation_does() -> None:
+    """A graphed micro-batch stages its bf16 gradients in a resident buffer, added into the float32
+    gradients after the replay: over two micro-batches the masters' gradients equal the eager path's."""
+    from fulcrum.models.precision import ComputeWeights
+
+    grads = []
+    for resident in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+        compute = ComputeWeights(model, torch.bfloat16)
+        if resident:
+            compute.keep_resident()
+        compute.refresh()
+        with compute.swapped_in():
+            if resident:
+                compute.attach_resident_grads()
+            for seed in (1, 2):
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed)).bfloat16()
+                compute.backward(model(x).float().square().sum())
+                if resident:
+                    compute.stage_pending_grads()
+                    compute.add_staged_grads()
+                else:
+                    compute.accumulate_grads()
+        compute.release()
+        assert bool(compute.copies) == resident  # resident copies stay
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert grads[0].dtype == torch.float32 and torch.equal(grads[0], grads[1])

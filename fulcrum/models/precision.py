@@ -95,7 +95,9 @@ class ComputeWeights:
         # Resident (`keep_resident`): the copies and the gradients keep their memory, and so their
         # addresses, from one pass to the next, as a CUDA graph replaying the passes needs.
         self.resident = False
-        self._resident_grads: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        # Resident: the bf16 staging buffer, its views shaped like the trained copies, the uncopied
+        # trained parameters' `.grad` tensors.
+        self._resident_grads: tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -120,55 +122,70 @@ class ComputeWeights:
             self.copies, self._trained_copies, self._trained_masters = [], [], []
 
     def keep_resident(self) -> None:
-        """From now on the copies are not released between passes, and each update's gradients go into
-        one float32 buffer (and, for the uncopied trained parameters, tensors) that lives as long as this
-        object: a CUDA graph of a micro-batch reads the copies and adds into the gradients at the
-        addresses it was captured with. Costs their memory (2 + 4 bytes a bf16-copied parameter)
-        through generation and the other models' passes."""
+        """From now on the copies are not released between passes, and each micro-batch's gradients of
+        them are staged in one bf16 buffer (and the uncopied trained parameters' `.grad` are tensors)
+        that lives as long as this object: a CUDA graph of a micro-batch reads the copies and writes the
+        gradients at the addresses it was captured with. Costs their memory (2 + 2 bytes a bf16-copied
+        parameter) through generation and the other models' passes; the float32 gradients stay an
+        update's own, as without."""
         self.resident = True
 
     @torch.no_grad()
-    def attach_zeroed_grads(self) -> None:
-        """Resident only, at the start of a mini-batch (the optimiser dropped the `.grad`s): every trained
-        parameter's `.grad` becomes its zeroed view of the resident gradients (made the first time)."""
-        assert self.resident and self._trained_copies, "attach_zeroed_grads: resident copies, refreshed"
+    def attach_resident_grads(self) -> None:
+        """Resident only, at the start of a mini-batch (the optimiser dropped the `.grad`s): the staging
+        buffer made (the first time), and the uncopied trained parameters' `.grad` their zeroed resident
+        tensors."""
+        assert self.resident and self._trained_copies, "attach_resident_grads: resident copies, refreshed"
         if self._resident_grads is None:
-            masters = self._trained_masters
-            flat = torch.empty(sum(m.numel() for m in masters), dtype=torch.float32, device=masters[0].device)
-            own = [torch.empty_like(p) for p in self.uncopied]
-            self._resident_grads = (flat, own)
-        flat, own = self._resident_grads
-        flat.zero_()
-        for master, view in zip(
-            self._trained_masters, flat.split([m.numel() for m in self._trained_masters]), strict=True
-        ):
-            master.grad = view.view_as(master)
+            copies = self._trained_copies
+            staged = torch.empty(sum(c.numel() for c in copies), dtype=self.dtype, device=copies[0].device)
+            views = [
+                v.view_as(c) for v, c in zip(staged.split([c.numel() for c in copies]), copies, strict=True)
+            ]
+            self._resident_grads = (staged, views, [torch.empty_like(p) for p in self.uncopied])
+        own = self._resident_grads[2]
         if own:
             torch._foreach_zero_(own)
         for param, grad in zip(self.uncopied, own, strict=True):
             param.grad = grad
-        self._flat_ref = weakref.ref(flat)
 
     def discard_pending(self) -> None:
         """Forget `backward`'s gradients (a step abandoned before its accumulation)."""
         self._pending = None
 
     @torch.no_grad()
-    def add_pending_grads(self) -> None:
-        """masters.grad += `backward`'s gradients, device work only (what a captured micro-batch ends
-        with): as `accumulate_grads`, through a staging buffer in their dtype, but one that keeps its
-        memory (`Staging(resident=True)`, at most `FLAT_CHUNK` elements: 128 MiB in bf16). Needs
-        `attach_zeroed_grads` first."""
+    def stage_pending_grads(self) -> None:
+        """`backward`'s gradients of the copies into the resident staging buffer (a copy without one gets
+        zeros): device work only, what a captured micro-batch ends with. `add_staged_grads` then adds them
+        into the float32 gradients, outside the graph. Needs `attach_resident_grads` first."""
         pending, self._pending = self._pending, None
-        assert pending is not None and self._resident_grads is not None, "add_pending_grads: attach, backward"
-        present = [g for g in pending if g is not None]
-        if len(present) < len(pending):  # a copy without gradient in this micro-batch: one add a tensor
-            self._add_each(pending)
+        assert pending is not None and self._resident_grads is not None, (
+            "stage_pending_grads: attach, backward"
+        )
+        views = self._resident_grads[1]
+        pairs = [(v, g) for v, g in zip(views, pending, strict=True) if g is not None]
+        torch._foreach_copy_([v for v, _ in pairs], [g for _, g in pairs])
+        for view, grad in zip(views, pending, strict=True):
+            if grad is None:
+                view.zero_()
+
+    @torch.no_grad()
+    def add_staged_grads(self) -> None:
+        """masters.grad (float32) += the staged gradients, one kernel: the first time after the optimiser
+        dropped the gradients, their float32 buffer is made (its views become the masters' `.grad`, as
+        `accumulate_grads` makes it) and takes a copy."""
+        assert self._resident_grads is not None
+        staged = self._resident_grads[0]
+        flat = self._flat_grad()
+        if flat is not None:
+            flat.add_(staged)
             return
-        staging = self._staging
-        if staging is None or not staging.resident or not staging.serves(present[0], FLAT_CHUNK):
-            staging = self._staging = Staging(present, FLAT_CHUNK, resident=True)
-        staging.add_into(self._resident_grads[0], present, fresh=False)
+        masters = self._trained_masters
+        flat = torch.empty(staged.numel(), dtype=torch.float32, device=staged.device)
+        for master, view in zip(masters, flat.split([m.numel() for m in masters]), strict=True):
+            master.grad = view.view_as(master)
+        self._flat_ref = weakref.ref(flat)
+        flat.copy_(staged)
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -214,7 +231,7 @@ class ComputeWeights:
         without gradient, or masters holding gradients of their own, take the per-parameter path.
         """
         if not self._trained_copies or (self._pending is None and self.resident):
-            return  # nothing, or `add_pending_grads` took them (a graphed micro-batch)
+            return  # nothing, or `stage_pending_grads` took them (a graphed micro-batch)
         if self._pending is not None:
             grads, self._pending = self._pending, None
         else:
@@ -267,9 +284,8 @@ class Staging:
     all-gather buffers under the parameters' views): like a concatenation's result, it takes memory
     only while the gradients it copies are alive."""
 
-    def __init__(self, like: list[torch.Tensor], elements: int, resident: bool = False) -> None:
+    def __init__(self, like: list[torch.Tensor], elements: int) -> None:
         self.elements = elements
-        self.resident = resident  # the buffer keeps its memory (a CUDA graph's address) between calls
         self.shapes = [g.shape for g in like]
         self.dtype, self.device = like[0].dtype, like[0].device
         groups = list(groups_of_at_most(like, elements))
@@ -281,8 +297,7 @@ class Staging:
             run = self.buffer[:size]
             pieces = run.split([g.numel() for g in group])
             self.runs.append((run, [piece.view(g.shape) for piece, g in zip(pieces, group, strict=True)]))
-        if not resident:
-            self.buffer.untyped_storage().resize_(0)
+        self.buffer.untyped_storage().resize_(0)
 
     def serves(self, grad: torch.Tensor, elements: int) -> bool:
         """Whether these runs stage gradients like `grad` (dtype, device) in chunks of `elements`."""
@@ -291,8 +306,7 @@ class Staging:
     def add_into(self, flat: torch.Tensor, grads: list[torch.Tensor], fresh: bool) -> None:
         """flat += the concatenated `grads` (flat = them, when `fresh`), run by run."""
         storage = self.buffer.untyped_storage()
-        if not self.resident:
-            storage.resize_(self.nbytes)
+        storage.resize_(self.nbytes)
         try:
             start = first = 0
             for run, views in self.runs:
@@ -305,8 +319,7 @@ class Staging:
                 start += run.numel()
                 first += len(views)
         finally:
-            if not self.resident:
-                storage.resize_(0)
+            storage.resize_(0)
 
 
 @torch.no_grad()

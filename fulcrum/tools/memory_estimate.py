@@ -75,8 +75,8 @@ ATTENTION_OUTPUTS_KEPT = True
 # phases count both states resident, as after a checkpoint (which brings parked state back).
 OPTIMIZER_STATE_PARKED = os.environ.get("FULCRUM_PARK_OPTIMIZER_STATE", "1") != "0"
 # fulcrum.workers.step_graphs.switched_on (a test keeps them equal; not imported, as above): one process
-# replays each packed model's micro-batches as CUDA graphs, which keeps its bf16 compute weights and fp32
-# gradients resident, and holds the graphs' memory pool (the largest captured micro-batch's work) for the run.
+# replays each packed model's micro-batches as CUDA graphs, which keeps its bf16 compute weights and a bf16
+# gradient buffer resident, and holds the graphs' memory pool (the largest captured micro-batch's work).
 TRAIN_GRAPHS = os.environ.get("FULCRUM_TRAIN_CUDA_GRAPHS", "1") != "0"
 GRAPHS_RESIDENT_SHARE = 0.05  # fulcrum.workers.step_graphs.MAX_RESIDENT_SHARE (a test keeps them equal)
 
@@ -260,13 +260,14 @@ def update_phase(
     """`role`'s ("actor" or "critic") update phase: `base` (what stays resident, name -> bytes), then
     the fp32 gradients of its `n_params` trained parameters (4 B each), their bf16 compute weights and
     bf16 gradients (2 + 2 B each) and the activations of its largest training micro-batch (sizes.update_rows[role] x
-    sizes.seq_len tokens). `graphed`: the fp32 gradients and compute weights are in `base` already."""
+    sizes.seq_len tokens). `graphed`: the compute weights and a buffer of their gradients are in `base`
+    already (and the bf16 gradients autograd makes are in the graphs' pool)."""
     rows, checkpointing = sizes.update_rows[role], sizes.checkpointing[role]
     phase = Phase(f"{role} update", dict(base))
+    phase.items[f"{role} gradients (fp32)"] = 4 * n_params
     if not graphed:
-        phase.items[f"{role} gradients (fp32)"] = 4 * n_params
         phase.items["bf16 compute weights"] = 2 * n_params
-    phase.items["gradients of the bf16 compute weights"] = 2 * n_params
+        phase.items["gradients of the bf16 compute weights"] = 2 * n_params
     phase.items[
         f"activations, micro-batch of {rows} x {sizes.seq_len} tokens "
         f"(checkpointing {'on' if checkpointing else 'off'})"
@@ -329,7 +330,7 @@ def estimate(
     # and the graphs' pool, which holds the largest update micro-batch's work.
     graphed = {
         role: TRAIN_GRAPHS
-        and 6 * params.trained <= GRAPHS_RESIDENT_SHARE * device_bytes
+        and 4 * params.trained <= GRAPHS_RESIDENT_SHARE * device_bytes
         and world_size(cfg) == 1
         and bool(model.use_remove_padding)
         and not params.lora
@@ -339,7 +340,7 @@ def estimate(
     pool = 0.0
     for role, params in (("actor", actor), ("critic", critic)):
         if graphed[role]:
-            resident[f"{role} compute weights and gradients kept for CUDA graphs"] = 6 * params.trained
+            resident[f"{role} compute weights and gradients kept for CUDA graphs (bf16)"] = 4 * params.trained
             work = 2 * params.trained + update_activation_bytes(
                 shape, sizes.update_rows[role], sizes.seq_len, sizes.checkpointing[role]
             )

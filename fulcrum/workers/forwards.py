@@ -151,9 +151,9 @@ class ModelForwards:
 
     def start_accumulation(self) -> None:
         """At a mini-batch's start, inside `active()`: resident compute weights (`keep_resident`, for
-        graphed micro-batches) give every trained parameter its zeroed view of the resident gradients."""
+        graphed micro-batches) attach their resident gradient buffers."""
         if self.compute is not None and self.compute.resident:
-            self.compute.attach_zeroed_grads()
+            self.compute.attach_resident_grads()
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()` of a micro-batch inside `active()`; with compute weights, their gradients are

@@ -14,8 +14,10 @@ A graph has fixed shapes and fixed addresses.
   response mask, so the padding changes none of them (tests/test_step_graphs.py); it costs at most
   `TOKEN_STEP` tokens of compute a micro-batch (2 % at the seed command's 6k).
 - Addresses: each bucket's inputs are static device buffers the micro-batch is copied into; the bf16
-  compute weights and the float32 gradients stay resident (`ComputeWeights.keep_resident`: +3 GB a 0.5B
-  model); the losses' mini-batch counts are 0-d device tensors filled before each replay.
+  compute weights and a bf16 buffer the gradients are staged in stay resident
+  (`ComputeWeights.keep_resident`: +2 GB a 0.5B model), the staged gradients added into the float32 ones
+  by one kernel after each replay; the losses' mini-batch counts are 0-d device tensors filled before
+  each replay.
 
 The first micro-batch of a bucket runs eagerly on the capture stream (its result counts), then the same
 step is captured; later micro-batches of the bucket replay it. All graphs of the process share one memory
@@ -49,9 +51,9 @@ RESPONSE_STEP = 128
 ROW_STEP = 8
 # Graphs kept per model; a micro-batch whose bucket has none beyond that runs eagerly, unpadded.
 MAX_GRAPHS = 128
-# Graphs keep a model's bf16 compute weights and fp32 gradients resident (6 B a trained parameter) and a
-# memory pool as large as an update micro-batch's work (the seed command, 0.5B actor and critic: 8 GiB more
-# in generation). A model graphs only while those 6 B a parameter stay within this share of the device:
+# Graphs keep a model's bf16 compute weights and a bf16 gradient buffer resident (4 B a trained parameter)
+# and a memory pool as large as an update micro-batch's work. A model graphs only while those 4 B a
+# parameter stay within this share of the device:
 # the small models whose micro-batches the host bounds (0.5B on an H200: 2 %); a larger model, or a
 # smaller device, keeps that memory for activations and the KV cache, and runs eagerly.
 MAX_RESIDENT_SHARE = 0.05
@@ -72,7 +74,7 @@ def graphs_for(forwards: ModelForwards) -> StepGraphs | None:
     if not switched_on() or forwards.device.type != "cuda":
         return None
     trained = sum(p.numel() for p in forwards.model.parameters() if p.requires_grad)
-    if 6 * trained > MAX_RESIDENT_SHARE * torch.cuda.get_device_properties(forwards.device).total_memory:
+    if 4 * trained > MAX_RESIDENT_SHARE * torch.cuda.get_device_properties(forwards.device).total_memory:
         return None
     if not forwards.packed or forwards.compute is None or forwards.sp is not None:
         return None
@@ -223,13 +225,14 @@ class StepGraphs:
 
         def fn(inputs: DeviceInputs) -> tuple[tuple[torch.Tensor, ...], object]:
             out = loss_step(inputs, dict(self.counts))
-            self.compute.add_pending_grads()
+            self.compute.stage_pending_grads()
             names, consts, stacked = split_metrics(out)
             return (stacked,), (names, consts)
 
         got = self.graphed(mb, keys, ("update", flags, tuple(sorted(agg))), fn)
         if got is None:
             return None
+        self.compute.add_staged_grads()  # into the float32 gradients, outside the graph: one kernel
         (stacked,), (names, consts) = got  # type: ignore[misc]
         return named_metrics(names, consts, stacked.clone())
 
