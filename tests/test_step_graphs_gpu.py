@@ -39,6 +39,7 @@ def test_a_replay_gives_exactly_what_the_captured_micro_batch_gave(tiny_dir: str
     outs, grads = [], []
     with actor.forwards.active():
         for _ in range(2):  # captured (and run eagerly), then replayed
+            actor.optimizer.zero_grad(set_to_none=True)  # as each mini-batch starts
             actor.forwards.start_accumulation()
             outs.append({k: float(v) for k, v in actor.micro_step(batch, agg).items()})
             actor.forwards.accumulate_grads()
