@@ -25,6 +25,7 @@ from fulcrum.workers.step_graphs import (
     TOKEN_STEP,
     Bucket,
     bucket_for,
+    fits,
     pad_packed,
     padded_inputs,
 )
@@ -179,3 +180,88 @@ def test_staged_gradients_add_up_as_the_eager_accumulation_does() -> None:
         assert bool(compute.copies) == resident  # resident copies stay
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert grads[0].dtype == torch.float32 and torch.equal(grads[0], grads[1])
+
+
+def test_a_micro_batch_fits_a_larger_bucket_and_pads_to_it_just_as_neutrally(tiny_dir: str) -> None:
+    """Beyond `MAX_GRAPHS` a micro-batch without a graph of its own replays a larger captured bucket:
+    padded to it, the critic's loss step gives the same loss, metrics and gradients."""
+    batch = rl_batch()
+    packed = pack_micro_batch(
+        batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch.prompt_length
+    )
+    own = bucket_for(packed)
+    # Rows of at most 17 tokens and 7 response tokens: more tokens take more padding sequences, more
+    # response positions more padding rows.
+    larger = Bucket(
+        own.tokens + 2 * TOKEN_STEP,
+        own.responses + 128,
+        own.rows + 4 * ROW_STEP,
+        own.sequences + 4 * ROW_STEP,
+    )
+    assert fits(packed, own) and fits(packed, larger)
+    assert not fits(packed, Bucket(own.tokens - TOKEN_STEP, own.responses, own.rows, own.sequences))
+    assert not fits(
+        packed, Bucket(own.tokens, own.responses, own.rows, 1)
+    )  # no room for the padding sequences
+    cfg = cfg_for(tiny_dir, "critic.model.use_remove_padding=True", "critic.cliprange_value=0.1")
+    agg = global_agg_kwargs(batch["response_mask"])
+    results = []
+    for bucket in (own, larger):
+        torch.manual_seed(0)
+        critic = CriticWorker(critic_section(cfg), CPU, total_training_steps=1)
+        keys = ["response_mask", "values", "returns"]
+        chosen, padded, rows = padded_inputs(batch, keys, lambda _packed, _own, b=bucket: b)
+        assert chosen == bucket and padded.input_ids.numel() == bucket.tokens
+        out = critic.loss_step(DeviceInputs(padded, rows), agg)
+        grads = torch.cat([p.grad.flatten() for p in critic.model.parameters() if p.grad is not None])
+        results.append(({k: float(v) for k, v in out.items()}, grads))
+    (first, first_grads), (second, second_grads) = results
+    assert first == pytest.approx(second, rel=1e-5, abs=1e-6)
+    assert torch.allclose(first_grads, second_grads, rtol=1e-4, atol=1e-6)
+
+
+def test_past_the_graph_limit_the_smallest_captured_bucket_that_fits_replays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fulcrum.models.precision import ComputeWeights
+    from fulcrum.workers.step_graphs import StepGraphs
+
+    class Forwards:  # what StepGraphs reads of a ModelForwards
+        device = CPU
+        compute = ComputeWeights(torch.nn.Linear(2, 2), torch.bfloat16)
+
+    class Replayed:
+        def __init__(self, name: str) -> None:
+            self.name, self.extra, self.padded = name, None, None
+
+        def replay(self, packed, rows):
+            self.padded = packed
+            return (torch.tensor([1.0]),), None
+
+    batch = rl_batch()
+    packed = pack_micro_batch(
+        batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch.prompt_length
+    )
+    own = bucket_for(packed)
+    graphs = StepGraphs(Forwards(), limit=2)
+    shape = ("forward", ("values",))
+    near = Bucket(own.tokens + TOKEN_STEP, own.responses, own.rows, own.sequences + 4 * ROW_STEP)
+    far = Bucket(
+        own.tokens + 4 * TOKEN_STEP,
+        own.responses + 128,
+        own.rows + 8 * ROW_STEP,
+        own.sequences + 8 * ROW_STEP,
+    )
+    assert fits(packed, near) and fits(packed, far)
+    graphs.graphs = {
+        (far, ("response_mask",), shape): Replayed("far"),
+        (near, ("response_mask",), shape): Replayed("near"),
+    }
+    captures = []
+    monkeypatch.setattr(graphs, "capture", lambda *args: captures.append(args))
+    outs, _ = graphs.graphed(batch, ["response_mask"], shape, lambda inputs: ((), None))
+    assert not captures and graphs.replays == 1 and float(outs[0][0]) == 1.0
+    chosen = graphs.graphs[(near, ("response_mask",), shape)]
+    assert chosen.padded is not None and chosen.padded.input_ids.numel() == near.tokens
+    # Another kind of pass has no graph it may borrow: not graphed (the caller runs it eagerly).
+    assert graphs.graphed(batch, ["response_mask"], ("update",), lambda inputs: ((), None)) is None

@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 TOKEN_STEP = 128
 RESPONSE_STEP = 128
 ROW_STEP = 8
-# Graphs kept per model; a micro-batch whose bucket has none beyond that runs eagerly, unpadded.
+# Graphs kept per model; beyond that a micro-batch whose bucket has none replays the smallest captured
+# bucket it fits (`fits`), else runs eagerly, unpadded.
 MAX_GRAPHS = 128
 # Graphs keep a model's bf16 compute weights and a bf16 gradient buffer resident (4 B a trained parameter)
 # and a memory pool as large as an update micro-batch's work. A model graphs only while those 4 B a
@@ -111,6 +112,20 @@ def bucket_for(packed: PackedMicroBatch) -> Bucket:
     return Bucket(tokens, responses, round_up(b + extra_rows, ROW_STEP), round_up(sequences, ROW_STEP))
 
 
+def fits(packed: PackedMicroBatch, bucket: Bucket) -> bool:
+    """Whether `packed` can be padded to `bucket` (a bucket captured for a larger micro-batch): room for a
+    padding token, its response positions, the rows the padding positions take and the padding sequences."""
+    n, m = packed.input_ids.numel(), packed.labels.numel()
+    b, r = packed.shape
+    if bucket.tokens <= n or bucket.responses < m:
+        return False
+    extra_rows = -(-(bucket.responses - m) // r)
+    extra_sequences = -(-(bucket.tokens - n) // packed.max_seqlen)
+    return (
+        bucket.rows >= b + extra_rows and bucket.sequences >= packed.cu_seqlens.numel() - 1 + extra_sequences
+    )
+
+
 def pad_packed(packed: PackedMicroBatch, bucket: Bucket) -> PackedMicroBatch:
     """`packed` (on the host) padded to `bucket`:
 
@@ -146,11 +161,15 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0]))
 
 
-def padded_inputs(mb: Batch, keys: list[str]) -> tuple[Bucket, PackedMicroBatch, dict[str, torch.Tensor]]:
-    """The micro-batch packed and padded to its bucket, and its (B, R) columns `keys` padded alike; on
-    the host."""
+def padded_inputs(
+    mb: Batch, keys: list[str], choose: Callable[[PackedMicroBatch, Bucket], Bucket] | None = None
+) -> tuple[Bucket, PackedMicroBatch, dict[str, torch.Tensor]]:
+    """The micro-batch packed and padded to its bucket (or to the one `choose` picks given the packed
+    micro-batch and its own bucket), and its (B, R) columns `keys` padded alike; on the host."""
     packed = pack_micro_batch(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb.prompt_length)
     bucket = bucket_for(packed)
+    if choose is not None:
+        bucket = choose(packed, bucket)
     return bucket, pad_packed(packed, bucket), {k: pad_rows(mb[k], bucket.rows) for k in keys}
 
 
@@ -257,7 +276,15 @@ class StepGraphs:
         captured. None when capturing failed once, or `limit` graphs exist and the bucket has none."""
         if self.failed is not None:
             return None
-        bucket, packed, rows = padded_inputs(mb, keys)
+
+        def choose(packed: PackedMicroBatch, own: Bucket) -> Bucket:
+            """Its own bucket; with `limit` graphs made and none for it, the smallest captured one it fits."""
+            if (own, tuple(keys), shape) in self.graphs or len(self.graphs) < self.limit:
+                return own
+            larger = [k[0] for k in self.graphs if k[1:] == (tuple(keys), shape) and fits(packed, k[0])]
+            return min(larger, key=lambda b: (b.tokens, b.responses), default=own)
+
+        bucket, packed, rows = padded_inputs(mb, keys, choose)
         key = (bucket, tuple(keys), shape)
         captured = self.graphs.get(key)
         if captured is not None:
