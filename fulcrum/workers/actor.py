@@ -30,6 +30,7 @@ from fulcrum.workers.micro_batch import HostInputs, MicroInputs
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
 from fulcrum.workers.state_parking import OptimizerStateParking
+from fulcrum.workers.step_graphs import micro_step
 from fulcrum.workers.update import UpdatePlan, one_optimizer_step, ppo_update
 
 # A batch column an update without old log-probs adds: each row's index, to put what it records in order.
@@ -225,16 +226,13 @@ class ActorWorker:
         """Forward, loss (this micro-batch's share of the mini-batch loss), backward; detached metrics:
         `loss_step`, replayed from a CUDA graph where it can be (`fulcrum.workers.step_graphs`: not while
         recording old log-probs, in bypass mode or with a router loss, which read the batch on the host)."""
-        graphs = self.forwards.graphs
-        if graphs is not None and self.recorded is None and self.bypass is None and self.router_loss is None:
-            keys = ["response_mask", "advantages"]
-            keys += [] if self.on_policy else ["old_log_probs"]
-            keys += ["ref_log_prob"] if self.cfg.use_kl_loss else []
-            keys += ["rollout_is_weights"] if "rollout_is_weights" in mb.tensors else []
-            out = graphs.step(mb, agg, keys, (self.on_policy,), self.loss_step)
-            if out is not None:
-                return out
-        return self.loss_step(HostInputs(mb, self.device), agg)
+        host_only = self.recorded is not None or self.bypass is not None or self.router_loss is not None
+        keys = ["response_mask", "advantages"]
+        keys += [] if self.on_policy else ["old_log_probs"]
+        keys += ["ref_log_prob"] if self.cfg.use_kl_loss else []
+        keys += ["rollout_is_weights"] if "rollout_is_weights" in mb.tensors else []
+        graphs = None if host_only else self.forwards.graphs
+        return micro_step(graphs, mb, agg, keys, (self.on_policy,), self.loss_step, self.device)
 
     def loss_step(
         self, inputs: MicroInputs, agg: dict[str, float | torch.Tensor]

@@ -18,10 +18,11 @@ from fulcrum.models.load import load_backbone
 from fulcrum.models.lora import Adapters, LoraSettings
 from fulcrum.models.value_head import CriticModel
 from fulcrum.workers.forwards import ModelForwards
-from fulcrum.workers.micro_batch import HostInputs, MicroInputs
+from fulcrum.workers.micro_batch import MicroInputs
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
 from fulcrum.workers.state_parking import OptimizerStateParking
+from fulcrum.workers.step_graphs import micro_step
 from fulcrum.workers.update import UpdatePlan, ppo_update
 
 
@@ -91,12 +92,8 @@ class CriticWorker:
     def micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]:
         """Forward, value loss (this micro-batch's share of the mini-batch loss), backward; detached
         metrics: `loss_step`, replayed from a CUDA graph where it can be (`fulcrum.workers.step_graphs`)."""
-        graphs = self.forwards.graphs
-        if graphs is not None:
-            out = graphs.step(mb, agg, ["response_mask", "values", "returns"], (), self.loss_step)
-            if out is not None:
-                return out
-        return self.loss_step(HostInputs(mb, self.device), agg)
+        keys = ["response_mask", "values", "returns"]
+        return micro_step(self.forwards.graphs, mb, agg, keys, (), self.loss_step, self.device)
 
     def loss_step(
         self, inputs: MicroInputs, agg: dict[str, float | torch.Tensor]

@@ -38,7 +38,7 @@ import torch
 
 from fulcrum.batch import Batch, host_to_device
 from fulcrum.models.packed import PackedMicroBatch, pack_micro_batch
-from fulcrum.workers.micro_batch import DeviceInputs, MicroInputs
+from fulcrum.workers.micro_batch import DeviceInputs, HostInputs, MicroInputs
 
 if TYPE_CHECKING:
     from fulcrum.workers.forwards import ModelForwards
@@ -82,6 +82,21 @@ def graphs_for(forwards: ModelForwards) -> StepGraphs | None:
     if any(".lora_" in name for name, _ in forwards.model.named_parameters()):
         return None  # LoRA: the reference runs the same model with its adapters switched off on the host
     return StepGraphs(forwards)
+
+
+def micro_step(
+    graphs: StepGraphs | None,
+    mb: Batch,
+    agg: dict[str, float],
+    keys: list[str],
+    flags: tuple[object, ...],
+    loss_step: StepFn,
+    device: torch.device,
+) -> Metrics:
+    """A worker's update micro-batch: `loss_step` replayed from `graphs` (reading `mb`'s (B, R) columns
+    `keys`) where they can take it, else run eagerly on the micro-batch as the host holds it."""
+    out = None if graphs is None else graphs.step(mb, agg, keys, flags, loss_step)
+    return out if out is not None else loss_step(HostInputs(mb, device), agg)
 
 
 @dataclass(frozen=True)
