@@ -265,3 +265,12 @@ def test_past_the_graph_limit_the_smallest_captured_bucket_that_fits_replays(
     assert chosen.padded is not None and chosen.padded.input_ids.numel() == near.tokens
     # Another kind of pass has no graph it may borrow: not graphed (the caller runs it eagerly).
     assert graphs.graphed(batch, ["response_mask"], ("update",), lambda inputs: ((), None)) is None
+
+
+def test_what_graphs_keep_resident_is_two_bytes_a_copy_and_two_a_trained_gradient() -> None:
+    from fulcrum.models.precision import ComputeWeights
+    from fulcrum.workers.step_graphs import resident_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))  # 15 + 8 parameters
+    model[1].requires_grad_(False)  # frozen, float32: copied, no gradient (a reference's layer)
+    assert resident_bytes(ComputeWeights(model, torch.bfloat16)) == 4 * 15 + 2 * 8

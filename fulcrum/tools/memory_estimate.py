@@ -349,7 +349,13 @@ def estimate(
                     shape, sizes.update_rows[role], sizes.response_len, sizes.with_entropy, True
                 )
             pool = max(pool, work)
-    if uses_reference and not actor.lora and graphed["actor"]:
+    reference_graphed = (
+        TRAIN_GRAPHS
+        and world_size(cfg) == 1
+        and bool(arr.model.use_remove_padding)
+        and 2 * p_actor <= GRAPHS_RESIDENT_SHARE * device_bytes
+    )
+    if uses_reference and not actor.lora and reference_graphed:
         resident["reference compute weights kept for CUDA graphs"] = 2 * p_actor
     if pool:
         resident["CUDA graphs' memory pool"] = pool

@@ -41,6 +41,7 @@ from fulcrum.models.packed import PackedMicroBatch, pack_micro_batch
 from fulcrum.workers.micro_batch import DeviceInputs, HostInputs, MicroInputs
 
 if TYPE_CHECKING:
+    from fulcrum.models.precision import ComputeWeights
     from fulcrum.workers.forwards import ModelForwards
 
 logger = logging.getLogger(__name__)
@@ -52,9 +53,9 @@ ROW_STEP = 8
 # Graphs kept per model; beyond that a micro-batch whose bucket has none replays the smallest captured
 # bucket it fits (`fits`), else runs eagerly, unpadded.
 MAX_GRAPHS = 128
-# Graphs keep a model's bf16 compute weights and a bf16 gradient buffer resident (4 B a trained parameter)
-# and a memory pool as large as an update micro-batch's work. A model graphs only while those 4 B a
-# parameter stay within this share of the device:
+# Graphs keep a model's bf16 compute weights and a bf16 gradient buffer resident (4 B a trained parameter,
+# 2 B a frozen one: `resident_bytes`) and a memory pool as large as an update micro-batch's work. A model
+# graphs only while those bytes stay within this share of the device:
 # the small models whose micro-batches the host bounds (0.5B on an H200: 2 %); a larger model, or a
 # smaller device, keeps that memory for activations and the KV cache, and runs eagerly.
 MAX_RESIDENT_SHARE = 0.05
@@ -74,8 +75,10 @@ def graphs_for(forwards: ModelForwards) -> StepGraphs | None:
     adapters, when what it keeps resident fits `MAX_RESIDENT_SHARE` of the device; else None."""
     if not switched_on() or forwards.device.type != "cuda":
         return None
-    trained = sum(p.numel() for p in forwards.model.parameters() if p.requires_grad)
-    if 4 * trained > MAX_RESIDENT_SHARE * torch.cuda.get_device_properties(forwards.device).total_memory:
+    if (
+        resident_bytes(forwards.compute)
+        > MAX_RESIDENT_SHARE * torch.cuda.get_device_properties(forwards.device).total_memory
+    ):
         return None
     if not forwards.packed or forwards.compute is None or forwards.sp is not None:
         return None
@@ -97,6 +100,13 @@ def micro_step(
     `keys`) where they can take it, else run eagerly on the micro-batch as the host holds it."""
     out = None if graphs is None else graphs.step(mb, agg, keys, flags, loss_step)
     return out if out is not None else loss_step(HostInputs(mb, device), agg)
+
+
+def resident_bytes(compute: ComputeWeights) -> int:
+    """What graphs keep resident for a model: its compute copies, and for the trained ones a staging buffer
+    of their gradients (bf16: 2 + 2 B a trained parameter, 2 B a frozen one, e.g. a reference's)."""
+    size = compute.dtype.itemsize
+    return sum(size * m.numel() * (2 if m.requires_grad else 1) for m in compute.masters)
 
 
 @dataclass(frozen=True)
