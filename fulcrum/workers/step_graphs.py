@@ -32,7 +32,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -42,7 +42,17 @@ from fulcrum.workers.micro_batch import DeviceInputs, HostInputs, MicroInputs
 
 if TYPE_CHECKING:
     from fulcrum.models.precision import ComputeWeights
-    from fulcrum.workers.forwards import ModelForwards
+
+
+class Forwards(Protocol):
+    """What graphs read of `fulcrum.workers.forwards.ModelForwards` (which holds them)."""
+
+    model: torch.nn.Module
+    device: torch.device
+    packed: bool
+    compute: ComputeWeights | None
+    sp: object | None
+
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +79,7 @@ def switched_on() -> bool:
     return os.environ.get("FULCRUM_TRAIN_CUDA_GRAPHS", "1") != "0"
 
 
-def graphs_for(forwards: ModelForwards) -> StepGraphs | None:
+def graphs_for(forwards: Forwards) -> StepGraphs | None:
     """A `StepGraphs` for the model behind `forwards` when its micro-batches can be graphed: on CUDA,
     packed, with compute weights of its own (not FSDP-sharded), without sequence parallelism or LoRA
     adapters, when what it keeps resident fits `MAX_RESIDENT_SHARE` of the device; else None."""
@@ -248,7 +258,7 @@ class StepGraphs:
     """The graphs of one model's micro-batches — its updates' steps (`step`) and its no-grad passes'
     forwards (`forward`) — by (bucket, the columns they read, what else shapes them)."""
 
-    def __init__(self, forwards: ModelForwards, limit: int = MAX_GRAPHS) -> None:
+    def __init__(self, forwards: Forwards, limit: int = MAX_GRAPHS) -> None:
         assert forwards.compute is not None
         self.device = forwards.device
         self.compute = forwards.compute
