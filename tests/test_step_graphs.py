@@ -274,3 +274,33 @@ def test_what_graphs_keep_resident_is_two_bytes_a_copy_and_two_a_trained_gradien
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))  # 15 + 8 parameters
     model[1].requires_grad_(False)  # frozen, float32: copied, no gradient (a reference's layer)
     assert resident_bytes(ComputeWeights(model, torch.bfloat16)) == 4 * 15 + 2 * 8
+
+
+def test_the_start_says_why_a_model_runs_its_micro_batches_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from fulcrum.models.precision import ComputeWeights
+    from fulcrum.workers.step_graphs import graphs_refused, startup_line
+
+    model = torch.nn.Linear(2, 2)
+    cuda = torch.device("cuda")  # only its type is read before the device's size
+
+    def forwards(**kw: object) -> SimpleNamespace:
+        fields = {
+            "model": model,
+            "device": cuda,
+            "packed": True,
+            "compute": ComputeWeights(model),
+            "sp": None,
+        }
+        return SimpleNamespace(**{**fields, **kw})
+
+    assert graphs_refused(forwards(device=CPU)) == "not on CUDA"
+    assert graphs_refused(forwards(packed=False)).startswith("padded micro-batches")
+    assert graphs_refused(forwards(compute=None)) == "no compute copies of its own (FSDP-sharded)"
+    assert graphs_refused(forwards(sp=object())) == "sequence parallelism"
+    line = startup_line({"actor": forwards(packed=False), "critic": forwards(compute=None)})
+    assert line is not None and "actor off (padded micro-batches" in line and "critic off (no compute" in line
+    monkeypatch.setenv("FULCRUM_TRAIN_CUDA_GRAPHS", "0")
+    assert graphs_refused(forwards()) == "FULCRUM_TRAIN_CUDA_GRAPHS=0"
+    assert startup_line({"actor": forwards(device=CPU)}) is None  # a CPU run says nothing

@@ -61,6 +61,7 @@ from fulcrum.trainer.startup import kl_startup_line, resolve_total_steps, seed_e
 from fulcrum.workers.actor import ActorWorker, reference_worker
 from fulcrum.workers.critic import CriticWorker
 from fulcrum.workers.state_parking import park_between_updates
+from fulcrum.workers.step_graphs import startup_line as graphs_startup_line
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,12 @@ class PPOTrainer:
         self.critic = (
             CriticWorker(critic_section(cfg), device, total, self.tokenizer) if uses_critic(cfg) else None
         )
+        forwards = {role: w.forwards for role, w in self.roles().items()}
+        if self.ref is not None and self.ref.forwards is not self.actor.forwards:  # LoRA's is the actor's
+            forwards["reference"] = self.ref.forwards
+        graphs_line = graphs_startup_line(forwards)
+        if graphs_line is not None:
+            print(graphs_line, flush=True)
         # With a critic (unless FULCRUM_PARK_OPTIMIZER_STATE=0): each model's optimiser state waits in host memory
         # while the other one trains; a checkpoint brings it back before it reads the state.
         self.parking = park_between_updates(

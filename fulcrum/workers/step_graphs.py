@@ -80,21 +80,50 @@ def switched_on() -> bool:
 
 
 def graphs_for(forwards: Forwards) -> StepGraphs | None:
-    """A `StepGraphs` for the model behind `forwards` when its micro-batches can be graphed: on CUDA,
-    packed, with compute weights of its own (not FSDP-sharded), without sequence parallelism or LoRA
-    adapters, when what it keeps resident fits `MAX_RESIDENT_SHARE` of the device; else None."""
-    if not switched_on() or forwards.device.type != "cuda":
-        return None
-    if (
-        resident_bytes(forwards.compute)
-        > MAX_RESIDENT_SHARE * torch.cuda.get_device_properties(forwards.device).total_memory
-    ):
-        return None
-    if not forwards.packed or forwards.compute is None or forwards.sp is not None:
-        return None
+    """A `StepGraphs` for the model behind `forwards` when its micro-batches can be graphed
+    (`graphs_refused` says why not), else None."""
+    return None if graphs_refused(forwards) is not None else StepGraphs(forwards)
+
+
+def graphs_refused(forwards: Forwards) -> str | None:
+    """Why the model behind `forwards` runs its micro-batches eagerly, or None when they can be graphed:
+    on CUDA, packed, with compute weights of its own (not FSDP-sharded), without sequence parallelism or
+    LoRA adapters, when what it keeps resident fits `MAX_RESIDENT_SHARE` of the device."""
+    if not switched_on():
+        return "FULCRUM_TRAIN_CUDA_GRAPHS=0"
+    if forwards.device.type != "cuda":
+        return "not on CUDA"
+    if not forwards.packed:
+        return "padded micro-batches (use_remove_padding=False or an architecture without packing)"
+    if forwards.compute is None:
+        return "no compute copies of its own (FSDP-sharded)"
+    if forwards.sp is not None:
+        return "sequence parallelism"
     if any(".lora_" in name for name, _ in forwards.model.named_parameters()):
-        return None  # LoRA: the reference runs the same model with its adapters switched off on the host
-    return StepGraphs(forwards)
+        return "LoRA adapters (the reference runs the same model with them switched off on the host)"
+    kept, device = (
+        resident_bytes(forwards.compute),
+        torch.cuda.get_device_properties(forwards.device).total_memory,
+    )
+    if kept > MAX_RESIDENT_SHARE * device:
+        return f"it would keep {kept / 2**30:.1f} GiB resident, over {MAX_RESIDENT_SHARE:.0%} of the device"
+    return None
+
+
+def startup_line(forwards: dict[str, Forwards]) -> str | None:
+    """One line for the run's start on CUDA: which roles' micro-batches replay as CUDA graphs, what that
+    keeps resident, and why any other role's do not."""
+    if not any(f.device.type == "cuda" for f in forwards.values()):
+        return None
+    parts = []
+    for role, f in forwards.items():
+        reason = graphs_refused(f)
+        if reason is None:
+            assert f.compute is not None
+            parts.append(f"{role} on ({resident_bytes(f.compute) / 2**30:.1f} GiB kept resident)")
+        else:
+            parts.append(f"{role} off ({reason})")
+    return "CUDA graphs of the micro-batches: " + ", ".join(parts) + " [FULCRUM_TRAIN_CUDA_GRAPHS]"
 
 
 def micro_step(
