@@ -87,8 +87,8 @@ def graphs_for(forwards: Forwards) -> StepGraphs | None:
 
 def graphs_refused(forwards: Forwards) -> str | None:
     """Why the model behind `forwards` runs its micro-batches eagerly, or None when they can be graphed:
-    on CUDA, packed, with compute weights of its own (not FSDP-sharded), without sequence parallelism or
-    LoRA adapters, when what it keeps resident fits `MAX_RESIDENT_SHARE` of the device."""
+    on CUDA, packed, with compute weights of its own (not FSDP-sharded), in one process, without sequence
+    parallelism or LoRA adapters, when what it keeps resident fits `MAX_RESIDENT_SHARE` of the device."""
     if not switched_on():
         return "FULCRUM_TRAIN_CUDA_GRAPHS=0"
     if forwards.device.type != "cuda":
@@ -99,6 +99,12 @@ def graphs_refused(forwards: Forwards) -> str | None:
         return "no compute copies of its own (FSDP-sharded)"
     if forwards.sp is not None:
         return "sequence parallelism"
+    if (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    ):
+        return "several processes (graphs are measured in one process only)"
     if any(".lora_" in name for name, _ in forwards.model.named_parameters()):
         return "LoRA adapters (the reference runs the same model with them switched off on the host)"
     kept, device = (
