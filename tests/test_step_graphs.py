@@ -280,7 +280,7 @@ def test_the_start_says_why_a_model_runs_its_micro_batches_eagerly(monkeypatch: 
     from types import SimpleNamespace
 
     from fulcrum.models.precision import ComputeWeights
-    from fulcrum.workers.step_graphs import graphs_refused, startup_line
+    from fulcrum.workers.step_graphs import graphs_line, graphs_refused, startup_line
 
     model = torch.nn.Linear(2, 2)
     cuda = torch.device("cuda")  # only its type is read before the device's size
@@ -299,8 +299,16 @@ def test_the_start_says_why_a_model_runs_its_micro_batches_eagerly(monkeypatch: 
     assert graphs_refused(forwards(packed=False)).startswith("padded micro-batches")
     assert graphs_refused(forwards(compute=None)) == "no compute copies of its own (FSDP-sharded)"
     assert graphs_refused(forwards(sp=object())) == "sequence parallelism"
-    line = startup_line({"actor": forwards(packed=False), "critic": forwards(compute=None)})
+    actor, critic = forwards(packed=False), forwards(compute=None)
+    line = graphs_line({"actor": actor, "critic": critic})
     assert line is not None and "actor off (padded micro-batches" in line and "critic off (no compute" in line
+    # From the trainer's workers: a reference that shares the actor's forwards (LoRA's) is not listed twice.
+    trainer = SimpleNamespace(
+        actor=SimpleNamespace(forwards=actor), critic=None, ref=SimpleNamespace(forwards=actor)
+    )
+    assert startup_line(trainer) == "CUDA graphs of the micro-batches: actor off (padded micro-batches " + (
+        "(use_remove_padding=False or an architecture without packing)) [FULCRUM_TRAIN_CUDA_GRAPHS]"
+    )
     monkeypatch.setenv("FULCRUM_TRAIN_CUDA_GRAPHS", "0")
     assert graphs_refused(forwards()) == "FULCRUM_TRAIN_CUDA_GRAPHS=0"
-    assert startup_line({"actor": forwards(device=CPU)}) is None  # a CPU run says nothing
+    assert graphs_line({"actor": forwards(device=CPU)}) is None  # a CPU run says nothing

@@ -129,12 +129,6 @@ class PPOTrainer:
         self.critic = (
             CriticWorker(critic_section(cfg), device, total, self.tokenizer) if uses_critic(cfg) else None
         )
-        forwards = {role: w.forwards for role, w in self.roles().items()}
-        if self.ref is not None and self.ref.forwards is not self.actor.forwards:  # LoRA's is the actor's
-            forwards["reference"] = self.ref.forwards
-        graphs_line = graphs_startup_line(forwards)
-        if graphs_line is not None:
-            print(graphs_line, flush=True)
         # With a critic (unless FULCRUM_PARK_OPTIMIZER_STATE=0): each model's optimiser state waits in host memory
         # while the other one trains; a checkpoint brings it back before it reads the state.
         self.parking = park_between_updates(
@@ -152,9 +146,9 @@ class PPOTrainer:
         )
         if self.actor.adapters is not None:  # the engine started from the base: the adapters' effect now
             self.rollout.update_weights(self.actor.named_weights())
-        summary = startup_line(self.dist, cfg, engine_tp_size(self.rollout))
-        if summary:
-            print(summary, flush=True)
+        for line in (startup_line(self.dist, cfg, engine_tp_size(self.rollout)), graphs_startup_line(self)):
+            if line:
+                print(line, flush=True)
         reward_model = reward_model_of(cfg, self.tokenizer, device)
         self.sampler = Sampler(
             cfg, self.rollout, self.tokenizer, reward_manager, reward_model, self.dist.is_main, self.tools

@@ -116,9 +116,26 @@ def graphs_refused(forwards: Forwards) -> str | None:
     return None
 
 
-def startup_line(forwards: dict[str, Forwards]) -> str | None:
-    """One line for the run's start on CUDA: which roles' micro-batches replay as CUDA graphs, what that
-    keeps resident, and why any other role's do not."""
+def startup_line(trainer: object) -> str | None:
+    """One line for the run's start on CUDA: which of the trainer's models (`actor`, `critic`, `ref`,
+    those it has) replay their micro-batches as CUDA graphs, what that keeps resident, and why the
+    others do not."""
+    roles = {name: getattr(getattr(trainer, attr, None), "forwards", None) for name, attr in ROLES}
+    return graphs_line(
+        {
+            name: f
+            for name, f in roles.items()
+            if f is not None and (name == "actor" or f is not roles["actor"])
+        }
+    )
+
+
+# (the role's name in the line, the trainer's attribute); a LoRA reference shares the actor's forwards.
+ROLES = (("actor", "actor"), ("critic", "critic"), ("reference", "ref"))
+
+
+def graphs_line(forwards: dict[str, Forwards]) -> str | None:
+    """`startup_line` of these roles' forwards (None when none runs on CUDA)."""
     if not any(f.device.type == "cuda" for f in forwards.values()):
         return None
     parts = []
