@@ -16,7 +16,7 @@ from test_workers_update import cfg_for
 
 from fulcrum.batch import Batch
 from fulcrum.config.sections import actor_section, critic_section
-from fulcrum.models.packed import pack_micro_batch
+from fulcrum.models.packed import PackedMicroBatch, pack_micro_batch
 from fulcrum.workers.actor import ActorWorker
 from fulcrum.workers.critic import CriticWorker
 from fulcrum.workers.micro_batch import DeviceInputs, HostInputs
@@ -49,11 +49,15 @@ def rl_batch(b: int = 7, p: int = 10, r: int = 7) -> Batch:
     return batch
 
 
-def test_the_padded_stream_adds_sequences_rows_and_positions_the_mask_leaves_out() -> None:
-    batch = rl_batch()
-    packed = pack_micro_batch(
+def packed_of(batch: Batch) -> PackedMicroBatch:
+    return pack_micro_batch(
         batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch.prompt_length
     )
+
+
+def test_the_padded_stream_adds_sequences_rows_and_positions_the_mask_leaves_out() -> None:
+    batch = rl_batch()
+    packed = packed_of(batch)
     n, m, (b, r) = packed.input_ids.numel(), packed.labels.numel(), packed.shape
     bucket = bucket_for(packed)
     assert bucket.tokens % TOKEN_STEP == 0 and bucket.tokens > n
@@ -82,9 +86,7 @@ def test_a_long_padding_is_cut_into_sequences_no_longer_than_the_widest_row() ->
     batch = rl_batch(
         b=2, p=6, r=4
     )  # rows of at most 10 tokens: 128-token buckets need many padding sequences
-    packed = pack_micro_batch(
-        batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch.prompt_length
-    )
+    packed = packed_of(batch)
     bucket = bucket_for(packed)
     padded = pad_packed(packed, bucket)
     lengths = padded.cu_seqlens.diff()
@@ -173,9 +175,8 @@ def test_staged_gradients_add_up_as_the_eager_accumulation_does() -> None:
                 compute.backward(model(x).float().square().sum())
                 if resident:
                     compute.stage_pending_grads()
-                    compute.add_staged_grads()
-                else:
-                    compute.accumulate_grads()
+                    compute.mark_staged()
+                compute.accumulate_grads()
         compute.release()
         assert bool(compute.copies) == resident  # resident copies stay
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
@@ -186,9 +187,7 @@ def test_a_micro_batch_fits_a_larger_bucket_and_pads_to_it_just_as_neutrally(tin
     """Beyond `MAX_GRAPHS` a micro-batch without a graph of its own replays a larger captured bucket:
     padded to it, the critic's loss step gives the same loss, metrics and gradients."""
     batch = rl_batch()
-    packed = pack_micro_batch(
-        batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch.prompt_length
-    )
+    packed = packed_of(batch)
     own = bucket_for(packed)
     # Rows of at most 17 tokens and 7 response tokens: more tokens take more padding sequences, more
     # response positions more padding rows.
@@ -239,9 +238,7 @@ def test_past_the_graph_limit_the_smallest_captured_bucket_that_fits_replays(
             return (torch.tensor([1.0]),), None
 
     batch = rl_batch()
-    packed = pack_micro_batch(
-        batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch.prompt_length
-    )
+    packed = packed_of(batch)
     own = bucket_for(packed)
     graphs = StepGraphs(Forwards(), limit=2)
     shape = ("forward", ("values",))

@@ -25,6 +25,12 @@ SETTINGS = (
 )
 
 
+def switched(monkeypatch: pytest.MonkeyPatch, graphs: str) -> None:
+    """Graphs on ("1") or off ("0") for the workers made next, from the same initial weights."""
+    monkeypatch.setenv("FULCRUM_TRAIN_CUDA_GRAPHS", graphs)
+    torch.manual_seed(0)
+
+
 def flat_grads(worker: ActorWorker) -> torch.Tensor:
     """The float32 masters' gradients (inside `active()` the module's parameters are the compute copies)."""
     masters = worker.forwards.compute.masters
@@ -68,8 +74,7 @@ def test_updates_with_graphs_follow_the_eager_ones(
     batch = rl_batch(b=16)
     runs = {}
     for graphs in ("0", "1"):
-        monkeypatch.setenv("FULCRUM_TRAIN_CUDA_GRAPHS", graphs)
-        torch.manual_seed(0)
+        switched(monkeypatch, graphs)
         worker = (
             ActorWorker(actor_section(cfg), CUDA, total_training_steps=4)
             if role == "actor"
@@ -97,8 +102,7 @@ def test_old_log_probs_and_values_from_graphs_follow_the_eager_ones(
     batch = rl_batch(b=16)
     runs = {}
     for graphs in ("0", "1"):
-        monkeypatch.setenv("FULCRUM_TRAIN_CUDA_GRAPHS", graphs)
-        torch.manual_seed(0)
+        switched(monkeypatch, graphs)
         actor = ActorWorker(actor_section(cfg), CUDA, total_training_steps=1)
         critic = CriticWorker(critic_section(cfg), CUDA, total_training_steps=1)
         passes = [(*actor.compute_log_prob(batch), critic.compute_values(batch)) for _ in range(2)]

@@ -98,6 +98,7 @@ class ComputeWeights:
         # Resident: the bf16 staging buffer, its views shaped like the trained copies, the uncopied
         # trained parameters' `.grad` tensors.
         self._resident_grads: tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._staged = False  # the staging buffer holds a graphed micro-batch's gradients to add
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -117,7 +118,7 @@ class ComputeWeights:
     def release(self) -> None:
         """Drop the copies (their memory returns to the allocator's cache); `refresh` makes new ones.
         Resident copies stay."""
-        self._pending = None
+        self._pending, self._staged = None, False
         if not self.resident:
             self.copies, self._trained_copies, self._trained_masters = [], [], []
 
@@ -156,8 +157,9 @@ class ComputeWeights:
     @torch.no_grad()
     def stage_pending_grads(self) -> None:
         """`backward`'s gradients of the copies into the resident staging buffer (a copy without one gets
-        zeros): device work only, what a captured micro-batch ends with. `add_staged_grads` then adds them
-        into the float32 gradients, outside the graph. Needs `attach_resident_grads` first."""
+        zeros): device work only, what a captured micro-batch ends with; after it (run or replayed),
+        `mark_staged`, and `accumulate_grads` adds them into the float32 gradients outside the graph.
+        Needs `attach_resident_grads` first."""
         pending, self._pending = self._pending, None
         assert pending is not None and self._resident_grads is not None, (
             "stage_pending_grads: attach, backward"
@@ -169,23 +171,30 @@ class ComputeWeights:
             if grad is None:
                 view.zero_()
 
+    def mark_staged(self) -> None:
+        """A graphed micro-batch ran `stage_pending_grads`: `accumulate_grads` adds the staged gradients."""
+        self._staged = True
+
     @torch.no_grad()
-    def add_staged_grads(self) -> None:
-        """masters.grad (float32) += the staged gradients, one kernel: the first time after the optimiser
-        dropped the gradients, their float32 buffer is made (its views become the masters' `.grad`, as
-        `accumulate_grads` makes it) and takes a copy."""
+    def _add_staged_grads(self) -> None:
+        """masters.grad (float32) += the staged gradients, one kernel (the float32 buffer made first when
+        the optimiser dropped the gradients)."""
         assert self._resident_grads is not None
         staged = self._resident_grads[0]
         flat = self._flat_grad()
-        if flat is not None:
+        if flat is None:
+            self._new_flat_grad(staged.device).copy_(staged)
+        else:
             flat.add_(staged)
-            return
+
+    def _new_flat_grad(self, device: torch.device) -> torch.Tensor:
+        """One float32 buffer for every trained master's gradient, its views made their `.grad`."""
         masters = self._trained_masters
-        flat = torch.empty(staged.numel(), dtype=torch.float32, device=staged.device)
+        flat = torch.empty(sum(m.numel() for m in masters), dtype=torch.float32, device=device)
         for master, view in zip(masters, flat.split([m.numel() for m in masters]), strict=True):
             master.grad = view.view_as(master)
         self._flat_ref = weakref.ref(flat)
-        flat.copy_(staged)
+        return flat
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -219,7 +228,8 @@ class ComputeWeights:
     @torch.no_grad()
     def accumulate_grads(self) -> None:
         """masters.grad (float32) += the trained copies' gradients (`backward`'s, else the copies' own
-        `.grad`, which are cleared), in a few ops and kernels for the whole model.
+        `.grad`, which are cleared), in a few ops and kernels for the whole model; after a graphed
+        micro-batch, the gradients it staged (`stage_pending_grads`, `mark_staged`), in one kernel.
 
         The first accumulation after the optimiser dropped the masters' gradients makes them views
         into one float32 buffer. The gradients are then copied, at most `FLAT_CHUNK` elements at a time,
@@ -230,8 +240,12 @@ class ComputeWeights:
         `.grad`, so the optimiser's release of the gradients frees it. A micro-batch that leaves a copy
         without gradient, or masters holding gradients of their own, take the per-parameter path.
         """
-        if not self._trained_copies or (self._pending is None and self.resident):
-            return  # nothing, or `stage_pending_grads` took them (a graphed micro-batch)
+        if self._staged:  # a graphed micro-batch's, staged in bf16 (`stage_pending_grads`)
+            self._staged = False
+            self._add_staged_grads()
+            return
+        if not self._trained_copies:
+            return
         if self._pending is not None:
             grads, self._pending = self._pending, None
         else:
@@ -246,10 +260,7 @@ class ComputeWeights:
             self._add_each(grads)
             return
         if flat is None:
-            flat = torch.empty(sum(m.numel() for m in trained), dtype=torch.float32, device=present[0].device)
-            for master, view in zip(trained, flat.split([m.numel() for m in trained]), strict=True):
-                master.grad = view.view_as(master)
-            self._flat_ref = weakref.ref(flat)
+            flat = self._new_flat_grad(present[0].device)
         staging = self._staging
         if staging is None or not staging.serves(present[0], FLAT_CHUNK):
             # The gradients' shapes and dtype are the copies': views made once serve every micro-batch.

@@ -325,18 +325,17 @@ def estimate(
     if uses_reference and not actor.lora:  # a LoRA actor's reference is its base, adapters off
         resident["reference weights (fp32)"] = 4 * p_actor
     resident["CUDA context and workspaces"] = CUDA_CONTEXT_BYTES
-    # CUDA graphs of the micro-batches (one process, packed, no LoRA, a small model for the device): compute weights and
-    # gradients kept,
-    # and the graphs' pool, which holds the largest update micro-batch's work.
+
+    # CUDA graphs of the micro-batches (`graphs_keep`): each graphed model's compute weights and gradient
+    # buffer, the reference's compute weights, and the graphs' pool (the largest update micro-batch's work).
     graphed = {
-        role: TRAIN_GRAPHS
-        and 4 * params.trained <= GRAPHS_RESIDENT_SHARE * device_bytes
-        and world_size(cfg) == 1
-        and bool(model.use_remove_padding)
-        and not params.lora
-        for role, model, params in (("actor", arr.model, actor), ("critic", cfg.critic.model, critic))
+        "actor": graphs_keep(
+            cfg, device_bytes, 4 * actor.trained, bool(arr.model.use_remove_padding), actor.lora
+        )
     }
-    graphed["critic"] = graphed["critic"] and uses_critic
+    graphed["critic"] = uses_critic and graphs_keep(
+        cfg, device_bytes, 4 * critic.trained, bool(cfg.critic.model.use_remove_padding), critic.lora
+    )
     pool = 0.0
     for role, params in (("actor", actor), ("critic", critic)):
         if graphed[role]:
@@ -349,13 +348,11 @@ def estimate(
                     shape, sizes.update_rows[role], sizes.response_len, sizes.with_entropy, True
                 )
             pool = max(pool, work)
-    reference_graphed = (
-        TRAIN_GRAPHS
-        and world_size(cfg) == 1
-        and bool(arr.model.use_remove_padding)
-        and 2 * p_actor <= GRAPHS_RESIDENT_SHARE * device_bytes
-    )
-    if uses_reference and not actor.lora and reference_graphed:
+    if (
+        uses_reference
+        and not actor.lora
+        and graphs_keep(cfg, device_bytes, 2 * p_actor, bool(arr.model.use_remove_padding))
+    ):
         resident["reference compute weights kept for CUDA graphs"] = 2 * p_actor
     if pool:
         resident["CUDA graphs' memory pool"] = pool
@@ -419,6 +416,19 @@ def estimate(
             )
         )
     return Estimate(device_bytes, device_known, phases, kv, kv_tokens)
+
+
+def graphs_keep(cfg: Any, device_bytes: float, kept: float, packed: bool, lora: bool = False) -> bool:
+    """Whether a model's micro-batches replay as CUDA graphs, keeping `kept` bytes resident
+    (fulcrum.workers.step_graphs.graphs_refused's rule): one process, packed, no LoRA, `kept` within
+    `GRAPHS_RESIDENT_SHARE` of the device."""
+    return (
+        TRAIN_GRAPHS
+        and world_size(cfg) == 1
+        and packed
+        and not lora
+        and kept <= GRAPHS_RESIDENT_SHARE * device_bytes
+    )
 
 
 def usable_cache_bytes(rollout: Any, shape: ModelShape, seq_len: int) -> float:

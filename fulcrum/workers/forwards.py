@@ -47,7 +47,7 @@ from fulcrum.workers.micro_batch import (
     stream_values,
     trimmed_inputs,
 )
-from fulcrum.workers.step_graphs import graphs_for
+from fulcrum.workers.step_graphs import forward_micro, graphs_for
 
 logger = logging.getLogger(__name__)
 
@@ -201,12 +201,7 @@ class ModelForwards:
         self.model.eval()  # no dropout: log-probs must match what the update's ratio starts from
         try:
             with torch.no_grad(), contextlib.nullcontext() if padded else self.active():
-                outputs = []
-                for mb in micro:
-                    out = (
-                        None if graphs is None else graphs.forward(mb, ["response_mask"], graph_key, forward)
-                    )  # type: ignore[arg-type]
-                    outputs.append(out if out is not None else forward(HostInputs(mb, self.device)))
+                outputs = [forward_micro(graphs, mb, graph_key or (), forward, self.device) for mb in micro]
         finally:
             self.model.train(was_training)
         return [restore_order(list(parts), order).cpu() for parts in zip(*outputs, strict=True)]

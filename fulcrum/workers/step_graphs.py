@@ -31,8 +31,8 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -116,22 +116,16 @@ def graphs_refused(forwards: Forwards) -> str | None:
     return None
 
 
-def startup_line(trainer: object) -> str | None:
-    """One line for the run's start on CUDA: which of the trainer's models (`actor`, `critic`, `ref`,
-    those it has) replay their micro-batches as CUDA graphs, what that keeps resident, and why the
-    others do not."""
-    roles = {name: getattr(getattr(trainer, attr, None), "forwards", None) for name, attr in ROLES}
-    return graphs_line(
-        {
-            name: f
-            for name, f in roles.items()
-            if f is not None and (name == "actor" or f is not roles["actor"])
-        }
-    )
-
-
-# (the role's name in the line, the trainer's attribute); a LoRA reference shares the actor's forwards.
-ROLES = (("actor", "actor"), ("critic", "critic"), ("reference", "ref"))
+def startup_line(trainer: Any) -> str | None:
+    """One line for the run's start on CUDA: which of the trainer's models (its `actor`, `critic` and
+    `ref`, those it has) replay their micro-batches as CUDA graphs, what that keeps resident, and why
+    the others do not."""
+    forwards = {"actor": trainer.actor.forwards}
+    if trainer.critic is not None:
+        forwards["critic"] = trainer.critic.forwards
+    if trainer.ref is not None and trainer.ref.forwards is not trainer.actor.forwards:  # LoRA's: the actor's
+        forwards["reference"] = trainer.ref.forwards
+    return graphs_line(forwards)
 
 
 def graphs_line(forwards: dict[str, Forwards]) -> str | None:
@@ -162,6 +156,19 @@ def micro_step(
     `keys`) where they can take it, else run eagerly on the micro-batch as the host holds it."""
     out = None if graphs is None else graphs.step(mb, agg, keys, flags, loss_step)
     return out if out is not None else loss_step(HostInputs(mb, device), agg)
+
+
+def forward_micro(
+    graphs: StepGraphs | None,
+    mb: Batch,
+    flags: tuple[object, ...],
+    forward: Callable[[MicroInputs], tuple[torch.Tensor, ...]],
+    device: torch.device,
+) -> tuple[torch.Tensor, ...]:
+    """A no-grad pass's micro-batch, as `micro_step` an update's: `forward` (reading the response mask
+    and the stream) replayed from `graphs` where they can take it, else eager."""
+    out = None if graphs is None else graphs.forward(mb, ["response_mask"], flags, forward)
+    return out if out is not None else forward(HostInputs(mb, device))
 
 
 def resident_bytes(compute: ComputeWeights) -> int:
@@ -272,8 +279,10 @@ class Captured:
         """Copy a padded micro-batch into the static inputs (asynchronously, from pinned memory) and
         replay; the caller takes what it keeps out of the outputs before another graph of the pool runs."""
         static = self.inputs.packed
-        for name in ("input_ids", "position_ids", "cu_seqlens", "predictor", "labels", "rows", "cols"):
-            getattr(static, name).copy_(getattr(packed, name).pin_memory(), non_blocking=True)
+        for field in fields(static):
+            target = getattr(static, field.name)
+            if isinstance(target, torch.Tensor):
+                target.copy_(getattr(packed, field.name).pin_memory(), non_blocking=True)
         for key, value in rows.items():
             self.inputs.rows[key].copy_(value.pin_memory(), non_blocking=True)
         self.graph.replay()
@@ -320,13 +329,14 @@ class StepGraphs:
         self.failed: str | None = None  # why capturing stopped (then every micro-batch runs eagerly)
         self.counts: dict[str, torch.Tensor] = {}  # the losses' mini-batch counts, as 0-d device tensors
         self.replays = 0
+        self._filled: dict[str, float] = {}
         self._stream: torch.cuda.Stream | None = None
 
     def step(
         self, mb: Batch, agg: dict[str, float], keys: list[str], flags: tuple[object, ...], loss_step: StepFn
     ) -> Metrics | None:
-        """An update's `loss_step` on `mb` (its (B, R) columns `keys`), its gradients added into the
-        resident ones; the metrics. None: not graphed (see `graphed`), the caller runs it its own way."""
+        """An update's `loss_step` on `mb` (its (B, R) columns `keys`), its gradients staged for the
+        update's `accumulate_grads`; the metrics. None: not graphed (see `graphed`), the caller runs it its own way."""
         self.fill_counts(agg)
 
         def fn(inputs: DeviceInputs) -> tuple[tuple[torch.Tensor, ...], object]:
@@ -338,7 +348,7 @@ class StepGraphs:
         got = self.graphed(mb, keys, ("update", flags, tuple(sorted(agg))), fn)
         if got is None:
             return None
-        self.compute.add_staged_grads()  # into the float32 gradients, outside the graph: one kernel
+        self.compute.mark_staged()  # the update's `accumulate_grads` adds them into the float32 ones
         (stacked,), (names, consts) = got  # type: ignore[misc]
         return named_metrics(names, consts, stacked.clone())
 
@@ -382,6 +392,10 @@ class StepGraphs:
         return self.capture(key, packed, rows, fn)
 
     def fill_counts(self, agg: dict[str, float]) -> None:
+        """The mini-batch's counts into their device tensors (a launch each, when they change)."""
+        if agg == self._filled:
+            return
+        self._filled = dict(agg)
         for name, value in agg.items():
             if name not in self.counts:
                 self.counts[name] = torch.zeros((), dtype=torch.float32, device=self.device)
