@@ -32,6 +32,7 @@ from fulcrum.batch import Batch, response_lengths
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import matmul_param_count, train_flops
 from fulcrum.trainer.dynamic_sampling import rows_with_signal
+from fulcrum.workers.step_graphs import capture_metrics
 
 GiB = 1024**3
 
@@ -203,6 +204,7 @@ def step_metrics(
     metrics.update(memory_metrics(device, peaks))
     metrics.update(phase_memory_metrics(peaks or {}))
     metrics.update(host_load_metrics())
+    metrics.update(capture_metrics())
     return metrics
 
 

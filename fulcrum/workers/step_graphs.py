@@ -315,6 +315,49 @@ def shared_pool(device: torch.device) -> object:
 GraphedFn = Callable[[DeviceInputs], tuple[tuple[torch.Tensor, ...], object]]
 
 
+def capture_graph(
+    fn: Callable[[], tuple[torch.Tensor, ...]], device: torch.device, stream: torch.cuda.Stream
+) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+    """`fn`'s kernels captured on `stream` into the shared pool; the graph and `fn`'s outputs (its static
+    outputs). Not `torch.cuda.graph`: that context waits for the whole device and empties the device and
+    pinned-memory caches at every capture, so a capture in the middle of an update drained the queue of
+    launched micro-batches (the GPU idle until the host launched again), and the allocations after it,
+    device and pinned, were made anew. The stream has run `fn` once eagerly (its workspaces exist) and
+    waits for the current stream; the graph's memory comes from the pool, never from those caches."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(shared_pool(device), capture_error_mode="thread_local")
+        try:
+            outs = fn()
+        finally:
+            graph.capture_end()
+    return graph, outs
+
+
+@dataclass
+class CaptureTally:
+    """Graphs captured (and the host seconds their captures took) since the step's metrics last read them,
+    over every model of the process (`capture_metrics`)."""
+
+    graphs: int = 0
+    seconds: float = 0.0
+    built: bool = False  # some model has graphs: the metrics are logged (0 once every bucket has one)
+
+
+TALLY = CaptureTally()
+
+
+def capture_metrics() -> dict[str, float]:
+    """perf/graph_captures and perf/graph_capture_s: graphs captured since the last step's metrics and the
+    seconds their captures took (each bucket's first micro-batch runs eagerly besides, counted in its
+    phase as any micro-batch). Captures are the early steps' cost; nothing when no model has graphs."""
+    if not TALLY.built:
+        return {}
+    out = {"perf/graph_captures": float(TALLY.graphs), "perf/graph_capture_s": TALLY.seconds}
+    TALLY.graphs, TALLY.seconds = 0, 0.0
+    return out
+
+
 class StepGraphs:
     """The graphs of one model's micro-batches — its updates' steps (`step`) and its no-grad passes'
     forwards (`forward`) — by (bucket, the columns they read, what else shapes them)."""
@@ -324,6 +367,7 @@ class StepGraphs:
         self.device = forwards.device
         self.compute = forwards.compute
         self.compute.keep_resident()
+        TALLY.built = True
         self.limit = limit
         self.graphs: dict[tuple[object, ...], Captured] = {}
         self.failed: str | None = None  # why capturing stopped (then every micro-batch runs eagerly)
@@ -416,11 +460,7 @@ class StepGraphs:
         current.wait_stream(stream)
         started = time.perf_counter()
         try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(
-                graph, pool=shared_pool(device), stream=stream, capture_error_mode="thread_local"
-            ):
-                static, _ = fn(inputs)
+            graph, static = capture_graph(lambda: fn(inputs)[0], device, stream)
         except Exception as err:  # any capture failure: go on eagerly, say why once
             self.compute.discard_pending()
             self.failed = f"{type(err).__name__}: {err}"
@@ -431,6 +471,8 @@ class StepGraphs:
             )
             return outs, extra
         self.graphs[key] = Captured(graph, inputs, static, extra)
+        TALLY.graphs += 1
+        TALLY.seconds += time.perf_counter() - started
         logger.info(
             "captured a micro-batch of %s (%s) in %.2f s (%d graphs, %d replays so far)",
             key[0],
