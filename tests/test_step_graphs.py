@@ -9,6 +9,8 @@ tests/test_step_graphs_gpu.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_workers_units import make_batch
@@ -191,17 +193,19 @@ def test_a_micro_batch_fits_a_larger_bucket_and_pads_to_it_just_as_neutrally(tin
     own = bucket_for(packed)
     # Rows of at most 17 tokens and 7 response tokens: more tokens take more padding sequences, more
     # response positions more padding rows.
-    larger = Bucket(
-        own.tokens + 2 * TOKEN_STEP,
-        own.responses + 128,
-        own.rows + 4 * ROW_STEP,
-        own.sequences + 4 * ROW_STEP,
+    larger = replace(
+        own,
+        tokens=own.tokens + 2 * TOKEN_STEP,
+        responses=own.responses + 128,
+        rows=own.rows + 4 * ROW_STEP,
+        sequences=own.sequences + 4 * ROW_STEP,
     )
     assert fits(packed, own) and fits(packed, larger)
-    assert not fits(packed, Bucket(own.tokens - TOKEN_STEP, own.responses, own.rows, own.sequences))
-    assert not fits(
-        packed, Bucket(own.tokens, own.responses, own.rows, 1)
-    )  # no room for the padding sequences
+    assert not fits(packed, replace(own, tokens=own.tokens - TOKEN_STEP))
+    assert not fits(packed, replace(own, sequences=1))  # no room for the padding sequences
+    # The attention's bound on a sequence and the response grid's width are the batch's: never padded.
+    assert not fits(packed, replace(larger, width=own.width + 1))
+    assert not fits(packed, replace(larger, columns=own.columns + 1))
     cfg = cfg_for(tiny_dir, "critic.model.use_remove_padding=True", "critic.cliprange_value=0.1")
     agg = global_agg_kwargs(batch["response_mask"])
     results = []
@@ -219,9 +223,20 @@ def test_a_micro_batch_fits_a_larger_bucket_and_pads_to_it_just_as_neutrally(tin
     assert torch.allclose(first_grads, second_grads, rtol=1e-4, atol=1e-6)
 
 
-def test_past_the_graph_limit_the_smallest_captured_bucket_that_fits_replays(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+class Replayed:
+    """A captured graph's stand-in: records the padded micro-batch it is given."""
+
+    def __init__(self) -> None:
+        self.extra, self.padded = None, None
+
+    def replay(self, packed: PackedMicroBatch, rows: dict[str, torch.Tensor]) -> tuple[tuple, None]:
+        self.padded = packed
+        return (torch.tensor([1.0]),), None
+
+
+def graphs_holding(buckets: list[Bucket], shape: tuple, limit: int, monkeypatch: pytest.MonkeyPatch):
+    """A CPU `StepGraphs` whose captured graphs are stand-ins for `buckets` (of the response mask, of
+    kind `shape`); its captures recorded in the list returned beside it, not made."""
     from fulcrum.models.precision import ComputeWeights
     from fulcrum.workers.step_graphs import StepGraphs
 
@@ -229,39 +244,80 @@ def test_past_the_graph_limit_the_smallest_captured_bucket_that_fits_replays(
         device = CPU
         compute = ComputeWeights(torch.nn.Linear(2, 2), torch.bfloat16)
 
-    class Replayed:
-        def __init__(self, name: str) -> None:
-            self.name, self.extra, self.padded = name, None, None
+    graphs = StepGraphs(Forwards(), limit=limit)
+    graphs.graphs = {(b, ("response_mask",), shape): Replayed() for b in buckets}
+    captures: list[tuple] = []
+    monkeypatch.setattr(graphs, "capture", lambda *args: captures.append(args))
+    return graphs, captures
 
-        def replay(self, packed, rows):
-            self.padded = packed
-            return (torch.tensor([1.0]),), None
 
+def test_past_the_graph_limit_the_smallest_captured_bucket_that_fits_replays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     batch = rl_batch()
     packed = packed_of(batch)
     own = bucket_for(packed)
-    graphs = StepGraphs(Forwards(), limit=2)
     shape = ("forward", ("values",))
-    near = Bucket(own.tokens + TOKEN_STEP, own.responses, own.rows, own.sequences + 4 * ROW_STEP)
-    far = Bucket(
-        own.tokens + 4 * TOKEN_STEP,
-        own.responses + 128,
-        own.rows + 8 * ROW_STEP,
-        own.sequences + 8 * ROW_STEP,
+    near = replace(own, tokens=own.tokens + TOKEN_STEP, sequences=own.sequences + 4 * ROW_STEP)
+    far = replace(
+        own,
+        tokens=own.tokens + 4 * TOKEN_STEP,
+        responses=own.responses + 128,
+        rows=own.rows + 8 * ROW_STEP,
+        sequences=own.sequences + 8 * ROW_STEP,
     )
     assert fits(packed, near) and fits(packed, far)
-    graphs.graphs = {
-        (far, ("response_mask",), shape): Replayed("far"),
-        (near, ("response_mask",), shape): Replayed("near"),
-    }
-    captures = []
-    monkeypatch.setattr(graphs, "capture", lambda *args: captures.append(args))
+    graphs, captures = graphs_holding([far, near], shape, 2, monkeypatch)
     outs, _ = graphs.graphed(batch, ["response_mask"], shape, lambda inputs: ((), None))
     assert not captures and graphs.replays == 1 and float(outs[0][0]) == 1.0
     chosen = graphs.graphs[(near, ("response_mask",), shape)]
     assert chosen.padded is not None and chosen.padded.input_ids.numel() == near.tokens
     # Another kind of pass has no graph it may borrow: not graphed (the caller runs it eagerly).
     assert graphs.graphed(batch, ["response_mask"], ("update",), lambda inputs: ((), None)) is None
+
+
+def test_a_captured_bucket_within_a_small_share_of_more_work_replays_instead_of_a_capture(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Below the limit, a micro-batch without a graph of its own replays a captured larger bucket when the
+    extra work (tokens, and a quarter of a token a response position) is within NEAR_SHARE of its own
+    tokens; a larger one does not serve it: its own bucket is captured."""
+    from fulcrum.workers import step_graphs
+
+    batch = rl_batch()
+    packed = packed_of(batch)
+    own = bucket_for(packed)
+    shape = ("update", ())
+    more_responses = replace(own, responses=own.responses + 128, rows=own.rows + 8 * ROW_STEP)
+    assert fits(packed, more_responses)
+    assert step_graphs.extra_work(more_responses, own) == 32  # 128 positions at a quarter of a token
+    monkeypatch.setattr(step_graphs, "NEAR_SHARE", 32 / own.tokens)  # just within
+    graphs, captures = graphs_holding([more_responses], shape, 100, monkeypatch)
+    assert graphs.graphed(batch, ["response_mask"], shape, lambda inputs: ((), None)) is not None
+    assert not captures and graphs.replays == 1
+    monkeypatch.setattr(step_graphs, "NEAR_SHARE", 31 / own.tokens)  # just beyond: its own is captured
+    graphs.graphed(batch, ["response_mask"], shape, lambda inputs: ((), None))
+    assert len(captures) == 1 and captures[0][0][0] == own and graphs.replays == 1
+
+
+def test_a_pool_whose_graphs_are_all_gone_is_not_captured_into_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch refuses a capture into a pool none of whose graphs is alive (an allocator assertion): the
+    models share one pool while one of them holds a graph, and take a new one after."""
+    from fulcrum.workers import step_graphs
+
+    handles = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    monkeypatch.setattr(step_graphs, "_POOLS", {})
+    actor, _ = graphs_holding([], ("update", ()), 10, monkeypatch)
+    critic, _ = graphs_holding([], ("update", ()), 10, monkeypatch)
+    first = step_graphs.shared_pool(actor)
+    assert step_graphs.shared_pool(critic) != first  # no graph holds the first pool yet
+    critic.graphs = {"captured": object()}
+    assert step_graphs.shared_pool(actor) == step_graphs.shared_pool(critic)  # shared while it holds one
+    critic.graphs = {}
+    assert step_graphs.shared_pool(actor) not in (first, 1)
 
 
 def test_what_graphs_keep_resident_is_two_bytes_a_copy_and_two_a_trained_gradient() -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol
@@ -63,6 +64,14 @@ ROW_STEP = 8
 # Graphs kept per model; beyond that a micro-batch whose bucket has none replays the smallest captured
 # bucket it fits (`fits`), else runs eagerly, unpadded.
 MAX_GRAPHS = 128
+# A micro-batch whose bucket has no graph replays a captured larger one instead of capturing its own while
+# the extra work is within this share of its own (`extra_work`): a capture costs the host about what an
+# eager micro-batch does, and micro-batches cut to a token budget spread over many (tokens, responses)
+# buckets, so that captures went on for steps (9-10 a step at the seed command's step 7).
+NEAR_SHARE = 1 / 32
+# A response position's work against a stream token's: its LM-head row and loss (fwd + bwd ~0.8 GFLOP at
+# the 0.5B shape) against a token through every decoder layer with recomputation (~2.9 GFLOP).
+RESPONSE_WORK = 0.25
 # Graphs keep a model's bf16 compute weights and a bf16 gradient buffer resident (4 B a trained parameter,
 # 2 B a frozen one: `resident_bytes`) and a memory pool as large as an update micro-batch's work. A model
 # graphs only while those bytes stay within this share of the device:
@@ -180,12 +189,16 @@ def resident_bytes(compute: ComputeWeights) -> int:
 
 @dataclass(frozen=True)
 class Bucket:
-    """The padded sizes of a micro-batch: stream tokens N, response positions M, rows B, sequences S."""
+    """The padded sizes of a micro-batch: stream tokens N, response positions M, rows B, sequences S, and
+    what the batch fixes: the bound on a sequence's length the attention is given (`max_seqlen`, a
+    constant of the graph) and the response width R of the (B, R) grid."""
 
     tokens: int
     responses: int
     rows: int
     sequences: int
+    width: int
+    columns: int
 
 
 def round_up(n: int, step: int) -> int:
@@ -203,7 +216,14 @@ def bucket_for(packed: PackedMicroBatch) -> Bucket:
     extra_rows = -(-(responses - m) // r)
     extra_sequences = -(-(tokens - n) // packed.max_seqlen)
     sequences = packed.cu_seqlens.numel() - 1 + extra_sequences
-    return Bucket(tokens, responses, round_up(b + extra_rows, ROW_STEP), round_up(sequences, ROW_STEP))
+    return Bucket(
+        tokens,
+        responses,
+        round_up(b + extra_rows, ROW_STEP),
+        round_up(sequences, ROW_STEP),
+        packed.max_seqlen,
+        r,
+    )
 
 
 def fits(packed: PackedMicroBatch, bucket: Bucket) -> bool:
@@ -211,13 +231,20 @@ def fits(packed: PackedMicroBatch, bucket: Bucket) -> bool:
     padding token, its response positions, the rows the padding positions take and the padding sequences."""
     n, m = packed.input_ids.numel(), packed.labels.numel()
     b, r = packed.shape
-    if bucket.tokens <= n or bucket.responses < m:
+    if bucket.tokens <= n or bucket.responses < m or (bucket.width, bucket.columns) != (packed.max_seqlen, r):
         return False
     extra_rows = -(-(bucket.responses - m) // r)
     extra_sequences = -(-(bucket.tokens - n) // packed.max_seqlen)
     return (
         bucket.rows >= b + extra_rows and bucket.sequences >= packed.cu_seqlens.numel() - 1 + extra_sequences
     )
+
+
+def extra_work(bucket: Bucket, own: Bucket) -> float:
+    """The work of a micro-batch of bucket `own` replayed in the larger `bucket`, beyond its own, in
+    stream tokens: the extra tokens and `RESPONSE_WORK` of each extra response position (padding rows
+    and empty sequences cost next to nothing)."""
+    return bucket.tokens - own.tokens + RESPONSE_WORK * (bucket.responses - own.responses)
 
 
 def pad_packed(packed: PackedMicroBatch, bucket: Bucket) -> PackedMicroBatch:
@@ -302,23 +329,29 @@ def named_metrics(names: list[str], consts: Metrics, values: torch.Tensor) -> Me
     return {**consts, **dict(zip(names, values.unbind(), strict=True))}
 
 
-_POOLS: dict[torch.device, object] = {}
+_POOLS: dict[torch.device, tuple[object, weakref.WeakSet[StepGraphs]]] = {}
 
 
-def shared_pool(device: torch.device) -> object:
-    """One graph memory pool per device: the actor's and the critic's graphs never run at once."""
-    if device not in _POOLS:
-        _POOLS[device] = torch.cuda.graph_pool_handle()
-    return _POOLS[device]
+def shared_pool(owner: StepGraphs) -> object:
+    """One graph memory pool per device, shared by the models' graphs (they never run one beside another),
+    while one of them holds a graph. Once every graph of a pool is gone (its models' graphs dropped, or
+    its first capture failed), torch frees the pool at its next cache flush and refuses captures into
+    it (an allocator assertion): the next capture takes a new pool."""
+    handle, owners = _POOLS.get(owner.device, (None, weakref.WeakSet()))
+    if handle is None or not any(o.graphs for o in owners):
+        handle, owners = torch.cuda.graph_pool_handle(), weakref.WeakSet()
+        _POOLS[owner.device] = (handle, owners)
+    owners.add(owner)
+    return handle
 
 
 GraphedFn = Callable[[DeviceInputs], tuple[tuple[torch.Tensor, ...], object]]
 
 
 def capture_graph(
-    fn: Callable[[], tuple[torch.Tensor, ...]], device: torch.device, stream: torch.cuda.Stream
+    fn: Callable[[], tuple[torch.Tensor, ...]], pool: object, stream: torch.cuda.Stream
 ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
-    """`fn`'s kernels captured on `stream` into the shared pool; the graph and `fn`'s outputs (its static
+    """`fn`'s kernels captured on `stream` into `pool`; the graph and `fn`'s outputs (its static
     outputs). Not `torch.cuda.graph`: that context waits for the whole device and empties the device and
     pinned-memory caches at every capture, so a capture in the middle of an update drained the queue of
     launched micro-batches (the GPU idle until the host launched again), and the allocations after it,
@@ -326,7 +359,7 @@ def capture_graph(
     waits for the current stream; the graph's memory comes from the pool, never from those caches."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
-        graph.capture_begin(shared_pool(device), capture_error_mode="thread_local")
+        graph.capture_begin(pool, capture_error_mode="thread_local")
         try:
             outs = fn()
         finally:
@@ -341,7 +374,7 @@ class CaptureTally:
 
     graphs: int = 0
     seconds: float = 0.0
-    built: bool = False  # some model has graphs: the metrics are logged (0 once every bucket has one)
+    built: bool = False  # a graph was captured: the metrics are logged from then on (0 once every bucket has one)
 
 
 TALLY = CaptureTally()
@@ -367,7 +400,6 @@ class StepGraphs:
         self.device = forwards.device
         self.compute = forwards.compute
         self.compute.keep_resident()
-        TALLY.built = True
         self.limit = limit
         self.graphs: dict[tuple[object, ...], Captured] = {}
         self.failed: str | None = None  # why capturing stopped (then every micro-batch runs eagerly)
@@ -419,11 +451,15 @@ class StepGraphs:
             return None
 
         def choose(packed: PackedMicroBatch, own: Bucket) -> Bucket:
-            """Its own bucket; with `limit` graphs made and none for it, the smallest captured one it fits."""
-            if (own, tuple(keys), shape) in self.graphs or len(self.graphs) < self.limit:
+            """Its own bucket when captured; else the captured bucket it fits with the least extra work,
+            when that is within `NEAR_SHARE` of its own (or `limit` graphs exist); else its own."""
+            if (own, tuple(keys), shape) in self.graphs:
                 return own
             larger = [k[0] for k in self.graphs if k[1:] == (tuple(keys), shape) and fits(packed, k[0])]
-            return min(larger, key=lambda b: (b.tokens, b.responses), default=own)
+            best = min(larger, key=lambda b: extra_work(b, own), default=own)
+            if len(self.graphs) >= self.limit or extra_work(best, own) <= NEAR_SHARE * own.tokens:
+                return best
+            return own
 
         bucket, packed, rows = padded_inputs(mb, keys, choose)
         key = (bucket, tuple(keys), shape)
@@ -460,7 +496,7 @@ class StepGraphs:
         current.wait_stream(stream)
         started = time.perf_counter()
         try:
-            graph, static = capture_graph(lambda: fn(inputs)[0], device, stream)
+            graph, static = capture_graph(lambda: fn(inputs)[0], shared_pool(self), stream)
         except Exception as err:  # any capture failure: go on eagerly, say why once
             self.compute.discard_pending()
             self.failed = f"{type(err).__name__}: {err}"
@@ -472,6 +508,7 @@ class StepGraphs:
             return outs, extra
         self.graphs[key] = Captured(graph, inputs, static, extra)
         TALLY.graphs += 1
+        TALLY.built = True
         TALLY.seconds += time.perf_counter() - started
         logger.info(
             "captured a micro-batch of %s (%s) in %.2f s (%d graphs, %d replays so far)",
