@@ -64,13 +64,13 @@ def select_device(
     return torch.device("cuda", local_rank)
 
 
-# torch's intra-op CPU threads in a process that trains on CUDA. Its CPU work is small (batch assembly,
-# packing, pinned copies), yet at the default of one thread per core each such op above torch's grain
-# size forks a pool as wide as the machine, and on a loaded host every pool waits for its slowest
-# thread: beside one CPU-burning process per core, the seed command's warm steps took 16.8 and 10.5 s
-# with 4 threads, and three steps with 16 did not finish in the time that four took (BENCHMARKS.md,
+# torch's intra-op CPU threads in a process that trains on CUDA. Its CPU work is small ops (batch assembly,
+# each micro-batch's packing and padding, pinned copies) whose parallel regions, on a loaded host, wait for
+# the slowest thread of the pool: beside one CPU-burning process per core a micro-batch's packing took
+# ~31 ms with 16 threads against ~10 ms of GPU work, and the seed command's values pass ran 3x its idle
+# time with 4; with 16 threads three seed steps did not finish in the time that four took (BENCHMARKS.md,
 # "A host under load").
-HOST_THREADS_ON_CUDA = 4
+HOST_THREADS_ON_CUDA = 1
 
 
 def cap_host_threads(device: torch.device) -> int | None:

@@ -34,8 +34,8 @@ PHASE_LEVERS: dict[str, str] = {
 MEMORY_KEYS = ("perf/max_memory_reserved_gb", "perf/max_memory_allocated_gb", "perf/cpu_memory_peak_rss_gb")
 MEMORY_MIN_STEPS = 6  # warm steps needed before calling memory growth a creep
 # Runnable tasks per CPU (perf/cpu_load, median of HOST_LOAD_STEPS steps) at which the host is saturated.
-# The trainer itself keeps a few threads busy (4 CPU threads on CUDA, fulcrum.config.device): on a host of
-# 16 CPUs that is about 0.1-0.2; beside one CPU-burning process per core it read 1.0-1.5 and the seed
+# The trainer itself keeps a few threads busy (its main thread, one torch CPU thread on CUDA, fulcrum.config.device):
+# on a host of 16 CPUs that is about 0.1-0.2; beside one CPU-burning process per core it read 1.0-1.5 and the seed
 # command's training passes ran 1.7-3x slower (BENCHMARKS.md, "A host under load").
 HOST_LOAD_LIMIT = 1.0
 HOST_LOAD_STEPS = 3
