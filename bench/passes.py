@@ -102,6 +102,17 @@ def seed_sizes_config(
     )
 
 
+def add_seed_batch_args(parser: argparse.ArgumentParser) -> None:
+    """The model, device, synthetic batch and seed sizes that the single-pass benchmarks share."""
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--rows", type=int, default=512)
+    parser.add_argument("--mini", type=int, default=128)
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--prompt-width", type=int, default=512)
+    parser.add_argument("--response", type=int, default=256)
+
+
 def _section(cfg, role: str):
     """The worker's typed section (fulcrum.config.sections); older trees take the whole configuration."""
     try:

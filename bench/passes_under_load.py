@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_speed import cpu_burners
-from passes import _section, seed_sizes_config, synthetic_batch
+from passes import _section, add_seed_batch_args, seed_sizes_config, synthetic_batch
 
 
 class HostInside:
@@ -95,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--rows", type=int, default=512)
-    parser.add_argument("--prompt-width", type=int, default=512)
-    parser.add_argument("--response", type=int, default=256)
+    add_seed_batch_args(parser)
     parser.add_argument("--burn", type=int, default=16, help="CPU-burning neighbour processes")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--syncs", action="store_true", help="list each pass's host waits (CUDA only)")
@@ -114,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     cap_host_threads(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    cfg = seed_sizes_config(args.model, args.prompt_width, args.response, 128, overrides)
+    cfg = seed_sizes_config(args.model, args.prompt_width, args.response, args.mini, overrides, args.micro)
     actor = ActorWorker(_section(cfg, "actor"), device, total_training_steps=100)
     critic = CriticWorker(_section(cfg, "critic"), device, total_training_steps=100)
     batch = synthetic_batch(args.rows, args.prompt_width, args.response, actor.model.config.vocab_size)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from passes import _section, seed_sizes_config, synthetic_batch
+from passes import _section, add_seed_batch_args, seed_sizes_config, synthetic_batch
 
 
 class Timeline:
@@ -95,13 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--rows", type=int, default=512)
-    parser.add_argument("--mini", type=int, default=128)
-    parser.add_argument("--micro", type=int, default=8)
-    parser.add_argument("--prompt-width", type=int, default=512)
-    parser.add_argument("--response", type=int, default=256)
+    add_seed_batch_args(parser)
     parser.add_argument("--warmup", type=int, default=4, help="updates before the recorded one")
     parser.add_argument("--json", type=Path, default=None)
     args, overrides = parser.parse_known_args(argv)

@@ -21,16 +21,17 @@ from fulcrum.config.sections import actor_section, critic_section
 from fulcrum.models.packed import PackedMicroBatch, pack_micro_batch
 from fulcrum.workers.actor import ActorWorker
 from fulcrum.workers.critic import CriticWorker
-from fulcrum.workers.micro_batch import DeviceInputs, HostInputs
-from fulcrum.workers.step_graphs import (
+from fulcrum.workers.graph_buckets import (
     ROW_STEP,
     TOKEN_STEP,
     Bucket,
     bucket_for,
+    extra_work,
     fits,
     pad_packed,
     padded_inputs,
 )
+from fulcrum.workers.micro_batch import DeviceInputs, HostInputs
 from fulcrum.workers.update import global_agg_kwargs
 
 CPU = torch.device("cpu")
@@ -290,7 +291,7 @@ def test_a_captured_bucket_within_a_small_share_of_more_work_replays_instead_of_
     shape = ("update", ())
     more_responses = replace(own, responses=own.responses + 128, rows=own.rows + 8 * ROW_STEP)
     assert fits(packed, more_responses)
-    assert step_graphs.extra_work(more_responses, own) == 32  # 128 positions at a quarter of a token
+    assert extra_work(more_responses, own) == 32  # 128 positions at a quarter of a token
     monkeypatch.setattr(step_graphs, "NEAR_SHARE", 32 / own.tokens)  # just within
     graphs, captures = graphs_holding([more_responses], shape, 100, monkeypatch)
     assert graphs.graphed(batch, ["response_mask"], shape, lambda inputs: ((), None)) is not None

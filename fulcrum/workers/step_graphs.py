@@ -7,12 +7,9 @@ slowed the update 1.7-4x ("A host under load"). A CUDA graph launches a micro-ba
 backward and gradient accumulation as one call.
 
 A graph has fixed shapes and fixed addresses.
-- Shapes: each micro-batch is padded to a `Bucket`: its packed stream to a multiple of `TOKEN_STEP`
-  tokens (the padding is one or more extra sequences), its response positions to a multiple of
-  `RESPONSE_STEP` (extra positions in padding rows, whose response mask is 0), its rows and sequences to
-  multiples of `ROW_STEP` (empty rows, sequences of length 0). Every loss and metric reduces under the
-  response mask, so the padding changes none of them (tests/test_step_graphs.py); it costs at most
-  `TOKEN_STEP` tokens of compute a micro-batch (2 % at the seed command's 6k).
+- Shapes: each micro-batch is padded to a `Bucket` (`fulcrum.workers.graph_buckets`): tokens and response
+  positions rounded up to 128, rows and sequences to 8, the padding masked out of every loss and metric;
+  it costs at most 128 tokens of compute a micro-batch (2 % at the seed command's 6k).
 - Addresses: each bucket's inputs are static device buffers the micro-batch is copied into; the bf16
   compute weights and a bf16 buffer the gradients are staged in stay resident
   (`ComputeWeights.keep_resident`: +2 GB a 0.5B model), the staged gradients added into the float32 ones
@@ -20,9 +17,12 @@ A graph has fixed shapes and fixed addresses.
   each replay.
 
 The first micro-batch of a bucket runs eagerly on the capture stream (its result counts), then the same
-step is captured; later micro-batches of the bucket replay it. All graphs of the process share one memory
-pool (they run one at a time). A step that cannot be captured (a loss that reads a value on the host)
-turns graphs off for that model with a warning, and the update goes on eagerly.
+step is captured; later micro-batches of the bucket replay it. A micro-batch whose bucket has no graph
+replays a captured larger bucket instead when that costs at most `NEAR_SHARE` more work (`extra_work`):
+micro-batches cut to a token budget spread over many buckets, and captures would go on for many steps.
+All graphs of the process share one memory pool (they run one at a time). A step that cannot be captured
+(a loss that reads a value on the host) turns graphs off for that model with a warning, and the update
+goes on eagerly.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from fulcrum.batch import Batch, host_to_device
-from fulcrum.models.packed import PackedMicroBatch, pack_micro_batch
+from fulcrum.models.packed import PackedMicroBatch
+from fulcrum.workers.graph_buckets import Bucket, extra_work, fits, padded_inputs
 from fulcrum.workers.micro_batch import DeviceInputs, HostInputs, MicroInputs
 
 if TYPE_CHECKING:
@@ -57,21 +58,14 @@ class Forwards(Protocol):
 
 logger = logging.getLogger(__name__)
 
-# Bucket steps: tokens of the packed stream, response positions, rows and sequences.
-TOKEN_STEP = 128
-RESPONSE_STEP = 128
-ROW_STEP = 8
-# Graphs kept per model; beyond that a micro-batch whose bucket has none replays the smallest captured
-# bucket it fits (`fits`), else runs eagerly, unpadded.
-MAX_GRAPHS = 128
 # A micro-batch whose bucket has no graph replays a captured larger one instead of capturing its own while
 # the extra work is within this share of its own (`extra_work`): a capture costs the host about what an
 # eager micro-batch does, and micro-batches cut to a token budget spread over many (tokens, responses)
 # buckets, so that captures went on for steps (9-10 a step at the seed command's step 7).
 NEAR_SHARE = 1 / 32
-# A response position's work against a stream token's: its LM-head row and loss (fwd + bwd ~0.8 GFLOP at
-# the 0.5B shape) against a token through every decoder layer with recomputation (~2.9 GFLOP).
-RESPONSE_WORK = 0.25
+# Graphs kept per model; beyond that a micro-batch whose bucket has none replays the smallest captured
+# bucket it fits (`fits`), else runs eagerly, unpadded.
+MAX_GRAPHS = 128
 # Graphs keep a model's bf16 compute weights and a bf16 gradient buffer resident (4 B a trained parameter,
 # 2 B a frozen one: `resident_bytes`) and a memory pool as large as an update micro-batch's work. A model
 # graphs only while those bytes stay within this share of the device:
@@ -187,113 +181,6 @@ def resident_bytes(compute: ComputeWeights) -> int:
     return sum(size * m.numel() * (2 if m.requires_grad else 1) for m in compute.masters)
 
 
-@dataclass(frozen=True)
-class Bucket:
-    """The padded sizes of a micro-batch: stream tokens N, response positions M, rows B, sequences S, and
-    what the batch fixes: the bound on a sequence's length the attention is given (`max_seqlen`, a
-    constant of the graph) and the response width R of the (B, R) grid."""
-
-    tokens: int
-    responses: int
-    rows: int
-    sequences: int
-    width: int
-    columns: int
-
-
-def round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
-
-
-def bucket_for(packed: PackedMicroBatch) -> Bucket:
-    """The bucket a packed micro-batch pads to: N + 1 tokens at least (a padding sequence always
-    exists, for the padding positions to point at), rounded up; room in the rows for the padding
-    positions (R a row) and in the sequences for the padding sequences (each at most `max_seqlen`)."""
-    n, m = packed.input_ids.numel(), packed.labels.numel()
-    b, r = packed.shape
-    tokens = round_up(n + 1, TOKEN_STEP)
-    responses = round_up(m, RESPONSE_STEP)
-    extra_rows = -(-(responses - m) // r)
-    extra_sequences = -(-(tokens - n) // packed.max_seqlen)
-    sequences = packed.cu_seqlens.numel() - 1 + extra_sequences
-    return Bucket(
-        tokens,
-        responses,
-        round_up(b + extra_rows, ROW_STEP),
-        round_up(sequences, ROW_STEP),
-        packed.max_seqlen,
-        r,
-    )
-
-
-def fits(packed: PackedMicroBatch, bucket: Bucket) -> bool:
-    """Whether `packed` can be padded to `bucket` (a bucket captured for a larger micro-batch): room for a
-    padding token, its response positions, the rows the padding positions take and the padding sequences."""
-    n, m = packed.input_ids.numel(), packed.labels.numel()
-    b, r = packed.shape
-    if bucket.tokens <= n or bucket.responses < m or (bucket.width, bucket.columns) != (packed.max_seqlen, r):
-        return False
-    extra_rows = -(-(bucket.responses - m) // r)
-    extra_sequences = -(-(bucket.tokens - n) // packed.max_seqlen)
-    return (
-        bucket.rows >= b + extra_rows and bucket.sequences >= packed.cu_seqlens.numel() - 1 + extra_sequences
-    )
-
-
-def extra_work(bucket: Bucket, own: Bucket) -> float:
-    """The work of a micro-batch of bucket `own` replayed in the larger `bucket`, beyond its own, in
-    stream tokens: the extra tokens and `RESPONSE_WORK` of each extra response position (padding rows
-    and empty sequences cost next to nothing)."""
-    return bucket.tokens - own.tokens + RESPONSE_WORK * (bucket.responses - own.responses)
-
-
-def pad_packed(packed: PackedMicroBatch, bucket: Bucket) -> PackedMicroBatch:
-    """`packed` (on the host) padded to `bucket`:
-
-    - tokens N..N_b-1: token 0 at positions 0, 1, ... in sequences of at most `max_seqlen`;
-    - sequences: those, then sequences of length 0 up to S_b (cu_seqlens repeats N_b);
-    - response positions M..M_b-1: predicted from stream position N (a padding token), label 0, in the
-      padding rows B, B+1, ... of the (B_b, R) grid, column after column; the rows' mask is 0.
-    """
-    n, m = packed.input_ids.numel(), packed.labels.numel()
-    b, r = packed.shape
-    extra, width = bucket.tokens - n, packed.max_seqlen
-    lengths = [width] * (extra // width) + ([extra % width] if extra % width else [])
-    ends = n + torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    empty = bucket.sequences + 1 - packed.cu_seqlens.numel() - len(lengths)
-    k = torch.arange(bucket.responses - m)
-    return PackedMicroBatch(
-        input_ids=torch.cat([packed.input_ids, packed.input_ids.new_zeros(extra)]),
-        position_ids=torch.cat([packed.position_ids, *(torch.arange(x) for x in lengths)]),
-        cu_seqlens=torch.cat(
-            [packed.cu_seqlens, ends, torch.full((empty,), bucket.tokens, dtype=torch.int32)]
-        ),
-        max_seqlen=width,
-        predictor=torch.cat([packed.predictor, torch.full((len(k),), n, dtype=torch.long)]),
-        labels=torch.cat([packed.labels, packed.labels.new_zeros(len(k))]),
-        rows=torch.cat([packed.rows, b + k // r]),
-        cols=torch.cat([packed.cols, k % r]),
-        shape=(bucket.rows, r),
-    )
-
-
-def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """(B, ...) → (rows, ...) with zero rows after."""
-    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0]))
-
-
-def padded_inputs(
-    mb: Batch, keys: list[str], choose: Callable[[PackedMicroBatch, Bucket], Bucket] | None = None
-) -> tuple[Bucket, PackedMicroBatch, dict[str, torch.Tensor]]:
-    """The micro-batch packed and padded to its bucket (or to the one `choose` picks given the packed
-    micro-batch and its own bucket), and its (B, R) columns `keys` padded alike; on the host."""
-    packed = pack_micro_batch(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb.prompt_length)
-    bucket = bucket_for(packed)
-    if choose is not None:
-        bucket = choose(packed, bucket)
-    return bucket, pad_packed(packed, bucket), {k: pad_rows(mb[k], bucket.rows) for k in keys}
-
-
 class Captured:
     """One bucket's graph: its static inputs and outputs, and what its step said besides (`extra`)."""
 
@@ -374,7 +261,9 @@ class CaptureTally:
 
     graphs: int = 0
     seconds: float = 0.0
-    built: bool = False  # a graph was captured: the metrics are logged from then on (0 once every bucket has one)
+    built: bool = (
+        False  # a graph was captured: the metrics are logged from then on (0 once every bucket has one)
+    )
 
 
 TALLY = CaptureTally()
