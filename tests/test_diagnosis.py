@@ -254,3 +254,13 @@ def test_a_saturated_host_while_the_host_driven_phases_bound_the_step() -> None:
         row["perf/cpu_load"] = 1.4
         row["timing_s/gen"], row["timing_s/update_actor"], row["timing_s/update_critic"] = 8.0, 1.0, 0.5
     assert "host_loaded" not in rules(rows)
+
+
+def test_a_saturated_host_is_not_flagged_when_the_training_micro_batches_replay_as_graphs() -> None:
+    rows = healthy_rows()  # update_actor + update_critic: 80 % of each step
+    for row in rows:
+        row["perf/cpu_load"] = 1.4
+    assert "host_loaded" in rules(rows)
+    for row in rows:
+        row["perf/graph_captures"] = 0.0  # the run's micro-batches replay captured graphs
+    assert "host_loaded" not in rules(rows)

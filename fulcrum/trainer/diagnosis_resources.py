@@ -108,9 +108,13 @@ def memory_creep(rows: Sequence[Row]) -> list[Finding]:
 
 def host_loaded(rows: Sequence[Row]) -> list[Finding]:
     """The host's CPUs saturated (perf/cpu_load, median of the last HOST_LOAD_STEPS training steps, at or
-    above HOST_LOAD_LIMIT) while the step's time goes mostly to phases the host drives."""
+    above HOST_LOAD_LIMIT) while the step's time goes mostly to phases the host drives.
+
+    Not for a run whose training micro-batches replay as CUDA graphs (it logs perf/graph_captures): beside
+    one CPU-burning process per core the seed command's step was 1.00-1.03x its idle time so (BENCHMARKS.md,
+    "The host work around the graphs"), and freeing the CPUs would buy nothing."""
     points = finite_series(rows, "perf/cpu_load")
-    if len(points) < HOST_LOAD_STEPS:
+    if len(points) < HOST_LOAD_STEPS or any("perf/graph_captures" in row for row in rows):
         return []
     load = statistics.median(v for _, v in points[-HOST_LOAD_STEPS:])
     shares = phase_shares(rows)
