@@ -252,7 +252,7 @@ def graphs_holding(buckets: list[Bucket], shape: tuple, limit: int, monkeypatch:
     return graphs, captures
 
 
-def test_past_the_graph_limit_the_smallest_captured_bucket_that_fits_replays(
+def test_past_the_graph_limit_the_fitting_captured_bucket_of_least_extra_work_replays(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     batch = rl_batch()

@@ -63,8 +63,8 @@ logger = logging.getLogger(__name__)
 # eager micro-batch does, and micro-batches cut to a token budget spread over many (tokens, responses)
 # buckets, so that captures went on for steps (9-10 a step at the seed command's step 7).
 NEAR_SHARE = 1 / 32
-# Graphs kept per model; beyond that a micro-batch whose bucket has none replays the smallest captured
-# bucket it fits (`fits`), else runs eagerly, unpadded.
+# Graphs kept per model; beyond that a micro-batch whose bucket has none replays the captured bucket it
+# fits (`fits`) with the least extra work, however much, else runs eagerly, unpadded.
 MAX_GRAPHS = 128
 # Graphs keep a model's bf16 compute weights and a bf16 gradient buffer resident (4 B a trained parameter,
 # 2 B a frozen one: `resident_bytes`) and a memory pool as large as an update micro-batch's work. A model
@@ -261,9 +261,8 @@ class CaptureTally:
 
     graphs: int = 0
     seconds: float = 0.0
-    built: bool = (
-        False  # a graph was captured: the metrics are logged from then on (0 once every bucket has one)
-    )
+    # A graph was captured: the metrics are logged from then on (0 once every bucket has one).
+    built: bool = False
 
 
 TALLY = CaptureTally()
