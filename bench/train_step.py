@@ -23,7 +23,7 @@ critic with AdamW moments, float32 as the workers hold them; `--device cpu` for 
     python bench/train_step.py checkpoint --model .bench/qwen05 --run /tmp/ckpt_bench --saves 3
 
 The summary's `host` holds `bench/host_speed.py`'s probe before and after the run (Python loop ms,
-µs per kernel launch, load): the seed command's updates are host-bound, so its figure moves with them.
+µs per kernel launch, load): the seed command's figure moved with it until its micro-batches were graphed.
 `--burn N` runs N CPU-burning neighbour processes through the run (probes included): the same command
 with and without them says how much the figure depends on the host (`bench/features.sh` part `host`).
 """
