@@ -395,14 +395,13 @@ class StepGraphs:
             )
             return outs, extra
         self.graphs[key] = Captured(graph, inputs, static, extra)
-        TALLY.graphs += 1
-        TALLY.built = True
-        TALLY.seconds += time.perf_counter() - started
+        took = time.perf_counter() - started
+        TALLY.graphs, TALLY.seconds, TALLY.built = TALLY.graphs + 1, TALLY.seconds + took, True
         logger.info(
             "captured a micro-batch of %s (%s) in %.2f s (%d graphs, %d replays so far)",
             key[0],
             key[2][0],
-            time.perf_counter() - started,
+            took,
             len(self.graphs),
             self.replays,
         )
