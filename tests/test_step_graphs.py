@@ -97,6 +97,20 @@ def test_a_long_padding_is_cut_into_sequences_no_longer_than_the_widest_row() ->
     assert int(lengths.sum()) == bucket.tokens
 
 
+def loss_and_grads(
+    worker: ActorWorker | CriticWorker,
+    batch: Batch,
+    padded: tuple[Bucket, PackedMicroBatch, dict[str, torch.Tensor]] | None,
+    agg: dict[str, float],
+) -> tuple[dict[str, float], torch.Tensor]:
+    """The worker's loss step on `batch` as the host holds it, or on its `padded_inputs` when given: the
+    metrics as floats and the model's gradients, flattened."""
+    inputs = HostInputs(batch, CPU) if padded is None else DeviceInputs(padded[1], padded[2])
+    out = worker.loss_step(inputs, agg)
+    grads = torch.cat([p.grad.flatten() for p in worker.model.parameters() if p.grad is not None])
+    return {k: float(v) for k, v in out.items()}, grads
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("on_policy", [False, True])
 def test_the_actor_loss_step_on_a_padded_micro_batch_equals_the_unpadded_one(
@@ -116,15 +130,11 @@ def test_the_actor_loss_step_on_a_padded_micro_batch_equals_the_unpadded_one(
         actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=1)
         assert actor.forwards.packed and actor.forwards.graphs is None  # no graphs on the CPU
         actor.on_policy = on_policy
-        if padded:
-            keys = ["response_mask", "advantages", "ref_log_prob"] + ([] if on_policy else ["old_log_probs"])
-            bucket, packed, rows = padded_inputs(batch, keys)
-            assert isinstance(bucket, Bucket) and bucket.rows > len(batch)
-            out = actor.loss_step(DeviceInputs(packed, rows), agg)
-        else:
-            out = actor.loss_step(HostInputs(batch, CPU), agg)
-        grads = torch.cat([p.grad.flatten() for p in actor.model.parameters() if p.grad is not None])
-        results.append(({k: float(v) for k, v in out.items()}, grads))
+        keys = ["response_mask", "advantages", "ref_log_prob"] + ([] if on_policy else ["old_log_probs"])
+        inputs = padded_inputs(batch, keys) if padded else None
+        if inputs is not None:
+            assert isinstance(inputs[0], Bucket) and inputs[0].rows > len(batch)
+        results.append(loss_and_grads(actor, batch, inputs, agg))
     (plain, plain_grads), (padded, padded_grads) = results
     assert plain.keys() == padded.keys()
     for key in plain:
@@ -143,13 +153,8 @@ def test_the_critic_loss_step_on_a_padded_micro_batch_equals_the_unpadded_one(ti
         torch.manual_seed(0)  # the value head's initial weights
         critic = CriticWorker(critic_section(cfg), CPU, total_training_steps=1)
         assert critic.forwards.packed and critic.forwards.graphs is None
-        if padded:
-            _, packed, rows = padded_inputs(batch, ["response_mask", "values", "returns"])
-            out = critic.loss_step(DeviceInputs(packed, rows), agg)
-        else:
-            out = critic.loss_step(HostInputs(batch, CPU), agg)
-        grads = torch.cat([p.grad.flatten() for p in critic.model.parameters() if p.grad is not None])
-        results.append(({k: float(v) for k, v in out.items()}, grads))
+        inputs = padded_inputs(batch, ["response_mask", "values", "returns"]) if padded else None
+        results.append(loss_and_grads(critic, batch, inputs, agg))
     (plain, plain_grads), (padded, padded_grads) = results
     for key in plain:
         assert padded[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-6), key
@@ -186,6 +191,18 @@ def test_staged_gradients_add_up_as_the_eager_accumulation_does() -> None:
     assert grads[0].dtype == torch.float32 and torch.equal(grads[0], grads[1])
 
 
+def grown(own: Bucket, token_steps: int, row_steps: int) -> Bucket:
+    """`own` made larger: more tokens and 128 more response positions, with room in the rows and the
+    sequences for their padding."""
+    return replace(
+        own,
+        tokens=own.tokens + token_steps * TOKEN_STEP,
+        responses=own.responses + 128,
+        rows=own.rows + row_steps * ROW_STEP,
+        sequences=own.sequences + row_steps * ROW_STEP,
+    )
+
+
 def test_a_micro_batch_fits_a_larger_bucket_and_pads_to_it_just_as_neutrally(tiny_dir: str) -> None:
     """Beyond `MAX_GRAPHS` a micro-batch without a graph of its own replays a larger captured bucket:
     padded to it, the critic's loss step gives the same loss, metrics and gradients."""
@@ -194,13 +211,7 @@ def test_a_micro_batch_fits_a_larger_bucket_and_pads_to_it_just_as_neutrally(tin
     own = bucket_for(packed)
     # Rows of at most 17 tokens and 7 response tokens: more tokens take more padding sequences, more
     # response positions more padding rows.
-    larger = replace(
-        own,
-        tokens=own.tokens + 2 * TOKEN_STEP,
-        responses=own.responses + 128,
-        rows=own.rows + 4 * ROW_STEP,
-        sequences=own.sequences + 4 * ROW_STEP,
-    )
+    larger = grown(own, token_steps=2, row_steps=4)
     assert fits(packed, own) and fits(packed, larger)
     assert not fits(packed, replace(own, tokens=own.tokens - TOKEN_STEP))
     assert not fits(packed, replace(own, sequences=1))  # no room for the padding sequences
@@ -214,11 +225,9 @@ def test_a_micro_batch_fits_a_larger_bucket_and_pads_to_it_just_as_neutrally(tin
         torch.manual_seed(0)
         critic = CriticWorker(critic_section(cfg), CPU, total_training_steps=1)
         keys = ["response_mask", "values", "returns"]
-        chosen, padded, rows = padded_inputs(batch, keys, lambda _packed, _own, b=bucket: b)
-        assert chosen == bucket and padded.input_ids.numel() == bucket.tokens
-        out = critic.loss_step(DeviceInputs(padded, rows), agg)
-        grads = torch.cat([p.grad.flatten() for p in critic.model.parameters() if p.grad is not None])
-        results.append(({k: float(v) for k, v in out.items()}, grads))
+        inputs = padded_inputs(batch, keys, lambda _packed, _own, b=bucket: b)
+        assert inputs[0] == bucket and inputs[1].input_ids.numel() == bucket.tokens
+        results.append(loss_and_grads(critic, batch, inputs, agg))
     (first, first_grads), (second, second_grads) = results
     assert first == pytest.approx(second, rel=1e-5, abs=1e-6)
     assert torch.allclose(first_grads, second_grads, rtol=1e-4, atol=1e-6)
@@ -260,13 +269,7 @@ def test_past_the_graph_limit_the_fitting_captured_bucket_of_least_extra_work_re
     own = bucket_for(packed)
     shape = ("forward", ("values",))
     near = replace(own, tokens=own.tokens + TOKEN_STEP, sequences=own.sequences + 4 * ROW_STEP)
-    far = replace(
-        own,
-        tokens=own.tokens + 4 * TOKEN_STEP,
-        responses=own.responses + 128,
-        rows=own.rows + 8 * ROW_STEP,
-        sequences=own.sequences + 8 * ROW_STEP,
-    )
+    far = grown(own, token_steps=4, row_steps=8)
     assert fits(packed, near) and fits(packed, far)
     graphs, captures = graphs_holding([far, near], shape, 2, monkeypatch)
     outs, _ = graphs.graphed(batch, ["response_mask"], shape, lambda inputs: ((), None))

@@ -4,6 +4,8 @@ compute: the padding changes the products' shapes, so not bit for bit)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from test_step_graphs import rl_batch
@@ -25,10 +27,12 @@ SETTINGS = (
 )
 
 
-def switched(monkeypatch: pytest.MonkeyPatch, graphs: str) -> None:
-    """Graphs on ("1") or off ("0") for the workers made next, from the same initial weights."""
-    monkeypatch.setenv("FULCRUM_TRAIN_CUDA_GRAPHS", graphs)
-    torch.manual_seed(0)
+def eager_then_graphed(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Graphs off ("0"), then on ("1"), for the workers each run makes, from the same initial weights."""
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("FULCRUM_TRAIN_CUDA_GRAPHS", graphs)
+        torch.manual_seed(0)
+        yield graphs
 
 
 def flat_grads(worker: ActorWorker) -> torch.Tensor:
@@ -73,8 +77,7 @@ def test_updates_with_graphs_follow_the_eager_ones(
     cfg = cfg_for(tiny_dir, *SETTINGS)
     batch = rl_batch(b=16)
     runs = {}
-    for graphs in ("0", "1"):
-        switched(monkeypatch, graphs)
+    for graphs in eager_then_graphed(monkeypatch):
         worker = (
             ActorWorker(actor_section(cfg), CUDA, total_training_steps=4)
             if role == "actor"
@@ -101,8 +104,7 @@ def test_old_log_probs_and_values_from_graphs_follow_the_eager_ones(
     cfg = cfg_for(tiny_dir, *SETTINGS)
     batch = rl_batch(b=16)
     runs = {}
-    for graphs in ("0", "1"):
-        switched(monkeypatch, graphs)
+    for graphs in eager_then_graphed(monkeypatch):
         actor = ActorWorker(actor_section(cfg), CUDA, total_training_steps=1)
         critic = CriticWorker(critic_section(cfg), CUDA, total_training_steps=1)
         passes = [(*actor.compute_log_prob(batch), critic.compute_values(batch)) for _ in range(2)]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -95,9 +96,7 @@ class ComputeWeights:
         # Resident (`keep_resident`): the copies and the gradients keep their memory, and so their
         # addresses, from one pass to the next, as a CUDA graph replaying the passes needs.
         self.resident = False
-        # Resident: the bf16 staging buffer, its views shaped like the trained copies, the uncopied
-        # trained parameters' `.grad` tensors.
-        self._resident_grads: tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._resident_grads: ResidentGrads | None = None
         self._staged = False  # the staging buffer holds a graphed micro-batch's gradients to add
 
     @torch.no_grad()
@@ -143,8 +142,8 @@ class ComputeWeights:
             views = [
                 v.view_as(c) for v, c in zip(staged.split([c.numel() for c in copies]), copies, strict=True)
             ]
-            self._resident_grads = (staged, views, [torch.empty_like(p) for p in self.uncopied])
-        own = self._resident_grads[2]
+            self._resident_grads = ResidentGrads(staged, views, [torch.empty_like(p) for p in self.uncopied])
+        own = self._resident_grads.uncopied
         if own:
             torch._foreach_zero_(own)
         for param, grad in zip(self.uncopied, own, strict=True):
@@ -164,7 +163,7 @@ class ComputeWeights:
         assert pending is not None and self._resident_grads is not None, (
             "stage_pending_grads: attach, backward"
         )
-        views = self._resident_grads[1]
+        views = self._resident_grads.views
         pairs = [(v, g) for v, g in zip(views, pending, strict=True) if g is not None]
         torch._foreach_copy_([v for v, _ in pairs], [g for _, g in pairs])
         for view, grad in zip(views, pending, strict=True):
@@ -180,7 +179,7 @@ class ComputeWeights:
         """masters.grad (float32) += the staged gradients, one kernel (the float32 buffer made first when
         the optimiser dropped the gradients)."""
         assert self._resident_grads is not None
-        staged = self._resident_grads[0]
+        staged = self._resident_grads.staged
         flat = self._flat_grad()
         if flat is None:
             self._new_flat_grad(staged.device).copy_(staged)
@@ -285,6 +284,16 @@ class ComputeWeights:
             present.append(grad)
         if masters:
             torch._foreach_add_(masters, present)
+
+
+class ResidentGrads(NamedTuple):
+    """A resident model's gradient buffers (`ComputeWeights.keep_resident`): the bf16 buffer a graphed
+    micro-batch stages its copies' gradients in, its views shaped like the trained copies, and the
+    uncopied trained parameters' `.grad` tensors."""
+
+    staged: torch.Tensor
+    views: list[torch.Tensor]
+    uncopied: list[torch.Tensor]
 
 
 class Staging:

@@ -165,7 +165,7 @@ def load_full_state_dict(
         model,
         state,
         options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=from_rank0 and _distributed(), strict=strict
+            full_state_dict=True, broadcast_from_rank0=from_rank0 and several_processes(), strict=strict
         ),
     )
 
@@ -185,11 +185,14 @@ def load_full_optimizer_state_dict(
         model,
         optimizer,
         state,
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0 and _distributed()),
+        options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=from_rank0 and several_processes()
+        ),
     )
 
 
-def _distributed() -> bool:
+def several_processes() -> bool:
+    """Whether this process is one of several of an initialised process group."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 

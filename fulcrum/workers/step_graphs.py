@@ -38,7 +38,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from fulcrum.batch import Batch, host_to_device
+from fulcrum.models.lora import hf_name
 from fulcrum.models.packed import PackedMicroBatch
+from fulcrum.parallel.fsdp import several_processes
 from fulcrum.workers.graph_buckets import Bucket, extra_work, fits, padded_inputs
 from fulcrum.workers.micro_batch import DeviceInputs, HostInputs, MicroInputs
 
@@ -102,13 +104,9 @@ def graphs_refused(forwards: Forwards) -> str | None:
         return "no compute copies of its own (FSDP-sharded)"
     if forwards.sp is not None:
         return "sequence parallelism"
-    if (
-        torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
-    ):
+    if several_processes():
         return "several processes (graphs are measured in one process only)"
-    if any(".lora_" in name for name, _ in forwards.model.named_parameters()):
+    if any(hf_name(name) is None for name, _ in forwards.model.named_parameters()):  # adapter tensors
         return "LoRA adapters (the reference runs the same model with them switched off on the host)"
     kept, device = (
         resident_bytes(forwards.compute),
