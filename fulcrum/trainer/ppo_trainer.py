@@ -22,6 +22,7 @@ import gc
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ from fulcrum.trainer.old_log_probs import old_log_prob_stage, recorded_old_log_p
 from fulcrum.trainer.run_dir import open_run_dir
 from fulcrum.trainer.sampling import Sampler, reward_model_of, tools_of
 from fulcrum.trainer.startup import kl_startup_line, resolve_total_steps, seed_everything, startup_lines
+from fulcrum.trainer.wall_clock import WallClockBudget
 from fulcrum.workers.actor import ActorWorker, reference_worker
 from fulcrum.workers.critic import CriticWorker
 from fulcrum.workers.state_parking import park_between_updates
@@ -87,6 +89,7 @@ class PPOTrainer:
         self, cfg: FulcrumConfig, device: torch.device, n_devices: int = 1, dist: DistInfo | None = None
     ) -> None:
         self.cfg = cfg
+        self.wall_clock = WallClockBudget(cfg.trainer.wall_clock_budget_s)  # counted from here
         self.device = device
         self.n_devices = n_devices
         # Under torchrun: this rank's place. Rank 0 alone writes the run directory's shared files.
@@ -270,7 +273,10 @@ class PPOTrainer:
         self._resume()
         last: dict[str, float] = {}
         if self.val_dataset is not None and cfg.val_before_train and self.global_step == 0:
+            started = time.monotonic()
             val = self.sampler.validate(self.val_dataset, self.global_step)
+            self.wall_clock.observe_validation(time.monotonic() - started)
+            val["perf/elapsed_s"] = self.wall_clock.elapsed()
             self.tracking.log(val, step=0)
             last.update(val)
             if cfg.val_only:
@@ -298,6 +304,15 @@ class PPOTrainer:
             for items in self._prompt_stream:
                 self.global_step += 1
                 is_last = self.global_step >= self.total_training_steps
+                if not is_last and self.wall_clock.budget_s is not None:
+                    is_last = on_main(self.wall_clock.next_step_is_last)
+                    if is_last:
+                        print(
+                            f"step {self.global_step} is the last: trainer.wall_clock_budget_s="
+                            f"{self.wall_clock.budget_s:g} leaves no room for another "
+                            f"({self.wall_clock.elapsed():.0f} s so far)",
+                            flush=True,
+                        )
                 try:
                     with explain_oom(self.cfg, device=self.device):
                         metrics = self.train_step(items, is_last)
@@ -305,6 +320,8 @@ class PPOTrainer:
                     self._stop_before_step(before_step, start_step, interrupt)
                     break
                 before_step = self._data_position()
+                self.wall_clock.observe_step(metrics)
+                metrics["perf/elapsed_s"] = self.wall_clock.elapsed()
                 self.tracking.log(metrics, step=self.global_step)
                 for line in self.live_diagnosis.observe(metrics, self.global_step):
                     tqdm.write(line)
