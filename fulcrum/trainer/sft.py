@@ -43,11 +43,15 @@ from fulcrum.config import ConfigError, load_structured, save_config, to_dict
 from fulcrum.config.device import cap_host_threads, select_device
 from fulcrum.models.load import autocast_for, load_causal_lm, load_tokenizer
 from fulcrum.trainer import run_lock
+from fulcrum.trainer.faults import NonFiniteGuard, NonFiniteTrainingError
 from fulcrum.trainer.loggers import Tracking
 from fulcrum.trainer.run_dir import other_run_contents
 from fulcrum.trainer.run_ownership import CONFIG_FILE, RunDirError, check_own_files, mark_run_dir, write_whole
 from fulcrum.trainer.sft_multiturn import SFTMultiturnConfig, load_chats
-from fulcrum.workers.optim import lr_schedule
+from fulcrum.workers.optim import clip_and_step, lr_schedule
+
+NON_FINITE_SFT = ("train/loss", "train/grad_norm")  # the metrics whose NaN/Inf skips a step
+SFT_LEVERS = "lower optim.lr, set optim.clip_grad, check the data for empty or overlong responses"
 
 # ---------------------------------------------------------------- configuration (verl's sft_trainer.yaml)
 
@@ -108,6 +112,7 @@ class SFTTrainerConfig:
     n_gpus_per_node: int = 1
     max_ckpt_to_keep: int | None = None
     device: str = "auto"  # ours: auto | cpu | cuda
+    max_nan_steps: int = 3  # ours, as fulcrum train's: stop after this many NaN/Inf steps in a row (0: never)
 
 
 @dataclass
@@ -144,6 +149,10 @@ def _validate(cfg: SFTConfig) -> None:
         raise ConfigError("trainer.resume_path: resuming SFT is not supported; leave it null")
     if cfg.ulysses_sequence_parallel_size != 1:
         raise ConfigError("ulysses_sequence_parallel_size: sequence parallelism is not supported; use 1")
+    if cfg.data.max_length < 1:
+        raise ConfigError(
+            f"data.max_length must be >= 1 (prompt + response tokens), got {cfg.data.max_length}"
+        )
     micro = micro_batch_size(cfg)
     if micro < 1 or cfg.data.train_batch_size < 1:
         raise ConfigError("data.train_batch_size and data.micro_batch_size_per_gpu must be >= 1")
@@ -201,8 +210,25 @@ def _messages(prompt: Any, where: str) -> list[dict[str, str]]:
     raise ValueError(f"{where}: prompt must be text or a list of chat messages, got {type(prompt).__name__}")
 
 
-def load_examples(files: Any, tokenizer: Any, cfg: SFTDataConfig) -> list[SFTExample]:
-    """Tokenise every row of the parquet `files`; errors name the file, row and column."""
+def check_files(files: Any, key: str) -> None:
+    """Each parquet file of `key` exists and holds rows; errors name the key and the file."""
+    for path in _as_list(files):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{key}: SFT data file not found: {path}")
+        try:
+            rows = pq.ParquetFile(path).metadata.num_rows
+        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+            raise ValueError(f"{key}: {path} is not a readable parquet file ({err})") from None
+        if rows == 0:
+            raise ValueError(f"{key}: {path} has no rows")
+
+
+def load_examples(
+    files: Any, tokenizer: Any, cfg: SFTDataConfig, key: str = "data.train_files"
+) -> list[SFTExample]:
+    """Tokenise every row of the parquet `files` (the value of `key`); errors name the key or the file,
+    row and column."""
+    check_files(files, key)
     if cfg.multiturn.enable:
         chats = load_chats(_as_list(files), tokenizer, cfg)
         if not chats:
@@ -244,7 +270,9 @@ def load_examples(files: Any, tokenizer: Any, cfg: SFTDataConfig) -> list[SFTExa
                     )
                 cut = len(ids) - cfg.max_length
                 ids = ids[cut:] if cfg.truncation == "left" else ids[: cfg.max_length]
-                num_prompt = max(num_prompt - cut, 0) if cfg.truncation == "left" else num_prompt
+                num_prompt = (
+                    max(num_prompt - cut, 0) if cfg.truncation == "left" else min(num_prompt, len(ids))
+                )
             examples.append(SFTExample(ids, num_prompt))
     if not examples:
         raise ValueError(f"no SFT examples in {files}")
@@ -384,9 +412,14 @@ def _open_run_dir(cfg: SFTConfig, run_dir: Path) -> None:
 
 def _train(cfg: SFTConfig, run_dir: Path, device: torch.device, started: float, log: Any) -> SFTResult:
     _open_run_dir(cfg, run_dir)
+    check_files(cfg.data.train_files, "data.train_files")  # before the model loads: a bad file fails fast
+    if cfg.data.val_files:
+        check_files(cfg.data.val_files, "data.val_files")
     model, tokenizer = _load(cfg, device)
     train = load_examples(cfg.data.train_files, tokenizer, cfg.data)
-    val = load_examples(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else []
+    val = (
+        load_examples(cfg.data.val_files, tokenizer, cfg.data, "data.val_files") if cfg.data.val_files else []
+    )
     batch, micro = cfg.data.train_batch_size, micro_batch_size(cfg)
     steps_per_epoch = len(train) // batch  # the last incomplete batch is dropped, as verl's sampler does
     if steps_per_epoch == 0:
@@ -423,6 +456,7 @@ def _train(cfg: SFTConfig, run_dir: Path, device: torch.device, started: float, 
     losses: list[float] = []
     order: list[int] = []
     val_loss: float | None = None
+    guard = NonFiniteGuard(cfg.trainer.max_nan_steps, watched=NON_FINITE_SFT, levers=SFT_LEVERS)
     model.train()
     for step in range(total_steps):
         if step % steps_per_epoch == 0:
@@ -440,10 +474,9 @@ def _train(cfg: SFTConfig, run_dir: Path, device: torch.device, started: float, 
             nll = response_token_nll(logits, ids, mask)
             (nll / max(num_targets, 1)).backward()
             step_nll += nll.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
-        optimizer.step()
+        # a NaN/Inf gradient norm skips the update, as in fulcrum train
+        grad_norm = clip_and_step(model, optimizer, cfg.optim.clip_grad)
         schedule.step()
-        optimizer.zero_grad(set_to_none=True)
         losses.append(step_nll / max(num_targets, 1))
         row: dict[str, float | int] = {
             "train/loss": losses[-1],
@@ -451,6 +484,11 @@ def _train(cfg: SFTConfig, run_dir: Path, device: torch.device, started: float, 
             "train/grad_norm": float(grad_norm),
             "train/epoch": step // steps_per_epoch,
         }
+        row.update(guard.observe(step + 1, row))
+        if guard.exceeded:  # the weights are the last finite step's; no checkpoint for the failing steps
+            tracking.log(row, step=step + 1)  # type: ignore[arg-type]
+            tracking.close()
+            raise guard.error()
         last = step + 1 == total_steps
         if val and (last or (cfg.trainer.test_freq > 0 and (step + 1) % cfg.trainer.test_freq == 0)):
             val_loss = evaluate_loss(model, val, micro, pad_id, device)
@@ -459,7 +497,8 @@ def _train(cfg: SFTConfig, run_dir: Path, device: torch.device, started: float, 
         if "console" in cfg.trainer.logger and ((step + 1) % log_every == 0 or last or "val/loss" in row):
             extra = f" val/loss {row['val/loss']:.4f}" if "val/loss" in row else ""
             log(f"step {step + 1}/{total_steps} train/loss {losses[-1]:.4f} lr {lr:.2e}{extra}")
-        if cfg.trainer.save_freq > 0 and (step + 1) % cfg.trainer.save_freq == 0 and not last:
+        due = cfg.trainer.save_freq > 0 and (step + 1) % cfg.trainer.save_freq == 0
+        if due and not last and not guard.consecutive:  # a skipped step saves nothing new
             _save(model, tokenizer, run_dir, step + 1)
     tracking.close()
     model_dir = _save(model, tokenizer, run_dir, total_steps)
@@ -475,7 +514,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_sft_config(argv)
         run_sft(cfg)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, FileNotFoundError, ValueError, NonFiniteTrainingError) as err:
         print(f"fulcrum sft: {err}", file=sys.stderr)
         return 1
     return 0
