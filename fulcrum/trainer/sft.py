@@ -44,7 +44,7 @@ from fulcrum.config.device import cap_host_threads, select_device
 from fulcrum.models.load import autocast_for, load_causal_lm, load_tokenizer
 from fulcrum.trainer import run_lock
 from fulcrum.trainer.faults import NonFiniteGuard, NonFiniteTrainingError
-from fulcrum.trainer.loggers import Tracking
+from fulcrum.trainer.loggers import MetricsWriteError, Tracking
 from fulcrum.trainer.run_dir import other_run_contents
 from fulcrum.trainer.run_ownership import CONFIG_FILE, RunDirError, check_own_files, mark_run_dir, write_whole
 from fulcrum.trainer.sft_multiturn import SFTMultiturnConfig, load_chats
@@ -514,7 +514,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_sft_config(argv)
         run_sft(cfg)
-    except (ConfigError, FileNotFoundError, ValueError, NonFiniteTrainingError) as err:
+    except (ConfigError, FileNotFoundError, ValueError, NonFiniteTrainingError, MetricsWriteError) as err:
         print(f"fulcrum sft: {err}", file=sys.stderr)
         return 1
     return 0
