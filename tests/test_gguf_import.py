@@ -39,8 +39,15 @@ def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_gguf(model_dir: Path, path: Path, arch: str = "llama") -> None:
-    """The HF model in `model_dir` as an F32 GGUF file (llama layout), tokenizer and chat template included."""
+def write_gguf(
+    model_dir: Path,
+    path: Path,
+    arch: str = "llama",
+    drop: tuple[str, ...] = (),
+    extra: dict[str, np.ndarray] | None = None,
+) -> None:
+    """The HF model in `model_dir` as an F32 GGUF file (llama layout), tokenizer and chat template included;
+    the GGUF tensors named in `drop` left out and those of `extra` added."""
     config = json.loads((model_dir / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
@@ -100,7 +107,10 @@ def write_gguf(model_dir: Path, path: Path, arch: str = "llama") -> None:
             data = llama_cpp_permute(data, heads)
         elif module == "self_attn.k_proj":
             data = llama_cpp_permute(data, kv_heads)
-        writer.add_tensor(f"blk.{layer}.{per_layer[module]}.{kind}", data)
+        if f"blk.{layer}.{per_layer[module]}.{kind}" not in drop:
+            writer.add_tensor(f"blk.{layer}.{per_layer[module]}.{kind}", data)
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -189,6 +199,68 @@ def test_reimport_needs_force(gguf_file: Path, tmp_path: Path, capsys: pytest.Ca
     assert gguf_import.main([str(gguf_file), "--out", str(out), "--force", "--dtype", "float32"]) == 0
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # nothing set aside is left
+
+
+def test_force_keeps_the_source_and_the_users_files(gguf_file: Path, tmp_path: Path) -> None:
+    """--force on an earlier import that also holds the source file and the user's own files replaces only
+    what the import wrote: the source and the notes stay; a file only the earlier import wrote goes."""
+    out = tmp_path / "m"
+    assert gguf_import.main([str(gguf_file), "--out", str(out)]) == 0
+    source = out / "tiny.gguf"
+    source.write_bytes(gguf_file.read_bytes())
+    (out / "notes.txt").write_text("mine")
+    record = json.loads((out / "gguf_source.json").read_text())
+    record["files"].append("model-00002-of-00002.safetensors")  # as a sharded earlier import lists it
+    (out / "gguf_source.json").write_text(json.dumps(record))
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"old shard")
+    assert gguf_import.main([str(source), "--out", str(out), "--force", "--dtype", "float32"]) == 0
+    assert source.read_bytes() == gguf_file.read_bytes()
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not (out / "model-00002-of-00002.safetensors").exists()
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.float32
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+@pytest.mark.parametrize(
+    ("drop", "extra", "named"),
+    [
+        (("blk.1.ffn_down.weight",), None, "1 tensor(s) missing, first blk.1.ffn_down.weight"),
+        ((), {"blk.2.attn_norm.weight": np.ones(SIZE["hidden_size"], np.float32)}, "blk.2.attn_norm.weight"),
+        ((), {"rope_freqs.weight": np.ones(8, np.float32)}, "rope_freqs.weight"),
+    ],
+    ids=["missing", "extra-layer", "unused"],
+)
+def test_missing_or_left_over_tensors_are_refused(
+    original: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    drop: tuple[str, ...],
+    extra: dict[str, np.ndarray] | None,
+    named: str,
+) -> None:
+    """A weight the file lacks is never left at its random initialisation, nor a tensor dropped."""
+    path = tmp_path / "damaged.gguf"
+    write_gguf(original, path, drop=drop, extra=extra)
+    capsys.readouterr()
+    assert gguf_import.main([str(path), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert named in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".*.tmp-*"))
+
+
+@pytest.mark.parametrize(("arch", "named"), [("qwen2", "blk.0.attn_q.bias"), ("gemma3", "blk.0.attn_q_norm")])
+def test_a_mislabelled_architecture_is_one_line(
+    original: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], arch: str, named: str
+) -> None:
+    """A llama file labelled qwen2 (which would get random attention biases) or gemma3 (whose shapes differ)."""
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(original, path, arch)
+    capsys.readouterr()
+    assert gguf_import.main([str(path), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert named in err and "general.architecture" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
 
 
 REAL = Path(os.environ.get("FULCRUM_SMOLLM2_GGUF", "/nonexistent"))

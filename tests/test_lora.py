@@ -89,6 +89,15 @@ def test_target_and_exclude_modules_pick_the_adapted_layers(tiny_dir: str) -> No
         )
 
 
+def test_an_embedding_adapter_is_never_sent_to_the_engine_as_its_base(tiny_dir: str) -> None:
+    """Past the configuration rule (which knows Hugging Face's `model.embed_tokens`, not every family's
+    spelling), the weight sync refuses an adapted embedding instead of sending its untrained base."""
+    cfg = cfg_for(tiny_dir, "actor_rollout_ref.model.target_modules='model\\.embed_tokens|.*q_proj'")
+    actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=1)
+    with pytest.raises(ValueError, match=r"target_modules=.*model\.embed_tokens is an embedding"):
+        dict(actor.adapters.merged_weights())
+
+
 def test_update_trains_only_the_adapters(tiny_dir: str) -> None:
     actor = ActorWorker(actor_section(cfg_for(tiny_dir)), CPU, total_training_steps=10)
     perturb(actor)

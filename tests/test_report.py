@@ -148,3 +148,36 @@ def test_report_renders_in_headless_chromium(compared: tuple[Path, Path, Path], 
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
     n_images = page.read_text().count("<img ")
     assert broken_images(page) == f"{n_images} loaded, 0 broken"
+
+
+def test_a_read_only_run_says_one_line_and_writes_elsewhere_with_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run directory on a read-only file system (a mounted archive): every write and every removal
+    there fails with EROFS, as the kernel answers even for root. One line suggests --out, which works."""
+    import errno
+    import os
+
+    run = write_run(tmp_path / "run", spiky_rows()).resolve()
+    before = sorted(p.name for p in run.iterdir())
+
+    def guard(real):
+        def call(self: Path, *args: Any, **kwargs: Any) -> Any:
+            if Path(self).resolve().is_relative_to(run):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+            return real(self, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(Path, "write_text", guard(Path.write_text))
+    monkeypatch.setattr(Path, "unlink", guard(Path.unlink))
+    assert report.main([str(run)]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"fulcrum report: cannot write {run / 'report.html'}: read-only file system; "
+        "pass --out FILE to write the report elsewhere"
+    ]
+    assert sorted(p.name for p in run.iterdir()) == before
+    out = tmp_path / "elsewhere.html"
+    assert report.main([str(run), "--out", str(out)]) == 0
+    assert out.read_text().startswith("<!DOCTYPE html>")

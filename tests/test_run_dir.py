@@ -94,6 +94,29 @@ def test_resume_stops_on_changes_that_alter_training_and_lists_harmless_ones(
     assert (run / "configs" / "attempt_1.yaml").is_file() and (run / "configs" / "attempt_2.yaml").is_file()
 
 
+def test_resume_with_another_length_under_a_schedule_spanning_the_run_is_refused(
+    assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cosine decay with a warm-up ratio is laid over trainer.total_training_steps: resuming with another
+    total would move the warm-up end and the cosine mid-run. One line names the key and both values."""
+    run = tmp_path / "run"
+    cosine = {
+        "actor_rollout_ref.actor.optim.lr_scheduler_type": "cosine",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": 0.5,
+    }
+    train(assets, run, **{**cosine, "trainer.total_training_steps": 1})
+    with pytest.raises(RunDirError) as info:
+        PPOTrainer(load_config(overrides(assets, run, **cosine)), torch.device("cpu"))
+    message = str(info.value)
+    assert "\n" not in message and "trainer.total_training_steps: 1 -> 2" in message, message
+    assert "lr_scheduler_type=cosine" in message and "trainer.accept_config_changes=True" in message
+    assert logged_steps(run) == [1]
+    capsys.readouterr()
+    train(assets, run, **{**cosine, "trainer.accept_config_changes": True})
+    assert "accepted changed key trainer.total_training_steps: 1 -> 2" in capsys.readouterr().out
+    assert logged_steps(run) == [1, 2]
+
+
 def test_auto_resume_falls_back_past_a_damaged_checkpoint(
     assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

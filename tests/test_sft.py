@@ -194,3 +194,70 @@ def test_lr_schedule_warms_the_first_step():
 def test_main_reports_bad_keys(capsys):
     assert main(["data.train_files=a.parquet", "model.partial_pretrain=m", "optim.lrr=1"]) == 1
     assert "did you mean optim.lr" in capsys.readouterr().err
+
+
+def _sft_args(model, train, out, *extra):
+    return [
+        f"data.train_files={train}",
+        "data.prompt_key=prompt",
+        "data.response_key=extra_info",
+        "data.train_batch_size=8",
+        "data.micro_batch_size_per_gpu=8",
+        f"model.partial_pretrain={model}",
+        "trainer.device=cpu",
+        f"trainer.default_local_dir={out}",
+        *extra,
+    ]
+
+
+def test_a_nan_loss_stops_the_run_without_a_nan_checkpoint(tiny, tmp_path, capsys):
+    """An lr of 1e30 blows the weights up at step 1: the later steps' loss is NaN. Their updates are
+    skipped, the run stops after trainer.max_nan_steps of them with one line and exit 1, and every
+    checkpoint it wrote holds finite weights."""
+    from safetensors.torch import load_file
+
+    _, model, train, _ = tiny
+    out = tmp_path / "run"
+    args = _sft_args(
+        model, train, out, "optim.lr=1e30", "optim.warmup_steps_ratio=0", "optim.lr_scheduler=constant"
+    )
+    assert main([*args, "trainer.total_training_steps=8", "trainer.save_freq=1"]) == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and "trainer.max_nan_steps=3" in last and "optim.lr" in last, err
+    assert not (out / "global_step_8").exists()
+    saved = sorted(out.glob("global_step_*/model.safetensors"))
+    assert saved, "step 1 (finite) is saved"
+    for path in saved:
+        assert all(torch.isfinite(t).all() for t in load_file(path).values()), path
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["training/nan_skipped_steps"] == 3
+
+
+def test_empty_data_and_zero_max_length_are_one_line(tiny, tmp_path, capsys):
+    _, model, train, _ = tiny
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pq.read_table(train).slice(0, 0), empty)
+    assert main(_sft_args(model, empty, tmp_path / "a")) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"fulcrum sft: data.train_files: {empty} has no rows"
+    assert "Traceback" not in err
+    assert main(_sft_args(model, train, tmp_path / "b", f"data.val_files={empty}")) == 1
+    assert "data.val_files" in capsys.readouterr().err
+    for truncation in ("error", "right"):
+        args = _sft_args(model, train, tmp_path / "c", "data.max_length=0", f"data.truncation={truncation}")
+        assert main(args) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "data.max_length" in err[0], err
+
+
+def test_right_truncation_inside_the_prompt_is_handled(tiny):
+    """A max_length shorter than the prompt cuts it: the example keeps no loss target instead of failing."""
+    _, model, train, _ = tiny
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    cfg = SFTDataConfig(prompt_key="prompt", response_key="extra_info", max_length=4, truncation="right")
+    examples = load_examples(str(train), tok, cfg)
+    _, _, mask = collate(examples[:2], tok.pad_token_id)
+    assert mask.shape == (2, 4) and int(mask.sum()) == 0

@@ -23,6 +23,7 @@ from fulcrum.config.keys import get_path as _get
 from fulcrum.config.schema import FulcrumConfig, KLControlConfig
 from fulcrum.config.validate_domains import domain_problems
 from fulcrum.config.validate_recipes import recipe_notes, recipe_problems
+from fulcrum.config.validate_signal import signal_problems
 
 SUPPORTED_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml")
@@ -356,6 +357,7 @@ RULES: list[Callable[[FulcrumConfig], list[Finding]]] = [
     _trainer,
     _unsupported,
     recipe_problems,
+    signal_problems,  # runs that would train nothing into the policy the engine samples
 ]
 
 

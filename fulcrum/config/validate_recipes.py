@@ -68,16 +68,21 @@ def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:
                 "conversations turn by turn",
             )
         )
-    if rollout.multi_turn.interaction_config_path and not rollout.multi_turn.enable:
-        problems.append(
-            Finding(
-                (
-                    "actor_rollout_ref.rollout.multi_turn.interaction_config_path",
-                    "actor_rollout_ref.rollout.multi_turn.enable",
-                ),
-                "an interaction answers the turns of the agent loop, which runs with multi_turn.enable=True",
+    for name, what in (
+        ("tool_config_path", "tools are called"),
+        ("interaction_config_path", "an interaction answers the turns"),
+    ):
+        if getattr(rollout.multi_turn, name) and not rollout.multi_turn.enable:
+            problems.append(
+                Finding(
+                    (
+                        f"actor_rollout_ref.rollout.multi_turn.{name}",
+                        "actor_rollout_ref.rollout.multi_turn.enable",
+                    ),
+                    f"{what} only in the agent loop, which runs with multi_turn.enable=True; without it "
+                    f"{getattr(rollout.multi_turn, name)} would be ignored",
+                )
             )
-        )
     buffer = rm.overlong_buffer
     max_len = cfg.data.max_response_length
     if buffer.enable and not 0 < buffer.len <= max_len:

@@ -18,9 +18,13 @@ measured on it says so.
 
 Supported: the Llama, Qwen2 and Gemma 3 families (`general.architecture` `llama`, `qwen2`, `gemma3`;
 transformers reads Gemma 3 as its text model, `gemma3_text`, and turns llama.cpp's stored norm
-weights 1 + w back into w), which the native rollout engine serves; others are refused with a message naming the architecture. The output
-folder is written under a temporary name and renamed when complete; an existing non-empty folder is
-never replaced unless it is itself an earlier import and `--force` is given.
+weights 1 + w back into w), which the native rollout engine serves; others are refused with a message naming
+the architecture. The file must hold exactly the tensors its architecture needs, each of its shape
+(`gguf_tensors`): a missing, left-over or misshapen tensor is refused by name, never filled with random
+weights or dropped. The output folder is written under a temporary name and renamed when complete; an
+existing non-empty folder is refused unless it is itself an earlier import and `--force` is given, and then
+only the files that import wrote (listed in `gguf_source.json`) are replaced or removed: the source file
+and anything else kept there stay.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from fulcrum.models.gguf_tensors import needed_tensors, tensor_problem
 
 GGUF_MAGIC = b"GGUF"
 # GGUF `general.architecture` -> Hugging Face `model_type`.
@@ -73,6 +79,7 @@ class GGUFHeader:
     architecture: str
     tensor_types: Counter[str]  # tensors by GGUF type, e.g. {"Q4_1": 210, "F32": 61}
     special_ids: dict[str, int]  # "eos_token" -> 2, ... (SPECIAL_TOKEN_KEYS present in the file)
+    shapes: dict[str, tuple[int, ...]]  # tensor name -> shape in llama.cpp's `ne` order
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:
@@ -99,7 +106,12 @@ def read_gguf_header(path: Path) -> GGUFHeader:
         for key, name in SPECIAL_TOKEN_KEYS.items()
         if key in reader.fields
     }
-    return GGUFHeader(str(field.contents()), Counter(t.tensor_type.name for t in reader.tensors), special)
+    return GGUFHeader(
+        str(field.contents()),
+        Counter(t.tensor_type.name for t in reader.tensors),
+        special,
+        {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors},
+    )
 
 
 def set_special_tokens(tokenizer: Any, special_ids: dict[str, int]) -> None:
@@ -140,7 +152,7 @@ def convert(path: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> dict[
 
 
 def _convert(path: Path, out: Path, dtype: torch.dtype) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     header = read_gguf_header(path)
     if header.architecture not in SUPPORTED_ARCHITECTURES:
@@ -149,9 +161,22 @@ def _convert(path: Path, out: Path, dtype: torch.dtype) -> dict[str, Any]:
             f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
     folder, name = str(path.parent), path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    set_special_tokens(tokenizer, header.special_ids)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    try:
+        file_config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        problem = tensor_problem(header.shapes, *needed_tensors(file_config), header.architecture)
+        if problem:
+            raise GGUFImportError(f"{path}: {problem}")
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        set_special_tokens(tokenizer, header.special_ids)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except (ValueError, KeyError, RuntimeError) as err:
+        if isinstance(err, GGUFImportError):
+            raise
+        # metadata transformers cannot build a model from: its own message, on one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise GGUFImportError(
+            f"{path}: transformers cannot read it as a {header.architecture} model ({first})"
+        ) from err
     config = plain_config(loaded.config, type(loaded).__name__)
     config.dtype = dtype
     for name in ("bos_token", "eos_token", "pad_token"):  # the model's ids agree with the tokenizer's
@@ -176,6 +201,7 @@ def _convert(path: Path, out: Path, dtype: torch.dtype) -> dict[str, Any]:
         "special_tokens": {k: tokenizer.convert_ids_to_tokens(v) for k, v in header.special_ids.items()},
         "dtype": str(dtype).removeprefix("torch."),
         "note": "weights dequantized from the GGUF file: not the original checkpoint's weights when quantized",
+        "files": sorted([*(p.name for p in out.iterdir()), SOURCE_FILE]),  # what --force may replace
     }
     (out / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
     return source
@@ -196,9 +222,39 @@ def out_problem(out: Path, force: bool) -> str | None:
     return None
 
 
+def written_files(out: Path) -> set[str]:
+    """The names an earlier import in `out` wrote: its `gguf_source.json` lists them; an import that did
+    not list them wrote at most the files a new import writes, which are replaced by name."""
+    try:
+        files = json.loads((out / SOURCE_FILE).read_text()).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {name for name in files if isinstance(name, str) and name == Path(name).name}
+
+
+def replace_owned(new: Path, out: Path, source: Path) -> None:
+    """Move the files of the finished import `new` into the earlier import `out`: each written file
+    replaces the one of its name, files only the earlier import wrote are removed, and every other file
+    (the source `.gguf`, the user's notes) stays. `gguf_source.json` moves last, so the folder is marked
+    as this import's only once all its files are in place."""
+    names = sorted(p.name for p in new.iterdir())
+    owned = written_files(out) | set(names)
+    for name in owned:
+        if (out / name).resolve() == source.resolve():
+            raise GGUFImportError(
+                f"--out {out} holds the source {source} under the name {name}; move it first"
+            )
+    for name in sorted(names, key=lambda n: n == SOURCE_FILE):
+        os.replace(new / name, out / name)
+    for name in owned - set(names):
+        if (out / name).is_file():
+            (out / name).unlink()
+    new.rmdir()
+
+
 def import_gguf(path: Path, out: Path, dtype: torch.dtype = torch.bfloat16, force: bool = False) -> dict:
-    """Convert into a temporary sibling of `out`, then rename it into place (an earlier import set aside
-    and removed only once the new one is complete)."""
+    """Convert into a temporary sibling of `out`, then rename it into place; an earlier import in `out`
+    (with `--force`) has only its own files replaced, so the source file and anything else kept there stay."""
     problem = out_problem(out, force)
     if problem:
         raise GGUFImportError(problem)
@@ -207,11 +263,12 @@ def import_gguf(path: Path, out: Path, dtype: torch.dtype = torch.bfloat16, forc
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         source = convert(path, tmp, dtype)
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        if out.is_dir() and any(out.iterdir()):
+            replace_owned(tmp, out, path)
+        else:
+            if out.is_dir():
+                out.rmdir()
+            tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -162,9 +162,20 @@ class Adapters:
         return (p for p in self.module.parameters() if p.requires_grad)
 
     def merged_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, W + scale·B·A) of every adapted module, computed one at a time."""
+        """(Hugging Face name, W + scale·B·A) of every adapted module, computed one at a time.
+
+        An adapted embedding (peft's `lora_embedding_A/B`) is refused: sending its base weight would leave
+        the engine sampling from the untrained embedding while the actor trains it
+        (fulcrum.config.validate_signal refuses the usual spelling before the run)."""
         with torch.no_grad():
             for name, layer in self.layers:
+                if any(
+                    adapter in getattr(layer, "lora_embedding_A", {}) for adapter in layer.active_adapters
+                ):
+                    raise ValueError(
+                        f"{self.settings.key}.target_modules={self.settings.target_modules!r}: {name} is an "
+                        "embedding; its adapter cannot be merged into the rollout engine's weights"
+                    )
                 base = layer.get_base_layer()
                 # Summed in float32 (the base may be bf16): the engine rounds W + scale·B·A once.
                 weight = _whole(base.weight).float()

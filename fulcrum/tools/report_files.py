@@ -132,11 +132,20 @@ def write_report(out: Path, page: str, suggest_out: bool) -> None:
         tmp.write_text(page, encoding="utf-8")
         os.replace(tmp, out)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
         hint = "; pass --out FILE to write the report elsewhere" if suggest_out else ""
         raise ReportError(f"cannot write {out}: {_reason(exc)}{hint}") from exc
     except BaseException as exc:  # Ctrl-C or SIGTERM while writing
-        if tmp.exists():
-            tmp.unlink()
+        if tmp.exists() and _remove(tmp):
             exc.add_note(f"removed the partial {tmp}")
         raise
+
+
+def _remove(path: Path) -> bool:
+    """Remove `path` if it is there; False when it cannot be (a read-only file system refuses even the
+    removal of a file it never let be created)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        return False
+    return True

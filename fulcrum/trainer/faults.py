@@ -40,6 +40,10 @@ from fulcrum.trainer.metrics import phase_of
 # `fulcrum report`'s non-finite rule reads back, so the guard and the report watch the same ones.
 WATCHED_METRICS = NON_FINITE_KEYS
 NAN_SKIPPED_METRIC = "training/nan_skipped_steps"
+PPO_LEVERS = (
+    "lower actor_rollout_ref.actor.optim.lr / critic.optim.lr, set actor.grad_clip, "
+    "check the reward function's output and the data for empty or overlong responses"
+)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -73,6 +77,7 @@ class NonFiniteGuard:
 
     max_nan_steps: int = 3
     watched: tuple[str, ...] = WATCHED_METRICS
+    levers: str = PPO_LEVERS  # the keys that cure it, in the stop message
     skipped_steps: int = 0
     consecutive: int = 0
     last_finite_step: int | None = None
@@ -116,8 +121,7 @@ class NonFiniteGuard:
             f"stopping at step {step}: {self.consecutive} consecutive steps with a NaN/Inf loss or gradient norm "
             f"(trainer.max_nan_steps={self.max_nan_steps}); now {_fmt(bad)}. Their updates were skipped, so the "
             f"weights are those of step {self.last_finite_step}; no checkpoint was written for the failing steps. "
-            f"{last}. Levers: lower actor_rollout_ref.actor.optim.lr / critic.optim.lr, set actor.grad_clip, "
-            "check the reward function's output and the data for empty or overlong responses."
+            f"{last}. Levers: {self.levers}."
         )
 
     def state_dict(self) -> dict[str, Any]:

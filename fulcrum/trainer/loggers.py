@@ -4,9 +4,11 @@ in `trainer.logger` (console, tensorboard, wandb, mlflow; `jsonl` is accepted an
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Protocol, TextIO
@@ -67,21 +69,45 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+class MetricsWriteError(RuntimeError):
+    """A row of `metrics.jsonl` could not be written (a full disk); the file was left whole."""
+
+
 class JsonlLogger:
-    """Appends one JSON object per `log` call to `<run_dir>/metrics.jsonl` (`step` plus the metrics)."""
+    """Appends one JSON object per `log` call to `<run_dir>/metrics.jsonl` (`step` plus the metrics).
+
+    Each row goes straight to the file descriptor, unbuffered: a write that fails (a full disk) leaves
+    nothing pending for a later flush or `close` to fail on again, and a row the kernel took only part
+    of is cut off again, so the file only ever holds whole rows."""
 
     def __init__(self, run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        self.file = self.path.open("a")
+        self.fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def log(self, data: dict[str, float], step: int) -> None:
+        if self.fd is None:
+            raise MetricsWriteError(f"{self.path} is closed")
         row = {"step": step, **{k: _jsonable(v) for k, v in data.items()}}
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        line = (json.dumps(row) + "\n").encode()
+        end = os.lseek(self.fd, 0, os.SEEK_END)
+        try:
+            written = 0
+            while written < len(line):
+                written += os.write(self.fd, line[written:])
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, end)  # the part of the row that did go in
+            raise MetricsWriteError(
+                f"cannot append the row of step {step} to {self.path}: {err.strerror or err}; the file holds "
+                "whole rows up to the step before. Free space, then resume from the last checkpoint "
+                "(trainer.resume_mode=auto)"
+            ) from None
 
     def close(self) -> None:
-        self.file.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class TensorBoardLogger:

@@ -154,6 +154,7 @@ def _train(cfg: FulcrumConfig, device: torch.device, info: DistInfo, run_dir: Pa
     from fulcrum.reward.scoring import RewardError
     from fulcrum.trainer.checkpoint import CheckpointError
     from fulcrum.trainer.faults import NonFiniteTrainingError, OutOfMemoryHelp
+    from fulcrum.trainer.loggers import MetricsWriteError
     from fulcrum.trainer.ppo_trainer import PPOTrainer
 
     try:
@@ -168,7 +169,7 @@ def _train(cfg: FulcrumConfig, device: torch.device, info: DistInfo, run_dir: Pa
         return 1
     try:
         trainer.fit()
-    except (CheckpointError, NonFiniteTrainingError, OutOfMemoryHelp, RewardError) as err:
+    except (CheckpointError, NonFiniteTrainingError, OutOfMemoryHelp, RewardError, MetricsWriteError) as err:
         print(f"fulcrum train: {err}", file=sys.stderr)
         return 1
     finally:

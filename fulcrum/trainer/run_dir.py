@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fulcrum.config import save_config, to_dict
+from fulcrum.config import save_config, to_dict, uses_critic
 from fulcrum.config.keys import flatten
 from fulcrum.trainer import run_lock
 from fulcrum.trainer.checkpoint import ResumeChoice, read_run_config, step_folders
@@ -95,8 +95,27 @@ HARMLESS_KEYS = (
 )
 
 
+# The keys that set how many steps the run has: the length a warm-up ratio or a cosine schedule spans.
+RUN_LENGTH_KEYS = ("trainer.total_training_steps", "trainer.total_epochs")
+
+
 def is_harmless(key: str) -> bool:
     return any(fnmatch.fnmatchcase(key, pattern) for pattern in HARMLESS_KEYS)
+
+
+def schedule_spans_run(flat: dict[str, Any], sections: tuple[str, ...]) -> list[str]:
+    """The optimiser settings ("key=value") whose learning-rate schedule is laid over the run's total steps,
+    as `fulcrum.workers.optim.build_lr_scheduler` builds it: a cosine decay, or a warm-up given as a ratio
+    (`lr_warmup_steps` null, 0 or negative). [] when the schedule does not depend on the run's length."""
+    spans = []
+    for section in sections:
+        style = flat.get(f"{section}.lr_scheduler_type") or flat.get(f"{section}.warmup_style") or "constant"
+        if style == "cosine":
+            spans.append(f"{section}.lr_scheduler_type={style}")
+        steps, ratio = flat.get(f"{section}.lr_warmup_steps"), flat.get(f"{section}.lr_warmup_steps_ratio")
+        if (steps is None or int(steps) <= 0) and ratio and float(ratio) > 0:
+            spans.append(f"{section}.lr_warmup_steps_ratio={ratio}")
+    return spans
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -311,11 +330,31 @@ def _check_resume_config(ckpt: Path, cfg: Any) -> list[str]:
     if saved is None:
         return [f"{ckpt.name} does not hold its configuration (an older checkpoint): changes are not checked"]
     blocking, harmless = config_changes(saved, to_dict(cfg))
+    # A schedule laid over the run's steps would be bent mid-run (the step restored, the length changed):
+    # the warm-up end and the cosine's progress move, so the run's length counts as a training change.
+    sections = (
+        ("actor_rollout_ref.actor.optim", "critic.optim")
+        if uses_critic(cfg)
+        else ("actor_rollout_ref.actor.optim",)
+    )
+    spans = schedule_spans_run(flatten(to_dict(cfg)), sections)
+    if spans:
+        fixed = saved.get("trainer", {}).get("total_training_steps") is not None
+        keys = (
+            RUN_LENGTH_KEYS[:1] if fixed and cfg.trainer.total_training_steps is not None else RUN_LENGTH_KEYS
+        )
+        length = [line for line in harmless if line.split(":", 1)[0] in keys]
+        harmless = [line for line in harmless if line not in length]
+        blocking += [
+            f"{line} (the learning-rate schedule spans the run's steps: {', '.join(spans)})"
+            for line in length
+        ]
     notes = [f"resuming with changed key {line}" for line in harmless]
     if blocking and not cfg.trainer.accept_config_changes:
-        listing = "\n  ".join(blocking)
+        # one change on the line itself; several listed one a line
+        listing = f" {blocking[0]}. " if len(blocking) == 1 else "\n  " + "\n  ".join(blocking) + "\n"
         raise RunDirError(
-            f"resuming {ckpt} with a configuration that changes what or how the run trains:\n  {listing}\n"
+            f"resuming {ckpt} with a configuration that changes what or how the run trains:{listing}"
             "Set trainer.accept_config_changes=True to resume with these changes (the data position is kept "
             "in prompts, so no prompt is trained twice or skipped), restore the old values, or start a new "
             "run in another trainer.default_local_dir."

@@ -19,8 +19,9 @@ With `data.multiturn.enable=true` each row is a conversation (`data.multiturn.me
 Departures from verl: one device only (FSDP and sequence parallelism keys are accepted without
 effect), the loss is averaged over the response tokens of the whole global batch rather than per
 device, `trainer.device` (auto|cpu|cuda) is ours.
-Over 400 lines because it is a whole command (data, loop, evaluation, saving) in one file, as cleanrl
-keeps an algorithm; its loading, autocast, LR schedule and metrics writer are the PPO trainer's.
+The loop, evaluation and saving in one file, as cleanrl keeps an algorithm (the data in
+fulcrum.trainer.sft_data); its loading, autocast, LR schedule, NaN guard and metrics writer are the PPO
+trainer's.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
@@ -43,11 +43,16 @@ from fulcrum.config import ConfigError, load_structured, save_config, to_dict
 from fulcrum.config.device import cap_host_threads, select_device
 from fulcrum.models.load import autocast_for, load_causal_lm, load_tokenizer
 from fulcrum.trainer import run_lock
-from fulcrum.trainer.loggers import Tracking
+from fulcrum.trainer.faults import NonFiniteGuard, NonFiniteTrainingError
+from fulcrum.trainer.loggers import MetricsWriteError, Tracking
 from fulcrum.trainer.run_dir import other_run_contents
 from fulcrum.trainer.run_ownership import CONFIG_FILE, RunDirError, check_own_files, mark_run_dir, write_whole
-from fulcrum.trainer.sft_multiturn import SFTMultiturnConfig, load_chats
-from fulcrum.workers.optim import lr_schedule
+from fulcrum.trainer.sft_data import SFTExample, check_files, collate, load_examples
+from fulcrum.trainer.sft_multiturn import SFTMultiturnConfig
+from fulcrum.workers.optim import clip_and_step, lr_schedule
+
+NON_FINITE_SFT = ("train/loss", "train/grad_norm")  # the metrics whose NaN/Inf skips a step
+SFT_LEVERS = "lower optim.lr, set optim.clip_grad, check the data for empty or overlong responses"
 
 # ---------------------------------------------------------------- configuration (verl's sft_trainer.yaml)
 
@@ -108,6 +113,7 @@ class SFTTrainerConfig:
     n_gpus_per_node: int = 1
     max_ckpt_to_keep: int | None = None
     device: str = "auto"  # ours: auto | cpu | cuda
+    max_nan_steps: int = 3  # ours, as fulcrum train's: stop after this many NaN/Inf steps in a row (0: never)
 
 
 @dataclass
@@ -144,6 +150,10 @@ def _validate(cfg: SFTConfig) -> None:
         raise ConfigError("trainer.resume_path: resuming SFT is not supported; leave it null")
     if cfg.ulysses_sequence_parallel_size != 1:
         raise ConfigError("ulysses_sequence_parallel_size: sequence parallelism is not supported; use 1")
+    if cfg.data.max_length < 1:
+        raise ConfigError(
+            f"data.max_length must be >= 1 (prompt + response tokens), got {cfg.data.max_length}"
+        )
     micro = micro_batch_size(cfg)
     if micro < 1 or cfg.data.train_batch_size < 1:
         raise ConfigError("data.train_batch_size and data.micro_batch_size_per_gpu must be >= 1")
@@ -160,111 +170,6 @@ def _validate(cfg: SFTConfig) -> None:
 
 def micro_batch_size(cfg: SFTConfig) -> int:
     return cfg.data.micro_batch_size or cfg.data.micro_batch_size_per_gpu
-
-
-# ---------------------------------------------------------------- data
-
-
-@dataclass
-class SFTExample:
-    input_ids: list[int]  # prompt (chat template, generation prompt) + response + EOS
-    num_prompt_tokens: int  # the loss counts the tokens after these
-    loss_mask: list[int] | None = None  # a conversation's: 1 on assistant tokens (num_prompt_tokens unused)
-
-    def mask(self) -> list[int]:
-        """1 where the token is a target of the loss."""
-        if self.loss_mask is not None:
-            return self.loss_mask
-        return [0] * self.num_prompt_tokens + [1] * (len(self.input_ids) - self.num_prompt_tokens)
-
-
-def _as_list(files: Any) -> list[str]:
-    return [files] if isinstance(files, str) else [str(f) for f in files]
-
-
-def _pick(value: Any, dict_keys: list[str], where: str) -> Any:
-    """Follow `dict_keys` into a dict cell (verl's extra_info); non-dict cells are returned as they are."""
-    for key in dict_keys:
-        if not isinstance(value, dict):
-            break
-        if key not in value:
-            raise ValueError(f"{where}: field {key!r} missing (has {sorted(value)})")
-        value = value[key]
-    return value
-
-
-def _messages(prompt: Any, where: str) -> list[dict[str, str]]:
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    if isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
-        return [{"role": str(m.get("role", "user")), "content": str(m["content"])} for m in prompt]
-    raise ValueError(f"{where}: prompt must be text or a list of chat messages, got {type(prompt).__name__}")
-
-
-def load_examples(files: Any, tokenizer: Any, cfg: SFTDataConfig) -> list[SFTExample]:
-    """Tokenise every row of the parquet `files`; errors name the file, row and column."""
-    if cfg.multiturn.enable:
-        chats = load_chats(_as_list(files), tokenizer, cfg)
-        if not chats:
-            raise ValueError(f"no SFT examples in {files}")
-        return [SFTExample(c.input_ids, 0, c.loss_mask) for c in chats]
-    examples: list[SFTExample] = []
-    for path in _as_list(files):
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"SFT data file not found: {path}")
-        table = pq.read_table(path)
-        for column in (cfg.prompt_key, cfg.response_key):
-            if column not in table.column_names:
-                raise ValueError(f"{path}: no column {column!r} (columns: {table.column_names})")
-        prompts = table.column(cfg.prompt_key).to_pylist()
-        responses = table.column(cfg.response_key).to_pylist()
-        prompt_texts, response_texts = [], []
-        for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
-            where = f"{path} row {row}"
-            messages = _messages(
-                _pick(prompt, cfg.prompt_dict_keys, f"{where} column {cfg.prompt_key!r}"), where
-            )
-            response = _pick(response, cfg.response_dict_keys, f"{where} column {cfg.response_key!r}")
-            if not isinstance(response, str):
-                raise ValueError(f"{where} column {cfg.response_key!r}: response must be text")
-            prompt_texts.append(
-                tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            )
-            response_texts.append(response + tokenizer.eos_token)
-        # One batched call per file: tokenising thousands of rows one by one is slow.
-        prompt_ids = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
-        response_ids = tokenizer(response_texts, add_special_tokens=False)["input_ids"]
-        for row, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
-            ids, num_prompt = list(p) + list(r), len(p)
-            if len(ids) > cfg.max_length:
-                if cfg.truncation == "error":
-                    raise ValueError(
-                        f"{path} row {row}: {len(ids)} tokens > data.max_length={cfg.max_length} "
-                        "(raise it or set data.truncation=left|right)"
-                    )
-                cut = len(ids) - cfg.max_length
-                ids = ids[cut:] if cfg.truncation == "left" else ids[: cfg.max_length]
-                num_prompt = max(num_prompt - cut, 0) if cfg.truncation == "left" else num_prompt
-            examples.append(SFTExample(ids, num_prompt))
-    if not examples:
-        raise ValueError(f"no SFT examples in {files}")
-    return examples
-
-
-def collate(examples: list[SFTExample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded `input_ids`, `attention_mask` and `loss_mask`, each (B, T).
-
-    `loss_mask[b, t] = 1` when token t of example b is a response token, i.e. a target of the loss.
-    """
-    width = max(len(e.input_ids) for e in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
-    loss_mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for b, e in enumerate(examples):
-        input_ids[b, : len(e.input_ids)] = torch.tensor(e.input_ids)
-        attention_mask[b, : len(e.input_ids)] = 1
-        loss_mask[b, : len(e.input_ids)] = torch.tensor(e.mask())
-    return input_ids, attention_mask, loss_mask
 
 
 # ---------------------------------------------------------------- maths
@@ -384,9 +289,14 @@ def _open_run_dir(cfg: SFTConfig, run_dir: Path) -> None:
 
 def _train(cfg: SFTConfig, run_dir: Path, device: torch.device, started: float, log: Any) -> SFTResult:
     _open_run_dir(cfg, run_dir)
+    check_files(cfg.data.train_files, "data.train_files")  # before the model loads: a bad file fails fast
+    if cfg.data.val_files:
+        check_files(cfg.data.val_files, "data.val_files")
     model, tokenizer = _load(cfg, device)
     train = load_examples(cfg.data.train_files, tokenizer, cfg.data)
-    val = load_examples(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else []
+    val = (
+        load_examples(cfg.data.val_files, tokenizer, cfg.data, "data.val_files") if cfg.data.val_files else []
+    )
     batch, micro = cfg.data.train_batch_size, micro_batch_size(cfg)
     steps_per_epoch = len(train) // batch  # the last incomplete batch is dropped, as verl's sampler does
     if steps_per_epoch == 0:
@@ -423,6 +333,7 @@ def _train(cfg: SFTConfig, run_dir: Path, device: torch.device, started: float, 
     losses: list[float] = []
     order: list[int] = []
     val_loss: float | None = None
+    guard = NonFiniteGuard(cfg.trainer.max_nan_steps, watched=NON_FINITE_SFT, levers=SFT_LEVERS)
     model.train()
     for step in range(total_steps):
         if step % steps_per_epoch == 0:
@@ -440,10 +351,9 @@ def _train(cfg: SFTConfig, run_dir: Path, device: torch.device, started: float, 
             nll = response_token_nll(logits, ids, mask)
             (nll / max(num_targets, 1)).backward()
             step_nll += nll.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
-        optimizer.step()
+        # a NaN/Inf gradient norm skips the update, as in fulcrum train
+        grad_norm = clip_and_step(model, optimizer, cfg.optim.clip_grad)
         schedule.step()
-        optimizer.zero_grad(set_to_none=True)
         losses.append(step_nll / max(num_targets, 1))
         row: dict[str, float | int] = {
             "train/loss": losses[-1],
@@ -451,6 +361,11 @@ def _train(cfg: SFTConfig, run_dir: Path, device: torch.device, started: float, 
             "train/grad_norm": float(grad_norm),
             "train/epoch": step // steps_per_epoch,
         }
+        row.update(guard.observe(step + 1, row))
+        if guard.exceeded:  # the weights are the last finite step's; no checkpoint for the failing steps
+            tracking.log(row, step=step + 1)  # type: ignore[arg-type]
+            tracking.close()
+            raise guard.error()
         last = step + 1 == total_steps
         if val and (last or (cfg.trainer.test_freq > 0 and (step + 1) % cfg.trainer.test_freq == 0)):
             val_loss = evaluate_loss(model, val, micro, pad_id, device)
@@ -459,7 +374,8 @@ def _train(cfg: SFTConfig, run_dir: Path, device: torch.device, started: float, 
         if "console" in cfg.trainer.logger and ((step + 1) % log_every == 0 or last or "val/loss" in row):
             extra = f" val/loss {row['val/loss']:.4f}" if "val/loss" in row else ""
             log(f"step {step + 1}/{total_steps} train/loss {losses[-1]:.4f} lr {lr:.2e}{extra}")
-        if cfg.trainer.save_freq > 0 and (step + 1) % cfg.trainer.save_freq == 0 and not last:
+        due = cfg.trainer.save_freq > 0 and (step + 1) % cfg.trainer.save_freq == 0
+        if due and not last and not guard.consecutive:  # a skipped step saves nothing new
             _save(model, tokenizer, run_dir, step + 1)
     tracking.close()
     model_dir = _save(model, tokenizer, run_dir, total_steps)
@@ -475,7 +391,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_sft_config(argv)
         run_sft(cfg)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, FileNotFoundError, ValueError, NonFiniteTrainingError, MetricsWriteError) as err:
         print(f"fulcrum sft: {err}", file=sys.stderr)
         return 1
     return 0
