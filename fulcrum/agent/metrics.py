@@ -14,13 +14,12 @@ from collections.abc import Iterable, Mapping
 CALLS = "tools/calls"
 ERRORS = "tools/errors"
 
-# Why a call did not give the model a clean answer. The first five come from the Python sandbox.
+# Why a call did not give the model a clean answer. The first four come from the Python tool's jail.
 ERROR_KINDS: dict[str, str] = {
     "timeout": "ran past its wall-clock or CPU time limit and was killed",
     "memory": "ran out of its memory limit",
     "output_truncated": "printed more than the output limit; the rest was cut",
-    "refused": "tried something the sandbox refuses (files outside its directory, processes, network, ctypes)",
-    "exception": "the model's code raised an exception",
+    "exception": "the model's code raised an exception, or was killed by a signal",
     "invalid_call": "the model's call could not be run: malformed JSON, arguments not an object, unknown tool",
     "tool_failed": "the tool itself raised (a bug or an outage in the tool, not the model's fault)",
     "invalid_expression": "the calculator refused the expression (not arithmetic, division by zero, too large)",
