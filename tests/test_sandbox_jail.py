@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -349,3 +350,22 @@ def test_no_jail_means_the_tool_refuses_to_start_unless_unjailed(monkeypatch: py
     assert tool.unjailed
     with pytest.raises(ToolConfigError, match=r"config\.sandbox"):
         PythonTool({"sandbox": "none"}, None)
+
+
+def test_the_api_the_code_rewards_use_runs_a_program_on_files_and_stdin(tmp_path: Path) -> None:
+    from fulcrum.sandbox import JailLimits, run_jailed_sync
+
+    solution = (
+        "import sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)\nsys.exit(int(open('k').read()))"
+    )
+    result = run_jailed_sync(
+        [sys.executable, "sol.py"],
+        files={"sol.py": solution, "k": "4"},
+        stdin="3 4\n",
+        limits=JailLimits(timeout_s=10),
+    )
+    assert (result.stdout, result.exit_code, result.timed_out, result.jailed) == ("7\n", 4, False, True)
+    slow = run_jailed_sync([sys.executable, "-c", "while True: pass"], limits=JailLimits(timeout_s=1))
+    assert slow.timed_out and slow.exit_code is None
+    with pytest.raises(ValueError, match="relative path"):
+        run_jailed_sync("1", files={"../escape": ""})
