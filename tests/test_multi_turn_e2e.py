@@ -10,9 +10,14 @@ the loop, the tool, the template delta, the batch and the update are the real on
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import shutil
+import signal
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,10 +25,11 @@ from test_agent_loop import zero_runs
 from test_agent_tools import gsm8k_config
 from test_verl_examples import EXAMPLES, as_user_would
 
-from fulcrum.agent import parser
+from fulcrum.agent import BaseTool, parser
 from fulcrum.agent.parser import FunctionCall, ParsedMessage
 from fulcrum.data.cli import main as data_main
 from fulcrum.models.tiny import build_tiny_model
+from fulcrum.trainer.checkpoint import is_complete, read_latest_step
 from fulcrum.trainer.sampling import Sampler
 
 SCRIPT = "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh"
@@ -141,3 +147,67 @@ def test_verl_multi_turn_script_trains_two_steps_with_tool_tokens_masked(
             assert key in row, key
         assert row["tools/calls"] >= 1 and row["tools/errors"] == 0.0 and row["tools/call_rate"] == 1.0
     assert trainer.rollout.counters["held"] == 0  # every conversation released its blocks
+
+
+class HangingTool(BaseTool):
+    """A user tool whose first call asks the run to stop (SIGTERM, as a scheduler would) and whose every
+    call then hangs: one awaits forever, one blocks its event loop."""
+
+    calls = 0
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> Any:
+        HangingTool.calls += 1
+        if HangingTool.calls == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if HangingTool.calls % 2:
+            await asyncio.Event().wait()
+        time.sleep(30)
+
+
+def test_sigterm_during_a_hanging_tool_ends_the_run_within_the_call_limit_and_saves(
+    assets: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fulcrum.config import load_config
+    from fulcrum.trainer.ppo_trainer import PPOTrainer
+
+    config = tmp_path / "tools.yaml"
+    config.write_text(
+        (assets / "tools.yaml")
+        .read_text()
+        .replace('"verl.tools.gsm8k_tool.Gsm8kTool"', f'"{__name__}.HangingTool"')
+    )
+    monkeypatch.setitem(parser.PARSERS, "hermes", always_calls)
+    argv = [*as_user_would(EXAMPLES["scripts"][SCRIPT], assets, "1"), *SHRINK]
+    dropped = (
+        "trainer.default_local_dir=",
+        "trainer.total_training_steps=",
+        "actor_rollout_ref.rollout.multi_turn.tool",
+    )
+    argv = [a for a in argv if not a.startswith(dropped)]
+    run = tmp_path / "run"
+    argv += [
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={config}",
+        "actor_rollout_ref.rollout.multi_turn.call_timeout=0.5",
+        "trainer.total_training_steps=3",
+        f"trainer.default_local_dir={run}",
+    ]
+
+    def stalled(*_: Any) -> None:
+        raise TimeoutError("the run did not stop within 120 s")
+
+    previous = signal.signal(signal.SIGALRM, stalled)
+    signal.alarm(120)
+    try:
+        trainer = PPOTrainer(load_config(argv), torch.device("cpu"))
+        started = time.monotonic()
+        trainer.fit()
+        trainer.close()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert trainer.exit_code == 128 + signal.SIGTERM
+    assert time.monotonic() - started < 60
+    assert read_latest_step(run) == 1 and is_complete(run / "global_step_1", ["actor"])
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    [step] = [r for r in rows if "training/global_step" in r]
+    assert step["tools/errors/call_timeout"] > 0

@@ -34,7 +34,7 @@ VERL_TOOLS: dict[str, tuple[str, str | None]] = {
     "verl.tools.gsm8k_tool.Gsm8kTool": (GSM8K_TOOL, None),
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": (
         PYTHON_TOOL,
-        "runs the code locally in a sandboxed process per call (fulcrum's PythonTool), "
+        "runs the code locally in a jail per call (fulcrum's PythonTool), "
         "not on a Sandbox Fusion server; sandbox_fusion_url is not used",
     ),
 }
