@@ -82,8 +82,10 @@ def bottleneck(rows: Sequence[Row]) -> list[Finding]:
 
 def memory_creep(rows: Sequence[Row]) -> list[Finding]:
     """Peak memory still rising after warm-up: past the first 2 steps, at least MEMORY_MIN_STEPS steps, a
-    rise in >= 75% of step pairs, and a total rise above max(5%, 0.25 GiB)."""
-    train = training_rows(rows)
+    rise in >= 75% of step pairs, and a total rise above max(5%, 0.25 GiB). Steps that captured training
+    CUDA graphs (`perf/graph_captures` > 0) are left out: each capture adds to the graphs' pool by design,
+    up to a bounded number of graphs, and real responses of varying length keep capturing for tens of steps."""
+    train = [r for r in training_rows(rows) if not _captured_graphs(r)]
     for key in MEMORY_KEYS:
         points = [(s, v) for s, v in finite_series(train, key) if v > 0][2:]
         if len(points) < MEMORY_MIN_STEPS:
@@ -104,6 +106,11 @@ def memory_creep(rows: Sequence[Row]) -> list[Finding]:
                 )
             ]
     return []
+
+
+def _captured_graphs(row: Row) -> bool:
+    captures = row.get("perf/graph_captures")
+    return isinstance(captures, (int, float)) and captures > 0
 
 
 def host_loaded(rows: Sequence[Row]) -> list[Finding]:
