@@ -95,7 +95,7 @@ def bench_native(args, model, prompts, device, summary: dict) -> NativeEngine:
         enforce_eager=args.enforce_eager,
         indirect_kv_cache=args.indirect_kv_cache,
         overlap_windows=not getattr(args, "sequential_windows", False),
-        num_kv_blocks=getattr(args, "num_kv_blocks", None),  # set by bench/rollout_levers.py only
+        num_kv_blocks=getattr(args, "num_kv_blocks", None),
     )
     tick = time.perf_counter()
     engine = NativeEngine(model, [1], 0, config, device)

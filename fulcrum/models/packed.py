@@ -147,13 +147,10 @@ def enable_packed_attention(model: nn.Module) -> None:
     model.config._attn_implementation = PACKED_ATTENTION
 
 
-# Decoder layers per compiled region. One region per layer left the step host-bound at small
-# micro-batches: each layer call pays dynamo's guards, AOTAutograd's runtime wrapper and, with
-# checkpointing, a separate recomputation call (~1.2 ms of CPU a layer against ~0.8 ms of GPU work at
-# 6k tokens). A region of several layers pays that once; larger regions cost compile time. Since the
-# checkpoint moved inside the region and the C++ wrapper launches its kernels, a seed-size micro-batch
-# (6k tokens) runs within 3 % of the same micro-batch replayed as a CUDA graph, on a slow host too
-# (bench/graph_micro_batch.py): one layer a region no longer holds the host.
+# Decoder layers per compiled region. Each region call pays dynamo's guards and AOTAutograd's runtime
+# wrapper on the host; with the checkpoint inside the region and the C++ wrapper launching its kernels,
+# one layer a region keeps a seed-size micro-batch (6k tokens) within a few % of the same micro-batch
+# replayed as a CUDA graph (BENCHMARKS.md), and larger regions cost compile time.
 LAYERS_PER_REGION = 1
 
 # Checkpointing keeps each layer's input and recomputes the rest in the backward. It also keeps the

@@ -9,10 +9,8 @@ Face writer still sees them as tied. With `copy=False` the snapshot refers to th
 write that finishes before the next step (no second host copy).
 
 The copies go into `HostBuffers` kept from one save to the next: fresh host memory costs a page fault
-per page at its first write, which made copying into it 2–3× slower than into memory already touched
-(64 MB tensors on a 2-core CPU host: 1.1–1.5 s against 0.4–0.7 s for 2.15 GB), and 11× slower from an
-H200 (8 GB device to host: 7.85 s into fresh memory, 0.68 s into the same memory again;
-`bench/host_copy.py`). Saves never overlap (the next waits for the previous write), so one set of
+per page at its first write, which makes copying into it several times slower than into memory
+already touched, from the device most of all (docs/checkpoints.md). Saves never overlap (the next waits for the previous write), so one set of
 buffers serves them all; the price is one checkpoint's size of host RAM held for the run instead of
 during each write. `plan_role_buffers` and `HostBuffers.allocate` let the first save's buffers be mapped
 beside training before it (`HostBuffers.prepare`). They are pageable memory, not pinned: torch's pinned
