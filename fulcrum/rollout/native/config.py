@@ -36,14 +36,13 @@ class EngineConfig:
     cudagraph_capture_sizes: list[int] | None = SCHEMA.cudagraph_capture_sizes  # None: 1,2,4,8,16,32..
     decode_steps: int = 16  # decode steps per scheduler round (tokens past a stop are dropped)
     # Launch the next decode window before reading this one, so the device decodes while the host reads
-    # the tokens and schedules (between two windows an H200 idled 5.4 ms, 9 % of a 0.5B generate). The
-    # next window runs over the same rows: a row whose sequence stopped in this one decodes for nothing.
-    # Measured on the H200's 0.5B rollout (512 x 256): 154k -> 169k generated tok/s (BENCHMARKS.md).
-    # Prefill steps overlap alike: the next one is launched before the first tokens of this one are read.
+    # the tokens and schedules instead of idling between windows. The next window runs over the same
+    # rows: a row whose sequence stopped in this one decodes for nothing. Prefill steps overlap alike:
+    # the next one is launched before the first tokens of this one are read.
     overlap_windows: bool = True
     # Decode kernels read the cache address from the device, so graphs survive sleep/wake_up without a
-    # recapture; costs ~20% decode speed on an H200 (0.5B), so off unless sleeps are frequent and
-    # the decode batch takes many sizes.
+    # recapture; the extra indirection costs decode speed (BENCHMARKS.md), so off unless sleeps are
+    # frequent and the decode batch takes many sizes.
     indirect_kv_cache: bool = False
     # rollout.free_cache_engine: `generate` releases the KV cache before it returns, so training has the
     # memory (the schema's default); off for direct users (benchmarks) that call `generate` back to back.
@@ -78,10 +77,8 @@ class EngineConfig:
         """The most KV blocks a generate can hold at once: max_num_seqs sequences at full length, one
         prompt part-way through a chunked prefill beside them (it takes blocks before it takes a seat),
         and the scratch block. A cache sized by gpu_memory_utilization is cut to this: a block past it is
-        never written, and the cache is allocated at every wake-up and released at every sleep (the seed
-        command on an H200: 17.4 GiB instead of 85.7, its allocation 0.002 s instead of 0.04-0.06 and its
-        release 0.01 s instead of 0.04-0.05, generation's peak 26.4 GiB instead of 94.6; BENCHMARKS.md).
-        Kept prefixes of multi-turn conversations beyond it are evicted (and recomputed) sooner."""
+        never written, and the cache is allocated at every wake-up and released at every sleep, so a
+        larger one only costs time and raises generation's peak. Kept prefixes of multi-turn conversations beyond it are evicted (and recomputed) sooner."""
         return (self.max_num_seqs + 1) * self.blocks_per_seq() + 1
 
     def capture_sizes(self) -> list[int]:

@@ -233,10 +233,9 @@ def next_pow2(n: int) -> int:
 
 # The paged decode kernel's launch: TILE positions a loop iteration, SPLITS programs a (sequence, KV head)
 # (flash-decoding; 1: the kernel writes the output itself), and Triton's num_warps and num_stages
-# (absent: Triton's defaults). `bench/attention_sweep.py` times the alternatives on a GPU: on an H200 one
-# warp a program with 4 stages was the fastest launch common to both shapes swept, 1.27x Triton's
-# defaults on Qwen2.5-0.5B's (76.6 -> 60.4 us a layer's call) and 1.14x on SmolLM2-135M's (BENCHMARKS.md);
-# SPLITS > 1 was not swept then.
+# (absent: Triton's defaults). `bench/attention_sweep.py` times the alternatives on a GPU: one warp a
+# program with 4 stages was the fastest launch common to the Qwen2.5-0.5B and SmolLM2-135M shapes it
+# swept (BENCHMARKS.md); SPLITS > 1 was not swept.
 DECODE_LAUNCH: dict[str, int] = {"TILE": 64, "SPLITS": 1, "num_warps": 1, "num_stages": 4}
 
 

@@ -124,9 +124,8 @@ def _cdiv(a: int, b: int) -> int:
 # Entries per tile of the sampling kernels (a power of two): the first pass's unit, the second pass's scan.
 SAMPLE_BLOCK = 512
 # First-pass programs per multiprocessor that the split aims for, over the whole batch, and the first pass's
-# launch (below): the sweep's best launch common to both shapes, 16 programs an SM of one warp, 4 tiles a
-# loop iteration (1.74x at 0.5B's 512 x 151,936, 1.35x at SmolLM2's 1,024 x 49,152, over 8 programs of 4
-# warps, 1 tile; `bench/sample_sweep.py`, H200, 2026-12-03).
+# launch (below): the best launch common to the 0.5B and SmolLM2 shapes that `bench/sample_sweep.py`
+# swept, 16 programs an SM of one warp, 4 tiles a loop iteration (BENCHMARKS.md).
 SAMPLE_PROGRAMS_PER_SM = 16
 # Multiprocessors assumed off CUDA (the interpreter): an H200's, so the split matches the GPU's.
 DEFAULT_SM_COUNT = 132
