@@ -102,3 +102,27 @@ def test_math_verify_scores_what_string_equality_misses() -> None:
         == 1.0
     )
     assert default_compute_score("lighteval/MATH", response, "\\frac{1}{3}", math_verify=True) == 0.0
+
+
+def test_verl_0_9_reward_keys_set_the_same_settings_or_are_refused_by_name() -> None:
+    from fulcrum.config import ConfigError, load_config
+
+    cfg = load_config(
+        [
+            "reward.reward_manager.name=dapo",
+            "reward.reward_manager.source=register",
+            "+reward.reward_kwargs.max_resp_len=64",
+            "reward.custom_reward_function.path=/tmp/r.py",
+            "reward.num_workers=3",
+            "reward.sandbox_fusion.url=http://localhost:8080/run_code",
+            "reward.reward_model.model_path=/models/rm",
+        ]
+    )
+    rm = cfg.reward_model
+    assert (rm.reward_manager, rm.reward_kwargs, rm.num_workers) == ("dapo", {"max_resp_len": 64}, 3)
+    assert cfg.custom_reward_function.path == "/tmp/r.py" and rm.model.path == "/models/rm"
+    assert rm.sandbox_fusion.url == "http://localhost:8080/run_code"
+    with pytest.raises(ConfigError, match=r"reward\.reward_manager\.source=importlib"):
+        load_config(["reward.reward_manager.source=importlib"])
+    with pytest.raises(ConfigError, match=r"reward\.no_such_key: not a reward key"):
+        load_config(["reward.no_such_key=1"])

@@ -21,7 +21,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from fulcrum.config.compat import ROLLOUT_NAME_ALIASES
+from fulcrum.config.compat import ROLLOUT_NAME_ALIASES, reward_section_key
 from fulcrum.config.keys import (
     ConfigError,
     field_types,
@@ -192,6 +192,14 @@ def apply_override(node: DictConfig, text: str, root_cls: type = FulcrumConfig) 
     key the tree already has, `+` is accepted and means the same as no `+`.
     """
     key, text_value, add = parse_override(text)
+    if key == "reward" or key.startswith("reward."):  # verl 0.9's reward section: the same settings
+        try:
+            mapped = reward_section_key(key, text_value)
+        except ValueError as err:
+            raise ConfigError(str(err), key) from None
+        if mapped is None:
+            return
+        key = mapped
     hint = " (+ adds keys only inside free-form mappings such as reward_model.reward_kwargs)" if add else ""
     tp = _field_type(root_cls, key, hint)
     value = _typed_value(text_value, tp, key)

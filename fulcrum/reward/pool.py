@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+STARTUP_S = 120.0
+
 
 class ScoringTimeout(Exception):
     """A sample's scoring ran past its time limit."""
@@ -34,7 +36,9 @@ class Outcome:
 
 
 def _serve(conn: Connection) -> None:
-    """A worker: run each (fn, args) received, send back ("ok", value) / ("timeout"|"error", text)."""
+    """A worker: say it is ready, then run each (fn, args) received and send back ("ok", value) or
+    ("timeout"|"error", text)."""
+    conn.send(("ready", None))
     while True:
         try:
             task = conn.recv()
@@ -76,23 +80,32 @@ class ScoringPool:
         self._context = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = []
 
-    def _start(self) -> _Worker:
-        parent, child = self._context.Pipe()
-        process = self._context.Process(target=_serve, args=(child,), daemon=True, name="fulcrum-scorer")
-        process.start()
-        child.close()
-        return _Worker(process, parent)
+    def _start(self, count: int) -> list[_Worker]:
+        """`count` new workers, once each has started (a spawned process takes a second or two to
+        import; its first sample's clock must not run meanwhile)."""
+        started = []
+        for _ in range(count):
+            parent, child = self._context.Pipe()
+            process = self._context.Process(target=_serve, args=(child,), daemon=True, name="fulcrum-scorer")
+            process.start()
+            child.close()
+            started.append(_Worker(process, parent))
+        for worker in started:
+            if not worker.conn.poll(STARTUP_S) or worker.conn.recv()[0] != "ready":
+                raise RuntimeError(f"a scoring process did not start within {STARTUP_S:g} s")
+        return started
 
     def _replace(self, worker: _Worker) -> None:
         worker.process.kill()
         worker.process.join()
         worker.conn.close()
-        self._workers[self._workers.index(worker)] = self._start()
+        self._workers[self._workers.index(worker)] = self._start(1)[0]
 
     def map(self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> list[Outcome]:
         """`fn(*args)` for each args of `calls`, in the workers; one Outcome per call, in order."""
-        while len(self._workers) < min(self.num_workers, max(len(calls), 1)):
-            self._workers.append(self._start())
+        wanted = min(self.num_workers, max(len(calls), 1))
+        if len(self._workers) < wanted:
+            self._workers += self._start(wanted - len(self._workers))
         outcomes: list[Outcome | None] = [None] * len(calls)
         pending = list(range(len(calls)))[::-1]
         while pending or any(w.task is not None for w in self._workers):

@@ -236,6 +236,7 @@ class Sampler:
                 return batch, reward
             errors.num_errors += reward.num_errors
             errors.num_nonfinite += reward.num_nonfinite
+            errors.num_timeouts += reward.num_timeouts
             errors.errors += reward.errors
             gate.add(
                 batch,
