@@ -3,6 +3,14 @@
 # torch==2.13.0 first: on these machines pip takes a CPU build from local disk, so no CUDA build is pulled.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Model-written code runs in a bubblewrap jail (docs/multi-turn.md, "The jail"): install it where missing.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -q && apt-get install -y -q bubblewrap; } >/dev/null 2>&1 || echo "could not install bubblewrap"
+  else
+    echo "bubblewrap (bwrap) is not installed: tools that run model code will refuse to start (docs/multi-turn.md)"
+  fi
+fi
 VENV=${FULCRUM_VENV:-.venv}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true

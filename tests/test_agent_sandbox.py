@@ -1,23 +1,21 @@
-"""The Python tool: each call in its own process, with a time, memory and output limit, a fresh working
-directory, no network, and refusals for files outside its directory, processes and ctypes. Whatever the
-model's code does comes back as text plus a counted kind; nothing raises into the caller.
+"""The Python tool: each call in its own jail, with a time, memory and output limit and a fresh working
+folder. Whatever the model's code does comes back as text plus a counted kind; nothing raises into the
+caller. (What the jail keeps out: tests/test_sandbox_jail.py.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import textwrap
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fulcrum.agent import FunctionCall, ToolCallResult, ToolSet, sandbox
+from fulcrum.agent import FunctionCall, ToolCallResult, ToolSet
 from fulcrum.agent.python_tool import PythonTool
-from fulcrum.agent.sandbox import SandboxLimits, SandboxResult, run_python
+from fulcrum.sandbox import JailLimits, JailResult, run_jailed
 
 
 def python_tool(**config: Any) -> PythonTool:
@@ -49,28 +47,25 @@ def test_an_exception_becomes_its_traceback_for_the_model() -> None:
     assert text.startswith("before\nTraceback (most recent call last):")
     assert 'File "<code>", line 2, in f' in text and "return 1 / x" in text
     assert text.rstrip().endswith("ZeroDivisionError: division by zero")
-    assert "sandbox_child" not in text  # the runner's own frames are not shown
+    assert "runner" not in text  # the runner's own frames are not shown
     assert errors(result) == {"exception"}
 
 
-def test_a_hang_is_killed_at_the_time_limit_and_its_process_group_is_gone() -> None:
-    limits = SandboxLimits(timeout_s=1.0)
+def test_a_hang_is_killed_at_the_time_limit() -> None:
     started = time.monotonic()
-    result: SandboxResult = asyncio.run(run_python("import time\nprint('started')\ntime.sleep(60)", limits))
+    result = run_code("import time\nprint('started')\ntime.sleep(60)", default_timeout=1)
     assert time.monotonic() - started < 5
-    assert result.kinds == {"timeout"}
-    assert result.stdout == "started\n"  # unbuffered: what it printed before the kill is kept
-    assert "[timed out: the process was killed after 1 s]" in result.text()
-    with pytest.raises(ProcessLookupError):
-        os.killpg(result.pgid, 0)
+    assert errors(result) == {"timeout"}
+    # unbuffered: what it printed before the kill is kept
+    assert result.response.text == "started\n[timed out: the process was killed after 1 s]"
 
 
 def test_a_cpu_loop_stops_at_the_cpu_limit_before_the_wall_clock_one() -> None:
-    limits = SandboxLimits(timeout_s=20.0, cpu_s=1)
+    limits = JailLimits(timeout_s=20.0, cpu_s=1)
     started = time.monotonic()
-    result = asyncio.run(run_python("while True:\n    pass", limits))
+    result: JailResult = asyncio.run(run_jailed("while True:\n    pass", limits=limits))
     assert time.monotonic() - started < 10
-    assert result.kinds == {"timeout"}
+    assert result.timed_out and result.exit_code is None
 
 
 def test_a_memory_bomb_hits_the_memory_limit() -> None:
@@ -96,25 +91,6 @@ def test_megabytes_of_output_are_cut_and_do_not_block() -> None:
     assert "output_truncated" in errors(result)
 
 
-def test_reading_and_writing_outside_its_directory_is_refused(tmp_path: Path) -> None:
-    secret = tmp_path / "secret.txt"
-    secret.write_text("the trainer's file")
-    result = run_code(f"print(open({str(secret)!r}).read())")
-    assert "the trainer's file" not in result.response.text and errors(result) == {"refused"}
-
-    result = run_code("print(open('/etc/passwd').read())")
-    assert "root:" not in result.response.text
-    assert "refused by the sandbox: open('/etc/passwd') outside the working directory" in result.response.text
-
-    target = tmp_path / "x"
-    result = run_code("open('../x', 'w').write('1')\n")
-    assert "for writing outside the working directory" in result.response.text and errors(result) == {
-        "refused"
-    }
-    result = run_code(f"open({str(target)!r}, 'w').write('1')\n")
-    assert not target.exists() and errors(result) == {"refused"}
-
-
 def test_its_own_directory_is_writable_fresh_and_removed_afterwards() -> None:
     result = run_code(
         """
@@ -128,64 +104,23 @@ def test_its_own_directory_is_writable_fresh_and_removed_afterwards() -> None:
         print(os.getcwd())
         """
     )
-    first, content, cwd = result.response.text.splitlines()
-    assert first == "[]" and content == "kept for this call" and errors(result) == set()
-    assert not Path(cwd).exists()
+    _, content, cwd = result.response.text.splitlines()
+    assert content == "kept for this call" and errors(result) == set() and cwd == "/tmp"
+    again = run_code("import os\nprint(os.path.exists('notes.txt'))")
+    assert again.response.text == "False\n"  # the next call starts with a fresh folder
 
 
-def test_a_refusal_the_code_catches_is_still_counted() -> None:
-    result = run_code(
-        "try:\n    open('/etc/hostname')\nexcept OSError as e:\n    print('caught')\nprint('went on')"
-    )
-    assert result.response.text.startswith("caught\nwent on\n")
-    assert errors(result) == {"refused"}
-
-
-@pytest.mark.parametrize("namespace", [True, False], ids=["with-namespace", "hook-only"])
-def test_no_network(namespace: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not namespace:  # a system that forbids network namespaces: the audit hook alone refuses sockets
-        monkeypatch.setattr(sandbox, "network_namespace_prefix", lambda: ())
-    result = run_code("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)")
-    assert "no network in the sandbox" in result.response.text and errors(result) == {"refused"}
-
-
-def test_no_processes() -> None:
-    # Each would print 42-escaped if the process started; the code computes the 42, so neither the
-    # traceback's quoted source nor the refusal's arguments can contain it.
-    for code in (
-        "import subprocess\nprint(subprocess.run(['sh', '-c', 'echo $((6*7))-escaped'], capture_output=True))",
-        "import os\nos.system('echo $((6*7))-escaped')",
-        "import os\nif os.fork() == 0:\n    print(6 * 7, 'escaped', sep='-')",
-        "import multiprocessing as mp\n"
-        "p = mp.get_context('spawn').Process(target=print, args=(6 * 7, 'escaped'), kwargs={'sep': '-'})\n"
-        "p.start()\np.join()",
-    ):
-        result = run_code(code)
-        assert "42-escaped" not in result.response.text and "refused" in errors(result), code
-
-
-def test_ctypes_is_refused_but_libraries_that_probe_for_it_still_import() -> None:
-    result = run_code("import ctypes")
-    assert "SandboxImportRefusal: refused by the sandbox: import ctypes" in result.response.text
-    numpy = run_code("import numpy as np\nprint(int(np.arange(10).sum()))")  # numpy tries ctypes and goes on
-    assert numpy.response.text == "45\n" and errors(numpy) == set()
-
-
-def test_replacing_the_functions_the_guard_uses_does_not_open_the_way() -> None:
+def test_subprocesses_threads_and_numpy_work_inside() -> None:
     result = run_code(
         """
-        import builtins, os.path, sys
-        os.path.realpath = lambda p: os.getcwd()
-        builtins.any = lambda items: True
-        try:
-            sys._getframe(1).f_globals['within'].__defaults__ = (lambda items: True,)
-        except PermissionError as e:
-            print('guarded:', e)
-        print(open('/etc/hostname').read())
+        import subprocess, threading, numpy as np
+        print(subprocess.run(['sh', '-c', 'echo $((6*7))'], capture_output=True, text=True).stdout.strip())
+        t = threading.Thread(target=print, args=('thread',))
+        t.start(); t.join()
+        print(int(np.arange(10).sum()))
         """
     )
-    assert "guarded: refused by the sandbox" in result.response.text
-    assert "open('/etc/hostname') outside the working directory" in result.response.text
+    assert result.response.text == "42\nthread\n45\n" and errors(result) == set()
 
 
 def test_the_trainers_environment_is_not_passed_on(monkeypatch: pytest.MonkeyPatch) -> None:

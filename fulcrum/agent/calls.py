@@ -9,6 +9,12 @@ raises becomes `Error when executing tool: <error>` (verl's text). The response 
 
 `max_parallel_calls` is verl's: the first that many calls of a turn run, concurrently; verl drops the
 rest, and so does `run_turn` (the loop sees how many by comparing lengths).
+
+Every call into a tool (`create`, `execute`, `release`) has a time limit, `multi_turn.call_timeout`,
+enforced from outside the call (fulcrum.agent.guard): past it the model reads `Error when executing
+tool: ... took longer than N s` and the call counts as `call_timeout`. A tool's answer that is not one
+(text that is not a string, a reward that is not a number, metrics that are not a mapping) counts as
+`invalid_response`; anything the tool raises, SystemExit included, as `tool_failed`.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fulcrum.agent.guard import CallExit, CallGuard, CallTimeout
 from fulcrum.agent.metrics import call_metrics, error_kinds
 from fulcrum.agent.parser import FunctionCall, ParsedMessage, get_parser
 from fulcrum.agent.registry import load_tool_config
@@ -75,6 +82,20 @@ def failed(name: str, error: str, kind: str) -> ToolCallResult:
     )
 
 
+def invalid_answer(response: Any, reward: Any, metrics: Any) -> str | None:
+    """What is wrong with a tool's `(response, reward, metrics)`, or None when it can be used: the
+    response a ToolResponse whose text is a string (or None), or a bare string (verl's tools sometimes
+    return one); the reward a number or None; the metrics a mapping or None."""
+    text = response.text if isinstance(response, ToolResponse) else response
+    if text is not None and not isinstance(text, str):
+        return f"the tool returned text of type {type(text).__name__}, not a string"
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+        return f"the tool returned a reward of type {type(reward).__name__} ({reward!r:.40}), not a number"
+    if metrics is not None and not isinstance(metrics, Mapping):
+        return f"the tool returned metrics of type {type(metrics).__name__}, not a mapping"
+    return None
+
+
 class ToolSet:
     """The run's tools by name, with verl's multi_turn limits on calls and responses."""
 
@@ -85,6 +106,7 @@ class ToolSet:
         max_tool_response_length: int = 256,
         tool_response_truncate_side: str = "middle",
         format: str = "hermes",
+        call_timeout: float = 60.0,
     ) -> None:
         if max_parallel_calls < 1 or max_tool_response_length < 1:
             raise ValueError(
@@ -97,6 +119,14 @@ class ToolSet:
         self.max_tool_response_length = max_tool_response_length
         self.truncate_side = tool_response_truncate_side
         self.parse = get_parser(format)
+        self.guard = CallGuard(call_timeout)
+        for tool in tools:
+            own = getattr(getattr(tool, "limits", None), "timeout_s", None)
+            if isinstance(own, (int, float)) and own >= call_timeout:
+                raise ValueError(
+                    f"tool {tool.name}: its own time limit ({own:g} s, config.default_timeout) must be below "
+                    f"actor_rollout_ref.rollout.multi_turn.call_timeout ({call_timeout:g} s)"
+                )
 
     @classmethod
     def from_config(cls, multi_turn: Any) -> ToolSet:
@@ -108,6 +138,7 @@ class ToolSet:
             max_tool_response_length=getattr(multi_turn, "max_tool_response_length", 256),
             tool_response_truncate_side=getattr(multi_turn, "tool_response_truncate_side", "middle"),
             format=getattr(multi_turn, "format", "hermes"),
+            call_timeout=getattr(multi_turn, "call_timeout", 60.0),
         )
 
     @property
@@ -135,19 +166,38 @@ class ToolSet:
             return failed(call.name, f"unknown tool {call.name!r} (tools: {known})", "invalid_call")
         try:
             arguments = call.parsed_arguments()
-        except ValueError as err:
-            return failed(call.name, str(err), "invalid_call")
+        except (ValueError, RecursionError) as err:
+            return failed(
+                call.name, f"the arguments could not be read ({type(err).__name__})", "invalid_call"
+            )
         create_kwargs = ((tools_kwargs or {}).get(call.name) or {}).get("create_kwargs") or {}
         instance_id = None
+        guard = self.guard
         try:
-            instance_id, _ = await tool.create(create_kwargs=create_kwargs)
-            response, reward, metrics = await tool.execute(instance_id, arguments, **execute_kwargs)
-        except Exception as err:
+            created = await guard.run(
+                tool, lambda: tool.create(create_kwargs=create_kwargs), f"{call.name}.create"
+            )
+            instance_id = created[0]
+            outcome = await guard.run(
+                tool, lambda: tool.execute(instance_id, arguments, **execute_kwargs), f"{call.name}.execute"
+            )
+        except CallTimeout as err:
+            return failed(call.name, str(err), "call_timeout")
+        except (Exception, SystemExit) as err:
             log.warning("tool %s raised: %r", call.name, err)
-            return failed(call.name, str(err), "tool_failed")
+            exited = isinstance(err, (SystemExit, CallExit))
+            said = f"the tool raised SystemExit({err.code!r})" if exited else str(err)
+            return failed(call.name, said, "tool_failed")
         finally:
             if instance_id is not None:
                 await self._release(tool, instance_id)
+        if not (isinstance(outcome, tuple) and len(outcome) == 3):
+            return failed(call.name, "execute must return (response, reward, metrics)", "invalid_response")
+        problem = invalid_answer(*outcome)
+        if problem:
+            log.warning("tool %s: %s", call.name, problem)
+            return failed(call.name, problem, "invalid_response")
+        response, reward, metrics = outcome
         return self._answer(call.name, response, reward, metrics or {})
 
     async def run_turn(
@@ -163,8 +213,8 @@ class ToolSet:
     async def _release(self, tool: BaseTool, instance_id: str) -> None:
         """`tool.release`, logged instead of raised: the answer is already there."""
         try:
-            await tool.release(instance_id)
-        except Exception as err:
+            await self.guard.run(tool, lambda: tool.release(instance_id), f"{tool.name}.release")
+        except (Exception, SystemExit) as err:
             log.warning("tool %s: release(%s) raised: %r", tool.name, instance_id, err)
 
     def _answer(
@@ -173,7 +223,7 @@ class ToolSet:
         """The tool's answer with its text cut to length and the call's counters added."""
         if not isinstance(response, ToolResponse):
             # verl's tools sometimes return a bare string; accept it rather than fail the call.
-            response = ToolResponse(text=None if response is None else str(response))
+            response = ToolResponse(text=response)
         text = response.text
         if text:
             text = truncate_text(text, self.max_tool_response_length, self.truncate_side)

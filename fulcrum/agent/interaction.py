@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
 
+from fulcrum.agent.guard import CallGuard
+
 
 class BaseInteraction:
     """A simulated user. Subclass it and override `generate_response` (and the others as needed).
@@ -54,6 +56,9 @@ class BaseInteraction:
         """Forget the instance."""
 
 
+DEFAULT_TIMEOUT_S = 60.0  # multi_turn.call_timeout's default
+
+
 @dataclass(frozen=True)
 class Reply:
     """One user turn: whether the conversation ends, the message, and its turn score (None: none)."""
@@ -78,23 +83,44 @@ def as_reply(value: Any, where: str) -> Reply:
 
 class InteractionSession:
     """One conversation's instance of an interaction: started once, asked after each plain turn,
-    finalized at the end (the instance id is the conversation's request id, as verl passes it)."""
+    finalized at the end (the instance id is the conversation's request id, as verl passes it). Each call
+    runs under `guard`'s time limit (fulcrum.agent.guard; CallTimeout past it)."""
 
-    def __init__(self, interaction: BaseInteraction, instance_id: str, kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        interaction: BaseInteraction,
+        instance_id: str,
+        kwargs: dict[str, Any],
+        guard: CallGuard | None = None,
+    ) -> None:
         self.interaction = interaction
         self.instance_id = instance_id
         self.kwargs = kwargs
+        self.guard = guard or CallGuard(DEFAULT_TIMEOUT_S)
         self.where = f"interaction {interaction.name!r} ({type(interaction).__name__})"
 
     async def start(self) -> None:
         """verl's `start_interaction(request_id, **interaction_kwargs)`."""
-        await self.interaction.start_interaction(self.instance_id, **self.kwargs)
+        it = self.interaction
+        await self.guard.run(
+            it,
+            lambda: it.start_interaction(self.instance_id, **self.kwargs),
+            f"{self.where}.start_interaction",
+        )
 
     async def reply(self, messages: list[dict[str, Any]]) -> Reply:
         """The user's answer to `messages` (the conversation so far, the last assistant turn included)."""
-        value = await self.interaction.generate_response(self.instance_id, messages, **self.kwargs)
+        it = self.interaction
+        value = await self.guard.run(
+            it,
+            lambda: it.generate_response(self.instance_id, messages, **self.kwargs),
+            f"{self.where}.generate_response",
+        )
         return as_reply(value, self.where)
 
     async def finish(self) -> None:
         """Release the instance. verl's tool agent loop never does, so verl's instances pile up."""
-        await self.interaction.finalize_interaction(self.instance_id)
+        it = self.interaction
+        await self.guard.run(
+            it, lambda: it.finalize_interaction(self.instance_id), f"{self.where}.finalize_interaction"
+        )

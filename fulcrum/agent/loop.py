@@ -16,7 +16,10 @@ With an interaction (verl's simulated user, fulcrum.agent.interaction) a turn wi
 end the conversation: the row's interaction answers it, its message is appended as a user turn
 (template delta, loss mask 0, its turn score kept in `turn_scores`) and the model goes on, unless the
 interaction says to stop or a limit is reached. As verl does, the user turn is appended even then (cut
-to the budget), so a response may end in masked tokens.
+to the budget), so a response may end in masked tokens. An interaction call that raises, returns
+something that is not a reply, or runs past `multi_turn.call_timeout` ends the conversation there (no
+user turn appended; a failing `start_interaction` leaves the conversation without one) and counts
+`interaction/errors` and `interaction/errors/{failed,timeout}`; the step goes on.
 
 All conversations run at once on one `AsyncRollout`: while one awaits its tools the others decode, and
 every turn in flight shares the engine's steps. The `n` samples of a prompt are one request (their
@@ -27,19 +30,24 @@ prompt's blocks are shared) and then go their own ways. A row whose `agent_name`
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 from uuid import uuid4
 
 from fulcrum.agent.calls import ToolSet
 from fulcrum.agent.chat import ChatDelta
+from fulcrum.agent.guard import CallTimeout
 from fulcrum.agent.interaction import BaseInteraction, InteractionSession
 from fulcrum.agent.interaction_config import pick_interaction
 from fulcrum.agent.metrics import sum_metrics
 from fulcrum.rollout.base import SamplingParams, SequenceOutput
 from fulcrum.rollout.driver import AsyncRollout
+
+log = logging.getLogger("fulcrum.agent")
+T = TypeVar("T")
 
 TOOL_AGENT = "tool_agent"
 SINGLE_TURN_AGENT = "single_turn_agent"
@@ -207,11 +215,16 @@ class ToolAgentLoop:
             assistant_turns=1,
         )
         session = None
+        counters: list[dict[str, float]] = []
         if interaction is not None:
-            session = InteractionSession(interaction, data.request_id, request.interaction_kwargs)
-            await session.start()
+            session = InteractionSession(
+                interaction, data.request_id, request.interaction_kwargs, self.tools.guard
+            )
+            started, _ = await interaction_call(session.start(), counters)
+            if not started:
+                session = None
         budget = self.limits.response_length
-        out, tool_s, counters, cut, tail = first, 0.0, [], False, []
+        out, tool_s, cut, tail = first, 0.0, False, []
         try:
             while not self.limits.reached(len(out.token_ids), data.assistant_turns, data.user_turns):
                 text = self.tokenizer.decode(out.last_turn, skip_special_tokens=True)
@@ -226,7 +239,10 @@ class ToolAgentLoop:
                         cut = True  # verl: an answer that would fill the budget ends the conversation unsent
                         break
                 elif session is not None:
-                    stop, appended = await self._user_turn(session, data)
+                    answered, turn = await interaction_call(self._user_turn(session, data), counters)
+                    if not answered or turn is None:
+                        break
+                    stop, appended = turn
                     if stop or len(out.token_ids) + len(appended) >= budget:
                         # verl appends and counts this last user turn too, then cuts to the budget.
                         tail = appended[: budget - len(out.token_ids)]
@@ -245,7 +261,7 @@ class ToolAgentLoop:
         finally:
             rollout.release(out.seq_id)
             if session is not None:
-                await session.finish()
+                await interaction_call(session.finish(), counters)
         metrics = {
             "tools/calls": 0.0,
             "tools/errors": 0.0,
@@ -287,6 +303,20 @@ class ToolAgentLoop:
         if reply.score is not None:
             data.turn_scores.append(reply.score)
         return reply.should_terminate, self.delta.appended_ids([message])
+
+
+async def interaction_call(call: Awaitable[T], counters: list[dict[str, float]]) -> tuple[bool, T | None]:
+    """`(True, await call)`; `(False, None)`, the failure counted in `counters` and logged, when it
+    raised, returned something that is not a reply, or ran past its time limit."""
+    try:
+        return True, await call
+    except CallTimeout as err:
+        kind, said = "timeout", str(err)
+    except (Exception, SystemExit) as err:
+        kind, said = "failed", f"{type(err).__name__}: {err}"
+    log.warning("%s; the conversation ends here", said)
+    counters.append({"interaction/errors": 1.0, f"interaction/errors/{kind}": 1.0})
+    return False, None
 
 
 def request_of(item: Mapping[str, Any], prompt_ids: list[int] | None = None) -> ConversationRequest:

@@ -13,16 +13,18 @@ from collections.abc import Iterable, Mapping
 
 CALLS = "tools/calls"
 ERRORS = "tools/errors"
+INTERACTION_ERRORS = "interaction/errors"  # and interaction/errors/{failed,timeout}: see fulcrum.agent.loop
 
-# Why a call did not give the model a clean answer. The first five come from the Python sandbox.
+# Why a call did not give the model a clean answer. The first four come from the Python tool's jail.
 ERROR_KINDS: dict[str, str] = {
     "timeout": "ran past its wall-clock or CPU time limit and was killed",
     "memory": "ran out of its memory limit",
     "output_truncated": "printed more than the output limit; the rest was cut",
-    "refused": "tried something the sandbox refuses (files outside its directory, processes, network, ctypes)",
-    "exception": "the model's code raised an exception",
+    "exception": "the model's code raised an exception, or was killed by a signal",
     "invalid_call": "the model's call could not be run: malformed JSON, arguments not an object, unknown tool",
     "tool_failed": "the tool itself raised (a bug or an outage in the tool, not the model's fault)",
+    "call_timeout": "a call into the tool ran past multi_turn.call_timeout and was abandoned",
+    "invalid_response": "the tool returned something that is not an answer (text not a string, reward not a number)",
     "invalid_expression": "the calculator refused the expression (not arithmetic, division by zero, too large)",
 }
 
@@ -71,8 +73,8 @@ def conversation_metrics(num_turns: list[int], per_sample: list[Mapping[str, flo
 
     verl's: `num_turns/{min,max,mean}`, `tool_call_counts/{min,max,mean}` (calls per conversation),
     `agent_loop/generate_sequences/*` and `agent_loop/tool_calls/*` (seconds a conversation waited for
-    its turns and its tools). Ours: `tools/calls`, `tools/errors`, `tools/errors/<kind>` as means per
-    conversation (a kind no call had is 0), and `tools/call_rate`, the share of conversations that
+    its turns and its tools). Ours: `tools/calls`, `tools/errors`, `tools/errors/<kind>` and
+    `interaction/errors[/<kind>]` as means per conversation (a kind no call had is 0), and `tools/call_rate`, the share of conversations that
     called a tool at least once.
     """
     n = len(per_sample)
@@ -83,7 +85,9 @@ def conversation_metrics(num_turns: list[int], per_sample: list[Mapping[str, flo
     out.update(spread("tool_call_counts", calls))
     for timing in ("agent_loop/generate_sequences", "agent_loop/tool_calls"):
         out.update(spread(timing, [float(m.get(timing, 0.0)) for m in per_sample]))
-    keys = {CALLS, ERRORS} | {k for m in per_sample for k in m if k.startswith(f"{ERRORS}/")}
+    keys = {CALLS, ERRORS} | {
+        k for m in per_sample for k in m if k.startswith(f"{ERRORS}/") or k.startswith(INTERACTION_ERRORS)
+    }
     totals = sum_metrics({k: m.get(k, 0.0) for k in keys} for m in per_sample)
     out.update({key: totals[key] / n for key in sorted(keys)})
     out["tools/call_rate"] = sum(1.0 for c in calls if c > 0) / n

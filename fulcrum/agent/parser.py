@@ -62,6 +62,8 @@ def parse_call(block: str) -> FunctionCall:
         payload = json.loads(block)
     except json.JSONDecodeError as err:
         return FunctionCall(name="", error=f"the tool call is not valid JSON ({err.msg} at char {err.pos})")
+    except RecursionError:
+        return FunctionCall(name="", error="the tool call nests too deeply to be read")
     if not isinstance(payload, dict):
         return FunctionCall(
             name="", error='the tool call must be a JSON object {"name": ..., "arguments": {...}}'
@@ -73,11 +75,14 @@ def parse_call(block: str) -> FunctionCall:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass
     if not isinstance(arguments, dict):
         return FunctionCall(name=name, error=f'"arguments" of {name} must be a JSON object')
-    return FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
+    try:
+        return FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
+    except (RecursionError, ValueError):
+        return FunctionCall(name=name, error=f'"arguments" of {name} nest too deeply to be read')
 
 
 def hermes_call(name: str, arguments: dict[str, Any]) -> str:

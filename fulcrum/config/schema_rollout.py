@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fulcrum.config.domains import AT_LEAST_0, AT_LEAST_1, OFF_OR_COUNT, SEED, SHARE
+from fulcrum.config.domains import ABOVE_0, AT_LEAST_0, AT_LEAST_1, OFF_OR_COUNT, SEED, SHARE
 from fulcrum.config.keys import opt, sub
 
 
@@ -42,6 +42,11 @@ class MultiTurnConfig:
     use_inference_chat_template: bool = opt(False, "SGLang rollout's template choice (no effect)")
     tokenization_sanity_check_mode: str = opt("strict", "SGLang rollout's tokenisation check (no effect)")
     format: str = opt("hermes", "tool-call format: hermes (Qwen's <tool_call> JSON)")
+    call_timeout: float = opt(
+        60.0,
+        "seconds any one call into a tool or an interaction may take (ours); then it is abandoned",
+        ABOVE_0,
+    )
 
 
 @dataclass
