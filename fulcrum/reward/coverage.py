@@ -4,7 +4,8 @@
 `data.val_files` and returns (key, message) per problem, the message naming the file and the data
 source or row: a data source no built-in scorer covers (when no custom_reward_function and no reward model
 is set), a scorer whose optional extra is not installed, a ground truth of a text family that is not
-an answer string (a float such as 72.0 reads as "72.0" and never matches). `fulcrum doctor` and
+an answer string (a float such as 72.0 reads as "72.0" and never matches), code to run where no jail
+can be built. `fulcrum doctor` and
 `fulcrum train` both run it before any model loads.
 """
 
@@ -16,6 +17,7 @@ from collections import Counter
 from typing import Any
 
 from fulcrum.reward.sources import (
+    CODE,
     MATH_VERIFY,
     NUMINA,
     GroundTruthError,
@@ -78,6 +80,14 @@ def file_problems(name: str, options: dict[str, Any], builtin: bool) -> list[str
                 problems.append(
                     f"{name}: data_source {source!r} is scored by {family.scorer}, which needs "
                     f"{', '.join(missing)} (not installed): pip install 'fulcrum[{extra}]'"
+                )
+        if family is CODE:
+            from fulcrum.sandbox import jail_problem
+
+            problem = jail_problem()
+            if problem:
+                problems.append(
+                    f"{name}: data_source {source!r} runs model-written code in the jail: {problem}"
                 )
         if family.text_truth:
             bad = []

@@ -6,7 +6,8 @@
 | `lighteval/MATH`, `DigitalLearningGmbH/MATH-lighteval`, `HuggingFaceH4/MATH-500` | math_reward (`math_verify=True`: math_verify) | - (`math`) |
 | `math_dapo`, `math`, `math_dapo_reasoning`, `aime*` | math_dapo | - |
 | `numina_aops_forum`, `numina_synthetic_math`, `numina_amc_aime`, `numina_synthetic_amc`, `numina_cn_k12`, `numina_olympiads` | prime_math | math |
-| `codecontests`, `apps`, `codeforces`, `taco` | prime_code, or sandbox_fusion with a URL | - |
+| `codecontests`, `apps`, `codeforces`, `taco` | prime_code (in the jail), or sandbox_fusion with a URL | - |
+| `openai/openai_humaneval` (fulcrum's, `fulcrum data humaneval`) | HumanEval's `check(candidate)` (in the jail) | - |
 | `searchR1_nq`, `searchR1_triviaqa`, `searchR1_popqa`, `searchR1_hotpotqa`, `searchR1_2wikimultihopqa`, `searchR1_musique`, `searchR1_bamboogle` | search_r1_like_qa_em | - |
 | `hiyouga/geometry3k` | refused: a vision data set | - |
 
@@ -30,6 +31,7 @@ NUMINA_SOURCES = tuple(
     for s in ("aops_forum", "synthetic_math", "amc_aime", "synthetic_amc", "cn_k12", "olympiads")
 )
 CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+HUMANEVAL_SOURCES = ("openai/openai_humaneval", "openai_humaneval")  # fulcrum data humaneval
 SEARCH_R1_SOURCES = tuple(
     f"searchR1_{s}"
     for s in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
@@ -78,7 +80,7 @@ def family_of(data_source: str, math_verify: bool = False, sandbox_fusion_url: s
         return DAPO
     if data_source in NUMINA_SOURCES:
         return NUMINA
-    if data_source in CODE_SOURCES:
+    if data_source in CODE_SOURCES or data_source in HUMANEVAL_SOURCES:
         return SANDBOX if sandbox_fusion_url else CODE
     if data_source in SEARCH_R1_SOURCES:
         return SEARCH_R1
