@@ -126,3 +126,23 @@ def test_verl_0_9_reward_keys_set_the_same_settings_or_are_refused_by_name() -> 
         load_config(["reward.reward_manager.source=importlib"])
     with pytest.raises(ConfigError, match=r"reward\.no_such_key: not a reward key"):
         load_config(["reward.no_such_key=1"])
+
+
+def test_a_verl_0_9_yaml_reward_section_sets_the_same_settings(tmp_path) -> None:
+    from fulcrum.config import ConfigError, load_config_file
+
+    path = tmp_path / "verl.yaml"
+    path.write_text(
+        "reward:\n  num_workers: 4\n  compute_score_kwargs: {method: flexible}\n"
+        "  reward_manager: {source: register, name: dapo, module: {path: null, name: custom_reward_manager}}\n"
+        "  sandbox_fusion: {url: 'http://localhost:8080/run_code', max_concurrent: 64, memory_limit_mb: 512}\n"
+    )
+    rm = load_config_file(path).reward_model
+    assert (rm.num_workers, rm.reward_manager, rm.compute_score_kwargs) == (4, "dapo", {"method": "flexible"})
+    assert (rm.sandbox_fusion.url, rm.sandbox_fusion.memory_limit_mb) == (
+        "http://localhost:8080/run_code",
+        512,
+    )
+    path.write_text("reward:\n  reward_manager: {source: importlib}\n")
+    with pytest.raises(ConfigError, match=r"verl.yaml: reward\.reward_manager\.source=importlib"):
+        load_config_file(path)
