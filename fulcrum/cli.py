@@ -17,8 +17,9 @@ from fulcrum.tools.interrupts import Terminated, interrupt_line, sigterm_raises
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("fulcrum.trainer.main_ppo", "run PPO/GRPO training (no arguments: the built-in demo)"),
     "sft": ("fulcrum.trainer.sft", "supervised fine-tuning on prompt/response parquet data"),
-    "data": ("fulcrum.data.cli", "prepare data sets: `fulcrum data gsm8k --src SRC --out DIR`"),
+    "data": ("fulcrum.data.cli", "prepare data sets: `fulcrum data gsm8k|math|humaneval ... --out DIR`"),
     "doctor": ("fulcrum.tools.doctor", "check a configuration before spending GPU time"),
+    "eval": ("fulcrum.tools.evaluate", "evaluate a model or checkpoint on a data set: mean@1, pass@k, maj@k"),
     "report": ("fulcrum.tools.report", "write RUN_DIR/report.html with plots and a diagnosis"),
     "tune": ("fulcrum.tools.tune", "short probes over the throughput levers; prints the fastest that fits"),
     "export": ("fulcrum.tools.export", "a checkpoint's actor or critic as a Hugging Face folder"),

@@ -39,18 +39,6 @@ def hand_batch() -> Batch:
     )
 
 
-def test_validation_metrics_by_data_source() -> None:
-    batch = hand_batch()
-    batch.non_tensors["data_source"] = ["openai/gsm8k", "synthetic/arithmetic"]
-    doubled = Batch.concat([batch, batch])
-    m = M.validation_metrics(doubled, [1.0, 0.0, 0.0, 0.5], n=1)
-    assert m == {
-        "val-core/openai/gsm8k/reward/mean@1": 0.5,
-        "val-core/synthetic/arithmetic/reward/mean@1": 0.25,
-        "val-aux/response_length/mean": 3.0,  # responses of 4 and 2 tokens, twice
-    }
-
-
 def test_data_metrics_hand_values() -> None:
     m = M.compute_data_metrics(hand_batch(), use_critic=True)
     assert m["critic/score/mean"] == pytest.approx(0.5)

@@ -94,8 +94,8 @@ def test_default_compute_score_dispatches_by_data_source() -> None:
     assert default_compute_score("my_org/gsm8k_clean", "#### 7", "7") == 1.0
     assert default_compute_score("synthetic/arithmetic", "3 + 4 = 7 #### 7", "7") == 1.0
     assert default_compute_score("openai/gsm8k", "#### 8", "7") == 0.0
-    with pytest.raises(ValueError, match=r"lighteval/MATH.*custom_reward_function"):
-        scorer_for("lighteval/MATH")
+    with pytest.raises(ValueError, match=r"my_org/unscored.*custom_reward_function"):
+        scorer_for("my_org/unscored")
 
 
 def test_load_custom_reward_fn(tmp_path: Path) -> None:
@@ -141,7 +141,7 @@ def test_manager_scores_a_batch_and_collects_dict_results() -> None:
 
 def test_manager_errors_name_the_sample_or_count_them() -> None:
     responses, truths, sources = ["#### 1", "#### 1"], ["1", "1"], ["openai/gsm8k", "unknown/source"]
-    with pytest.raises(RewardError, match=r"sample 1 \(data_source 'unknown/source'\): ValueError"):
+    with pytest.raises(RewardError, match=r"sample 1 \(data_source 'unknown/source'\): UnscoredSource"):
         NaiveRewardManager().score(responses, truths, sources)
     result = NaiveRewardManager(on_error="zero").score(responses, truths, sources)
     assert result.scores == [1.0, 0.0]

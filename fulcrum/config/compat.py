@@ -96,7 +96,6 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "actor_rollout_ref.actor.use_prefix_grouper",
         "actor_rollout_ref.model.torch_dtype",
         "algorithm.filter_groups.max_inflight_gen_batches",
-        "reward_model.num_workers",
         "reward_model.use_reward_loop",
         "reward_model.enable_resource_pool",
         "reward_model.n_gpus_per_node",
@@ -129,7 +128,7 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "reward_model.profiler",
         "reward_model.use_dynamic_bsz",
         "reward_model.forward_max_token_len_per_gpu",
-        "reward_model.sandbox_fusion",
+        "reward_model.sandbox_fusion.max_concurrent",
         "reward_model.ulysses_sequence_parallel_size",
         "trainer.balance_batch",
         "trainer.log_val_generations",
@@ -176,3 +175,45 @@ def is_no_effect(key: str) -> bool:
     """True when `key` (a full dotted path) is, or lies under, a key accepted without effect."""
     parts = key.split(".")
     return any(".".join(parts[:i]) in NO_EFFECT_KEYS for i in range(1, len(parts) + 1))
+
+
+# verl 0.9's `reward.*` section (its reward loop) -> the key that holds the same setting here (verl's
+# older spelling, which it migrates the same way). Longest prefix first; the rest of the key follows.
+REWARD_SECTION: tuple[tuple[str, str], ...] = (
+    ("reward.custom_reward_function", "custom_reward_function"),
+    ("reward.compute_score_kwargs", "reward_model.compute_score_kwargs"),
+    ("reward.reward_kwargs", "reward_model.reward_kwargs"),
+    ("reward.num_workers", "reward_model.num_workers"),
+    ("reward.sandbox_fusion", "reward_model.sandbox_fusion"),
+    ("reward.reward_manager.name", "reward_model.reward_manager"),
+    ("reward.reward_model.model_path", "reward_model.model.path"),
+    ("reward.reward_model.enable_resource_pool", "reward_model.enable_resource_pool"),
+    ("reward.reward_model.enable", "reward_model.enable"),
+    ("reward.reward_model.n_gpus_per_node", "reward_model.n_gpus_per_node"),
+    ("reward.reward_model.nnodes", "reward_model.nnodes"),
+    ("reward.reward_model.rollout", "reward_model.rollout"),
+)
+# reward.* keys accepted only at verl's default (a reward manager class loaded by importlib).
+REWARD_SECTION_DEFAULTS: dict[str, tuple[object, ...]] = {
+    "reward.reward_manager.source": ("register",),
+    "reward.reward_manager.module.path": (None, "null", ""),
+    "reward.reward_manager.module.name": ("custom_reward_manager",),
+}
+
+
+def reward_section_key(key: str, value: str) -> str | None:
+    """The key a verl 0.9 `reward.*` key sets here; None when it is accepted at verl's default and
+    changes nothing. ValueError naming the key for one that has no counterpart."""
+    for new, old in REWARD_SECTION:
+        if key == new or key.startswith(new + "."):
+            return old + key[len(new) :]
+    if key in REWARD_SECTION_DEFAULTS:
+        if value.strip("'\"") in REWARD_SECTION_DEFAULTS[key]:
+            return None
+        raise ValueError(
+            f"{key}={value}: reward managers load by name here; register yours with "
+            "@fulcrum.reward.managers.register_reward_manager in custom_reward_function.path and set "
+            "reward.reward_manager.name"
+        )
+    known = ", ".join(sorted({k for k, _ in REWARD_SECTION} | set(REWARD_SECTION_DEFAULTS)))
+    raise ValueError(f"{key}: not a reward key fulcrum knows; the reward.* keys are {known}")

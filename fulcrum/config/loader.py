@@ -21,7 +21,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from fulcrum.config.compat import ROLLOUT_NAME_ALIASES
+from fulcrum.config.compat import ROLLOUT_NAME_ALIASES, reward_section_key
 from fulcrum.config.keys import (
     ConfigError,
     field_types,
@@ -192,6 +192,14 @@ def apply_override(node: DictConfig, text: str, root_cls: type = FulcrumConfig) 
     key the tree already has, `+` is accepted and means the same as no `+`.
     """
     key, text_value, add = parse_override(text)
+    if key == "reward" or key.startswith("reward."):  # verl 0.9's reward section: the same settings
+        try:
+            mapped = reward_section_key(key, text_value)
+        except ValueError as err:
+            raise ConfigError(str(err), key) from None
+        if mapped is None:
+            return
+        key = mapped
     hint = " (+ adds keys only inside free-form mappings such as reward_model.reward_kwargs)" if add else ""
     tp = _field_type(root_cls, key, hint)
     value = _typed_value(text_value, tp, key)
@@ -346,6 +354,30 @@ def _drop_verl_artefacts(data: dict[str, Any], top: bool) -> dict[str, Any]:
     return kept
 
 
+def _with_reward_section(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A verl 0.9 file's `reward:` section moved onto the keys of the same meaning (reward_section_key)."""
+    section = data.pop("reward")
+
+    def leaves(node: Any, prefix: str) -> list[tuple[str, Any]]:
+        if isinstance(node, dict) and node and not prefix.endswith(("_kwargs", ".rollout")):
+            return [kv for k, v in node.items() for kv in leaves(v, f"{prefix}.{k}")]
+        return [(prefix, node)]
+
+    for key, value in leaves(section, "reward"):
+        try:
+            mapped = reward_section_key(key, "null" if value is None else str(value))
+        except ValueError as err:
+            raise ConfigError(f"{path}: {err}", key) from None
+        if mapped is None:
+            continue
+        node = data
+        *parents, leaf = mapped.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return data
+
+
 def load_yaml(path: str | Path, root_cls: type = FulcrumConfig) -> Any:
     """A config dataclass from a YAML file (a saved config.yaml, or a partial one); PPO configs come
     back unresolved (see unresolve)."""
@@ -359,6 +391,8 @@ def load_yaml(path: str | Path, root_cls: type = FulcrumConfig) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of keys, got {data!r}")
     data = _drop_verl_artefacts(data, top=True)
+    if root_cls is FulcrumConfig and isinstance(data.get("reward"), dict):
+        data = _with_reward_section(data, path)
     rollout = data.get("actor_rollout_ref", {}).get("rollout") if root_cls is FulcrumConfig else None
     if isinstance(rollout, dict) and "name" in rollout:
         rollout["name"] = _alias_rollout_name(rollout["name"])

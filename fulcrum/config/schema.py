@@ -358,7 +358,9 @@ class RewardModelModelConfig:
 
 @dataclass
 class SandboxFusionConfig:
-    url: str | None = opt(None, "sandbox URL for code rewards (not supported)")
+    url: str | None = opt(
+        None, "SandboxFusion service URL: code rewards run there instead of in the local jail"
+    )
     max_concurrent: int = opt(64, "concurrent sandbox requests", AT_LEAST_1)
     memory_limit_mb: int = opt(1024, "sandbox memory limit", AT_LEAST_1)
 
@@ -380,8 +382,12 @@ class RewardModelConfig:
     reward_manager: str = opt("naive", "naive, dapo (overlong penalty), batch, prime, or a registered name")
     overlong_buffer: OverlongBufferConfig = sub(OverlongBufferConfig, "DAPO soft overlong penalty")
     num_workers: int | None = opt(
-        None, "reward-loop workers (no effect: rewards are scored in-process)", AT_LEAST_1
+        None, "scoring processes (sympy, Math-Verify, code); null: cores, <= 8", AT_LEAST_1
     )
+    sample_timeout_s: float = opt(
+        30.0, "seconds per such sample; then 0, in reward/num_timeouts (ours)", ABOVE_0
+    )
+    compute_score_kwargs: dict[str, Any] = opt({}, "built-in scorers' options: method (GSM8K), math_verify")
     use_reward_loop: bool = opt(False, "verl's asynchronous reward loop (no effect: scored in-process)")
     enable_resource_pool: bool = opt(False, "separate GPUs for the reward model (no effect)")
     n_gpus_per_node: int | None = opt(None, "reward-model pool devices (no effect)", AT_LEAST_1)

@@ -123,11 +123,12 @@ def recipe_notes(cfg: FulcrumConfig) -> list[Finding]:
                 f"bypass mode replaces the policy loss with its own ({rc.loss_type}), as verl",
             )
         )
-    if rm.use_reward_loop or rm.num_workers:
+    if rm.use_reward_loop:
         notes.append(
             Finding(
-                ("reward_model.use_reward_loop", "reward_model.num_workers"),
-                "rewards are scored in this process (prime: in a pool of processes); no reward-loop workers",
+                ("reward_model.use_reward_loop",),
+                "rewards are scored in this process (sympy, Math-Verify and code in reward_model.num_workers "
+                "processes; prime: in a pool of its own); no reward-loop workers",
             )
         )
     return notes

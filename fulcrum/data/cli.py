@@ -1,6 +1,8 @@
 """`fulcrum data SUBCOMMAND ...`: prepare data sets in verl's parquet schema.
 
     fulcrum data gsm8k --src SRC --out DIR [--multi-turn-tool | --multi-turn-interaction]
+    fulcrum data math --src FILE_OR_DIR --out DIR
+    fulcrum data humaneval --out DIR
 
 SRC is a folder holding GSM8K's `train.jsonl` and `test.jsonl`, or the hub name `openai/gsm8k`.
 Existing output files are never replaced. The files are written into a temporary folder inside DIR and
@@ -40,6 +42,55 @@ def _gsm8k(args: argparse.Namespace) -> int:
         return 1
     for split, path in paths.items():
         print(f"{split}: {pq.ParquetFile(path).metadata.num_rows} rows -> {path}")
+    return 0
+
+
+def _new_files(command: str, out: Path, names: list[str]) -> bool:
+    """Whether `out` can take `names` (a folder, none of them there yet); says why not."""
+    if out.exists() and not out.is_dir():
+        print(f"fulcrum data {command}: --out {out}: is a file, not a folder", file=sys.stderr)
+        return False
+    taken = [p for p in (out / n for n in names) if p.exists() or p.is_symlink()]
+    if taken:
+        shown = ", ".join(str(p) for p in taken)
+        print(f"fulcrum data {command}: {shown} already exist(s); choose another --out", file=sys.stderr)
+        return False
+    return True
+
+
+def _math(args: argparse.Namespace) -> int:
+    import pyarrow.parquet as pq
+
+    from fulcrum.data.math import SPLITS, MathDataError, prepare_math
+
+    out = Path(args.out).expanduser()
+    if not _new_files("math", out, [f"{s}.parquet" for s in SPLITS]):
+        return 1
+    try:
+        paths = write_whole(out, lambda staging: prepare_math(args.src, staging))
+    except (MathDataError, OSError) as err:
+        print(f"fulcrum data math: {err}; nothing was written to {out}", file=sys.stderr)
+        return 1
+    for split, path in paths.items():
+        print(f"{split}: {pq.ParquetFile(path).metadata.num_rows} rows -> {path}")
+    return 0
+
+
+def _humaneval(args: argparse.Namespace) -> int:
+    import pyarrow.parquet as pq
+
+    from fulcrum.data.humaneval import HumanEvalError, prepare_humaneval
+
+    out = Path(args.out).expanduser()
+    if not _new_files("humaneval", out, ["humaneval.parquet"]):
+        return 1
+    try:
+        paths = write_whole(out, prepare_humaneval)
+    except (HumanEvalError, OSError) as err:
+        print(f"fulcrum data humaneval: {err}; nothing was written to {out}", file=sys.stderr)
+        return 1
+    path = paths["test"]
+    print(f"test: {pq.ParquetFile(path).metadata.num_rows} rows -> {path}")
     return 0
 
 
@@ -93,6 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="verl's multi-turn variant with the GSM8K interaction (gsm8k_multiturn_w_interaction.py)",
     )
     gsm8k.set_defaults(run=_gsm8k)
+    math = commands.add_parser("math", help="MATH jsonl -> DIR/{train,test}.parquet (verl's math_dataset.py)")
+    math.add_argument(
+        "--src", required=True, help="a jsonl of {problem, solution}, or a folder with train/test.jsonl"
+    )
+    math.add_argument("--out", required=True, help="output folder (created if missing)")
+    math.set_defaults(run=_math)
+    humaneval = commands.add_parser("humaneval", help="HumanEval's 164 problems -> DIR/humaneval.parquet")
+    humaneval.add_argument("--out", required=True, help="output folder (created if missing)")
+    humaneval.set_defaults(run=_humaneval)
     return parser
 
 

@@ -1,6 +1,7 @@
 """Rule-based rewards: pick the scorer by `data_source`, or load a user's function from a Python file.
 
-A reward function has verl's signature
+The built-in dispatch (`fulcrum.reward.sources`) is verl's `default_compute_score`: every data source
+verl scores gets verl's score. A reward function has verl's signature
 `fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, **kwargs)`
 and returns a float (or a dict with a "score" key, as verl allows).
 """
@@ -16,36 +17,23 @@ from pathlib import Path
 from typing import Any
 
 from fulcrum.reward import gsm8k
+from fulcrum.reward.sources import (
+    BuiltinScorer,
+    GroundTruthError,
+    UnscoredSource,
+    default_compute_score,
+    family_of,
+    scorer_name,
+)
 
 RewardFn = Callable[..., Any]
 
-# Exact data_source names → scorer. Names that merely contain "gsm8k" go to the GSM8K scorer too
-# (verl users rename their copies: "gsm8k", "my_org/gsm8k_clean", ...).
-_SCORERS: dict[str, Callable[[str, str], float]] = {
-    "openai/gsm8k": gsm8k.compute_score,
-    # The project's built-in arithmetic task writes GSM8K-format answers (`#### n`).
-    "synthetic/arithmetic": gsm8k.compute_score,
-}
 
-
-def scorer_for(data_source: str) -> Callable[[str, str], float]:
-    """The rule-based scorer for `data_source`; a ValueError naming it when there is none."""
-    if data_source in _SCORERS:
-        return _SCORERS[data_source]
-    if "gsm8k" in data_source.lower() or data_source.startswith("synthetic/"):
-        return gsm8k.compute_score
-    known = ", ".join(sorted(_SCORERS))
-    raise ValueError(
-        f"no reward function for data_source {data_source!r}: built-in scorers cover {known} and names "
-        "containing 'gsm8k'; set custom_reward_function.path and custom_reward_function.name to score it"
-    )
-
-
-def default_compute_score(
-    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, **kwargs: Any
-) -> float:
-    """Score one response with the built-in scorer of its data_source (verl's `default_compute_score`)."""
-    return float(scorer_for(data_source)(solution_str, ground_truth))
+def scorer_for(data_source: str) -> Callable[[str, Any], Any]:
+    """`fn(solution_str, ground_truth)` scoring as the built-in scorer of `data_source` does; an
+    UnscoredSource (a ValueError) naming it when no built-in scorer covers it."""
+    family_of(data_source)
+    return functools.partial(default_compute_score, data_source)
 
 
 def describe(fn: Any) -> str:
@@ -94,4 +82,15 @@ def load_custom_reward_fn(
     return functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
 
 
-__all__ = ["default_compute_score", "describe", "gsm8k", "load_custom_reward_fn", "scorer_for"]
+__all__ = [
+    "BuiltinScorer",
+    "GroundTruthError",
+    "UnscoredSource",
+    "default_compute_score",
+    "describe",
+    "family_of",
+    "gsm8k",
+    "load_custom_reward_fn",
+    "scorer_for",
+    "scorer_name",
+]

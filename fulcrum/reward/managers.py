@@ -33,7 +33,9 @@ from typing import Any, Literal, Protocol
 
 from fulcrum.algo.registry import registrar
 from fulcrum.reward import RewardFn, default_compute_score, describe, load_custom_reward_fn
+from fulcrum.reward.pool import ScoringPool, ScoringTimeout
 from fulcrum.reward.scoring import RewardResult, error_text, sample_failed, to_score
+from fulcrum.reward.sources import BuiltinScorer
 
 
 class RewardManager(Protocol):
@@ -58,11 +60,16 @@ class NaiveRewardManager:
     """compute_score: verl's signature `fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`.
 
     A dict result must hold "score"; its other keys are collected per sample in `RewardResult.extra`.
+    With a `pool`, the samples whose built-in scorer may run long (sympy, Math-Verify, code: the
+    scorer's `isolated(data_source)`) are scored in its processes under its per-sample time limit; a
+    sample past the limit (or whose scorer raises ScoringTimeout) scores 0 and is counted in
+    `RewardResult.num_timeouts`, whatever on_error says.
     """
 
     compute_score: RewardFn = default_compute_score
     on_error: Literal["raise", "zero"] = "raise"
     max_error_messages: int = 5
+    pool: ScoringPool | None = None
 
     def __post_init__(self) -> None:
         if self.on_error not in ("raise", "zero"):
@@ -89,13 +96,46 @@ class NaiveRewardManager:
             )
         result = RewardResult(scores=[0.0] * num)
         what = describe(self.compute_score)
-        for i in range(num):
+        isolated = getattr(self.compute_score, "isolated", None)
+        pooled = [i for i in range(num) if self.pool is not None and isolated and isolated(data_sources[i])]
+        if pooled:
+            self._score_in_pool(pooled, responses, ground_truths, data_sources, infos, result, what)
+        for i in sorted(set(range(num)) - set(pooled)):
             try:
                 value = self.compute_score(data_sources[i], responses[i], ground_truths[i], infos[i])
                 result.scores[i] = to_score(value, i, result)
+            except ScoringTimeout:
+                result.num_timeouts += 1
             except (Exception, SystemExit) as err:
                 sample_failed(result, i, data_sources[i], err, self.on_error, what, self.max_error_messages)
         return result
+
+    def _score_in_pool(
+        self,
+        indices: list[int],
+        responses: Sequence[str],
+        ground_truths: Sequence[Any],
+        data_sources: Sequence[str],
+        infos: list[Any],
+        result: RewardResult,
+        what: str,
+    ) -> None:
+        """Score samples `indices` in the pool: a timeout is 0 and counted, an error goes to on_error."""
+        assert self.pool is not None
+        calls = [(data_sources[i], responses[i], ground_truths[i], infos[i]) for i in indices]
+        for i, outcome in zip(indices, self.pool.map(self.compute_score, calls), strict=True):
+            if outcome.timed_out:
+                result.num_timeouts += 1
+            elif outcome.error is not None:
+                err = RuntimeError(outcome.error)
+                sample_failed(result, i, data_sources[i], err, self.on_error, what, self.max_error_messages)
+            else:
+                try:
+                    result.scores[i] = to_score(outcome.value, i, result)
+                except Exception as err:
+                    sample_failed(
+                        result, i, data_sources[i], err, self.on_error, what, self.max_error_messages
+                    )
 
 
 def overlong_penalty(
@@ -127,9 +167,10 @@ class DapoRewardManager(NaiveRewardManager):
         on_error: str = "raise",
         overlong_buffer_cfg: OverlongBuffer | dict[str, Any] | None = None,
         max_resp_len: int | None = None,
+        pool: ScoringPool | None = None,
         **_unused: Any,
     ) -> None:
-        super().__init__(compute_score=compute_score, on_error=on_error)  # type: ignore[arg-type]
+        super().__init__(compute_score=compute_score, on_error=on_error, pool=pool)  # type: ignore[arg-type]
         buffer = overlong_buffer_cfg or OverlongBuffer()
         self.buffer = buffer if isinstance(buffer, OverlongBuffer) else OverlongBuffer(**dict(buffer))
         self.max_resp_len = max_resp_len
@@ -178,7 +219,7 @@ class BatchRewardManager:
     (fulcrum.reward.guard), which names the function."""
 
     def __init__(self, compute_score: RewardFn, on_error: str = "raise", **reward_kwargs: Any) -> None:
-        if compute_score is default_compute_score:
+        if compute_score is default_compute_score or isinstance(compute_score, BuiltinScorer):
             raise ValueError(
                 "reward_model.reward_manager=batch calls a batched function: set custom_reward_function.path/name"
             )
@@ -279,17 +320,46 @@ def build_reward_manager(name: str, compute_score: RewardFn, **kwargs: Any) -> R
         )
     cls = REWARD_MANAGERS[name]
     if cls is NaiveRewardManager:
-        return NaiveRewardManager(compute_score=compute_score, on_error=kwargs.get("on_error", "raise"))
+        return NaiveRewardManager(
+            compute_score=compute_score, on_error=kwargs.get("on_error", "raise"), pool=kwargs.get("pool")
+        )
     return cls(compute_score=compute_score, **kwargs)
 
 
-def reward_fn_from(custom_reward_cfg: Any) -> RewardFn:
+# reward_model.reward_kwargs that choose the built-in scorers' options rather than the manager's.
+SCORER_KWARGS = ("math_verify", "method")
+
+
+def builtin_options(reward_model_cfg: Any) -> dict[str, Any]:
+    """The built-in scorers' options: `reward_model.compute_score_kwargs` (verl 0.9's
+    `reward.compute_score_kwargs`: GSM8K's `method`, `math_verify`), the same names given in
+    `reward_model.reward_kwargs`, and the SandboxFusion service when `reward_model.sandbox_fusion.url`
+    is set (verl passes it to default_compute_score)."""
+    rm = reward_model_cfg
+    options = {k: v for k, v in dict(rm.reward_kwargs or {}).items() if k in SCORER_KWARGS}
+    options.update(dict(rm.compute_score_kwargs or {}))
+    if rm.sandbox_fusion.url:
+        options.update(
+            sandbox_fusion_url=rm.sandbox_fusion.url, memory_limit_mb=rm.sandbox_fusion.memory_limit_mb
+        )
+    return options
+
+
+def reward_fn_from(custom_reward_cfg: Any, reward_model_cfg: Any = None) -> RewardFn:
     """`custom_reward_function.{path, name, reward_kwargs}` when a path is set (importing the file, which
-    also registers any reward manager it defines), else the built-in scorers chosen by data_source."""
+    also registers any reward manager it defines), else the built-in scorers chosen by data_source with
+    the configuration's options (`builtin_options`)."""
     crf = custom_reward_cfg
     if crf.path:
         return load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs or {}) or None)
-    return default_compute_score
+    return BuiltinScorer(builtin_options(reward_model_cfg) if reward_model_cfg is not None else {})
+
+
+def scoring_pool(reward_model_cfg: Any) -> ScoringPool:
+    """The scoring processes: `reward_model.num_workers` of them (null: the machine's cores, at most 8),
+    each sample under `reward_model.sample_timeout_s`. Started on first use."""
+    workers = reward_model_cfg.num_workers or min(8, multiprocessing.cpu_count())
+    return ScoringPool(int(workers), float(reward_model_cfg.sample_timeout_s))
 
 
 def manager_from_config(cfg: Any) -> RewardManager:
@@ -298,9 +368,11 @@ def manager_from_config(cfg: Any) -> RewardManager:
     `reward_model.reward_kwargs.overlong_buffer_cfg` / `max_resp_len`, max_resp_len defaulting to
     data.max_response_length); batch's keyword arguments (`reward_model.reward_kwargs`)."""
     rm = cfg.reward_model
-    fn = reward_fn_from(cfg.custom_reward_function)  # first: a user's file may register its manager
-    kwargs: dict[str, Any] = dict(rm.reward_kwargs or {})
+    fn = reward_fn_from(cfg.custom_reward_function, rm)  # first: a user's file may register its manager
+    kwargs: dict[str, Any] = {k: v for k, v in dict(rm.reward_kwargs or {}).items() if k not in SCORER_KWARGS}
     options: dict[str, Any] = {"on_error": rm.on_error}
+    if rm.reward_manager in ("naive", "dapo") and isinstance(fn, BuiltinScorer):
+        options["pool"] = scoring_pool(rm)
     if rm.reward_manager == "dapo":
         buffer = kwargs.pop("overlong_buffer_cfg", None)
         if buffer is None:

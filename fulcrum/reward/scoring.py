@@ -44,6 +44,7 @@ class RewardResult:
     extra: dict[str, list[Any]] = field(default_factory=dict)
     num_errors: int = 0
     num_nonfinite: int = 0  # of num_errors: scores that were NaN or infinite
+    num_timeouts: int = 0  # samples past the per-sample time limit, scored 0 (not among num_errors)
     errors: list[str] = field(default_factory=list)  # "sample i (data_source): exception", first few only
 
     def add_error(self, index: int, data_source: str, err: BaseException, max_messages: int = 5) -> str:

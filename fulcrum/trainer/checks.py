@@ -13,6 +13,7 @@ from fulcrum.algo.policy_losses import policy_loss_names
 from fulcrum.config import ConfigError, Finding, FulcrumConfig, validate
 from fulcrum.config.keys import get_path
 from fulcrum.config.validate_recipes import RC
+from fulcrum.reward.coverage import unscored_problems
 
 
 def algorithm_findings(cfg: FulcrumConfig) -> list[Finding]:
@@ -64,9 +65,15 @@ def _rollout_correction(cfg: FulcrumConfig) -> list[Finding]:
     return findings
 
 
+def reward_findings(cfg: FulcrumConfig) -> list[Finding]:
+    """A data source of the training or validation files that nothing scores, a scorer's missing extra,
+    a ground truth that is no answer string (fulcrum.reward.coverage): each file and source named."""
+    return [Finding((key,), message) for key, message in unscored_problems(cfg)]
+
+
 def configuration_findings(cfg: FulcrumConfig, n_devices: int | None = None) -> list[Finding]:
     """Findings that make the run fail or waste compute ([] = can run); `n_devices` as validate()'s."""
-    return validate(cfg, n_devices) + algorithm_findings(cfg)
+    return validate(cfg, n_devices) + algorithm_findings(cfg) + reward_findings(cfg)
 
 
 def check(cfg: FulcrumConfig, n_devices: int | None = None) -> None:

@@ -21,11 +21,9 @@ import os
 import resource
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from fulcrum.batch import Batch, response_lengths
@@ -171,17 +169,6 @@ def groups_scored_alike(sequence_score: torch.Tensor, uids: Sequence[Hashable] |
         return None
     _, kept, dropped = rows_with_signal(sequence_score.tolist(), uids)
     return dropped / (kept + dropped)
-
-
-def validation_metrics(batch: Batch, scores: list[float], n: int) -> dict[str, float]:
-    """`val-core/<data_source>/reward/mean@n`: the mean score per data source; and the mean response length."""
-    by_source: dict[str, list[float]] = defaultdict(list)
-    for source, score in zip(batch.non_tensors["data_source"], scores, strict=True):
-        by_source[source].append(score)
-    out = {f"val-core/{source}/reward/mean@{n}": float(np.mean(v)) for source, v in by_source.items()}
-    _, lengths = prompt_and_response_lengths(batch)
-    out["val-aux/response_length/mean"] = float(lengths.mean().item())
-    return out
 
 
 def step_metrics(

@@ -421,8 +421,8 @@ class PPOTrainer:
             batch, reward = self.sampler.generate_and_score(
                 items, self.global_step, timing, metrics, peaks, self._more_prompts, self._reward_stage
             )
-            metrics["reward/num_errors"] = float(reward.num_errors)  # reward_model.on_error=zero
-            metrics["reward/num_nonfinite"] = float(reward.num_nonfinite)  # NaN/inf scores among them
+            for name in ("num_errors", "num_nonfinite", "num_timeouts"):  # docs/metrics.md: reward/*
+                metrics[f"reward/{name}"] = float(getattr(reward, name))
             for message in reward.errors:
                 logger.warning("step %d: reward scored 0 after an error: %s", self.global_step, message)
             # 3. old log-probs and entropy (unless the update gives them), reference log-probs, values

@@ -33,6 +33,7 @@ from fulcrum.rollout import RolloutEngine, SamplingParams, sampling_params
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer.data_parallel import generate_shares, map_shares
 from fulcrum.trainer.dynamic_sampling import GroupFilter, group_metric_values
+from fulcrum.trainer.evaluation import validation_infos, validation_metrics
 from fulcrum.trainer.generations import dump_generations, generation_rows
 
 logger = logging.getLogger(__name__)
@@ -236,6 +237,7 @@ class Sampler:
                 return batch, reward
             errors.num_errors += reward.num_errors
             errors.num_nonfinite += reward.num_nonfinite
+            errors.num_timeouts += reward.num_timeouts
             errors.errors += reward.errors
             gate.add(
                 batch,
@@ -276,17 +278,37 @@ class Sampler:
         return per_prompt.repeat_interleave(n)[: len(batch)]
 
     def validate(self, val_dataset: Any, step: int) -> dict[str, float]:
-        """Greedy (val_kwargs) generation on the whole validation set: val-core/<data_source>/reward/mean@n."""
-        items = [val_dataset[i] for i in range(len(val_dataset))]
-        batch = self.generate(items, self.sampling_params(validate=True, step=step), "val")
-        _, result = self.score(batch)
+        """Validation (val_kwargs sampling) on the whole validation set, verl's metrics
+        (fulcrum.trainer.evaluation); `trainer.validation_data_dir` gets the generations."""
+        metrics, rows = self.evaluate([val_dataset[i] for i in range(len(val_dataset))], step)
         folder = self.cfg.trainer.validation_data_dir
         if folder and self.is_main:
-            rows = generation_rows(batch, result.scores, self.tokenizer, step)
             dump_generations(folder, rows, step)
-        metrics = M.validation_metrics(
-            batch, result.scores, int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
+        return metrics
+
+    def evaluate(
+        self, items: list[dict[str, Any]], step: int
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Generate for `items` with the validation sampling (val_kwargs: n, temperature, ...), score, and
+        return verl's validation metrics and one generation row per response (`fulcrum eval` and the
+        trainer's validation both call this)."""
+        batch = self.generate(items, self.sampling_params(validate=True, step=step), "val")
+        _, result = self.score(batch)
+        rows = generation_rows(batch, result.scores, self.tokenizer, step)
+        infos = validation_infos(
+            result.scores,
+            result.extra,
+            [row["output"] for row in rows],
+            batch.non_tensors["ground_truth"],
+            batch.non_tensors["data_source"],
         )
+        for name, column in infos.items():
+            if name != "reward":
+                for row, value in zip(rows, column, strict=True):
+                    row[name] = value
+        metrics = validation_metrics(batch.non_tensors["data_source"], batch.non_tensors["uid"], infos)
+        metrics["val-aux/response_length/mean"] = float(M.prompt_and_response_lengths(batch)[1].mean().item())
+        metrics["val-aux/reward/num_timeouts"] = float(result.num_timeouts)
         if "num_turns" in batch.non_tensors:  # verl's val-aux/num_turns/{min,max,mean}
             metrics.update(spread("val-aux/num_turns", [float(t) for t in batch.non_tensors["num_turns"]]))
-        return metrics
+        return metrics, rows

@@ -63,10 +63,11 @@ def startup_lines(cfg: Any) -> list[str]:
         lines.append(
             f"reward: reward model {rm.model.path} scores each response; the rule-based function {combined}"
         )
-    if rm.use_reward_loop or rm.num_workers or rm.rollout:
+    if rm.use_reward_loop or rm.rollout:
         lines.append(
-            "note: reward_model.{use_reward_loop, num_workers, rollout.*} have no effect: rewards are scored in "
-            "this process (verl's reward loop runs reward workers and a reward-model server)"
+            "note: reward_model.{use_reward_loop, rollout.*} have no effect: rewards are scored in this process, "
+            "sympy, Math-Verify and code in reward_model.num_workers processes (verl's reward loop runs reward "
+            "workers and a reward-model server)"
         )
     if rm.reward_manager != "naive":
         lines.append(f"reward: manager {rm.reward_manager}")

