@@ -38,41 +38,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from train_step import seed_command  # noqa: E402  bench/ is on sys.path when a script of it runs
+
 from fulcrum.reward.gsm8k import compute_score, extract_solution  # noqa: E402
 
 
 def seed_final(model: Path, data: Path) -> list[str]:
-    """The seed's final command (docs/levers.md, "The seed's table"), on one GPU."""
-    return [
-        f"data.train_files={data}/train.parquet",
-        f"data.val_files={data}/test.parquet",
-        "data.train_batch_size=512",
-        "data.max_prompt_length=512",
-        "data.max_response_length=256",
-        f"actor_rollout_ref.model.path={model}",
-        "actor_rollout_ref.actor.optim.lr=1.5e-6",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=128",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        "actor_rollout_ref.rollout.gpu_memory_utilization=0.65",
-        "actor_rollout_ref.rollout.max_num_seqs=1896",
-        "actor_rollout_ref.rollout.max_num_batched_tokens=16384",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
-        "critic.optim.lr=1e-5",
-        f"critic.model.path={model}",
-        "critic.ppo_micro_batch_size_per_gpu=8",
-        "critic.forward_micro_batch_size_per_gpu=8",
-        "algorithm.kl_ctrl.kl_coef=0.0005",
-        "algorithm.kl_ctrl.target_kl=0.05",
-        "trainer.logger=[console]",
-        "trainer.val_before_train=False",
-        "trainer.n_gpus_per_node=1",
-        "trainer.nnodes=1",
-        "trainer.save_freq=10",
-        "trainer.test_freq=10",
-        "trainer.total_epochs=15",
-    ]
+    """The seed's final command on one GPU (bench/train_step.py keeps it)."""
+    return seed_command(data, model)
 
 
 def seed_original(model: Path, data: Path) -> list[str]:

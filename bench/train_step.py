@@ -62,8 +62,9 @@ def make_model(out: Path, seed: int = 0, shape: str = "qwen2.5-0.5b", tiny: bool
     return out
 
 
-def seed_overrides(data: Path, model: Path, run: Path, steps: int) -> list[str]:
-    """The reference command (docs/configuration.md) with one device, the hf rollout backend and `steps` steps."""
+def seed_command(data: Path, model: Path) -> list[str]:
+    """The seed's final command (docs/configuration.md) on one device: `n_gpus_per_node=1`,
+    `tensor_model_parallel_size=1`, every other key as the seed writes it."""
     return [
         f"data.train_files={data}/train.parquet",
         f"data.val_files={data}/test.parquet",
@@ -93,6 +94,13 @@ def seed_overrides(data: Path, model: Path, run: Path, steps: int) -> list[str]:
         "trainer.save_freq=10",
         "trainer.test_freq=10",
         "trainer.total_epochs=15",
+    ]
+
+
+def seed_overrides(data: Path, model: Path, run: Path, steps: int) -> list[str]:
+    """The seed's command with the hf rollout backend and `steps` steps, in `run`."""
+    return [
+        *seed_command(data, model),
         f"trainer.total_training_steps={steps}",
         "actor_rollout_ref.rollout.name=hf",
         f"trainer.default_local_dir={run}",

@@ -15,13 +15,12 @@ Config keys: `max_abs_value` (results and operands beyond it are refused, defaul
 from __future__ import annotations
 
 import ast
-import operator
-from collections.abc import Callable
 from typing import Any
 
 from fulcrum.agent.metrics import error_key
 from fulcrum.agent.schema import OpenAIFunctionToolSchema, ToolConfigError, ToolResponse
 from fulcrum.agent.tool import BaseTool
+from fulcrum.reward.safe_eval import BINARY_OPERATORS, UNARY_OPERATORS
 
 CONFIG_KEYS = {"type": "native", "max_abs_value": 1e12, "max_expression_chars": 200}
 
@@ -40,16 +39,6 @@ _DEFAULT_SCHEMA = {
     },
 }
 
-_BINARY: dict[type, Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
-}
-_UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _MAX_EXPONENT = 64  # 2 ** 64 is already past max_abs_value's default; bigger exponents are refused
 
 
@@ -72,16 +61,16 @@ def _value(node: ast.AST, limit: float) -> int | float:
     """One node's value, refusing every node that is not a number or an arithmetic operator."""
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         result = node.value
-    elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+    elif isinstance(node, ast.BinOp) and type(node.op) in BINARY_OPERATORS:
         left, right = _value(node.left, limit), _value(node.right, limit)
         if isinstance(node.op, ast.Pow) and abs(right) > _MAX_EXPONENT:
             raise CalculatorError(f"exponent {right} is too large")
         try:
-            result = _BINARY[type(node.op)](left, right)
+            result = BINARY_OPERATORS[type(node.op)](left, right)
         except ZeroDivisionError as err:
             raise CalculatorError("division by zero") from err
-    elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        result = _UNARY[type(node.op)](_value(node.operand, limit))
+    elif isinstance(node, ast.UnaryOp) and type(node.op) in UNARY_OPERATORS:
+        result = UNARY_OPERATORS[type(node.op)](_value(node.operand, limit))
     else:
         raise CalculatorError(f"only numbers and + - * / ( ) are allowed, not {type(node).__name__}")
     if isinstance(result, complex) or abs(result) > limit:

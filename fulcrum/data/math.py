@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fulcrum.reward.hendrycks import StripError, last_boxed, unbox
+from fulcrum.reward.hendrycks import boxed_answer
 
 DATA_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
@@ -30,23 +30,12 @@ class MathDataError(ValueError):
     """A source file that is not MATH's format; the message names the file and line."""
 
 
-def extract_solution(solution: str) -> str | None:
-    """The content of the solution's last box (verl's `remove_boxed(last_boxed_only_string(...))`)."""
-    boxed = last_boxed(solution)
-    if boxed is None:
-        return None
-    try:
-        return unbox(boxed)
-    except StripError:
-        return None
-
-
 def math_row(example: dict[str, Any], split: str, index: int, where: str) -> dict[str, Any]:
     """One example as a verl row (see the module docstring)."""
     for key in ("problem", "solution"):
         if not isinstance(example.get(key), str):
             raise MathDataError(f"{where}: no {key!r} text (keys: {sorted(example)})")
-    answer = extract_solution(example["solution"])
+    answer = boxed_answer(example["solution"])
     if answer is None:
         raise MathDataError(f"{where}: the solution has no \\boxed{{...}} answer")
     return {

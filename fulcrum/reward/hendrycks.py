@@ -30,6 +30,12 @@ def last_boxed(text: str) -> str | None:
         start = text.rfind("\\fbox")
         if start < 0:
             return None
+    return braced_from(text, start)
+
+
+def braced_from(text: str, start: int) -> str | None:
+    """`text` from `start` through the brace that closes the first one opened after it (brace counting);
+    None when it never closes."""
     depth = 0
     for i in range(start, len(text)):
         if text[i] == "{":
@@ -39,6 +45,18 @@ def last_boxed(text: str) -> str | None:
             if depth == 0:
                 return text[start : i + 1]
     return None
+
+
+def boxed_answer(text: str) -> str | None:
+    """The content of the last box of `text` (verl's `remove_boxed(last_boxed_only_string(...))`); None
+    when there is none, it never closes, or it is an `\\fbox`."""
+    boxed = last_boxed(text)
+    if boxed is None:
+        return None
+    try:
+        return unbox(boxed)
+    except StripError:
+        return None
 
 
 def unbox(boxed: str) -> str:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from fulcrum.reward.hendrycks import braced_from
+
 SOLUTION_CLIP_CHARS = 300
 STRICT_BOX_CHARS = 100
 MINERVA_ANSWER = r"(?i)Answer\s*:\s*([^\n]+)"
@@ -95,17 +97,7 @@ def normalize_final_answer(final_answer: str) -> str:
 def last_boxed(text: str) -> str | None:
     """The last `\\boxed{...}` of `text` with its braces (brace counting); None if none or unclosed."""
     start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start : i + 1]
-    return None
+    return None if start < 0 else braced_from(text, start)
 
 
 def minerva_answer(solution_str: str) -> str:

@@ -8,21 +8,10 @@ no box, an unclosed box or an `\\fbox` scores 0.
 
 from __future__ import annotations
 
-from fulcrum.reward.hendrycks import StripError, is_equiv, last_boxed, unbox
-
-
-def extract_answer(solution_str: str) -> str | None:
-    """The content of the last box of the response; None when there is none (or it is an `\\fbox`)."""
-    boxed = last_boxed(solution_str)
-    if boxed is None:
-        return None
-    try:
-        return unbox(boxed)
-    except StripError:
-        return None
+from fulcrum.reward.hendrycks import boxed_answer, is_equiv
 
 
 def compute_score(solution_str: str, ground_truth: str) -> float:
     """1.0 when the last boxed answer equals the ground truth after `strip_string`, else 0.0."""
-    answer = extract_answer(solution_str)
+    answer = boxed_answer(solution_str)
     return 1.0 if answer is not None and is_equiv(answer, ground_truth) else 0.0

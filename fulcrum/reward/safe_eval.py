@@ -16,7 +16,7 @@ from typing import Any
 
 MAX_EXPONENT = 10_000
 
-_BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+BINARY_OPERATORS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
@@ -25,7 +25,10 @@ _BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }
-_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+UNARY_OPERATORS: dict[type[ast.unaryop], Callable[[Any], Any]] = {
+    ast.UAdd: operator.pos,
+    ast.USub: operator.neg,
+}
 
 
 class UnsafeExpression(ValueError):
@@ -35,13 +38,13 @@ class UnsafeExpression(ValueError):
 def _value(node: ast.AST) -> Any:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float, complex):
         return node.value
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_value(node.operand))
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+    if isinstance(node, ast.UnaryOp) and type(node.op) in UNARY_OPERATORS:
+        return UNARY_OPERATORS[type(node.op)](_value(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in BINARY_OPERATORS:
         left, right = _value(node.left), _value(node.right)
         if isinstance(node.op, ast.Pow) and isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
             raise UnsafeExpression(f"exponent {right} is above {MAX_EXPONENT}")
-        return _BINARY[type(node.op)](left, right)
+        return BINARY_OPERATORS[type(node.op)](left, right)
     if isinstance(node, ast.Tuple):
         return tuple(_value(e) for e in node.elts)
     if isinstance(node, ast.List):
