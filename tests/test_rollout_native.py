@@ -257,6 +257,42 @@ def test_engine_config_reads_verl_keys_and_our_engine_kwargs():
         engine_config_from(rollout, model_max_len=4096)
 
 
+def test_the_triton_kernels_key_picks_the_engine_kernels(monkeypatch: pytest.MonkeyPatch):
+    """engine_kwargs.native.triton_kernels: null runs Triton on CUDA only (the CPU has torch ops), false
+    never, true also on the CPU under Triton's interpreter, and is refused, naming the key, where
+    Triton cannot run; a value that is not a boolean is refused."""
+    from fulcrum.config import load_config
+    from fulcrum.config.keys import ConfigError
+    from fulcrum.rollout.native import model_runner
+    from fulcrum.rollout.native.config import engine_config_from
+
+    key = "+actor_rollout_ref.rollout.engine_kwargs.native.triton_kernels"
+    read = {
+        value: engine_config_from(
+            load_config([f"{key}={value}"]).actor_rollout_ref.rollout, 4096
+        ).triton_kernels
+        for value in ("null", "true", "false")
+    }
+    assert read == {"null": None, "true": True, "false": False}
+    with pytest.raises(ValueError, match=r"triton_kernels: expected true, false or null, got 'yes please'"):
+        engine_config_from(load_config([f"{key}='yes please'"]).actor_rollout_ref.rollout, 4096)
+    monkeypatch.setattr(model_runner, "HAVE_TRITON", True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda = torch.device("cuda")
+    assert [model_runner.use_triton_on(cuda, wanted) for wanted in (None, True, False)] == [True, True, False]
+    assert [model_runner.use_triton_on(CPU, wanted) for wanted in (None, False)] == [False, False]
+    with pytest.raises(
+        ConfigError, match=r"triton_kernels=true, but on the CPU Triton needs TRITON_INTERPRET=1"
+    ):
+        model_runner.use_triton_on(CPU, True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert [model_runner.use_triton_on(CPU, wanted) for wanted in (None, True)] == [False, True]
+    monkeypatch.setattr(model_runner, "HAVE_TRITON", False)
+    assert model_runner.use_triton_on(cuda, None) is False
+    with pytest.raises(ConfigError, match="triton is not installed"):
+        model_runner.use_triton_on(cuda, True)
+
+
 def test_the_engine_defaults_are_the_documented_ones():
     """A run that sets none of the engine's keys, and a benchmark that builds EngineConfig directly, get
     the defaults `fulcrum doctor --keys` lists."""

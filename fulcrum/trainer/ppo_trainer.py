@@ -132,10 +132,11 @@ class PPOTrainer:
         self.critic = (
             CriticWorker(critic_section(cfg), device, total, self.tokenizer) if uses_critic(cfg) else None
         )
-        # With a critic (unless FULCRUM_PARK_OPTIMIZER_STATE=0): each model's optimiser state waits in host memory
+        # With a critic (trainer.park_optimizer_state): each model's optimiser state waits in host memory
         # while the other one trains; a checkpoint brings it back before it reads the state.
+        roles, host_available = list(self.roles().values()), M.host_meminfo().get("MemAvailable")
         self.parking = park_between_updates(
-            list(self.roles().values()), device, self.dist.distributed, M.host_meminfo().get("MemAvailable")
+            roles, device, self.dist.distributed, host_available, bool(cfg.trainer.park_optimizer_state)
         )
         if self.parking is not None:
             self.checkpoints.before_reading_state = self.parking.restore_all
