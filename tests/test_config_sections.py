@@ -25,3 +25,47 @@ def test_verl_s_global_spelling_alone_sizes_the_critic() -> None:
     assert (section.micro_batch_size, section.values.micro_batch_size) == (6, 3)
     section = critic_section(load_config(["critic.ppo_micro_batch_size=6"]))
     assert (section.micro_batch_size, section.values.micro_batch_size) == (6, 6)
+
+
+def test_each_model_s_graphs_key_reaches_its_forwards(tiny_dir: str) -> None:
+    """actor_rollout_ref.actor.cuda_graphs switches every model's micro-batch graphs (the reference's and
+    the critic's keys follow it unless set); the models' forwards carry what their key says, and a
+    model whose key is false gives that as the reason it runs eagerly."""
+    import torch
+
+    from fulcrum.workers.actor import ActorWorker, reference_worker
+    from fulcrum.workers.critic import CriticWorker
+    from fulcrum.workers.step_graphs import graphs_refused
+
+    cpu = torch.device("cpu")
+    sizes = [
+        f"actor_rollout_ref.model.path={tiny_dir}",
+        f"critic.model.path={tiny_dir}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "critic.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+    ]
+    default = load_config(sizes)
+    assert (default.actor_rollout_ref.ref.cuda_graphs, default.critic.cuda_graphs) == (True, True)
+    cfg = load_config([*sizes, "actor_rollout_ref.actor.cuda_graphs=false", "critic.cuda_graphs=true"])
+    assert (cfg.actor_rollout_ref.ref.cuda_graphs, cfg.critic.cuda_graphs) == (False, True)
+    actor = ActorWorker(actor_section(cfg), cpu, total_training_steps=1)
+    reference = reference_worker(reference_section(cfg), cpu, actor)
+    critic = CriticWorker(critic_section(cfg), cpu, total_training_steps=1)
+    assert [w.forwards.cuda_graphs for w in (actor, reference, critic)] == [False, False, True]
+    assert graphs_refused(actor.forwards) == "its cuda_graphs key is false"
+    assert graphs_refused(critic.forwards) == "not on CUDA"
+
+
+def test_the_cpp_wrapper_key_reaches_every_compiled_model() -> None:
+    sized = [
+        "critic.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    ]
+    cfg = load_config([*sized, "actor_rollout_ref.actor.inductor_cpp_wrapper=false"])
+    assert cfg.actor_rollout_ref.actor.inductor_cpp_wrapper is False
+    assert (reference_section(cfg).inductor_cpp_wrapper, critic_section(cfg).inductor_cpp_wrapper) == (
+        False,
+        False,
+    )
+    assert critic_section(load_config(sized)).inductor_cpp_wrapper is True

@@ -10,12 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from gsm8k_data import SOURCE_IDS, SOURCES, expected_rows
 
 from fulcrum.data.dataset import DatasetError, PromptLoader, RLHFDataset, left_pad, truncate
 from fulcrum.data.gsm8k import prepare_gsm8k
 from fulcrum.models.tiny import build_tokenizer
-
-GSM8K_DIR = Path("/work/shared/data/gsm8k")
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +107,11 @@ def test_errors_name_the_file_and_column(tmp_path: Path, tokenizer: Any) -> None
         RLHFDataset(plain, tokenizer, 64)
 
 
-def test_gsm8k_test_split_tokenises_quickly(tmp_path: Path, tokenizer: Any) -> None:
-    if not GSM8K_DIR.is_dir():
-        pytest.skip("GSM8K release not found")
-    paths = prepare_gsm8k(GSM8K_DIR, tmp_path)
+@pytest.mark.parametrize("source", SOURCES, ids=SOURCE_IDS)
+def test_gsm8k_test_split_tokenises_quickly(source: Path, tmp_path: Path, tokenizer: Any) -> None:
+    paths = prepare_gsm8k(source, tmp_path)
     dataset = RLHFDataset(paths["test"], tokenizer, max_prompt_length=512)
-    assert len(dataset) == 1319 and dataset.num_filtered == 0
+    assert len(dataset) == expected_rows(source, "test") and dataset.num_filtered == 0
     assert dataset[0]["ground_truth"] == "18"
     assert all(len(it["input_ids"]) <= 512 for it in dataset)
 

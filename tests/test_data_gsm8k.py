@@ -9,33 +9,35 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from gsm8k_data import SOURCE_IDS, SOURCES, expected_rows
+from gsm8k_data import rows as gsm8k_rows
 
 from fulcrum.data.cli import main
 from fulcrum.data.gsm8k import GSM8KError, extract_ground_truth, make_row, prepare_gsm8k
 from fulcrum.reward.gsm8k import compute_score
 
-GSM8K_DIR = Path("/work/shared/data/gsm8k")
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not GSM8K_DIR.is_dir():
-        pytest.skip("GSM8K release not found")
+@pytest.fixture(scope="module", params=SOURCES, ids=SOURCE_IDS)
+def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the GSM8K source folder, the folder `fulcrum data gsm8k` wrote from it)."""
     out = tmp_path_factory.mktemp("gsm8k")
-    assert main(["gsm8k", "--src", str(GSM8K_DIR), "--out", str(out)]) == 0
-    return out
+    assert main(["gsm8k", "--src", str(request.param), "--out", str(out)]) == 0
+    return request.param, out
 
 
-def test_row_counts_and_columns(converted: Path) -> None:
-    train, test = pq.read_table(converted / "train.parquet"), pq.read_table(converted / "test.parquet")
-    assert (train.num_rows, test.num_rows) == (7473, 1319)
+def test_row_counts_and_columns(converted: tuple[Path, Path]) -> None:
+    source, out = converted
+    train, test = pq.read_table(out / "train.parquet"), pq.read_table(out / "test.parquet")
+    assert (train.num_rows, test.num_rows) == (expected_rows(source, "train"), expected_rows(source, "test"))
     assert test.column_names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
 
 
-def test_rows_are_verls_byte_for_byte(converted: Path) -> None:
-    source = [json.loads(line) for line in (GSM8K_DIR / "test.jsonl").open()]
-    rows = pq.read_table(converted / "test.parquet").to_pylist()
+def test_rows_are_verls_byte_for_byte(converted: tuple[Path, Path]) -> None:
+    source_dir, out = converted
+    source = gsm8k_rows(source_dir, "test")
+    rows = pq.read_table(out / "test.parquet").to_pylist()
     for index, (row, raw) in enumerate(zip(rows, source, strict=True)):
         # verl: question_raw + " " + instruction, no stripping; ground truth after "#### " without commas.
         assert row["prompt"] == [{"role": "user", "content": raw["question"] + " " + INSTRUCTION}]

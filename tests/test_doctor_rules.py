@@ -173,17 +173,13 @@ def test_checkpointed_activations_match_the_training_code() -> None:
     assert ATTENTION_OUTPUTS_KEPT == SAVE_ATTENTION_OUTPUTS
 
 
-def test_the_estimate_parks_optimiser_state_when_the_trainer_does(
-    files: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from fulcrum.tools import memory_estimate
-    from fulcrum.workers.state_parking import ENABLED
-
-    assert memory_estimate.OPTIMIZER_STATE_PARKED == ENABLED  # both read FULCRUM_PARK_OPTIMIZER_STATE
+def test_the_estimate_parks_optimiser_state_when_the_key_says_so(files: Path) -> None:
+    """trainer.park_optimizer_state (on by default): each update leaves out the other model's AdamW state."""
     totals = {}
     for parked in (False, True):
-        monkeypatch.setattr(memory_estimate, "OPTIMIZER_STATE_PARKED", parked)
-        totals[parked] = {p.name: p.total for p in seed_estimate(files).phases}
+        key = f"trainer.park_optimizer_state={parked}"
+        totals[parked] = {p.name: p.total for p in seed_estimate(files, key).phases}
+    assert totals[True] == {p.name: p.total for p in seed_estimate(files).phases}
     shape = model_shape(QWEN25_05B)
     critic_state = 8 * (param_count(shape, lm_head=False) + shape.hidden + 1)
     actor_state = 8 * param_count(shape)
@@ -192,21 +188,22 @@ def test_the_estimate_parks_optimiser_state_when_the_trainer_does(
     assert totals[False]["generation"] == totals[True]["generation"]
 
 
-def test_the_estimate_keeps_what_the_micro_batches_graphs_keep(
-    files: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With CUDA graphs of the micro-batches each model's bf16 compute weights and a bf16 buffer of their
-    gradients (4 B a parameter) stay resident and the graphs' pool holds the largest update micro-batch's
-    work: every phase holds them, and an update does not count its own twice."""
+def test_the_estimate_keeps_what_the_micro_batches_graphs_keep(files: Path) -> None:
+    """With CUDA graphs of the micro-batches (actor_rollout_ref.actor.cuda_graphs, on by default, which the
+    critic's key follows) each model's bf16 compute weights and a bf16 buffer of their gradients (4 B a
+    parameter) stay resident and the graphs' pool holds the largest update micro-batch's work: every phase
+    holds them, and an update does not count its own twice."""
     from fulcrum.tools import memory_estimate
-    from fulcrum.workers.step_graphs import MAX_RESIDENT_SHARE, switched_on
+    from fulcrum.workers.step_graphs import MAX_RESIDENT_SHARE
 
-    assert memory_estimate.TRAIN_GRAPHS == switched_on()  # both read FULCRUM_TRAIN_CUDA_GRAPHS
     assert memory_estimate.GRAPHS_RESIDENT_SHARE == MAX_RESIDENT_SHARE
     phases = {}
     for graphs in (False, True):
-        monkeypatch.setattr(memory_estimate, "TRAIN_GRAPHS", graphs)
-        phases[graphs] = {p.name: p for p in seed_estimate(files).phases}
+        est = seed_estimate(files, f"actor_rollout_ref.actor.cuda_graphs={graphs}")
+        phases[graphs] = {p.name: p for p in est.phases}
+    assert {p.name: p.total for p in seed_estimate(files).phases} == {
+        name: p.total for name, p in phases[True].items()
+    }
     shape = model_shape(QWEN25_05B)
     actor, critic = param_count(shape), param_count(shape, lm_head=False) + shape.hidden + 1
     pool = phases[True]["generation"].items["CUDA graphs' memory pool"]
@@ -218,8 +215,39 @@ def test_the_estimate_keeps_what_the_micro_batches_graphs_keep(
     assert grown["values forward"] == 4 * (actor + critic) - 2 * critic + pool
 
 
+def test_the_estimate_says_which_models_replay_graphs_and_why_the_others_do_not(files: Path) -> None:
+    """Where a cuda_graphs key cannot act (several processes, padded micro-batches, sequence parallelism,
+    LoRA) it is ignored, as the trainer does: doctor's estimate (of a CUDA device) names the reason, and
+    counts nothing kept for that model's graphs."""
+    from fulcrum.tools.memory_estimate import format_estimate
+
+    assert seed_estimate(files).graphs == {"actor": None, "critic": None}
+    off = seed_estimate(files, "critic.cuda_graphs=false")
+    assert off.graphs == {"actor": None, "critic": "critic.cuda_graphs=false"}
+    assert "  CUDA graphs of the micro-batches: actor on, critic off (critic.cuda_graphs=false)" in (
+        format_estimate(off)
+    )
+    kept = "critic compute weights and gradients kept for CUDA graphs (bf16)"
+    assert kept in seed_estimate(files).phases[0].items and kept not in off.phases[0].items
+    ignored = {
+        "trainer.n_gpus_per_node=2": ("several processes", "several processes"),
+        "critic.model.use_remove_padding=false": (
+            None,
+            "padded micro-batches (critic.model.use_remove_padding=false)",
+        ),
+        "critic.ulysses_sequence_parallel_size=2": (None, "sequence parallelism"),
+        "actor_rollout_ref.model.lora_rank=8": ("LoRA adapters", None),
+    }
+    for key, (actor, critic) in ignored.items():
+        assert seed_estimate(files, key).graphs == {"actor": actor, "critic": critic}, key
+
+
 def test_parameter_count_of_qwen25_05b() -> None:
     assert param_count(model_shape(QWEN25_05B)) == 494_032_768  # the published 0.49B
+
+
+# The peaks below were measured before the micro-batches' graphs.
+NO_GRAPHS = "actor_rollout_ref.actor.cuda_graphs=false"
 
 
 def seed_estimate(files: Path, *extra: str, device_gib: float = 140.0):
@@ -230,7 +258,7 @@ def seed_estimate(files: Path, *extra: str, device_gib: float = 140.0):
     )
 
 
-def test_seed_estimate_against_the_measured_h200_peak(files: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_seed_estimate_against_the_measured_h200_peak(files: Path) -> None:
     """BENCHMARKS.md ("The KV cache cut to what the engine can use", 2026-12-03, tree 8c5daf6): the seed
     command on one H200 peaked at 26.39 GiB allocated, while generating, with the critic's AdamW state
     parked (it waits in host memory from the actor's update to its own), without CUDA graphs of the
@@ -238,10 +266,7 @@ def test_seed_estimate_against_the_measured_h200_peak(files: Path, monkeypatch: 
     above it by at most what it counts and that run did not hold: that state (resident again after a
     checkpoint), the engine's workspace whole (sized for max_num_seqs rows of logits; the seed decodes 512)
     and the CUDA context (outside torch's allocated figure)."""
-    from fulcrum.tools import memory_estimate
-
-    monkeypatch.setattr(memory_estimate, "TRAIN_GRAPHS", False)
-    est = seed_estimate(files)
+    est = seed_estimate(files, NO_GRAPHS)
     generation = est.peak
     assert generation.name == "generation"
     measured = 26.39 * 2**30
@@ -333,22 +358,16 @@ def test_training_phase_estimates_against_the_measured_h200_peaks(
     from fulcrum.tools import memory_estimate
 
     monkeypatch.setattr(memory_estimate, "ATTENTION_OUTPUTS_KEPT", attention_outputs_kept)
-    monkeypatch.setattr(memory_estimate, "OPTIMIZER_STATE_PARKED", parked)
-    monkeypatch.setattr(memory_estimate, "TRAIN_GRAPHS", False)  # measured before the micro-batches' graphs
-    estimated = {p.name: p.total / 2**30 for p in seed_estimate(files, *overrides).phases}
+    keys = (NO_GRAPHS, f"trainer.park_optimizer_state={parked}")
+    estimated = {p.name: p.total / 2**30 for p in seed_estimate(files, *overrides, *keys).phases}
     for phase, peak in measured.items():
         assert abs(estimated[phase] - peak) / peak < 0.10, (phase, estimated[phase], peak)
 
 
-def test_checkpointing_and_micro_batch_move_the_update_estimate(
-    files: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from fulcrum.tools import memory_estimate
-
-    monkeypatch.setattr(memory_estimate, "TRAIN_GRAPHS", False)  # measured before the micro-batches' graphs
-
+def test_checkpointing_and_micro_batch_move_the_update_estimate(files: Path) -> None:
     def actor_update(*extra: str) -> float:
-        return next(p.total for p in seed_estimate(files, *extra).phases if p.name == "actor update")
+        phases = seed_estimate(files, NO_GRAPHS, *extra).phases
+        return next(p.total for p in phases if p.name == "actor update")
 
     base = actor_update()
     no_checkpointing = actor_update("actor_rollout_ref.model.enable_gradient_checkpointing=False")

@@ -100,8 +100,7 @@ def test_compiled_checkpointed_layers_match_eager_on_cuda(
     from fulcrum.models import packed
 
     monkeypatch.setattr(packed, "SAVE_ATTENTION_OUTPUTS", save_attention)
-    monkeypatch.setattr(packed, "CPP_WRAPPER", cpp_wrapper)
-    assert (packed.compile_options() is not None) == cpp_wrapper
+    assert (packed.compile_options(cpp_wrapper=cpp_wrapper) is not None) == cpp_wrapper
     torch._dynamo.reset()  # the setting is read while tracing
     shape = MOE_SHAPE if arch == "qwen3_moe" else SHAPE
     results = []
@@ -110,7 +109,12 @@ def test_compiled_checkpointed_layers_match_eager_on_cuda(
         if compiled:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         forwards = ModelForwards(
-            model, CUDA, use_remove_padding=True, role="actor", use_torch_compile=compiled
+            model,
+            CUDA,
+            use_remove_padding=True,
+            role="actor",
+            use_torch_compile=compiled,
+            cpp_wrapper=cpp_wrapper,
         )
         assert getattr(model.model, "fulcrum_checkpoint", False) == compiled
         if arch == "qwen3_moe":  # transformers' experts run F.grouped_mm on bf16 weights under compile

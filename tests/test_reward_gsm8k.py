@@ -2,42 +2,39 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from gsm8k_data import SOURCE_IDS, SOURCES, expected_rows, rows
 
 from fulcrum.reward import default_compute_score, load_custom_reward_fn, scorer_for
 from fulcrum.reward.gsm8k import compute_score, extract_solution
 from fulcrum.reward.managers import NaiveRewardManager
 from fulcrum.reward.scoring import RewardError
 
-GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
-if not GSM8K_TEST.is_file():  # the checkout may live elsewhere than /work/main
-    GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
+
+def _gold(source: Path) -> list[tuple[str, str]]:
+    """(gold solution, ground truth) of the test split; the ground truth as the preprocessing writes it:
+    the text after "#### ", commas removed."""
+    return [(r["answer"], r["answer"].split("#### ")[-1].replace(",", "")) for r in rows(source, "test")]
 
 
-def _gold() -> list[tuple[str, str]]:
-    if not GSM8K_TEST.is_file():
-        pytest.skip(f"GSM8K release not found at {GSM8K_TEST}")
-    rows = [json.loads(line) for line in GSM8K_TEST.read_text().splitlines()]
-    # The ground truth as the preprocessing writes it: the text after "#### ", commas removed.
-    return [(r["answer"], r["answer"].split("#### ")[-1].replace(",", "")) for r in rows]
-
-
+@pytest.mark.parametrize("source", SOURCES, ids=SOURCE_IDS)
 @pytest.mark.parametrize("method", ["strict", "flexible"])
-def test_every_gold_test_solution_scores_one(method: str) -> None:
-    gold = _gold()
-    assert len(gold) == 1319
+def test_every_gold_test_solution_scores_one(method: str, source: Path) -> None:
+    gold = _gold(source)
+    assert len(gold) == expected_rows(source, "test")
+    assert any("," in answer.rpartition("#### ")[2] for answer, _ in gold)  # a thousands comma among them
     wrong = [gt for answer, gt in gold if compute_score(answer, gt, method=method) != 1.0]
     assert wrong == []
 
 
+@pytest.mark.parametrize("source", SOURCES, ids=SOURCE_IDS)
 @pytest.mark.parametrize("method", ["strict", "flexible"])
-def test_changed_final_number_scores_zero(method: str) -> None:
-    gold = _gold()
+def test_changed_final_number_scores_zero(method: str, source: Path) -> None:
+    gold = _gold(source)
     for answer, gt in gold:
         head, _, _ = answer.rpartition("#### ")
         changed = str(int(float(gt)) + 1)

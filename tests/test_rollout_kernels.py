@@ -6,6 +6,7 @@ installed); skipped otherwise (CI has no triton: the CPU engine uses the torch t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -361,7 +362,7 @@ def test_sampler_compiles_once_whatever_the_batch():
     assert [compiled_variants(k) for k in kernels] == before
 
 
-def test_the_engine_never_reads_a_kv_slot_before_writing_it(monkeypatch):
+def test_the_engine_never_reads_a_kv_slot_before_writing_it():
     """On the Triton path the KV cache is not zero-filled at wake-up: whatever it holds, even NaN, the
     greedy tokens are those of the torch path (which zero-fills it) and the log-probs finite, through
     chunked prefill, preemption and re-prefill."""
@@ -377,12 +378,10 @@ def test_the_engine_never_reads_a_kv_slot_before_writing_it(monkeypatch):
     )  # fmt: skip
     model = random_causal_lm("qwen2", init_std=0.2).to(DEVICE)
     params = SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True)
-    monkeypatch.setenv("FULCRUM_NATIVE_TRITON", "0")
-    reference = NativeEngine(model, [1], 0, config, DEVICE)
+    reference = NativeEngine(model, [1], 0, dataclasses.replace(config, triton_kernels=False), DEVICE)
     assert not reference.runner.use_triton
     expected = reference.generate(prompts, params).token_ids
-    monkeypatch.setenv("FULCRUM_NATIVE_TRITON", "1")
-    engine = NativeEngine(model, [1], 0, config, DEVICE)
+    engine = NativeEngine(model, [1], 0, dataclasses.replace(config, triton_kernels=True), DEVICE)
     assert engine.runner.use_triton
     assert engine.generate(prompts, params).token_ids == expected
     engine.wake_up()

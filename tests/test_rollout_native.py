@@ -8,6 +8,7 @@ token budget), log-probs equal to the trainer's, weights that follow the actor a
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 
 import pytest
@@ -136,13 +137,17 @@ def test_generate_releases_the_cache_under_free_cache_engine(model, free_cache_e
     engine = engine_for(model, free_cache_engine=free_cache_engine)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for _ in range(2):  # asleep or awake before the call, generate leaves the same state
+        started = time.perf_counter()
         out = engine.generate(mixed_prompts(4, [3, 9]), params)
+        call_s = time.perf_counter() - started
         assert [len(r) for r in out.token_ids] == [4, 4]
         assert engine.awake is not free_cache_engine
         assert (engine.runner.kv_cache is None) is free_cache_engine
-        # the allocation and release around the call are timed apart from it; no graph on the CPU
+        # the allocation and release around the call are timed apart from the generation: three
+        # disjoint parts of this call, none stale from the one before; no graph on the CPU
         metrics = engine.metrics()
-        assert metrics["rollout/wake_up_s"] >= 0 and metrics["rollout/sleep_s"] >= 0
+        parts = [metrics[f"rollout/{part}_s"] for part in ("wake_up", "generate", "sleep")]
+        assert all(0 < part for part in parts) and sum(parts) <= call_s, (parts, call_s)
         assert metrics["rollout/graph_capture_s"] == 0
 
 
@@ -255,6 +260,42 @@ def test_engine_config_reads_verl_keys_and_our_engine_kwargs():
     rollout.engine_kwargs["native"] = {"blocksize": 8}
     with pytest.raises(ValueError, match=r"engine_kwargs\.native: unknown keys \['blocksize'\]"):
         engine_config_from(rollout, model_max_len=4096)
+
+
+def test_the_triton_kernels_key_picks_the_engine_kernels(monkeypatch: pytest.MonkeyPatch):
+    """engine_kwargs.native.triton_kernels: null runs Triton on CUDA only (the CPU has torch ops), false
+    never, true also on the CPU under Triton's interpreter, and is refused, naming the key, where
+    Triton cannot run; a value that is not a boolean is refused."""
+    from fulcrum.config import load_config
+    from fulcrum.config.keys import ConfigError
+    from fulcrum.rollout.native import model_runner
+    from fulcrum.rollout.native.config import engine_config_from
+
+    key = "+actor_rollout_ref.rollout.engine_kwargs.native.triton_kernels"
+    read = {
+        value: engine_config_from(
+            load_config([f"{key}={value}"]).actor_rollout_ref.rollout, 4096
+        ).triton_kernels
+        for value in ("null", "true", "false")
+    }
+    assert read == {"null": None, "true": True, "false": False}
+    with pytest.raises(ValueError, match=r"triton_kernels: expected true, false or null, got 'yes please'"):
+        engine_config_from(load_config([f"{key}='yes please'"]).actor_rollout_ref.rollout, 4096)
+    monkeypatch.setattr(model_runner, "HAVE_TRITON", True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda = torch.device("cuda")
+    assert [model_runner.use_triton_on(cuda, wanted) for wanted in (None, True, False)] == [True, True, False]
+    assert [model_runner.use_triton_on(CPU, wanted) for wanted in (None, False)] == [False, False]
+    with pytest.raises(
+        ConfigError, match=r"triton_kernels=true, but on the CPU Triton needs TRITON_INTERPRET=1"
+    ):
+        model_runner.use_triton_on(CPU, True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert [model_runner.use_triton_on(CPU, wanted) for wanted in (None, True)] == [False, True]
+    monkeypatch.setattr(model_runner, "HAVE_TRITON", False)
+    assert model_runner.use_triton_on(cuda, None) is False
+    with pytest.raises(ConfigError, match="triton is not installed"):
+        model_runner.use_triton_on(cuda, True)
 
 
 def test_the_engine_defaults_are_the_documented_ones():

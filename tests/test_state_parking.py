@@ -15,6 +15,7 @@ from helpers import make_assets, short_run_overrides
 from torch import nn
 
 from fulcrum.config import load_config
+from fulcrum.config.keys import ConfigError
 from fulcrum.rollout.native.kernels import next_pow2
 from fulcrum.trainer.ppo_trainer import PPOTrainer
 from fulcrum.workers import state_parking
@@ -45,33 +46,38 @@ class Worker:
             self.optimizer.zero_grad(set_to_none=True)
 
 
-@pytest.fixture
-def parking_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(state_parking, "ENABLED", True)
-
-
-def test_on_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert state_parking.switched_on({}) and state_parking.switched_on({state_parking.SWITCH: "1"})
-    assert not state_parking.switched_on({state_parking.SWITCH: "0"})
-    monkeypatch.setattr(state_parking, "ENABLED", False)
+def test_on_unless_the_key_turns_it_off() -> None:
+    assert load_config([]).trainer.park_optimizer_state is True
+    off = load_config(["trainer.park_optimizer_state=false"]).trainer.park_optimizer_state
+    assert off is False
     two = [Worker(8, 0, "cpu"), Worker(8, 1, "cpu")]
-    assert park_between_updates(two, torch.device("cuda"), distributed=False, host_available=None) is None
+    assert park_between_updates(two, torch.device("cuda"), False, None, enabled=off) is None
+    assert all(w.parking is None for w in two)
+    with pytest.raises(ConfigError, match=r"trainer\.park_optimizer_state: expected bool, got 'maybe'"):
+        load_config(["trainer.park_optimizer_state=maybe"])
 
 
-@pytest.mark.usefixtures("parking_on")
 def test_one_model_or_a_host_without_room_parks_nothing() -> None:
     cuda = torch.device("cuda")
-    assert park_between_updates([Worker(8, 0, "cpu")], cuda, distributed=False, host_available=None) is None
+    assert (
+        park_between_updates(
+            [Worker(8, 0, "cpu")], cuda, distributed=False, host_available=None, enabled=True
+        )
+        is None
+    )
     two = [Worker(8, 0, "cpu"), Worker(8, 1, "cpu")]
-    assert park_between_updates(two, torch.device("cpu"), distributed=False, host_available=None) is None
-    assert park_between_updates(two, cuda, distributed=True, host_available=None) is None
+    assert (
+        park_between_updates(two, torch.device("cpu"), distributed=False, host_available=None, enabled=True)
+        is None
+    )
+    assert park_between_updates(two, cuda, distributed=True, host_available=None, enabled=True) is None
     # a pinned block takes the next power of two of its bytes
     assert [next_pow2(n) for n in (1, 4, 5, 1000, 1024)] == [1, 4, 8, 1024, 1024]
     # two float32 moments of (8·8, 8, 8, 1) parameters a model, each copy 64-byte aligned: 2 × (256 + 3 × 64)
     # = 896 B, a block of 1,024; a host with 4 kB available has room for 25 % of it (1,024 B), less
     # than the 2,048 B of both.
     assert [state_parking.moment_bytes(w.optimizer) for w in two] == [896, 896]
-    assert park_between_updates(two, cuda, distributed=False, host_available=4096) is None
+    assert park_between_updates(two, cuda, distributed=False, host_available=4096, enabled=True) is None
     assert all(w.parking is None for w in two)
 
 
@@ -98,7 +104,6 @@ def test_the_block_pinned_ahead_holds_the_moments_an_optimiser_makes() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("parking_on")
 def test_parked_updates_give_the_same_weights_and_moments_as_resident_ones_in_less_memory() -> None:
     width = 1024  # 2 × 4 B × (1024² + 2·1024 + 1) ≈ 8.4 MB of moments a model
     x = torch.randn(64, width, device="cuda")
@@ -109,7 +114,9 @@ def test_parked_updates_give_the_same_weights_and_moments_as_resident_ones_in_le
     parked = [Worker(width, 0, "cuda"), Worker(width, 1, "cuda")]
     weights = sum(p.numel() * 4 for w in parked for p in w.model.parameters())
     moments = sum(2 * p.numel() * 4 for p in parked[0].model.parameters())
-    parking = park_between_updates(parked, torch.device("cuda"), distributed=False, host_available=None)
+    parking = park_between_updates(
+        parked, torch.device("cuda"), distributed=False, host_available=None, enabled=True
+    )
     assert parking is not None and all(w.parking is parking for w in parked)
     for step in range(3):  # critic, then actor, each step
         for a, b in zip(resident, parked, strict=True):
@@ -135,14 +142,15 @@ def test_parked_updates_give_the_same_weights_and_moments_as_resident_ones_in_le
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("parking_on")
 def test_a_state_loaded_between_updates_is_the_one_the_next_update_uses() -> None:
     """A checkpoint is read after `restore_all` and loaded into the optimiser (new state tensors): the
     next updates use the loaded state, not the host copies of the tensors it replaced."""
     width = 256
     x = torch.randn(32, width, device="cuda")
     workers = [Worker(width, 0, "cuda"), Worker(width, 1, "cuda")]
-    parking = park_between_updates(workers, torch.device("cuda"), distributed=False, host_available=None)
+    parking = park_between_updates(
+        workers, torch.device("cuda"), distributed=False, host_available=None, enabled=True
+    )
     assert parking is not None
     for w in workers:
         w.update(x)
@@ -173,7 +181,6 @@ def test_a_state_loaded_between_updates_is_the_one_the_next_update_uses() -> Non
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("parking_on")
 def test_a_ppo_run_with_a_critic_parks_its_state_and_checkpoints_the_real_one(tmp_path: Path) -> None:
     """Two steps with a critic on the GPU, a checkpoint each step (the step's updates parked each model's
     moments in turn): each role's written optimiser state is the live one, and a run resumed from the

@@ -333,7 +333,7 @@ def test_what_graphs_keep_resident_is_two_bytes_a_copy_and_two_a_trained_gradien
     assert resident_bytes(ComputeWeights(model, torch.bfloat16)) == 4 * 15 + 2 * 8
 
 
-def test_the_start_says_why_a_model_runs_its_micro_batches_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_start_says_why_a_model_runs_its_micro_batches_eagerly() -> None:
     from types import SimpleNamespace
 
     from fulcrum.models.precision import ComputeWeights
@@ -346,6 +346,7 @@ def test_the_start_says_why_a_model_runs_its_micro_batches_eagerly(monkeypatch: 
         fields = {
             "model": model,
             "device": cuda,
+            "cuda_graphs": True,
             "packed": True,
             "compute": ComputeWeights(model),
             "sp": None,
@@ -364,8 +365,7 @@ def test_the_start_says_why_a_model_runs_its_micro_batches_eagerly(monkeypatch: 
         actor=SimpleNamespace(forwards=actor), critic=None, ref=SimpleNamespace(forwards=actor)
     )
     assert startup_line(trainer) == "CUDA graphs of the micro-batches: actor off (padded micro-batches " + (
-        "(use_remove_padding=False or an architecture without packing)) [FULCRUM_TRAIN_CUDA_GRAPHS]"
+        "(use_remove_padding=False or an architecture without packing)) [actor_rollout_ref.actor.cuda_graphs]"
     )
-    monkeypatch.setenv("FULCRUM_TRAIN_CUDA_GRAPHS", "0")
-    assert graphs_refused(forwards()) == "FULCRUM_TRAIN_CUDA_GRAPHS=0"
+    assert graphs_refused(forwards(cuda_graphs=False)) == "its cuda_graphs key is false"
     assert graphs_line({"actor": forwards(device=CPU)}) is None  # a CPU run says nothing

@@ -5,6 +5,7 @@ compute: the padding changes the products' shapes, so not bit for bit)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -27,12 +28,13 @@ SETTINGS = (
 )
 
 
-def eager_then_graphed(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Graphs off ("0"), then on ("1"), for the workers each run makes, from the same initial weights."""
-    for graphs in ("0", "1"):
-        monkeypatch.setenv("FULCRUM_TRAIN_CUDA_GRAPHS", graphs)
+def eager_then_graphed(tiny_dir: str) -> Iterator[tuple[bool, Any]]:
+    """Graphs off, then on (the actor's `cuda_graphs` key, which the critic's follows), each with the
+    configuration its workers are built from, from the same initial weights."""
+    for graphs in (False, True):
+        cfg = cfg_for(tiny_dir, *SETTINGS, f"actor_rollout_ref.actor.cuda_graphs={graphs}")
         torch.manual_seed(0)
-        yield graphs
+        yield graphs, cfg
 
 
 def flat_grads(worker: ActorWorker) -> torch.Tensor:
@@ -71,24 +73,21 @@ def updated(
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
-def test_updates_with_graphs_follow_the_eager_ones(
-    tiny_dir: str, monkeypatch: pytest.MonkeyPatch, role: str
-) -> None:
-    cfg = cfg_for(tiny_dir, *SETTINGS)
+def test_updates_with_graphs_follow_the_eager_ones(tiny_dir: str, role: str) -> None:
     batch = rl_batch(b=16)
     runs = {}
-    for graphs in eager_then_graphed(monkeypatch):
+    for graphs, cfg in eager_then_graphed(tiny_dir):
         worker = (
             ActorWorker(actor_section(cfg), CUDA, total_training_steps=4)
             if role == "actor"
             else CriticWorker(critic_section(cfg), CUDA, total_training_steps=4)
         )
-        assert (worker.forwards.graphs is not None) == (graphs == "1")
+        assert (worker.forwards.graphs is not None) == graphs
         runs[graphs] = updated(worker, batch, 2)
         if worker.forwards.graphs is not None:
             assert worker.forwards.graphs.failed is None, worker.forwards.graphs.failed
             assert worker.forwards.graphs.graphs and worker.forwards.graphs.replays > 0
-    (eager, eager_metrics), (graphed, graphed_metrics) = runs["0"], runs["1"]
+    (eager, eager_metrics), (graphed, graphed_metrics) = runs[False], runs[True]
     cosine = torch.nn.functional.cosine_similarity(eager.double(), graphed.double(), dim=0)
     assert float(cosine) > 0.99
     assert float(graphed.norm()) == pytest.approx(float(eager.norm()), rel=0.05)
@@ -98,17 +97,14 @@ def test_updates_with_graphs_follow_the_eager_ones(
         assert after[loss] == pytest.approx(before[loss], rel=0.05, abs=1e-3)
 
 
-def test_old_log_probs_and_values_from_graphs_follow_the_eager_ones(
-    tiny_dir: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cfg = cfg_for(tiny_dir, *SETTINGS)
+def test_old_log_probs_and_values_from_graphs_follow_the_eager_ones(tiny_dir: str) -> None:
     batch = rl_batch(b=16)
     runs = {}
-    for graphs in eager_then_graphed(monkeypatch):
+    for graphs, cfg in eager_then_graphed(tiny_dir):
         actor = ActorWorker(actor_section(cfg), CUDA, total_training_steps=1)
         critic = CriticWorker(critic_section(cfg), CUDA, total_training_steps=1)
         passes = [(*actor.compute_log_prob(batch), critic.compute_values(batch)) for _ in range(2)]
-        if graphs == "1":
+        if graphs:
             for worker in (actor, critic):
                 assert worker.forwards.graphs is not None and worker.forwards.graphs.failed is None
                 assert worker.forwards.graphs.replays > 0  # the second pass replayed the first one's graphs
@@ -116,7 +112,7 @@ def test_old_log_probs_and_values_from_graphs_follow_the_eager_ones(
                 assert torch.equal(first, second)
         runs[graphs] = passes[0]
     mask = batch["response_mask"].bool()
-    for eager, graphed in zip(runs["0"], runs["1"], strict=True):
+    for eager, graphed in zip(runs[False], runs[True], strict=True):
         assert eager.shape == graphed.shape == mask.shape
         assert bool((graphed[~mask] == 0).all())
         difference = (eager - graphed)[mask].abs()

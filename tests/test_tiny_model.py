@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from gsm8k_data import SOURCE_IDS, SOURCES
+from gsm8k_data import rows as gsm8k_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -15,8 +17,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fulcrum.models.tiny import ARCHS, SIZES, build_tiny_model, count_parameters, count_parameters_of, main
 from fulcrum.models.tiny_tokenizer import TOKENIZER_JSON, load_tokenizer, train_tokenizer
-
-GSM8K_DIR = Path("/work/shared/data/gsm8k")
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +93,11 @@ def test_cli_writes_a_model_and_reports_bad_options(tmp_path: Path, capsys: pyte
     assert "num_key_value_heads=3" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("source", SOURCES, ids=SOURCE_IDS)
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_tokenizer_is_lossless_on_gsm8k(arch: str, qwen2_dir: Path, llama_dir: Path) -> None:
-    if not GSM8K_DIR.is_dir():
-        pytest.skip("GSM8K release not found")
+def test_tokenizer_is_lossless_on_gsm8k(arch: str, source: Path, qwen2_dir: Path, llama_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(qwen2_dir if arch == "qwen2" else llama_dir)
-    rows = [json.loads(line) for line in (GSM8K_DIR / "test.jsonl").open()]
+    rows = gsm8k_rows(source, "test")
     texts = [r["question"] for r in rows] + [r["answer"] for r in rows]
     encoded = tokenizer(texts)["input_ids"]
     decoded = tokenizer.batch_decode(encoded, skip_special_tokens=True)

@@ -51,6 +51,8 @@ DERIVED: dict[str, str] = {
     "actor_rollout_ref.actor.checkpoint.load_contents": "actor_rollout_ref.actor.checkpoint.save_contents",
     "actor_rollout_ref.ref.strategy": "actor_rollout_ref.actor.strategy",
     "actor_rollout_ref.ref.use_torch_compile": "actor_rollout_ref.actor.use_torch_compile",
+    "actor_rollout_ref.ref.cuda_graphs": "actor_rollout_ref.actor.cuda_graphs",
+    "critic.cuda_graphs": "actor_rollout_ref.actor.cuda_graphs",
     "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": "actor_rollout_ref.actor.use_dynamic_bsz",
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "actor_rollout_ref.actor.ulysses_sequence_parallel_size",

@@ -10,7 +10,8 @@ OmegaConf holds (`Any` where verl takes a path or a list); a `None` default that
 key is filled when resolved (`DERIVED`, like verl's `${oc.select:...}`). `dict[str, Any]` fields
 are free-form: any sub-key may be set (`+reward_model.reward_kwargs.x=1`). The `algorithm` section,
 verl's recipe groups and `actor.policy_loss` are in fulcrum.config.schema_recipes,
-`actor_rollout_ref.rollout` in fulcrum.config.schema_rollout, to keep this file under 500 lines.
+`actor_rollout_ref.rollout` in fulcrum.config.schema_rollout and `data` in fulcrum.config.schema_data, to
+keep this file under 500 lines.
 """
 
 from __future__ import annotations
@@ -30,71 +31,10 @@ from fulcrum.config.domains import (
     Domain,
 )
 from fulcrum.config.keys import opt, sub
+from fulcrum.config.schema_data import DataConfig
 from fulcrum.config.schema_recipes import AlgorithmConfig, OverlongBufferConfig, PolicyLossConfig
 from fulcrum.config.schema_recipes import KLControlConfig as KLControlConfig  # re-exported
 from fulcrum.config.schema_rollout import RolloutConfig
-
-
-# ----------------------------------------------------------------------------------------- data
-@dataclass
-class CustomClsConfig:
-    path: str | None = opt(None, "python file defining a custom dataset class")
-    name: str | None = opt(None, "name of the dataset class in that file")
-
-
-@dataclass
-class SamplerConfig:
-    class_path: str | None = opt(None, "python file defining a custom sampler (curriculum)")
-    class_name: str | None = opt(None, "name of the sampler class")
-
-
-@dataclass
-class DatagenConfig:
-    path: str | None = opt(None, "python file defining a dynamic data generator")
-    name: str | None = opt(None, "name of the generator class")
-
-
-@dataclass
-class DataConfig:
-    tokenizer: str | None = opt(None, "tokenizer path; null uses actor_rollout_ref.model.path")
-    use_shm: bool = opt(False, "copy the model to shared memory before loading (verl; no effect)")
-    train_files: Any = opt("~/data/rlhf/gsm8k/train.parquet", "training parquet file(s)")
-    val_files: Any = opt("~/data/rlhf/gsm8k/test.parquet", "validation parquet file(s)")
-    prompt_key: str = opt("prompt", "parquet column holding the chat-message prompt")
-    reward_fn_key: str = opt("data_source", "column used to pick the reward function")
-    max_prompt_length: int = opt(512, "longest prompt in tokens (after the chat template)", AT_LEAST_1)
-    max_response_length: int = opt(512, "longest generated response in tokens", AT_LEAST_1)
-    train_batch_size: int = opt(1024, "prompts per training step (responses = this x rollout.n)", AT_LEAST_1)
-    gen_batch_size: int | None = opt(
-        None, "DAPO's round size (no effect: a round draws train_batch_size)", AT_LEAST_1
-    )
-    val_batch_size: int | None = opt(
-        None, "deprecated in verl: validation uses the whole set at once", AT_LEAST_1
-    )
-    return_raw_input_ids: bool = opt(False, "also return prompt ids without chat template (verl)")
-    return_raw_chat: bool = opt(False, "raw chat kept with each prompt (always: multi-turn reads it)")
-    return_full_prompt: bool = opt(False, "also return the templated prompt text")
-    shuffle: bool = opt(True, "shuffle training prompts each epoch")
-    seed: int | None = opt(None, "shuffle seed; null uses trainer.seed (verl: 1)", SEED)
-    dataloader_num_workers: int = opt(
-        8, "data loader worker processes (no effect: prompts are pre-tokenised)", AT_LEAST_0
-    )
-    validation_shuffle: bool = opt(False, "shuffle validation prompts")
-    filter_overlong_prompts: bool = opt(
-        True, "drop prompts longer than max_prompt_length (verl: false; fulcrum tokenises all at load anyway)"
-    )
-    filter_overlong_prompts_workers: int = opt(1, "processes used for filtering (no effect)", AT_LEAST_1)
-    truncation: Literal["error", "left", "right", "middle"] = opt(
-        "error", "what to do with a prompt over max_prompt_length"
-    )
-    image_key: str = opt("images", "column with images (multi-modal; not supported)")
-    video_key: str = opt("videos", "column with videos (multi-modal; not supported)")
-    trust_remote_code: bool = opt(False, "allow the tokenizer's remote code")
-    custom_cls: CustomClsConfig = sub(CustomClsConfig, "custom dataset class")
-    return_multi_modal_inputs: bool = opt(True, "multi-modal inputs (not supported)")
-    sampler: SamplerConfig = sub(SamplerConfig, "custom sampler")
-    datagen: DatagenConfig = sub(DatagenConfig, "dynamic data generator")
-    apply_chat_template_kwargs: dict[str, Any] = opt({}, "extra kwargs for tokenizer.apply_chat_template")
 
 
 # ---------------------------------------------------------------------------- actor_rollout_ref
@@ -220,6 +160,10 @@ class ActorConfig:
     entropy_coeff: float = opt(0.0, "entropy bonus coefficient", AT_LEAST_0)
     use_kl_loss: bool = opt(False, "add KL(actor||ref) to the loss (GRPO style)")
     use_torch_compile: bool = opt(True, "torch.compile the packed decoder layers (CUDA)")
+    inductor_cpp_wrapper: bool = opt(True, "inductor's C++ wrapper for compiled passes (all models; ours)")
+    cuda_graphs: bool = opt(
+        True, "micro-batches as CUDA graphs (one process on CUDA, packed, no LoRA or Ulysses; ours)"
+    )
     kl_loss_coef: float = opt(0.001, "coefficient of the KL loss", AT_LEAST_0)
     kl_loss_type: str = opt(
         "low_var_kl",
@@ -249,6 +193,7 @@ class ActorConfig:
 class RefConfig:
     strategy: str | None = opt(None, "null follows actor.strategy")
     use_torch_compile: bool | None = opt(None, "null follows actor.use_torch_compile")
+    cuda_graphs: bool | None = opt(None, "null follows actor.cuda_graphs (ours)")
     log_prob_micro_batch_size: int | None = opt(
         None, "deprecated; use log_prob_micro_batch_size_per_gpu", AT_LEAST_1
     )
@@ -335,6 +280,7 @@ class CriticConfig:
     shuffle: bool | None = opt(None, "null follows actor.shuffle")
     grad_clip: float = opt(1.0, "max global gradient norm", ABOVE_0)
     cliprange_value: float = opt(0.5, "value clipping range", ABOVE_0)
+    cuda_graphs: bool | None = opt(None, "null follows actor_rollout_ref.actor.cuda_graphs (ours)")
     loss_agg_mode: str | None = opt(None, "null follows actor.loss_agg_mode")
     ulysses_sequence_parallel_size: int = opt(
         1, "ranks that split each micro-batch's tokens (Ulysses; packed path)", AT_LEAST_1
@@ -473,6 +419,9 @@ class TrainerConfig:
         True,
         "the step waits only for a host copy of the state; serialising, hashing and fsync run beside "
         "training (host RAM: one checkpoint's size) (ours)",
+    )
+    park_optimizer_state: bool = opt(
+        True, "one process on CUDA: AdamW state of the model not training waits in host memory (ours)"
     )
     max_nan_steps: int = opt(
         3, "stop after this many consecutive steps with a NaN/inf loss (ours)", AT_LEAST_1

@@ -101,7 +101,8 @@ class RolloutConfig:
     skip_dump_dir: str = opt("/tmp/rollout_dump", "where skipped rollouts live (no effect)")
     engine_kwargs: dict[str, Any] = opt(
         {"vllm": {}, "sglang": {}, "native": {}},
-        "backend kwargs; native: block_size, num_kv_blocks, decode_steps (vllm/sglang: no effect)",
+        "backend kwargs; native: block_size, num_kv_blocks, decode_steps, overlap_windows, indirect_kv_cache, "
+        "triton_kernels (null: Triton on CUDA; false: torch ops) (vllm/sglang: no effect)",
     )
     val_kwargs: SamplingConfig = sub(SamplingConfig, "sampling at validation")
     multi_turn: MultiTurnConfig = sub(MultiTurnConfig, "multi-turn rollouts with tools")

@@ -72,6 +72,8 @@ class ReferenceSection:
     # actor_rollout_ref.model.override_config: verl builds the reference from the actor's model config
     override_config: Mapping[str, Any] = field(default_factory=dict)
     lm_head_fp32: bool = False  # actor_rollout_ref.model.lm_head_fp32: as the actor and the engine
+    cuda_graphs: bool = True  # actor_rollout_ref.ref.cuda_graphs (follows the actor's)
+    inductor_cpp_wrapper: bool = True  # actor_rollout_ref.actor.inductor_cpp_wrapper
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class CriticSection:
     values: ForwardSizes  # the values pass (critic.forward_*)
     seed: int  # mini-batch shuffles (trainer.seed + 7: not the actor's order)
     use_torch_compile: bool  # actor_rollout_ref.actor.use_torch_compile (verl's critic has no key)
+    inductor_cpp_wrapper: bool = True  # actor_rollout_ref.actor.inductor_cpp_wrapper
 
 
 def actor_section(cfg: FulcrumConfig) -> ActorSection:
@@ -122,6 +125,8 @@ def reference_section(cfg: FulcrumConfig) -> ReferenceSection:
         ulysses_sequence_parallel_size=int(ref.ulysses_sequence_parallel_size or 1),
         override_config=cfg.actor_rollout_ref.model.override_config,
         lm_head_fp32=bool(cfg.actor_rollout_ref.model.lm_head_fp32),
+        cuda_graphs=bool(ref.cuda_graphs),
+        inductor_cpp_wrapper=bool(cfg.actor_rollout_ref.actor.inductor_cpp_wrapper),
     )
 
 
@@ -142,4 +147,5 @@ def critic_section(cfg: FulcrumConfig) -> CriticSection:
         ),
         seed=cfg.trainer.seed + 7,
         use_torch_compile=bool(cfg.actor_rollout_ref.actor.use_torch_compile),
+        inductor_cpp_wrapper=bool(cfg.actor_rollout_ref.actor.inductor_cpp_wrapper),
     )

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -178,9 +177,8 @@ SAVE_MLP_PROJECTIONS = False
 # 35.0k tok/s with it, 28.8k without in another call of the same kind, BENCHMARKS.md, "The training
 # step", trees f3b1f99 and 9cbfb34).
 # Needs SAVE_ATTENTION_OUTPUTS (above), and is left out for layers that call an op the installed
-# torch's C shim lacks (`compile_options`).
-# TORCHINDUCTOR_CPP_WRAPPER=0 in the environment turns it off.
-CPP_WRAPPER = os.environ.get("TORCHINDUCTOR_CPP_WRAPPER", "1") != "0"
+# torch's C shim lacks (`compile_options`). The key actor_rollout_ref.actor.inductor_cpp_wrapper=false
+# turns it off (`compile_options(cpp_wrapper=False)`).
 ATTENTION_OPS = frozenset(
     getattr(torch.ops.aten, name).default
     for name in (
@@ -219,15 +217,16 @@ def _selective_checkpoint_contexts() -> tuple[object, object]:
 
 
 def compile_options(
-    backend: str = "inductor", config: object | None = None, device: str = "cuda"
+    backend: str = "inductor", config: object | None = None, device: str = "cuda", cpp_wrapper: bool = True
 ) -> dict[str, object] | None:
     """`torch.compile` options for the training passes' compiled code: inductor's C++ wrapper when
-    `CPP_WRAPPER` and the attention outputs are kept (`SAVE_ATTENTION_OUTPUTS`; without them the
-    checkpointed regions hold the RNG-replay op the wrapper refuses), else inductor's defaults. For
+    `cpp_wrapper` (actor_rollout_ref.actor.inductor_cpp_wrapper) and the attention outputs are kept
+    (`SAVE_ATTENTION_OUTPUTS`; without them the checkpointed regions hold the RNG-replay op the wrapper
+    refuses), else inductor's defaults. For
     the decoder layers of a model (its Hugging Face `config`, on `device`), inductor's defaults also
     where they call aten's `_grouped_mm` (`ModelSpec.grouped_mm`) and the installed torch's C shim
     for `device` lacks it (`c_shim_declares`)."""
-    if backend != "inductor" or not (CPP_WRAPPER and SAVE_ATTENTION_OUTPUTS and cpp_compiler_found()):
+    if backend != "inductor" or not (cpp_wrapper and SAVE_ATTENTION_OUTPUTS and cpp_compiler_found()):
         return None
     spec = spec_for(config) if config is not None else None
     if spec is not None and spec.grouped_mm(config) and not c_shim_declares("_grouped_mm", device):
@@ -286,13 +285,18 @@ def cpp_compiler_found() -> bool:
     return True
 
 
-def layer_compile_options(base: nn.Module, backend: str) -> dict[str, object] | None:
+def layer_compile_options(
+    base: nn.Module, backend: str, cpp_wrapper: bool = True
+) -> dict[str, object] | None:
     """`compile_options` for the decoder layers of `base`, on the device its weights are on."""
-    return compile_options(backend, base.config, next(base.parameters()).device.type)
+    return compile_options(backend, base.config, next(base.parameters()).device.type, cpp_wrapper)
 
 
 def compile_decoder_layers(
-    base: nn.Module, backend: str = "inductor", layers_per_region: int | None = None
+    base: nn.Module,
+    backend: str = "inductor",
+    layers_per_region: int | None = None,
+    cpp_wrapper: bool = True,
 ) -> None:
     """Compile `run_decoder_layers` for `packed_hidden_states`: the layers run in regions of
     `layers_per_region` (default `LAYERS_PER_REGION`), each region one compiled call, with gradient checkpointing (when the layers
@@ -306,6 +310,7 @@ def compile_decoder_layers(
     stay uncompiled, so padded calls (e.g. the hf rollout backend's `generate`, with its KV cache) run
     as before. Transformers' own checkpoint wrapper sits inside the layer's forward, where the
     compiler would have to trace it; it is switched off and applied by `run_decoder_layers` instead.
+    `cpp_wrapper`: as `compile_options`.
     """
     checkpointed = take_over_checkpointing(base)
     layers = list(base.layers[: base.config.num_hidden_layers])
@@ -315,11 +320,14 @@ def compile_decoder_layers(
         layers[i : i + layers_per_region] for i in range(0, len(layers), layers_per_region)
     ]
     base.fulcrum_compiled_run = torch.compile(
-        run_decoder_layers, dynamic=True, backend=backend, options=layer_compile_options(base, backend)
+        run_decoder_layers,
+        dynamic=True,
+        backend=backend,
+        options=layer_compile_options(base, backend, cpp_wrapper),
     )
 
 
-def compile_inside_layers(base: nn.Module, backend: str = "inductor") -> None:
+def compile_inside_layers(base: nn.Module, backend: str = "inductor", cpp_wrapper: bool = True) -> None:
     """`compile_decoder_layers` for layers that are FSDP2 units (`fully_shard`), as torchtitan orders
     them (checkpoint inside compile inside FSDP): each layer keeps its own call, so FSDP's hooks run
     eagerly around it (gather the layer's shards before, free them after, and their backward
@@ -333,7 +341,7 @@ def compile_inside_layers(base: nn.Module, backend: str = "inductor") -> None:
     get an instance `forward`, nothing registered.
     """
     checkpointed = take_over_checkpointing(base)  # transformers' wrapper would sit outside FSDP's hooks
-    options = layer_compile_options(base, backend)
+    options = layer_compile_options(base, backend, cpp_wrapper)
     compiled = torch.compile(run_layer_body, dynamic=True, backend=backend, options=options)
     for layer in base.layers[: base.config.num_hidden_layers]:
         layer.forward = functools.partial(

@@ -13,8 +13,8 @@ model's. `estimate()` returns every phase, itemised:
                     + T·2h (the residual stream) + max(T·2(h + 3I), one bf16 logits block)
     update        = resident + engine weights + fp32 gradients (4P) + bf16 compute weights (2P)
                     + their bf16 gradients (2P) + activations + (actor) the LM head's blocks
-                    - the other model's AdamW state (one process with a critic, unless
-                      FULCRUM_PARK_OPTIMIZER_STATE=0: it waits in host memory meanwhile)
+                    - the other model's AdamW state (one process with a critic, with
+                      trainer.park_optimizer_state: it waits in host memory meanwhile)
 
 with resident = 12 B per parameter of each trained model (+ 4 B of the reference's) + the CUDA
 context. A LoRA model (`fulcrum.tools.lora_params`) trains only its adapters: 12 B per adapter
@@ -70,14 +70,12 @@ LOGIT_CHUNK_ELEMENTS = 1 << 27
 # fulcrum.models.packed.SAVE_ATTENTION_OUTPUTS (a test keeps them equal; not imported, as above): the
 # checkpointed layers also keep the attention kernel's outputs for the backward.
 ATTENTION_OUTPUTS_KEPT = True
-# fulcrum.workers.state_parking.ENABLED (a test keeps them equal; not imported, as above): one process
-# with a critic parks each model's AdamW state in host memory during the other's update. The forward
-# phases count both states resident, as after a checkpoint (which brings parked state back).
-OPTIMIZER_STATE_PARKED = os.environ.get("FULCRUM_PARK_OPTIMIZER_STATE", "1") != "0"
-# fulcrum.workers.step_graphs.switched_on (a test keeps them equal; not imported, as above): one process
-# replays each packed model's micro-batches as CUDA graphs, which keeps its bf16 compute weights and a bf16
-# gradient buffer resident, and holds the graphs' memory pool (the largest captured micro-batch's work).
-TRAIN_GRAPHS = os.environ.get("FULCRUM_TRAIN_CUDA_GRAPHS", "1") != "0"
+# With trainer.park_optimizer_state one process with a critic parks each model's AdamW state in host
+# memory during the other's update (fulcrum.workers.state_parking). The forward phases count both states
+# resident, as after a checkpoint (which brings parked state back).
+# With a role's cuda_graphs key one process replays each packed model's micro-batches as CUDA graphs
+# (fulcrum.workers.step_graphs), which keeps its bf16 compute weights and a bf16 gradient buffer
+# resident, and holds the graphs' memory pool (the largest captured micro-batch's work).
 GRAPHS_RESIDENT_SHARE = 0.05  # fulcrum.workers.step_graphs.MAX_RESIDENT_SHARE (a test keeps them equal)
 
 
@@ -128,6 +126,7 @@ class Estimate:
     phases: list[Phase]
     kv_cache_bytes: float
     kv_tokens: int
+    graphs: dict[str, str | None] = field(default_factory=dict)  # role -> why it runs eagerly (None: graphed)
 
     @property
     def peak(self) -> Phase:
@@ -326,16 +325,14 @@ def estimate(
         resident["reference weights (fp32)"] = 4 * p_actor
     resident["CUDA context and workspaces"] = CUDA_CONTEXT_BYTES
 
-    # CUDA graphs of the micro-batches (`graphs_keep`): each graphed model's compute weights and gradient
+    # CUDA graphs of the micro-batches (`graphs_refused`): each graphed model's compute weights and gradient
     # buffer, the reference's compute weights, and the graphs' pool (the largest update micro-batch's work).
-    graphed = {
-        "actor": graphs_keep(
-            cfg, device_bytes, 4 * actor.trained, bool(arr.model.use_remove_padding), actor.lora
-        )
-    }
-    graphed["critic"] = uses_critic and graphs_keep(
-        cfg, device_bytes, 4 * critic.trained, bool(cfg.critic.model.use_remove_padding), critic.lora
-    )
+    refused = {"actor": graphs_refused(cfg, "actor", device_bytes, 4 * actor.trained, actor.lora)}
+    if uses_critic:
+        refused["critic"] = graphs_refused(cfg, "critic", device_bytes, 4 * critic.trained, critic.lora)
+    if uses_reference and not actor.lora:  # a LoRA actor's reference is its base, adapters off
+        refused["reference"] = graphs_refused(cfg, "reference", device_bytes, 2 * p_actor)
+    graphed = {role: role in refused and refused[role] is None for role in ("actor", "critic", "reference")}
     pool = 0.0
     for role, params in (("actor", actor), ("critic", critic)):
         if graphed[role]:
@@ -348,11 +345,7 @@ def estimate(
                     shape, sizes.update_rows[role], sizes.response_len, sizes.with_entropy, True
                 )
             pool = max(pool, work)
-    if (
-        uses_reference
-        and not actor.lora
-        and graphs_keep(cfg, device_bytes, 2 * p_actor, bool(arr.model.use_remove_padding))
-    ):
+    if graphed["reference"]:
         resident["reference compute weights kept for CUDA graphs"] = 2 * p_actor
     if pool:
         resident["CUDA graphs' memory pool"] = pool
@@ -392,7 +385,7 @@ def estimate(
     base = {**resident, **training_extra}
     # One process with a critic: during each model's update the other's AdamW state waits in host memory
     # (fulcrum.workers.state_parking).
-    parked = OPTIMIZER_STATE_PARKED and uses_critic and world_size(cfg) == 1
+    parked = bool(cfg.trainer.park_optimizer_state) and uses_critic and world_size(cfg) == 1
     actor_base = without(base, adamw_item("critic", critic)) if parked else base
     critic_base = without(base, adamw_item("actor", actor)) if parked else base
     actor_update = update_phase("actor", actor.trained, actor_base, shape, sizes, graphed["actor"])
@@ -415,20 +408,44 @@ def estimate(
                 "values forward", critic.trained, critic_rows, base, shape, sizes, False, graphed["critic"]
             )
         )
-    return Estimate(device_bytes, device_known, phases, kv, kv_tokens)
+    return Estimate(device_bytes, device_known, phases, kv, kv_tokens, refused)
 
 
-def graphs_keep(cfg: Any, device_bytes: float, kept: float, packed: bool, lora: bool = False) -> bool:
-    """Whether a model's micro-batches replay as CUDA graphs, keeping `kept` bytes resident
-    (fulcrum.workers.step_graphs.graphs_refused's rule): one process, packed, no LoRA, `kept` within
-    `GRAPHS_RESIDENT_SHARE` of the device."""
-    return (
-        TRAIN_GRAPHS
-        and world_size(cfg) == 1
-        and packed
-        and not lora
-        and kept <= GRAPHS_RESIDENT_SHARE * device_bytes
-    )
+# Each role's keys: its cuda_graphs switch, its packing switch, its sequence-parallel size.
+GRAPH_ROLE_KEYS = {
+    "actor": ("actor_rollout_ref.actor", "actor_rollout_ref.model", "actor_rollout_ref.actor"),
+    "reference": ("actor_rollout_ref.ref", "actor_rollout_ref.model", "actor_rollout_ref.ref"),
+    "critic": ("critic", "critic.model", "critic"),
+}
+
+
+def graphs_refused(cfg: Any, role: str, device_bytes: float, kept: float, lora: bool = False) -> str | None:
+    """Why `role`'s micro-batches would run eagerly, or None when they replay as CUDA graphs keeping `kept`
+    bytes resident (fulcrum.workers.step_graphs.graphs_refused's rule, read from the keys): its
+    `cuda_graphs` key on, one process, packed, no sequence parallelism, no LoRA, `kept` within
+    `GRAPHS_RESIDENT_SHARE` of the device (a CUDA device, as the whole estimate)."""
+    switch, model, sp = (select(cfg, path) for path in GRAPH_ROLE_KEYS[role])
+    if not switch.cuda_graphs:
+        return f"{GRAPH_ROLE_KEYS[role][0]}.cuda_graphs=false"
+    if world_size(cfg) > 1:
+        return "several processes"
+    if not model.use_remove_padding:
+        return f"padded micro-batches ({GRAPH_ROLE_KEYS[role][1]}.use_remove_padding=false)"
+    if int(sp.ulysses_sequence_parallel_size or 1) > 1:
+        return "sequence parallelism"
+    if lora:
+        return "LoRA adapters"
+    if kept > GRAPHS_RESIDENT_SHARE * device_bytes:
+        return f"it would keep {kept / GiB:.1f} GiB resident, over {GRAPHS_RESIDENT_SHARE:.0%} of the device"
+    return None
+
+
+def select(cfg: Any, path: str) -> Any:
+    """The section of `cfg` at a dotted `path` (`critic.model`)."""
+    node = cfg
+    for name in path.split("."):
+        node = getattr(node, name)
+    return node
 
 
 def usable_cache_bytes(rollout: Any, shape: ModelShape, seq_len: int) -> float:
@@ -461,4 +478,7 @@ def format_estimate(est: Estimate) -> list[str]:
             lines.append(f"  other phase: {phase.name} {phase.total / GiB:.1f} GiB")
     if est.kv_cache_bytes > 0:
         lines.append(f"  KV cache holds {est.kv_tokens:,} tokens")
+    if est.graphs:
+        said = [f"{role} " + ("on" if why is None else f"off ({why})") for role, why in est.graphs.items()]
+        lines.append("  CUDA graphs of the micro-batches: " + ", ".join(said))
     return lines

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from fulcrum.algo.kl import build_kl_controller
 from fulcrum.config import FulcrumConfig, to_dict, uses_critic, uses_reference
@@ -51,6 +50,7 @@ from fulcrum.trainer.advantage_stage import (
 )
 from fulcrum.trainer.checkpoint import CheckpointManager
 from fulcrum.trainer.checkpoint.sharded import gather_roles
+from fulcrum.trainer.console import StepBar, quiet_library_bars_off_terminal
 from fulcrum.trainer.data_parallel import engine_tp_size, on_shares, startup_line
 from fulcrum.trainer.diagnosis import LiveDiagnosis
 from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, StepAbandoned, explain_oom
@@ -94,6 +94,7 @@ class PPOTrainer:
         self.n_devices = n_devices
         # Under torchrun: this rank's place. Rank 0 alone writes the run directory's shared files.
         self.dist = dist or DistInfo()
+        quiet_library_bars_off_terminal(self.dist.is_main)  # a log file gets no carriage-return redraws
         seed = int(cfg.trainer.seed)
         seed_everything(seed)
         arr = cfg.actor_rollout_ref
@@ -132,10 +133,11 @@ class PPOTrainer:
         self.critic = (
             CriticWorker(critic_section(cfg), device, total, self.tokenizer) if uses_critic(cfg) else None
         )
-        # With a critic (unless FULCRUM_PARK_OPTIMIZER_STATE=0): each model's optimiser state waits in host memory
+        # With a critic (trainer.park_optimizer_state): each model's optimiser state waits in host memory
         # while the other one trains; a checkpoint brings it back before it reads the state.
+        roles, host_available = list(self.roles().values()), M.host_meminfo().get("MemAvailable")
         self.parking = park_between_updates(
-            list(self.roles().values()), device, self.dist.distributed, M.host_meminfo().get("MemAvailable")
+            roles, device, self.dist.distributed, host_available, bool(cfg.trainer.park_optimizer_state)
         )
         if self.parking is not None:
             self.checkpoints.before_reading_state = self.parking.restore_all
@@ -281,13 +283,7 @@ class PPOTrainer:
             last.update(val)
             if cfg.val_only:
                 return last
-        bar = tqdm(
-            total=self.total_training_steps,
-            initial=self.global_step,
-            desc="training steps",
-            unit="step",
-            disable=not self.dist.is_main,
-        )
+        progress = StepBar(self.total_training_steps, self.global_step, self.dist.is_main).open()
         # Ctrl-C / SIGTERM: finish the step, save, exit (trainer.save_on_interrupt); else they stop at once.
         interrupt = GracefulInterrupt()
         self._interrupt = interrupt
@@ -324,9 +320,9 @@ class PPOTrainer:
                 metrics["perf/elapsed_s"] = self.wall_clock.elapsed()
                 self.tracking.log(metrics, step=self.global_step)
                 for line in self.live_diagnosis.observe(metrics, self.global_step):
-                    tqdm.write(line)
+                    print(line, flush=True)
                 last = metrics
-                bar.update(1)
+                progress.step(metrics)
                 if self.nan_guard.exceeded:
                     raise self.nan_guard.error()
                 if self.interrupt_requested():
@@ -345,8 +341,8 @@ class PPOTrainer:
             self.end_checkpoint_write(None)
         finally:
             interrupt.uninstall()
-            bar.close()
             self.tracking.close()
+            progress.close()
             # The suspended generator holds this trainer (a reference cycle that only the garbage
             # collector would break): drop it, so nothing outlives the run by accident.
             self._prompt_stream = None

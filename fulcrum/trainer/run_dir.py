@@ -88,6 +88,10 @@ HARMLESS_KEYS = (
     "actor_rollout_ref.rollout.max_num_batched_tokens",
     "actor_rollout_ref.rollout.enforce_eager",
     "actor_rollout_ref.rollout.free_cache_engine",
+    # how the training passes launch (graphs, the compiled code's wrapper), where idle AdamW state waits
+    "*.cuda_graphs",
+    "actor_rollout_ref.actor.inductor_cpp_wrapper",
+    "trainer.park_optimizer_state",
     # the world size and the engine layout: the same global batches, split over other ranks
     "trainer.n_gpus_per_node",
     "trainer.nnodes",

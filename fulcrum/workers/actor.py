@@ -101,6 +101,8 @@ class ReferenceWorker:
             sp_size=section.ulysses_sequence_parallel_size,
             sp_key="actor_rollout_ref.ref.ulysses_sequence_parallel_size",
             lm_head_fp32=section.lm_head_fp32,
+            cuda_graphs=section.cuda_graphs,
+            cpp_wrapper=section.inductor_cpp_wrapper,
         )
         self.temperature = section.temperature
         self.sizes = section.log_prob
@@ -142,6 +144,8 @@ class ActorWorker:
             sp_size=int(self.cfg.ulysses_sequence_parallel_size),
             sp_key="actor_rollout_ref.actor.ulysses_sequence_parallel_size",
             lm_head_fp32=bool(model.lm_head_fp32),
+            cuda_graphs=bool(self.cfg.cuda_graphs),
+            cpp_wrapper=bool(self.cfg.inductor_cpp_wrapper),
         )
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optim, device)
         self.parking: OptimizerStateParking | None = None  # set by a trainer that updates several models

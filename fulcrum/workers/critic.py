@@ -57,6 +57,8 @@ class CriticWorker:
             use_torch_compile=section.use_torch_compile,
             sp_size=int(c.ulysses_sequence_parallel_size),
             sp_key="critic.ulysses_sequence_parallel_size",
+            cuda_graphs=bool(c.cuda_graphs),
+            cpp_wrapper=section.inductor_cpp_wrapper,
         )
         self.optimizer = build_optimizer(self.model.parameters(), c.optim, device)
         self.parking: OptimizerStateParking | None = None  # set by a trainer that updates several models

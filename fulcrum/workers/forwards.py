@@ -63,7 +63,11 @@ class ModelForwards:
 
     `sp_size` > 1 (the role's `ulysses_sequence_parallel_size`, named by `sp_key`): each micro-batch's
     packed stream is split over a group of `sp_size` ranks (`fulcrum.parallel.ulysses`), which share
-    the micro-batch; the data is split over the world / `sp_size` groups (`dp_rank`, `dp_size`)."""
+    the micro-batch; the data is split over the world / `sp_size` groups (`dp_rank`, `dp_size`).
+
+    `cuda_graphs` (the role's `cuda_graphs` key): its micro-batches replayed as CUDA graphs where they
+    can be (`fulcrum.workers.step_graphs.graphs_refused`); `cpp_wrapper`
+    (actor_rollout_ref.actor.inductor_cpp_wrapper): the compiled code under inductor's C++ wrapper."""
 
     def __init__(
         self,
@@ -76,9 +80,12 @@ class ModelForwards:
         sp_size: int = 1,
         sp_key: str = "ulysses_sequence_parallel_size",
         lm_head_fp32: bool = False,
+        cuda_graphs: bool = True,
+        cpp_wrapper: bool = True,
     ) -> None:
         self.model = model
         self.device = device
+        self.cuda_graphs = cuda_graphs
         reason = packing_unsupported_reason(model.config) if use_remove_padding else None
         if reason is not None:
             logger.warning("%s: use_remove_padding=True but %s; using padded micro-batches", role, reason)
@@ -100,10 +107,10 @@ class ModelForwards:
             # of one compiled layer than dynamo's default cache of 8 holds.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             if sharded:  # each layer an FSDP unit: compile inside its hooks (torchtitan's order)
-                compile_inside_layers(model.model)
+                compile_inside_layers(model.model, cpp_wrapper=cpp_wrapper)
             else:
-                compile_decoder_layers(model.model)
-            use_compiled_chunks(True, compile_options())
+                compile_decoder_layers(model.model, cpp_wrapper=cpp_wrapper)
+            use_compiled_chunks(True, compile_options(cpp_wrapper=cpp_wrapper))
         dtype = compute_dtype(device)
         mixed = dtype != torch.float32 and not sharded
         self.compute = ComputeWeights(model, dtype, keep=keep) if mixed else None

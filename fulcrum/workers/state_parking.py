@@ -14,7 +14,7 @@ first update that parked a model's moments paid on the step when each copy was p
 command's step 2, whose critic update measured 5-7 s slower; 1.50 s with the block pinned ahead,
 BENCHMARKS.md).
 
-On by default (`FULCRUM_PARK_OPTIMIZER_STATE=0` turns it off): measured in the seed trainer on one H200
+On by default (`trainer.park_optimizer_state=false` turns it off): measured in the seed trainer on one H200
 (BENCHMARKS.md, "Optimiser state parked between updates"), and a GPU run that checkpoints every step writes
 the live state and resumes from it (tests/test_state_parking.py). (The moments come back at new device
 addresses; a background save's host buffers are kept by the tensor's place in the snapshot, not by its
@@ -29,9 +29,8 @@ it the checkpoints' `before_reading_state`; a resume loads before any update has
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,15 +40,6 @@ from fulcrum.rollout.native.kernels import next_pow2
 
 logger = logging.getLogger(__name__)
 
-SWITCH = "FULCRUM_PARK_OPTIMIZER_STATE"
-
-
-def switched_on(environ: Mapping[str, str]) -> bool:
-    """On unless the environment sets `SWITCH` to 0."""
-    return environ.get(SWITCH, "1") != "0"
-
-
-ENABLED = switched_on(os.environ)
 # The share of the host's available memory the parked moments may pin: pinned pages cannot be swapped,
 # and the host also holds the batch, the data set and a background checkpoint's snapshot.
 HOST_SHARE = 0.25
@@ -167,14 +157,15 @@ class OptimizerStateParking:
 
 
 def park_between_updates(
-    workers: Sequence[Any], device: torch.device, distributed: bool, host_available: int | None
+    workers: Sequence[Any], device: torch.device, distributed: bool, host_available: int | None, enabled: bool
 ) -> OptimizerStateParking | None:
-    """A parking for the optimisers of `workers` (each gets it as `.parking`) when it is on (`ENABLED`)
-    and can help: one process on CUDA (FSDP's `optimizer_offload` is the several-rank tool), two or more
-    optimisers, and their moments' pinned copies within `HOST_SHARE` of `host_available` bytes of host
-    memory (None: not known, not checked)."""
+    """A parking for the optimisers of `workers` (each gets it as `.parking`) when it is on (`enabled`:
+    trainer.park_optimizer_state) and can help: one process on CUDA (FSDP's `optimizer_offload` is the
+    several-rank tool), two or more optimisers, and their moments' pinned copies within `HOST_SHARE` of
+    `host_available` bytes of host memory (None: not known, not checked). Elsewhere the key is ignored:
+    the state stays on the device."""
     trained = [w for w in workers if getattr(w, "optimizer", None) is not None]
-    if not ENABLED or device.type != "cuda" or distributed or len(trained) < 2:
+    if not enabled or device.type != "cuda" or distributed or len(trained) < 2:
         return None
     # torch's pinned allocator rounds each block up to a power of two: one block an optimiser.
     moments = sum(next_pow2(moment_bytes(w.optimizer)) for w in trained)

@@ -28,7 +28,6 @@ goes on eagerly.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from collections.abc import Callable
@@ -53,6 +52,7 @@ class Forwards(Protocol):
 
     model: torch.nn.Module
     device: torch.device
+    cuda_graphs: bool  # the role's `cuda_graphs` key
     packed: bool
     compute: ComputeWeights | None
     sp: object | None
@@ -75,13 +75,15 @@ MAX_GRAPHS = 128
 # smaller device, keeps that memory for activations and the KV cache, and runs eagerly.
 MAX_RESIDENT_SHARE = 0.05
 
+# The key that switches each role's graphs (the reference's and the critic's follow the actor's).
+GRAPH_KEYS = {
+    "actor": "actor_rollout_ref.actor.cuda_graphs",
+    "critic": "critic.cuda_graphs",
+    "reference": "actor_rollout_ref.ref.cuda_graphs",
+}
+
 Metrics = dict[str, torch.Tensor | float]
 StepFn = Callable[[MicroInputs, dict[str, float | torch.Tensor]], Metrics]
-
-
-def switched_on() -> bool:
-    """Graphs for the updates' micro-batches: on unless FULCRUM_TRAIN_CUDA_GRAPHS=0."""
-    return os.environ.get("FULCRUM_TRAIN_CUDA_GRAPHS", "1") != "0"
 
 
 def graphs_for(forwards: Forwards) -> StepGraphs | None:
@@ -92,10 +94,12 @@ def graphs_for(forwards: Forwards) -> StepGraphs | None:
 
 def graphs_refused(forwards: Forwards) -> str | None:
     """Why the model behind `forwards` runs its micro-batches eagerly, or None when they can be graphed:
-    on CUDA, packed, with compute weights of its own (not FSDP-sharded), in one process, without sequence
-    parallelism or LoRA adapters, when what it keeps resident fits `MAX_RESIDENT_SHARE` of the device."""
-    if not switched_on():
-        return "FULCRUM_TRAIN_CUDA_GRAPHS=0"
+    its `cuda_graphs` key on, on CUDA, packed, with compute weights of its own (not FSDP-sharded), in
+    one process, without sequence parallelism or LoRA adapters, when what it keeps resident fits
+    `MAX_RESIDENT_SHARE` of the device. (Each of these is a reason the key is ignored, not refused: the
+    key is on by default, and CPU, multi-process, LoRA and Ulysses runs train the same eagerly.)"""
+    if not forwards.cuda_graphs:
+        return "its cuda_graphs key is false"
     if forwards.device.type != "cuda":
         return "not on CUDA"
     if not forwards.packed:
@@ -141,7 +145,8 @@ def graphs_line(forwards: dict[str, Forwards]) -> str | None:
             parts.append(f"{role} on ({resident_bytes(f.compute) / 2**30:.1f} GiB kept resident)")
         else:
             parts.append(f"{role} off ({reason})")
-    return "CUDA graphs of the micro-batches: " + ", ".join(parts) + " [FULCRUM_TRAIN_CUDA_GRAPHS]"
+    keys = ", ".join(GRAPH_KEYS[role] for role in forwards)
+    return "CUDA graphs of the micro-batches: " + ", ".join(parts) + f" [{keys}]"
 
 
 def micro_step(
@@ -388,7 +393,8 @@ class StepGraphs:
             self.failed = f"{type(err).__name__}: {err}"
             logger.warning(
                 "CUDA graphs for this model's micro-batches are off (one could not be captured: %s); its "
-                "passes run eagerly. FULCRUM_TRAIN_CUDA_GRAPHS=0 turns them off.",
+                "passes run eagerly. Its role's cuda_graphs=false (e.g. actor_rollout_ref.actor.cuda_graphs) "
+                "turns them off.",
                 self.failed,
             )
             return outs, extra

@@ -2,7 +2,8 @@
 
 Ours live under `rollout.engine_kwargs.native` (e.g. `+actor_rollout_ref.rollout.engine_kwargs.native.block_size=32`):
 `block_size`, `num_kv_blocks` (the cache size on the CPU, or a fixed size anywhere), `decode_steps`
-(decode steps run on the device between two looks from the scheduler).
+(decode steps run on the device between two looks from the scheduler), `overlap_windows`,
+`indirect_kv_cache` and `triton_kernels` (`NATIVE_KWARGS`; each documented on its `EngineConfig` field).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class EngineConfig:
     # actor_rollout_ref.model.lm_head_fp32: sample from float32 LM-head logits (fulcrum.models.head_logits),
     # as the actor scores them with the key on; a model-section key, so the trainer passes it in.
     lm_head_fp32: bool = False
+    # The engine's Triton kernels (attention, rotary and cache writes, sampling) instead of torch ops.
+    # None: on CUDA, off on the CPU; True: also on the CPU under Triton's interpreter (TRITON_INTERPRET=1,
+    # for tests), refused where Triton cannot run; False: torch ops everywhere (the reference path).
+    triton_kernels: bool | None = None
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1, f"rollout.max_num_seqs must be >= 1, got {self.max_num_seqs}"
@@ -62,6 +67,11 @@ class EngineConfig:
         )
         if self.num_kv_blocks is not None:
             assert self.num_kv_blocks >= 2, "engine_kwargs.native.num_kv_blocks must be >= 2 (one is scratch)"
+        if self.triton_kernels not in (None, True, False):
+            raise ValueError(
+                "actor_rollout_ref.rollout.engine_kwargs.native.triton_kernels: expected true, false or null, "
+                f"got {self.triton_kernels!r}"
+            )
 
     def max_tokens_per_seq(self) -> int:
         """KV slots one sequence can take: max_model_len, plus what a decode window may write past a
@@ -97,7 +107,14 @@ class EngineConfig:
 
 
 # Our knobs under rollout.engine_kwargs.native: their defaults are EngineConfig's own.
-NATIVE_KWARGS = ("block_size", "num_kv_blocks", "decode_steps", "indirect_kv_cache", "overlap_windows")
+NATIVE_KWARGS = (
+    "block_size",
+    "num_kv_blocks",
+    "decode_steps",
+    "indirect_kv_cache",
+    "overlap_windows",
+    "triton_kernels",
+)
 
 
 def engine_config_from(

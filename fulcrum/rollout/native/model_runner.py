@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from fulcrum.batch import host_to_device
+from fulcrum.config.keys import ConfigError
 from fulcrum.rollout.native import ops
 from fulcrum.rollout.native.attention import AttentionMetadata
 from fulcrum.rollout.native.config import EngineConfig
@@ -36,13 +37,22 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_CACHE_TOKENS = 65536  # the CPU cache when num_kv_blocks is not set
 
 
-def use_triton_on(device: torch.device) -> bool:
-    """Triton kernels on CUDA; on the CPU only under Triton's interpreter (tests: FULCRUM_NATIVE_TRITON=1)."""
-    if not HAVE_TRITON:
+def use_triton_on(device: torch.device, wanted: bool | None) -> bool:
+    """Whether the engine runs its Triton kernels on `device`, as `wanted`
+    (engine_kwargs.native.triton_kernels, `EngineConfig.triton_kernels`): by default on CUDA only; asked
+    for (True), also on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`, Triton's own switch),
+    and refused where Triton cannot run them."""
+    if wanted is False:
         return False
-    if device.type == "cuda":
-        return os.environ.get("FULCRUM_NATIVE_TRITON", "1") != "0"
-    return os.environ.get("FULCRUM_NATIVE_TRITON") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+    runs = HAVE_TRITON and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    if wanted and not runs:
+        why = "triton is not installed" if not HAVE_TRITON else "on the CPU Triton needs TRITON_INTERPRET=1"
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.engine_kwargs.native.triton_kernels=true, but {why}; leave it null "
+            "(Triton on CUDA only) or set it false",
+            "actor_rollout_ref.rollout.engine_kwargs.native.triton_kernels",
+        )
+    return runs if wanted else HAVE_TRITON and device.type == "cuda"
 
 
 @dataclass
@@ -125,7 +135,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.block_size = config.block_size
-        self.use_triton = use_triton_on(device)
+        self.use_triton = use_triton_on(device, config.triton_kernels)
         model.use_triton = self.use_triton
         model.fp32_logits = config.lm_head_fp32
         self.use_graphs = device.type == "cuda" and not config.enforce_eager
