@@ -1,5 +1,5 @@
-"""Where the GSM8K tests read the release: the committed rows of `tests/fixtures/gsm8k` (its README says
-which) always, and the whole release beside the checkout (`../shared/data/gsm8k`, 7,473 train and 1,319
+"""Where the GSM8K tests read their problems: the committed GSM8K-format rows of `tests/fixtures/gsm8k` (made
+up, its README says how) always, and the whole release beside the checkout (`../shared/data/gsm8k`, 7,473 train and 1,319
 test problems) as well when it is there. `SOURCES` lists them for `pytest.mark.parametrize`: nothing is
 skipped where the release is missing, and nothing depends on where the checkout sits."""
 

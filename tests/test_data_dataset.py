@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from gsm8k_data import SOURCE_IDS, SOURCES, expected_rows
+from gsm8k_data import rows as gsm8k_rows
 
 from fulcrum.data.dataset import DatasetError, PromptLoader, RLHFDataset, left_pad, truncate
 from fulcrum.data.gsm8k import prepare_gsm8k
@@ -112,7 +113,8 @@ def test_gsm8k_test_split_tokenises_quickly(source: Path, tmp_path: Path, tokeni
     paths = prepare_gsm8k(source, tmp_path)
     dataset = RLHFDataset(paths["test"], tokenizer, max_prompt_length=512)
     assert len(dataset) == expected_rows(source, "test") and dataset.num_filtered == 0
-    assert dataset[0]["ground_truth"] == "18"
+    first = gsm8k_rows(source, "test")[0]["answer"]
+    assert dataset[0]["ground_truth"] == first.split("#### ")[-1].replace(",", "")
     assert all(len(it["input_ids"]) <= 512 for it in dataset)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from gsm8k_data import SOURCE_IDS, SOURCES, expected_rows
+from gsm8k_data import FIXTURE_DIR, RELEASE_DIR, SOURCE_IDS, SOURCES, expected_rows
 from gsm8k_data import rows as gsm8k_rows
 
 from fulcrum.data.cli import main
@@ -51,8 +51,16 @@ def test_rows_are_verls_byte_for_byte(converted: tuple[Path, Path]) -> None:
             "question": raw["question"],
         }
         assert compute_score(row["extra_info"]["answer"], row["reward_model"]["ground_truth"]) == 1.0
-    assert rows[0]["prompt"][0]["content"].startswith("Janet\u2019s ducks lay 16 eggs per day.")
-    assert rows[0]["reward_model"]["ground_truth"] == "18"
+    # the first test problem, a non-ASCII apostrophe kept: the release's, or the fixture's made-up one
+    start, truth = FIRST_TEST_ROW[source_dir]
+    assert rows[0]["prompt"][0]["content"].startswith(start)
+    assert rows[0]["reward_model"]["ground_truth"] == truth
+
+
+FIRST_TEST_ROW = {
+    RELEASE_DIR: ("Janet\u2019s ducks lay 16 eggs per day.", "18"),
+    FIXTURE_DIR: ("Ravi\u2019s shop gets 5 deliveries of a carton of eggs.", "61"),
+}
 
 
 def test_ground_truth_extraction() -> None:
