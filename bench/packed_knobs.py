@@ -32,12 +32,6 @@ def add_packed_knobs(parser: argparse.ArgumentParser) -> None:
         help="checkpointing also keeps the MLP's gate and up projections' outputs (packed.SAVE_MLP_PROJECTIONS, "
         "off by default), to compare",
     )
-    parser.add_argument(
-        "--cpp-wrapper",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="inductor's C++ wrapper for the compiled regions (packed.CPP_WRAPPER, on by default), to compare",
-    )
 
 
 def apply_packed_knobs(args: argparse.Namespace) -> None:
@@ -50,8 +44,6 @@ def apply_packed_knobs(args: argparse.Namespace) -> None:
         packed.SAVE_ATTENTION_OUTPUTS = args.save_attention
     if args.save_mlp is not None:
         packed.SAVE_MLP_PROJECTIONS = args.save_mlp
-    if args.cpp_wrapper is not None:
-        packed.CPP_WRAPPER = args.cpp_wrapper
 
 
 def knob_summary() -> dict[str, object]:
