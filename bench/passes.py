@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ab == "save_attention":
         # The C++ wrapper refuses the checkpointed regions without the attention outputs kept: the A/B
         # compares the two under inductor's Python wrapper.
-        args.cpp_wrapper = False
+        overrides = [*overrides, "actor_rollout_ref.actor.inductor_cpp_wrapper=false"]
     apply_packed_knobs(args)
     device = torch.device("cuda")
     cfg = seed_sizes_config(args.model, args.prompt_width, args.response, args.mini, overrides)
