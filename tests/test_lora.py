@@ -12,7 +12,7 @@ from fulcrum.config.sections import actor_section, critic_section, reference_sec
 from fulcrum.models.load import load_causal_lm, load_tokenizer
 from fulcrum.models.lora import adapted_layers
 from fulcrum.rollout import SamplingParams
-from fulcrum.trainer.ppo_trainer import engine_model_of
+from fulcrum.trainer.startup import engine_model_of
 from fulcrum.workers.actor import (
     ActorWorker,
     AdaptersOffReference,

@@ -15,8 +15,8 @@ from test_workers_update import cfg_for
 from fulcrum.config.sections import actor_section, critic_section, reference_section
 from fulcrum.models import precision
 from fulcrum.models.config_override import apply_override
-from fulcrum.trainer import ppo_trainer
-from fulcrum.trainer.ppo_trainer import engine_model_of
+from fulcrum.trainer import startup
+from fulcrum.trainer.startup import engine_model_of
 from fulcrum.workers.actor import ActorWorker, ReferenceWorker
 from fulcrum.workers.critic import CriticWorker
 
@@ -55,7 +55,7 @@ def test_override_reaches_actor_reference_critic_and_engine(
     assert critic.model.config.attention_dropout == 0.5
     arr = cfg.actor_rollout_ref
     assert engine_model_of(actor, arr, CPU).config.attention_dropout == 0.25  # the actor's own module
-    monkeypatch.setattr(ppo_trainer, "is_sharded", lambda _: True)  # the engine's copy of a sharded actor
+    monkeypatch.setattr(startup, "is_sharded", lambda _: True)  # the engine's copy of a sharded actor
     assert engine_model_of(actor, arr, CPU).config.attention_dropout == 0.25
 
 
@@ -73,7 +73,7 @@ def test_engine_copy_of_a_sharded_actor_is_built_in_the_compute_dtype(
     cfg = cfg_for(str(tiny_model))
     actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=1)
     monkeypatch.setitem(precision.COMPUTE_DTYPES, "cpu", torch.bfloat16)
-    monkeypatch.setattr(ppo_trainer, "is_sharded", lambda _: True)
+    monkeypatch.setattr(startup, "is_sharded", lambda _: True)
     engine_model = engine_model_of(actor, cfg.actor_rollout_ref, CPU)
     assert engine_model is not actor.model
     trained = dict(actor.model.named_parameters())

@@ -32,14 +32,11 @@ from fulcrum.algo.kl import build_kl_controller
 from fulcrum.config import FulcrumConfig, to_dict, uses_critic, uses_reference
 from fulcrum.config.sections import actor_section, critic_section, reference_section
 from fulcrum.data.dataset import rl_datasets
-from fulcrum.models.load import load_causal_lm, load_tokenizer
-from fulcrum.models.lora import base_view
-from fulcrum.models.precision import compute_dtype
+from fulcrum.models.load import load_tokenizer
 from fulcrum.parallel import DistInfo, max_over_ranks, on_main
-from fulcrum.parallel.fsdp import is_sharded
 from fulcrum.reward.guard import guard_manager
 from fulcrum.reward.managers import manager_from_config
-from fulcrum.rollout import build_rollout, uses_native_engine
+from fulcrum.rollout import build_rollout
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer.advantage_stage import (
     advantages_of,
@@ -58,7 +55,13 @@ from fulcrum.trainer.loggers import Tracking
 from fulcrum.trainer.old_log_probs import old_log_prob_stage, recorded_old_log_prob_metrics
 from fulcrum.trainer.run_dir import open_run_dir
 from fulcrum.trainer.sampling import Sampler, reward_model_of, tools_of
-from fulcrum.trainer.startup import kl_startup_line, resolve_total_steps, seed_everything, startup_lines
+from fulcrum.trainer.startup import (
+    engine_model_of,
+    kl_startup_line,
+    resolve_total_steps,
+    seed_everything,
+    startup_lines,
+)
 from fulcrum.trainer.wall_clock import WallClockBudget
 from fulcrum.workers.actor import ActorWorker, reference_worker
 from fulcrum.workers.critic import CriticWorker
@@ -69,21 +72,6 @@ logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------ trainer
-def engine_model_of(actor: ActorWorker, arr: Any, device: torch.device) -> torch.nn.Module:
-    """The whole model the rollout engine starts from: the actor's module, or a plain copy in the
-    compute dtype when FSDP shards it (with the actor's `override_config`: one config for both). A
-    LoRA actor's module carries peft's layers, so an engine that copies the weights (the native one)
-    starts from the base under its Hugging Face names (shared, not copied) and takes the adapters'
-    merged effect with the first weight sync; the `hf` backend samples with the module itself."""
-    if is_sharded(actor.model):  # in the dtype the engine runs in, not as float32 masters (28 GB at 7B)
-        return load_causal_lm(
-            arr.model.path, device, dtype=compute_dtype(device), override_config=arr.model.override_config
-        )
-    if actor.adapters is not None and uses_native_engine(arr.rollout, actor.model.config, device):
-        return base_view(actor.model)
-    return actor.model
-
-
 class PPOTrainer:
     def __init__(
         self, cfg: FulcrumConfig, device: torch.device, n_devices: int = 1, dist: DistInfo | None = None
@@ -300,15 +288,13 @@ class PPOTrainer:
             for items in self._prompt_stream:
                 self.global_step += 1
                 is_last = self.global_step >= self.total_training_steps
-                if not is_last and self.wall_clock.budget_s is not None:
-                    is_last = on_main(self.wall_clock.next_step_is_last)
-                    if is_last:
-                        print(
-                            f"step {self.global_step} is the last: trainer.wall_clock_budget_s="
-                            f"{self.wall_clock.budget_s:g} leaves no room for another "
-                            f"({self.wall_clock.elapsed():.0f} s so far)",
-                            flush=True,
-                        )
+                if (
+                    not is_last
+                    and self.wall_clock.budget_s is not None
+                    and on_main(self.wall_clock.next_step_is_last)
+                ):
+                    is_last = True
+                    print(self.wall_clock.last_step_line(self.global_step), flush=True)
                 try:
                     with explain_oom(self.cfg, device=self.device):
                         metrics = self.train_step(items, is_last)

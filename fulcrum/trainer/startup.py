@@ -13,7 +13,13 @@ import numpy as np
 import torch
 
 from fulcrum.config import FulcrumConfig
+from fulcrum.models.load import load_causal_lm
+from fulcrum.models.lora import base_view
+from fulcrum.models.precision import compute_dtype
+from fulcrum.parallel.fsdp import is_sharded
+from fulcrum.rollout import uses_native_engine
 from fulcrum.trainer.old_log_probs import update_can_give_old_log_probs
+from fulcrum.workers.actor import ActorWorker
 
 
 def seed_everything(seed: int) -> None:
@@ -92,3 +98,18 @@ def startup_lines(cfg: Any) -> list[str]:
     if alg.use_pf_ppo and alg.adv_estimator != "gae":
         lines.append("note: algorithm.use_pf_ppo has no effect: PF-PPO resamples after gae only (as verl)")
     return lines
+
+
+def engine_model_of(actor: ActorWorker, arr: Any, device: torch.device) -> torch.nn.Module:
+    """The whole model the rollout engine starts from: the actor's module, or a plain copy in the
+    compute dtype when FSDP shards it (with the actor's `override_config`: one config for both). A
+    LoRA actor's module carries peft's layers, so an engine that copies the weights (the native one)
+    starts from the base under its Hugging Face names (shared, not copied) and takes the adapters'
+    merged effect with the first weight sync; the `hf` backend samples with the module itself."""
+    if is_sharded(actor.model):  # in the dtype the engine runs in, not as float32 masters (28 GB at 7B)
+        return load_causal_lm(
+            arr.model.path, device, dtype=compute_dtype(device), override_config=arr.model.override_config
+        )
+    if actor.adapters is not None and uses_native_engine(arr.rollout, actor.model.config, device):
+        return base_view(actor.model)
+    return actor.model

@@ -56,3 +56,10 @@ class WallClockBudget:
             return False
         needed = 2 * self.step_s + self.val_s + self.save_s
         return self.elapsed(now) + needed > self.budget_s
+
+    def last_step_line(self, step: int) -> str:
+        """What the run prints when the budget makes `step` its last."""
+        return (
+            f"step {step} is the last: trainer.wall_clock_budget_s={self.budget_s:g} leaves no room for "
+            f"another ({self.elapsed():.0f} s so far)"
+        )
