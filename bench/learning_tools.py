@@ -6,7 +6,7 @@
 Stages (each through the public commands, each skipped when its output is there):
 
 1. data: the multi-step task (`python -m fulcrum.data.multistep`, as bench/learning.py writes it) and the
-   same problems for the tool agent (`python -m fulcrum.data.multistep_tools`): RL rows with the
+   same problems for the tool agent (`python -m fulcrum.agent.multistep_tools`): RL rows with the
    calculator's system message and `tools_kwargs`, and `sft.parquet`, a conversation per training
    problem that calls the calculator once per worked line and ends with `#### N`;
 2. two warm starts with the same SFT budget (`sft_steps` steps of `sft_batch_size`, run side by side):
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base = prepare(out, plan, stop_at)
         if not (out / "data-tools" / "sft.parquet").exists():
-            cmd = [sys.executable, "-m", "fulcrum.data.multistep_tools", "--src", str(out / "data")]
+            cmd = [sys.executable, "-m", "fulcrum.agent.multistep_tools", "--src", str(out / "data")]
             subprocess.run([*cmd, "--out", str(out / "data-tools")], check=True, env=_env(1))
         models = warm_starts(out, base, plan)
         print(f"warm starts done ({time.monotonic() - started:.0f} s)", flush=True)

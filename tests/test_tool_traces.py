@@ -7,9 +7,9 @@ import pytest
 
 from fulcrum.agent import load_tool_config
 from fulcrum.agent.calculator_tool import CalculatorError, evaluate
+from fulcrum.agent.multistep_tools import trace_messages, write_tool_data
 from fulcrum.agent.parser import parse_hermes
 from fulcrum.data.multistep import write_splits
-from fulcrum.data.multistep_tools import trace_messages, write_tool_data
 from fulcrum.models.load import load_tokenizer
 from fulcrum.models.tiny import build_tiny_model
 from fulcrum.trainer.sft import load_examples, load_sft_config

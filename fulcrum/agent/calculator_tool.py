@@ -2,7 +2,7 @@
 
 A small model writes `57 * 3` more reliably than a Python program that prints it, and the answer is
 one number rather than a program's output, so this is the tool of the multi-step task's traces
-(`fulcrum.data.multistep_tools`). The expression is parsed with `ast` and walked node by node: names,
+(`fulcrum.agent.multistep_tools`). The expression is parsed with `ast` and walked node by node: names,
 calls, attributes and every other node are refused, so nothing but arithmetic runs and no sandbox
 process is needed. Powers and results are bounded so that `9 ** 9 ** 9` is refused rather than
 computed. A whole-number result is written without a decimal point (`57`, not `57.0`), as the

@@ -1,7 +1,7 @@
 """The multi-step task with a calculator: RL rows that run the tool agent, and SFT traces that call it.
 
     python -m fulcrum.data.multistep --out DATA --dev 200          # the plain task (worked solutions)
-    python -m fulcrum.data.multistep_tools --src DATA --out DATA_TOOLS
+    python -m fulcrum.agent.multistep_tools --src DATA --out DATA_TOOLS
 
 From the same problems (so the with-tools and without-tools arms of a comparison see the same sums),
 `--out` gets:
@@ -122,7 +122,7 @@ def write_tool_data(src: str | Path, out: str | Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fulcrum.data.multistep_tools", description=__doc__.split("\n\n")[0]
+        prog="python -m fulcrum.agent.multistep_tools", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--src", required=True, help="a folder written by python -m fulcrum.data.multistep")
     parser.add_argument("--out", required=True, help="folder for the tool-agent splits and sft.parquet")
