@@ -38,9 +38,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from learning_warm import answer_stats  # noqa: E402  bench/ is on sys.path when a script of it runs
 from train_step import seed_command  # noqa: E402  bench/ is on sys.path when a script of it runs
-
-from fulcrum.reward.gsm8k import compute_score, extract_solution  # noqa: E402
 
 
 def seed_final(model: Path, data: Path) -> list[str]:
@@ -138,22 +137,14 @@ def run_overrides(name: str, model: Path, data: Path, seed: int, budget_s: float
 
 # ------------------------------------------------------------------------------------------ scoring
 def score_generations(path: Path) -> dict[str, float]:
-    """One validation's generations: strict, flexible, format and truncation rates, mean length."""
+    """One validation's generations (`<step>.jsonl`): strict, flexible and format rates and mean length as
+    `bench/learning_warm.answer_stats` scores them, the truncation rate and the count."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    n = len(rows)
-    strict = sum(compute_score(r["output"], str(r["gts"]), "strict") for r in rows)
-    flexible = sum(compute_score(r["output"], str(r["gts"]), "flexible") for r in rows)
-    formatted = sum(extract_solution(r["output"], "strict") is not None for r in rows)
-    truncated = sum(not r["finished"] for r in rows)
-    length = sum(r["response_length"] for r in rows)
-    return {
-        "n": n,
-        "strict": strict / n,
-        "flexible": flexible / n,
-        "format": formatted / n,
-        "truncated": truncated / n,
-        "response_length": length / n,
-    }
+    stats = answer_stats(
+        [r["output"] for r in rows], [str(r["gts"]) for r in rows], [r["response_length"] for r in rows]
+    )
+    truncated = sum(not r["finished"] for r in rows) / max(len(rows), 1)
+    return {"n": len(rows), **stats, "truncated": truncated}
 
 
 STEP_KEYS = (
