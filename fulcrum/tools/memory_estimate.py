@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from fulcrum.config import world_size
+from fulcrum.config.keys import get_path
 from fulcrum.models.arch import ModelShape, model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token, param_count
 from fulcrum.rollout.native.config import engine_config_from
@@ -424,7 +425,7 @@ def graphs_refused(cfg: Any, role: str, device_bytes: float, kept: float, lora: 
     bytes resident (fulcrum.workers.step_graphs.graphs_refused's rule, read from the keys): its
     `cuda_graphs` key on, one process, packed, no sequence parallelism, no LoRA, `kept` within
     `GRAPHS_RESIDENT_SHARE` of the device (a CUDA device, as the whole estimate)."""
-    switch, model, sp = (select(cfg, path) for path in GRAPH_ROLE_KEYS[role])
+    switch, model, sp = (get_path(cfg, path) for path in GRAPH_ROLE_KEYS[role])
     if not switch.cuda_graphs:
         return f"{GRAPH_ROLE_KEYS[role][0]}.cuda_graphs=false"
     if world_size(cfg) > 1:
@@ -438,14 +439,6 @@ def graphs_refused(cfg: Any, role: str, device_bytes: float, kept: float, lora: 
     if kept > GRAPHS_RESIDENT_SHARE * device_bytes:
         return f"it would keep {kept / GiB:.1f} GiB resident, over {GRAPHS_RESIDENT_SHARE:.0%} of the device"
     return None
-
-
-def select(cfg: Any, path: str) -> Any:
-    """The section of `cfg` at a dotted `path` (`critic.model`)."""
-    node = cfg
-    for name in path.split("."):
-        node = getattr(node, name)
-    return node
 
 
 def usable_cache_bytes(rollout: Any, shape: ModelShape, seq_len: int) -> float:

@@ -88,7 +88,8 @@ class EngineConfig:
         prompt part-way through a chunked prefill beside them (it takes blocks before it takes a seat),
         and the scratch block. A cache sized by gpu_memory_utilization is cut to this: a block past it is
         never written, and the cache is allocated at every wake-up and released at every sleep, so a
-        larger one only costs time and raises generation's peak. Kept prefixes of multi-turn conversations beyond it are evicted (and recomputed) sooner."""
+        larger one only costs time and raises generation's peak. Kept prefixes of multi-turn conversations
+        beyond it are evicted (and recomputed) sooner."""
         return (self.max_num_seqs + 1) * self.blocks_per_seq() + 1
 
     def capture_sizes(self) -> list[int]:
