@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -218,15 +218,15 @@ def part_sources(source: Path | None, model: KnownModel, work: Path) -> Iterator
         yield found
 
 
-def copy_checked(src: BinaryIO, dst: BinaryIO, whole: Any) -> tuple[int, str]:
-    """Copy `src` into `dst`, feeding `whole` too; returns the bytes copied and their own sha256."""
+def copy_checked(src: BinaryIO, dst: BinaryIO, whole: Any) -> tuple[int, Any]:
+    """Copy `src` into `dst`, feeding `whole` too; returns the bytes copied and their own sha256 hash."""
     digest, count = hashlib.sha256(), 0
     while block := src.read(COPY_CHUNK):
         digest.update(block)
         whole.update(block)
         dst.write(block)
         count += len(block)
-    return count, digest.hexdigest()
+    return count, digest
 
 
 def join_parts(sources: Iterator[Path], model: KnownModel, target: Path) -> None:
@@ -235,37 +235,31 @@ def join_parts(sources: Iterator[Path], model: KnownModel, target: Path) -> None
     whole = hashlib.sha256()
     with open(target, "wb") as out:
         for index, path in enumerate(sources):
-            part = model.parts[index]
             with opened_part(path, model, index) as src:
                 count, digest = copy_checked(src, out, whole)
-            if count != part.bytes:
-                raise FetchError(
-                    f"{path}: {part_label(model, index)} holds {count:,} bytes, expected {part.bytes:,} "
-                    "(truncated or another file)"
-                )
-            if digest != part.sha256:
-                raise FetchError(
-                    f"{path}: {part_label(model, index)} has sha256 {digest}, expected {part.sha256} "
-                    "(another or a damaged file)"
-                )
-    check_size(target, target.stat().st_size, model)
-    check_sha256(target, whole.hexdigest(), model)
+            check_content(path, part_label(model, index), count, digest.hexdigest, model.parts[index])
+    check_content(target, "the joined file", target.stat().st_size, whole.hexdigest, model)
 
 
-def check_size(path: Path, size: int, model: KnownModel) -> None:
-    if size != model.bytes:
-        raise FetchError(f"{path}: {size:,} bytes, expected {model.bytes:,} (truncated or another file)")
-
-
-def check_sha256(path: Path, digest: str, model: KnownModel) -> None:
-    if digest != model.sha256:
-        raise FetchError(f"{path}: sha256 {digest}, expected {model.sha256} (another or a damaged file)")
+def check_content(
+    path: Path, what: str, size: int, digest: Callable[[], str], expected: Part | KnownModel
+) -> None:
+    """Size, then sha256 (`digest()` is asked only when the size agrees: a truncated download fails at
+    once), against `expected`'s recorded ones; `what` names the piece in the message."""
+    if size != expected.bytes:
+        raise FetchError(
+            f"{path}: {what} holds {size:,} bytes, expected {expected.bytes:,} (truncated or another file)"
+        )
+    found = digest()
+    if found != expected.sha256:
+        raise FetchError(
+            f"{path}: {what} has sha256 {found}, expected {expected.sha256} (another or a damaged file)"
+        )
 
 
 def check_file(path: Path, model: KnownModel) -> None:
-    """Size, then sha256, against the recorded ones (a truncated download fails on the size at once)."""
-    check_size(path, path.stat().st_size, model)
-    check_sha256(path, sha256_of(path), model)
+    """A whole GGUF file given as it is, against the model's recorded size and sha256."""
+    check_content(path, "the file", path.stat().st_size, lambda: sha256_of(path), model)
 
 
 def gguf_file(source: Path | None, model: KnownModel, work: Path) -> Path:
