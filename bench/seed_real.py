@@ -29,6 +29,7 @@ import argparse
 import json
 import lzma
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -198,11 +199,7 @@ def summarise_run(run_dir: Path) -> dict[str, Any]:
 
 
 def median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return statistics.median(values) if values else None
 
 
 def markdown(summary: dict[str, Any]) -> str:
