@@ -203,7 +203,10 @@ class Launch:
 
     def end(self, pid: int) -> None:
         """SIGKILL to the call: to its PID namespace's init (the kernel then kills every process of the
-        namespace, setsid or not) and to the launcher's process group."""
+        namespace, setsid or not) and to the launcher's process group. The init's pid is read from bwrap's
+        info first if it has not been yet: the main process may be gone while others of the call live on."""
+        if self.jailed and self.init_fd is None:
+            self.info_arrived()
         if self.init_fd is not None:
             try:
                 signal.pidfd_send_signal(self.init_fd, signal.SIGKILL)
