@@ -30,6 +30,7 @@ log = logging.getLogger("fulcrum.agent")
 
 T = TypeVar("T")
 PROBE_S = 0.5  # how long a worker's loop may take to answer before it counts as blocked
+DEFAULT_TIMEOUT_S = 60.0  # multi_turn.call_timeout's default
 
 
 class CallTimeout(Exception):
