@@ -46,6 +46,15 @@ class CallExit(Exception):
         self.code = code
 
 
+async def exit_as_error(call: Callable[[], Awaitable[T]]) -> T:
+    """`await call()`, a SystemExit it raises turned into CallExit before it reaches a task: a task
+    re-raises SystemExit out of its event loop, which would stop every conversation."""
+    try:
+        return await call()
+    except SystemExit as err:
+        raise CallExit(err.code) from None
+
+
 def trusted(obj: object) -> bool:
     """Whether `obj` is one of fulcrum's own tools or interactions (they never block the loop)."""
     return type(obj).__module__.startswith("fulcrum.agent.")
@@ -61,14 +70,7 @@ class Worker:
 
     def submit(self, call: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
         """Run `call()` (a method call returning an awaitable) on this worker's loop."""
-
-        async def run() -> T:
-            try:
-                return await call()
-            except SystemExit as err:
-                raise CallExit(err.code) from None
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop)
+        return asyncio.run_coroutine_threadsafe(exit_as_error(call), self.loop)
 
     def stop(self) -> None:
         """Stop the loop once it gets control back (now, unless a call blocks it)."""
@@ -112,9 +114,7 @@ class CallGuard:
         """`await call()` within the limit; CallTimeout (naming `what`) past it."""
         if trusted(owner):
             try:
-                return await asyncio.wait_for(call(), self.timeout_s)
-            except SystemExit as err:
-                raise CallExit(err.code) from None
+                return await asyncio.wait_for(exit_as_error(call), self.timeout_s)
             except asyncio.TimeoutError:
                 raise CallTimeout(f"{what} took longer than {self.timeout_s:g} s and was stopped") from None
         worker = self.worker()
