@@ -97,6 +97,21 @@ def test_a_tool_raising_system_exit_is_a_failed_call() -> None:
     assert kinds(result) == {"tool_failed"}
 
 
+def test_a_fulcrum_tool_raising_system_exit_is_a_failed_call_and_the_loop_goes_on() -> None:
+    async def behave() -> Any:
+        raise SystemExit(3)
+
+    class Own(Scripted):  # one of fulcrum's own tools runs on the agent loop itself, not on a worker
+        pass
+
+    Own.__module__ = "fulcrum.agent.own_tool"
+
+    # the SystemExit must not escape the event loop (asyncio.run would raise it)
+    (result,) = asyncio.run(ToolSet([Own(behave)]).run_turn([FunctionCall("probe", "{}")]))
+    assert result.response.text == "Error when executing tool: the tool raised SystemExit(3)"
+    assert kinds(result) == {"tool_failed"}
+
+
 def test_an_execute_that_never_returns_is_abandoned_at_the_limit() -> None:
     async def behave() -> Any:
         await asyncio.Event().wait()

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fulcrum.agent.guard import CallExit, CallGuard, CallTimeout
+from fulcrum.agent.guard import DEFAULT_TIMEOUT_S, CallExit, CallGuard, CallTimeout
 from fulcrum.agent.metrics import call_metrics, error_kinds
 from fulcrum.agent.parser import FunctionCall, ParsedMessage, get_parser
 from fulcrum.agent.registry import load_tool_config
@@ -106,7 +106,7 @@ class ToolSet:
         max_tool_response_length: int = 256,
         tool_response_truncate_side: str = "middle",
         format: str = "hermes",
-        call_timeout: float = 60.0,
+        call_timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         if max_parallel_calls < 1 or max_tool_response_length < 1:
             raise ValueError(
@@ -138,7 +138,7 @@ class ToolSet:
             max_tool_response_length=getattr(multi_turn, "max_tool_response_length", 256),
             tool_response_truncate_side=getattr(multi_turn, "tool_response_truncate_side", "middle"),
             format=getattr(multi_turn, "format", "hermes"),
-            call_timeout=getattr(multi_turn, "call_timeout", 60.0),
+            call_timeout=getattr(multi_turn, "call_timeout", DEFAULT_TIMEOUT_S),
         )
 
     @property

@@ -30,6 +30,7 @@ log = logging.getLogger("fulcrum.agent")
 
 T = TypeVar("T")
 PROBE_S = 0.5  # how long a worker's loop may take to answer before it counts as blocked
+DEFAULT_TIMEOUT_S = 60.0  # multi_turn.call_timeout's default
 
 
 class CallTimeout(Exception):
@@ -43,6 +44,15 @@ class CallExit(Exception):
     def __init__(self, code: object) -> None:
         super().__init__(f"SystemExit({code!r})")
         self.code = code
+
+
+async def exit_as_error(call: Callable[[], Awaitable[T]]) -> T:
+    """`await call()`, a SystemExit it raises turned into CallExit before it reaches a task: a task
+    re-raises SystemExit out of its event loop, which would stop every conversation."""
+    try:
+        return await call()
+    except SystemExit as err:
+        raise CallExit(err.code) from None
 
 
 def trusted(obj: object) -> bool:
@@ -60,14 +70,7 @@ class Worker:
 
     def submit(self, call: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
         """Run `call()` (a method call returning an awaitable) on this worker's loop."""
-
-        async def run() -> T:
-            try:
-                return await call()
-            except SystemExit as err:
-                raise CallExit(err.code) from None
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop)
+        return asyncio.run_coroutine_threadsafe(exit_as_error(call), self.loop)
 
     def stop(self) -> None:
         """Stop the loop once it gets control back (now, unless a call blocks it)."""
@@ -111,9 +114,7 @@ class CallGuard:
         """`await call()` within the limit; CallTimeout (naming `what`) past it."""
         if trusted(owner):
             try:
-                return await asyncio.wait_for(call(), self.timeout_s)
-            except SystemExit as err:
-                raise CallExit(err.code) from None
+                return await asyncio.wait_for(exit_as_error(call), self.timeout_s)
             except asyncio.TimeoutError:
                 raise CallTimeout(f"{what} took longer than {self.timeout_s:g} s and was stopped") from None
         worker = self.worker()

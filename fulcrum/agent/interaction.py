@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
 
-from fulcrum.agent.guard import CallGuard
+from fulcrum.agent.guard import DEFAULT_TIMEOUT_S, CallGuard
 
 
 class BaseInteraction:
@@ -54,9 +54,6 @@ class BaseInteraction:
 
     async def finalize_interaction(self, instance_id: str, **kwargs: Any) -> None:
         """Forget the instance."""
-
-
-DEFAULT_TIMEOUT_S = 60.0  # multi_turn.call_timeout's default
 
 
 @dataclass(frozen=True)

@@ -169,9 +169,9 @@ def _convert(path: Path, out: Path, dtype: torch.dtype) -> dict[str, Any]:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         set_special_tokens(tokenizer, header.special_ids)
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except GGUFImportError:
+        raise
     except (ValueError, KeyError, RuntimeError) as err:
-        if isinstance(err, GGUFImportError):
-            raise
         # metadata transformers cannot build a model from: its own message, on one line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise GGUFImportError(

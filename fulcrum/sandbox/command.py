@@ -23,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from fulcrum.sandbox.limits import JailLimits
+
 JAIL_UID = 1000
 NOBODY = 65534  # the host uid of jailed code when the trainer is root
 WORK = "/tmp"  # the call's writable folder inside the jail: cwd, HOME and TMPDIR
@@ -130,20 +132,20 @@ def view_args(
     return args
 
 
-def limit_args(
-    prlimit: str, memory_bytes: int, cpu_s: int, file_bytes: int, processes: int | None
-) -> list[str]:
-    """`prlimit` setting hard limits the program cannot raise (CPU: SIGXCPU at `cpu_s`, SIGKILL a second
-    later; no core files)."""
+def limit_args(prlimit: str, limits: JailLimits, count_processes: bool) -> list[str]:
+    """`prlimit` setting hard limits the program cannot raise (CPU: SIGXCPU at `cpu_seconds`, SIGKILL a
+    second later; no core files); processes only when `count_processes` (RLIMIT_NPROC counts over the
+    real user, which only the jail's own user namespace narrows to the call)."""
+    cpu_s = limits.cpu_seconds
     args = [
         prlimit,
-        f"--as={memory_bytes}",
+        f"--as={limits.memory_mb * 1024 * 1024}",
         f"--cpu={cpu_s}:{cpu_s + 1}",
-        f"--fsize={file_bytes}",
+        f"--fsize={limits.max_file_bytes}",
         "--core=0",
     ]
-    if processes is not None:
-        args.append(f"--nproc={processes}")
+    if count_processes:
+        args.append(f"--nproc={limits.max_processes}")
     return [*args, "--"]
 
 

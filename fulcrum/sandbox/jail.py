@@ -63,10 +63,7 @@ async def run_jailed(
         except asyncio.TimeoutError:
             timed_out = True
         finally:
-            # Always: the main process may be gone while others of the call live on (setsid or not).
-            if launch.jailed and launch.init_fd is None:
-                launch.info_arrived()
-            launch.end(proc.pid)
+            launch.end(proc.pid)  # always: others of the call may outlive its main process
             await readable(launch.init_fd, KILL_WAIT_S)
             await proc.wait()
         return launch.result(proc.returncode, timed_out, time.monotonic() - started)
@@ -134,9 +131,7 @@ def run_jailed_sync(
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            if launch.jailed and launch.init_fd is None:
-                launch.info_arrived()
-            launch.end(proc.pid)
+            launch.end(proc.pid)  # always: others of the call may outlive its main process
             if launch.init_fd is not None:
                 select.select([launch.init_fd], [], [], KILL_WAIT_S)
             proc.wait()

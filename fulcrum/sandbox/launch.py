@@ -128,9 +128,7 @@ class Launch:
         seccomp_fd = self.own(memory_file("seccomp", seccomp)) if seccomp else None
         lim = self.limits
         view = command.view_args(h, lim.disk_mb * 1024 * 1024, ro, files)
-        limits = command.limit_args(
-            h.prlimit, lim.memory_mb * 1024 * 1024, lim.cpu_seconds, lim.max_file_bytes, lim.max_processes
-        )
+        limits = command.limit_args(h.prlimit, lim, count_processes=True)
         env = environment(command.WORK)
         full = command.jail_argv(h, view, limits, argv, env, seccomp_fd, self.info_w)
         return full, env, None
@@ -146,14 +144,7 @@ class Launch:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(content)
         prlimit = command.host().prlimit
-        lim = self.limits
-        limits = (
-            command.limit_args(
-                prlimit, lim.memory_mb * 1024 * 1024, lim.cpu_seconds, lim.max_file_bytes, None
-            )
-            if prlimit
-            else []
-        )
+        limits = command.limit_args(prlimit, self.limits, count_processes=False) if prlimit else []
         if isinstance(program, str):
             code_file = self.workdir / ".code.py"
             code_file.write_text(program, encoding="utf-8")
@@ -203,7 +194,10 @@ class Launch:
 
     def end(self, pid: int) -> None:
         """SIGKILL to the call: to its PID namespace's init (the kernel then kills every process of the
-        namespace, setsid or not) and to the launcher's process group."""
+        namespace, setsid or not) and to the launcher's process group. The init's pid is read from bwrap's
+        info first if it has not been yet: the main process may be gone while others of the call live on."""
+        if self.jailed and self.init_fd is None:
+            self.info_arrived()
         if self.init_fd is not None:
             try:
                 signal.pidfd_send_signal(self.init_fd, signal.SIGKILL)

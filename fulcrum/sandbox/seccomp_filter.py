@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import errno
 import functools
-import io
 import logging
+import tempfile
 
 log = logging.getLogger("fulcrum.sandbox")
 
@@ -57,35 +57,10 @@ def filter_bytes() -> bytes | None:
             if family not in ALLOWED_FAMILIES:
                 rules.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, family))
         rules.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.GE, FAMILY_LIMIT))
-        out = io.BytesIO()
-        with _Sink() as sink:
+        with tempfile.TemporaryFile() as sink:  # libseccomp writes the program to a real descriptor
             rules.export_bpf(sink)
-            out.write(sink.read_all())
-        return out.getvalue()
+            sink.seek(0)
+            return sink.read()
     except (ImportError, OSError, RuntimeError, ValueError, AttributeError) as err:
         log.warning("no seccomp filter for jailed code (libseccomp unavailable: %s)", err)
         return None
-
-
-class _Sink:
-    """A memory file that libseccomp writes the BPF program into (it needs a real descriptor)."""
-
-    def __enter__(self) -> _Sink:
-        import os
-
-        self.fd = os.memfd_create("fulcrum-seccomp", os.MFD_CLOEXEC)
-        return self
-
-    def fileno(self) -> int:
-        return self.fd
-
-    def read_all(self) -> bytes:
-        import os
-
-        size = os.fstat(self.fd).st_size
-        return os.pread(self.fd, size, 0)
-
-    def __exit__(self, *exc: object) -> None:
-        import os
-
-        os.close(self.fd)

@@ -75,8 +75,6 @@ def load_examples(files: Any, tokenizer: Any, cfg: Any, key: str = "data.train_f
         return [SFTExample(c.input_ids, 0, c.loss_mask) for c in chats]
     examples: list[SFTExample] = []
     for path in _as_list(files):
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"SFT data file not found: {path}")
         table = pq.read_table(path)
         for column in (cfg.prompt_key, cfg.response_key):
             if column not in table.column_names:
