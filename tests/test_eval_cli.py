@@ -123,3 +123,13 @@ def test_data_math_takes_the_last_box_and_names_a_line_without_one(tmp_path: Pat
     assert data_main(["math", "--src", str(bad), "--out", str(tmp_path / "m2")]) == 1
     assert "line 1: the solution has no \\boxed" in capsys.readouterr().err
     assert not (tmp_path / "m2").exists()
+
+
+def test_data_math_names_a_line_that_is_not_an_object(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "test.jsonl"
+    src.write_text(
+        json.dumps({"problem": "p", "solution": "\\boxed{1}"}) + "\n" + json.dumps(["p", "s"]) + "\n"
+    )
+    assert data_main(["math", "--src", str(src), "--out", str(tmp_path / "m")]) == 1
+    assert "test.jsonl, line 2: not a JSON object" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()

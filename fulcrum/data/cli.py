@@ -21,76 +21,63 @@ from pathlib import Path
 
 
 def _gsm8k(args: argparse.Namespace) -> int:
-    import pyarrow.parquet as pq
-
     from fulcrum.data.gsm8k import SPLITS, GSM8KError, prepare_gsm8k
 
     variant = "tool" if args.multi_turn_tool else "interaction" if args.multi_turn_interaction else "single"
-    out = Path(args.out).expanduser()
-    if out.exists() and not out.is_dir():
-        print(f"fulcrum data gsm8k: --out {out}: is a file, not a folder", file=sys.stderr)
-        return 1
-    taken = [p for p in (out / f"{s}.parquet" for s in SPLITS) if p.exists() or p.is_symlink()]
-    if taken:  # never overwrite data files: they may be a user's own
-        names = ", ".join(str(p) for p in taken)
-        print(f"fulcrum data gsm8k: {names} already exist(s); choose another --out", file=sys.stderr)
-        return 1
-    try:
-        paths = write_whole(out, lambda staging: prepare_gsm8k(args.src, staging, variant))
-    except (GSM8KError, OSError) as err:
-        print(f"fulcrum data gsm8k: {err}; nothing was written to {out}", file=sys.stderr)
-        return 1
-    for split, path in paths.items():
-        print(f"{split}: {pq.ParquetFile(path).metadata.num_rows} rows -> {path}")
-    return 0
-
-
-def _new_files(command: str, out: Path, names: list[str]) -> bool:
-    """Whether `out` can take `names` (a folder, none of them there yet); says why not."""
-    if out.exists() and not out.is_dir():
-        print(f"fulcrum data {command}: --out {out}: is a file, not a folder", file=sys.stderr)
-        return False
-    taken = [p for p in (out / n for n in names) if p.exists() or p.is_symlink()]
-    if taken:
-        shown = ", ".join(str(p) for p in taken)
-        print(f"fulcrum data {command}: {shown} already exist(s); choose another --out", file=sys.stderr)
-        return False
-    return True
+    return _prepare(
+        "gsm8k",
+        args.out,
+        [f"{s}.parquet" for s in SPLITS],
+        lambda staging: prepare_gsm8k(args.src, staging, variant),
+        GSM8KError,
+    )
 
 
 def _math(args: argparse.Namespace) -> int:
-    import pyarrow.parquet as pq
-
     from fulcrum.data.math import SPLITS, MathDataError, prepare_math
 
-    out = Path(args.out).expanduser()
-    if not _new_files("math", out, [f"{s}.parquet" for s in SPLITS]):
-        return 1
-    try:
-        paths = write_whole(out, lambda staging: prepare_math(args.src, staging))
-    except (MathDataError, OSError) as err:
-        print(f"fulcrum data math: {err}; nothing was written to {out}", file=sys.stderr)
-        return 1
-    for split, path in paths.items():
-        print(f"{split}: {pq.ParquetFile(path).metadata.num_rows} rows -> {path}")
-    return 0
+    return _prepare(
+        "math",
+        args.out,
+        [f"{s}.parquet" for s in SPLITS],
+        lambda staging: prepare_math(args.src, staging),
+        MathDataError,
+    )
 
 
 def _humaneval(args: argparse.Namespace) -> int:
-    import pyarrow.parquet as pq
-
     from fulcrum.data.humaneval import HumanEvalError, prepare_humaneval
 
-    out = Path(args.out).expanduser()
-    if not _new_files("humaneval", out, ["humaneval.parquet"]):
+    return _prepare("humaneval", args.out, ["humaneval.parquet"], prepare_humaneval, HumanEvalError)
+
+
+def _prepare(
+    command: str,
+    out_arg: str,
+    names: list[str],
+    write: Callable[[Path], dict[str, Path]],
+    data_error: type[Exception],
+) -> int:
+    """`fulcrum data COMMAND`: refuse an --out that is a file or holds any of `names`, write the files
+    with `write_whole`, and print each file's rows; 1 with one line on stderr when it fails."""
+    import pyarrow.parquet as pq
+
+    out = Path(out_arg).expanduser()
+    if out.exists() and not out.is_dir():
+        print(f"fulcrum data {command}: --out {out}: is a file, not a folder", file=sys.stderr)
+        return 1
+    taken = [p for p in (out / n for n in names) if p.exists() or p.is_symlink()]
+    if taken:  # never overwrite data files: they may be a user's own
+        shown = ", ".join(str(p) for p in taken)
+        print(f"fulcrum data {command}: {shown} already exist(s); choose another --out", file=sys.stderr)
         return 1
     try:
-        paths = write_whole(out, prepare_humaneval)
-    except (HumanEvalError, OSError) as err:
-        print(f"fulcrum data humaneval: {err}; nothing was written to {out}", file=sys.stderr)
+        paths = write_whole(out, write)
+    except (data_error, OSError) as err:
+        print(f"fulcrum data {command}: {err}; nothing was written to {out}", file=sys.stderr)
         return 1
-    path = paths["test"]
-    print(f"test: {pq.ParquetFile(path).metadata.num_rows} rows -> {path}")
+    for split, path in paths.items():
+        print(f"{split}: {pq.ParquetFile(path).metadata.num_rows} rows -> {path}")
     return 0
 
 

@@ -18,7 +18,6 @@ The source is a folder with the release's `train.jsonl` and `test.jsonl`, or the
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,6 +25,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from fulcrum.data.jsonl import jsonl_objects
 
 DATA_SOURCE = "openai/gsm8k"
 HUB_NAME = "openai/gsm8k"
@@ -195,20 +196,11 @@ VARIANTS = {
 def read_jsonl(path: Path) -> list[dict[str, str]]:
     """Rows {question, answer} of a GSM8K jsonl file; errors name the file and line."""
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise GSM8KError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
-            if not isinstance(row, dict):
-                raise GSM8KError(f"{path}:{line_no}: expected a JSON object with question and answer")
-            missing = [k for k in ("question", "answer") if not isinstance(row.get(k), str)]
-            if missing:
-                raise GSM8KError(f"{path}:{line_no}: missing or non-string field(s) {', '.join(missing)}")
-            rows.append(row)
+    for where, row in jsonl_objects(path, GSM8KError):
+        missing = [k for k in ("question", "answer") if not isinstance(row.get(k), str)]
+        if missing:
+            raise GSM8KError(f"{where}: missing or non-string field(s) {', '.join(missing)}")
+        rows.append(row)
     return rows
 
 

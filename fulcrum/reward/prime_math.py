@@ -232,16 +232,8 @@ def _boxed_content(text: str) -> str | None:
         start = text.rfind("\\fbox")
         if start < 0:
             return None
-    depth, left = 0, None
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-            left = i if left is None else left
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[left + 1 : i].strip() if left is not None else None
-    return None
+    boxed = hendrycks.braced_from(text, start)
+    return None if boxed is None else boxed[boxed.index("{") + 1 : -1].strip()
 
 
 def _after_last(response: str, markers: tuple[str, ...], matched: bool) -> tuple[str, bool]:

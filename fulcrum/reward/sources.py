@@ -20,7 +20,6 @@ or missing ground truth of a text family is refused with an error, where verl wo
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,11 +67,7 @@ SEARCH_R1 = Family("search_r1_like_qa_em", isolated=False, text_truth=False)
 
 def family_of(data_source: str, math_verify: bool = False, sandbox_fusion_url: str | None = None) -> Family:
     """The family scoring `data_source` (verl's dispatch order); UnscoredSource naming it when none does."""
-    if (
-        data_source == "openai/gsm8k"
-        or "gsm8k" in data_source.lower()
-        or data_source.startswith("synthetic/")
-    ):
+    if "gsm8k" in data_source.lower() or data_source.startswith("synthetic/"):
         return GSM8K
     if data_source in MATH_SOURCES:
         return MATH_VERIFY if math_verify else MATH
@@ -211,7 +206,6 @@ def scorer_name(data_source: str, math_verify: bool = False, sandbox_fusion_url:
     return family_of(data_source, math_verify, sandbox_fusion_url).scorer
 
 
-ScoreFn = Callable[..., Any]
 __all__ = [
     "BuiltinScorer",
     "Family",

@@ -21,7 +21,6 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 USAGE_KEYS = (
     "KEY=VALUE overrides use the training keys (docs/configuration.md), e.g. data.max_response_length=512"
@@ -73,7 +72,7 @@ def task_file(task: str, src: str | None, out: Path) -> Path:
     if task == "humaneval":
         from fulcrum.data.humaneval import prepare_humaneval
 
-        return write_whole(folder, lambda staging: prepare_humaneval(staging))["test"]
+        return write_whole(folder, prepare_humaneval)["test"]
     if src is None:
         raise SystemExit(
             f"fulcrum eval: --task {task} needs --src (the data set's files: nothing is downloaded)"
@@ -164,16 +163,11 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "generations.jsonl", "w") as f:
         for row in rows:
-            f.write(json.dumps(_plain(row), ensure_ascii=False) + "\n")
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True) + "\n")
     print(summary_table(metrics, len(rows), len(items)))
     print(f"generations -> {out / 'generations.jsonl'}; metrics -> {out / 'metrics.json'}")
     return 0
-
-
-def _plain(row: dict[str, Any]) -> dict[str, Any]:
-    """A generation row as JSON (numpy values from parquet as lists and numbers)."""
-    return {k: v.tolist() if hasattr(v, "tolist") else v for k, v in row.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

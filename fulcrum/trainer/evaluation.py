@@ -107,10 +107,9 @@ def process_validation_metrics(
                     continue
                 for metric, value in prompt_metrics([float(v) for v in values], preds).items():
                     collected[source][name][metric].append(value)
-                if len(values) >= 1:
-                    c = sum(float(v) > 0 for v in values)
-                    for k in [1, *sample_sizes(len(values))]:
-                        collected[source][name][f"pass@{k}"].append(pass_at_k(len(values), c, k))
+                c = sum(float(v) > 0 for v in values)
+                for k in [1, *sample_sizes(len(values))]:
+                    collected[source][name][f"pass@{k}"].append(pass_at_k(len(values), c, k))
     return {
         source: {
             name: {m: float(np.mean(v)) for m, v in metrics.items()} for name, metrics in variables.items()
