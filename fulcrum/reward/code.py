@@ -164,6 +164,11 @@ def humaneval_score(program: str, truth: dict[str, Any], limits: JailLimits) -> 
     return 1.0 if verdict and verdict.get("passed") is True else 0.0
 
 
+def first_tests(count: int, options: Mapping[str, Any]) -> int:
+    """How many of `count` tests are scored first: `code_max_tests` (MAX_TESTS), as in both paths."""
+    return min(count, int(options.get("code_max_tests") or MAX_TESTS))
+
+
 def compute_score(solution_str: str, ground_truth: Any, options: Mapping[str, Any] | None = None) -> float:
     """The share of tests the response's program passes (see the module docstring)."""
     options = options or {}
@@ -179,8 +184,7 @@ def compute_score(solution_str: str, ground_truth: Any, options: Mapping[str, An
     count = len(truth["inputs"])
     if count == 0:
         return 0.0
-    max_tests = int(options.get("code_max_tests") or MAX_TESTS)
-    first = [test_passes(program, truth, i, limits) for i in range(min(count, max_tests))]
+    first = [test_passes(program, truth, i, limits) for i in range(first_tests(count, options))]
     if not all(first):
         return sum(first) / len(first)
     rest = (test_passes(program, truth, i, limits) for i in range(len(first), count))
@@ -193,7 +197,7 @@ def sandbox_score(
     """The same tests run by a SandboxFusion service at `url` (`reward_model.sandbox_fusion.url`): each
     test POSTed as verl posts it ({code, stdin, language: python, run_timeout, memory_limit_MB}); a test
     passes when the run succeeds and its stdout matches by `stdin_output_matches` (HumanEval: when the
-    program, tests and check run without error). Share of the first 10 tests passed, as verl's."""
+    program, tests and check run without error). Share of the first `code_max_tests` (10) passed, as verl's."""
     from fulcrum.reward.sandbox_fusion import run_code
 
     program = extract_program(solution_str)
@@ -205,7 +209,7 @@ def sandbox_score(
         ok, _ = run_code(url, code, "", timeout, memory)
         return 1.0 if ok else 0.0
     results = []
-    for i in range(min(len(truth["inputs"]), MAX_TESTS)):
+    for i in range(first_tests(len(truth["inputs"]), options)):
         ok, stdout = run_code(url, program, _lines(truth["inputs"][i]), timeout, memory)
         results.append(ok and stdin_output_matches(stdout, _lines(truth["outputs"][i])))
     return sum(results) / len(results) if results else 0.0

@@ -22,18 +22,24 @@ from typing import Any
 from fulcrum.batch import Batch, response_lengths
 
 
-def generation_rows(batch: Batch, scores: list[float], tokenizer: Any, step: int) -> list[dict[str, Any]]:
-    """One row per sample of a validation batch (verl's keys first, then ours)."""
+def generation_rows(
+    batch: Batch, scores: list[float], tokenizer: Any, step: int, prompts: bool = True
+) -> list[dict[str, Any]]:
+    """One row per sample of a validation batch (verl's keys first, then ours); `prompts` False leaves
+    out the decoded prompt (`input`), which only a dump of the generations needs."""
     prompt_lengths = batch["attention_mask"][:, : batch.prompt_length].sum(-1).tolist()
     lengths = response_lengths(batch).tolist()
     eos = tokenizer.eos_token_id
     rows = []
     for i, (p, r) in enumerate(zip(prompt_lengths, lengths, strict=True)):
-        prompt_ids = batch["prompts"][i, batch.prompt_length - int(p) :].tolist()
         response_ids = batch["responses"][i, : int(r)].tolist()
+        row: dict[str, Any] = {}
+        if prompts:
+            prompt_ids = batch["prompts"][i, batch.prompt_length - int(p) :].tolist()
+            row["input"] = tokenizer.decode(prompt_ids, skip_special_tokens=False)
         rows.append(
-            {
-                "input": tokenizer.decode(prompt_ids, skip_special_tokens=False),
+            row
+            | {
                 "output": tokenizer.decode(response_ids, skip_special_tokens=True),
                 "gts": batch.non_tensors["ground_truth"][i],
                 "score": float(scores[i]),

@@ -280,21 +280,23 @@ class Sampler:
     def validate(self, val_dataset: Any, step: int) -> dict[str, float]:
         """Validation (val_kwargs sampling) on the whole validation set, verl's metrics
         (fulcrum.trainer.evaluation); `trainer.validation_data_dir` gets the generations."""
-        metrics, rows = self.evaluate([val_dataset[i] for i in range(len(val_dataset))], step)
         folder = self.cfg.trainer.validation_data_dir
-        if folder and self.is_main:
+        dumped = bool(folder) and self.is_main
+        items = [val_dataset[i] for i in range(len(val_dataset))]
+        metrics, rows = self.evaluate(items, step, prompts=dumped)
+        if dumped:
             dump_generations(folder, rows, step)
         return metrics
 
     def evaluate(
-        self, items: list[dict[str, Any]], step: int
+        self, items: list[dict[str, Any]], step: int, prompts: bool = True
     ) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """Generate for `items` with the validation sampling (val_kwargs: n, temperature, ...), score, and
         return verl's validation metrics and one generation row per response (`fulcrum eval` and the
-        trainer's validation both call this)."""
+        trainer's validation both call this); `prompts` False: the rows without their decoded prompt."""
         batch = self.generate(items, self.sampling_params(validate=True, step=step), "val")
         _, result = self.score(batch)
-        rows = generation_rows(batch, result.scores, self.tokenizer, step)
+        rows = generation_rows(batch, result.scores, self.tokenizer, step, prompts)
         infos = validation_infos(
             result.scores,
             result.extra,
