@@ -6,6 +6,7 @@ seed's final command and GRPO with verl's GSM8K example, each for a fixed wall-c
     python bench/seed_real.py run original --model DIR ...   # the seed's starting configuration (its table)
     python bench/seed_real.py summarise RUN_DIR [RUN_DIR ...]  # the curves and the table from finished runs
     python bench/seed_real.py commands --model DIR --data DIR   # print the fulcrum train command lines
+    python bench/seed_real.py eval ppo --model DIR --data DIR --out DIR  # `fulcrum eval` with the run's keys
 
 Each run is `fulcrum train` with the command as the seed (or verl's example) writes it, for one GPU
 (`trainer.n_gpus_per_node=1`, `actor_rollout_ref.rollout.tensor_model_parallel_size=1`), and only these
@@ -280,6 +281,28 @@ def commands(args: argparse.Namespace) -> int:
     return 0
 
 
+def evaluate(args: argparse.Namespace) -> int:
+    """`fulcrum eval` of the model on the test file with the run's own keys: its metrics must equal the run's
+    validation before the first step (same engine, same sampling, same scorer)."""
+    keys = COMMANDS[args.name](args.model.resolve(), args.data.resolve())
+    out = args.out / f"eval-{args.name}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "fulcrum.cli",
+        "eval",
+        str(args.model),
+        "--data",
+        str(args.data / "test.parquet"),
+    ]
+    proc = subprocess.run([*cmd, "--out", str(out), *keys], cwd=ROOT)
+    if proc.returncode == 0:
+        scores = score_generations(out / "generations.jsonl")
+        (out / "scores.json").write_text(json.dumps(scores, indent=1))
+        print(json.dumps(scores), flush=True)
+    return proc.returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="stage", required=True)
@@ -299,8 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("commands")
     c.add_argument("--model", type=Path, default=Path("MODEL"))
     c.add_argument("--data", type=Path, default=Path("DATA"))
+    e = sub.add_parser("eval")
+    e.add_argument("name", choices=tuple(COMMANDS))
+    e.add_argument("--model", type=Path, required=True)
+    e.add_argument("--data", type=Path, required=True)
+    e.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    return {"run": run, "summarise": summarise, "commands": commands}[args.stage](args)
+    stages = {"run": run, "summarise": summarise, "commands": commands, "eval": evaluate}
+    return stages[args.stage](args)
 
 
 if __name__ == "__main__":
