@@ -101,8 +101,8 @@ class RolloutConfig:
     skip_dump_dir: str = opt("/tmp/rollout_dump", "where skipped rollouts live (no effect)")
     engine_kwargs: dict[str, Any] = opt(
         {"vllm": {}, "sglang": {}, "native": {}},
-        "backend kwargs; native: block_size, num_kv_blocks, decode_steps, overlap_windows, indirect_kv_cache, "
-        "triton_kernels (null: Triton on CUDA; false: torch ops) (vllm/sglang: no effect)",
+        "backend kwargs; native: the native engine's own options (docs/rollout.md, Knobs; an unknown one is "
+        "refused, naming the known ones) (vllm/sglang: no effect)",
     )
     val_kwargs: SamplingConfig = sub(SamplingConfig, "sampling at validation")
     multi_turn: MultiTurnConfig = sub(MultiTurnConfig, "multi-turn rollouts with tools")

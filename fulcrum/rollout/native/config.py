@@ -1,14 +1,13 @@
 """Settings of the native engine, built once from `cfg.actor_rollout_ref.rollout` (verl's keys) plus a few of ours.
 
 Ours live under `rollout.engine_kwargs.native` (e.g. `+actor_rollout_ref.rollout.engine_kwargs.native.block_size=32`):
-`block_size`, `num_kv_blocks` (the cache size on the CPU, or a fixed size anywhere), `decode_steps`
-(decode steps run on the device between two looks from the scheduler), `overlap_windows`,
-`indirect_kv_cache` and `triton_kernels` (`NATIVE_KWARGS`; each documented on its `EngineConfig` field).
+the `EngineConfig` fields declared with `native(...)`, each documented there; `NATIVE_KWARGS` lists their
+names (what `engine_config_from` accepts, what doctor and the docs name).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -21,6 +20,11 @@ _DTYPES |= dict(float32=torch.float32, fp32=torch.float32)
 SCHEMA = RolloutConfig()  # the defaults of verl's keys, for benchmarks and tests that build EngineConfig
 
 
+def native(default: Any) -> Any:
+    """A field set by `rollout.engine_kwargs.native.<name>` (ours, not verl's), defaulting to `default`."""
+    return field(default=default, metadata={"native": True})
+
+
 @dataclass
 class EngineConfig:
     """The native engine's knobs: verl's keys default as the schema does, ours (engine_kwargs.native) here."""
@@ -30,21 +34,22 @@ class EngineConfig:
     # prompt + response, per sequence; the schema's null means prompt_length + response_length, which a
     # direct user does not have.
     max_model_len: int = 4096
-    block_size: int = 16  # tokens per KV-cache block; small blocks share more of a GRPO prompt
+    block_size: int = native(16)  # tokens per KV-cache block; small blocks share more of a GRPO prompt
     gpu_memory_utilization: float = SCHEMA.gpu_memory_utilization  # weights + activations + cache
-    num_kv_blocks: int | None = None  # fixed cache size in blocks; the CPU default is enough for max_num_seqs
+    # A fixed cache size in blocks; the CPU default is enough for max_num_seqs.
+    num_kv_blocks: int | None = native(None)
     enforce_eager: bool = SCHEMA.enforce_eager  # no CUDA graphs
     cudagraph_capture_sizes: list[int] | None = SCHEMA.cudagraph_capture_sizes  # None: 1,2,4,8,16,32..
-    decode_steps: int = 16  # decode steps per scheduler round (tokens past a stop are dropped)
+    decode_steps: int = native(16)  # decode steps per scheduler round (tokens past a stop are dropped)
     # Launch the next decode window before reading this one, so the device decodes while the host reads
     # the tokens and schedules instead of idling between windows. The next window runs over the same
     # rows: a row whose sequence stopped in this one decodes for nothing. Prefill steps overlap alike:
     # the next one is launched before the first tokens of this one are read.
-    overlap_windows: bool = True
+    overlap_windows: bool = native(True)
     # Decode kernels read the cache address from the device, so graphs survive sleep/wake_up without a
-    # recapture; the extra indirection costs decode speed (BENCHMARKS.md), so off unless sleeps are
-    # frequent and the decode batch takes many sizes.
-    indirect_kv_cache: bool = False
+    # recapture; every decode kernel then loads the cache's address before it reads the cache, which slows
+    # decode, so off unless sleeps are frequent and the decode batch takes many sizes (a graph each).
+    indirect_kv_cache: bool = native(False)
     # rollout.free_cache_engine: `generate` releases the KV cache before it returns, so training has the
     # memory (the schema's default); off for direct users (benchmarks) that call `generate` back to back.
     free_cache_engine: bool = False
@@ -55,7 +60,7 @@ class EngineConfig:
     # The engine's Triton kernels (attention, rotary and cache writes, sampling) instead of torch ops.
     # None: on CUDA, off on the CPU; True: also on the CPU under Triton's interpreter (TRITON_INTERPRET=1,
     # for tests), refused where Triton cannot run; False: torch ops everywhere (the reference path).
-    triton_kernels: bool | None = None
+    triton_kernels: bool | None = native(None)
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1, f"rollout.max_num_seqs must be >= 1, got {self.max_num_seqs}"
@@ -73,11 +78,17 @@ class EngineConfig:
                 f"got {self.triton_kernels!r}"
             )
 
+    @property
+    def windows_in_flight(self) -> int:
+        """Decode windows on the device at once: 2 with overlap_windows (the next one is launched before
+        this one is read, `pipeline.Pipeline`), else 1. Each has its own output buffers, and a sequence
+        may write up to one window's steps past its end in each (`max_tokens_per_seq`)."""
+        return 2 if self.overlap_windows else 1
+
     def max_tokens_per_seq(self) -> int:
-        """KV slots one sequence can take: max_model_len, plus what a decode window may write past a
-        sequence's last token (up to decode_steps - 1 tokens; with overlap_windows, the window launched
-        before that one was read, decode_steps more)."""
-        return self.max_model_len + self.decode_steps * (2 if self.overlap_windows else 1)
+        """KV slots one sequence can take: max_model_len, plus what the windows in flight may write past a
+        sequence's last token (decode_steps each)."""
+        return self.max_model_len + self.decode_steps * self.windows_in_flight
 
     def blocks_per_seq(self) -> int:
         """KV blocks one sequence can take (`max_tokens_per_seq` slots)."""
@@ -108,14 +119,7 @@ class EngineConfig:
 
 
 # Our knobs under rollout.engine_kwargs.native: their defaults are EngineConfig's own.
-NATIVE_KWARGS = (
-    "block_size",
-    "num_kv_blocks",
-    "decode_steps",
-    "indirect_kv_cache",
-    "overlap_windows",
-    "triton_kernels",
-)
+NATIVE_KWARGS = tuple(f.name for f in fields(EngineConfig) if f.metadata.get("native"))
 
 
 def engine_config_from(
