@@ -142,7 +142,7 @@ def test_every_turn_whose_tool_answered_joins_the_next_step(model, tool, answere
     log: list[tuple[set[int], set[int]]] = []  # per step: (seq ids waiting before it, ids it finished)
 
     def logged_step() -> list[SequenceOutput]:
-        waiting = {seq.output_index for seq in engine.stepper.scheduler.waiting}
+        waiting = {seq.output_index for seq in engine.scheduler.waiting}
         time.sleep(0.02)
         outs = step()
         log.append((waiting, {out.seq_id for out in outs}))

@@ -1,5 +1,5 @@
-"""The native engine: requests (`add_request` / `resume` / `step` / `release`) over the scheduler and
-the model runner, `generate` for a whole batch on top of them; weights sync in place.
+"""The native engine: requests (`add_request` / `resume` / `step` / `release`) over the scheduler, the KV
+cache and the model runner, `generate` for a whole batch on top of them; weights sync in place.
 
 Usage (the factory `fulcrum.rollout.build_rollout` does this):
     engine = NativeEngine(hf_model, eos_token_ids=[...], pad_token_id=0, config=EngineConfig(...), device=dev)
@@ -13,6 +13,17 @@ Turn by turn (an agent loop; `fulcrum.rollout.driver.AsyncRollout` does this for
 
 `generate` takes the KV cache if it was released and, with `config.free_cache_engine`, releases it again
 before returning, so every caller (training, validation, ReMax's greedy baseline) leaves the memory free.
+
+Each `step` is one round of `pipeline.Pipeline`: schedule -> run -> postprocess. An agent loop adds turns
+of many conversations while others decode, so everything in flight shares each step.
+
+One sampler runs over every row of a step (the fused Triton kernel samples the whole batch in one
+pass), so the sampling distribution (temperature, top-p, top-k) is the same for everything in
+flight; a request that asks for another one while the engine is busy is refused. The sampler's seed
+is taken when it is made: by `seed_requests` (what `generate` does), or by the first request after
+the distribution changed. Later requests draw from the same stream, so which tokens a sample gets
+depends on what else shares its steps; the same requests, added in the same order between the same
+steps, give the same tokens.
 """
 
 from __future__ import annotations
@@ -28,10 +39,15 @@ from torch import nn
 from fulcrum.models.arch import spec_for, unsupported_reason
 from fulcrum.parallel.tensor_parallel import TensorParallel
 from fulcrum.rollout.base import RolloutOutput, SamplingParams, SequenceOutput
+from fulcrum.rollout.native.block_manager import BlockManager
 from fulcrum.rollout.native.config import EngineConfig
+from fulcrum.rollout.native.kv_cache import KVCache
 from fulcrum.rollout.native.model_runner import ModelRunner
 from fulcrum.rollout.native.models.decoder import DecoderLM, Rotary
-from fulcrum.rollout.native.stepper import COUNTERS, Stepper
+from fulcrum.rollout.native.pipeline import COUNTERS, Pipeline
+from fulcrum.rollout.native.sampler import DeviceSampler
+from fulcrum.rollout.native.scheduler import Scheduler
+from fulcrum.rollout.native.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +78,26 @@ def rotaries_of(hf_model: nn.Module) -> dict[str, Rotary]:
     raise ValueError(f"{type(hf_model).__name__} has no rotary embedding module with an inv_freq buffer")
 
 
+def sampling_key(params: SamplingParams) -> tuple[float, float, int]:
+    """What one sampler fixes for every row it samples: (temperature, top_p, top_k)."""
+    return (params.temperature, params.top_p, params.top_k)
+
+
+def output_of(seq: Sequence) -> SequenceOutput:
+    """The finished turn of `seq` as the request API returns it."""
+    assert seq.finish_reason is not None
+    return SequenceOutput(
+        seq_id=seq.output_index,
+        request_id=seq.request_id,
+        token_ids=seq.response,
+        logprobs=list(seq.logprobs),
+        loss_mask=seq.loss_mask(),
+        finish_reason=seq.finish_reason,
+        turn_start=seq.turn_start - seq.num_prompt_tokens,
+        held=seq.keep,
+    )
+
+
 class NativeEngine:
     """Paged-KV continuous-batching engine over its own copy of a model's weights (any family
     `fulcrum.models.arch.SPECS` holds whose config `unsupported_reason` accepts)."""
@@ -89,20 +125,27 @@ class NativeEngine:
         rotaries = rotaries_of(hf_model)
         self.model = DecoderLM(spec, hf_model.config, rotaries, dtype, self.device, self.tp)
         self.update_weights(hf_model.state_dict().items(), strict=True)
-        self.runner = ModelRunner(self.model, config, self.device)
-        self.runner.allocate_cache()
-        self.stepper = Stepper(self.runner, config, self.eos_token_ids, self.tp)
+        self.cache = KVCache(self.model, config, self.device)
+        self.cache.allocate()
+        self.runner = ModelRunner(self.model, self.cache, config)
+        self.scheduler = Scheduler(config, BlockManager(self.cache.num_blocks, config.block_size))
+        self.pipeline = Pipeline(self.scheduler, self.runner, config)
+        self.sampler: DeviceSampler | None = None
+        self.next_id = 0
+        # One stop set per (stop ids, ignore_eos), shared by the sequences that use it: a batch of
+        # conversations would otherwise build one per turn.
+        self._stop_sets: dict[tuple[tuple[int, ...], bool], frozenset[int]] = {}
         self.stats: dict[str, float] = {}
         logger.info(
             "native engine: %s on %s%s, %d KV blocks of %d tokens (%.2f GiB), triton=%s, cuda graphs=%s",
             hf_model.config.model_type,
             self.device,
             f" (tensor-parallel rank {self.tp.rank} of {self.tp.size})" if self.tp.size > 1 else "",
-            self.runner.num_blocks,
+            self.cache.num_blocks,
             config.block_size,
-            self.runner.cache_bytes() / 2**30,
-            self.runner.use_triton,
-            self.runner.use_graphs,
+            self.cache.cache_bytes() / 2**30,
+            self.cache.use_triton,
+            self.cache.use_graphs,
         )
 
     # ------------------------------------------------------------------------------ hybrid engine
@@ -122,61 +165,120 @@ class NativeEngine:
     def sleep(self) -> None:
         """Free the KV cache (and the CUDA graphs that point into it) while the model trains. Held
         samples stay resumable; their next turn recomputes their tokens."""
-        self.stepper.settle()
-        self.stepper.scheduler.drop_held_blocks()
-        self.runner.free_cache()
+        self.pipeline.drain()
+        self.scheduler.drop_held_blocks()
+        self.cache.free()
 
     def wake_up(self) -> None:
         """Take the KV cache back; graphs are recaptured on first use."""
-        self.runner.allocate_cache()
+        self.cache.allocate()
 
     def close(self) -> None:
         """Release the device resources (KV cache, CUDA graphs) before the process group is left; the
         engine stays usable (the next `generate` takes them again). Requests in flight are dropped."""
-        self.runner.release_graphs()
-        self.stepper.abort()
+        self.cache.release_graphs()
+        self.abort()
         self.sleep()
 
     @property
     def awake(self) -> bool:
         """Whether the KV cache is allocated."""
-        return self.runner.awake
+        return self.cache.awake
 
     # ------------------------------------------------------------------------------ requests
-    def add_request(self, prompt: list[int], params: SamplingParams, keep: bool = False) -> int:
-        """Queue `params.n` samples of `prompt` (see `fulcrum.rollout.base.RequestEngine`)."""
-        return self.stepper.add_request(prompt, params, keep)
-
-    def resume(self, seq_id: int, tokens: list[int], params: SamplingParams, keep: bool = False) -> None:
-        """Continue held sample `seq_id` with `tokens` appended (see `RequestEngine`)."""
-        self.stepper.resume(seq_id, tokens, params, keep)
-
     def seed_requests(self, params: SamplingParams) -> None:
         """A fresh sampler seeded by `params.seed` for the requests that follow (nothing in flight), so a
         rollout of many requests repeats under one seed as `generate` does."""
-        if self.stepper.has_unfinished_requests():
+        if self.has_unfinished_requests():
             raise RuntimeError("seed_requests needs the native engine idle: requests are in flight")
-        self.stepper.new_sampler(params)
+        self._new_sampler(params)
 
-    def step(self) -> list[SequenceOutput]:
-        """One scheduler round over everything in flight; the turns it finished."""
-        self.wake_up()
-        return self.stepper.step()
+    def _new_sampler(self, params: SamplingParams) -> None:
+        """A sampler for `params`, seeded by `params.seed` (or one seed shared by the engine's ranks)."""
+        seed = self.tp.shared_seed(params.seed)
+        self.sampler = DeviceSampler(
+            SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed),
+            self.device,
+            self.cache.use_triton,
+        )
+
+    def _sampler_for(self, params: SamplingParams) -> None:
+        current = self.sampler
+        if current is not None and sampling_key(current.params) == sampling_key(params):
+            return
+        if current is not None and self.scheduler.has_work():
+            raise ValueError(
+                f"the native engine samples with temperature={current.params.temperature}, top_p="
+                f"{current.params.top_p}, top_k={current.params.top_k} for the requests in flight; a request "
+                f"with {sampling_key(params)} must wait until they finish"
+            )
+        self._new_sampler(params)
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The ids that end a turn: the request's stop ids, and EOS unless `ignore_eos`."""
+        key = (tuple(params.stop_token_ids), params.ignore_eos)
+        if key not in self._stop_sets:
+            eos = frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
+            self._stop_sets[key] = frozenset(params.stop_token_ids) | eos
+        return self._stop_sets[key]
+
+    def add_request(self, prompt: list[int], params: SamplingParams, keep: bool = False) -> int:
+        """Queue `params.n` samples of `prompt`; their ids are the returned id + 0 .. n - 1 (see
+        `fulcrum.rollout.base.RequestEngine`)."""
+        self.scheduler.admit(len(prompt), params)
+        self._sampler_for(params)
+        request_id = self.next_id
+        self.scheduler.add(
+            Sequence(
+                token_ids=list(prompt),
+                num_prompt_tokens=len(prompt),
+                output_index=request_id,
+                max_tokens=params.max_tokens,
+                num_samples=params.n,
+                stop_ids=self._stop_ids(params),
+                keep=keep,
+            )
+        )
+        self.next_id += params.n
+        return request_id
+
+    def resume(self, seq_id: int, tokens: list[int], params: SamplingParams, keep: bool = False) -> None:
+        """Continue held sample `seq_id` with `tokens` appended, then sampling (see `RequestEngine`)."""
+        if params.n != 1:
+            raise ValueError(f"a next turn continues one sample: n must be 1, got {params.n}")
+        seq = self.scheduler.held.get(seq_id)
+        if seq is not None:  # not held: `Scheduler.resume` names the id
+            self.scheduler.admit(seq.num_tokens + len(tokens), params)
+        self._sampler_for(params)
+        self.scheduler.resume(seq_id, list(tokens), params.max_tokens, self._stop_ids(params), keep)
 
     def release(self, seq_id: int) -> None:
         """Free held sample `seq_id`'s KV blocks."""
-        self.stepper.release(seq_id)
+        self.scheduler.release(seq_id)
+
+    def step(self) -> list[SequenceOutput]:
+        """One round over everything in flight (`Pipeline.step`); the turns it finished, in order."""
+        self.wake_up()
+        self.pipeline.step(self.sampler)
+        finished, self.scheduler.finished = self.scheduler.finished, []
+        return [output_of(seq) for seq in finished]
 
     def has_unfinished_requests(self) -> bool:
-        return self.stepper.has_unfinished_requests()
+        """Work queued or running, a round launched ahead, or finished turns not handed out yet."""
+        return self.scheduler.has_work() or self.pipeline.ahead is not None or bool(self.scheduler.finished)
+
+    def abort(self) -> None:
+        """Drop every queued and running sequence (held ones stay), after the round in flight ends."""
+        self.pipeline.drop()
+        self.scheduler.abort()
 
     @property
     def counters(self) -> dict[str, float]:
         """Totals since the engine was built: prefill/decode seconds and steps, prefilled tokens,
         preemptions, evictions of held sequences, blocks in use."""
-        scheduler = self.stepper.scheduler
+        scheduler = self.scheduler
         return {
-            **self.stepper.counters,
+            **self.pipeline.counters,
             "preemptions": scheduler.num_preemptions,
             "evictions": scheduler.num_evictions,
             "held": len(scheduler.held),
@@ -184,28 +286,12 @@ class NativeEngine:
         }
 
     # ------------------------------------------------------------------------------ generation
-    def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(
-                f"n={params.n} samples per prompt exceed actor_rollout_ref.rollout.max_num_seqs="
-                f"{self.config.max_num_seqs}"
-            )
-        for index, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {index} is empty: every prompt needs at least one token")
-            if len(prompt) + params.max_tokens > self.config.max_model_len:
-                raise ValueError(
-                    f"prompt {index} has {len(prompt)} tokens; with max_tokens={params.max_tokens} it exceeds "
-                    f"actor_rollout_ref.rollout.max_model_len={self.config.max_model_len}"
-                )
-
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         """Sample `params.n` responses per prompt (see `RolloutOutput`): requests added in prompt order,
-        stepped until all are done."""
-        self._check(prompts, params)
+        stepped until all are done. A prompt that cannot run is refused before any is sampled."""
         if not prompts:
             return RolloutOutput([], [], [], [])
-        if self.stepper.has_unfinished_requests():
+        if self.has_unfinished_requests():
             raise RuntimeError("generate needs the native engine to itself: requests are in flight")
         start = time.perf_counter()
         self.wake_up()
@@ -213,7 +299,7 @@ class NativeEngine:
         try:
             return self._generate(prompts, params)
         except BaseException:
-            self.stepper.abort()  # an interrupted batch must not stay in flight
+            self.abort()  # an interrupted batch must not stay in flight
             raise
         finally:
             start = time.perf_counter()
@@ -226,23 +312,26 @@ class NativeEngine:
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         start = time.perf_counter()
         before = self.counters
-        captured_before = self.runner.graph_capture_s
-        self.stepper.scheduler.peak_blocks = 0
-        self.stepper.new_sampler(params)
-        first = self.stepper.add_request(prompts[0], params)
-        for prompt in prompts[1:]:
-            self.stepper.add_request(prompt, params)
+        captured_before = self.cache.graph_capture_s
+        self.scheduler.peak_blocks = 0
+        self._new_sampler(params)
+        first = self.next_id
+        for index, prompt in enumerate(prompts):
+            try:
+                self.add_request(prompt, params)
+            except (ValueError, RuntimeError) as exc:
+                raise type(exc)(f"prompt {index} refused: {exc}") from None
         finished: list[SequenceOutput] = []
-        while self.stepper.has_unfinished_requests():
-            finished += self.stepper.step()
+        while self.has_unfinished_requests():
+            finished += self.step()
         finished.sort(key=lambda out: out.seq_id)
         assert [out.seq_id - first for out in finished] == list(range(len(prompts) * params.n))
         after = self.counters
         self.stats.update({key: after[key] - before[key] for key in (*COUNTERS, "preemptions")})
         self.stats.update(
             generate_s=time.perf_counter() - start,
-            peak_kv_gib=self.stepper.scheduler.peak_blocks * self.runner.bytes_per_block() / 2**30,
-            graph_capture_s=self.runner.graph_capture_s - captured_before,  # this call's (re)captures
+            peak_kv_gib=self.scheduler.peak_blocks * self.cache.bytes_per_block() / 2**30,
+            graph_capture_s=self.cache.graph_capture_s - captured_before,  # this call's (re)captures
         )
         return RolloutOutput(
             token_ids=[out.token_ids for out in finished],

@@ -1,58 +1,31 @@
-"""Runs the decoder over the paged KV cache: prefill steps (eager) and decode windows (CUDA graphs).
+"""Runs a scheduled round on the device: its inputs, the forward, the sampling of its tokens and their
+copy to the host, without waiting for the device (`Launched.read` waits).
 
-A decode window runs `steps` decode steps back to back on the device: each step feeds the previous
-step's sampled tokens, advances positions and context lengths in place, and never waits for the
-host; the host reads all the window's tokens once at its end. The blocks the window writes were
-reserved by the scheduler beforehand, so the slot of each new token is computed on the device from
-the block table. Decode steps replay a CUDA graph captured for the smallest batch-size bucket that
-holds the batch (padded rows write into the scratch block 0 and are ignored).
+A prefill step runs eagerly. A decode window runs `steps` decode steps back to back (`KVCache.decode_logits`:
+CUDA graphs where captured): each step feeds the previous step's sampled tokens, advances positions and
+context lengths in place, and never waits for the host; the host reads all the window's tokens once at
+its end. The blocks the window writes were reserved by the scheduler beforehand, so the slot of each
+new token is computed on the device from the block table.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-import os
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from fulcrum.batch import host_to_device
-from fulcrum.config.keys import ConfigError
 from fulcrum.rollout.native import ops
 from fulcrum.rollout.native.attention import AttentionMetadata
 from fulcrum.rollout.native.config import EngineConfig
-from fulcrum.rollout.native.kernels import HAVE_TRITON, IndirectCache
-from fulcrum.rollout.native.memory import engine_workspace_bytes, kv_cache_budget
+from fulcrum.rollout.native.kv_cache import KVCache
 from fulcrum.rollout.native.models.decoder import DecoderLM
 from fulcrum.rollout.native.sample_kernels import DecodeState
 from fulcrum.rollout.native.sampler import DeviceSampler
-from fulcrum.rollout.native.scheduler import PrefillWork
+from fulcrum.rollout.native.scheduler import DecodeWork, PrefillWork, Work
 from fulcrum.rollout.native.sequence import Sequence
-
-logger = logging.getLogger(__name__)
-
-CPU_DEFAULT_CACHE_TOKENS = 65536  # the CPU cache when num_kv_blocks is not set
-
-
-def use_triton_on(device: torch.device, wanted: bool | None) -> bool:
-    """Whether the engine runs its Triton kernels on `device`, as `wanted`
-    (engine_kwargs.native.triton_kernels, `EngineConfig.triton_kernels`): by default on CUDA only; asked
-    for (True), also on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`, Triton's own switch),
-    and refused where Triton cannot run them."""
-    if wanted is False:
-        return False
-    runs = HAVE_TRITON and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-    if wanted and not runs:
-        why = "triton is not installed" if not HAVE_TRITON else "on the CPU Triton needs TRITON_INTERPRET=1"
-        raise ConfigError(
-            f"actor_rollout_ref.rollout.engine_kwargs.native.triton_kernels=true, but {why}; leave it null "
-            "(Triton on CUDA only) or set it false",
-            "actor_rollout_ref.rollout.engine_kwargs.native.triton_kernels",
-        )
-    return runs if wanted else HAVE_TRITON and device.type == "cuda"
 
 
 @dataclass
@@ -88,21 +61,11 @@ class HostCopy:
         return self.tokens.tolist(), self.logprobs.tolist()
 
 
-@dataclass
-class PrefillLaunch:
-    """A prefill step in flight: how many first tokens each completed prompt gets (its n), and their copy
-    to the host (None when the step completes no prompt, only a chunk of a longer one)."""
-
-    counts: list[int]
-    copy: HostCopy | None
-
-
 def padded_tables(tables: list[list[int]], rows: int, width: int) -> torch.Tensor:
     """Block tables as one (rows, width) int32 host tensor, zero-padded (block 0 is scratch).
 
-    This runs before every decode window, while the device waits, so it is built with numpy from one
-    flat iterator: 0.21 ms for 512 tables of 8-25 blocks on a CPU host, against 0.74 ms through torch
-    from a flat list and about twice that from nested padded rows."""
+    This runs before every decode window, while the device may wait for it, so it is built with numpy
+    from one flat iterator, without a Python object per entry or a torch call per row."""
     lengths = np.zeros(rows, dtype=np.int64)
     lengths[: len(tables)] = np.fromiter((len(table) for table in tables), dtype=np.int64, count=len(tables))
     out = np.zeros((rows, width), dtype=np.int32)
@@ -129,183 +92,81 @@ def packed_positions(
     return index, torch.arange(offsets[-1], device=device) + shift[index], offsets
 
 
+@dataclass
+class Launched:
+    """A round on the device: its work, and its sampled tokens on their way to the host (`copy`; None
+    for a prefill step that completes no prompt, only a chunk of a longer one). `counts`: a prefill
+    step's first tokens per completed prompt (its n); None for a decode window (`steps` tokens a row)."""
+
+    work: Work
+    copy: HostCopy | None
+    counts: list[int] | None = None
+
+    def read(self) -> tuple[list[list[int]], list[list[float]]]:
+        """The round's tokens and log-probs once on the host: a prefill step's one list per completed
+        prompt, a decode window's one list per row (`Scheduler.postprocess` takes either)."""
+        if self.copy is None:
+            return [], []
+        tokens, logprobs = self.copy.read()
+        if self.counts is None:
+            return tokens, logprobs
+        offsets = [0, *itertools.accumulate(self.counts)]
+        return (
+            [tokens[a:b] for a, b in itertools.pairwise(offsets)],
+            [logprobs[a:b] for a, b in itertools.pairwise(offsets)],
+        )
+
+
 class ModelRunner:
-    def __init__(self, model: DecoderLM, config: EngineConfig, device: torch.device) -> None:
+    """Launches prefill steps and decode windows over the model and its `KVCache`."""
+
+    def __init__(self, model: DecoderLM, cache: KVCache, config: EngineConfig) -> None:
         self.model = model
-        self.config = config
-        self.device = device
-        self.block_size = config.block_size
-        self.use_triton = use_triton_on(device, config.triton_kernels)
-        model.use_triton = self.use_triton
-        model.fp32_logits = config.lm_head_fp32
-        self.use_graphs = device.type == "cuda" and not config.enforce_eager
-        self.max_blocks_per_seq = config.blocks_per_seq()
-        model.ensure_positions(config.max_tokens_per_seq())
-        self.num_blocks = model.tp.agree_min(self._cache_blocks(), device)
-        self.kv_cache: torch.Tensor | None = None
-        # Optionally the decode kernels read the cache through its device-held address: graphs survive sleep.
-        self.indirect: IndirectCache | None = None
-        if self.use_triton and self.use_graphs and config.indirect_kv_cache:
-            self.indirect = IndirectCache(self._cache_shape(), model.dtype, device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.graph_pool = None
-        self._graphs_cache_ptr = 0  # the cache address the captured graphs hold (direct mode)
-        self.capture_sizes = config.capture_sizes()
-        self.graph_capture_s = 0.0
+        self.cache = cache
+        self.device = cache.device
         max_bs = config.max_num_seqs
-        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.context_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.row_index = torch.arange(max_bs, device=device)
-        # Two windows' outputs: with overlap_windows the next window writes one while the host reads the
+        # One output buffer per window in flight: the next window writes one while the host reads the
         # other (from pinned host copies on CUDA, so that reading one does not wait for the next).
         # Rows a multiple of 4 entries wide: every step's row starts 16-byte aligned, so the sampler that
         # writes into it compiles one variant whatever the step (Triton specialises on pointer alignment).
-        width = -(-max_bs // 4) * 4
-        self.out_tokens = torch.zeros(2, config.decode_steps, width, dtype=torch.long, device=device)
-        self.out_logprobs = torch.zeros(2, config.decode_steps, width, dtype=torch.float32, device=device)
-        pinned = device.type == "cuda"
+        slots, width = config.windows_in_flight, -(-max_bs // 4) * 4
+        self.out_tokens = torch.zeros(slots, config.decode_steps, width, dtype=torch.long, device=self.device)
+        self.out_logprobs = torch.zeros(
+            slots, config.decode_steps, width, dtype=torch.float32, device=self.device
+        )
+        pinned = self.device.type == "cuda"
         size = max_bs * config.decode_steps
-        self.host_tokens = torch.zeros(2, size, dtype=torch.long, pin_memory=pinned)
-        self.host_logprobs = torch.zeros(2, size, dtype=torch.float32, pin_memory=pinned)
-        self._slot = 0
-        self._last_steps = 0  # steps of the window launched last
+        self.host_tokens = torch.zeros(slots, size, dtype=torch.long, pin_memory=pinned)
+        self.host_logprobs = torch.zeros(slots, size, dtype=torch.float32, pin_memory=pinned)
 
-    # ------------------------------------------------------------------------------ KV cache
-    def bytes_per_block(self) -> int:
-        m = self.model
-        element = torch.empty((), dtype=m.dtype).element_size()
-        return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * element
-
-    def _cache_blocks(self) -> int:
-        """Blocks from num_kv_blocks, else (CUDA) gpu_memory_utilization of the device's memory, at most
-        what a generate can use (`EngineConfig.usable_cache_blocks`)."""
-        if self.config.num_kv_blocks is not None:
-            return int(self.config.num_kv_blocks)
-        if self.device.type != "cuda":
-            return max(
-                2, min(CPU_DEFAULT_CACHE_TOKENS // self.block_size + 1, self.config.usable_cache_blocks())
-            )
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        weights = sum(t.numel() * t.element_size() for t in self.model.weight_tensors())
-        m, cfg = self.model, self.config
-        workspace = engine_workspace_bytes(
-            m.hidden,
-            m.config.intermediate_size,
-            m.config.vocab_size,
-            cfg.max_num_batched_tokens,
-            cfg.max_num_seqs,
-            cfg.lm_head_fp32,
-        )
-        free_now, _ = torch.cuda.mem_get_info(self.device)
-        budget = kv_cache_budget(total, cfg.gpu_memory_utilization, weights, workspace, free_now)
-        blocks = min(int(budget // self.bytes_per_block()), cfg.usable_cache_blocks())
-        if blocks < 2:
-            raise RuntimeError(
-                f"actor_rollout_ref.rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} leaves no room for "
-                f"the KV cache ({total / 2**30:.1f} GiB device, {weights / 2**30:.2f} GiB weights, "
-                f"{free_now / 2**30:.1f} GiB free now)"
-            )
-        return blocks
-
-    @property
-    def awake(self) -> bool:
-        return self.kv_cache is not None
-
-    def _cache_shape(self) -> tuple[int, ...]:
-        m = self.model
-        return (m.num_layers, 2, self.num_blocks * self.block_size, m.num_kv_heads, m.head_dim)
-
-    def allocate_cache(self) -> None:
-        if self.kv_cache is not None:
-            return
-        # The Triton decode kernel masks its loads to each row's context, and prefill reads back only a
-        # context's own slots: on that path no slot is read before it is written, and the cache (most of
-        # the card) is not zero-filled at every wake-up. The torch twins read whole blocks and mask the
-        # scores, where a never-written slot must hold a finite value (0 x NaN is NaN): zeros there.
-        new = torch.empty if self.use_triton else torch.zeros
-        self.kv_cache = new(self._cache_shape(), dtype=self.model.dtype, device=self.device)
-        if self.indirect is not None:
-            self.indirect.point_to(self.kv_cache)
-        elif self.graphs and self.model.tp.agree_any(
-            self.kv_cache.data_ptr() != self._graphs_cache_ptr, self.device
-        ):
-            # The graphs hold the old cache's address: drop them, the next decodes recapture (every
-            # tensor-parallel rank at once: the capture's warm-up forward all-reduces).
-            self.release_graphs()
-        self._graphs_cache_ptr = self.kv_cache.data_ptr()
-
-    def free_cache(self) -> None:
-        """Drop the KV cache. The graphs stay (with their activation pool) until we know whether the
-        next cache lands at the same address (then they are still valid) or not."""
-        self.kv_cache = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def release_graphs(self) -> None:
-        """Destroy the captured decode graphs and their memory pool now (the next decode recaptures).
-
-        Under tensor parallelism the graphs captured NCCL all-reduces, and NCCL cannot destroy a
-        communicator while a graph that captured its calls is alive (pytorch/pytorch#115388): leaving
-        the process group with the graphs still held hangs every rank at the end of the run."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # no replay still running
-        for graph, _ in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
-        self.graph_pool = None
-        self._graphs_cache_ptr = 0
-
-    def cache_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block()
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """KV data of block src -> block dst for each (src, dst) (forks' private partial blocks)."""
-        if not pairs:
-            return
-        src = host_to_device(torch.tensor([p[0] for p in pairs]), self.device)
-        dst = host_to_device(torch.tensor([p[1] for p in pairs]), self.device)
-        m = self.model
-        blocks = self.kv_cache.view(
-            m.num_layers, 2, self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim
-        )
-        blocks[:, :, dst] = blocks[:, :, src]
+    def run(self, work: Work, sampler: DeviceSampler, slot: int) -> Launched:
+        """Launch `work`; a decode window writes its tokens into output buffer `slot`."""
+        if isinstance(work, PrefillWork):
+            return self.launch_prefill(work, sampler)
+        return self.launch_decode(work, sampler, slot)
 
     # ------------------------------------------------------------------------------ prefill
-    def launch_prefill(self, work: PrefillWork, sampler) -> PrefillLaunch:
+    def launch_prefill(self, work: PrefillWork, sampler: DeviceSampler) -> Launched:
         """Queue the prefill of `work` and the first token of each of the n samples of every prompt it
-        completes (with the copy of those tokens to the host); `read_prefill` waits for them.
+        completes, with the copy of those tokens to the host.
 
-        Nothing here waits for the device: every host tensor goes over asynchronously (`host_to_device`:
-        a plain `.to(device)` from pageable memory synchronizes the stream), so the host can build and
-        launch the next step while the device runs this one."""
+        Every host tensor goes over asynchronously (`host_to_device`: a plain `.to(device)` from
+        pageable memory synchronizes the stream), so the host can build and launch the next step while
+        the device runs this one."""
         counts = [seq.num_samples for seq, done in zip(work.seqs, work.completes, strict=True) if done]
         logits = self.prefill(work)
         if not counts:
-            return PrefillLaunch(counts, None)
+            return Launched(work, None, counts)
         rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
         tokens, logprobs = sampler(logits[host_to_device(rows, self.device)])
         pinned = self.device.type == "cuda"
         host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=pinned)
         host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=pinned)
-        return PrefillLaunch(counts, HostCopy.start(tokens, logprobs, host_tokens, host_logprobs))
-
-    def read_prefill(self, launch: PrefillLaunch) -> tuple[list[list[int]], list[list[float]]]:
-        """The first tokens and log-probs of a launched prefill, one list per completed prompt."""
-        if launch.copy is None:
-            return [], []
-        flat_tokens, flat_logprobs = launch.copy.read()
-        offsets = [0, *itertools.accumulate(launch.counts)]
-        return (
-            [flat_tokens[a:b] for a, b in itertools.pairwise(offsets)],
-            [flat_logprobs[a:b] for a, b in itertools.pairwise(offsets)],
-        )
+        return Launched(work, HostCopy.start(tokens, logprobs, host_tokens, host_logprobs), counts)
 
     def prefill(self, work: PrefillWork) -> torch.Tensor:
         """Run the chunks of `work`; logits (C, V) at the last token of each of the C completed prompts."""
-        dev, bs = self.device, self.block_size
+        dev, bs = self.device, self.cache.block_size
         ids: list[int] = []
         for seq, start, length in zip(work.seqs, work.starts, work.lengths, strict=True):
             ids += seq.token_ids[start : start + length]
@@ -330,7 +191,7 @@ class ModelRunner:
             context_slots=context_slots,
         )
         hidden = self.model.forward(
-            host_to_device(torch.tensor(ids, dtype=torch.long), dev), pos_t, self.kv_cache, meta
+            host_to_device(torch.tensor(ids, dtype=torch.long), dev), pos_t, self.cache.kv_cache, meta
         )
         last = [cu_q[i + 1] - 1 for i, done in enumerate(work.completes) if done]
         return self.model.logits(hidden[host_to_device(torch.tensor(last, dtype=torch.long), dev)])
@@ -340,112 +201,45 @@ class ModelRunner:
         return host_to_device(padded_tables([s.block_table for s in seqs], len(seqs), width), self.device)
 
     # ------------------------------------------------------------------------------ decode
-    def launch_decode(
-        self, seqs: list[Sequence], steps: int, sampler: DeviceSampler, rows: list[int] | None = None
-    ) -> HostCopy:
-        """Queue `steps` decode steps over `seqs` and the copy of their tokens to the host; `read_decode`
-        waits for them. `rows`: each sequence's row in the window launched just before, whose state the
-        device already advanced (last token, position, context length): those rows are gathered on the
-        device, and only the block tables come from the host, whose tokens lag that window."""
+    def launch_decode(self, work: DecodeWork, sampler: DeviceSampler, slot: int) -> Launched:
+        """Queue `work.steps` decode steps over `work.seqs` and the copy of their tokens to the host.
+        With `work.rows`, each sequence continues its row of the window launched just before, whose
+        state the device already advanced (last token, position, context length): those rows are
+        gathered on the device, and only the block tables come from the host, whose tokens lag that
+        window by `work.unread` steps."""
+        seqs, steps, cache = work.seqs, work.steps, self.cache
         batch = len(seqs)
-        padded = self._bucket(batch) if self.use_graphs else batch
-        host_tables = padded_tables([s.block_table for s in seqs], padded, self.max_blocks_per_seq)
-        if rows is not None:
-            if rows != list(range(batch)):
-                index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-                for state in (self.input_ids, self.positions, self.context_lens):
+        padded = cache.padded_batch(batch)
+        host_tables = padded_tables([s.block_table for s in seqs], padded, cache.max_blocks_per_seq)
+        if work.rows is not None:
+            if work.rows != list(range(batch)):
+                index = torch.tensor(work.rows, dtype=torch.long).to(self.device, non_blocking=True)
+                for state in (cache.input_ids, cache.positions, cache.context_lens):
                     state[:batch] = state.index_select(0, index)
             if padded > batch:  # padding rows as a fresh window leaves them: position 0, in block 0
-                self.input_ids[batch:padded] = 0
-                self.positions[batch:padded] = 0
-                self.context_lens[batch:padded] = 1
-            max_context = max(s.num_tokens for s in seqs) + self._last_steps
+                cache.input_ids[batch:padded] = 0
+                cache.positions[batch:padded] = 0
+                cache.context_lens[batch:padded] = 1
+            max_context = max(s.num_tokens for s in seqs) + work.unread
         else:
             last = torch.tensor([s.token_ids[-1] for s in seqs] + [0] * (padded - batch), dtype=torch.long)
             pos = torch.tensor([s.num_tokens - 1 for s in seqs] + [0] * (padded - batch), dtype=torch.long)
-            self.input_ids[:padded].copy_(last, non_blocking=True)
-            self.positions[:padded].copy_(pos, non_blocking=True)
-            self.context_lens[:padded].copy_((pos + 1).to(torch.int32), non_blocking=True)
+            cache.input_ids[:padded].copy_(last, non_blocking=True)
+            cache.positions[:padded].copy_(pos, non_blocking=True)
+            cache.context_lens[:padded].copy_((pos + 1).to(torch.int32), non_blocking=True)
             max_context = int(pos[:batch].max()) + 1
-        self.block_tables[:padded].copy_(host_tables, non_blocking=True)
-        slot, self._slot, self._last_steps = self._slot, 1 - self._slot, steps
+        cache.block_tables[:padded].copy_(host_tables, non_blocking=True)
         out_tokens, out_logprobs = self.out_tokens[slot], self.out_logprobs[slot]
         # Each step's sampling writes its tokens there and moves these rows on (next input, position + 1).
-        state = DecodeState(self.input_ids[:batch], self.positions[:batch], self.context_lens[:batch])
+        state = DecodeState(cache.input_ids[:batch], cache.positions[:batch], cache.context_lens[:batch])
         for k in range(steps):
-            if self.use_graphs:
-                logits = self._graph_logits(padded)
-            else:
-                logits = self._decode_forward(padded, max_context + k)
+            logits = cache.decode_logits(padded, max_context + k)
             sampler.sample_step(logits[:batch], out_tokens[k, :batch], out_logprobs[k, :batch], state)
         # One row per sequence: the scheduler takes each sequence's tokens as one slice.
         # Contiguous views: a copy into a strided host tensor would not stay asynchronous.
         host_tokens = self.host_tokens[slot, : batch * steps].view(batch, steps)
         host_logprobs = self.host_logprobs[slot, : batch * steps].view(batch, steps)
-        return HostCopy.start(
+        copy = HostCopy.start(
             out_tokens[:steps, :batch].t(), out_logprobs[:steps, :batch].t(), host_tokens, host_logprobs
         )
-
-    def read_decode(self, launch: HostCopy) -> tuple[list[list[int]], list[list[float]]]:
-        """The tokens and log-probs of a launched window, (tokens[b][k], logprobs[b][k])."""
-        return launch.read()
-
-    def _bucket(self, batch: int) -> int:
-        return next(size for size in self.capture_sizes if size >= batch)
-
-    def _decode_forward(self, batch: int, max_context: int) -> torch.Tensor:
-        """One decode step over the static buffers' first `batch` rows -> logits (batch, V)."""
-        slots = ops.block_slots(
-            self.block_tables, self.row_index[:batch], self.positions[:batch], self.block_size
-        )
-        self.slot_mapping[:batch] = slots
-        meta = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=self.slot_mapping[:batch],
-            block_size=self.block_size,
-            block_tables=self.block_tables[:batch],
-            context_lens=self.context_lens[:batch],
-            max_context=max_context,
-            use_triton=self.use_triton,
-            indirect_cache=self.indirect,
-        )
-        hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch], self.kv_cache, meta)
-        return self.model.logits(hidden)
-
-    def _graph_logits(self, batch: int) -> torch.Tensor:
-        if batch not in self.graphs:
-            self._capture(batch)
-        graph, logits = self.graphs[batch]
-        graph.replay()
-        return logits
-
-    def _capture(self, batch: int) -> None:
-        start = time.perf_counter()
-        full_width = self.max_blocks_per_seq * self.block_size  # the gather path's static width
-        # Warm-up runs write the rows' K/V at their current slots: the same values the replay writes.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._decode_forward(batch, full_width)  # compile Triton kernels, settle the allocator
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
-            logits = self._decode_forward(batch, full_width)
-        self.graph_pool = graph.pool()
-        self.graphs[batch] = (graph, logits)
-        self.graph_capture_s += time.perf_counter() - start
-
-    def capture_all(self) -> None:
-        """Capture every bucket now (the engine does this at start-up so that the first decode is fast)."""
-        if not self.use_graphs:
-            return
-        for size in sorted(self.capture_sizes, reverse=True):
-            if size not in self.graphs:
-                self._capture_with_dummy_rows(size)
-
-    def _capture_with_dummy_rows(self, batch: int) -> None:
-        self.input_ids[:batch].zero_()
-        self.positions[:batch].zero_()
-        self.context_lens[:batch].fill_(1)
-        self.block_tables[:batch].zero_()
-        self._capture(batch)
+        return Launched(work, copy)

@@ -21,9 +21,9 @@ batch or deadlock the engine, and memory that is free is used to skip recomputat
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from fulcrum.rollout.base import FinishReason
+from fulcrum.rollout.base import FinishReason, SamplingParams
 from fulcrum.rollout.native.block_manager import BlockManager, blocks_for
 from fulcrum.rollout.native.config import EngineConfig
 from fulcrum.rollout.native.sequence import Sequence, Status
@@ -31,22 +31,29 @@ from fulcrum.rollout.native.sequence import Sequence, Status
 
 @dataclass
 class PrefillWork:
-    """Prefill `lengths[i]` tokens of `seqs[i]` from position `starts[i]`; `completes[i]`: last chunk."""
+    """Prefill `lengths[i]` tokens of `seqs[i]` from position `starts[i]`; `completes[i]`: last chunk.
+    `families`: each completed prompt with its forks, one list per prompt in order (`commit_prefill`)."""
 
     seqs: list[Sequence]
     starts: list[int]
     lengths: list[int]
     completes: list[bool]
+    families: list[list[Sequence]] = field(default_factory=list)
 
 
 @dataclass
 class DecodeWork:
     """`steps` decode steps over `seqs`. `rows`: launched right after another window (`schedule_ahead`),
-    each sequence's row in that window, whose state on the device it continues; None: from the host."""
+    each sequence's row in that window, whose state on the device it continues, and `unread` that
+    window's steps (tokens the device has sampled past what the host knows); None, 0: from the host."""
 
     seqs: list[Sequence]
     steps: int
     rows: list[int] | None = None
+    unread: int = 0
+
+
+Work = PrefillWork | DecodeWork
 
 
 class Scheduler:
@@ -58,27 +65,45 @@ class Scheduler:
         self.finished: list[Sequence] = []
         # Finished sequences kept for a next turn, by id, oldest first (the eviction order).
         self.held: dict[int, Sequence] = {}
-        # (source block, destination block) KV copies owed to forks; the runner does them first.
-        self.pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
         self.num_evictions = 0  # held sequences whose blocks were taken back under memory pressure
         self.peak_blocks = 0  # most blocks in use at once (the KV memory a generate really needed)
 
+    def admit(self, num_tokens: int, params: SamplingParams) -> None:
+        """Refuse a turn that can never run, before anything of it is queued (every prompt and next turn
+        passes here once): no tokens, longer than max_model_len with its max_tokens, n above max_num_seqs,
+        or more blocks than the whole cache (its prompt and a partial last block for each fork)."""
+        if num_tokens == 0:
+            raise ValueError("a prompt needs at least one token")
+        if num_tokens + params.max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"{num_tokens} tokens with max_tokens={params.max_tokens} exceed "
+                f"actor_rollout_ref.rollout.max_model_len={self.config.max_model_len}"
+            )
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} samples per prompt exceed actor_rollout_ref.rollout.max_num_seqs="
+                f"{self.config.max_num_seqs}"
+            )
+        if blocks_for(num_tokens, self.blocks.block_size) + params.n - 1 > self.blocks.num_usable:
+            raise RuntimeError(
+                f"the KV cache ({self.blocks.num_usable} blocks of {self.blocks.block_size} tokens) cannot hold "
+                f"a prompt of {num_tokens} tokens with n={params.n}: raise "
+                "actor_rollout_ref.rollout.gpu_memory_utilization (or engine_kwargs.native.num_kv_blocks)"
+            )
+
     def add(self, seq: Sequence) -> None:
-        self._check_fits(seq)
+        """Queue a new prompt (`admit` passed)."""
         self.waiting.append(seq)
 
     def resume(
         self, seq_id: int, tokens: list[int], max_tokens: int, stop_ids: frozenset[int], keep: bool
     ) -> None:
-        """Queue the next turn of held sequence `seq_id`: `tokens` appended, then up to `max_tokens` sampled."""
-        seq = self.held.get(seq_id)
+        """Queue the next turn of held sequence `seq_id` (`admit` passed): `tokens` appended, then up to
+        `max_tokens` sampled."""
+        seq = self.held.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"sequence {seq_id} is not held: it was released, not kept, or has not finished")
-        probe = len(seq.token_ids) + len(tokens)
-        if blocks_for(probe, self.blocks.block_size) > self.blocks.num_usable:
-            raise RuntimeError(self._too_big(probe, 1))
-        del self.held[seq_id]
         seq.extend(tokens, max_tokens, stop_ids, keep)
         self.waiting.append(seq)
 
@@ -104,19 +129,6 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.finished.clear()
-        self.pending_copies.clear()
-
-    def _check_fits(self, seq: Sequence) -> None:
-        need = blocks_for(seq.num_tokens, self.blocks.block_size) + seq.num_samples - 1
-        if need > self.blocks.num_usable:
-            raise RuntimeError(self._too_big(seq.num_tokens, seq.num_samples))
-
-    def _too_big(self, num_tokens: int, num_samples: int) -> str:
-        return (
-            f"the KV cache ({self.blocks.num_usable} blocks of {self.blocks.block_size} tokens) cannot hold a "
-            f"prompt of {num_tokens} tokens with n={num_samples}: raise "
-            "actor_rollout_ref.rollout.gpu_memory_utilization (or engine_kwargs.native.num_kv_blocks)"
-        )
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -134,7 +146,7 @@ class Scheduler:
         return False
 
     # ------------------------------------------------------------------------------ scheduling
-    def schedule(self) -> PrefillWork | DecodeWork:
+    def schedule(self) -> Work:
         work = self._schedule()
         self._note_peak()
         return work
@@ -142,7 +154,7 @@ class Scheduler:
     def _note_peak(self) -> None:
         self.peak_blocks = max(self.peak_blocks, self.blocks.num_usable - self.blocks.num_free)
 
-    def _schedule(self) -> PrefillWork | DecodeWork:
+    def _schedule(self) -> Work:
         prefill = self._schedule_prefill()
         # With nothing decoding, no block comes free by waiting: sequences queued behind with blocks
         # of their own (next turns over kept prefixes) give them back until the first one fits.
@@ -237,12 +249,12 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ------------------------------------------------------------------------------ results
-    def commit_prefill(self, work: PrefillWork) -> list[list[Sequence]]:
+    def commit_prefill(self, work: PrefillWork) -> list[tuple[int, int]]:
         """What a launched prefill step changes before its first tokens are known: the chunks count as
-        computed, and each completed prompt runs with its n - 1 forks (they share its full blocks; a copy
-        of its partial last block each is owed, `pending_copies`). The families, one per completed
-        prompt in the step's order, for `take_first_tokens`."""
-        families = []
+        computed, and each completed prompt runs with its n - 1 forks (`work.families`), which share its
+        full blocks. The (source, destination) block copies of its partial last block that the forks are
+        owed, to run on the device after the step's forward."""
+        copies = []
         for seq, length, completes in zip(work.seqs, work.lengths, work.completes, strict=True):
             seq.num_computed += length
             if not completes:
@@ -252,47 +264,51 @@ class Scheduler:
                 child = seq.fork(seq.output_index + j)
                 copy = self.blocks.fork_blocks(seq, child)
                 if copy is not None:
-                    self.pending_copies.append(copy)
+                    copies.append(copy)
                 family.append(child)
             seq.num_samples = 1
             for member in family:
                 member.status = Status.RUNNING
                 self.running.append(member)
-            families.append(family)
-        return families
+            work.families.append(family)
+        return copies
 
-    def take_first_tokens(
-        self, families: list[list[Sequence]], tokens: list[list[int]], logprobs: list[list[float]]
-    ) -> None:
-        """`tokens[j]` / `logprobs[j]`: the first token of each member of `families[j]` (`commit_prefill`)."""
-        for family, family_tokens, family_logprobs in zip(families, tokens, logprobs, strict=True):
-            for member, token, logprob in zip(family, family_tokens, family_logprobs, strict=True):
-                self._take(member, [token], [logprob])
+    def postprocess(self, work: Work, tokens: list[list[int]], logprobs: list[list[float]]) -> None:
+        """The sampled tokens of a launched round into its sequences. A prefill step: `tokens[j]` the first
+        token of each member of `work.families[j]`. A decode window: `tokens[b]` the `work.steps` tokens
+        of `work.seqs[b]`, in step order; rows of sequences no longer running (stopped in the window
+        before: `schedule_ahead`) are skipped."""
+        if isinstance(work, PrefillWork):
+            for family, family_tokens, family_logprobs in zip(work.families, tokens, logprobs, strict=True):
+                for member, token, logprob in zip(family, family_tokens, family_logprobs, strict=True):
+                    self._take(member, [token], [logprob])
+        else:
+            for seq, seq_tokens, seq_logprobs in zip(work.seqs, tokens, logprobs, strict=True):
+                if seq.status is Status.RUNNING:
+                    self._take(seq, seq_tokens, seq_logprobs)
         self.running = [s for s in self.running if s.status is Status.RUNNING]
 
-    def schedule_prefill_ahead(self) -> PrefillWork | None:
-        """The next prefill step, to launch while the step before it (committed, `commit_prefill`) is in
-        flight and its first tokens are not read yet; None when no waiting prompt fits now (the next
-        round is then scheduled after the read, as usual: a decode window needs those tokens).
+    def schedule_ahead(self, work: Work) -> Work | None:
+        """The round after `work` (launched, its tokens not read yet), to launch before reading it; None
+        when the next round needs those tokens (it is then scheduled after the read).
 
-        The sequences of the step in flight hold their seats and blocks as running ones do; one that
-        its first token ends frees them only after the read, so this step may admit less than a step
-        scheduled after the read would have (the same requests then share their steps otherwise)."""
-        if not self.waiting:
-            return None
-        work = self._schedule_prefill()
-        self._note_peak()
-        return work
+        After a prefill step, the next prefill step when a waiting prompt fits now: the sequences of the
+        step in flight hold their seats and blocks as running ones do; one that its first token ends
+        frees them only after the read, so this step may admit less than a step scheduled after the read
+        would have (the same requests then share their steps otherwise).
 
-    def schedule_ahead(self, work: DecodeWork) -> DecodeWork | None:
-        """The window after `work` (in flight, its tokens not read yet), to launch before reading it.
-
-        Its rows are those of `work` whose sequences still run as the host knows them (a window
+        After a decode window, the next window: its rows are those of `work` whose sequences still run as the host knows them (a window
         behind) and do not reach max_tokens within `work`; their blocks cover both windows. A row whose
-        sequence stops in `work` decodes for nothing in it (`after_decode` skips it): at most one
-        window past its end, which the runner's block tables and positions leave room for. None when
-        the next round may be something else: a sequence waits for its prefill, no row goes on past
-        `work`, or the free blocks do not cover both windows (no preemption or eviction here)."""
+        sequence stops in `work` decodes for nothing in it (`postprocess` skips it): at most one
+        window past its end (`EngineConfig.windows_in_flight`). None when the next round may be something
+        else: a sequence waits for its prefill, no row goes on past `work`, or the free blocks do not
+        cover both windows (no preemption or eviction here)."""
+        if isinstance(work, PrefillWork):
+            if not self.waiting:
+                return None
+            ahead = self._schedule_prefill()
+            self._note_peak()
+            return ahead
         if self.waiting:
             return None
         rows = [
@@ -309,15 +325,7 @@ class Scheduler:
             return None
         self._grow(seqs, ahead)
         self._note_peak()
-        return DecodeWork(seqs, steps, rows)
-
-    def after_decode(self, work: DecodeWork, tokens: list[list[int]], logprobs: list[list[float]]) -> None:
-        """`tokens[b]` / `logprobs[b]`: the `work.steps` tokens sampled for `work.seqs[b]`, in step order.
-        Rows of sequences no longer running (stopped in the window before: `schedule_ahead`) are skipped."""
-        for seq, seq_tokens, seq_logprobs in zip(work.seqs, tokens, logprobs, strict=True):
-            if seq.status is Status.RUNNING:
-                self._take(seq, seq_tokens, seq_logprobs)
-        self.running = [s for s in self.running if s.status is Status.RUNNING]
+        return DecodeWork(seqs, steps, rows, work.steps)
 
     def _take(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:
         """Append a running sequence's sampled `tokens` up to the first that ends its turn (a stop id,

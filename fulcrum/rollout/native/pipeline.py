@@ -1,0 +1,87 @@
+"""The engine's rounds: schedule -> run -> postprocess, with the next round launched before this one is read.
+
+Without `overlap_windows` a step schedules a round (a prefill step or a decode window), launches it and
+reads its tokens into the scheduler, as nano-vllm's `LLMEngine.step` does. With it, the device need not
+idle while the host reads: after launching a round, the step launches the one after it when the
+scheduler can tell it without those tokens (`Scheduler.schedule_ahead`), then reads the first; the next
+step reads the round launched ahead. So at most `EngineConfig.windows_in_flight` rounds are on the
+device, each decode window in its own output buffer (`slot`), and a sequence may run one window past
+its end (the KV slots `EngineConfig.max_tokens_per_seq` leaves for it).
+
+The tokens do not depend on the overlap: every round samples from the one sampler in launch order, and
+a round launched ahead is the one the scheduler would have chosen after the read.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fulcrum.rollout.native.config import EngineConfig
+from fulcrum.rollout.native.model_runner import Launched, ModelRunner
+from fulcrum.rollout.native.sampler import DeviceSampler
+from fulcrum.rollout.native.scheduler import DecodeWork, PrefillWork, Scheduler, Work
+
+COUNTERS = ("prefill_s", "decode_s", "prefill_steps", "prefill_tokens", "decode_steps")
+
+
+class Pipeline:
+    """Rounds of one scheduler through one model runner; `ahead`: the round launched and not read yet."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, config: EngineConfig) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.depth = config.windows_in_flight
+        self.ahead: Launched | None = None
+        self.slot = 0  # the output buffer of the next decode window
+        # Running totals since the engine was built; `generate` reports its own share as differences.
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+
+    def step(self, sampler: DeviceSampler) -> None:
+        """One round: the one launched ahead, else a new one (schedule, run); the next one launched
+        ahead where it can be; this one's tokens into the scheduler (postprocess)."""
+        if self.ahead is not None:
+            current, self.ahead, tick = self.ahead, None, time.perf_counter()
+        elif self.scheduler.has_work():
+            work = self.scheduler.schedule()
+            tick = time.perf_counter()
+            current = self._run(work, sampler)
+        else:
+            return
+        if self.depth > 1 and (work := self.scheduler.schedule_ahead(current.work)) is not None:
+            self.ahead = self._run(work, sampler)
+        self._postprocess(current, tick)
+
+    def _run(self, work: Work, sampler: DeviceSampler) -> Launched:
+        launched = self.runner.run(work, sampler, self.slot)
+        if isinstance(work, PrefillWork):
+            # Its prompts run (with their forks) from now on, so the round after it can be scheduled
+            # before its first tokens are read; the forks' copies queue behind its forward.
+            self.runner.cache.copy_blocks(self.scheduler.commit_prefill(work))
+        else:
+            self.slot = (self.slot + 1) % self.depth
+        return launched
+
+    def _postprocess(self, launched: Launched, tick: float) -> None:
+        """The round's tokens into the scheduler; its seconds since `tick`, steps and tokens counted."""
+        self.scheduler.postprocess(launched.work, *launched.read())
+        work, counters = launched.work, self.counters
+        kind = "decode" if isinstance(work, DecodeWork) else "prefill"
+        counters[f"{kind}_s"] += time.perf_counter() - tick
+        if isinstance(work, DecodeWork):
+            counters["decode_steps"] += work.steps
+        else:
+            counters["prefill_steps"] += 1
+            counters["prefill_tokens"] += sum(work.lengths)
+
+    def drain(self) -> None:
+        """Read the round launched ahead into the scheduler, launching none after it: the turns it
+        finishes come out of the next step."""
+        if self.ahead is not None:
+            launched, self.ahead = self.ahead, None
+            self._postprocess(launched, time.perf_counter())
+
+    def drop(self) -> None:
+        """Wait for the round launched ahead and forget its tokens (its sequences are being dropped)."""
+        if self.ahead is not None:
+            self.ahead.read()
+            self.ahead = None
