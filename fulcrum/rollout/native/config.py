@@ -47,8 +47,8 @@ class EngineConfig:
     # the next one is launched before the first tokens of this one are read.
     overlap_windows: bool = native(True)
     # Decode kernels read the cache address from the device, so graphs survive sleep/wake_up without a
-    # recapture; every decode kernel then loads the cache's address before it reads the cache, which slows
-    # decode, so off unless sleeps are frequent and the decode batch takes many sizes (a graph each).
+    # recapture; the kernels then read the address on the device, where Triton cannot assume its
+    # alignment, which slows decode: off unless sleeps are frequent and the decode batch takes many sizes.
     indirect_kv_cache: bool = native(False)
     # rollout.free_cache_engine: `generate` releases the KV cache before it returns, so training has the
     # memory (the schema's default); off for direct users (benchmarks) that call `generate` back to back.

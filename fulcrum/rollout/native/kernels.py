@@ -153,8 +153,8 @@ if HAVE_TRITON:
         # In place on q (N, Hq, D) and k (N, Hkv, D) rows that may be strided views of one qkv buffer;
         # then the rotated k and v (N, Hkv, D) written at each token's cache slot (K plane at k_offset,
         # V plane at v_offset, elements from the cache's start; the start read on the device when
-        # INDIRECT, as the paged kernel does): the K/V write costs no kernel of its own, where two
-        # index_copy_ launches a layer were 5 % of a decode step (48 of its ~290 kernels).
+        # INDIRECT, as the paged kernel does): the K/V write costs no kernel of its own (a decode step
+        # would otherwise launch two index_copy_ a layer).
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions_ptr + tok)
         half = tl.arange(0, HALF)
@@ -233,9 +233,8 @@ def next_pow2(n: int) -> int:
 
 # The paged decode kernel's launch: TILE positions a loop iteration, SPLITS programs a (sequence, KV head)
 # (flash-decoding; 1: the kernel writes the output itself), and Triton's num_warps and num_stages
-# (absent: Triton's defaults). `bench/attention_sweep.py` times the alternatives on a GPU: one warp a
-# program with 4 stages was the fastest launch common to the Qwen2.5-0.5B and SmolLM2-135M shapes it
-# swept (BENCHMARKS.md); SPLITS > 1 was not swept.
+# (absent: Triton's defaults). A tuned value, one launch for every model shape: `bench/attention_sweep.py`
+# times the alternatives on a GPU.
 DECODE_LAUNCH: dict[str, int] = {"TILE": 64, "SPLITS": 1, "num_warps": 1, "num_stages": 4}
 
 

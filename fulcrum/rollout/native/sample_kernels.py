@@ -5,12 +5,10 @@ their distributions, on the GPU or under TRITON_INTERPRET=1); `sampler.DeviceSam
 `sample_tokens`. Importing this module needs `triton` (see `kernels.HAVE_TRITON`).
 
 Why the inverse CDF and not Gumbel-max: Gumbel-max draws a Philox uniform and takes two logs for every
-vocabulary entry, and those bound the kernel (306 µs of a 0.5B decode step on an H200, 512 x 151,936
-logits, against ~45 µs to read the logits once). The inverse CDF needs one uniform a row: a first pass
-reduces each tile of BLOCK entries to its max and its softmax sum (one exp an entry), a second finds
-the tile where the row's cumulative mass crosses u * Z and, in that tile alone, the entry: 56 µs of the
-same step with the swept launch (the first pass reads the 155 MB of logits at ~3 TB/s; 115-124 µs with
-4-warp programs a tile at a time).
+vocabulary entry, so its arithmetic, not the read of the logits, bounds the kernel. The inverse CDF needs
+one uniform a row: a first pass reduces each tile of BLOCK entries to its max and its softmax sum (one exp
+an entry), a second finds the tile where the row's cumulative mass crosses u * Z and, in that tile alone,
+the entry, so the sampler costs about one read of the logits.
 """
 
 from __future__ import annotations
@@ -67,8 +65,7 @@ if HAVE_TRITON:
         # boundaries). Where rounding puts the target past the last mass, the last entry with mass is
         # taken. Greedy: the lowest tile holding M and its lowest entry equal to M (torch.argmax's
         # tie-break), T = 1. log-prob = x_token / T - M - log Z. ADVANCE: the row's decode state moves on
-        # here too (next input = the token, position and context length + 1), which were five more
-        # kernels a decode step.
+        # here too (next input = the token, position and context length + 1): no kernel of its own.
         row = tl.program_id(0).to(tl.int64)
         t_idx = tl.arange(0, TILES_PAD)
         t_ok = t_idx < tiles
@@ -123,11 +120,11 @@ def _cdiv(a: int, b: int) -> int:
 
 # Entries per tile of the sampling kernels (a power of two): the first pass's unit, the second pass's scan.
 SAMPLE_BLOCK = 512
-# First-pass programs per multiprocessor that the split aims for, over the whole batch, and the first pass's
-# launch (below): the best launch common to the 0.5B and SmolLM2 shapes that `bench/sample_sweep.py`
-# swept, 16 programs an SM of one warp, 4 tiles a loop iteration (BENCHMARKS.md).
+# First-pass programs per multiprocessor that the split aims for, over the whole batch; with the first
+# pass's launch (below) a tuned value: `bench/sample_sweep.py` times the alternatives on a GPU.
 SAMPLE_PROGRAMS_PER_SM = 16
-# Multiprocessors assumed off CUDA (the interpreter): an H200's, so the split matches the GPU's.
+# Multiprocessors assumed off CUDA (the interpreter): a data-centre GPU's 132, so that tests under the
+# interpreter split the rows as the GPU does.
 DEFAULT_SM_COUNT = 132
 
 
