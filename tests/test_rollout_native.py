@@ -176,6 +176,17 @@ def test_prompt_longer_than_max_model_len_is_an_error_naming_the_key(model):
         engine.generate([[5, 6], list(range(3, 63))], SamplingParams(max_tokens=8))
 
 
+def test_a_prompt_the_kv_cache_cannot_hold_is_refused_naming_it_and_the_key(model):
+    """A batch's prompt too large for the whole cache is refused before anything is sampled, naming its
+    place in the batch and the key to raise; nothing of the batch stays queued."""
+    engine = engine_for(model, num_kv_blocks=4)  # 3 usable blocks of 16 tokens
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(RuntimeError, match=r"prompt 1 refused: .*engine_kwargs\.native\.num_kv_blocks"):
+        engine.generate([[5, 6], list(range(3, 63))], params)
+    assert not engine.has_unfinished_requests() and engine.counters["blocks_in_use"] == 0
+    assert [len(r) for r in engine.generate([[5, 6]], params).token_ids] == [4]
+
+
 def test_n_samples_share_the_prompts_full_blocks():
     blocks = BlockManager(num_blocks=20, block_size=16)
     scheduler = Scheduler(EngineConfig(max_num_seqs=8, max_num_batched_tokens=256), blocks)

@@ -63,13 +63,14 @@ class Pipeline:
 
     def _postprocess(self, launched: Launched, tick: float) -> None:
         """The round's tokens into the scheduler; its seconds since `tick`, steps and tokens counted."""
-        self.scheduler.postprocess(launched.work, *launched.read())
         work, counters = launched.work, self.counters
-        kind = "decode" if isinstance(work, DecodeWork) else "prefill"
-        counters[f"{kind}_s"] += time.perf_counter() - tick
+        self.scheduler.postprocess(work, *launched.read())
+        seconds = time.perf_counter() - tick
         if isinstance(work, DecodeWork):
+            counters["decode_s"] += seconds
             counters["decode_steps"] += work.steps
         else:
+            counters["prefill_s"] += seconds
             counters["prefill_steps"] += 1
             counters["prefill_tokens"] += sum(work.lengths)
 
