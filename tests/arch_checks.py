@@ -153,7 +153,7 @@ def bf16_gaps(arch: str, shape: dict[str, Any], device: torch.device) -> dict[st
     config = engine_config(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=512)
     engine = NativeEngine(model16, [EOS], 0, config, device)
     if device.type == "cuda":
-        assert engine.cache.use_triton and engine.cache.use_graphs
+        assert engine.runner.use_triton and engine.runner.use_graphs
     out = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=0))
     rollout = torch.tensor(out.logprobs)
     reference = hf_forward_log_probs(model32, prompts, out.token_ids)

@@ -42,14 +42,14 @@ def test_fp32_greedy_with_graphs_and_kernels_matches_hf(arch, indirect, overlap)
         dtype=torch.float32, indirect_kv_cache=indirect, overlap_windows=overlap,
     )  # fmt: skip
     engine = NativeEngine(model, [EOS], 0, config, CUDA)
-    assert engine.cache.use_triton and engine.cache.use_graphs
+    assert engine.runner.use_triton and engine.runner.use_graphs
     out = engine.generate(prompts, params)
     assert engine.stats["preemptions"] > 0
     assert out.token_ids == expected.token_ids and out.finish_reasons == expected.finish_reasons
     for ours, theirs in zip(out.logprobs, expected.logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=1e-4, rtol=0)
     # New weights land in place: the captured graphs replay them without a recapture.
-    graphs = dict(engine.cache.graphs)
+    graphs = dict(engine.runner.graphs)
     changed = random_causal_lm(arch, seed=1, init_std=0.2).to(CUDA)
     engine.update_weights(changed.named_parameters())
     short = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -57,28 +57,28 @@ def test_fp32_greedy_with_graphs_and_kernels_matches_hf(arch, indirect, overlap)
         engine.generate(prompts, short).token_ids
         == HFRollout(changed, [EOS], 0, CUDA, autocast=False).generate(prompts, short).token_ids
     )
-    assert all(engine.cache.graphs[size] is graph for size, graph in graphs.items())
+    assert all(engine.runner.graphs[size] is graph for size, graph in graphs.items())
     # Sleep frees the cache. With the indirect cache the graphs read its address on the device and
     # survive the new one; without, they are dropped and recaptured on use.
-    old_address = engine.cache.kv_cache.data_ptr()
+    old_address = engine.runner.kv_cache.data_ptr()
     engine.sleep()
-    assert engine.cache.kv_cache is None
+    assert engine.runner.kv_cache is None
     hog = torch.empty(1 << 28, device=CUDA)  # training takes memory meanwhile: the cache may move
     engine.wake_up()
     del hog
-    moved = engine.cache.kv_cache.data_ptr() != old_address
+    moved = engine.runner.kv_cache.data_ptr() != old_address
     print(f"\nKV cache moved on wake-up: {moved}")
-    kept = all(engine.cache.graphs.get(size) is graph for size, graph in graphs.items())
+    kept = all(engine.runner.graphs.get(size) is graph for size, graph in graphs.items())
     assert kept == (indirect or not moved)
-    capture_before = engine.cache.graph_capture_s
+    capture_before = engine.runner.graph_capture_s
     # The cache is not zero-filled on this path: no slot may be read before it is written.
-    engine.cache.kv_cache.fill_(float("nan"))
+    engine.runner.kv_cache.fill_(float("nan"))
     assert (
         engine.generate(prompts, short).token_ids
         == HFRollout(changed, [EOS], 0, CUDA, autocast=False).generate(prompts, short).token_ids
     )
     # rollout/graph_capture_s is this call's recapture time, not the engine's total
-    assert engine.metrics()["rollout/graph_capture_s"] == engine.cache.graph_capture_s - capture_before
+    assert engine.metrics()["rollout/graph_capture_s"] == engine.runner.graph_capture_s - capture_before
     assert (engine.metrics()["rollout/graph_capture_s"] > 0) == (not kept)
 
 

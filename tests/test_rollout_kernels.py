@@ -379,13 +379,13 @@ def test_the_engine_never_reads_a_kv_slot_before_writing_it():
     model = random_causal_lm("qwen2", init_std=0.2).to(DEVICE)
     params = SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True)
     reference = NativeEngine(model, [1], 0, dataclasses.replace(config, triton_kernels=False), DEVICE)
-    assert not reference.cache.use_triton
+    assert not reference.runner.use_triton
     expected = reference.generate(prompts, params).token_ids
     engine = NativeEngine(model, [1], 0, dataclasses.replace(config, triton_kernels=True), DEVICE)
-    assert engine.cache.use_triton
+    assert engine.runner.use_triton
     assert engine.generate(prompts, params).token_ids == expected
     engine.wake_up()
-    engine.cache.kv_cache.fill_(float("nan"))
+    engine.runner.kv_cache.fill_(float("nan"))
     poisoned = engine.generate(prompts, params)
     assert engine.stats["preemptions"] > 0
     assert poisoned.token_ids == expected

@@ -18,7 +18,7 @@ from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.rollout import HFRollout, SamplingParams, build_rollout
 from fulcrum.rollout.native import EngineConfig, NativeEngine
 from fulcrum.rollout.native.block_manager import BlockManager
-from fulcrum.rollout.native.model_runner import Launched, packed_positions, padded_tables
+from fulcrum.rollout.native.launcher import Launched, packed_positions, padded_tables
 from fulcrum.rollout.native.scheduler import DecodeWork, PrefillWork, Scheduler
 from fulcrum.rollout.native.sequence import Sequence
 from fulcrum.rollout.testing import random_causal_lm
@@ -105,7 +105,7 @@ def test_update_weights_in_place_and_sleep_wake_up(model):
     changed = random_causal_lm(model.config.model_type, seed=1, init_std=0.2)
     embed = engine.model.embed
     engine.sleep()
-    assert engine.cache.kv_cache is None
+    assert engine.runner.kv_cache is None
     engine.update_weights(changed.named_parameters())
     assert engine.model.embed is embed  # copied into, not replaced
     after = engine.generate(prompts, params)  # wakes up by itself
@@ -120,7 +120,7 @@ def test_the_cache_stops_at_what_max_num_seqs_full_sequences_hold_and_gives_the_
     config = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=64, decode_steps=4)
     engine = engine_for(model, **config)
     # 96 tokens + two windows' overrun of 4 = 104 slots, 7 blocks of 16: 5 x 7 + 1
-    assert engine.cache.num_blocks == engine.config.usable_cache_blocks() == 36
+    assert engine.runner.num_blocks == engine.config.usable_cache_blocks() == 36
     prompts = mixed_prompts(5, [64, 30, 1, 48, 64, 17, 5, 64])  # the 64-token ones end at max_model_len
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs, schedules = [], []
@@ -142,7 +142,7 @@ def test_generate_releases_the_cache_under_free_cache_engine(model, free_cache_e
         call_s = time.perf_counter() - started
         assert [len(r) for r in out.token_ids] == [4, 4]
         assert engine.awake is not free_cache_engine
-        assert (engine.cache.kv_cache is None) is free_cache_engine
+        assert (engine.runner.kv_cache is None) is free_cache_engine
         # the allocation and release around the call are timed apart from the generation: three
         # disjoint parts of this call, none stale from the one before; no graph on the CPU
         metrics = engine.metrics()
@@ -280,7 +280,7 @@ def test_the_triton_kernels_key_picks_the_engine_kernels(monkeypatch: pytest.Mon
     Triton cannot run; a value that is not a boolean is refused."""
     from fulcrum.config import load_config
     from fulcrum.config.keys import ConfigError
-    from fulcrum.rollout.native import kv_cache
+    from fulcrum.rollout.native import model_runner
     from fulcrum.rollout.native.config import engine_config_from
 
     key = "+actor_rollout_ref.rollout.engine_kwargs.native.triton_kernels"
@@ -293,21 +293,21 @@ def test_the_triton_kernels_key_picks_the_engine_kernels(monkeypatch: pytest.Mon
     assert read == {"null": None, "true": True, "false": False}
     with pytest.raises(ValueError, match=r"triton_kernels: expected true, false or null, got 'yes please'"):
         engine_config_from(load_config([f"{key}='yes please'"]).actor_rollout_ref.rollout, 4096)
-    monkeypatch.setattr(kv_cache, "HAVE_TRITON", True)
+    monkeypatch.setattr(model_runner, "HAVE_TRITON", True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda = torch.device("cuda")
-    assert [kv_cache.use_triton_on(cuda, wanted) for wanted in (None, True, False)] == [True, True, False]
-    assert [kv_cache.use_triton_on(CPU, wanted) for wanted in (None, False)] == [False, False]
+    assert [model_runner.use_triton_on(cuda, wanted) for wanted in (None, True, False)] == [True, True, False]
+    assert [model_runner.use_triton_on(CPU, wanted) for wanted in (None, False)] == [False, False]
     with pytest.raises(
         ConfigError, match=r"triton_kernels=true, but on the CPU Triton needs TRITON_INTERPRET=1"
     ):
-        kv_cache.use_triton_on(CPU, True)
+        model_runner.use_triton_on(CPU, True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert [kv_cache.use_triton_on(CPU, wanted) for wanted in (None, True)] == [False, True]
-    monkeypatch.setattr(kv_cache, "HAVE_TRITON", False)
-    assert kv_cache.use_triton_on(cuda, None) is False
+    assert [model_runner.use_triton_on(CPU, wanted) for wanted in (None, True)] == [False, True]
+    monkeypatch.setattr(model_runner, "HAVE_TRITON", False)
+    assert model_runner.use_triton_on(cuda, None) is False
     with pytest.raises(ConfigError, match="triton is not installed"):
-        kv_cache.use_triton_on(cuda, True)
+        model_runner.use_triton_on(cuda, True)
 
 
 def test_the_engine_defaults_are_the_documented_ones():
@@ -369,13 +369,13 @@ def test_overlapped_windows_are_launched_ahead_and_give_the_same_tokens(model, m
     assert "stop" in expected.finish_reasons and "length" in expected.finish_reasons
     engine = engine_for(model, overlap_windows=True)
     ahead: list[int] = []
-    launch = engine.runner.launch_decode
+    launch = engine.launcher.launch_decode
 
     def counted(work, sampler, slot):
         ahead.append(work.rows is not None)
         return launch(work, sampler, slot)
 
-    monkeypatch.setattr(engine.runner, "launch_decode", counted)
+    monkeypatch.setattr(engine.launcher, "launch_decode", counted)
     out = engine.generate(prompts, greedy)
     assert sum(ahead) >= len(ahead) // 2 and engine.stats["decode_steps"] > 0
     assert out.token_ids == expected.token_ids and out.finish_reasons == expected.finish_reasons
@@ -398,7 +398,7 @@ def test_prefill_steps_are_launched_ahead_and_sample_the_same_tokens(model, monk
     engine = engine_for(model, overlap_windows=True, **small_steps)
     launches: list[int] = []
     reads: list[int] = []  # per read prefill step: how many steps had been launched by then
-    launch, read = engine.runner.launch_prefill, Launched.read
+    launch, read = engine.launcher.launch_prefill, Launched.read
 
     def counted_launch(work, sampler):
         launches.append(1)
@@ -409,7 +409,7 @@ def test_prefill_steps_are_launched_ahead_and_sample_the_same_tokens(model, monk
             reads.append(len(launches))
         return read(launched)
 
-    monkeypatch.setattr(engine.runner, "launch_prefill", counted_launch)
+    monkeypatch.setattr(engine.launcher, "launch_prefill", counted_launch)
     monkeypatch.setattr(Launched, "read", counted_read)
     out = engine.generate(prompts, params)
     steps = engine.stats["prefill_steps"]
@@ -427,6 +427,6 @@ def test_every_decode_steps_output_row_starts_16_byte_aligned(model):
     compiles a kernel variant per pointer alignment, so every row must start aligned whatever
     max_num_seqs (7 here: rows of 7 int64 would put every other one off by 8 bytes)."""
     engine = engine_for(model, max_num_seqs=7, decode_steps=4)
-    for buffer in (engine.runner.out_tokens, engine.runner.out_logprobs):
+    for buffer in (engine.launcher.out_tokens, engine.launcher.out_logprobs):
         assert len(buffer) == engine.config.windows_in_flight == 2
         assert all(buffer[s, k].data_ptr() % 16 == 0 for s in range(2) for k in range(4))

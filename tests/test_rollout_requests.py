@@ -220,7 +220,7 @@ def test_an_interrupted_generate_leaves_nothing_in_flight(model, monkeypatch):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine.runner, "launch_decode", broken)
+        patch.setattr(engine.launcher, "launch_decode", broken)
         with pytest.raises(KeyboardInterrupt):
             engine.generate(prompts, GREEDY)
     assert not engine.has_unfinished_requests() and engine.counters["blocks_in_use"] == 0

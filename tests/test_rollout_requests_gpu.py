@@ -28,7 +28,7 @@ def engine_for(model: torch.nn.Module, **overrides) -> NativeEngine:
     engine = NativeEngine(
         model, [1], 0, EngineConfig(**{**config, "dtype": torch.float32, **overrides}), CUDA
     )
-    assert engine.cache.use_triton and engine.cache.use_graphs
+    assert engine.runner.use_triton and engine.runner.use_graphs
     return engine
 
 
@@ -47,7 +47,7 @@ def test_a_second_turn_equals_a_fresh_request_with_graphs_and_kernels():
     torch.testing.assert_close(
         torch.tensor(second.logprobs[21:]), torch.tensor(fresh.logprobs), atol=1e-4, rtol=0
     )
-    assert engine.cache.graphs, "decode ran through CUDA graphs"
+    assert engine.runner.graphs, "decode ran through CUDA graphs"
 
 
 def test_conversations_through_the_driver_equal_the_engine_driven_by_hand_on_cuda():

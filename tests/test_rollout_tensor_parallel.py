@@ -54,7 +54,7 @@ def _generate_tp(rank: int, world: int, arch: str, kv_heads: int) -> dict:
     single = NativeEngine(model, [EOS], 0, config, CPU).generate(prompts(), params)
     return {
         "tp": (engine.tp.rank, engine.tp.size, engine.model.num_heads, engine.model.num_kv_heads),
-        "cache_heads": engine.cache._cache_shape()[3],
+        "cache_heads": engine.runner._cache_shape()[3],
         "preemptions": engine.stats["preemptions"],
         "tokens": out.token_ids,
         "logprobs": out.logprobs,
@@ -109,7 +109,7 @@ def _generate_tp_cuda(rank: int, world: int) -> dict:
     left = shutdown(timeout_s=60)
     return {
         "left": left,
-        "uses": (engine.cache.use_triton, engine.cache.use_graphs, engine.stats["preemptions"] > 0),
+        "uses": (engine.runner.use_triton, engine.runner.use_graphs, engine.stats["preemptions"] > 0),
         "equal": (out.token_ids == single.token_ids, after.token_ids == single_after.token_ids),
         "gap": max(
             abs(a - b)

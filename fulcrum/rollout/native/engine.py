@@ -1,5 +1,6 @@
-"""The native engine: requests (`add_request` / `resume` / `step` / `release`) over the scheduler, the KV
-cache and the model runner, `generate` for a whole batch on top of them; weights sync in place.
+"""The native engine: requests (`add_request` / `resume` / `step` / `release`) over the scheduler, the
+model runner (KV cache, CUDA graphs) and the launcher, `generate` for a whole batch on top of them;
+weights sync in place.
 
 Usage (the factory `fulcrum.rollout.build_rollout` does this):
     engine = NativeEngine(hf_model, eos_token_ids=[...], pad_token_id=0, config=EngineConfig(...), device=dev)
@@ -41,7 +42,7 @@ from fulcrum.parallel.tensor_parallel import TensorParallel
 from fulcrum.rollout.base import RolloutOutput, SamplingParams, SequenceOutput
 from fulcrum.rollout.native.block_manager import BlockManager
 from fulcrum.rollout.native.config import EngineConfig
-from fulcrum.rollout.native.kv_cache import KVCache
+from fulcrum.rollout.native.launcher import Launcher
 from fulcrum.rollout.native.model_runner import ModelRunner
 from fulcrum.rollout.native.models.decoder import DecoderLM, Rotary
 from fulcrum.rollout.native.pipeline import COUNTERS, Pipeline
@@ -125,11 +126,11 @@ class NativeEngine:
         rotaries = rotaries_of(hf_model)
         self.model = DecoderLM(spec, hf_model.config, rotaries, dtype, self.device, self.tp)
         self.update_weights(hf_model.state_dict().items(), strict=True)
-        self.cache = KVCache(self.model, config, self.device)
-        self.cache.allocate()
-        self.runner = ModelRunner(self.model, self.cache, config)
-        self.scheduler = Scheduler(config, BlockManager(self.cache.num_blocks, config.block_size))
-        self.pipeline = Pipeline(self.scheduler, self.runner, config)
+        self.runner = ModelRunner(self.model, config, self.device)
+        self.runner.allocate_cache()
+        self.launcher = Launcher(self.model, self.runner, config)
+        self.scheduler = Scheduler(config, BlockManager(self.runner.num_blocks, config.block_size))
+        self.pipeline = Pipeline(self.scheduler, self.launcher, config)
         self.sampler: DeviceSampler | None = None
         self.next_id = 0
         # One stop set per (stop ids, ignore_eos), shared by the sequences that use it: a batch of
@@ -141,11 +142,11 @@ class NativeEngine:
             hf_model.config.model_type,
             self.device,
             f" (tensor-parallel rank {self.tp.rank} of {self.tp.size})" if self.tp.size > 1 else "",
-            self.cache.num_blocks,
+            self.runner.num_blocks,
             config.block_size,
-            self.cache.cache_bytes() / 2**30,
-            self.cache.use_triton,
-            self.cache.use_graphs,
+            self.runner.cache_bytes() / 2**30,
+            self.runner.use_triton,
+            self.runner.use_graphs,
         )
 
     # ------------------------------------------------------------------------------ hybrid engine
@@ -167,23 +168,23 @@ class NativeEngine:
         samples stay resumable; their next turn recomputes their tokens."""
         self.pipeline.drain()
         self.scheduler.drop_held_blocks()
-        self.cache.free()
+        self.runner.free_cache()
 
     def wake_up(self) -> None:
         """Take the KV cache back; graphs are recaptured on first use."""
-        self.cache.allocate()
+        self.runner.allocate_cache()
 
     def close(self) -> None:
         """Release the device resources (KV cache, CUDA graphs) before the process group is left; the
         engine stays usable (the next `generate` takes them again). Requests in flight are dropped."""
-        self.cache.release_graphs()
+        self.runner.release_graphs()
         self.abort()
         self.sleep()
 
     @property
     def awake(self) -> bool:
         """Whether the KV cache is allocated."""
-        return self.cache.awake
+        return self.runner.awake
 
     # ------------------------------------------------------------------------------ requests
     def seed_requests(self, params: SamplingParams) -> None:
@@ -199,7 +200,7 @@ class NativeEngine:
         self.sampler = DeviceSampler(
             SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed),
             self.device,
-            self.cache.use_triton,
+            self.runner.use_triton,
         )
 
     def _sampler_for(self, params: SamplingParams) -> None:
@@ -312,7 +313,7 @@ class NativeEngine:
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         start = time.perf_counter()
         before = self.counters
-        captured_before = self.cache.graph_capture_s
+        captured_before = self.runner.graph_capture_s
         self.scheduler.peak_blocks = 0
         self._new_sampler(params)
         first = self.next_id
@@ -330,8 +331,8 @@ class NativeEngine:
         self.stats.update({key: after[key] - before[key] for key in (*COUNTERS, "preemptions")})
         self.stats.update(
             generate_s=time.perf_counter() - start,
-            peak_kv_gib=self.scheduler.peak_blocks * self.cache.bytes_per_block() / 2**30,
-            graph_capture_s=self.cache.graph_capture_s - captured_before,  # this call's (re)captures
+            peak_kv_gib=self.scheduler.peak_blocks * self.runner.bytes_per_block() / 2**30,
+            graph_capture_s=self.runner.graph_capture_s - captured_before,  # this call's (re)captures
         )
         return RolloutOutput(
             token_ids=[out.token_ids for out in finished],

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from fulcrum.rollout.native.config import EngineConfig
-from fulcrum.rollout.native.model_runner import Launched, ModelRunner
+from fulcrum.rollout.native.launcher import Launched, Launcher
 from fulcrum.rollout.native.sampler import DeviceSampler
 from fulcrum.rollout.native.scheduler import DecodeWork, PrefillWork, Scheduler, Work
 
@@ -25,11 +25,11 @@ COUNTERS = ("prefill_s", "decode_s", "prefill_steps", "prefill_tokens", "decode_
 
 
 class Pipeline:
-    """Rounds of one scheduler through one model runner; `ahead`: the round launched and not read yet."""
+    """Rounds of one scheduler through one launcher; `ahead`: the round launched and not read yet."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, config: EngineConfig) -> None:
+    def __init__(self, scheduler: Scheduler, launcher: Launcher, config: EngineConfig) -> None:
         self.scheduler = scheduler
-        self.runner = runner
+        self.launcher = launcher
         self.depth = config.windows_in_flight
         self.ahead: Launched | None = None
         self.slot = 0  # the output buffer of the next decode window
@@ -52,11 +52,11 @@ class Pipeline:
         self._postprocess(current, tick)
 
     def _run(self, work: Work, sampler: DeviceSampler) -> Launched:
-        launched = self.runner.run(work, sampler, self.slot)
+        launched = self.launcher.run(work, sampler, self.slot)
         if isinstance(work, PrefillWork):
             # Its prompts run (with their forks) from now on, so the round after it can be scheduled
             # before its first tokens are read; the forks' copies queue behind its forward.
-            self.runner.cache.copy_blocks(self.scheduler.commit_prefill(work))
+            self.launcher.runner.copy_blocks(self.scheduler.commit_prefill(work))
         else:
             self.slot = (self.slot + 1) % self.depth
         return launched
