@@ -128,7 +128,7 @@ class NativeEngine:
         self.update_weights(hf_model.state_dict().items(), strict=True)
         self.runner = ModelRunner(self.model, config, self.device)
         self.runner.allocate_cache()
-        self.launcher = Launcher(self.model, self.runner, config)
+        self.launcher = Launcher(self.runner, config)
         self.scheduler = Scheduler(config, BlockManager(self.runner.num_blocks, config.block_size))
         self.pipeline = Pipeline(self.scheduler, self.launcher, config)
         self.sampler: DeviceSampler | None = None

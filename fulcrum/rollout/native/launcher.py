@@ -1,11 +1,11 @@
 """Launches a scheduled round on the device: its inputs, the forward, the sampling of its tokens and their
 copy to the host, without waiting for the device (`Launched.read` waits).
 
-A prefill step runs eagerly. A decode window runs `steps` decode steps back to back (`ModelRunner.decode_logits`:
-CUDA graphs where captured): each step feeds the previous step's sampled tokens, advances positions and
-context lengths in place, and never waits for the host; the host reads all the window's tokens once at
-its end. The blocks the window writes were reserved by the scheduler beforehand, so the slot of each
-new token is computed on the device from the block table.
+A prefill step runs eagerly. A decode window runs `steps` decode steps back to back
+(`ModelRunner.decode_logits`: CUDA graphs where captured): each step feeds the previous step's sampled
+tokens, advances positions and context lengths in place, and never waits for the host; the host reads
+all the window's tokens once at its end. The blocks the window writes were reserved by the scheduler
+beforehand, so the slot of each new token is computed on the device from the block table.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from fulcrum.rollout.native import ops
 from fulcrum.rollout.native.attention import AttentionMetadata
 from fulcrum.rollout.native.config import EngineConfig
 from fulcrum.rollout.native.model_runner import ModelRunner
-from fulcrum.rollout.native.models.decoder import DecoderLM
 from fulcrum.rollout.native.sample_kernels import DecodeState
 from fulcrum.rollout.native.sampler import DeviceSampler
 from fulcrum.rollout.native.scheduler import DecodeWork, PrefillWork, Work
@@ -120,8 +119,8 @@ class Launched:
 class Launcher:
     """Launches prefill steps and decode windows over the model and the `ModelRunner`'s cache and graphs."""
 
-    def __init__(self, model: DecoderLM, runner: ModelRunner, config: EngineConfig) -> None:
-        self.model = model
+    def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
+        self.model = runner.model
         self.runner = runner
         self.device = runner.device
         max_bs = config.max_num_seqs
