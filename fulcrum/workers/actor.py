@@ -202,7 +202,7 @@ class ActorWorker:
         head = LogProbHead(self.temperature, entropy=self.loss.entropy or gives_old)
         with self.loss.routed() as router_logits:
             log_prob, *entropy = self.forwards.forward(inputs, head)
-        ent = entropy[0] if entropy else None
+        ent = entropy.pop() if entropy else None
         if ent is not None and not self.loss.entropy:
             ent = ent.detach()  # returned only: its autograd graph (the padded path's saved logits) goes now
         mask = inputs.rows["response_mask"].float()

@@ -311,10 +311,8 @@ class CudaGraphs:
     ) -> Any:
         device = self.device
         counts = {name: self.counts[name] for name in self._filled}
-        inputs = MicroInputs(
-            {k: host_to_device(v, device) for k, v in rows.items()}, counts, packed.to(device)
-        )
-        inputs.stream = inputs.packed
+        static = packed.to(device)
+        inputs = MicroInputs({k: host_to_device(v, device) for k, v in rows.items()}, counts, static, static)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         stream, current = self._stream, torch.cuda.current_stream(device)
