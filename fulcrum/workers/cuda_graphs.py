@@ -256,7 +256,8 @@ class CudaGraphs:
         once, or `limit` graphs exist and none fits; the caller runs `fn` eagerly."""
         if self.failed is not None:
             return None
-        self.fill_counts(agg)
+        if agg:  # an update's (a no-grad forward has none)
+            self.fill_counts(agg)
         shape = (fn, static, tuple(sorted(agg)), train)
         keys = list(dict.fromkeys(["response_mask", *keys]))
 
@@ -286,7 +287,8 @@ class CudaGraphs:
         elif len(self.graphs) >= self.limit:
             return None
         else:
-            out = self.capture(key, packed, rows, body, len(mb))
+            counts = {name: self.counts[name] for name in agg}
+            out = self.capture(key, MicroInputs(rows, counts, packed, packed), body, len(mb))
         if train:
             self.compute.mark_staged()  # the update's `accumulate_grads` adds them into the float32 ones
         return out
@@ -302,17 +304,15 @@ class CudaGraphs:
             self.counts[name].fill_(value)
 
     def capture(
-        self,
-        key: tuple[object, ...],
-        packed: PackedMicroBatch,
-        rows: dict[str, torch.Tensor],
-        body: Callable[[MicroInputs], Any],
-        n_rows: int,
+        self, key: tuple[object, ...], padded: MicroInputs, body: Callable[[MicroInputs], Any], n_rows: int
     ) -> Any:
+        """`body` on the micro-batch `padded` (on the host; its counts on the device), run eagerly and
+        captured on the graphs' stream; its outputs (per-row ones cut to `n_rows`)."""
         device = self.device
-        counts = {name: self.counts[name] for name in self._filled}
-        static = packed.to(device)
-        inputs = MicroInputs({k: host_to_device(v, device) for k, v in rows.items()}, counts, static, static)
+        assert padded.packed is not None
+        static = padded.packed.to(device)
+        rows = {k: host_to_device(v, device) for k, v in padded.rows.items()}
+        inputs = MicroInputs(rows, padded.agg, static, static)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         stream, current = self._stream, torch.cuda.current_stream(device)
