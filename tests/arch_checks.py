@@ -14,6 +14,7 @@ import copy
 from typing import Any
 
 import torch
+from helpers import log_probs_of
 from test_workers_units import make_batch, unpadded_log_probs  # tests/ is on sys.path under pytest
 
 from fulcrum.models.arch import SPECS
@@ -21,7 +22,6 @@ from fulcrum.models.packed import enable_packed_attention
 from fulcrum.rollout.base import SamplingParams
 from fulcrum.rollout.native import EngineConfig, NativeEngine
 from fulcrum.rollout.testing import random_causal_lm
-from fulcrum.workers.micro_batch import forward_log_prob
 
 CPU = torch.device("cpu")
 EOS = 1
@@ -87,7 +87,7 @@ def check_training_log_probs_equal_hf(model: torch.nn.Module, temperature: float
     mask = batch["response_mask"].bool()
     for name, runs, packed in (("padded", model, False), ("packed", packed_model, True)):
         with torch.no_grad():
-            logp, _ = forward_log_prob(runs, batch, temperature, False, CPU, packed=packed)
+            logp, _ = log_probs_of(runs, batch, temperature, False, CPU, packed=packed)
         gap = (logp - expected)[mask].abs().max()
         assert gap < TOL, f"{name}: max |log-prob - HF| = {gap:.2e}"
 

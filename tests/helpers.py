@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -96,3 +97,29 @@ def ppo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped loss with the actor's default keys (clip 0.2, token-mean)."""
     return vanilla_policy_loss(old_log_prob, log_prob, advantages, mask, "token-mean", LossConfig())
+
+
+def log_probs_of(
+    model: Any,
+    mb: Any,
+    temperature: float,
+    with_entropy: bool,
+    device: torch.device,
+    packed: bool = False,
+    sp: Any = None,
+    fp32_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The actor's forward on a micro-batch as the host holds it: log-probs (and entropies) (B, R)."""
+    from fulcrum.workers.forwards import LogProbHead, forward_batch
+
+    outs = forward_batch(model, mb, LogProbHead(temperature, with_entropy, fp32_logits), device, packed, sp)
+    return outs[0], (outs[1] if with_entropy else None)
+
+
+def values_of(
+    model: Any, mb: Any, device: torch.device, packed: bool = False, sp: Any = None
+) -> torch.Tensor:
+    """The critic's forward on a micro-batch as the host holds it: values (B, R)."""
+    from fulcrum.workers.forwards import ValueHead, forward_batch
+
+    return forward_batch(model, mb, ValueHead(), device, packed, sp)[0]

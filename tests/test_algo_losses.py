@@ -21,6 +21,7 @@ from fulcrum.algo.policy_losses import (
     policy_loss_names,
     register_policy_loss,
 )
+from fulcrum.algo.rollout_correction import RolloutCorrection
 from fulcrum.config import ConfigError, load_config
 from fulcrum.config.schema import PolicyLossConfig
 from fulcrum.trainer.checks import check
@@ -137,12 +138,22 @@ def test_padding_positions_do_not_change_the_policy_loss() -> None:
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float32)
     junk = torch.where(mask.bool(), torch.zeros(()), torch.full((), 1e4))
     keys = PolicyLossConfig(dro_beta=0.5)  # dro has no default
+    bypass = RolloutCorrection(rollout_is="token", bypass_mode=True)  # bypass_mode's settings
     for loss_mode in POLICY_LOSSES:
         for mode in LOSS_AGG_MODES:
             torch.manual_seed(0)  # clip_cov draws its tokens from torch's generator
-            a = policy_loss(old, new, adv, mask, loss_mode, mode, policy_loss=keys)
+            a = policy_loss(old, new, adv, mask, loss_mode, mode, policy_loss=keys, rollout_correction=bypass)
             torch.manual_seed(0)
-            b = policy_loss(old + junk, new - junk, adv + junk, mask, loss_mode, mode, policy_loss=keys)
+            b = policy_loss(
+                old + junk,
+                new - junk,
+                adv + junk,
+                mask,
+                loss_mode,
+                mode,
+                policy_loss=keys,
+                rollout_correction=bypass,
+            )
             torch.testing.assert_close(a, b, msg=f"{loss_mode} {mode}")
 
 

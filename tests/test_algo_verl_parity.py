@@ -205,7 +205,7 @@ def test_kl_estimators_match_verl_values_and_gradients(kind: str) -> None:
 
 
 def test_entropy_and_logprobs_match_verl() -> None:
-    """The function training runs (`forward_log_prob` calls it), with and without gradients."""
+    """The function training runs (`fulcrum.workers.forwards.LogProbHead` calls it), with and without gradients."""
     lg = FIXTURE["logits"]
     logp, entropy = logprob_and_entropy(lg["logits"], lg["labels"], with_entropy=True)
     close(entropy, lg["entropy"])

@@ -14,10 +14,9 @@ from helpers import verl_fixture_policy_loss
 
 from fulcrum.algo.advantages import compute_advantage
 from fulcrum.algo.pf_ppo import pf_ppo_resample_indices
-from fulcrum.algo.policy_losses import LossConfig
+from fulcrum.algo.policy_losses import LossConfig, get_policy_loss_fn
 from fulcrum.algo.rollout_correction import (
     RolloutCorrection,
-    bypass_policy_loss,
     compute_rollout_correction,
 )
 
@@ -147,16 +146,14 @@ def test_bypass_mode_losses_match_verl(loss_type: str) -> None:
     c, p = FIXTURE["rollout_correction"], FIXTURE["policy"]
     expected = c[f"bypass_{loss_type}"]
     log_prob = p["log_prob"].clone().requires_grad_(True)
-    config = LossConfig(clip_ratio=0.2, clip_ratio_low=p["clip_low"], clip_ratio_high=p["clip_high"])
-    loss, metrics = bypass_policy_loss(
-        c["rollout_log_prob"],
-        log_prob,
-        p["advantages"],
-        c["mask"],
-        "token-mean",
-        config,
-        correction_config(expected["keys"]),
+    config = LossConfig(
+        clip_ratio=0.2,
+        clip_ratio_low=p["clip_low"],
+        clip_ratio_high=p["clip_high"],
+        rollout_correction=correction_config(expected["keys"]),
     )
+    bypass = get_policy_loss_fn("bypass_mode")  # registered as verl registers it
+    loss, metrics = bypass(c["rollout_log_prob"], log_prob, p["advantages"], c["mask"], "token-mean", config)
     loss.backward()
     close(loss.detach(), expected["loss"], "pg_loss")
     close(log_prob.grad, expected["grad"], "gradient")

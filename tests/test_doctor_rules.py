@@ -194,7 +194,7 @@ def test_the_estimate_keeps_what_the_micro_batches_graphs_keep(files: Path) -> N
     parameter) stay resident and the graphs' pool holds the largest update micro-batch's work: every phase
     holds them, and an update does not count its own twice."""
     from fulcrum.tools import memory_estimate
-    from fulcrum.workers.step_graphs import MAX_RESIDENT_SHARE
+    from fulcrum.workers.cuda_graphs import MAX_RESIDENT_SHARE
 
     assert memory_estimate.GRAPHS_RESIDENT_SHARE == MAX_RESIDENT_SHARE
     phases = {}

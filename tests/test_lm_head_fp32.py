@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import log_probs_of
 
 from fulcrum.config import FulcrumConfig, validate
 from fulcrum.config.keys import ConfigError
@@ -20,7 +21,6 @@ from fulcrum.rollout import SamplingParams, build_rollout
 from fulcrum.rollout.native import EngineConfig, NativeEngine
 from fulcrum.rollout.testing import random_causal_lm, scoring_batch
 from fulcrum.workers.forwards import ModelForwards
-from fulcrum.workers.micro_batch import forward_log_prob
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
@@ -132,7 +132,7 @@ def rollout_gap(model: torch.nn.Module, lm_head_fp32: bool) -> float:
     out = engine_for(model, lm_head_fp32).generate(prompts, params)
     batch = scoring_batch([prompts[i] for i in out.prompt_index], out.token_ids)
     with torch.no_grad():
-        logp, _ = forward_log_prob(model, batch, 1.0, False, CPU, packed=True, fp32_logits=lm_head_fp32)
+        logp, _ = log_probs_of(model, batch, 1.0, False, CPU, packed=True, fp32_logits=lm_head_fp32)
     engine = torch.zeros_like(logp)
     for i, row in enumerate(out.logprobs):
         engine[i, : len(row)] = torch.tensor(row)

@@ -104,7 +104,7 @@ def test_update_trains_only_the_adapters(tiny_dir: str) -> None:
     batch = rl_batch()
     batch["old_log_probs"], _ = actor.compute_log_prob(batch)
     before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
-    metrics = actor.update_policy(batch, global_step=1)
+    metrics, _ = actor.update_policy(batch, global_step=1)
     assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
     after = dict(actor.model.named_parameters())
     changed = {n for n in before if not torch.equal(before[n], after[n])}

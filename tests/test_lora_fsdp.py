@@ -31,7 +31,7 @@ def train(actor: ActorWorker, steps: range) -> list[float]:
     for step in steps:
         batch = rl_batch(seed=step)
         batch["old_log_probs"], _ = actor.compute_log_prob(batch)
-        losses.append(actor.update_policy(batch, global_step=step)["actor/pg_loss"])
+        losses.append(actor.update_policy(batch, global_step=step)[0]["actor/pg_loss"])
     return losses
 
 

@@ -62,7 +62,7 @@ def test_lora_actor_holds_its_base_once_in_bf16(tiny_dir: str, bf16_compute: Non
     batch = rl_batch()
     batch["old_log_probs"], _ = actor.compute_log_prob(batch)
     batch["ref_log_prob"] = reference_worker(reference_section(cfg), CPU, actor).compute_ref_log_prob(batch)
-    metrics = actor.update_policy(batch, global_step=1)
+    metrics, _ = actor.update_policy(batch, global_step=1)
     assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
     full.update_policy(batch, global_step=1)
 

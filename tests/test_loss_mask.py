@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ppo_loss
+from helpers import log_probs_of, ppo_loss
 from test_packed import grads
 
 from fulcrum.algo.advantages import compute_advantage
@@ -19,7 +19,6 @@ from fulcrum.models.load import load_causal_lm
 from fulcrum.models.packed import enable_packed_attention
 from fulcrum.reward.scoring import RewardResult, score_batch
 from fulcrum.trainer.metrics import compute_data_metrics
-from fulcrum.workers.micro_batch import forward_log_prob
 
 CPU = torch.device("cpu")
 TOL = 1e-5
@@ -72,7 +71,7 @@ def test_packed_equals_padded_with_a_non_contiguous_loss_mask(tiny_dir: str) -> 
     old = (torch.randn(mask.shape, generator=g) * 0.1 - 5.0) * mask
     results = {}
     for name, model, packed in (("padded", padded, False), ("packed", packed_model, True)):
-        logp, ent = forward_log_prob(model, batch, 1.0, True, CPU, packed=packed)
+        logp, ent = log_probs_of(model, batch, 1.0, True, CPU, packed=packed)
         loss, _ = ppo_loss(old, logp, advantages, mask)
         (loss - 0.01 * (ent * mask).sum() / mask.sum()).backward()
         results[name] = (logp.detach(), ent.detach(), grads(model))
@@ -106,8 +105,8 @@ def test_policy_gradient_of_a_two_turn_sample_equals_the_hand_computed_one(
     mask = batch["response_mask"].float()
     advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        old = forward_log_prob(model, batch, 1.0, False, CPU, packed=packed)[0]
-    logp, _ = forward_log_prob(model, batch, 1.0, False, CPU, packed=packed)
+        old = log_probs_of(model, batch, 1.0, False, CPU, packed=packed)[0]
+    logp, _ = log_probs_of(model, batch, 1.0, False, CPU, packed=packed)
     loss, _ = ppo_loss(old, logp, advantages, mask)
     loss.backward()
     got = grads(model)
@@ -133,8 +132,8 @@ def test_tool_tokens_change_the_log_probs_of_later_policy_tokens(tiny_dir: str) 
     model = load_causal_lm(tiny_dir, CPU)
     a, b = two_turn_batch(tool_ids=[11, 12]), two_turn_batch(tool_ids=[900, 901, 902])
     with torch.no_grad():
-        lp_a = forward_log_prob(model, a, 1.0, False, CPU)[0]
-        lp_b = forward_log_prob(model, b, 1.0, False, CPU)[0]
+        lp_a = log_probs_of(model, a, 1.0, False, CPU)[0]
+        lp_b = log_probs_of(model, b, 1.0, False, CPU)[0]
     assert torch.equal(lp_a[:, :3], lp_b[:, :3])  # before the tool answer: the same
     assert not torch.allclose(lp_a[0, 8:10], lp_b[0, 8:10])  # after it: it was attended to
     assert torch.equal(lp_a[1], lp_b[1])  # the single-turn row has no tool answer

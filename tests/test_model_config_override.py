@@ -97,11 +97,11 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_an_moe_override_turns_the_router_loss_on(moe_dir: str) -> None:
     plain = ActorWorker(actor_section(cfg_for(moe_dir)), CPU, total_training_steps=1)
-    assert plain.router_loss is None
+    assert plain.loss.router is None
     cfg = cfg_for(moe_dir, f"+{KEY}.output_router_logits=true", f"+{KEY}.router_aux_loss_coef=0.01")
     actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=1)
-    assert actor.router_loss == (0.01, 2)
+    assert actor.loss.router == (0.01, 2)
     batch = rl_batch(seed=0)  # token ids below 1000: within arch_model's vocabulary
     batch["old_log_probs"], _ = actor.compute_log_prob(batch)
-    metrics = actor.update_policy(batch, global_step=1)
+    metrics, _ = actor.update_policy(batch, global_step=1)
     assert metrics["actor/load_balancing_loss"] > 0

@@ -1,5 +1,5 @@
 """Strictly on-policy updates (one epoch, one mini-batch) take their old log-probs from their own forward:
-the update trains exactly as with a separate old-log-prob pass, records what that pass would give, and the
+the update trains exactly as with a separate old-log-prob pass, returns what that pass would give, and the
 trainer leaves the pass out only when nothing reads old log-probs before the update."""
 
 from __future__ import annotations
@@ -20,17 +20,19 @@ CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
 
 
-def test_an_update_without_old_log_probs_trains_as_with_their_pass_and_records_it(tiny_dir: str) -> None:
+def test_an_update_without_old_log_probs_trains_as_with_their_pass_and_returns_it(tiny_dir: str) -> None:
     batch = rl_batch()
     with_pass = ActorWorker(actor_section(cfg_for(tiny_dir)), CPU, total_training_steps=10)
     old, entropy = with_pass.compute_log_prob(batch)
     scored = rl_batch()
     scored["old_log_probs"] = old
-    metrics_with = with_pass.update_policy(scored, global_step=1)
+    metrics_with, none = with_pass.update_policy(scored, global_step=1)
+    assert none is None  # the batch had them
 
     without = ActorWorker(actor_section(cfg_for(tiny_dir)), CPU, total_training_steps=10)
-    metrics_without = without.update_policy(rl_batch(), global_step=1)
-    recorded, recorded_entropy = without.recorded_log_probs()
+    metrics_without, given = without.update_policy(rl_batch(), global_step=1)
+    assert given is not None
+    recorded, recorded_entropy = given
 
     mask = batch["response_mask"].bool()
     assert torch.allclose(recorded[mask], old[mask], atol=1e-5)  # the batch's row order, as the pass's
@@ -85,15 +87,16 @@ def test_the_trainer_leaves_the_pass_out_only_when_nothing_needs_it(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_update_records_what_the_compiled_pass_gives(tiny_dir: str) -> None:
+def test_on_cuda_the_update_returns_what_the_compiled_pass_gives(tiny_dir: str) -> None:
     """The packed bf16 path on CUDA, decoder layers and log-softmax chunks compiled (the chunks with the
-    entropy too, in the update): what an update without old log-probs records is its pass's result at
+    entropy too, in the update): what an update without old log-probs returns is its pass's result at
     bf16's tolerance (the project's: mean gap 0.02), and the loss saw a ratio of exactly 1."""
     actor = ActorWorker(actor_section(cfg_for(tiny_dir)), CUDA, total_training_steps=10)
     batch = rl_batch()
     old, entropy = actor.compute_log_prob(batch)
-    metrics = actor.update_policy(rl_batch(), global_step=1)
-    recorded, recorded_entropy = actor.recorded_log_probs()
+    metrics, given = actor.update_policy(rl_batch(), global_step=1)
+    assert given is not None
+    recorded, recorded_entropy = given
     mask = batch["response_mask"].bool()
     assert (recorded[mask] - old[mask]).abs().mean() < 0.02
     assert (recorded_entropy[mask] - entropy[mask]).abs().mean() < 0.02 * entropy[mask].abs().mean()

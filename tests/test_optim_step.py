@@ -79,7 +79,7 @@ def test_an_update_with_a_fused_optimiser_skips_a_nan_step_and_says_so(tiny_dir:
     batch["advantages"] = torch.full_like(batch["advantages"], float("nan"))
     before = [p.detach().clone() for p in actor.model.parameters()]
     with caplog.at_level(logging.WARNING, logger="fulcrum.workers.optim"):
-        metrics = actor.update_policy(batch, global_step=1)
+        metrics, _ = actor.update_policy(batch, global_step=1)
     assert math.isnan(metrics["actor/grad_norm"])
     assert all(torch.equal(b, p) for b, p in zip(before, actor.model.parameters(), strict=True))
     assert "actor: grad_norm is nan in mini-batch 0, its optimiser step was skipped" in caplog.text

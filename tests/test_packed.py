@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ppo_loss
+from helpers import log_probs_of, ppo_loss, values_of
 from test_workers_units import make_batch  # tests/ is on sys.path under pytest
 from torch import nn
 
@@ -23,8 +23,6 @@ from fulcrum.models.precision import ComputeWeights
 from fulcrum.models.value_head import CriticModel
 from fulcrum.rollout.testing import random_causal_lm
 from fulcrum.workers.micro_batch import (
-    forward_log_prob,
-    forward_values,
     make_micro_batches,
     packed_token_groups,
 )
@@ -88,7 +86,7 @@ def test_packed_log_probs_and_policy_gradients_equal_padded(tiny_dir: str, tempe
     results = {}
     for name, model, packed in (("padded", padded, False), ("packed", packed_model, True)):
         model.zero_grad()
-        logp, ent = forward_log_prob(model, batch, temperature, True, CPU, packed=packed)
+        logp, ent = log_probs_of(model, batch, temperature, True, CPU, packed=packed)
         loss, *_ = ppo_loss(batch["old_log_probs"], logp, batch["advantages"], mask)
         (loss - 0.01 * (ent * mask).sum() / mask.sum()).backward()
         results[name] = (logp.detach(), ent.detach(), loss.detach(), grads(model))
@@ -112,7 +110,7 @@ def test_packed_values_and_value_gradients_equal_padded(tiny_dir: str) -> None:
     mask = batch["response_mask"].float()
     results = {}
     for name, model, packed in (("padded", padded, False), ("packed", packed_model, True)):
-        values = forward_values(model, batch, CPU, packed=packed)
+        values = values_of(model, batch, CPU, packed=packed)
         loss, _ = compute_value_loss(values, batch["returns"], batch["values"], mask, cliprange_value=0.5)
         loss.backward()
         results[name] = (values.detach(), loss.detach(), grads(model))
@@ -180,13 +178,13 @@ def test_compute_weights_accumulate_float32_grads_into_masters(tiny_dir: str) ->
     batch = rl_batch(seed=5, b=8)
     mask = batch["response_mask"].float()
     for mb in batch.split(3):  # gradient accumulation over micro-batches
-        logp, _ = forward_log_prob(reference, mb, 1.0, False, CPU)
+        logp, _ = log_probs_of(reference, mb, 1.0, False, CPU)
         ppo_loss(mb["old_log_probs"], logp, mb["advantages"], mb["response_mask"].float())[0].backward()
     compute.refresh()
     with compute.swapped_in():
         assert model.get_output_embeddings().weight.dtype == torch.float64
         for mb in batch.split(3):
-            logp, _ = forward_log_prob(model, mb, 1.0, False, CPU, packed=True)
+            logp, _ = log_probs_of(model, mb, 1.0, False, CPU, packed=True)
             ppo_loss(mb["old_log_probs"], logp, mb["advantages"], mb["response_mask"].float())[0].backward()
             compute.accumulate_grads()
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -295,7 +293,7 @@ def test_compiled_layer_twins_match_and_leave_the_model_alone(
             )
         assert list(model.state_dict()) == keys
         batch = rl_batch(seed=7, b=5)
-        logp, _ = forward_log_prob(model, batch, 1.0, False, CPU, packed=True)
+        logp, _ = log_probs_of(model, batch, 1.0, False, CPU, packed=True)
         ppo_loss(batch["old_log_probs"], logp, batch["advantages"], batch["response_mask"].float())[
             0
         ].backward()

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ppo_loss
+from helpers import log_probs_of, ppo_loss, values_of
 from test_workers_units import make_batch  # tests/ is on sys.path under pytest
 
 from fulcrum.models.value_head import CriticModel
 from fulcrum.rollout.testing import random_causal_lm
 from fulcrum.workers.forwards import ModelForwards
-from fulcrum.workers.micro_batch import forward_log_prob, forward_values, make_micro_batches
+from fulcrum.workers.micro_batch import make_micro_batches
 
 pytestmark = pytest.mark.gpu
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -46,7 +46,7 @@ def test_packed_bf16_log_probs_and_gradients_match_padded_fp32() -> None:
     batch = batch_for(SHAPE["vocab_size"])
     mask = batch["response_mask"]
 
-    logp_ref, _ = forward_log_prob(cpu_model, batch, 0.9, False, CPU)
+    logp_ref, _ = log_probs_of(cpu_model, batch, 0.9, False, CPU)
     ppo_loss(batch["old_log_probs"], logp_ref, batch["advantages"], mask.float())[0].backward()
 
     forwards = ModelForwards(gpu_model, CUDA, use_remove_padding=True, role="actor")
@@ -73,7 +73,7 @@ def test_packed_bf16_values_match_padded_fp32() -> None:
     forwards = ModelForwards(gpu_model, CUDA, use_remove_padding=True, role="critic", keep=("score",))
     with torch.no_grad(), forwards.active():
         values = forwards.values(batch).cpu()
-        ref = forward_values(cpu_model, batch, CPU)
+        ref = values_of(cpu_model, batch, CPU)
     mask = batch["response_mask"].bool()
     spread = ref[mask].std()
     assert ((values - ref).abs()[mask].max() / spread) < 0.02 * 10 and (

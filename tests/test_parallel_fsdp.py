@@ -159,10 +159,10 @@ def packed_step(
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """A policy-gradient step over the packed path on `rows` of the batch (this rank's share); the loss
     is normalised by the whole batch's token count, so the ranks' gradients sum to one process's."""
+    from helpers import log_probs_of
     from test_workers_units import make_batch
 
     from fulcrum.parallel.fsdp import full_state_dict, whole_norm
-    from fulcrum.workers.micro_batch import forward_log_prob
 
     batch = make_batch(b=6, p=10, r=7, seed=3)
     mask = batch["response_mask"].float()
@@ -170,7 +170,7 @@ def packed_step(
     # Adam's first step is ±lr wherever |grad| >> eps: 1e-3 keeps the sum-order noise of tiny gradients
     # (FSDP's reduction against one process's) within the tolerance.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    logp, _ = forward_log_prob(model, batch.select(rows), 1.0, False, device, packed=True)
+    logp, _ = log_probs_of(model, batch.select(rows), 1.0, False, device, packed=True)
     (-(logp * advantages[rows].to(device)).sum() / mask.sum()).backward()
     norm = float(whole_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
     optimizer.step()

@@ -64,9 +64,10 @@ def _micro_step(rank: int, world: int, folder: str, shape: tuple[int, int, int])
     for name, sp_size in (("one", 1), ("sp", world)):
         cfg = cfg_for(folder, f"{SP_KEY}={sp_size}", "actor_rollout_ref.actor.fsdp_config.fsdp_size=1")
         actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=1)
-        assert actor.router_loss == (COEF, 2)
+        assert actor.loss.router == (COEF, 2)
         with actor.forwards.active():
-            out = actor.micro_step(batch, agg)
+            inputs = actor.forwards.inputs(batch, actor.loss.keys(False, False), agg)
+            out, _ = actor.fwd_bwd(inputs, False, False)
             actor.forwards.accumulate_grads()
         sp = actor.forwards.sp
         grads = summed_grads(actor.model, None if sp is None else sp.group)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import make_assets, ppo_loss
+from helpers import log_probs_of, make_assets, ppo_loss, values_of
 from helpers_dist import run_ranks
 from safetensors.torch import load_file
 from test_packed import rl_batch as packed_rl_batch
@@ -25,7 +25,6 @@ from fulcrum.models.value_head import CriticModel
 from fulcrum.parallel.ulysses import check_heads, kv_repeats, sequence_parallel_group
 from fulcrum.rollout.testing import random_causal_lm
 from fulcrum.trainer.main_ppo import main
-from fulcrum.workers.micro_batch import forward_log_prob, forward_values
 
 CPU = torch.device("cpu")
 TOL = 1e-5
@@ -59,7 +58,7 @@ def _actor(rank: int, world: int, kv_heads: int, compiled: bool) -> dict[str, ob
             for layer in replica.model.layers:
                 layer.gradient_checkpointing = True
             compile_decoder_layers(replica.model, backend="aot_eager")
-        logp, ent = forward_log_prob(replica, batch, 0.7, True, CPU, packed=True, sp=group)
+        logp, ent = log_probs_of(replica, batch, 0.7, True, CPU, packed=True, sp=group)
         loss, *_ = ppo_loss(batch["old_log_probs"], logp, batch["advantages"], mask)
         assert ent is not None
         (loss - 0.01 * (ent * mask).sum() / mask.sum()).backward()
@@ -93,7 +92,7 @@ def _critic(rank: int, world: int) -> dict[str, object]:
     results = {}
     for name, group in (("one", None), ("sp", sp)):
         replica = copy.deepcopy(model)
-        values = forward_values(replica, batch, CPU, packed=True, sp=group)
+        values = values_of(replica, batch, CPU, packed=True, sp=group)
         loss, _ = compute_value_loss(values, batch["returns"], batch["values"], mask, cliprange_value=0.5)
         loss.backward()
         results[name] = (values.detach(), summed_grads(replica, None if group is None else group.group))

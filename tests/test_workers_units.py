@@ -7,14 +7,13 @@ import math
 
 import pytest
 import torch
+from helpers import log_probs_of, values_of
 
 from fulcrum.batch import Batch
 from fulcrum.models.load import load_backbone, load_causal_lm
 from fulcrum.models.logprob import logprob_and_entropy
 from fulcrum.models.value_head import CriticModel
 from fulcrum.workers.micro_batch import (
-    forward_log_prob,
-    forward_values,
     make_micro_batches,
     restore_order,
     token_budget_groups,
@@ -70,7 +69,7 @@ def test_padded_log_probs_equal_unpadded(tiny_dir: str) -> None:
     batch = make_batch()
     expected = unpadded_log_probs(model, batch, temperature=0.7)
     with torch.no_grad():
-        got, entropy = forward_log_prob(model, batch, 0.7, True, CPU)
+        got, entropy = log_probs_of(model, batch, 0.7, True, CPU)
     mask = batch["response_mask"].bool()
     assert torch.allclose(got.double()[mask], expected[mask], atol=1e-5)
     assert (got[~mask] == 0).all()
@@ -123,14 +122,14 @@ def test_dynamic_micro_batches_fit_budget_and_restore_order(tiny_dir: str) -> No
         r = mb["response_mask"].sum(-1).max()
         assert len(mb) * int(p + r) <= budget
     with torch.no_grad():
-        parts = [forward_log_prob(model, mb, 1.0, False, CPU)[0] for mb in micro]
-        fixed = torch.cat([forward_log_prob(model, mb, 1.0, False, CPU)[0] for mb in batch.split(3)])
+        parts = [log_probs_of(model, mb, 1.0, False, CPU)[0] for mb in micro]
+        fixed = torch.cat([log_probs_of(model, mb, 1.0, False, CPU)[0] for mb in batch.split(3)])
     assert torch.allclose(restore_order(parts, order), fixed, atol=1e-5)
     # Fixed size, sorted by length (the no-grad passes): same numbers back in the original order.
     micro, order = make_micro_batches(batch, 3, False, None, "k", sort_by_length=True)
     assert order is not None and order != list(range(8))
     with torch.no_grad():
-        parts = [forward_log_prob(model, mb, 1.0, False, CPU)[0] for mb in micro]
+        parts = [log_probs_of(model, mb, 1.0, False, CPU)[0] for mb in micro]
     assert torch.allclose(restore_order(parts, order), fixed, atol=1e-5)
 
 
@@ -206,7 +205,7 @@ def test_value_head_layout_and_masking(tiny_dir: str) -> None:
     assert {"score.weight", "score.bias"} <= keys and any(k.startswith("model.layers.0.") for k in keys)
     batch = make_batch()
     with torch.no_grad():
-        values = forward_values(critic, batch, CPU)
+        values = values_of(critic, batch, CPU)
     assert values.shape == batch["responses"].shape and values.dtype == torch.float32
     assert (values[batch["response_mask"] == 0] == 0).all()
 

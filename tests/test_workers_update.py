@@ -9,7 +9,8 @@ import pytest
 import torch
 from test_workers_units import make_batch  # tests/ is on sys.path under pytest
 
-from fulcrum.config import load_config
+from fulcrum.algo.rollout_correction import RolloutCorrection
+from fulcrum.config import ConfigError, load_config
 from fulcrum.config.sections import actor_section, critic_section, reference_section
 from fulcrum.workers.actor import ActorWorker, ReferenceWorker
 from fulcrum.workers.critic import CriticWorker
@@ -65,7 +66,7 @@ def test_actor_update_metrics_and_weights_change(tiny_dir: str) -> None:
     assert old.shape == batch["responses"].shape and (entropy[batch["response_mask"].bool()] > 0).all()
     batch["old_log_probs"] = old
     before = [p.detach().clone() for p in actor.model.parameters()]
-    metrics = actor.update_policy(batch, global_step=1)
+    metrics, _ = actor.update_policy(batch, global_step=1)
     for key in (
         "actor/pg_loss",
         "actor/pg_clipfrac",
@@ -123,7 +124,7 @@ def test_packed_update_does_not_depend_on_the_micro_batch_cut(tiny_dir: str, mod
         stepped = gradient_at_step(actor.optimizer)
         batch = rl_batch()
         batch["old_log_probs"] = actor.compute_log_prob(batch)[0] - 0.05
-        metrics = actor.update_policy(batch, global_step=1)
+        metrics, _ = actor.update_policy(batch, global_step=1)
         grads.append(stepped[0])
         if micro == 8 and not packed:
             loss = metrics["actor/pg_loss"]
@@ -144,7 +145,7 @@ def test_kl_loss_needs_reference_and_is_logged(tiny_dir: str) -> None:
     batch["ref_log_prob"] = ref.compute_ref_log_prob(batch)
     assert torch.allclose(batch["ref_log_prob"], batch["old_log_probs"], atol=1e-5)  # same initial weights
     assert not any(p.requires_grad for p in ref.model.parameters())
-    metrics = actor.update_policy(batch, global_step=1)
+    metrics, _ = actor.update_policy(batch, global_step=1)
     assert metrics["actor/kl_loss"] == pytest.approx(0.0, abs=1e-5)
     assert metrics["actor/kl_coef"] == 0.1
 
@@ -154,7 +155,7 @@ def test_warmup_schedule_steps_once_per_update(tiny_dir: str) -> None:
     actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=10)
     batch = rl_batch()
     batch["old_log_probs"] = actor.compute_log_prob(batch)[0]
-    lrs = [actor.update_policy(batch, global_step=s)["actor/lr"] for s in range(3)]
+    lrs = [actor.update_policy(batch, global_step=s)[0]["actor/lr"] for s in range(3)]
     assert lrs == pytest.approx([0.0, 5e-4, 1e-3])
 
 
@@ -171,3 +172,18 @@ def test_critic_values_and_update_reduce_value_loss(tiny_dir: str) -> None:
     second = critic.update_critic(batch, global_step=2)
     assert second["critic/vf_loss"] < first["critic/vf_loss"]
     assert all(p.grad is None for p in critic.model.parameters())
+
+
+def test_bypass_mode_is_a_registered_loss_an_actor_takes_only_with_its_correction(tiny_dir: str) -> None:
+    """verl registers bypass as the policy loss "bypass_mode" and switches to it with rollout correction's
+    bypass mode; set by hand without it, the loss has no correction to apply: refused, naming the key."""
+    key = "actor_rollout_ref.actor.policy_loss.loss_mode"
+    with pytest.raises(ConfigError, match=r"bypass_mode is set by algorithm\.rollout_correction") as err:
+        ActorWorker(actor_section(cfg_for(tiny_dir, f"{key}=bypass_mode")), CPU, total_training_steps=1)
+    assert err.value.key == key
+    bypass = RolloutCorrection(rollout_is="token", bypass_mode=True)
+    actor = ActorWorker(actor_section(cfg_for(tiny_dir)), CPU, total_training_steps=1, bypass=bypass)
+    batch = rl_batch()
+    batch["old_log_probs"] = -6.0 * batch["response_mask"].float()  # the engine's, as the trainer sets them
+    metrics, _ = actor.update_policy(batch, global_step=1)
+    assert metrics["rollout_corr/rollout_is_mean"] > 0  # the correction, inside the loss

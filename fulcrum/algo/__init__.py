@@ -6,6 +6,7 @@ every estimator and loss with its formula and its verl name, and shows how to re
 
 from fulcrum.algo import covariance_losses as covariance_losses  # registers its losses on import
 from fulcrum.algo import divergence_losses as divergence_losses  # registers its losses on import
+from fulcrum.algo import rollout_correction as rollout_correction  # registers bypass_mode on import
 from fulcrum.algo.advantages import ADVANTAGE_ESTIMATORS, compute_advantage, register_adv_est
 from fulcrum.algo.kl import (
     KL_PENALTY_NAMES,

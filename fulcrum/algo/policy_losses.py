@@ -45,12 +45,18 @@ class LossConfig(ActorConfig):
     and `global_batch_info`, this mini-batch's `agg_loss` keywords (as verl's ActorConfig carries them)."""
 
     global_batch_info: dict[str, float] = field(default_factory=dict)
+    # Bypass mode's settings (a `fulcrum.algo.rollout_correction.RolloutCorrection`, which imports this
+    # module), as verl's policy_loss config carries its rollout_correction.
+    rollout_correction: object | None = None
 
     @classmethod
-    def of(cls, actor: ActorConfig, global_batch_info: dict[str, float]) -> LossConfig:
+    def of(
+        cls, actor: ActorConfig, global_batch_info: dict[str, float], rollout_correction: object | None = None
+    ) -> LossConfig:
         return cls(
             **{f.name: getattr(actor, f.name) for f in fields(ActorConfig)},
             global_batch_info=global_batch_info,
+            rollout_correction=rollout_correction,
         )
 
 

@@ -14,7 +14,8 @@ The engine samples from pi_rollout (here: bf16 kernels, KV cache), the trainer's
   sequence sum / mean / max; k1 options take "L_U" ratio bounds (compared in log space), k2/k3 an upper.
 
 bypass_mode uses the engine's log-probs as old log-probs (no old-log-prob forward) and corrects inside
-the loss against the current policy: `bypass_policy_loss`. This module is long (≈400 lines) because the
+the loss against the current policy: `bypass_policy_loss`, registered as the policy loss "bypass_mode"
+(as verl registers it), its settings in the loss's `config.rollout_correction`. This module is long (≈400 lines) because the
 metrics follow verl's one by one so dashboards carry over.
 """
 
@@ -26,7 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from fulcrum.algo.masked import masked_mean, masked_sum
-from fulcrum.algo.policy_losses import LossConfig, reinforce_policy_loss, vanilla_policy_loss
+from fulcrum.algo.policy_losses import (
+    LossConfig,
+    register_policy_loss,
+    reinforce_policy_loss,
+    vanilla_policy_loss,
+)
 
 # exp(±20) bounds every weight before truncation (as verl's SAFETY_BOUND).
 SAFETY_BOUND = 20.0
@@ -369,6 +375,7 @@ def compute_rollout_correction(
     return weights, mask, {f"rollout_corr/{k}": v for k, v in metrics.items()}
 
 
+@register_policy_loss("bypass_mode")
 def bypass_policy_loss(
     rollout_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -376,15 +383,23 @@ def bypass_policy_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str,
     config: LossConfig,
-    correction: RolloutCorrection,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
-    """Bypass mode's loss; verl `compute_policy_loss_bypass_mode`. old log-probs = the engine's.
+    """Bypass mode's loss; verl `compute_policy_loss_bypass_mode`. old log-probs = the engine's; the
+    settings are `config.rollout_correction` (a `RolloutCorrection`); `rollout_is_weights` is unused
+    (the weights are computed here).
 
     IS weights and the rejection mask are computed between the *current* policy and the engine
     (no gradient), then loss_type=reinforce: L = -w A logp on the kept tokens; loss_type=ppo_clip:
     PPO's clipped loss with ratio pi / pi_rollout on the kept tokens (the ratio already corrects, so
     no weights). Returns the loss and its metrics with the `rollout_corr/*` ones.
     """
+    correction = config.rollout_correction
+    if not isinstance(correction, RolloutCorrection):
+        raise ValueError(
+            "actor_rollout_ref.actor.policy_loss.loss_mode='bypass_mode' is rollout correction's bypass mode: "
+            "set algorithm.rollout_correction.bypass_mode=True (and loss_mode=vanilla) instead"
+        )
     if correction.loss_type not in BYPASS_LOSS_TYPES:
         raise ValueError(
             f"algorithm.rollout_correction.loss_type={correction.loss_type!r} is not one of {BYPASS_LOSS_TYPES}"

@@ -75,9 +75,9 @@ ATTENTION_OUTPUTS_KEPT = True
 # memory during the other's update (fulcrum.workers.state_parking). The forward phases count both states
 # resident, as after a checkpoint (which brings parked state back).
 # With a role's cuda_graphs key one process replays each packed model's micro-batches as CUDA graphs
-# (fulcrum.workers.step_graphs), which keeps its bf16 compute weights and a bf16 gradient buffer
+# (fulcrum.workers.cuda_graphs), which keeps its bf16 compute weights and a bf16 gradient buffer
 # resident, and holds the graphs' memory pool (the largest captured micro-batch's work).
-GRAPHS_RESIDENT_SHARE = 0.05  # fulcrum.workers.step_graphs.MAX_RESIDENT_SHARE (a test keeps them equal)
+GRAPHS_RESIDENT_SHARE = 0.05  # fulcrum.workers.cuda_graphs.MAX_RESIDENT_SHARE (a test keeps them equal)
 
 
 def read_model_shape(path: str | None) -> ModelShape | None:
@@ -422,7 +422,7 @@ GRAPH_ROLE_KEYS = {
 
 def graphs_refused(cfg: Any, role: str, device_bytes: float, kept: float, lora: bool = False) -> str | None:
     """Why `role`'s micro-batches would run eagerly, or None when they replay as CUDA graphs keeping `kept`
-    bytes resident (fulcrum.workers.step_graphs.graphs_refused's rule, read from the keys): its
+    bytes resident (fulcrum.workers.cuda_graphs.graphs_refused's rule, read from the keys): its
     `cuda_graphs` key on, one process, packed, no sequence parallelism, no LoRA, `kept` within
     `GRAPHS_RESIDENT_SHARE` of the device (a CUDA device, as the whole estimate)."""
     switch, model, sp = (get_path(cfg, path) for path in GRAPH_ROLE_KEYS[role])

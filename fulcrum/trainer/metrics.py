@@ -30,7 +30,7 @@ from fulcrum.batch import Batch, response_lengths
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import matmul_param_count, train_flops
 from fulcrum.trainer.dynamic_sampling import rows_with_signal
-from fulcrum.workers.step_graphs import capture_metrics
+from fulcrum.workers.cuda_graphs import capture_metrics
 
 GiB = 1024**3
 

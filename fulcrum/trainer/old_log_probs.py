@@ -6,10 +6,11 @@ batch was scored under, so its loss takes the old log-probs from its own forward
 exactly 1, as in verl's dp_actor (`on_policy`) and TRL (`num_iterations=1`). verl still runs the old
 pass on that path, for the entropy metric and what reads old log-probs before the update; fulcrum runs
 it only when something does: the KL penalty in the reward, rollout correction (decoupled weights or
-rejection) or an advantage estimator that takes `old_log_probs`. Otherwise the actor records its
-forward's log-probs and entropies (with several processes each rank its share of the rows, then every
-rank gathers them all) and the same metrics come from them (`actor/entropy`, `rollout/logprob_diff_*`);
-`timing_s/old_log_prob` is 0, and the run says so at start-up (`startup.startup_lines`).
+rejection) or an advantage estimator that takes `old_log_probs`. Otherwise the batch goes to the update
+without them, the update returns its forward's log-probs and entropies (with several processes every
+rank gathers all the rows) and the same metrics come from them (`actor/entropy`,
+`rollout/logprob_diff_*`); `timing_s/old_log_prob` is 0, and the run says so at start-up
+(`startup.startup_lines`). `update_gives_old_log_probs` is where that is decided.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def old_log_prob_stage(
 ) -> dict[str, float]:
     """Stage 3's old log-probs into `batch` by their own pass (timed as `old_log_prob`), with its
     metrics; or, when `update_gives_old_log_probs`, nothing now (`timing_s/old_log_prob` 0): the actor's
-    update records them and `recorded_old_log_prob_metrics` reports the same metrics after it."""
+    update gives them and `update_actor` reports the same metrics after it."""
     if update_gives_old_log_probs(cfg, global_step):
         timing["old_log_prob"] = 0.0
         return {}
@@ -90,10 +91,10 @@ def old_log_prob_stage(
         return old_log_prob_metrics(batch, log_probs, entropys, actor.cfg.loss_agg_mode)
 
 
-def recorded_old_log_prob_metrics(actor: ActorWorker, batch: Batch) -> dict[str, float]:
-    """After an update that gave the old log-probs (the batch has none): the metrics of the old pass,
-    from the log-probs and entropies the update's forward recorded."""
-    if "old_log_probs" in batch:
-        return {}
-    log_probs, entropys = actor.recorded_log_probs()
-    return old_log_prob_metrics(batch, log_probs, entropys, actor.cfg.loss_agg_mode)
+def update_actor(actor: ActorWorker, batch: Batch, global_step: int) -> dict[str, float]:
+    """Stage 5's actor update: its metrics, with the old-log-prob pass's when the update gave the old
+    log-probs (the batch came without them)."""
+    metrics, old = actor.update_policy(batch, global_step)
+    if old is not None:
+        metrics.update(old_log_prob_metrics(batch, *old, actor.cfg.loss_agg_mode))
+    return metrics

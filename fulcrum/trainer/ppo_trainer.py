@@ -52,7 +52,7 @@ from fulcrum.trainer.data_parallel import engine_tp_size, on_shares, startup_lin
 from fulcrum.trainer.diagnosis import LiveDiagnosis
 from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, StepAbandoned, explain_oom
 from fulcrum.trainer.loggers import Tracking
-from fulcrum.trainer.old_log_probs import old_log_prob_stage, recorded_old_log_prob_metrics
+from fulcrum.trainer.old_log_probs import old_log_prob_stage, update_actor
 from fulcrum.trainer.run_dir import open_run_dir
 from fulcrum.trainer.sampling import Sampler, reward_model_of, tools_of
 from fulcrum.trainer.startup import (
@@ -65,8 +65,8 @@ from fulcrum.trainer.startup import (
 from fulcrum.trainer.wall_clock import WallClockBudget
 from fulcrum.workers.actor import ActorWorker, reference_worker
 from fulcrum.workers.critic import CriticWorker
+from fulcrum.workers.forwards import startup_line as graphs_startup_line
 from fulcrum.workers.state_parking import park_between_updates
-from fulcrum.workers.step_graphs import startup_line as graphs_startup_line
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,9 @@ class PPOTrainer:
             print(line, flush=True)
         print(kl_startup_line(cfg), flush=True)
         total = self.total_training_steps
-        self.actor = ActorWorker(actor_section(cfg), device, total, self.tokenizer)
+        self.correction = rollout_correction_of(cfg)
+        bypass = self.correction if self.correction is not None and self.correction.bypass_mode else None
+        self.actor = ActorWorker(actor_section(cfg), device, total, self.tokenizer, bypass)
         self.ref = (
             reference_worker(reference_section(cfg), device, self.actor) if uses_reference(cfg) else None
         )
@@ -146,9 +148,6 @@ class PPOTrainer:
         self.sampler = Sampler(
             cfg, self.rollout, self.tokenizer, reward_manager, reward_model, self.dist.is_main, self.tools
         )
-        self.correction = rollout_correction_of(cfg)
-        if self.correction is not None and self.correction.bypass_mode:
-            self.actor.bypass = self.correction
         self.tracking = (
             Tracking(
                 list(cfg.trainer.logger),
@@ -448,8 +447,7 @@ class PPOTrainer:
                     metrics.update(self.critic.update_critic(batch, self.global_step))
             if int(cfg.trainer.critic_warmup) <= self.global_step:
                 with M.timer("update_actor", timing, peaks):
-                    metrics.update(self.actor.update_policy(batch, self.global_step))
-                    metrics.update(recorded_old_log_prob_metrics(self.actor, batch))
+                    metrics.update(update_actor(self.actor, batch, self.global_step))
                 # 6. the new weights into the engine (in place; the hf backend shares the module)
                 with M.timer("update_weights", timing):
                     self.rollout.update_weights(self.actor.named_weights())

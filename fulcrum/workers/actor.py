@@ -8,50 +8,24 @@ loop is the same.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from fulcrum.algo.kl import kl_penalty
-from fulcrum.algo.losses import agg_loss
-from fulcrum.algo.policy_losses import LossConfig, get_policy_loss_fn, import_policy_losses
-from fulcrum.algo.rollout_correction import RolloutCorrection, bypass_policy_loss
+from fulcrum.algo.rollout_correction import RolloutCorrection
 from fulcrum.batch import Batch
-from fulcrum.config.sections import ActorSection, ForwardSizes, ReferenceSection
+from fulcrum.config.sections import ActorSection, ReferenceSection
 from fulcrum.models.load import load_causal_lm
 from fulcrum.models.lora import Adapters, LoraSettings
-from fulcrum.models.router_loss import load_balancing_loss, recorded_router_logits, router_loss_settings
-from fulcrum.parallel import all_gather_rows
 from fulcrum.parallel.fsdp import full_named_tensors
-from fulcrum.workers.forwards import ModelForwards
-from fulcrum.workers.micro_batch import HostInputs, MicroInputs
+from fulcrum.workers.actor_loss import ActorLoss, Metrics, PolicyForward
+from fulcrum.workers.forwards import LogProbHead, ModelForwards, PiSquaredHead
+from fulcrum.workers.micro_batch import MicroInputs
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
 from fulcrum.workers.state_parking import OptimizerStateParking
-from fulcrum.workers.step_graphs import micro_step
-from fulcrum.workers.update import UpdatePlan, one_optimizer_step, ppo_update
-
-# A batch column an update without old log-probs adds: each row's index, to put what it records in order.
-ROW = "update_row"
-
-
-def compute_log_prob(
-    forwards: ModelForwards,
-    batch: Batch,
-    sizes: ForwardSizes,
-    temperature: float,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(response) (B, R) and entropy (B, R) on the CPU, float32, no gradient, micro-batched."""
-
-    def forward(inputs: MicroInputs) -> tuple[torch.Tensor, ...]:
-        logp, ent = inputs.log_prob(forwards, temperature, with_entropy, inputs.row("response_mask"))
-        return (logp,) if ent is None else (logp, ent)
-
-    outputs = forwards.no_grad_pass(batch, sizes, forward, graph_key=("log_prob", temperature, with_entropy))
-    return outputs[0], (outputs[1] if with_entropy else None)
+from fulcrum.workers.update import Step, UpdatePlan, one_optimizer_step, ppo_update
 
 
 def reference_worker(section: ReferenceSection, device: torch.device, actor: ActorWorker) -> Any:
@@ -78,8 +52,7 @@ class AdaptersOffReference:
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
         with self.adapters.disabled():
-            logp, _ = compute_log_prob(self.forwards, batch, self.sizes, self.temperature, False)
-        return logp
+            return self.forwards.no_grad_pass(batch, self.sizes, LogProbHead(self.temperature))[0]
 
 
 class ReferenceWorker:
@@ -108,16 +81,23 @@ class ReferenceWorker:
         self.sizes = section.log_prob
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
-        logp, _ = compute_log_prob(self.forwards, batch, self.sizes, self.temperature, False)
-        return logp
+        """log π_ref(response) (B, R) on the CPU, float32, no gradient, micro-batched."""
+        return self.forwards.no_grad_pass(batch, self.sizes, LogProbHead(self.temperature))[0]
 
 
 class ActorWorker:
     """Policy model + AdamW + LR schedule; `compute_log_prob` and `update_policy` as verl's DataParallelPPOActor."""
 
     def __init__(
-        self, section: ActorSection, device: torch.device, total_training_steps: int, tokenizer: Any = None
+        self,
+        section: ActorSection,
+        device: torch.device,
+        total_training_steps: int,
+        tokenizer: Any = None,
+        bypass: RolloutCorrection | None = None,
     ) -> None:
+        """`bypass`: rollout correction in bypass mode, whose loss corrects against the engine's log-probs
+        (the batch's old_log_probs)."""
         self.cfg = section.actor
         self.device = device
         self.tokenizer = tokenizer
@@ -166,147 +146,69 @@ class ActorWorker:
             grad_clip=float(cfg.grad_clip),
             seed=section.seed,
         )
-        import_policy_losses(cfg.policy_loss.path)
-        self.policy_loss = get_policy_loss_fn(cfg.policy_loss.loss_mode)
-        # A mixture of experts whose config sets output_router_logits: (router_aux_loss_coef, top-k).
-        self.router_loss = router_loss_settings(self.model)
-        # Rollout correction's bypass mode (set by the trainer): the loss corrects against the engine.
-        self.bypass: RolloutCorrection | None = None
-        # The update under way is strictly on-policy (one optimiser step); `recorded` gathers its forward's
-        # (rows, log-probs, entropies) when the batch came without old log-probs.
-        self.on_policy = False
-        self.recorded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self.bypass = bypass
+        self.loss = ActorLoss(cfg, self.forwards, bypass)
 
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Old log-probs and entropies (B, R) of the batch's responses under the current policy."""
-        logp, ent = compute_log_prob(self.forwards, batch, self.log_prob_sizes, self.temperature, True)
-        assert ent is not None
+        """Old log-probs and entropies (B, R) of the batch's responses under the current policy, float32 on
+        the CPU, no gradient, micro-batched."""
+        logp, ent = self.forwards.no_grad_pass(
+            batch, self.log_prob_sizes, LogProbHead(self.temperature, True)
+        )
         return logp, ent
 
     def compute_sum_pi_squared(self, batch: Batch) -> torch.Tensor:
-        """sum_v pi_v^2 per response token (B, R) under the current policy (optimal_token_baseline)."""
-        return self.forwards.sum_pi_squared(batch, self.log_prob_sizes, self.temperature)
+        """sum_v pi_v^2 per response token (B, R) under the current policy (actor.calculate_sum_pi_squared,
+        for the optimal-token-baseline estimator), float32 on the CPU; padded micro-batches over the float32
+        weights. One extra forward per step, only when the estimator needs it (verl computes it in the
+        old-log-prob pass)."""
+        return self.forwards.no_grad_pass(
+            batch, self.log_prob_sizes, PiSquaredHead(self.temperature), padded=True
+        )[0]
 
-    def update_policy(self, batch: Batch, global_step: int = 0) -> dict[str, float]:
-        """One PPO update (fulcrum.workers.update.ppo_update) of the loss named by actor.policy_loss.loss_mode.
+    def update_policy(
+        self, batch: Batch, global_step: int = 0
+    ) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor] | None]:
+        """One PPO update (fulcrum.workers.update.ppo_update) of the actor's loss (`ActorLoss`); its metrics,
+        and for a batch without `old_log_probs` the ones its forward gave.
 
-        Needs `advantages` (and `ref_log_prob` with use_kl_loss), and `old_log_probs` unless the update is
-        strictly on-policy (`one_optimizer_step`). Then the loss takes its own forward's log-probs, detached,
-        as the old ones (ratio exactly 1, as verl's dp_actor), and a batch without `old_log_probs` gets
-        them and the entropies recorded for `recorded_log_probs` (fulcrum/trainer/old_log_probs.py).
+        Needs `advantages` (and `ref_log_prob` with use_kl_loss). A strictly on-policy update (one
+        optimiser step, `one_optimizer_step`) sees the weights the batch was scored under: outside bypass
+        mode its loss takes its own forward's log-probs, detached, as the old ones (ratio exactly 1, as
+        verl's dp_actor), so it needs no `old_log_probs`; without them it returns its forward's
+        log-probs and entropies (B, R), float32 on the CPU in the batch's row order: what the old-log-prob
+        pass gives (fulcrum/trainer/old_log_probs.py).
         """
-        self.on_policy = one_optimizer_step(self.plan, len(batch))
-        self.recorded = None
-        if "old_log_probs" not in batch:
-            if not self.on_policy:
-                raise ValueError(
-                    f"actor update: the batch has no old_log_probs, and {len(batch)} responses over "
-                    f"mini-batches of {self.plan.mini_batch_size} x {self.plan.ppo_epochs} epochs take "
-                    "more than one optimiser step (only a strictly on-policy update can do without them)"
-                )
-            # An empty first entry: a rank whose share is empty still has something to concatenate.
-            empty = torch.zeros(0, batch.response_length, device=self.device)
-            self.recorded = [(torch.zeros(0, dtype=torch.long), empty, empty)]
-            batch = Batch({**batch.tensors, ROW: torch.arange(len(batch))}, batch.non_tensors)
-        return ppo_update(self, batch, global_step)
-
-    def recorded_log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last update's log-probs and entropies (B, R), float32 on the CPU, in the batch's row order:
-        what the old-log-prob pass gives, from the update's forward before its step."""
-        if self.recorded is None:
-            raise RuntimeError("recorded_log_probs: the last update had old_log_probs and recorded nothing")
-        # Each rank recorded the rows of its share: all of them, from every rank.
-        sp_size = self.forwards.sp_size
-        rows = all_gather_rows(torch.cat([r for r, _, _ in self.recorded]), sp_size)
-        log_probs, entropys = (
-            all_gather_rows(torch.cat([part[i] for part in self.recorded]).float().cpu(), sp_size)
-            for i in (1, 2)
-        )
-        order = torch.empty_like(rows)
-        order[rows] = torch.arange(len(rows))
-        return log_probs[order], entropys[order]
-
-    def micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]:
-        """Forward, loss (this micro-batch's share of the mini-batch loss), backward; detached metrics:
-        `loss_step`, replayed from a CUDA graph where it can be (`fulcrum.workers.step_graphs`: not while
-        recording old log-probs, in bypass mode or with a router loss, which read the batch on the host)."""
-        host_only = self.recorded is not None or self.bypass is not None or self.router_loss is not None
-        keys = ["response_mask", "advantages"]
-        keys += [] if self.on_policy else ["old_log_probs"]
-        keys += ["ref_log_prob"] if self.cfg.use_kl_loss else []
-        keys += ["rollout_is_weights"] if "rollout_is_weights" in mb.tensors else []
-        graphs = None if host_only else self.forwards.graphs
-        return micro_step(graphs, mb, agg, keys, (self.on_policy,), self.loss_step, self.device)
-
-    def loss_step(
-        self, inputs: MicroInputs, agg: dict[str, float | torch.Tensor]
-    ) -> dict[str, torch.Tensor | float]:
-        """The micro-batch's forward, loss and backward.
-
-        policy loss = pg_loss - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref), each aggregated
-        by actor.loss_agg_mode (+ router_aux_loss_coef * the routers' load-balancing loss, when a
-        mixture of experts' config sets output_router_logits: `fulcrum.models.router_loss`). A loss reports what it defines; a loss that clips nothing reports no
-        clip fractions, which are then 0. `agg`: the mini-batch's counts (floats, or 0-d device tensors
-        in a graph).
-        """
-        cfg = self.cfg
-        mask = inputs.row("response_mask").float()
-        entropy_coeff = float(cfg.entropy_coeff)
-        with_entropy = entropy_coeff != 0.0 or self.recorded is not None
-        routed = (
-            contextlib.nullcontext([]) if self.router_loss is None else recorded_router_logits(self.model)
-        )
-        with routed as router_logits:
-            log_prob, entropy = inputs.log_prob(self.forwards, self.temperature, with_entropy, mask)
-        if self.on_policy and self.bypass is None:  # the weights that scored the batch: ratio exactly 1
-            old_log_prob = log_prob.detach()
-        else:
-            old_log_prob = inputs.row("old_log_probs")
-        if self.recorded is not None:
-            assert entropy is not None and isinstance(inputs, HostInputs)
-            self.recorded.append((inputs.batch[ROW], log_prob.detach(), entropy.detach()))
-            if entropy_coeff == 0.0:
-                entropy = None  # recorded only: its autograd graph (the padded path's saved logits) goes now
-        advantages = inputs.row("advantages")
-        config = LossConfig.of(cfg, agg)  # type: ignore[arg-type]
-        if self.bypass is not None:  # old log-probs are the engine's; correct against the current policy
-            pg_loss, pg_metrics = bypass_policy_loss(
-                old_log_prob, log_prob, advantages, mask, cfg.loss_agg_mode, config, self.bypass
+        gives_old = "old_log_probs" not in batch
+        on_policy = one_optimizer_step(self.plan, len(batch))
+        if gives_old and not on_policy:
+            raise ValueError(
+                f"actor update: the batch has no old_log_probs, and {len(batch)} responses over "
+                f"mini-batches of {self.plan.mini_batch_size} x {self.plan.ppo_epochs} epochs take "
+                "more than one optimiser step (only a strictly on-policy update can do without them)"
             )
-        else:
-            weights = inputs.row("rollout_is_weights") if inputs.has("rollout_is_weights") else None
-            pg_loss, pg_metrics = self.policy_loss(
-                old_log_prob, log_prob, advantages, mask, cfg.loss_agg_mode, config, weights
-            )
-        out: dict[str, torch.Tensor | float] = {
-            "actor/pg_loss": pg_loss.detach(),
-            "actor/pg_clipfrac": 0.0,
-            "actor/pg_clipfrac_lower": 0.0,
-            **pg_metrics,
-        }
-        policy_loss = pg_loss
-        if entropy is not None:
-            entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
-            policy_loss = policy_loss - entropy_coeff * entropy_loss
-        if cfg.use_kl_loss:
-            kld = kl_penalty(log_prob, inputs.row("ref_log_prob"), cfg.kl_loss_type)
-            kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, **agg)
-            policy_loss = policy_loss + float(cfg.kl_loss_coef) * kl_loss
-            out["actor/kl_loss"] = kl_loss.detach()
-            out["actor/kl_coef"] = float(cfg.kl_loss_coef)
-        if self.router_loss is not None:
-            # This micro-batch's share of the mini-batch, by response tokens, as the policy loss's.
-            assert isinstance(inputs, HostInputs)
-            mb = inputs.batch
-            coef, top_k = self.router_loss
-            tokens = self.forwards.token_mask(mb)  # with SP: this rank's real tokens of the stream
-            balance = load_balancing_loss(router_logits, top_k, tokens, self.forwards.sp)
-            share = float(mb["response_mask"].sum()) / float(agg.get("batch_num_tokens", 1.0))
-            policy_loss = policy_loss + coef * share * balance
-            out["actor/load_balancing_loss"] = balance.detach()
-            out["actor/load_balancing_coef"] = coef
-        self.forwards.backward(policy_loss)
-        return out
+        ratio_one = on_policy and self.bypass is None
+        keys = self.loss.keys(ratio_one, "rollout_is_weights" in batch)
+        # Bypass mode's loss reads its correction's statistics on the host.
+        step = Step(keys, (ratio_one, gives_old), 2 if gives_old else 0, device_only=self.bypass is None)
+        metrics, given = ppo_update(self, batch, global_step, step)
+        return metrics, ((given[0], given[1]) if gives_old else None)
+
+    def fwd_bwd(
+        self, inputs: MicroInputs, ratio_one: bool, gives_old: bool
+    ) -> tuple[Metrics, tuple[torch.Tensor, ...]]:
+        """The micro-batch's forward, loss (its share of the mini-batch loss) and backward, from its inputs
+        alone; its detached metrics, and with `gives_old` its log-probs and entropies (B, R)."""
+        head = LogProbHead(self.temperature, entropy=self.loss.entropy or gives_old)
+        with self.loss.routed() as router_logits:
+            log_prob, *entropy = self.forwards.forward(inputs, head)
+        ent = entropy.pop() if entropy else None
+        if ent is not None and not self.loss.entropy:
+            ent = ent.detach()  # returned only: its autograd graph (the padded path's saved logits) goes now
+        mask = inputs.rows["response_mask"].float()
+        loss, metrics = self.loss(PolicyForward(inputs, log_prob, ent, mask, router_logits, ratio_one))
+        self.forwards.backward(loss)
+        return metrics, ((log_prob.detach(), ent) if gives_old and ent is not None else ())
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What the rollout engine needs after an update, under Hugging Face names, for

@@ -17,13 +17,12 @@ from fulcrum.config.sections import CriticSection
 from fulcrum.models.load import load_backbone
 from fulcrum.models.lora import Adapters, LoraSettings
 from fulcrum.models.value_head import CriticModel
-from fulcrum.workers.forwards import ModelForwards
+from fulcrum.workers.forwards import ModelForwards, ValueHead
 from fulcrum.workers.micro_batch import MicroInputs
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
 from fulcrum.workers.state_parking import OptimizerStateParking
-from fulcrum.workers.step_graphs import micro_step
-from fulcrum.workers.update import UpdatePlan, ppo_update
+from fulcrum.workers.update import Metrics, Step, UpdatePlan, ppo_update
 
 
 class CriticWorker:
@@ -81,40 +80,30 @@ class CriticWorker:
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """V(s_t) for every response position (B, R), float32 on the CPU, zero outside the response mask."""
-
-        def forward(inputs: MicroInputs) -> tuple[torch.Tensor]:
-            return (inputs.values(self.forwards, inputs.row("response_mask")),)
-
-        return self.forwards.no_grad_pass(batch, self.values_sizes, forward, graph_key=("values",))[0]
+        return self.forwards.no_grad_pass(batch, self.values_sizes, ValueHead())[0]
 
     def update_critic(self, batch: Batch, global_step: int = 0) -> dict[str, float]:
         """One update (fulcrum.workers.update.ppo_update) of the clipped value loss; needs values, returns."""
-        return ppo_update(self, batch, global_step)
+        return ppo_update(self, batch, global_step, Step(["values", "returns"]))[0]
 
-    def micro_step(self, mb: Batch, agg: dict[str, float]) -> dict[str, torch.Tensor | float]:
-        """Forward, value loss (this micro-batch's share of the mini-batch loss), backward; detached
-        metrics: `loss_step`, replayed from a CUDA graph where it can be (`fulcrum.workers.step_graphs`)."""
-        keys = ["response_mask", "values", "returns"]
-        return micro_step(self.forwards.graphs, mb, agg, keys, (), self.loss_step, self.device)
-
-    def loss_step(
-        self, inputs: MicroInputs, agg: dict[str, float | torch.Tensor]
-    ) -> dict[str, torch.Tensor | float]:
-        """The micro-batch's forward, clipped value loss and backward (`agg`: the mini-batch's counts)."""
-        mask = inputs.row("response_mask").float()
-        vpreds = inputs.values(self.forwards, mask)
+    def fwd_bwd(self, inputs: MicroInputs) -> tuple[Metrics, tuple[torch.Tensor, ...]]:
+        """The micro-batch's forward, clipped value loss (its share of the mini-batch loss) and backward,
+        from its inputs alone; its detached metrics."""
+        mask = inputs.rows["response_mask"].float()
+        (vpreds,) = self.forwards.forward(inputs, ValueHead())
         vf_loss, vf_clipfrac = compute_value_loss(
             vpreds=vpreds,
-            values=inputs.row("values"),
-            returns=inputs.row("returns"),
+            values=inputs.rows["values"],
+            returns=inputs.rows["returns"],
             response_mask=mask,
             cliprange_value=float(self.cfg.cliprange_value),
             loss_agg_mode=self.loss_agg_mode,
-            **agg,  # type: ignore[arg-type]
+            **inputs.agg,  # type: ignore[arg-type]
         )
         self.forwards.backward(vf_loss)
-        return {
+        metrics: Metrics = {
             "critic/vf_loss": vf_loss.detach(),
             "critic/vf_clipfrac": vf_clipfrac,
             "critic/vpred_mean": (vpreds.detach() * mask).sum() / mask.sum().clamp(min=1),
         }
+        return metrics, ()

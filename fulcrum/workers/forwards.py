@@ -1,18 +1,26 @@
-"""How a worker runs its model: packed or padded forwards, bf16 compute weights on CUDA
-(`fulcrum.models.precision.compute_dtype`).
+"""How a worker runs its model on a micro-batch: hidden states, then a head given as an argument.
 
-One `ModelForwards` per model (actor, reference, critic): its no-grad passes (`no_grad_pass`,
-`sum_pi_squared`), its
-forwards on one micro-batch, and, for the update loop (fulcrum.workers.update), `active()` around
-the micro-batches, `backward(loss)` and `accumulate_grads()` for each.
+A forward is `forward(model, inputs, head)`: the decoder over the micro-batch's tokens (`MicroInputs`,
+packed or padded), then the head on the positions that predict response tokens, each result a (B, R)
+tensor zero outside the response mask. The heads: `LogProbHead` (log π of the response tokens, and the
+entropy; actor, reference), `ValueHead` (V of the state before each; critic), `PiSquaredHead`
+(sum_v π_v², padded only). Packed, the LM head and log-softmax run fused and chunked on the M predicting
+positions only (`fulcrum.models.linear_logprob`); padded, the model's own head under autocast.
+
+One `ModelForwards` per model (actor, reference, critic) owns what the layout needs: packing or
+trimming (`inputs`), bf16 compute weights on CUDA (`fulcrum.models.precision`), sequence parallelism,
+and how each micro-batch's function runs (`run`): eagerly, or replayed as a CUDA graph where the role's
+`cuda_graphs` key allows it (`fulcrum.workers.cuda_graphs`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -20,36 +28,174 @@ from torch import nn
 from fulcrum.batch import Batch, host_to_device
 from fulcrum.config.keys import ConfigError
 from fulcrum.config.sections import ForwardSizes
-from fulcrum.models.linear_logprob import use_compiled_chunks
+from fulcrum.models.linear_logprob import linear_log_softmax, use_compiled_chunks
 from fulcrum.models.load import autocast_for
-from fulcrum.models.logprob import response_logits, sum_pi_squared
+from fulcrum.models.logprob import logprob_and_entropy, response_logits, sum_pi_squared, trim_padding
 from fulcrum.models.packed import (
-    PackedMicroBatch,
     compile_decoder_layers,
     compile_inside_layers,
     compile_options,
     enable_packed_attention,
+    pack_micro_batch,
+    packed_hidden_states,
     packing_unsupported_reason,
 )
 from fulcrum.models.precision import ComputeWeights, compute_dtype
-from fulcrum.models.stream_shard import real_tokens
+from fulcrum.models.stream_shard import StreamShard, real_tokens, shard_stream
 from fulcrum.parallel.fsdp import is_sharded, run_in_root
-from fulcrum.parallel.ulysses import SequenceParallel, check_heads, sequence_parallel_group
-from fulcrum.workers.micro_batch import (
-    HostInputs,
-    MicroInputs,
-    forward_log_prob,
-    forward_values,
-    make_micro_batches,
-    pad_right,
-    restore_order,
-    stream_log_prob,
-    stream_values,
-    trimmed_inputs,
-)
-from fulcrum.workers.step_graphs import forward_micro, graphs_for
+from fulcrum.parallel.ulysses import SequenceParallel, check_heads, gather_rows, sequence_parallel_group
+from fulcrum.workers.cuda_graphs import CudaGraphs, graphs_refused, resident_bytes
+from fulcrum.workers.micro_batch import MicroInputs, PaddedTokens, make_micro_batches, restore_order
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# The key that switches each role's graphs (the reference's and the critic's follow the actor's).
+GRAPH_KEYS = {
+    "actor": "actor_rollout_ref.actor.cuda_graphs",
+    "critic": "critic.cuda_graphs",
+    "reference": "actor_rollout_ref.ref.cuda_graphs",
+}
+
+
+@dataclass(frozen=True)
+class LogProbHead:
+    """log π(y_t) = log softmax(z_t / τ)[y_t] of each response token, z the LM head's logits and τ the
+    rollout temperature (verl), float32; with `entropy`, H_t = logsumexp(z_t/τ) − Σ_v π_v z_t,v/τ too.
+    `fp32_logits` (packed only): the LM head's product kept in float32 (`fulcrum.models.head_logits`)."""
+
+    temperature: float
+    entropy: bool = False
+    fp32_logits: bool = False
+
+    def from_hidden(
+        self, model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        head = model.get_output_embeddings()
+        logp, ent = linear_log_softmax(
+            hidden,
+            head.weight,
+            labels,
+            self.temperature,
+            self.entropy,
+            head.bias,
+            fp32_logits=self.fp32_logits,
+        )  # (M,)
+        return (logp,) if ent is None else (logp, ent)
+
+    def padded(self, model: nn.Module, tokens: PaddedTokens) -> tuple[torch.Tensor, ...]:
+        # The padded path's head is the Hugging Face model's own module, which rounds to its dtype.
+        assert not self.fp32_logits, (
+            "fp32 LM-head logits need the packed path (ModelForwards refuses the padded one)"
+        )
+        with autocast_for(tokens.input_ids.device):
+            logits = response_logits(model, *tokens[:3], tokens.r_kept)  # (B, R', V)
+        logp, ent = logprob_and_entropy(logits, tokens.labels, self.temperature, self.entropy)
+        return (logp,) if ent is None else (logp, ent)
+
+
+@dataclass(frozen=True)
+class ValueHead:
+    """V(state before each response token), float32, from the critic's scalar head."""
+
+    def from_hidden(
+        self, model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        return (model.value_from_hidden(hidden),)  # (M,) float32
+
+    def padded(self, model: nn.Module, tokens: PaddedTokens) -> tuple[torch.Tensor, ...]:
+        with autocast_for(tokens.input_ids.device):
+            values = model(
+                input_ids=tokens.input_ids,
+                attention_mask=tokens.attention_mask,
+                position_ids=tokens.position_ids,
+            )
+        return (values[:, -tokens.r_kept - 1 : -1].float(),)  # (B, R'), as verl's critic slices
+
+
+@dataclass(frozen=True)
+class PiSquaredHead:
+    """sum_v π_v² at each response position (optimal_token_baseline), π = softmax(z / τ); padded only."""
+
+    temperature: float
+
+    def padded(self, model: nn.Module, tokens: PaddedTokens) -> tuple[torch.Tensor, ...]:
+        with autocast_for(tokens.input_ids.device):
+            logits = response_logits(model, *tokens[:3], tokens.r_kept)
+        return (sum_pi_squared(logits, self.temperature),)
+
+
+Head = LogProbHead | ValueHead | PiSquaredHead
+
+
+def forward(
+    model: nn.Module, inputs: MicroInputs, head: Head, sp: SequenceParallel | None = None
+) -> tuple[torch.Tensor, ...]:
+    """`head`'s outputs (each (B, R), zero outside the response mask) on the micro-batch. Packed, the
+    decoder runs over the stream (with `sp`, this rank's slice; the head's results are gathered from the
+    group) and the head on the M response-predicting positions only; only device work, which a CUDA
+    graph can capture."""
+    mask = inputs.rows["response_mask"]
+    if inputs.padded is not None:
+        width = mask.shape[1]
+        return tuple(
+            torch.nn.functional.pad(o, (0, width - o.shape[1])) * mask
+            for o in head.padded(model, inputs.padded)
+        )
+    # Reaches embeddings and LM head directly: under FSDP, inside the root unit's forward.
+    return run_in_root(model, packed_forward, model, inputs, head, sp)
+
+
+def packed_forward(
+    model: nn.Module, inputs: MicroInputs, head: Head, sp: SequenceParallel | None
+) -> tuple[torch.Tensor, ...]:
+    """`forward` of a packed micro-batch, called inside the model's root FSDP unit."""
+    stream, packed = inputs.stream, inputs.packed
+    assert stream is not None and packed is not None and not isinstance(head, PiSquaredHead)
+    hidden = packed_hidden_states(model.model, stream, sp).index_select(0, stream.predictor)  # (M or M_r, H)
+    outs = head.from_hidden(model, hidden, stream.labels)
+    if isinstance(stream, StreamShard) and sp is not None:
+        outs = tuple(gather_rows(o, stream.counts, sp) for o in outs)  # (M,)
+    return tuple(packed.scatter(o) * inputs.rows["response_mask"] for o in outs)
+
+
+def micro_inputs(
+    mb: Batch,
+    keys: list[str],
+    device: torch.device,
+    packed: bool,
+    sp: SequenceParallel | None = None,
+    agg: Mapping[str, float | torch.Tensor] | None = None,
+) -> MicroInputs:
+    """The micro-batch `mb` (on the host) on `device`: its (B, R) columns `keys` and the response mask,
+    its tokens packed (with `sp`, this rank's slice too) or trimmed of all-padding columns. The index work
+    is done on the host, where the batch is: on the device it would make the host wait for the GPU."""
+    rows = {k: host_to_device(mb[k], device) for k in dict.fromkeys(["response_mask", *keys])}
+    if packed:
+        whole = pack_micro_batch(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb.prompt_length)
+        stream = whole if sp is None else shard_stream(whole, sp.size, sp.rank)
+        whole = whole.to(device)
+        return MicroInputs(rows, agg or {}, whole, whole if sp is None else stream.to(device))
+    ids, mask, pos, r_kept = trim_padding(
+        mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb.prompt_length
+    )
+    labels = mb["responses"][:, :r_kept]
+    tokens = PaddedTokens(
+        *(host_to_device(t, device) for t in (ids, mask, pos)), r_kept, host_to_device(labels, device)
+    )
+    return MicroInputs(rows, agg or {}, padded=tokens)
+
+
+def forward_batch(
+    model: nn.Module,
+    mb: Batch,
+    head: Head,
+    device: torch.device,
+    packed: bool = False,
+    sp: SequenceParallel | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """`forward` of a micro-batch as the host holds it."""
+    return forward(model, micro_inputs(mb, [], device, packed, sp), head, sp)
 
 
 class ModelForwards:
@@ -63,11 +209,11 @@ class ModelForwards:
 
     `sp_size` > 1 (the role's `ulysses_sequence_parallel_size`, named by `sp_key`): each micro-batch's
     packed stream is split over a group of `sp_size` ranks (`fulcrum.parallel.ulysses`), which share
-    the micro-batch; the data is split over the world / `sp_size` groups (`dp_rank`, `dp_size`).
+    the micro-batch; the data is split over the world / `sp_size` groups.
 
     `cuda_graphs` (the role's `cuda_graphs` key): its micro-batches replayed as CUDA graphs where they
-    can be (`fulcrum.workers.step_graphs.graphs_refused`); `cpp_wrapper`
-    (actor_rollout_ref.actor.inductor_cpp_wrapper): the compiled code under inductor's C++ wrapper."""
+    can be (`graphs_off` says why not); `cpp_wrapper` (actor_rollout_ref.actor.inductor_cpp_wrapper):
+    the compiled code under inductor's C++ wrapper."""
 
     def __init__(
         self,
@@ -85,7 +231,6 @@ class ModelForwards:
     ) -> None:
         self.model = model
         self.device = device
-        self.cuda_graphs = cuda_graphs
         reason = packing_unsupported_reason(model.config) if use_remove_padding else None
         if reason is not None:
             logger.warning("%s: use_remove_padding=True but %s; using padded micro-batches", role, reason)
@@ -114,8 +259,10 @@ class ModelForwards:
         dtype = compute_dtype(device)
         mixed = dtype != torch.float32 and not sharded
         self.compute = ComputeWeights(model, dtype, keep=keep) if mixed else None
-        # Its micro-batches (update steps, no-grad forwards) replayed as CUDA graphs, where they can be.
-        self.graphs = graphs_for(self)
+        self.graphs_off = graphs_refused(
+            model, device, enabled=cuda_graphs, packed=self.packed, compute=self.compute, sp=self.sp
+        )
+        self.graphs = CudaGraphs(device, self.compute) if self.graphs_off is None and self.compute else None
 
     def sequence_parallel(self, sp_size: int, key: str, reason: str | None) -> SequenceParallel | None:
         """The sequence-parallel group of `sp_size` (None for 1), after checking that this model can
@@ -139,6 +286,39 @@ class ModelForwards:
     def sp_size(self) -> int:
         """Ranks that share one micro-batch (1 without sequence parallelism)."""
         return 1 if self.sp is None else self.sp.size
+
+    def inputs(
+        self, mb: Batch, keys: list[str], agg: Mapping[str, float | torch.Tensor] | None = None
+    ) -> MicroInputs:
+        """`micro_inputs` in this model's layout."""
+        return micro_inputs(mb, keys, self.device, self.packed, self.sp, agg)
+
+    def forward(self, inputs: MicroInputs, head: Head) -> tuple[torch.Tensor, ...]:
+        """`forward` of this model (`head` with this model's LM-head precision)."""
+        if isinstance(head, LogProbHead) and self.lm_head_fp32:
+            head = LogProbHead(head.temperature, head.entropy, fp32_logits=True)
+        return forward(self.model, inputs, head, self.sp)
+
+    def run(
+        self,
+        mb: Batch,
+        keys: list[str],
+        fn: Callable[..., T],
+        static: tuple[object, ...] = (),
+        agg: Mapping[str, float] | None = None,
+        train: bool = False,
+        device_only: bool = True,
+    ) -> T:
+        """`fn(inputs, *static)` on the micro-batch `mb` (its columns `keys`): `fn` reads only its inputs
+        (`static`, hashable, are what else shapes its work; `agg`, the mini-batch's counts, come in the
+        inputs), and returns tensors and floats in tuples and dicts, per-row tensors (B, ...) first
+        dimension. Replayed as a CUDA graph where this model has them and `fn` is `device_only` (it
+        reads no value on the host), else run eagerly. `train`: `fn` ends with `backward`."""
+        if self.graphs is not None and device_only:
+            out = self.graphs(mb, keys, fn, static, agg or {}, train)
+            if out is not None:
+                return out
+        return fn(self.inputs(mb, keys, agg), *static)
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -176,19 +356,11 @@ class ModelForwards:
             self.compute.accumulate_grads()
 
     def no_grad_pass(
-        self,
-        batch: Batch,
-        sizes: ForwardSizes,
-        forward: Callable[[MicroInputs], tuple[torch.Tensor, ...]],
-        padded: bool = False,
-        graph_key: tuple[object, ...] | None = None,
+        self, batch: Batch, sizes: ForwardSizes, head: Head, padded: bool = False
     ) -> list[torch.Tensor]:
-        """`forward` on every micro-batch in eval mode without gradients: each of its outputs over the
-        whole batch, (B, ...) in the batch's row order, on the CPU. `padded`: padded micro-batches over
-        the float32 masters (no compute weights), whatever this model's layout. `graph_key` (what besides
-        the micro-batch decides `forward`'s work, e.g. its temperature): its micro-batches replayed as CUDA
-        graphs where this model has them (`fulcrum.workers.step_graphs`); `forward` then reads only the
-        micro-batch's response mask and stream.
+        """`head`'s outputs over the whole batch in eval mode without gradients, (B, R) each in the batch's
+        row order, on the CPU. `padded`: padded micro-batches over the float32 masters (no compute
+        weights), whatever this model's layout.
 
         Micro-batches hold rows of similar length (less padding; no-grad results do not depend on the
         grouping). Results stay on the device until the pass ends: one host copy, no sync per micro-batch.
@@ -203,80 +375,53 @@ class ModelForwards:
             packed=self.packed and not padded,
             model=self.model,
         )
-        graphs = self.graphs if graph_key is not None and not padded else None
         was_training = self.model.training
         self.model.eval()  # no dropout: log-probs must match what the update's ratio starts from
         try:
             with torch.no_grad(), contextlib.nullcontext() if padded else self.active():
-                outputs = [forward_micro(graphs, mb, graph_key or (), forward, self.device) for mb in micro]
+                if padded:
+                    outputs = [
+                        forward(self.model, micro_inputs(mb, [], self.device, False), head) for mb in micro
+                    ]
+                else:
+                    outputs = [self.run(mb, [], self.forward, (head,)) for mb in micro]
         finally:
             self.model.train(was_training)
         return [restore_order(list(parts), order).cpu() for parts in zip(*outputs, strict=True)]
 
-    def log_prob(
-        self, mb: Batch, temperature: float, with_entropy: bool, response_mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return forward_log_prob(
-            self.model,
-            mb,
-            temperature,
-            with_entropy,
-            self.device,
-            self.packed,
-            response_mask,
-            self.sp,
-            self.lm_head_fp32,
-        )
-
-    def packed_log_prob(
-        self, packed: PackedMicroBatch, temperature: float, with_entropy: bool, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`log_prob` of a micro-batch packed on the device already (no sequence parallelism): device
-        work only, which a CUDA graph can capture."""
-        return run_in_root(
-            self.model,
-            stream_log_prob,
-            self.model,
-            packed,
-            packed,
-            temperature,
-            with_entropy,
-            mask,
-            None,
-            self.lm_head_fp32,
-        )
-
-    def packed_values(self, packed: PackedMicroBatch, mask: torch.Tensor) -> torch.Tensor:
-        """`values` of a micro-batch packed on the device already (as `packed_log_prob`)."""
-        return run_in_root(self.model, stream_values, self.model, packed, packed, mask)
-
-    def token_mask(self, mb: Batch) -> torch.Tensor | None:
+    def token_mask(self, inputs: MicroInputs) -> torch.Tensor | None:
         """Which rows of a forward's per-token tensors (e.g. router logits) are real tokens: the padded
         forward runs the trimmed (B, T') grid, flattened; the packed stream holds only real tokens (None);
         with sequence parallelism this rank's slice of it, padded at the stream's end (`real_tokens`)."""
-        if not self.packed:
-            return trimmed_inputs(mb, self.device)[1].reshape(-1)
+        if inputs.padded is not None:
+            return inputs.padded.attention_mask.reshape(-1)
         if self.sp is None:
             return None
-        n_real = int(mb["attention_mask"].sum())  # the packed stream's tokens (`pack_micro_batch`)
-        return real_tokens(n_real, self.sp.size, self.sp.rank).to(self.device)
+        assert inputs.packed is not None
+        return real_tokens(inputs.packed.input_ids.numel(), self.sp.size, self.sp.rank).to(self.device)
 
-    def values(self, mb: Batch, response_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return forward_values(self.model, mb, self.device, self.packed, response_mask, self.sp)
 
-    def sum_pi_squared(self, batch: Batch, sizes: ForwardSizes, temperature: float) -> torch.Tensor:
-        """sum_v pi_v^2 at every response position (B, R), float32 on the CPU, 0 outside the response
-        mask (actor.calculate_sum_pi_squared, for the optimal-token-baseline estimator); padded
-        micro-batches under autocast. One extra forward per step, only when the estimator needs it (verl
-        computes it in the old-log-prob pass)."""
+def startup_line(trainer: Any) -> str | None:
+    """One line for the run's start on CUDA: which of the trainer's models (its `actor`, `critic` and
+    `ref`, those it has) replay their micro-batches as CUDA graphs, what that keeps resident, and why
+    the others do not."""
+    forwards = {"actor": trainer.actor.forwards}
+    if trainer.critic is not None:
+        forwards["critic"] = trainer.critic.forwards
+    if trainer.ref is not None and trainer.ref.forwards is not trainer.actor.forwards:  # LoRA's: the actor's
+        forwards["reference"] = trainer.ref.forwards
+    return graphs_line(forwards)
 
-        def forward(inputs: MicroInputs) -> tuple[torch.Tensor]:
-            assert isinstance(inputs, HostInputs)
-            mb = inputs.batch
-            ids, mask, pos, r_kept = trimmed_inputs(mb, self.device)
-            with autocast_for(self.device):
-                logits = response_logits(self.model, ids, mask, pos, r_kept)
-            values = pad_right(sum_pi_squared(logits, temperature), mb.response_length)
-            return (values * host_to_device(mb["response_mask"], self.device),)
 
-        return self.no_grad_pass(batch, sizes, forward, padded=True)[0]
+def graphs_line(forwards: dict[str, ModelForwards]) -> str | None:
+    """`startup_line` of these roles' forwards (None when none runs on CUDA)."""
+    if not any(f.device.type == "cuda" for f in forwards.values()):
+        return None
+    parts = []
+    for role, f in forwards.items():
+        if f.graphs_off is None and f.compute is not None:
+            parts.append(f"{role} on ({resident_bytes(f.compute) / 2**30:.1f} GiB kept resident)")
+        else:
+            parts.append(f"{role} off ({f.graphs_off})")
+    keys = ", ".join(GRAPH_KEYS[role] for role in forwards)
+    return "CUDA graphs of the micro-batches: " + ", ".join(parts) + f" [{keys}]"

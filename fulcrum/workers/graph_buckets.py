@@ -1,11 +1,11 @@
 """Micro-batches padded to fixed shapes (`Bucket`s), so that one CUDA graph serves every micro-batch of a
-bucket (`fulcrum.workers.step_graphs`).
+bucket (`fulcrum.workers.cuda_graphs`).
 
 Each packed micro-batch is padded to its bucket: its stream to a multiple of `TOKEN_STEP` tokens (the
 padding is one or more extra sequences), its response positions to a multiple of `RESPONSE_STEP` (extra
 positions in padding rows, whose response mask is 0), its rows and sequences to multiples of `ROW_STEP`
 (empty rows, sequences of length 0). Every loss and metric reduces under the response mask, so the
-padding changes none of them (tests/test_step_graphs.py). A micro-batch may also be padded to a larger
+padding changes none of them (tests/test_cuda_graphs.py). A micro-batch may also be padded to a larger
 bucket (`fits`), at the cost `extra_work` counts.
 """
 

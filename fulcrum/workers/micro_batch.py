@@ -1,30 +1,27 @@
-"""Splitting a batch into micro-batches (fixed count or packed by a token budget) and the forwards
-that every worker runs on one micro-batch: response log-probs (actor, reference) and values (critic).
+"""Micro-batches: how a batch is split (a fixed count of rows, or packed by a token budget) and what one
+micro-batch is on the device (`MicroInputs`), the only thing a step or a forward reads.
 
-Two layouts. Padded (`use_remove_padding=False`): rows of (B, P + R) with all-padding columns
-trimmed, autocast on CUDA. Packed (`use_remove_padding=True`): only the real tokens, one stream per
-micro-batch (`fulcrum.models.packed`), the LM head and log-softmax fused and chunked
-(`fulcrum.models.linear_logprob`); packed micro-batches are cut by tokens, not rows: a fixed size of
-n rows becomes a budget of n × (P + R) tokens, the most that n padded rows could hold, so a packed
-micro-batch never needs more activation memory than the padded one the user sized.
+Two layouts. Padded (`use_remove_padding=False`): rows of (B, P + R) with all-padding columns trimmed.
+Packed (`use_remove_padding=True`): only the real tokens, one stream per micro-batch
+(`fulcrum.models.packed`); packed micro-batches are cut by tokens, not rows: a fixed size of n rows
+becomes a budget of n × (P + R) tokens, the most that n padded rows could hold, so a packed micro-batch
+never needs more activation memory than the padded one the user sized.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from fulcrum.batch import Batch, host_to_device
-from fulcrum.models.linear_logprob import linear_log_softmax
-from fulcrum.models.load import autocast_for
-from fulcrum.models.logprob import logprob_and_entropy, response_logits, trim_padding
-from fulcrum.models.packed import PackedMicroBatch, pack_micro_batch, packed_hidden_states
-from fulcrum.models.stream_shard import StreamShard, shard_stream
+from fulcrum.models.packed import PackedMicroBatch
+from fulcrum.models.stream_shard import StreamShard
 from fulcrum.parallel import max_over_ranks
-from fulcrum.parallel.fsdp import is_sharded, run_in_root
-from fulcrum.parallel.ulysses import SequenceParallel, gather_rows
+from fulcrum.parallel.fsdp import is_sharded
 
 
 def sequence_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,244 +170,29 @@ def restore_order(parts: list[torch.Tensor], order: list[int] | None) -> torch.T
     return out[host_to_device(inverse, out.device)]
 
 
-def pad_right(x: torch.Tensor, length: int) -> torch.Tensor:
-    """(B, R') → (B, R) with zeros on the right (those positions are outside the response mask)."""
-    if x.shape[1] == length:
-        return x
-    return torch.nn.functional.pad(x, (0, length - x.shape[1]))
+class PaddedTokens(NamedTuple):
+    """A padded micro-batch's tokens on the device, all-padding columns trimmed
+    (`fulcrum.models.logprob.trim_padding`): (B, T') ids, mask and positions, the R' response columns
+    kept and their (B, R') labels."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    r_kept: int
+    labels: torch.Tensor
 
 
-def trimmed_inputs(mb: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The micro-batch's (input_ids, attention_mask, position_ids) on `device` with all-padding columns
-    trimmed (see trim_padding), and how many response columns remain.
+@dataclass
+class MicroInputs:
+    """One micro-batch on the device: everything a step or a forward reads.
 
-    Trimmed on the host, where the batch lives: the columns to keep are read from the mask (`nonzero`,
-    `.item()`), which on the device would make the host wait for the GPU six times a micro-batch."""
-    ids, mask, pos, r_kept = trim_padding(
-        mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb.prompt_length
-    )
-    return host_to_device(ids, device), host_to_device(mask, device), host_to_device(pos, device), r_kept
+    `rows`: its (B, R) columns (the response mask always); `agg`: the mini-batch's `agg_loss` counts
+    (floats, or 0-d device tensors when the step is replayed as a CUDA graph); its tokens in the model's
+    layout: packed (`packed`, the (B, R) layout results scatter into, and `stream`, what this rank runs:
+    `packed` itself, or its sequence-parallel `StreamShard`) or `padded`."""
 
-
-def forward_log_prob(
-    model: nn.Module,
-    mb: Batch,
-    temperature: float,
-    with_entropy: bool,
-    device: torch.device,
-    packed: bool = False,
-    response_mask: torch.Tensor | None = None,
-    sp: SequenceParallel | None = None,
-    fp32_logits: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(response tokens) (B, R), float32, logits divided by the rollout temperature as verl; entropy too.
-
-    `response_mask`: the micro-batch's mask already on `device` (an update has it for its loss), so it
-    is not copied a second time; None copies `mb["response_mask"]`. `sp` (packed only): the
-    sequence-parallel group that shares this micro-batch; every rank of it gets the whole result.
-    `fp32_logits` (packed only): the LM head's product kept in float32 (`fulcrum.models.head_logits`)."""
-    if packed:  # reaches embeddings and LM head directly: under FSDP, inside the root unit's forward
-        return run_in_root(
-            model,
-            packed_log_prob,
-            model,
-            mb,
-            temperature,
-            with_entropy,
-            device,
-            response_mask,
-            sp,
-            fp32_logits,
-        )
-    # The padded path's head is the Hugging Face model's own module, which rounds to its dtype.
-    assert not fp32_logits, "fp32 LM-head logits need the packed path (ModelForwards refuses the padded one)"
-    r = mb.response_length
-    ids, mask, pos, r_kept = trimmed_inputs(mb, device)
-    with autocast_for(device):
-        logits = response_logits(model, ids, mask, pos, r_kept)  # (B, R', V)
-    labels = host_to_device(mb["responses"][:, :r_kept], device)
-    logp, entropy = logprob_and_entropy(logits, labels, temperature, with_entropy)
-    # Zero outside the response mask: padding positions carry no meaning and must not leak into sums.
-    mask = response_mask_on(mb, device, response_mask)
-    logp = pad_right(logp, r) * mask
-    return logp, (pad_right(entropy, r) * mask if entropy is not None else None)
-
-
-def forward_values(
-    model: nn.Module,
-    mb: Batch,
-    device: torch.device,
-    packed: bool = False,
-    response_mask: torch.Tensor | None = None,
-    sp: SequenceParallel | None = None,
-) -> torch.Tensor:
-    """V(state before each response token) (B, R), float32, zero outside the response mask
-    (`response_mask` and `sp` as in `forward_log_prob`)."""
-    if packed:
-        return run_in_root(model, packed_values, model, mb, device, response_mask, sp)
-    r = mb.response_length
-    ids, mask, pos, r_kept = trimmed_inputs(mb, device)
-    with autocast_for(device):
-        values = model(input_ids=ids, attention_mask=mask, position_ids=pos)  # (B, T')
-    values = values[:, -r_kept - 1 : -1].float()  # (B, R'), as verl's critic slices
-    return pad_right(values, r) * response_mask_on(mb, device, response_mask)
-
-
-def response_mask_on(mb: Batch, device: torch.device, given: torch.Tensor | None) -> torch.Tensor:
-    """The micro-batch's response mask on `device`: `given` when the caller already moved it."""
-    return given if given is not None else host_to_device(mb["response_mask"], device)
-
-
-def packed_log_prob(
-    model: nn.Module,
-    mb: Batch,
-    temperature: float,
-    with_entropy: bool,
-    device: torch.device,
-    response_mask: torch.Tensor | None = None,
-    sp: SequenceParallel | None = None,
-    fp32_logits: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`forward_log_prob` without padding: the decoder over the packed stream, then the LM head and
-    log-softmax on the M response-predicting positions only, chunked (no (M, V) float32 tensor).
-    With `sp`, each rank of the group runs its slice of the stream and the head on its M_r positions;
-    the M results are gathered on every rank."""
-    packed, stream = packed_stream(mb, device, sp)
-    mask = response_mask_on(mb, device, response_mask)
-    return stream_log_prob(model, packed, stream, temperature, with_entropy, mask, sp, fp32_logits)
-
-
-def stream_log_prob(
-    model: nn.Module,
-    packed: PackedMicroBatch,
-    stream: PackedMicroBatch | StreamShard,
-    temperature: float,
-    with_entropy: bool,
-    mask: torch.Tensor,
-    sp: SequenceParallel | None = None,
-    fp32_logits: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`packed_log_prob` of a micro-batch already packed on the device (`packed`, its (B, R) layout;
-    `stream`, what this rank runs: `packed` itself without `sp`), `mask` its (B, R) response mask.
-    Only device work: a CUDA graph can capture it (`fulcrum.workers.step_graphs`)."""
-    hidden = packed_hidden_states(model.model, stream, sp)  # (N, H), or (n, H) with sp
-    head = model.get_output_embeddings()
-    logp, entropy = linear_log_softmax(
-        hidden.index_select(0, stream.predictor),
-        head.weight,
-        stream.labels,
-        temperature,
-        with_entropy,
-        head.bias,
-        fp32_logits=fp32_logits,
-    )  # (M,) or (M_r,) with sp
-    if isinstance(stream, StreamShard) and sp is not None:
-        logp = gather_rows(logp, stream.counts, sp)  # (M,)
-        entropy = gather_rows(entropy, stream.counts, sp) if entropy is not None else None
-    return packed.scatter(logp) * mask, (packed.scatter(entropy) * mask if entropy is not None else None)
-
-
-def packed_values(
-    model: nn.Module,
-    mb: Batch,
-    device: torch.device,
-    response_mask: torch.Tensor | None = None,
-    sp: SequenceParallel | None = None,
-) -> torch.Tensor:
-    """`forward_values` without padding: the value head on the M positions before response tokens
-    (with `sp` as in `packed_log_prob`)."""
-    packed, stream = packed_stream(mb, device, sp)
-    return stream_values(model, packed, stream, response_mask_on(mb, device, response_mask), sp)
-
-
-def stream_values(
-    model: nn.Module,
-    packed: PackedMicroBatch,
-    stream: PackedMicroBatch | StreamShard,
-    mask: torch.Tensor,
-    sp: SequenceParallel | None = None,
-) -> torch.Tensor:
-    """`packed_values` of a micro-batch already packed on the device (as `stream_log_prob`)."""
-    hidden = packed_hidden_states(model.model, stream, sp).index_select(0, stream.predictor)  # (M or M_r, H)
-    values = model.value_from_hidden(hidden)  # (M,) or (M_r,) float32
-    if isinstance(stream, StreamShard) and sp is not None:
-        values = gather_rows(values, stream.counts, sp)  # (M,)
-    return packed.scatter(values) * mask
-
-
-def packed_stream(
-    mb: Batch, device: torch.device, sp: SequenceParallel | None
-) -> tuple[PackedMicroBatch, PackedMicroBatch | StreamShard]:
-    """The micro-batch packed (its (B, R) layout, for `scatter`) and the stream this rank runs: the whole
-    of it, or with `sp` this rank's `StreamShard`; both on `device` (the index work is done on the host)."""
-    packed = pack_micro_batch(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb.prompt_length)
-    if sp is None:
-        packed = packed.to(device)
-        return packed, packed
-    return packed.to(device), shard_stream(packed, sp.size, sp.rank).to(device)
-
-
-class HostInputs:
-    """A micro-batch as the batch holds it (on the host): each input moved to `device` when a loss
-    asks for it, the forwards packing it themselves (or running it padded)."""
-
-    def __init__(self, batch: Batch, device: torch.device) -> None:
-        self.batch = batch
-        self.device = device
-
-    def has(self, key: str) -> bool:
-        return key in self.batch.tensors
-
-    def row(self, key: str) -> torch.Tensor:
-        """Its (B, R) column `key` on the device."""
-        return host_to_device(self.batch[key], self.device)
-
-    def log_prob(
-        self, forwards: ModelForwardsLike, temperature: float, with_entropy: bool, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return forwards.log_prob(self.batch, temperature, with_entropy, mask)
-
-    def values(self, forwards: ModelForwardsLike, mask: torch.Tensor) -> torch.Tensor:
-        return forwards.values(self.batch, mask)
-
-
-class DeviceInputs:
-    """A micro-batch already on the device: its packed stream and its (B, R) columns (a CUDA graph's
-    static inputs, `fulcrum.workers.step_graphs`)."""
-
-    def __init__(self, packed: PackedMicroBatch, rows: dict[str, torch.Tensor]) -> None:
-        self.packed = packed
-        self.rows = rows
-
-    def has(self, key: str) -> bool:
-        return key in self.rows
-
-    def row(self, key: str) -> torch.Tensor:
-        return self.rows[key]
-
-    def log_prob(
-        self, forwards: ModelForwardsLike, temperature: float, with_entropy: bool, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return forwards.packed_log_prob(self.packed, temperature, with_entropy, mask)
-
-    def values(self, forwards: ModelForwardsLike, mask: torch.Tensor) -> torch.Tensor:
-        return forwards.packed_values(self.packed, mask)
-
-
-MicroInputs = HostInputs | DeviceInputs
-
-
-class ModelForwardsLike(Protocol):
-    """What the inputs call on `fulcrum.workers.forwards.ModelForwards` (which imports this module)."""
-
-    def log_prob(
-        self, mb: Batch, temperature: float, with_entropy: bool, response_mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-    def values(self, mb: Batch, response_mask: torch.Tensor | None = None) -> torch.Tensor: ...
-
-    def packed_log_prob(
-        self, packed: PackedMicroBatch, temperature: float, with_entropy: bool, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-    def packed_values(self, packed: PackedMicroBatch, mask: torch.Tensor) -> torch.Tensor: ...
+    rows: dict[str, torch.Tensor]
+    agg: Mapping[str, float | torch.Tensor] = field(default_factory=dict)
+    packed: PackedMicroBatch | None = None
+    stream: PackedMicroBatch | StreamShard | None = None
+    padded: PaddedTokens | None = None

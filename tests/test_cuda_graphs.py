@@ -1,15 +1,16 @@
-"""What a graphed update micro-batch is padded with changes nothing (`fulcrum.workers.step_graphs`).
+"""What a graphed update micro-batch is padded with changes nothing (`fulcrum.workers.cuda_graphs`).
 
 A CUDA graph needs fixed shapes, so each micro-batch is padded to a bucket: extra tokens in extra
 sequences, extra response positions in extra rows whose response mask is 0, sequences of length 0.
 On the CPU (float32, eager) the actor's and the critic's loss step on the padded micro-batch give the
 unpadded one's losses, metrics and gradients. The graphs themselves run on CUDA:
-tests/test_step_graphs_gpu.py.
+tests/test_cuda_graphs_gpu.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ from fulcrum.workers.graph_buckets import (
     pad_packed,
     padded_inputs,
 )
-from fulcrum.workers.micro_batch import DeviceInputs, HostInputs
+from fulcrum.workers.micro_batch import MicroInputs
 from fulcrum.workers.update import global_agg_kwargs
 
 CPU = torch.device("cpu")
@@ -102,11 +103,16 @@ def loss_and_grads(
     batch: Batch,
     padded: tuple[Bucket, PackedMicroBatch, dict[str, torch.Tensor]] | None,
     agg: dict[str, float],
+    keys: list[str],
+    static: tuple[object, ...] = (),
 ) -> tuple[dict[str, float], torch.Tensor]:
-    """The worker's loss step on `batch` as the host holds it, or on its `padded_inputs` when given: the
-    metrics as floats and the model's gradients, flattened."""
-    inputs = HostInputs(batch, CPU) if padded is None else DeviceInputs(padded[1], padded[2])
-    out = worker.loss_step(inputs, agg)
+    """The worker's `fwd_bwd` on `batch` as its forwards move it to the device, or on its `padded_inputs`
+    (the columns `keys`) when given: the metrics as floats and the model's gradients, flattened."""
+    if padded is None:
+        inputs = worker.forwards.inputs(batch, keys, agg)
+    else:
+        inputs = MicroInputs(padded[2], agg, padded[1], padded[1])
+    out, _ = worker.fwd_bwd(inputs, *static)
     grads = torch.cat([p.grad.flatten() for p in worker.model.parameters() if p.grad is not None])
     return {k: float(v) for k, v in out.items()}, grads
 
@@ -129,12 +135,11 @@ def test_the_actor_loss_step_on_a_padded_micro_batch_equals_the_unpadded_one(
     for padded in (False, True):
         actor = ActorWorker(actor_section(cfg), CPU, total_training_steps=1)
         assert actor.forwards.packed and actor.forwards.graphs is None  # no graphs on the CPU
-        actor.on_policy = on_policy
         keys = ["response_mask", "advantages", "ref_log_prob"] + ([] if on_policy else ["old_log_probs"])
         inputs = padded_inputs(batch, keys) if padded else None
         if inputs is not None:
             assert isinstance(inputs[0], Bucket) and inputs[0].rows > len(batch)
-        results.append(loss_and_grads(actor, batch, inputs, agg))
+        results.append(loss_and_grads(actor, batch, inputs, agg, keys, (on_policy, False)))
     (plain, plain_grads), (padded, padded_grads) = results
     assert plain.keys() == padded.keys()
     for key in plain:
@@ -153,8 +158,9 @@ def test_the_critic_loss_step_on_a_padded_micro_batch_equals_the_unpadded_one(ti
         torch.manual_seed(0)  # the value head's initial weights
         critic = CriticWorker(critic_section(cfg), CPU, total_training_steps=1)
         assert critic.forwards.packed and critic.forwards.graphs is None
-        inputs = padded_inputs(batch, ["response_mask", "values", "returns"]) if padded else None
-        results.append(loss_and_grads(critic, batch, inputs, agg))
+        keys = ["response_mask", "values", "returns"]
+        inputs = padded_inputs(batch, keys) if padded else None
+        results.append(loss_and_grads(critic, batch, inputs, agg, keys))
     (plain, plain_grads), (padded, padded_grads) = results
     for key in plain:
         assert padded[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-6), key
@@ -227,7 +233,7 @@ def test_a_micro_batch_fits_a_larger_bucket_and_pads_to_it_just_as_neutrally(tin
         keys = ["response_mask", "values", "returns"]
         inputs = padded_inputs(batch, keys, lambda _packed, _own, b=bucket: b)
         assert inputs[0] == bucket and inputs[1].input_ids.numel() == bucket.tokens
-        results.append(loss_and_grads(critic, batch, inputs, agg))
+        results.append(loss_and_grads(critic, batch, inputs, agg, keys))
     (first, first_grads), (second, second_grads) = results
     assert first == pytest.approx(second, rel=1e-5, abs=1e-6)
     assert torch.allclose(first_grads, second_grads, rtol=1e-4, atol=1e-6)
@@ -237,24 +243,30 @@ class Replayed:
     """A captured graph's stand-in: records the padded micro-batch it is given."""
 
     def __init__(self) -> None:
-        self.extra, self.padded = None, None
+        self.padded = None
+        self.layout = SimpleNamespace(rebuild=lambda outs, n_rows: outs)
 
-    def replay(self, packed: PackedMicroBatch, rows: dict[str, torch.Tensor]) -> tuple[tuple, None]:
+    def replay(self, packed: PackedMicroBatch, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
         self.padded = packed
-        return (torch.tensor([1.0]),), None
+        return (torch.tensor([1.0]),)
+
+
+def step(inputs: MicroInputs) -> tuple[torch.Tensor, ...]:
+    """A function graphs wrap (never run here: the stand-ins replay, captures are recorded)."""
+    return ()
+
+
+FORWARD = (step, (), (), False)  # its graphs' kind: a no-grad forward, no counts
+UPDATE = (step, (), (), True)
 
 
 def graphs_holding(buckets: list[Bucket], shape: tuple, limit: int, monkeypatch: pytest.MonkeyPatch):
-    """A CPU `StepGraphs` whose captured graphs are stand-ins for `buckets` (of the response mask, of
+    """A CPU `CudaGraphs` whose captured graphs are stand-ins for `buckets` (of the response mask, of
     kind `shape`); its captures recorded in the list returned beside it, not made."""
     from fulcrum.models.precision import ComputeWeights
-    from fulcrum.workers.step_graphs import StepGraphs
+    from fulcrum.workers.cuda_graphs import CudaGraphs
 
-    class Forwards:  # what StepGraphs reads of a ModelForwards
-        device = CPU
-        compute = ComputeWeights(torch.nn.Linear(2, 2), torch.bfloat16)
-
-    graphs = StepGraphs(Forwards(), limit=limit)
+    graphs = CudaGraphs(CPU, ComputeWeights(torch.nn.Linear(2, 2), torch.bfloat16), limit=limit)
     graphs.graphs = {(b, ("response_mask",), shape): Replayed() for b in buckets}
     captures: list[tuple] = []
     monkeypatch.setattr(graphs, "capture", lambda *args: captures.append(args))
@@ -267,17 +279,16 @@ def test_past_the_graph_limit_the_fitting_captured_bucket_of_least_extra_work_re
     batch = rl_batch()
     packed = packed_of(batch)
     own = bucket_for(packed)
-    shape = ("forward", ("values",))
     near = replace(own, tokens=own.tokens + TOKEN_STEP, sequences=own.sequences + 4 * ROW_STEP)
     far = grown(own, token_steps=4, row_steps=8)
     assert fits(packed, near) and fits(packed, far)
-    graphs, captures = graphs_holding([far, near], shape, 2, monkeypatch)
-    outs, _ = graphs.graphed(batch, ["response_mask"], shape, lambda inputs: ((), None))
+    graphs, captures = graphs_holding([far, near], FORWARD, 2, monkeypatch)
+    outs = graphs(batch, [], step, (), {}, False)
     assert not captures and graphs.replays == 1 and float(outs[0][0]) == 1.0
-    chosen = graphs.graphs[(near, ("response_mask",), shape)]
+    chosen = graphs.graphs[(near, ("response_mask",), FORWARD)]
     assert chosen.padded is not None and chosen.padded.input_ids.numel() == near.tokens
     # Another kind of pass has no graph it may borrow: not graphed (the caller runs it eagerly).
-    assert graphs.graphed(batch, ["response_mask"], ("update",), lambda inputs: ((), None)) is None
+    assert graphs(batch, [], step, (), {}, True) is None
 
 
 def test_a_captured_bucket_within_a_small_share_of_more_work_replays_instead_of_a_capture(
@@ -286,21 +297,21 @@ def test_a_captured_bucket_within_a_small_share_of_more_work_replays_instead_of_
     """Below the limit, a micro-batch without a graph of its own replays a captured larger bucket when the
     extra work (tokens, and a quarter of a token a response position) is within NEAR_SHARE of its own
     tokens; a larger one does not serve it: its own bucket is captured."""
-    from fulcrum.workers import step_graphs
+    from fulcrum.workers import cuda_graphs
 
     batch = rl_batch()
     packed = packed_of(batch)
     own = bucket_for(packed)
-    shape = ("update", ())
+    shape = FORWARD
     more_responses = replace(own, responses=own.responses + 128, rows=own.rows + 8 * ROW_STEP)
     assert fits(packed, more_responses)
     assert extra_work(more_responses, own) == 32  # 128 positions at a quarter of a token
-    monkeypatch.setattr(step_graphs, "NEAR_SHARE", 32 / own.tokens)  # just within
+    monkeypatch.setattr(cuda_graphs, "NEAR_SHARE", 32 / own.tokens)  # just within
     graphs, captures = graphs_holding([more_responses], shape, 100, monkeypatch)
-    assert graphs.graphed(batch, ["response_mask"], shape, lambda inputs: ((), None)) is not None
+    assert graphs(batch, [], step, (), {}, False) is not None
     assert not captures and graphs.replays == 1
-    monkeypatch.setattr(step_graphs, "NEAR_SHARE", 31 / own.tokens)  # just beyond: its own is captured
-    graphs.graphed(batch, ["response_mask"], shape, lambda inputs: ((), None))
+    monkeypatch.setattr(cuda_graphs, "NEAR_SHARE", 31 / own.tokens)  # just beyond: its own is captured
+    graphs(batch, [], step, (), {}, False)
     assert len(captures) == 1 and captures[0][0][0] == own and graphs.replays == 1
 
 
@@ -309,24 +320,24 @@ def test_a_pool_whose_graphs_are_all_gone_is_not_captured_into_again(
 ) -> None:
     """torch refuses a capture into a pool none of whose graphs is alive (an allocator assertion): the
     models share one pool while one of them holds a graph, and take a new one after."""
-    from fulcrum.workers import step_graphs
+    from fulcrum.workers import cuda_graphs
 
     handles = iter(range(100))
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
-    monkeypatch.setattr(step_graphs, "_POOLS", {})
-    actor, _ = graphs_holding([], ("update", ()), 10, monkeypatch)
-    critic, _ = graphs_holding([], ("update", ()), 10, monkeypatch)
-    first = step_graphs.shared_pool(actor)
-    assert step_graphs.shared_pool(critic) != first  # no graph holds the first pool yet
+    monkeypatch.setattr(cuda_graphs, "_POOLS", {})
+    actor, _ = graphs_holding([], UPDATE, 10, monkeypatch)
+    critic, _ = graphs_holding([], UPDATE, 10, monkeypatch)
+    first = cuda_graphs.shared_pool(actor)
+    assert cuda_graphs.shared_pool(critic) != first  # no graph holds the first pool yet
     critic.graphs = {"captured": object()}
-    assert step_graphs.shared_pool(actor) == step_graphs.shared_pool(critic)  # shared while it holds one
+    assert cuda_graphs.shared_pool(actor) == cuda_graphs.shared_pool(critic)  # shared while it holds one
     critic.graphs = {}
-    assert step_graphs.shared_pool(actor) not in (first, 1)
+    assert cuda_graphs.shared_pool(actor) not in (first, 1)
 
 
 def test_what_graphs_keep_resident_is_two_bytes_a_copy_and_two_a_trained_gradient() -> None:
     from fulcrum.models.precision import ComputeWeights
-    from fulcrum.workers.step_graphs import resident_bytes
+    from fulcrum.workers.cuda_graphs import resident_bytes
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))  # 15 + 8 parameters
     model[1].requires_grad_(False)  # frozen, float32: copied, no gradient (a reference's layer)
@@ -334,29 +345,34 @@ def test_what_graphs_keep_resident_is_two_bytes_a_copy_and_two_a_trained_gradien
 
 
 def test_the_start_says_why_a_model_runs_its_micro_batches_eagerly() -> None:
-    from types import SimpleNamespace
-
     from fulcrum.models.precision import ComputeWeights
-    from fulcrum.workers.step_graphs import graphs_line, graphs_refused, startup_line
+    from fulcrum.workers.cuda_graphs import graphs_refused
+    from fulcrum.workers.forwards import graphs_line, startup_line
 
     model = torch.nn.Linear(2, 2)
     cuda = torch.device("cuda")  # only its type is read before the device's size
 
-    def forwards(**kw: object) -> SimpleNamespace:
+    def refused(**kw: object) -> str | None:
         fields = {
             "model": model,
             "device": cuda,
-            "cuda_graphs": True,
+            "enabled": True,
             "packed": True,
             "compute": ComputeWeights(model),
             "sp": None,
         }
-        return SimpleNamespace(**{**fields, **kw})
+        return graphs_refused(**{**fields, **kw})  # type: ignore[arg-type]
 
-    assert graphs_refused(forwards(device=CPU)) == "not on CUDA"
-    assert graphs_refused(forwards(packed=False)).startswith("padded micro-batches")
-    assert graphs_refused(forwards(compute=None)) == "no compute copies of its own (FSDP-sharded)"
-    assert graphs_refused(forwards(sp=object())) == "sequence parallelism"
+    def forwards(**kw: object) -> SimpleNamespace:
+        """What the start-up line reads of a model's forwards."""
+        return SimpleNamespace(
+            device=kw.get("device", cuda), compute=kw.get("compute"), graphs_off=refused(**kw)
+        )
+
+    assert refused(device=CPU) == "not on CUDA"
+    assert refused(packed=False).startswith("padded micro-batches")
+    assert refused(compute=None) == "no compute copies of its own (FSDP-sharded)"
+    assert refused(sp=object()) == "sequence parallelism"
     actor, critic = forwards(packed=False), forwards(compute=None)
     line = graphs_line({"actor": actor, "critic": critic})
     assert line is not None and "actor off (padded micro-batches" in line and "critic off (no compute" in line
@@ -367,5 +383,5 @@ def test_the_start_says_why_a_model_runs_its_micro_batches_eagerly() -> None:
     assert startup_line(trainer) == "CUDA graphs of the micro-batches: actor off (padded micro-batches " + (
         "(use_remove_padding=False or an architecture without packing)) [actor_rollout_ref.actor.cuda_graphs]"
     )
-    assert graphs_refused(forwards(cuda_graphs=False)) == "its cuda_graphs key is false"
+    assert refused(enabled=False) == "its cuda_graphs key is false"
     assert graphs_line({"actor": forwards(device=CPU)}) is None  # a CPU run says nothing

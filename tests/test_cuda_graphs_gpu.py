@@ -1,4 +1,4 @@
-"""Graphed update micro-batches on CUDA (`fulcrum.workers.step_graphs`): a replay gives exactly what
+"""Graphed update micro-batches on CUDA (`fulcrum.workers.cuda_graphs`): a replay gives exactly what
 the captured micro-batch's eager run gave, and whole updates with graphs follow the eager ones (bf16
 compute: the padding changes the products' shapes, so not bit for bit)."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_step_graphs import rl_batch
+from test_cuda_graphs import rl_batch
 from test_workers_update import cfg_for
 
 from fulcrum.config.sections import actor_section, critic_section
@@ -48,12 +48,14 @@ def test_a_replay_gives_exactly_what_the_captured_micro_batch_gave(tiny_dir: str
     assert actor.forwards.graphs is not None
     batch = rl_batch(b=6)
     agg = global_agg_kwargs(batch["response_mask"])
+    keys = actor.loss.keys(False, False)
     outs, grads = [], []
     with actor.forwards.active():
         for _ in range(2):  # captured (and run eagerly), then replayed
             actor.optimizer.zero_grad(set_to_none=True)  # as each mini-batch starts
             actor.forwards.start_accumulation()
-            outs.append({k: float(v) for k, v in actor.micro_step(batch, agg).items()})
+            metrics, _ = actor.forwards.run(batch, keys, actor.fwd_bwd, (False, False), agg, train=True)
+            outs.append({k: float(v) for k, v in metrics.items()})
             actor.forwards.accumulate_grads()
             grads.append(flat_grads(actor))
     assert actor.forwards.graphs.failed is None, actor.forwards.graphs.failed
@@ -66,8 +68,10 @@ def updated(
     worker: ActorWorker | CriticWorker, batch, steps: int
 ) -> tuple[torch.Tensor, list[dict[str, float]]]:
     before = torch.cat([p.detach().flatten() for p in worker.model.parameters()]).clone()
-    update = worker.update_policy if isinstance(worker, ActorWorker) else worker.update_critic
-    metrics = [update(batch, step) for step in range(steps)]
+    if isinstance(worker, ActorWorker):
+        metrics = [worker.update_policy(batch, step)[0] for step in range(steps)]
+    else:
+        metrics = [worker.update_critic(batch, step) for step in range(steps)]
     after = torch.cat([p.detach().flatten() for p in worker.model.parameters()])
     return after - before, metrics
 

@@ -1,10 +1,8 @@
-"""Training micro-batches replayed as CUDA graphs: an update whose pace the host does not set.
-
-Why: at the seed command's micro-batches of 8 (about 6k tokens) the host launches each micro-batch's
-~2,000 kernels one by one, and only just keeps ahead of the GPU (a micro-batch's host time 1.72 s an
-update against 1.74 s of GPU span, BENCHMARKS.md "The update's parts"): a host slowed by other processes
-slowed the update 1.7-4x ("A host under load"). A CUDA graph launches a micro-batch's forward, loss,
-backward and gradient accumulation as one call.
+"""Micro-batches replayed as CUDA graphs: one wrapper, `CudaGraphs`, around a function that reads only its
+static inputs (`fwd_bwd(inputs) -> metrics`, or a no-grad forward), so that the host does not set the
+update's pace: it launches a micro-batch's forward, loss, backward and gradient staging as one call
+instead of ~2,000 kernels one by one. The functions it wraps do not know it exists
+(`fulcrum.workers.forwards.ModelForwards.run` applies it, by the role's `cuda_graphs` key).
 
 A graph has fixed shapes and fixed addresses.
 - Shapes: each micro-batch is padded to a `Bucket` (`fulcrum.workers.graph_buckets`): tokens and response
@@ -21,8 +19,7 @@ step is captured; later micro-batches of the bucket replay it. A micro-batch who
 replays a captured larger bucket instead when that costs at most `NEAR_SHARE` more work (`extra_work`):
 micro-batches cut to a token budget spread over many buckets, and captures would go on for many steps.
 All graphs of the process share one memory pool (they run one at a time). A step that cannot be captured
-(a loss that reads a value on the host) turns graphs off for that model with a warning, and the update
-goes on eagerly.
+turns graphs off for that model with a warning, and it goes on eagerly.
 """
 
 from __future__ import annotations
@@ -30,33 +27,20 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, NamedTuple
 
 import torch
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from fulcrum.batch import Batch, host_to_device
 from fulcrum.models.lora import hf_name
 from fulcrum.models.packed import PackedMicroBatch
+from fulcrum.models.precision import ComputeWeights
 from fulcrum.parallel.fsdp import several_processes
 from fulcrum.workers.graph_buckets import Bucket, extra_work, fits, padded_inputs
-from fulcrum.workers.micro_batch import DeviceInputs, HostInputs, MicroInputs
-
-if TYPE_CHECKING:
-    from fulcrum.models.precision import ComputeWeights
-
-
-class Forwards(Protocol):
-    """What graphs read of `fulcrum.workers.forwards.ModelForwards` (which holds them)."""
-
-    model: torch.nn.Module
-    device: torch.device
-    cuda_graphs: bool  # the role's `cuda_graphs` key
-    packed: bool
-    compute: ComputeWeights | None
-    sp: object | None
-
+from fulcrum.workers.micro_batch import MicroInputs
 
 logger = logging.getLogger(__name__)
 
@@ -75,106 +59,38 @@ MAX_GRAPHS = 128
 # smaller device, keeps that memory for activations and the KV cache, and runs eagerly.
 MAX_RESIDENT_SHARE = 0.05
 
-# The key that switches each role's graphs (the reference's and the critic's follow the actor's).
-GRAPH_KEYS = {
-    "actor": "actor_rollout_ref.actor.cuda_graphs",
-    "critic": "critic.cuda_graphs",
-    "reference": "actor_rollout_ref.ref.cuda_graphs",
-}
 
-Metrics = dict[str, torch.Tensor | float]
-StepFn = Callable[[MicroInputs, dict[str, float | torch.Tensor]], Metrics]
-
-
-def graphs_for(forwards: Forwards) -> StepGraphs | None:
-    """A `StepGraphs` for the model behind `forwards` when its micro-batches can be graphed
-    (`graphs_refused` says why not), else None."""
-    return None if graphs_refused(forwards) is not None else StepGraphs(forwards)
-
-
-def graphs_refused(forwards: Forwards) -> str | None:
-    """Why the model behind `forwards` runs its micro-batches eagerly, or None when they can be graphed:
-    its `cuda_graphs` key on, on CUDA, packed, with compute weights of its own (not FSDP-sharded), in
-    one process, without sequence parallelism or LoRA adapters, when what it keeps resident fits
+def graphs_refused(
+    model: torch.nn.Module,
+    device: torch.device,
+    enabled: bool,
+    packed: bool,
+    compute: ComputeWeights | None,
+    sp: object | None,
+) -> str | None:
+    """Why `model` runs its micro-batches eagerly, or None when they can be graphed: its `cuda_graphs` key
+    on (`enabled`), on CUDA, `packed`, with `compute` weights of its own (not FSDP-sharded), in one
+    process, without sequence parallelism (`sp`) or LoRA adapters, when what it keeps resident fits
     `MAX_RESIDENT_SHARE` of the device. (Each of these is a reason the key is ignored, not refused: the
     key is on by default, and CPU, multi-process, LoRA and Ulysses runs train the same eagerly.)"""
-    if not forwards.cuda_graphs:
+    if not enabled:
         return "its cuda_graphs key is false"
-    if forwards.device.type != "cuda":
+    if device.type != "cuda":
         return "not on CUDA"
-    if not forwards.packed:
+    if not packed:
         return "padded micro-batches (use_remove_padding=False or an architecture without packing)"
-    if forwards.compute is None:
+    if compute is None:
         return "no compute copies of its own (FSDP-sharded)"
-    if forwards.sp is not None:
+    if sp is not None:
         return "sequence parallelism"
     if several_processes():
         return "several processes (graphs are measured in one process only)"
-    if any(hf_name(name) is None for name, _ in forwards.model.named_parameters()):  # adapter tensors
+    if any(hf_name(name) is None for name, _ in model.named_parameters()):  # adapter tensors
         return "LoRA adapters (the reference runs the same model with them switched off on the host)"
-    kept, device = (
-        resident_bytes(forwards.compute),
-        torch.cuda.get_device_properties(forwards.device).total_memory,
-    )
-    if kept > MAX_RESIDENT_SHARE * device:
+    kept, total = resident_bytes(compute), torch.cuda.get_device_properties(device).total_memory
+    if kept > MAX_RESIDENT_SHARE * total:
         return f"it would keep {kept / 2**30:.1f} GiB resident, over {MAX_RESIDENT_SHARE:.0%} of the device"
     return None
-
-
-def startup_line(trainer: Any) -> str | None:
-    """One line for the run's start on CUDA: which of the trainer's models (its `actor`, `critic` and
-    `ref`, those it has) replay their micro-batches as CUDA graphs, what that keeps resident, and why
-    the others do not."""
-    forwards = {"actor": trainer.actor.forwards}
-    if trainer.critic is not None:
-        forwards["critic"] = trainer.critic.forwards
-    if trainer.ref is not None and trainer.ref.forwards is not trainer.actor.forwards:  # LoRA's: the actor's
-        forwards["reference"] = trainer.ref.forwards
-    return graphs_line(forwards)
-
-
-def graphs_line(forwards: dict[str, Forwards]) -> str | None:
-    """`startup_line` of these roles' forwards (None when none runs on CUDA)."""
-    if not any(f.device.type == "cuda" for f in forwards.values()):
-        return None
-    parts = []
-    for role, f in forwards.items():
-        reason = graphs_refused(f)
-        if reason is None:
-            assert f.compute is not None
-            parts.append(f"{role} on ({resident_bytes(f.compute) / 2**30:.1f} GiB kept resident)")
-        else:
-            parts.append(f"{role} off ({reason})")
-    keys = ", ".join(GRAPH_KEYS[role] for role in forwards)
-    return "CUDA graphs of the micro-batches: " + ", ".join(parts) + f" [{keys}]"
-
-
-def micro_step(
-    graphs: StepGraphs | None,
-    mb: Batch,
-    agg: dict[str, float],
-    keys: list[str],
-    flags: tuple[object, ...],
-    loss_step: StepFn,
-    device: torch.device,
-) -> Metrics:
-    """A worker's update micro-batch: `loss_step` replayed from `graphs` (reading `mb`'s (B, R) columns
-    `keys`) where they can take it, else run eagerly on the micro-batch as the host holds it."""
-    out = None if graphs is None else graphs.step(mb, agg, keys, flags, loss_step)
-    return out if out is not None else loss_step(HostInputs(mb, device), agg)
-
-
-def forward_micro(
-    graphs: StepGraphs | None,
-    mb: Batch,
-    flags: tuple[object, ...],
-    forward: Callable[[MicroInputs], tuple[torch.Tensor, ...]],
-    device: torch.device,
-) -> tuple[torch.Tensor, ...]:
-    """A no-grad pass's micro-batch, as `micro_step` an update's: `forward` (reading the response mask
-    and the stream) replayed from `graphs` where they can take it, else eager."""
-    out = None if graphs is None else graphs.forward(mb, ["response_mask"], flags, forward)
-    return out if out is not None else forward(HostInputs(mb, device))
 
 
 def resident_bytes(compute: ComputeWeights) -> int:
@@ -184,18 +100,60 @@ def resident_bytes(compute: ComputeWeights) -> int:
     return sum(size * m.numel() * (2 if m.requires_grad else 1) for m in compute.masters)
 
 
+class Outputs(NamedTuple):
+    """How a function's outputs (tensors and floats in tuples and dicts) are rebuilt from a graph's static
+    outputs: the 0-d device tensors (metrics) stacked into one float32 tensor, so one copy takes them all
+    out of the graph; the other device tensors (per row) each an output; the rest constants of the step
+    (a graph would not recompute a host value)."""
+
+    spec: TreeSpec
+    scalars: list[int]
+    rows: list[int]
+    consts: dict[int, object]
+
+    @staticmethod
+    def of(out: object) -> tuple[tuple[torch.Tensor, ...], Outputs]:
+        leaves, spec = tree_flatten(out)
+        on_device = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_cuda]
+        scalars = [i for i in on_device if leaves[i].dim() == 0]
+        rows = [i for i in on_device if leaves[i].dim() > 0]
+        consts = {
+            i: float(x) if isinstance(x, torch.Tensor) else x
+            for i, x in enumerate(leaves)
+            if i not in on_device
+        }
+        stacked = torch.stack([leaves[i].detach().float() for i in scalars]) if scalars else torch.zeros(0)
+        return (stacked, *(leaves[i].detach() for i in rows)), Outputs(spec, scalars, rows, consts)
+
+    def rebuild(self, outs: tuple[torch.Tensor, ...], n_rows: int) -> Any:
+        """The function's outputs from `outs`, copied out (each per-row tensor's first `n_rows` rows)."""
+        leaves: list[object] = [None] * self.spec.num_leaves
+        for i, value in self.consts.items():
+            leaves[i] = value
+        for i, value in zip(self.scalars, outs[0].clone().unbind(), strict=True):
+            leaves[i] = value
+        for i, value in zip(self.rows, outs[1:], strict=True):
+            leaves[i] = value[:n_rows].clone()
+        return tree_unflatten(leaves, self.spec)
+
+
 class Captured:
-    """One bucket's graph: its static inputs and outputs, and what its step said besides (`extra`)."""
+    """One bucket's graph: its static inputs and outputs, and how the function's outputs are rebuilt."""
 
     def __init__(
-        self, graph: torch.cuda.CUDAGraph, inputs: DeviceInputs, outs: tuple[torch.Tensor, ...], extra: object
+        self,
+        graph: torch.cuda.CUDAGraph,
+        inputs: MicroInputs,
+        outs: tuple[torch.Tensor, ...],
+        layout: Outputs,
     ) -> None:
-        self.graph, self.inputs, self.outs, self.extra = graph, inputs, outs, extra
+        self.graph, self.inputs, self.outs, self.layout = graph, inputs, outs, layout
 
     def replay(self, packed: PackedMicroBatch, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Copy a padded micro-batch into the static inputs (asynchronously, from pinned memory) and
         replay; the caller takes what it keeps out of the outputs before another graph of the pool runs."""
         static = self.inputs.packed
+        assert static is not None
         for field in fields(static):
             target = getattr(static, field.name)
             if isinstance(target, torch.Tensor):
@@ -206,23 +164,10 @@ class Captured:
         return self.outs
 
 
-def split_metrics(out: Metrics) -> tuple[list[str], Metrics, torch.Tensor]:
-    """A step's metrics as (names of the device tensors, the rest as constants, the device tensors
-    stacked as float32). A host tensor is a constant of the step (a graph would not recompute it)."""
-    names = [k for k, v in out.items() if isinstance(v, torch.Tensor) and v.is_cuda]
-    consts = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in out.items() if k not in names}
-    stacked = torch.stack([out[k].detach().float().reshape(()) for k in names])  # type: ignore[union-attr]
-    return names, consts, stacked
+_POOLS: dict[torch.device, tuple[object, weakref.WeakSet[CudaGraphs]]] = {}
 
 
-def named_metrics(names: list[str], consts: Metrics, values: torch.Tensor) -> Metrics:
-    return {**consts, **dict(zip(names, values.unbind(), strict=True))}
-
-
-_POOLS: dict[torch.device, tuple[object, weakref.WeakSet[StepGraphs]]] = {}
-
-
-def shared_pool(owner: StepGraphs) -> object:
+def shared_pool(owner: CudaGraphs) -> object:
     """One graph memory pool per device, shared by the models' graphs (they never run one beside another),
     while one of them holds a graph. Once every graph of a pool is gone (its models' graphs dropped, or
     its first capture failed), torch frees the pool at its next cache flush and refuses captures into
@@ -233,9 +178,6 @@ def shared_pool(owner: StepGraphs) -> object:
         _POOLS[owner.device] = (handle, owners)
     owners.add(owner)
     return handle
-
-
-GraphedFn = Callable[[DeviceInputs], tuple[tuple[torch.Tensor, ...], object]]
 
 
 def capture_graph(
@@ -282,14 +224,14 @@ def capture_metrics() -> dict[str, float]:
     return out
 
 
-class StepGraphs:
-    """The graphs of one model's micro-batches — its updates' steps (`step`) and its no-grad passes'
-    forwards (`forward`) — by (bucket, the columns they read, what else shapes them)."""
+class CudaGraphs:
+    """The graphs of one model's micro-batches (its updates' steps and its no-grad forwards), by (bucket,
+    the columns they read, the function, what else shapes it). Calling it runs a function on a
+    micro-batch as a graph: replayed when its bucket has one, else run eagerly and captured."""
 
-    def __init__(self, forwards: Forwards, limit: int = MAX_GRAPHS) -> None:
-        assert forwards.compute is not None
-        self.device = forwards.device
-        self.compute = forwards.compute
+    def __init__(self, device: torch.device, compute: ComputeWeights, limit: int = MAX_GRAPHS) -> None:
+        self.device = device
+        self.compute = compute
         self.compute.keep_resident()
         self.limit = limit
         self.graphs: dict[tuple[object, ...], Captured] = {}
@@ -299,47 +241,25 @@ class StepGraphs:
         self._filled: dict[str, float] = {}
         self._stream: torch.cuda.Stream | None = None
 
-    def step(
-        self, mb: Batch, agg: dict[str, float], keys: list[str], flags: tuple[object, ...], loss_step: StepFn
-    ) -> Metrics | None:
-        """An update's `loss_step` on `mb` (its (B, R) columns `keys`), its gradients staged for the
-        update's `accumulate_grads`; the metrics. None: not graphed (see `graphed`), the caller runs it its own way."""
-        self.fill_counts(agg)
-
-        def fn(inputs: DeviceInputs) -> tuple[tuple[torch.Tensor, ...], object]:
-            out = loss_step(inputs, dict(self.counts))
-            self.compute.stage_pending_grads()
-            names, consts, stacked = split_metrics(out)
-            return (stacked,), (names, consts)
-
-        got = self.graphed(mb, keys, ("update", flags, tuple(sorted(agg))), fn)
-        if got is None:
-            return None
-        self.compute.mark_staged()  # the update's `accumulate_grads` adds them into the float32 ones
-        (stacked,), (names, consts) = got  # type: ignore[misc]
-        return named_metrics(names, consts, stacked.clone())
-
-    def forward(
+    def __call__(
         self,
         mb: Batch,
         keys: list[str],
-        flags: tuple[object, ...],
-        fn: Callable[[DeviceInputs], tuple[torch.Tensor, ...]],
-    ) -> tuple[torch.Tensor, ...] | None:
-        """A no-grad pass's `fn` on `mb` (outputs (B, ...) per row): each output's rows of `mb`, copied out
-        of the padded ones. None: not graphed."""
-        got = self.graphed(mb, keys, ("forward", flags), lambda inputs: (fn(inputs), None))
-        if got is None:
-            return None
-        return tuple(out[: len(mb)].clone() for out in got[0])
-
-    def graphed(
-        self, mb: Batch, keys: list[str], shape: tuple[object, ...], fn: GraphedFn
-    ) -> tuple[tuple[torch.Tensor, ...], object] | None:
-        """`fn` on `mb` padded to its bucket: replayed when the bucket has a graph, else run eagerly and
-        captured. None when capturing failed once, or `limit` graphs exist and the bucket has none."""
+        fn: Callable[..., Any],
+        static: tuple[object, ...],
+        agg: Mapping[str, float],
+        train: bool,
+    ) -> Any:
+        """`fn(inputs, *static)` on `mb` padded to its bucket (its (B, R) columns `keys`, the counts `agg`
+        in 0-d device tensors), its outputs copied out (per-row ones cut to `mb`'s rows); `train`: its
+        gradients staged for the update's `accumulate_grads`. None when not graphed: capturing failed
+        once, or `limit` graphs exist and none fits; the caller runs `fn` eagerly."""
         if self.failed is not None:
             return None
+        if agg:  # an update's (a no-grad forward has none)
+            self.fill_counts(agg)
+        shape = (fn, static, tuple(sorted(agg)), train)
+        keys = list(dict.fromkeys(["response_mask", *keys]))
 
         def choose(packed: PackedMicroBatch, own: Bucket) -> Bucket:
             """Its own bucket when captured; else the captured bucket it fits with the least extra work,
@@ -352,17 +272,28 @@ class StepGraphs:
                 return best
             return own
 
+        def body(inputs: MicroInputs) -> Any:
+            out = fn(inputs, *static)
+            if train:
+                self.compute.stage_pending_grads()
+            return out
+
         bucket, packed, rows = padded_inputs(mb, keys, choose)
         key = (bucket, tuple(keys), shape)
         captured = self.graphs.get(key)
         if captured is not None:
             self.replays += 1
-            return captured.replay(packed, rows), captured.extra
-        if len(self.graphs) >= self.limit:
+            out = captured.layout.rebuild(captured.replay(packed, rows), len(mb))
+        elif len(self.graphs) >= self.limit:
             return None
-        return self.capture(key, packed, rows, fn)
+        else:
+            counts = {name: self.counts[name] for name in agg}
+            out = self.capture(key, MicroInputs(rows, counts, packed, packed), body, len(mb))
+        if train:
+            self.compute.mark_staged()  # the update's `accumulate_grads` adds them into the float32 ones
+        return out
 
-    def fill_counts(self, agg: dict[str, float]) -> None:
+    def fill_counts(self, agg: Mapping[str, float]) -> None:
         """The mini-batch's counts into their device tensors (a launch each, when they change)."""
         if agg == self._filled:
             return
@@ -373,21 +304,26 @@ class StepGraphs:
             self.counts[name].fill_(value)
 
     def capture(
-        self, key: tuple[object, ...], packed: PackedMicroBatch, rows: dict[str, torch.Tensor], fn: GraphedFn
-    ) -> tuple[tuple[torch.Tensor, ...], object]:
+        self, key: tuple[object, ...], padded: MicroInputs, body: Callable[[MicroInputs], Any], n_rows: int
+    ) -> Any:
+        """`body` on the micro-batch `padded` (on the host; its counts on the device), run eagerly and
+        captured on the graphs' stream; its outputs (per-row ones cut to `n_rows`)."""
         device = self.device
-        inputs = DeviceInputs(packed.to(device), {k: host_to_device(v, device) for k, v in rows.items()})
+        assert padded.packed is not None
+        static = padded.packed.to(device)
+        rows = {k: host_to_device(v, device) for k, v in padded.rows.items()}
+        inputs = MicroInputs(rows, padded.agg, static, static)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         stream, current = self._stream, torch.cuda.current_stream(device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):  # this micro-batch, eagerly, on the stream the capture uses
-            outs, extra = fn(inputs)
-            outs = tuple(out.clone() for out in outs)
+            outs, layout = Outputs.of(body(inputs))
+            out = layout.rebuild(outs, n_rows)
         current.wait_stream(stream)
         started = time.perf_counter()
         try:
-            graph, static = capture_graph(lambda: fn(inputs)[0], shared_pool(self), stream)
+            graph, static = capture_graph(lambda: Outputs.of(body(inputs))[0], shared_pool(self), stream)
         except Exception as err:  # any capture failure: go on eagerly, say why once
             self.compute.discard_pending()
             self.failed = f"{type(err).__name__}: {err}"
@@ -397,16 +333,16 @@ class StepGraphs:
                 "turns them off.",
                 self.failed,
             )
-            return outs, extra
-        self.graphs[key] = Captured(graph, inputs, static, extra)
+            return out
+        self.graphs[key] = Captured(graph, inputs, static, layout)
         took = time.perf_counter() - started
         TALLY.graphs, TALLY.seconds, TALLY.built = TALLY.graphs + 1, TALLY.seconds + took, True
         logger.info(
             "captured a micro-batch of %s (%s) in %.2f s (%d graphs, %d replays so far)",
             key[0],
-            key[2][0],
+            "update" if key[2][3] else "forward",
             took,
             len(self.graphs),
             self.replays,
         )
-        return outs, extra
+        return out
