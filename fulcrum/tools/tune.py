@@ -69,15 +69,16 @@ def _per_device_mini_batch(cfg: FulcrumConfig) -> int:
 
 def micro_batch_overrides(cfg: FulcrumConfig, micro: int) -> Overrides:
     """Every micro-batch size of the run at `micro` (training) and 2 x `micro` (no-grad forwards)."""
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
     out = {
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": str(micro),
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": str(2 * micro),
+        arr.actor.key("ppo_micro_batch_size_per_gpu"): str(micro),
+        arr.rollout.key("log_prob_micro_batch_size_per_gpu"): str(2 * micro),
     }
     if uses_reference(cfg):
-        out["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] = str(2 * micro)
+        out[arr.ref.key("log_prob_micro_batch_size_per_gpu")] = str(2 * micro)
     if uses_critic(cfg):
-        out["critic.ppo_micro_batch_size_per_gpu"] = str(micro)
-        out["critic.forward_micro_batch_size_per_gpu"] = str(2 * micro)
+        out[critic.key("ppo_micro_batch_size_per_gpu")] = str(micro)
+        out[critic.key("forward_micro_batch_size_per_gpu")] = str(2 * micro)
     return out
 
 
