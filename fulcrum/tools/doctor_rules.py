@@ -350,8 +350,8 @@ def check_kv_preemption(ctx: DoctorContext) -> list[Finding]:
             f"the KV cache holds {est.kv_tokens:,} tokens; a step's sequences at their longest need "
             f"{needed:,}: the rollout preempts (frees and later recomputes sequences) when they run long",
             "warning",
-            why="a preempted sequence's prefill and decode are done again: measured on the 0.5B shape, a cache "
-            "a fifth too small preempted 96 times and made generation 1.5x slower (docs/levers.md)",
+            why="a preempted sequence's prefill and decode are done again, so generation slows as the cache "
+            "falls short (docs/levers.md)",
             fix=f"actor_rollout_ref.rollout.gpu_memory_utilization={math.ceil(share * 100) / 100:.2f} or more, "
             "or a smaller max_num_seqs (fewer sequences at once)",
         )

@@ -19,10 +19,9 @@ import os
 import sys
 from pathlib import Path
 
-# OpenMP threads that spin while waiting burn the CPU that other threads (and other processes) need:
-# on a busy 2-core machine a 2-thread actor update used 8x the CPU time and ran 7x slower with the
-# default (spinning) policy than with passive waiting. Only acts if torch is not imported yet; a
-# user's own OMP_WAIT_POLICY wins.
+# OpenMP threads that spin while waiting burn the CPU that other threads (and other processes) need: on a
+# busy host a multi-threaded update slows several-fold under the default (spinning) policy. Only acts if
+# torch is not imported yet; a user's own OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from fulcrum.config import ConfigError, load_config
