@@ -25,10 +25,15 @@ class ConfigError(ValueError):
 
 
 class Section:
-    """A group of keys with one place in the tree: `PATH` is its dotted path and `key("name")` the full
-    path of one of its keys, so a message or an override names a key without retyping where it lives."""
+    """A group of keys with one place in the tree, given as `class ActorConfig(Section,
+    path="actor_rollout_ref.actor")`: `key("name")` is the full path of one of its keys, so a message or
+    an override names a key without retyping where it lives."""
 
     PATH: ClassVar[str] = ""
+
+    def __init_subclass__(cls, path: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.PATH = path
 
     @classmethod
     def key(cls, name: str) -> str:

@@ -39,9 +39,7 @@ from fulcrum.config.schema_rollout import RolloutConfig
 
 # ---------------------------------------------------------------------------- actor_rollout_ref
 @dataclass
-class ModelConfig(Section):
-    PATH = "actor_rollout_ref.model"
-
+class ModelConfig(Section, path="actor_rollout_ref.model"):
     path: str = opt("~/models/deepseek-llm-7b-chat", "Hugging Face model folder or hub name of the policy")
     custom_chat_template: str | None = opt(None, "jinja chat template replacing the tokenizer's")
     use_shm: bool = opt(False, "copy the model to shared memory before loading (no effect)")
@@ -131,9 +129,7 @@ class FSDPConfig:
 
 
 @dataclass
-class ActorConfig(Section):
-    PATH = "actor_rollout_ref.actor"
-
+class ActorConfig(Section, path="actor_rollout_ref.actor"):
     strategy: Literal["fsdp", "fsdp2"] = opt(
         "fsdp", "data-parallel strategy (fsdp and fsdp2 mean the same here)"
     )
@@ -194,9 +190,7 @@ class ActorConfig(Section):
 
 
 @dataclass
-class RefConfig(Section):
-    PATH = "actor_rollout_ref.ref"
-
+class RefConfig(Section, path="actor_rollout_ref.ref"):
     strategy: str | None = opt(None, "null follows actor.strategy")
     use_torch_compile: bool | None = opt(None, "null follows actor.use_torch_compile")
     cuda_graphs: bool | None = opt(None, "null follows actor.cuda_graphs (ours)")
@@ -234,9 +228,7 @@ class ActorRolloutRefConfig:
 
 # -------------------------------------------------------------------------------------- critic
 @dataclass
-class CriticModelConfig(Section):
-    PATH = "critic.model"
-
+class CriticModelConfig(Section, path="critic.model"):
     path: str = opt("~/models/deepseek-llm-7b-chat", "critic's initial model (a value head is added)")
     tokenizer_path: str | None = opt(None, "null follows actor_rollout_ref.model.path")
     override_config: dict[str, Any] = opt({}, "overrides applied to the model's config.json")
@@ -257,9 +249,7 @@ def _critic_optim() -> OptimConfig:
 
 
 @dataclass
-class CriticConfig(Section):
-    PATH = "critic"
-
+class CriticConfig(Section, path="critic"):
     enable: bool | None = opt(None, "null: use a critic when algorithm.adv_estimator is gae")
     strategy: Literal["fsdp", "fsdp2"] = opt("fsdp", "data-parallel strategy")
     rollout_n: int | None = opt(None, "null follows actor_rollout_ref.rollout.n", AT_LEAST_1)
@@ -322,9 +312,7 @@ class SandboxFusionConfig:
 
 
 @dataclass
-class RewardModelConfig(Section):
-    PATH = "reward_model"
-
+class RewardModelConfig(Section, path="reward_model"):
     enable: bool = opt(False, "score responses with reward_model.model.path (at the last token)")
     strategy: str = opt("fsdp", "strategy of the reward model")
     model: RewardModelModelConfig = sub(RewardModelModelConfig, "reward model")
@@ -383,9 +371,7 @@ class CustomRewardFunctionConfig:
 
 # ------------------------------------------------------------------------------------- trainer
 @dataclass
-class TrainerConfig(Section):
-    PATH = "trainer"
-
+class TrainerConfig(Section, path="trainer"):
     balance_batch: bool = opt(True, "reorder responses so devices get equal token counts")
     total_epochs: int = opt(30, "passes over the training data", AT_LEAST_1)
     total_training_steps: int | None = opt(

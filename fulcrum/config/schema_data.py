@@ -30,9 +30,7 @@ class DatagenConfig:
 
 
 @dataclass
-class DataConfig(Section):
-    PATH = "data"
-
+class DataConfig(Section, path="data"):
     tokenizer: str | None = opt(None, "tokenizer path; null uses actor_rollout_ref.model.path")
     use_shm: bool = opt(False, "copy the model to shared memory before loading (verl; no effect)")
     train_files: Any = opt("~/data/rlhf/gsm8k/train.parquet", "training parquet file(s)")

@@ -98,9 +98,7 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
-class AlgorithmConfig(Section):
-    PATH = "algorithm"
-
+class AlgorithmConfig(Section, path="algorithm"):
     gamma: float = opt(1.0, "discount factor", FRACTION)
     lam: float = opt(1.0, "GAE lambda", FRACTION)
     adv_estimator: str = opt("gae", "advantage estimator: gae, grpo, rloo, reinforce_plus_plus, remax, ...")

@@ -50,9 +50,7 @@ class MultiTurnConfig:
 
 
 @dataclass
-class RolloutConfig(Section):
-    PATH = "actor_rollout_ref.rollout"
-
+class RolloutConfig(Section, path="actor_rollout_ref.rollout"):
     name: Literal["native", "hf"] = opt(
         "native", "generation backend: native (ours) or hf; vllm/sglang are mapped to native (verl: vllm)"
     )

@@ -33,15 +33,9 @@ from typing import Any
 
 import torch
 
-from fulcrum.config.schema import (
-    ActorConfig,
-    CriticConfig,
-    CriticModelConfig,
-    DataConfig,
-    ModelConfig,
-    RefConfig,
-    RolloutConfig,
-)
+from fulcrum.config.schema import ActorConfig, CriticConfig, CriticModelConfig, ModelConfig, RefConfig
+from fulcrum.config.schema_data import DataConfig
+from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.trainer.diagnosis import NON_FINITE_KEYS
 from fulcrum.trainer.metrics import phase_of
 

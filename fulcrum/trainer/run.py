@@ -142,12 +142,18 @@ def _train(cfg: FulcrumConfig) -> int:
     try:
         for note in advise(cfg):
             print(f"note: {note}")
+        from fulcrum.reward.scoring import RewardError  # the heavy imports once the checks passed
+        from fulcrum.trainer.checkpoint import CheckpointError
+        from fulcrum.trainer.faults import NonFiniteTrainingError, OutOfMemoryHelp
+        from fulcrum.trainer.loggers import MetricsWriteError
+
+        stops = (CheckpointError, NonFiniteTrainingError, OutOfMemoryHelp, RewardError, MetricsWriteError)
         trainer = _trainer(cfg, device, info)  # 3. the trainer
         if trainer is None:
             return 1
         try:  # 4. fit
             trainer.fit()
-        except fit_errors() as err:
+        except stops as err:  # failures the user acts on from one paragraph
             print(f"fulcrum train: {err}", file=sys.stderr)
             return 1
         finally:
@@ -158,17 +164,6 @@ def _train(cfg: FulcrumConfig) -> int:
         return 128 + signal.SIGINT
     finally:
         run_lock.release(run_dir)
-
-
-def fit_errors() -> tuple[type[Exception], ...]:
-    """Failures during fit that the user acts on from one paragraph (no traceback); imported only once
-    the checks passed, so that a configuration error is reported before the heavy imports."""
-    from fulcrum.reward.scoring import RewardError
-    from fulcrum.trainer.checkpoint import CheckpointError
-    from fulcrum.trainer.faults import NonFiniteTrainingError, OutOfMemoryHelp
-    from fulcrum.trainer.loggers import MetricsWriteError
-
-    return (CheckpointError, NonFiniteTrainingError, OutOfMemoryHelp, RewardError, MetricsWriteError)
 
 
 def _trainer(cfg: FulcrumConfig, device: torch.device, info: DistInfo) -> PPOTrainer | None:
