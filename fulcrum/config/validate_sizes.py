@@ -6,7 +6,7 @@ worker asserts), and dynamic-batch token budgets holding one full-length sequenc
 from __future__ import annotations
 
 from fulcrum.config.finding import Finding
-from fulcrum.config.keys import get_path as _get
+from fulcrum.config.keys import Section
 from fulcrum.config.schema import ActorConfig, CriticConfig, FulcrumConfig
 
 # Estimators that need values from a critic; the others are critic-free. The one list of this rule:
@@ -38,39 +38,20 @@ def size_problems(cfg: FulcrumConfig) -> list[Finding]:
 def _micro_batch_pairs(cfg: FulcrumConfig) -> list[Finding]:
     """verl's check_mutually_exclusive: exactly one of the deprecated global and the per-device size."""
     arr, critic, rm = cfg.actor_rollout_ref, cfg.critic, cfg.reward_model
-    pairs: list[tuple[str, str, bool]] = [
-        (
-            arr.actor.key("ppo_micro_batch_size"),
-            arr.actor.key("ppo_micro_batch_size_per_gpu"),
-            not arr.actor.use_dynamic_bsz,
-        ),
-        (
-            arr.rollout.key("log_prob_micro_batch_size"),
-            arr.rollout.key("log_prob_micro_batch_size_per_gpu"),
-            not arr.rollout.log_prob_use_dynamic_bsz,
-        ),
-        (
-            arr.ref.key("log_prob_micro_batch_size"),
-            arr.ref.key("log_prob_micro_batch_size_per_gpu"),
-            uses_reference(cfg) and not arr.ref.log_prob_use_dynamic_bsz,
-        ),
-        (
-            critic.key("ppo_micro_batch_size"),
-            critic.key("ppo_micro_batch_size_per_gpu"),
-            uses_critic(cfg) and not critic.use_dynamic_bsz,
-        ),
-        (
-            rm.key("micro_batch_size"),
-            rm.key("micro_batch_size_per_gpu"),
-            # verl's reward loop serves the model without this size; here it then defaults to 8 rows
-            rm.enable and not rm.use_dynamic_bsz and not rm.use_reward_loop,
-        ),
+    pairs: list[tuple[Section, str, bool]] = [  # (section, the global size's name, whether it is needed)
+        (arr.actor, "ppo_micro_batch_size", not arr.actor.use_dynamic_bsz),
+        (arr.rollout, "log_prob_micro_batch_size", not arr.rollout.log_prob_use_dynamic_bsz),
+        (arr.ref, "log_prob_micro_batch_size", uses_reference(cfg) and not arr.ref.log_prob_use_dynamic_bsz),
+        (critic, "ppo_micro_batch_size", uses_critic(cfg) and not critic.use_dynamic_bsz),
+        # verl's reward loop serves the model without this size; here it then defaults to 8 rows
+        (rm, "micro_batch_size", rm.enable and not rm.use_dynamic_bsz and not rm.use_reward_loop),
     ]
     problems = []
-    for global_key, per_gpu_key, needed in pairs:
+    for section, name, needed in pairs:
         if not needed:
             continue
-        global_value, per_gpu_value = _get(cfg, global_key), _get(cfg, per_gpu_key)
+        global_key, per_gpu_key = section.key(name), section.key(f"{name}_per_gpu")
+        global_value, per_gpu_value = getattr(section, name), getattr(section, f"{name}_per_gpu")
         if global_value is None and per_gpu_value is None:
             problems.append(
                 Finding((per_gpu_key,), "must be set (responses per forward/backward per device)")
