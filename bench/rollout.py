@@ -263,13 +263,13 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode-launch",
         default=None,
-        help="JSON over kernels.DECODE_LAUNCH, e.g. '{\"SPLITS\": 2}' (bench/attention_sweep.py's best_common)",
+        help="JSON over kernels.DECODE_LAUNCH, e.g. '{\"SPLITS\": 2}' (bench/tools/attention_sweep.py's best_common)",
     )
     parser.add_argument(
         "--sample-launch",
         default=None,
         help="JSON of the sampler's launch: BLOCK, programs_per_sm, GROUP, num_warps, num_stages "
-        "(bench/sample_sweep.py's best_common)",
+        "(bench/tools/sample_sweep.py's best_common)",
     )
 
 

@@ -16,7 +16,7 @@
 # random Qwen2.5-0.5B-shaped model (bench/train_step.py make-model). Missing Python packages (omegaconf, trl,
 # datasets) are installed from the wheel folders .whl and .whl-trl when they are there (carry them).
 # The learning benchmark (bench/learning.py, one call of its own) is not part of this run: see BENCHMARKS.md.
-# Before/after a change in one call: bench/compare_trees.sh OLD_TREE (its parts, both trees alternating).
+# Before/after a change in one call: bench/tools/compare_trees.sh OLD_TREE (its parts, both trees alternating).
 # SMOL=DIR (SmolLM2-135M-Instruct, `fulcrum pretrained smollm2-135m-instruct --out DIR`) adds its seed-shape
 # and GRPO-shape steps in place of the TRL comparison.
 set -u

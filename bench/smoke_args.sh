@@ -1,4 +1,4 @@
-# Sourced by bench/run_all.sh and bench/compare_trees.sh: their parts' arguments at the smoke's tiny
+# Sourced by bench/run_all.sh and bench/tools/compare_trees.sh: their parts' arguments at the smoke's tiny
 # shapes (SMOKE=1, the CPU), so that both scripts smoke-test the same workload.
 # shellcheck disable=SC2034  # used by the scripts that source this file
 SMOKE_ROLLOUT_ARGS="--small --device cpu --prompts 8 --new-tokens 8 --grpo-prompts 2 --grpo-n 2 --skip-hf --repeats 1"

@@ -1,4 +1,4 @@
-"""bench/compare_table.py: what the before/after table of two trees says about each figure."""
+"""bench/tools/compare_table.py: what the before/after table of two trees says about each figure."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "tools"))
 from compare_table import figures, table, verdict
 
 

@@ -1,4 +1,4 @@
-"""bench/decode_profile.py: a hand-made profiler trace of a prefill and two decode windows, split into
+"""bench/tools/decode_profile.py: a hand-made profiler trace of a prefill and two decode windows, split into
 steps, kernel kinds, launch gaps and the gap between windows."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "tools"))
 from decode_profile import category_of, decode_figures, decode_windows, prefill_figures
 
 MS = 1000.0  # the trace's clock is in µs; the events below are laid out in ms

@@ -272,6 +272,16 @@ def test_seed_command_is_valid_on_one_device():
     check(cfg, n_devices=1)
 
 
+def test_train_refuses_a_token_budget_below_one_sequence_before_any_model_loads():
+    """The check `fulcrum train` runs first (not only doctor) names the budget that holds no full sequence."""
+    key = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+    cfg = load_config([*seed_command(), "actor_rollout_ref.actor.use_dynamic_bsz=True", f"{key}=300"])
+    with pytest.raises(ConfigError, match=f"{key}=300 is below one sequence of up to 768 tokens"):
+        check(cfg, n_devices=1)
+    cfg = load_config([*seed_command(), "actor_rollout_ref.actor.use_dynamic_bsz=True", f"{key}=768"])
+    assert validate(cfg, n_devices=1) == []
+
+
 def test_hybrid_fsdp_size_runs_with_a_start_up_note():
     key = "critic.model.fsdp_config.fsdp_size"
     cfg = load_config([*seed_command(), "trainer.n_gpus_per_node=4", f"{key}=2"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fulcrum.config import load_config
 from fulcrum.config.sections import actor_section, critic_section, reference_section
 
@@ -67,3 +69,28 @@ def test_the_cpp_wrapper_key_reaches_every_compiled_model() -> None:
         False,
     )
     assert critic_section(load_config(sized)).inductor_cpp_wrapper is True
+
+
+def test_each_section_names_its_keys_by_the_path_it_sits_at() -> None:
+    """A section's key("x") is the path a user types for x: every section of the tree, found by walking it."""
+    import dataclasses
+
+    from fulcrum.config.keys import Section, get_path
+
+    cfg, seen = load_config([]), []
+
+    def walk(node: object, prefix: str) -> None:
+        if isinstance(node, Section):
+            seen.append(type(node))
+            assert type(node).PATH == prefix.rstrip(".")
+            first = dataclasses.fields(node)[0].name
+            assert get_path(cfg, node.key(first)) == getattr(node, first)
+        for f in dataclasses.fields(node):  # type: ignore[arg-type]
+            value = getattr(node, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+
+    walk(cfg, "")
+    assert len(seen) == len(set(seen)) == len(Section.__subclasses__())
+    with pytest.raises(KeyError, match="critic has no key 'ppo_micro_batch_size_per_gpus'"):
+        cfg.critic.key("ppo_micro_batch_size_per_gpus")

@@ -17,7 +17,7 @@ from helpers import make_assets, short_run_overrides
 from fulcrum.config import load_config
 from fulcrum.models.tiny import build_tiny_model
 from fulcrum.trainer.loggers import JsonlLogger, MetricsWriteError
-from fulcrum.trainer.run import run_ppo
+from fulcrum.trainer.run import train
 from fulcrum.trainer.sft import main as sft_main
 
 
@@ -71,7 +71,7 @@ def test_fulcrum_train_ends_with_one_line(
     run = tmp_path / "run"
     cfg = load_config(short_run_overrides(assets, run, **{"trainer.total_training_steps": 3}))
     fill_disk_at_row(monkeypatch, 2)
-    assert run_ppo(cfg) == 1
+    assert train(cfg) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "During handling" not in err, err
     assert err.strip().splitlines()[-1].startswith("fulcrum train: cannot append the row of step 2")

@@ -227,7 +227,7 @@ def test_sampler_tokens_do_not_depend_on_the_split_of_a_row(temperature):
                 assert tokens.tolist() == base_tokens.tolist(), (s, group)
                 exact = group == SAMPLE_LAUNCH["GROUP"]  # another may add a tile's entries in another order
                 torch.testing.assert_close(logprobs, base_logprobs, atol=0 if exact else 1e-6, rtol=0)
-        # the launch bench/sample_sweep.py tunes: tiles of 512 or 2048 entries, programs per SM
+        # the launch bench/tools/sample_sweep.py tunes: tiles of 512 or 2048 entries, programs per SM
         for launch in ({"block": 512}, {"block": 2048, "programs_per_sm": 16}):
             tokens, logprobs = sample_tokens(logits, temperature, seed, **launch)
             assert tokens.tolist() == base_tokens.tolist(), launch

@@ -66,10 +66,8 @@ def select_device(
 
 # torch's intra-op CPU threads in a process that trains on CUDA. Its CPU work is small ops (batch assembly,
 # each micro-batch's packing and padding, pinned copies) whose parallel regions, on a loaded host, wait for
-# the slowest thread of the pool: beside one CPU-burning process per core a micro-batch's packing took
-# ~31 ms with 16 threads against ~10 ms of GPU work, and the seed command's values pass ran 3x its idle
-# time with 4; with 16 threads three seed steps did not finish in the time that four took (BENCHMARKS.md,
-# "A host under load").
+# the slowest thread of the pool: with more than one thread a micro-batch's host work can outlast its GPU
+# work, and the step becomes as slow as the busiest core.
 HOST_THREADS_ON_CUDA = 1
 
 

@@ -11,7 +11,7 @@ import difflib
 import functools
 import types
 import typing
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from fulcrum.config.domains import DOMAIN, Domain
 
@@ -22,6 +22,26 @@ class ConfigError(ValueError):
     def __init__(self, message: str, key: str | None = None) -> None:
         super().__init__(message)
         self.key = key
+
+
+class Section:
+    """A group of keys with one place in the tree, given as `class ActorConfig(Section,
+    path="actor_rollout_ref.actor")`: `key("name")` is the full path of one of its keys, so a message or
+    an override names a key without retyping where it lives."""
+
+    PATH: ClassVar[str] = ""
+
+    def __init_subclass__(cls, path: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.PATH = path
+
+    @classmethod
+    def key(cls, name: str) -> str:
+        """'ppo_micro_batch_size_per_gpu' -> 'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu' (a
+        dotted name reaches into a nested group); KeyError for a name the section does not hold."""
+        if name.partition(".")[0] not in field_types(cls):
+            raise KeyError(f"{cls.PATH} has no key {name!r}")
+        return f"{cls.PATH}.{name}"
 
 
 def opt(default: Any, help: str, domain: Domain | None = None) -> Any:

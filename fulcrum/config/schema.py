@@ -30,7 +30,7 @@ from fulcrum.config.domains import (
     SIZE_OR_AUTO,
     Domain,
 )
-from fulcrum.config.keys import opt, sub
+from fulcrum.config.keys import Section, opt, sub
 from fulcrum.config.schema_data import DataConfig
 from fulcrum.config.schema_recipes import AlgorithmConfig, OverlongBufferConfig, PolicyLossConfig
 from fulcrum.config.schema_recipes import KLControlConfig as KLControlConfig  # re-exported
@@ -39,7 +39,7 @@ from fulcrum.config.schema_rollout import RolloutConfig
 
 # ---------------------------------------------------------------------------- actor_rollout_ref
 @dataclass
-class ModelConfig:
+class ModelConfig(Section, path="actor_rollout_ref.model"):
     path: str = opt("~/models/deepseek-llm-7b-chat", "Hugging Face model folder or hub name of the policy")
     custom_chat_template: str | None = opt(None, "jinja chat template replacing the tokenizer's")
     use_shm: bool = opt(False, "copy the model to shared memory before loading (no effect)")
@@ -129,7 +129,7 @@ class FSDPConfig:
 
 
 @dataclass
-class ActorConfig:
+class ActorConfig(Section, path="actor_rollout_ref.actor"):
     strategy: Literal["fsdp", "fsdp2"] = opt(
         "fsdp", "data-parallel strategy (fsdp and fsdp2 mean the same here)"
     )
@@ -190,7 +190,7 @@ class ActorConfig:
 
 
 @dataclass
-class RefConfig:
+class RefConfig(Section, path="actor_rollout_ref.ref"):
     strategy: str | None = opt(None, "null follows actor.strategy")
     use_torch_compile: bool | None = opt(None, "null follows actor.use_torch_compile")
     cuda_graphs: bool | None = opt(None, "null follows actor.cuda_graphs (ours)")
@@ -228,7 +228,7 @@ class ActorRolloutRefConfig:
 
 # -------------------------------------------------------------------------------------- critic
 @dataclass
-class CriticModelConfig:
+class CriticModelConfig(Section, path="critic.model"):
     path: str = opt("~/models/deepseek-llm-7b-chat", "critic's initial model (a value head is added)")
     tokenizer_path: str | None = opt(None, "null follows actor_rollout_ref.model.path")
     override_config: dict[str, Any] = opt({}, "overrides applied to the model's config.json")
@@ -249,7 +249,7 @@ def _critic_optim() -> OptimConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(Section, path="critic"):
     enable: bool | None = opt(None, "null: use a critic when algorithm.adv_estimator is gae")
     strategy: Literal["fsdp", "fsdp2"] = opt("fsdp", "data-parallel strategy")
     rollout_n: int | None = opt(None, "null follows actor_rollout_ref.rollout.n", AT_LEAST_1)
@@ -312,7 +312,7 @@ class SandboxFusionConfig:
 
 
 @dataclass
-class RewardModelConfig:
+class RewardModelConfig(Section, path="reward_model"):
     enable: bool = opt(False, "score responses with reward_model.model.path (at the last token)")
     strategy: str = opt("fsdp", "strategy of the reward model")
     model: RewardModelModelConfig = sub(RewardModelModelConfig, "reward model")
@@ -371,7 +371,7 @@ class CustomRewardFunctionConfig:
 
 # ------------------------------------------------------------------------------------- trainer
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Section, path="trainer"):
     balance_batch: bool = opt(True, "reorder responses so devices get equal token counts")
     total_epochs: int = opt(30, "passes over the training data", AT_LEAST_1)
     total_training_steps: int | None = opt(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fulcrum.config.domains import AT_LEAST_0, AT_LEAST_1, SEED
-from fulcrum.config.keys import opt, sub
+from fulcrum.config.keys import Section, opt, sub
 
 
 @dataclass
@@ -30,7 +30,7 @@ class DatagenConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section, path="data"):
     tokenizer: str | None = opt(None, "tokenizer path; null uses actor_rollout_ref.model.path")
     use_shm: bool = opt(False, "copy the model to shared memory before loading (verl; no effect)")
     train_files: Any = opt("~/data/rlhf/gsm8k/train.parquet", "training parquet file(s)")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fulcrum.config.domains import ABOVE_0, ANY_NUMBER, AT_LEAST_0, AT_LEAST_1, FRACTION, SHARE
-from fulcrum.config.keys import opt, sub
+from fulcrum.config.keys import Section, opt, sub
 
 
 @dataclass
@@ -98,7 +98,7 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
-class AlgorithmConfig:
+class AlgorithmConfig(Section, path="algorithm"):
     gamma: float = opt(1.0, "discount factor", FRACTION)
     lam: float = opt(1.0, "GAE lambda", FRACTION)
     adv_estimator: str = opt("gae", "advantage estimator: gae, grpo, rloo, reinforce_plus_plus, remax, ...")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fulcrum.config.domains import ABOVE_0, AT_LEAST_0, AT_LEAST_1, OFF_OR_COUNT, SEED, SHARE
-from fulcrum.config.keys import opt, sub
+from fulcrum.config.keys import Section, opt, sub
 
 
 @dataclass
@@ -50,7 +50,7 @@ class MultiTurnConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Section, path="actor_rollout_ref.rollout"):
     name: Literal["native", "hf"] = opt(
         "native", "generation backend: native (ours) or hf; vllm/sglang are mapped to native (verl: vllm)"
     )

@@ -3,7 +3,8 @@
 As verl's workers take an `ActorConfig` / `CriticConfig`, fulcrum's take an `ActorSection`,
 `ReferenceSection` or `CriticSection` built here once from a resolved `FulcrumConfig`, so no worker
 re-derives "null follows another key" (the loader resolves every one, fulcrum.config.loader.DERIVED) and a
-worker can be built (and tested) from its section alone.
+worker can be built (and tested) from its section alone. Sizes are checked once, by
+fulcrum.config.validate (set, inside their domain, dividing the mini-batch): sections copy them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fulcrum.config.keys import ConfigError
 from fulcrum.config.schema import ActorConfig, CriticConfig, FSDPConfig, FulcrumConfig, ModelConfig
 
 
@@ -24,17 +24,6 @@ class ForwardSizes:
     use_dynamic_bsz: bool
     max_token_len: int | None  # tokens per micro-batch with use_dynamic_bsz
     key: str  # the configuration key of micro_batch_size, for error messages
-
-    def __post_init__(self) -> None:
-        require_size(self.micro_batch_size, self.use_dynamic_bsz, self.key)
-
-
-def require_size(size: int | None, use_dynamic_bsz: bool, key: str) -> None:
-    """Fail at start-up, naming the key, when a fixed micro-batch size is needed but unset."""
-    if not use_dynamic_bsz and (size is None or int(size) <= 0):
-        raise ConfigError(
-            f"{key} must be set to a positive integer (or use_dynamic_bsz=True), got {size}", key
-        )
 
 
 def per_device(size_per_gpu: int | None, deprecated_global: int | None) -> int | None:
@@ -90,19 +79,17 @@ class CriticSection:
 def actor_section(cfg: FulcrumConfig) -> ActorSection:
     arr = cfg.actor_rollout_ref
     actor, rollout = arr.actor, arr.rollout
-    micro = per_device(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size)
-    require_size(micro, actor.use_dynamic_bsz, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
     return ActorSection(
         model=arr.model,
         actor=actor,
         temperature=scoring_temperature(cfg),
         mini_batch_size=actor.ppo_mini_batch_size * rollout.n,
-        micro_batch_size=micro,
+        micro_batch_size=per_device(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size),
         log_prob=ForwardSizes(
             per_device(rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_micro_batch_size),
             bool(rollout.log_prob_use_dynamic_bsz),
             rollout.log_prob_max_token_len_per_gpu,
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+            rollout.key("log_prob_micro_batch_size_per_gpu"),
         ),
         seed=cfg.trainer.seed,
     )
@@ -117,7 +104,7 @@ def reference_section(cfg: FulcrumConfig) -> ReferenceSection:
             per_device(ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_micro_batch_size),
             bool(ref.log_prob_use_dynamic_bsz),
             ref.log_prob_max_token_len_per_gpu,
-            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+            ref.key("log_prob_micro_batch_size_per_gpu"),
         ),
         use_remove_padding=bool(cfg.actor_rollout_ref.model.use_remove_padding),
         use_torch_compile=bool(ref.use_torch_compile),
@@ -133,17 +120,15 @@ def reference_section(cfg: FulcrumConfig) -> ReferenceSection:
 def critic_section(cfg: FulcrumConfig) -> CriticSection:
     c = cfg.critic
     assert c.ppo_mini_batch_size is not None and c.rollout_n is not None, "resolve() the configuration first"
-    micro = per_device(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size)
-    require_size(micro, bool(c.use_dynamic_bsz), "critic.ppo_micro_batch_size_per_gpu")
     return CriticSection(
         critic=c,
         mini_batch_size=c.ppo_mini_batch_size * c.rollout_n,
-        micro_batch_size=micro,
+        micro_batch_size=per_device(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size),
         values=ForwardSizes(
             per_device(c.forward_micro_batch_size_per_gpu, c.forward_micro_batch_size),
             bool(c.use_dynamic_bsz),
             c.forward_max_token_len_per_gpu,
-            "critic.forward_micro_batch_size_per_gpu",
+            c.key("forward_micro_batch_size_per_gpu"),
         ),
         seed=cfg.trainer.seed + 7,
         use_torch_compile=bool(cfg.actor_rollout_ref.actor.use_torch_compile),

@@ -24,30 +24,18 @@ from fulcrum.config.schema import FulcrumConfig, KLControlConfig
 from fulcrum.config.validate_domains import domain_problems
 from fulcrum.config.validate_recipes import recipe_notes, recipe_problems
 from fulcrum.config.validate_signal import signal_problems
+from fulcrum.config.validate_sizes import (
+    CRITIC_ESTIMATORS,
+    size_problems,
+    uses_critic,
+    uses_reference,
+    world_size,
+)
 
 SUPPORTED_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml")
 # Estimators whose baseline needs several responses per prompt (with one they are plain REINFORCE).
 GROUP_ESTIMATORS_NEEDING_N2 = ("rloo",)
-# Estimators that need values from a critic; the others are critic-free. The one list of this rule:
-# the trainer builds a critic, and doctor sizes one, through uses_critic().
-CRITIC_ESTIMATORS = frozenset({"gae"})
-
-
-def uses_critic(cfg: FulcrumConfig) -> bool:
-    """A critic is trained when critic.enable says so, else when the estimator needs values (gae), as in verl."""
-    if cfg.critic.enable is not None:
-        return cfg.critic.enable
-    return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
-
-
-def uses_reference(cfg: FulcrumConfig) -> bool:
-    """A reference policy is needed for a KL loss or a KL penalty in the reward."""
-    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-
-
-def world_size(cfg: FulcrumConfig) -> int:
-    return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
 
 
 # ------------------------------------------------------------------------------------ error rules
@@ -100,78 +88,19 @@ def _devices(cfg: FulcrumConfig, n_devices: int | None) -> list[Finding]:
     return problems
 
 
-def _micro_batch_pairs(cfg: FulcrumConfig) -> list[Finding]:
-    """verl's check_mutually_exclusive: exactly one of the deprecated global and the per-device size."""
-    arr = cfg.actor_rollout_ref
-    pairs: list[tuple[str, str, bool]] = [
-        (
-            "actor_rollout_ref.actor.ppo_micro_batch_size",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-            not arr.actor.use_dynamic_bsz,
-        ),
-        (
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-            not arr.rollout.log_prob_use_dynamic_bsz,
-        ),
-        (
-            "actor_rollout_ref.ref.log_prob_micro_batch_size",
-            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-            uses_reference(cfg) and not arr.ref.log_prob_use_dynamic_bsz,
-        ),
-        (
-            "critic.ppo_micro_batch_size",
-            "critic.ppo_micro_batch_size_per_gpu",
-            uses_critic(cfg) and not cfg.critic.use_dynamic_bsz,
-        ),
-        (
-            "reward_model.micro_batch_size",
-            "reward_model.micro_batch_size_per_gpu",
-            # verl's reward loop serves the model without this size; here it then defaults to 8 rows
-            cfg.reward_model.enable
-            and not cfg.reward_model.use_dynamic_bsz
-            and not cfg.reward_model.use_reward_loop,
-        ),
-    ]
-    problems = []
-    for global_key, per_gpu_key, needed in pairs:
-        if not needed:
-            continue
-        global_value, per_gpu_value = _get(cfg, global_key), _get(cfg, per_gpu_key)
-        if global_value is None and per_gpu_value is None:
-            problems.append(
-                Finding((per_gpu_key,), "must be set (responses per forward/backward per device)")
-            )
-        elif global_value is not None and per_gpu_value is not None:
-            problems.append(
-                Finding(
-                    (global_key, per_gpu_key),
-                    f"both are set; remove {global_key} (deprecated, only the per-device size is used)",
-                )
-            )
-    return problems
-
-
 def sp_roles(cfg: FulcrumConfig) -> list[tuple[str, int, str, bool]]:
     """(key, ulysses_sequence_parallel_size, its padding key, use_remove_padding) of each model the run
     trains or scores with."""
-    arr = cfg.actor_rollout_ref
-    padding = ("actor_rollout_ref.model.use_remove_padding", bool(arr.model.use_remove_padding))
-    roles = [
-        (
-            "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
-            arr.actor.ulysses_sequence_parallel_size,
-            *padding,
-        )
-    ]
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    sp_key = "ulysses_sequence_parallel_size"
+    padding = (arr.model.key("use_remove_padding"), bool(arr.model.use_remove_padding))
+    roles = [(arr.actor.key(sp_key), arr.actor.ulysses_sequence_parallel_size, *padding)]
     if uses_reference(cfg):
         size = arr.ref.ulysses_sequence_parallel_size or arr.actor.ulysses_sequence_parallel_size
-        roles.append(("actor_rollout_ref.ref.ulysses_sequence_parallel_size", size, *padding))
+        roles.append((arr.ref.key(sp_key), size, *padding))
     if uses_critic(cfg):
-        critic = ("critic.model.use_remove_padding", bool(cfg.critic.model.use_remove_padding))
-        roles.append(
-            ("critic.ulysses_sequence_parallel_size", cfg.critic.ulysses_sequence_parallel_size, *critic)
-        )
+        critic_padding = (critic.model.key("use_remove_padding"), bool(critic.model.use_remove_padding))
+        roles.append((critic.key(sp_key), critic.ulysses_sequence_parallel_size, *critic_padding))
     return [(key, int(size), pad_key, pad) for key, size, pad_key, pad in roles]
 
 
@@ -214,74 +143,6 @@ def _lm_head_fp32(cfg: FulcrumConfig) -> list[Finding]:
         problems.append(
             Finding((key, pad_key), "needs the packed path: the padded forward rounds its logits")
         )
-    return problems
-
-
-def _batch_divisibility(cfg: FulcrumConfig) -> list[Finding]:
-    """Sizes count prompts (x rollout.n responses); per-device sizes count responses (as in verl)."""
-    problems = []
-    n = cfg.actor_rollout_ref.rollout.n
-    n_gpus = world_size(cfg)
-    train = cfg.data.train_batch_size
-    if n_gpus <= 0 or n <= 0 or train <= 0:
-        return problems  # reported by domain_problems
-    if (train * n) % n_gpus:
-        problems.append(
-            Finding(
-                ("data.train_batch_size", "actor_rollout_ref.rollout.n", "trainer.n_gpus_per_node"),
-                f"train_batch_size x n = {train * n} responses must be divisible by the {n_gpus} device(s)",
-            )
-        )
-    roles = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor)]
-    if uses_critic(cfg):
-        roles.append(("critic", cfg.critic))
-    for prefix, role in roles:
-        if role.use_dynamic_bsz:
-            continue
-        # Each data-parallel group (sp ranks with sequence parallelism) takes one share of a mini-batch.
-        sp = int(role.ulysses_sequence_parallel_size)
-        dp = n_gpus // sp if n_gpus % sp == 0 else n_gpus
-        devices = f"{dp} device(s)" if sp == 1 else f"{dp} data-parallel group(s) of {sp}"
-        mini = role.ppo_mini_batch_size
-        if mini is None or mini <= 0:
-            continue
-        if mini > train:
-            problems.append(
-                Finding(
-                    (f"{prefix}.ppo_mini_batch_size", "data.train_batch_size"),
-                    f"mini-batch of {mini} prompts is larger than the {train} prompts of a step",
-                )
-            )
-            continue
-        if (mini * n) % dp:
-            problems.append(
-                Finding(
-                    (f"{prefix}.ppo_mini_batch_size", "trainer.n_gpus_per_node"),
-                    f"ppo_mini_batch_size x n = {mini * n} responses must be divisible by the {devices}",
-                )
-            )
-            continue
-        per_device = mini * n // dp
-        micro = role.ppo_micro_batch_size_per_gpu
-        if micro is not None and micro > 0 and per_device % micro:
-            problems.append(
-                Finding(
-                    (f"{prefix}.ppo_mini_batch_size", f"{prefix}.ppo_micro_batch_size_per_gpu"),
-                    f"a mini-batch gives {per_device} responses per device, not divisible by the "
-                    f"micro-batch of {micro}; pick a micro-batch that divides {per_device}",
-                )
-            )
-        global_micro = role.ppo_micro_batch_size
-        if global_micro is not None and global_micro > 0:
-            if (mini * n) % global_micro:
-                problems.append(
-                    Finding(
-                        (f"{prefix}.ppo_mini_batch_size", f"{prefix}.ppo_micro_batch_size"),
-                        f"{mini * n} responses per mini-batch not divisible by micro-batch {global_micro}",
-                    )
-                )
-            if global_micro < dp:
-                problems.append(Finding((f"{prefix}.ppo_micro_batch_size",), f"must be >= the {devices}"))
     return problems
 
 
@@ -349,8 +210,7 @@ RULES: list[Callable[[FulcrumConfig], list[Finding]]] = [
     domain_problems,  # every number inside the domain its key declares (fulcrum.config.domains)
     _choices,
     _context_length,
-    _micro_batch_pairs,
-    _batch_divisibility,
+    size_problems,  # micro/mini-batch sizes and token budgets (fulcrum.config.validate_sizes)
     _sequence_parallel,
     _lm_head_fp32,
     _algorithm,

@@ -132,8 +132,7 @@ def add_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
     On CUDA with half-precision operands, one cuBLAS call that accumulates a @ b in float32 and adds it
     into acc (beta = 1, `out_dtype`): the product is never rounded to half precision, nor written as a
-    (V, H) half tensor and read back by a separate add. At V = 152k that add moved 1.4 GB a chunk (a
-    quarter of the backward's time per chunk: BENCHMARKS.md, "The LM head's weight gradient").
+    (V, H) half tensor and read back by a separate add (at V = 152k, 1.4 GB a chunk).
     Elsewhere (CPU `addmm` has no `out_dtype`) the product in the operands' dtype, then the add."""
     if acc.is_cuda and acc.dtype == torch.float32 and a.dtype in _HALF and b.dtype == a.dtype:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)

@@ -70,11 +70,11 @@ class LoraSettings:
                 return value
             return tuple(str(v) for v in value)
 
-        target = names(getattr(model_cfg, "target_modules", "all-linear")) or "all-linear"
+        # The critic's section has no exclude_modules nor lora_adapter_path: absent reads as unset.
         return cls(
-            rank=int(getattr(model_cfg, "lora_rank", 0) or 0),
-            alpha=float(getattr(model_cfg, "lora_alpha", 16)),
-            target_modules=target,
+            rank=int(model_cfg.lora_rank or 0),
+            alpha=float(model_cfg.lora_alpha),
+            target_modules=names(model_cfg.target_modules) or "all-linear",
             exclude_modules=names(getattr(model_cfg, "exclude_modules", None)),
             adapter_path=getattr(model_cfg, "lora_adapter_path", None),
             key=key,

@@ -10,7 +10,7 @@ float32, as with autocast or FSDP's `reduce_dtype=float32`. A micro-batch's host
 not grow with the number of parameters: a few foreach and flat ops move every gradient.
 
 Why not autocast: it re-casts every float32 weight in every micro-batch, and again in each
-gradient-checkpoint recomputation (27k `copy_` kernels in one seed-command update, measured), and
+gradient-checkpoint recomputation (one `copy_` kernel per weight each time), and
 keeps the residual stream in float32. With bf16 copies the whole decoder runs in bf16, as verl's
 FSDP workers do (`param_dtype=bf16`); float32 remains where the model asks for it (RMSNorm's
 variance, the softmax of the log-probs, a value head left out of the copies).
@@ -234,8 +234,8 @@ class ComputeWeights:
         into one float32 buffer. The gradients are then copied, at most `FLAT_CHUNK` elements at a time,
         by one `_foreach_copy_` into views of a buffer in their dtype (`Staging`), which is added to the
         float32 buffer. Per parameter, a float32 += bf16 add takes PyTorch's one-kernel-per-tensor path
-        even through `_foreach_add_`: 290 kernels and launches a micro-batch on Qwen2.5-0.5B, 9.6% of an
-        actor update's GPU time (measured). The float32 buffer is held only through the masters'
+        even through `_foreach_add_`: one kernel and launch per parameter a micro-batch (290 on
+        Qwen2.5-0.5B). The float32 buffer is held only through the masters'
         `.grad`, so the optimiser's release of the gradients frees it. A micro-batch that leaves a copy
         without gradient, or masters holding gradients of their own, take the per-parameter path.
         """

@@ -28,7 +28,7 @@ Layout = Literal["replicated", "sharded"]
 TRAINING_STATE_BYTES = 16
 # Replicate (with fsdp_size=-1) when a model's training state takes at most this share of the device:
 # the rollout's KV cache (gpu_memory_utilization, 0.65 in verl's recipes), the other models and the
-# activations need the rest. Qwen2.5-0.5B: 7.9 GB, 1/18 of an H200 (replicated); 1.5B: 24.7 GB (sharded).
+# activations need the rest.
 REPLICATE_MAX_SHARE = 1 / 16
 
 

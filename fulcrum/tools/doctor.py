@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -87,8 +88,10 @@ def check_rules(ctx: Context) -> list[Finding]:
     from fulcrum.trainer.checks import configuration_findings  # the algorithm package imports torch
 
     n_devices = ctx.n_visible if ctx.device == "cuda" else None
-    return [_error(str(p)) for p in configuration_findings(ctx.cfg, n_devices)] + [
-        _warning(str(p)) for p in advise(ctx.cfg)
+    # A rule that explains itself (why, fix) keeps its block; the others print as one line, keys first.
+    return [
+        p if p.why or p.fix else dataclasses.replace(p, keys=(), message=str(p))
+        for p in configuration_findings(ctx.cfg, n_devices) + advise(ctx.cfg)
     ]
 
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from fulcrum.config import FulcrumConfig, uses_critic, uses_reference, world_size
 from fulcrum.config.finding import Finding
+from fulcrum.config.schema import ActorConfig, ModelConfig, RolloutConfig
 from fulcrum.config.validate import sp_roles
 from fulcrum.tools.memory_estimate import (
     DEFAULT_DEVICE_GIB,
@@ -109,71 +110,21 @@ def check_epoch_drop(ctx: DoctorContext) -> list[Finding]:
 
 
 def check_token_limits(ctx: DoctorContext) -> list[Finding]:
-    """Dynamic-batch token budgets and the engine's prefill budget against the longest sequence."""
-    cfg = ctx.cfg
-    arr, critic = cfg.actor_rollout_ref, cfg.critic
-    longest = arr.rollout.prompt_length + arr.rollout.response_length
-    budgets = [
-        (
-            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-            arr.actor.use_dynamic_bsz,
-            arr.actor.ppo_max_token_len_per_gpu,
-        ),
-        (
-            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-            bool(arr.rollout.log_prob_use_dynamic_bsz),
-            arr.rollout.log_prob_max_token_len_per_gpu,
-        ),
+    """The engine's prefill budget against the longest prompt (training budgets: fulcrum.config.validate_sizes)."""
+    rollout = ctx.cfg.actor_rollout_ref.rollout
+    key, max_tokens = rollout.key("max_num_batched_tokens"), rollout.max_num_batched_tokens
+    if rollout.name != "native" or not 0 < max_tokens < rollout.prompt_length:
+        return []
+    return [
+        Finding(
+            (key, ctx.cfg.data.key("max_prompt_length")),
+            f"{key}={max_tokens} is below the longest prompt ({rollout.prompt_length} tokens)",
+            "warning",
+            why="the engine prefills at most this many tokens a step, so long prompts are split over several "
+            "steps (slower prefill); vLLM without chunked prefill refuses this",
+            fix=f"{key}>={rollout.prompt_length + rollout.response_length}",
+        )
     ]
-    if uses_reference(cfg):
-        budgets.append(
-            (
-                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-                bool(arr.ref.log_prob_use_dynamic_bsz),
-                arr.ref.log_prob_max_token_len_per_gpu,
-            )
-        )
-    if uses_critic(cfg):
-        budgets += [
-            (
-                "critic.ppo_max_token_len_per_gpu",
-                bool(critic.use_dynamic_bsz),
-                critic.ppo_max_token_len_per_gpu,
-            ),
-            (
-                "critic.forward_max_token_len_per_gpu",
-                bool(critic.use_dynamic_bsz),
-                critic.forward_max_token_len_per_gpu,
-            ),
-        ]
-    findings = []
-    for key, dynamic, limit in budgets:
-        if dynamic and limit is not None and limit < longest:
-            findings.append(
-                Finding(
-                    (key, "data.max_prompt_length", "data.max_response_length"),
-                    f"{key}={limit} is below one sequence of up to {longest} tokens "
-                    f"(data.max_prompt_length + response_length)",
-                    "error",
-                    why="with dynamic batching a micro-batch holds at most this many tokens, so a full-length "
-                    "sequence fits in none and the step fails",
-                    fix=f"{key}>={longest}; a budget of several sequences (e.g. {4 * longest}) lets short ones share a micro-batch",
-                )
-            )
-    max_tokens = arr.rollout.max_num_batched_tokens
-    if arr.rollout.name == "native" and 0 < max_tokens < arr.rollout.prompt_length:
-        findings.append(
-            Finding(
-                ("actor_rollout_ref.rollout.max_num_batched_tokens", "data.max_prompt_length"),
-                f"actor_rollout_ref.rollout.max_num_batched_tokens={max_tokens} is below the longest prompt "
-                f"({arr.rollout.prompt_length} tokens)",
-                "warning",
-                why="the engine prefills at most this many tokens a step, so long prompts are split over several "
-                "steps (slower prefill); vLLM without chunked prefill refuses this",
-                fix=f"actor_rollout_ref.rollout.max_num_batched_tokens>={longest}",
-            )
-        )
-    return findings
 
 
 def check_tensor_parallel_heads(ctx: DoctorContext) -> list[Finding]:
@@ -345,9 +296,9 @@ def check_memory(ctx: DoctorContext) -> list[Finding]:
         findings.append(
             Finding(
                 (
-                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-                    "actor_rollout_ref.model.enable_gradient_checkpointing",
-                    "actor_rollout_ref.rollout.gpu_memory_utilization",
+                    ActorConfig.key("ppo_micro_batch_size_per_gpu"),
+                    ModelConfig.key("enable_gradient_checkpointing"),
+                    RolloutConfig.key("gpu_memory_utilization"),
                 ),
                 f"predicted out of memory in {worst.name}: {worst.total / GiB:.1f} GiB estimated on a "
                 f"{est.device_bytes / GiB:.1f} GiB device",
@@ -399,8 +350,8 @@ def check_kv_preemption(ctx: DoctorContext) -> list[Finding]:
             f"the KV cache holds {est.kv_tokens:,} tokens; a step's sequences at their longest need "
             f"{needed:,}: the rollout preempts (frees and later recomputes sequences) when they run long",
             "warning",
-            why="a preempted sequence's prefill and decode are done again: measured on the 0.5B shape, a cache "
-            "a fifth too small preempted 96 times and made generation 1.5x slower (docs/levers.md)",
+            why="a preempted sequence's prefill and decode are done again, so generation slows as the cache "
+            "falls short (docs/levers.md)",
             fix=f"actor_rollout_ref.rollout.gpu_memory_utilization={math.ceil(share * 100) / 100:.2f} or more, "
             "or a smaller max_num_seqs (fewer sequences at once)",
         )

@@ -91,9 +91,9 @@ def _names(value: Any) -> str | list[str] | None:
 def adapter_settings(model_cfg: Any) -> tuple[int, str | list[str] | None, str | list[str] | None]:
     """(rank, target_modules, exclude_modules) of a model section; from its `lora_adapter_path`'s
     adapter_config.json when it names a readable one (the adapters' own), else the section's keys."""
-    rank = int(getattr(model_cfg, "lora_rank", 0) or 0)
-    targets = _names(getattr(model_cfg, "target_modules", "all-linear")) or "all-linear"
-    exclude = _names(getattr(model_cfg, "exclude_modules", None))
+    rank = int(model_cfg.lora_rank or 0)
+    targets = _names(model_cfg.target_modules) or "all-linear"
+    exclude = _names(getattr(model_cfg, "exclude_modules", None))  # the critic's section has none
     path = getattr(model_cfg, "lora_adapter_path", None)
     if path:
         try:

@@ -27,19 +27,16 @@ token, `fulcrum.models.packed.SAVE_ATTENTION_OUTPUTS`); without, every layer's t
 (`layer_activation_bytes`, L·2(6h + q + 2kv + 3I) per token). The LM head runs chunk by chunk
 (`fulcrum.models.linear_logprob`, compiled on CUDA): one bf16 (chunk, V) block of logits in a no-grad
 forward; in the backward that block, its bf16 gradient and the head's fp32 weight-gradient
-accumulator (4·V·h). Recomputing one checkpointed layer in the backward is not counted: it did not
-show in the measured peaks (below).
+accumulator (4·V·h). Recomputing one checkpointed layer in the backward is not counted: it stays
+within the estimate's error (below).
 
 The model's shape and parameter count come from its family's spec (`fulcrum.models.arch`).
 Shapes: P parameters, h hidden, L layers, H / K query / KV heads of dim d (q = H·d, kv = K·d), I
 intermediate, V vocab; a micro-batch of m rows of at most T = m × (prompt + response) tokens (a packed
 micro-batch's budget), R response tokens a row (the LM head only runs on those).
 
-Checked against the 0.5B seed run on one H200 (2026-12-01, BENCHMARKS.md "Lever tuning" and "Spent
-gradients released, on a slower host"; the phases' `perf/max_memory_allocated_gb/<phase>`): every
-training phase within -2.5% / +5.5% at micro-batches of 8 to 64 rows (6k to 49k tokens) and with
-dynamic batches; docs/levers.md, "The memory estimate", has the table. torch's allocated figure
-leaves out the CUDA context (0.5 GiB here).
+Its error against the phases' measured `perf/max_memory_allocated_gb/<phase>`: docs/levers.md, "The
+memory estimate". torch's allocated figure leaves out the CUDA context (CUDA_CONTEXT_BYTES).
 """
 
 from __future__ import annotations
@@ -61,8 +58,8 @@ from fulcrum.tools.lora_params import ModelParams, model_params
 from fulcrum.trainer.old_log_probs import update_can_give_old_log_probs
 
 GiB = 1024**3
-# The H200 the benchmarks ran on (about 140 GiB as torch reports it): the device assumed when none is
-# visible and none is named (`fulcrum doctor --device-memory-gib`).
+# The device assumed when none is visible and none is named (`fulcrum doctor --device-memory-gib`): an
+# H200, about 140 GiB as torch reports it.
 DEFAULT_DEVICE_GIB = 140.0
 CUDA_CONTEXT_BYTES = 512 * 1024**2  # CUDA context, cuBLAS workspaces, allocator slack (rough)
 # fulcrum.models.linear_logprob.CHUNK_ELEMENTS (a test keeps them equal; not imported, to keep torch out

@@ -69,15 +69,16 @@ def _per_device_mini_batch(cfg: FulcrumConfig) -> int:
 
 def micro_batch_overrides(cfg: FulcrumConfig, micro: int) -> Overrides:
     """Every micro-batch size of the run at `micro` (training) and 2 x `micro` (no-grad forwards)."""
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
     out = {
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": str(micro),
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": str(2 * micro),
+        arr.actor.key("ppo_micro_batch_size_per_gpu"): str(micro),
+        arr.rollout.key("log_prob_micro_batch_size_per_gpu"): str(2 * micro),
     }
     if uses_reference(cfg):
-        out["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] = str(2 * micro)
+        out[arr.ref.key("log_prob_micro_batch_size_per_gpu")] = str(2 * micro)
     if uses_critic(cfg):
-        out["critic.ppo_micro_batch_size_per_gpu"] = str(micro)
-        out["critic.forward_micro_batch_size_per_gpu"] = str(2 * micro)
+        out[critic.key("ppo_micro_batch_size_per_gpu")] = str(micro)
+        out[critic.key("forward_micro_batch_size_per_gpu")] = str(2 * micro)
     return out
 
 
@@ -93,9 +94,9 @@ def levers_for(cfg: FulcrumConfig, on_cuda: bool) -> list[Lever]:
     ]
     levers.append(Lever("micro", [micro_batch_overrides(cfg, m) for m in micros[:4]]))
     checkpointing = bool(arr.model.enable_gradient_checkpointing)
-    flip = {"actor_rollout_ref.model.enable_gradient_checkpointing": str(not checkpointing)}
+    flip = {arr.model.key("enable_gradient_checkpointing"): str(not checkpointing)}
     if uses_critic(cfg):
-        flip["critic.model.enable_gradient_checkpointing"] = str(not checkpointing)
+        flip[cfg.critic.model.key("enable_gradient_checkpointing")] = str(not checkpointing)
     levers.append(Lever("checkpointing", [flip]))
     longest = rollout.prompt_length + rollout.response_length
     if not arr.actor.use_dynamic_bsz:
@@ -103,17 +104,17 @@ def levers_for(cfg: FulcrumConfig, on_cuda: bool) -> list[Lever]:
         for factor in (2, 4, 8):
             budget = factor * longest
             option = {
-                "actor_rollout_ref.actor.use_dynamic_bsz": "True",
-                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": str(budget),
+                arr.actor.key("use_dynamic_bsz"): "True",
+                arr.actor.key("ppo_max_token_len_per_gpu"): str(budget),
             }
             if uses_critic(cfg):
-                option["critic.use_dynamic_bsz"] = "True"
-                option["critic.ppo_max_token_len_per_gpu"] = str(budget)
+                option[cfg.critic.key("use_dynamic_bsz")] = "True"
+                option[cfg.critic.key("ppo_max_token_len_per_gpu")] = str(budget)
             dynamic.append(option)
         levers.append(Lever("dynamic", dynamic))
     responses = cfg.data.train_batch_size * rollout.n // max(world_size(cfg), 1)
     if rollout.max_num_seqs < responses:
-        levers.append(Lever("max_num_seqs", [{"actor_rollout_ref.rollout.max_num_seqs": str(responses)}]))
+        levers.append(Lever("max_num_seqs", [{rollout.key("max_num_seqs"): str(responses)}]))
     if rollout.name == "native":
         budgets = sorted(
             {b for b in (2 * rollout.max_num_batched_tokens, 4 * rollout.max_num_batched_tokens)}
@@ -121,7 +122,7 @@ def levers_for(cfg: FulcrumConfig, on_cuda: bool) -> list[Lever]:
         levers.append(
             Lever(
                 "max_num_batched_tokens",
-                [{"actor_rollout_ref.rollout.max_num_batched_tokens": str(b)} for b in budgets],
+                [{rollout.key("max_num_batched_tokens"): str(b)} for b in budgets],
             )
         )
         if on_cuda:
@@ -129,7 +130,7 @@ def levers_for(cfg: FulcrumConfig, on_cuda: bool) -> list[Lever]:
             levers.append(
                 Lever(
                     "gpu_memory_utilization",
-                    [{"actor_rollout_ref.rollout.gpu_memory_utilization": str(f)} for f in fractions],
+                    [{rollout.key("gpu_memory_utilization"): str(f)} for f in fractions],
                 )
             )
     return [lever for lever in levers if lever.candidates]
@@ -139,9 +140,9 @@ def shrink_lever(cfg: FulcrumConfig) -> Lever:
     """What to try when the user's configuration runs out of memory: gradient checkpointing on, then
     the micro-batches halved down to 1 (least memory last)."""
     arr = cfg.actor_rollout_ref
-    checkpointing = {"actor_rollout_ref.model.enable_gradient_checkpointing": "True"}
+    checkpointing = {arr.model.key("enable_gradient_checkpointing"): "True"}
     if uses_critic(cfg):
-        checkpointing["critic.model.enable_gradient_checkpointing"] = "True"
+        checkpointing[cfg.critic.model.key("enable_gradient_checkpointing")] = "True"
     candidates = [] if arr.model.enable_gradient_checkpointing else [dict(checkpointing)]
     micro = (arr.actor.ppo_micro_batch_size_per_gpu or 1) // 2
     while micro >= 1:

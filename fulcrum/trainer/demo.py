@@ -121,7 +121,7 @@ def run_demo(overrides: list[str] | None = None, plan: DemoPlan | None = None) -
     `overrides` (verl's `KEY=VALUE`) act on the PPO stage; they are checked before anything runs.
     """
     from fulcrum.models.tiny import build_tiny_model
-    from fulcrum.trainer.run import run_ppo
+    from fulcrum.trainer.run import train
     from fulcrum.trainer.run_dir import move_old_run_aside, other_run_contents
     from fulcrum.trainer.sft import run_sft
 
@@ -173,7 +173,7 @@ def run_demo(overrides: list[str] | None = None, plan: DemoPlan | None = None) -
         f"{cfg.actor_rollout_ref.rollout.n} samples, {cfg.trainer.total_training_steps} steps",
         flush=True,
     )
-    code = run_ppo(cfg)
+    code = train(cfg)
     if code != 0:
         print(f"fulcrum demo: the PPO stage failed (exit {code}); see the messages above", file=sys.stderr)
         return code

@@ -28,24 +28,21 @@ NON_FINITE_KEYS = (
 KL_KEYS = ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty")
 
 KL_SPIKE_FACTOR = 10.0  # a value this many times its running median is a spike
-# ... and above this absolute value (tiny KLs jitter by large factors). actor/ppo_kl's is higher: on SmolLM2's
-# healthy multi-step runs (2026-12-01, 18 runs) it once went 0.0002 -> 0.002, 11x, with nothing wrong, while
-# healthy runs of bench/learning.py reach 0.012 and the runaway ones start at 0.04.
+# ... and above this absolute value (tiny KLs jitter by large factors). actor/ppo_kl's is higher: a healthy
+# run's ppo_kl can jump tenfold near 1e-3 and stays below about 0.012; a runaway one starts near 0.04.
 KL_SPIKE_FLOORS = {"actor/ppo_kl": 5e-3, "actor/kl_loss": 1e-3, "actor/reward_kl_penalty": 1e-3}
 KL_MIN_HISTORY = 5
 # A policy that moves this far, steadily (median of KL_HIGH_STEPS steps), is running away from the start;
-# the spike rule cannot see it, as its running median is high too. Measured on bench/learning.py's
-# 27 M model (2026-12-01): actor lr 3e-4 gave actor/ppo_kl 0.04-0.17 and actor/kl_loss 2.3-6.2 from the
-# first steps and lost the task (validation 0.41 -> 0.06); lr 1e-4 and 3e-5 stayed at ppo_kl <= 0.012
-# (one step of 0.022) and kl_loss <= 0.09.
-# GRPO's signal: most groups of n alike for ALIKE_STEPS steps. On SmolLM2's multi-step runs (2026-12-01) the
-# training reward passed 0.7 with entropy near 0.02 nats a token, and GRPO's validation accuracy flattened
-# while PPO's (one sample a prompt, a critic) still rose.
+# the spike rule cannot see it, as its running median is high too. The limits sit between a policy that
+# keeps its task (ppo_kl <= ~0.02, kl_loss <= ~0.1) and one whose learning rate is too high for it
+# (ppo_kl >= 0.04 and kl_loss >= 2 from the first steps, the task lost).
+# GRPO's signal: most groups of n alike for ALIKE_STEPS steps. When a policy's samples agree (training reward
+# high, entropy near zero) GRPO's advantages vanish and its validation accuracy flattens, while PPO's (one
+# sample a prompt, a critic) can still rise.
 ALIKE_LIMIT = 0.5
 ALIKE_STEPS = 5
 # With DAPO's filter on, the trained batch has signal by construction; what alike groups cost is generation:
-# each kept group takes 1 / (1 - share) generated ones. On those runs with the filter the share rose
-# 0.40 -> 0.72 (2 -> 4 rounds a step, generation 40 % of the step); above 0.75 a kept group costs 4+.
+# each kept group takes 1 / (1 - share) generated ones: above 0.75 a kept group costs 4 or more.
 FILTERED_ALIKE_LIMIT = 0.75
 KL_HIGH_LIMITS = {"actor/ppo_kl": 0.02, "actor/kl_loss": 1.0, "actor/reward_kl_penalty": 1.0}
 KL_HIGH_STEPS = 3

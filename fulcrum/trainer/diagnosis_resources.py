@@ -34,9 +34,8 @@ PHASE_LEVERS: dict[str, str] = {
 MEMORY_KEYS = ("perf/max_memory_reserved_gb", "perf/max_memory_allocated_gb", "perf/cpu_memory_peak_rss_gb")
 MEMORY_MIN_STEPS = 6  # warm steps needed before calling memory growth a creep
 # Runnable tasks per CPU (perf/cpu_load, median of HOST_LOAD_STEPS steps) at which the host is saturated.
-# The trainer itself keeps a few threads busy (its main thread, one torch CPU thread on CUDA, fulcrum.config.device):
-# on a host of 16 CPUs that is about 0.1-0.2; beside one CPU-burning process per core it read 1.0-1.5 and the seed
-# command's training passes ran 1.7-3x slower (BENCHMARKS.md, "A host under load").
+# The trainer itself keeps a few threads busy (its main thread, one torch CPU thread on CUDA, fulcrum.config.device),
+# well under one task per CPU; at one or more, the passes that launch kernels from the host wait for a core.
 HOST_LOAD_LIMIT = 1.0
 HOST_LOAD_STEPS = 3
 # The phases that launch their kernels one by one from the host (generation replays CUDA graphs).
@@ -117,9 +116,8 @@ def host_loaded(rows: Sequence[Row]) -> list[Finding]:
     """The host's CPUs saturated (perf/cpu_load, median of the last HOST_LOAD_STEPS training steps, at or
     above HOST_LOAD_LIMIT) while the step's time goes mostly to phases the host drives.
 
-    Not for a run whose training micro-batches replay as CUDA graphs (it logs perf/graph_captures): beside
-    one CPU-burning process per core the seed command's step was 1.00-1.03x its idle time so (BENCHMARKS.md,
-    "The host work around the graphs"), and freeing the CPUs would buy nothing."""
+    Not for a run whose training micro-batches replay as CUDA graphs (it logs perf/graph_captures): a graph
+    replay launches its kernels without the host, so freeing the CPUs would buy nothing."""
     points = finite_series(rows, "perf/cpu_load")
     if len(points) < HOST_LOAD_STEPS or any("perf/graph_captures" in row for row in rows):
         return []

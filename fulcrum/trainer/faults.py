@@ -33,6 +33,9 @@ from typing import Any
 
 import torch
 
+from fulcrum.config.schema import ActorConfig, CriticConfig, CriticModelConfig, ModelConfig, RefConfig
+from fulcrum.config.schema_data import DataConfig
+from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.trainer.diagnosis import NON_FINITE_KEYS
 from fulcrum.trainer.metrics import phase_of
 
@@ -148,42 +151,42 @@ def _fmt(values: Mapping[str, float]) -> str:
 # (config key, what it does), by the phase of the step where memory ran out; `None` = any phase.
 OOM_LEVERS: dict[str | None, list[tuple[str, str]]] = {
     "gen": [
-        ("actor_rollout_ref.rollout.gpu_memory_utilization", "lower it: a smaller KV cache"),
-        ("actor_rollout_ref.rollout.max_num_seqs", "lower it: fewer sequences decoded at once"),
-        ("actor_rollout_ref.rollout.max_num_batched_tokens", "lower it: smaller prefill chunks"),
-        ("actor_rollout_ref.rollout.free_cache_engine", "True: release the KV cache while training"),
+        (RolloutConfig.key("gpu_memory_utilization"), "lower it: a smaller KV cache"),
+        (RolloutConfig.key("max_num_seqs"), "lower it: fewer sequences decoded at once"),
+        (RolloutConfig.key("max_num_batched_tokens"), "lower it: smaller prefill chunks"),
+        (RolloutConfig.key("free_cache_engine"), "True: release the KV cache while training"),
     ],
     "update_actor": [
-        ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "lower it: fewer responses per backward"),
-        ("actor_rollout_ref.actor.use_dynamic_bsz", "True: micro-batches by token count"),
-        ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "lower it (with use_dynamic_bsz)"),
-        ("actor_rollout_ref.model.enable_gradient_checkpointing", "True: recompute activations"),
-        ("actor_rollout_ref.actor.fsdp_config.param_offload", "True: parameters on the CPU"),
-        ("actor_rollout_ref.actor.fsdp_config.optimizer_offload", "True: optimiser state on the CPU"),
+        (ActorConfig.key("ppo_micro_batch_size_per_gpu"), "lower it: fewer responses per backward"),
+        (ActorConfig.key("use_dynamic_bsz"), "True: micro-batches by token count"),
+        (ActorConfig.key("ppo_max_token_len_per_gpu"), "lower it (with use_dynamic_bsz)"),
+        (ModelConfig.key("enable_gradient_checkpointing"), "True: recompute activations"),
+        (ActorConfig.key("fsdp_config.param_offload"), "True: parameters on the CPU"),
+        (ActorConfig.key("fsdp_config.optimizer_offload"), "True: optimiser state on the CPU"),
     ],
     "update_critic": [
-        ("critic.ppo_micro_batch_size_per_gpu", "lower it: fewer responses per backward"),
-        ("critic.use_dynamic_bsz", "True: micro-batches by token count"),
-        ("critic.ppo_max_token_len_per_gpu", "lower it (with use_dynamic_bsz)"),
-        ("critic.model.enable_gradient_checkpointing", "True: recompute activations"),
-        ("critic.model.fsdp_config.param_offload", "True: parameters on the CPU"),
-        ("critic.model.fsdp_config.optimizer_offload", "True: optimiser state on the CPU"),
+        (CriticConfig.key("ppo_micro_batch_size_per_gpu"), "lower it: fewer responses per backward"),
+        (CriticConfig.key("use_dynamic_bsz"), "True: micro-batches by token count"),
+        (CriticConfig.key("ppo_max_token_len_per_gpu"), "lower it (with use_dynamic_bsz)"),
+        (CriticModelConfig.key("enable_gradient_checkpointing"), "True: recompute activations"),
+        (CriticModelConfig.key("fsdp_config.param_offload"), "True: parameters on the CPU"),
+        (CriticModelConfig.key("fsdp_config.optimizer_offload"), "True: optimiser state on the CPU"),
     ],
     "old_log_prob": [
-        ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "lower it"),
-        ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", "lower it (with dynamic batch size)"),
+        (RolloutConfig.key("log_prob_micro_batch_size_per_gpu"), "lower it"),
+        (RolloutConfig.key("log_prob_max_token_len_per_gpu"), "lower it (with dynamic batch size)"),
     ],
     "ref": [
-        ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "lower it"),
-        ("actor_rollout_ref.ref.fsdp_config.param_offload", "True: reference weights on the CPU"),
+        (RefConfig.key("log_prob_micro_batch_size_per_gpu"), "lower it"),
+        (RefConfig.key("fsdp_config.param_offload"), "True: reference weights on the CPU"),
     ],
     "values": [
-        ("critic.forward_micro_batch_size_per_gpu", "lower it"),
-        ("critic.forward_max_token_len_per_gpu", "lower it (with dynamic batch size)"),
+        (CriticConfig.key("forward_micro_batch_size_per_gpu"), "lower it"),
+        (CriticConfig.key("forward_max_token_len_per_gpu"), "lower it (with dynamic batch size)"),
     ],
     None: [
-        ("data.max_response_length", "shorter responses"),
-        ("data.train_batch_size", "fewer prompts per step"),
+        (DataConfig.key("max_response_length"), "shorter responses"),
+        (DataConfig.key("train_batch_size"), "fewer prompts per step"),
     ],
 }
 

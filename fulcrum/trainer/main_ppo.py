@@ -19,13 +19,13 @@ import os
 import sys
 from pathlib import Path
 
-# OpenMP threads that spin while waiting burn the CPU that other threads (and other processes) need:
-# on a busy 2-core machine a 2-thread actor update used 8x the CPU time and ran 7x slower with the
-# default (spinning) policy than with passive waiting. Only acts if torch is not imported yet; a
-# user's own OMP_WAIT_POLICY wins.
+# OpenMP threads that spin while waiting burn the CPU that other threads (and other processes) need: on a
+# busy host a multi-threaded update slows several-fold under the default (spinning) policy. Only acts if
+# torch is not imported yet; a user's own OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from fulcrum.config import ConfigError, load_config
+from fulcrum.config.device import select_device
 
 DEMO_TRIGGER_KEYS = ("data.train_files", "actor_rollout_ref.model.path")
 
@@ -36,14 +36,8 @@ def wants_demo(argv: list[str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return _main(list(sys.argv[1:] if argv is None else argv))
-    except KeyboardInterrupt:  # before the run started (imports, configuration); the run says more
-        print("fulcrum train: interrupted (Ctrl-C) before training started", file=sys.stderr)
-        return 130
-
-
-def _main(argv: list[str]) -> int:
+    """The demo, or one process per GPU through torchrun, or `train(cfg)` in this process."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         print(
@@ -53,40 +47,41 @@ def _main(argv: list[str]) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_config(argv)  # an unknown key or bad value is reported before anything runs, demo included
-    except ConfigError as err:
-        print(f"fulcrum train: {err}", file=sys.stderr)
-        return 1
-    if wants_demo(argv):
-        try:
-            from fulcrum.trainer.demo import run_demo
-        except ImportError as err:
-            print(
-                f"fulcrum train: the built-in demo is not available ({err}); pass data.train_files=... "
-                "and actor_rollout_ref.model.path=... to train",
-                file=sys.stderr,
-            )
+        from fulcrum.trainer.launch import cpu_note, processes_to_launch, relaunch
+
+        try:  # an unknown key or bad value is reported before anything runs, demo included
+            cfg = load_config(argv)
+            nproc = 0 if wants_demo(argv) else processes_to_launch(cfg)
+            if nproc:  # too few GPUs: say so here, once, rather than from every process started
+                select_device(cfg.trainer.device, cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
+        except ConfigError as err:
+            print(f"fulcrum train: {err}", file=sys.stderr)
             return 1
-        return run_demo(argv)
-    from fulcrum.trainer.launch import cpu_note, processes_to_launch, relaunch
+        if wants_demo(argv):
+            return _demo(argv)
+        if nproc:
+            return relaunch(nproc, argv, Path(cfg.trainer.default_local_dir).expanduser())
+        if note := cpu_note(cfg):
+            print(note)
+        from fulcrum.trainer.run import train
 
+        return train(cfg)
+    except KeyboardInterrupt:  # before the run started (imports, configuration); the run says more
+        print("fulcrum train: interrupted (Ctrl-C) before training started", file=sys.stderr)
+        return 130
+
+
+def _demo(argv: list[str]) -> int:
     try:
-        nproc = processes_to_launch(cfg)
-        if nproc:  # too few GPUs: say so here, once, rather than from every process started
-            from fulcrum.config.device import select_device
-
-            select_device(cfg.trainer.device, cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
-    except ConfigError as err:
-        print(f"fulcrum train: {err}", file=sys.stderr)
+        from fulcrum.trainer.demo import run_demo
+    except ImportError as err:
+        print(
+            f"fulcrum train: the built-in demo is not available ({err}); pass data.train_files=... "
+            "and actor_rollout_ref.model.path=... to train",
+            file=sys.stderr,
+        )
         return 1
-    if nproc:
-        return relaunch(nproc, argv, Path(cfg.trainer.default_local_dir).expanduser())
-    note = cpu_note(cfg)
-    if note:
-        print(note)
-    from fulcrum.trainer.run import run_ppo
-
-    return run_ppo(cfg)
+    return run_demo(argv)
 
 
 if __name__ == "__main__":

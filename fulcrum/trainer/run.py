@@ -1,6 +1,7 @@
-"""Train with a configuration object: the one entry that `fulcrum train` and the built-in demo call.
+"""Train with a configuration object: `train(cfg)`, the one entry that `fulcrum train` (main_ppo), each
+process torchrun starts, and the built-in demo call.
 
-`run_ppo(cfg)` checks the resolved configuration (device count, the cross-key rules of `fulcrum
+It checks the resolved configuration (device count, the cross-key rules of `fulcrum
 doctor`, the model folders) before the trainer is even imported, takes the run directory's lock
 (fulcrum.trainer.run_lock: rank 0 alone under torchrun), prints the advice notes, trains, and turns
 the failures a user can act on into one paragraph and exit code 1. An error before the first step
@@ -10,6 +11,7 @@ set-up, or a second one during training) ends it with one line and exit 130.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -37,6 +39,8 @@ from fulcrum.trainer.run_dir import RunDirError
 
 if TYPE_CHECKING:
     import torch
+
+    from fulcrum.trainer.ppo_trainer import PPOTrainer
 
 ACTOR_KEY = "actor_rollout_ref.model.path"
 DEBUG_ENV = "FULCRUM_DEBUG"  # =1: set-up errors come with their traceback
@@ -102,26 +106,23 @@ def interrupted_line(run_dir: Path) -> str:
     return f"fulcrum train: stopped at once by Ctrl-C; no partial checkpoint is left; {kept}"
 
 
-def run_ppo(cfg: FulcrumConfig) -> int:
-    """Train as `cfg` (resolved: `load_config`) says; 0 when done, 1 with a message on stderr, or
-    128 + the signal number when Ctrl-C / SIGTERM stopped the run. Under torchrun every process
-    calls this; they join one process group and train one run (fulcrum.parallel), and leave it within
-    a bound (`run_then_leave`): a finished run never hangs at exit."""
-    return run_then_leave(lambda: _run_ppo(cfg))
+def train(cfg: FulcrumConfig) -> int:
+    """Train as `cfg` (resolved: `load_config`) says: checks -> run lock -> trainer -> fit. 0 when done, 1
+    with a message on stderr, or 128 + the signal number when Ctrl-C / SIGTERM stopped the run. Under
+    torchrun every process calls this; they join one process group and train one run (fulcrum.parallel),
+    and leave it within a bound (`run_then_leave`): a finished run never hangs at exit."""
+    return run_then_leave(functools.partial(_train, cfg))
 
 
-def _run_ppo(cfg: FulcrumConfig) -> int:
-    trainer_cfg = cfg.trainer
-    env = info_from_env()
-    try:
+def _train(cfg: FulcrumConfig) -> int:
+    trainer_cfg, env = cfg.trainer, info_from_env()
+    try:  # 1. checks, before any model loads: devices, the cross-key rules of `fulcrum doctor`, model folders
         if env.distributed:
             check_world_size(trainer_cfg.n_gpus_per_node, trainer_cfg.nnodes, env.world_size)
         device = select_device(
             trainer_cfg.device, trainer_cfg.n_gpus_per_node, trainer_cfg.nnodes, local_rank=env.local_rank
         )
-        # The cross-key rules of `fulcrum doctor` (sizes that do not divide, missing micro-batch sizes...)
-        # stop the run before any model is loaded; the device count was checked just above.
-        check(cfg, n_devices=None)
+        check(cfg, n_devices=None)  # the device count was checked just above
         check_model_paths(cfg)
     except (ConfigError, ModelPathError) as err:
         print(f"fulcrum train: {err}", file=sys.stderr)
@@ -132,15 +133,32 @@ def _run_ppo(cfg: FulcrumConfig) -> int:
     info = init_distributed(device.type)
     quiet_other_ranks(info)
     run_dir = Path(trainer_cfg.default_local_dir).expanduser()
-    try:
-        # One process per run directory, before anything is loaded: rank 0 holds it for the group.
+    try:  # 2. the run lock: one process per run directory, rank 0 holding it for the group
         on_main(lambda: run_lock.acquire(run_dir, "fulcrum train"))
     except (run_lock.RunDirBusyError, OSError) as err:
         if info.is_main:  # every rank gets rank 0's error; one of them says it
             print(f"fulcrum train: {err}", file=sys.stderr)
         return 1
     try:
-        return _train(cfg, device, info, run_dir)
+        for note in advise(cfg):
+            print(f"note: {note}")
+        from fulcrum.reward.scoring import RewardError  # the heavy imports once the checks passed
+        from fulcrum.trainer.checkpoint import CheckpointError
+        from fulcrum.trainer.faults import NonFiniteTrainingError, OutOfMemoryHelp
+        from fulcrum.trainer.loggers import MetricsWriteError
+
+        stops = (CheckpointError, NonFiniteTrainingError, OutOfMemoryHelp, RewardError, MetricsWriteError)
+        trainer = _trainer(cfg, device, info)  # 3. the trainer
+        if trainer is None:
+            return 1
+        try:  # 4. fit
+            trainer.fit()
+        except stops as err:  # failures the user acts on from one paragraph
+            print(f"fulcrum train: {err}", file=sys.stderr)
+            return 1
+        finally:
+            trainer.close()  # before the process group goes (run_then_leave): see PPOTrainer.close
+        return trainer.exit_code
     except KeyboardInterrupt:
         print(interrupted_line(run_dir), file=sys.stderr)
         return 128 + signal.SIGINT
@@ -148,30 +166,16 @@ def _run_ppo(cfg: FulcrumConfig) -> int:
         run_lock.release(run_dir)
 
 
-def _train(cfg: FulcrumConfig, device: torch.device, info: DistInfo, run_dir: Path) -> int:
-    for note in advise(cfg):
-        print(f"note: {note}")
-    from fulcrum.reward.scoring import RewardError
-    from fulcrum.trainer.checkpoint import CheckpointError
-    from fulcrum.trainer.faults import NonFiniteTrainingError, OutOfMemoryHelp
-    from fulcrum.trainer.loggers import MetricsWriteError
+def _trainer(cfg: FulcrumConfig, device: torch.device, info: DistInfo) -> PPOTrainer | None:
+    """The trainer, or None after printing why it could not be built (one paragraph)."""
     from fulcrum.trainer.ppo_trainer import PPOTrainer
 
     try:
-        trainer = PPOTrainer(cfg, device, n_devices=info.world_size, dist=info)
+        return PPOTrainer(cfg, device, n_devices=info.world_size, dist=info)
     except (RunDirError, run_lock.RunDirBusyError) as err:  # our one paragraph, whole already
         print(f"fulcrum train: {err}", file=sys.stderr)
-        return 1
     except Exception as err:
         print(setup_error_message(err), file=sys.stderr)
         if debug_requested():
             raise
-        return 1
-    try:
-        trainer.fit()
-    except (CheckpointError, NonFiniteTrainingError, OutOfMemoryHelp, RewardError, MetricsWriteError) as err:
-        print(f"fulcrum train: {err}", file=sys.stderr)
-        return 1
-    finally:
-        trainer.close()  # before the process group goes (run_ppo): see PPOTrainer.close
-    return trainer.exit_code
+    return None

@@ -231,7 +231,7 @@ def _resume_step(path: Path) -> int:
 
 
 def check_not_in_use(run_dir: Path, command: str) -> None:
-    """Stop when another live process holds the folder's lock. `run_ppo` holds it for the whole run; a
+    """Stop when another live process holds the folder's lock. `train` holds it for the whole run; a
     trainer built directly (tests, scripts) only checks here, holding nothing after."""
     if run_lock.holds(run_dir):
         return

@@ -8,7 +8,7 @@ processes itself (fulcrum.trainer.launch), the launcher takes it and its childre
 their launcher (`FULCRUM_RUN_LOCK_OWNER`), which counts as held by them.
 
 A lock is held until `release` or the end of the process; taking it again in the same process is a
-no-op (a resume in the same process, the trainer opening the directory after `run_ppo` took it).
+no-op (a resume in the same process, the trainer opening the directory after `train` took it).
 """
 
 from __future__ import annotations

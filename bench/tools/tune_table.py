@@ -1,6 +1,6 @@
 """The rows of docs/levers.md's tune table from a `fulcrum tune` work folder's trials.json.
 
-    python bench/tune_table.py OUT/tune-micro-checkpointing-dynamic/trials.json
+    python bench/tools/tune_table.py OUT/tune-micro-checkpointing-dynamic/trials.json
 
 Prints one markdown row per trial: #, probe, tok/s/GPU, step s, update_actor s, update_critic s, the
 training-phase peak (GiB allocated, generation left out), outcome; paste them over the _TUNE_ rows.

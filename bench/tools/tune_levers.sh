@@ -2,14 +2,14 @@
 # `fulcrum tune` over the seed command's throughput levers on one GPU, Qwen2.5-0.5B shape (random weights,
 # responses run to 256 tokens: a fixed worst-case load), for BENCHMARKS.md and docs/levers.md.
 #
-#   bench/tune_levers.sh [LEVERS] [MAX_TRIALS] [KEY=VALUE ...]   # e.g. bench/tune_levers.sh micro 5
+#   bench/tools/tune_levers.sh [LEVERS] [MAX_TRIALS] [KEY=VALUE ...]   # e.g. bench/tools/tune_levers.sh micro 5
 #
 # LEVERS: comma-separated (micro, checkpointing, dynamic, max_num_seqs, max_num_batched_tokens,
 # gpu_memory_utilization; default all). A trial trains $STEPS steps (default 2: the second is measured).
 # At the seed's sizes a trial takes about 2-3 minutes on one H200; for a short call, shrink the batch and
 # bound the search (the table and the best overrides found by then are still printed):
 #
-#   PROMPTS=128 MINI=32 BUDGET=210 bench/tune_levers.sh micro,checkpointing,dynamic 8
+#   PROMPTS=128 MINI=32 BUDGET=210 bench/tools/tune_levers.sh micro,checkpointing,dynamic 8
 #
 # PROMPTS (data.train_batch_size, default 512) and MINI (ppo_mini_batch_size, default 128) keep the
 # seed's 4 mini-batches a step and its micro-batch of 8 (the micro lever then tries 16 and 32);

@@ -1,8 +1,8 @@
 """Where a decode step's time goes in the native engine: kernels by kind, launch gaps, the host between windows.
 
-    python bench/decode_profile.py --json decode_profile.json               # one GPU, Qwen2.5-0.5B shape
-    python bench/decode_profile.py --model DIR --json smollm2_profile.json  # a real checkpoint (`fulcrum pretrained`)
-    python bench/decode_profile.py --small --device cpu --prompts 8 --new-tokens 32   # a smoke run
+    python bench/tools/decode_profile.py --json decode_profile.json               # one GPU, Qwen2.5-0.5B shape
+    python bench/tools/decode_profile.py --model DIR --json smollm2_profile.json  # a real checkpoint (`fulcrum pretrained`)
+    python bench/tools/decode_profile.py --small --device cpu --prompts 8 --new-tokens 32   # a smoke run
 
 Workload and engine: bench/rollout.py's (`bench_native`: the same EngineConfig, CUDA graphs on unless
 `--enforce-eager`, every bucket captured, a warm-up generate, then `--repeats` timed ones without the
@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the suite it builds on
 
 from rollout import (
     add_launch_options,

@@ -6,10 +6,10 @@
 # where two whole run_all.sh runs would take 19.
 #
 #   git archive 42c7781 | tar x -C /tmp/old                # the tree to compare against (the device has no .git)
-#   bash bench/compare_trees.sh /tmp/old                    # new = this tree; work files in $WORK (/tmp/compare)
-#   RESULTS=$OUT bash bench/compare_trees.sh /tmp/old       # copies the table and the JSON there
-#   SMOKE=1 bash bench/compare_trees.sh /tmp/old            # the same on the CPU with a tiny model (~3 min)
-#   PARTS=grpo ROUNDS=2 bash bench/compare_trees.sh /tmp/old   # only the GRPO step, old/new/old/new
+#   bash bench/tools/compare_trees.sh /tmp/old                    # new = this tree; work files in $WORK (/tmp/compare)
+#   RESULTS=$OUT bash bench/tools/compare_trees.sh /tmp/old       # copies the table and the JSON there
+#   SMOKE=1 bash bench/tools/compare_trees.sh /tmp/old            # the same on the CPU with a tiny model (~3 min)
+#   PARTS=grpo ROUNDS=2 bash bench/tools/compare_trees.sh /tmp/old   # only the GRPO step, old/new/old/new
 #
 # A step figure moves by up to 10 % between two runs of the same tree (the host's speed drifts; the GRPO
 # step measured 56.8k-62.5k tok/s for one tree in one call, 2026-12-02): ROUNDS=N runs each step part N
@@ -18,7 +18,7 @@
 # Inputs (made when missing): $DATA (GSM8K in verl's parquet) and $MODEL (the random Qwen2.5-0.5B shape, made by
 # the new tree's bench/train_step.py make-model), shared by both trees. Each part runs under its own limit.
 set -u
-NEW=$(cd "$(dirname "$0")/.." && pwd)
+NEW=$(cd "$(dirname "$0")/../.." && pwd)
 OLD=$(cd "${1:?usage: compare_trees.sh OLD_TREE_DIR}" && pwd)
 WORK=${WORK:-/tmp/compare}; mkdir -p "$WORK"
 RESULTS=${RESULTS:-}
@@ -48,7 +48,7 @@ if [ "$SMOKE" = 1 ]; then
   MODEL=$(realpath -m "${MODEL:-$WORK/tiny_model}")
   [ -f "$MODEL/config.json" ] || (cd "$NEW" && PYTHONPATH=$NEW${PYTHONPATH:+:$PYTHONPATH} $PY -m fulcrum.cli tiny-model --out "$MODEL" >/dev/null) \
     || { echo "could not make the model in $MODEL"; exit 1; }
-  . "$(dirname "$0")/smoke_args.sh"
+  . "$(dirname "$0")/../smoke_args.sh"
   ROLLOUT_ARGS=$SMOKE_ROLLOUT_ARGS
   STEP_ARGS=$SMOKE_STEP_ARGS
   GRPO_ARGS="algorithm.adv_estimator=grpo actor_rollout_ref.rollout.n=2"
@@ -98,7 +98,7 @@ for round in $(seq 1 "$ROUNDS"); do
   done
 done
 
-$PY "$NEW/bench/compare_table.py" "$WORK" | tee "$WORK/compare.md"
+$PY "$NEW/bench/tools/compare_table.py" "$WORK" | tee "$WORK/compare.md"
 if [ -n "$RESULTS" ]; then
   mkdir -p "$RESULTS"
   cp "$WORK/compare.md" "$RESULTS/"

@@ -1,7 +1,7 @@
 """Benchmark: the native engine's sampler under each launch configuration.
 
-    python bench/sample_sweep.py [--json out.json]
-    python bench/sample_sweep.py --small      # the script's path under TRITON_INTERPRET=1 (no GPU)
+    python bench/tools/sample_sweep.py [--json out.json]
+    python bench/tools/sample_sweep.py --small      # the script's path under TRITON_INTERPRET=1 (no GPU)
 
 `sample_kernels.sample_tokens` samples 512 rows of 151,936 logits a 0.5B decode step (the SmolLM2 shape:
 1,024 of 49,152) in two kernels: a pass over every entry (a tile's max and softmax sum, one exp an entry)

@@ -1,7 +1,7 @@
 """Benchmark: where an actor update's time goes, unprofiled — CUDA events around its parts.
 
-    python bench/update_timeline.py --model .bench/qwen05 [--rows 512] [--mini 128] [--json out.json] [KEY=VALUE ...]
-    python bench/update_timeline.py --model TINY --device cpu --rows 16 --mini 8 --prompt-width 320 \
+    python bench/tools/update_timeline.py --model .bench/qwen05 [--rows 512] [--mini 128] [--json out.json] [KEY=VALUE ...]
+    python bench/tools/update_timeline.py --model TINY --device cpu --rows 16 --mini 8 --prompt-width 320 \
         --response 32   # the script's path on the CPU (host times only)
 
 The profiler's own host cost made the seed-size update look host-bound (BENCHMARKS.md, "A micro-batch
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the suite it builds on
 from passes import _section, add_seed_batch_args, seed_sizes_config, synthetic_batch
 
 

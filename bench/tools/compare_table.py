@@ -1,8 +1,8 @@
-"""The table of `bench/compare_trees.sh`: each figure of the old and the new tree and their ratio.
+"""The table of `bench/tools/compare_trees.sh`: each figure of the old and the new tree and their ratio.
 
-    python bench/compare_table.py WORK      # WORK holds rollout_{old,new}.json, seed_*.json, grpo_*.json
+    python bench/tools/compare_table.py WORK      # WORK holds rollout_{old,new}.json, seed_*.json, grpo_*.json
 
-A step part run in several rounds (`ROUNDS=2 bash bench/compare_trees.sh`) leaves one JSON a round,
+A step part run in several rounds (`ROUNDS=2 bash bench/tools/compare_trees.sh`) leaves one JSON a round,
 `grpo_old_r1.json`, `grpo_old_r2.json`, ...: its figure is the median over the warm steps of every round,
 so that one run's host drift weighs no more than one round. A figure moves when new / old leaves [1 - TOLERANCE, 1 + TOLERANCE] (the 3 % that a refactor may not
 exceed); a part that left no JSON is named as missing, not counted as a change.

@@ -1,6 +1,6 @@
 """Benchmark: the native engine's paged decode attention kernel under each launch configuration.
 
-    python bench/attention_sweep.py [--json out.json]
+    python bench/tools/attention_sweep.py [--json out.json]
 
 The decode step of the 0.5B shape spends 627 µs of its 2,464 in this kernel (24 layers, 512 sequences),
 reading K/V at about 2.4 TB/s, half the H200's bandwidth; on SmolLM2-135M's shape (1,024 sequences, 30
