@@ -51,6 +51,13 @@ def test_an_exception_becomes_its_traceback_for_the_model() -> None:
     assert errors(result) == {"exception"}
 
 
+def test_the_code_runs_as_python_runs_it_annotations_evaluated() -> None:
+    """An annotation naming nothing fails at the definition, as `python` runs it (not postponed, as it
+    would be under the runner's own `from __future__ import annotations`)."""
+    result = run_code("def f() -> Optional[int]:\n    return 1\nprint(f())")
+    assert "NameError: name 'Optional' is not defined" in result.response.text
+
+
 def test_a_hang_is_killed_at_the_time_limit() -> None:
     started = time.monotonic()
     result = run_code("import time\nprint('started')\ntime.sleep(60)", default_timeout=1)

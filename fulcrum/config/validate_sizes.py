@@ -138,7 +138,8 @@ def _token_budgets(cfg: FulcrumConfig) -> list[Finding]:
     """With dynamic batching a micro-batch holds at most its budget of tokens: below one full-length
     sequence, that sequence fits in none and the step fails."""
     arr, critic = cfg.actor_rollout_ref, cfg.critic
-    longest = arr.rollout.prompt_length + arr.rollout.response_length
+    prompt = arr.rollout.prompt_length or cfg.data.max_prompt_length  # derived by load_config, or unset
+    longest = prompt + (arr.rollout.response_length or cfg.data.max_response_length)
     budgets = [
         (
             arr.actor.key("ppo_max_token_len_per_gpu"),

@@ -68,7 +68,7 @@ def as_function(code: str) -> str:
 def run_stdin(program: str, given: str) -> dict[str, Any]:
     namespace: dict[str, Any] = {"__name__": "tmp_sol"}
     try:
-        exec(compile(APPS_IMPORTS + as_function(program), "<solution>", "exec"), namespace)
+        exec(compile(APPS_IMPORTS + as_function(program), "<solution>", "exec", dont_inherit=True), namespace)
         method = namespace["code"]
     except BaseException as err:
         return {"error": f"compile: {type(err).__name__}: {err}"}
@@ -108,7 +108,7 @@ def _int_keys(value: Any) -> Any:
 def run_call(program: str, fn_name: str, given: str, expected_text: str) -> dict[str, Any]:
     namespace: dict[str, Any] = {"__name__": "tmp_sol"}
     try:
-        exec(compile(APPS_IMPORTS + program, "<solution>", "exec"), namespace)
+        exec(compile(APPS_IMPORTS + program, "<solution>", "exec", dont_inherit=True), namespace)
         owner: Any = namespace["Solution"]() if "class Solution" in program else None
         method = getattr(owner, fn_name) if owner is not None else namespace[fn_name]
     except BaseException as err:
@@ -144,9 +144,9 @@ def run_call(program: str, fn_name: str, given: str, expected_text: str) -> dict
 def run_assert(program: str, test: str, entry_point: str) -> dict[str, Any]:
     namespace: dict[str, Any] = {"__name__": "__main__"}
     try:
-        exec(compile(program, "<solution>", "exec"), namespace)
-        exec(compile(test, "<tests>", "exec"), namespace)
-        exec(compile(f"check({entry_point})", "<check>", "exec"), namespace)
+        exec(compile(program, "<solution>", "exec", dont_inherit=True), namespace)
+        exec(compile(test, "<tests>", "exec", dont_inherit=True), namespace)
+        exec(compile(f"check({entry_point})", "<check>", "exec", dont_inherit=True), namespace)
     except BaseException as err:
         return {"error": "".join(traceback.format_exception_only(type(err), err)).strip()[-500:]}
     return {"passed": True}

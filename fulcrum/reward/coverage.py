@@ -62,7 +62,11 @@ def file_problems(name: str, options: dict[str, Any], builtin: bool) -> list[str
     columns = _columns(name)
     if columns is None or not builtin:
         return []
-    sources, truths = columns
+    return source_problems(name, *columns, options)
+
+
+def source_problems(name: str, sources: list[Any], truths: list[Any], options: dict[str, Any]) -> list[str]:
+    """The problems of the built-in scorers with the rows (data_source, ground_truth) of file `name`."""
     problems = []
     for source, count in Counter(sources).items():
         first = sources.index(source)

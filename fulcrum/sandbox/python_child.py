@@ -59,7 +59,7 @@ def run(code: str, status_fd: int) -> int:
     filename = "<code>"
     linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
     try:
-        exec(compile(code, filename, "exec"), main.__dict__)
+        exec(compile(code, filename, "exec", dont_inherit=True), main.__dict__)
     except SystemExit as exit_:
         status(status_fd, f"exit {exit_.code!r}")
         raise

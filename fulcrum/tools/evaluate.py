@@ -1,4 +1,5 @@
 """`fulcrum eval MODEL_OR_CHECKPOINT --data FILE.parquet | --task gsm8k|math|humaneval [--src SRC] [--out DIR] [KEY=VALUE ...]`
+`fulcrum eval --score GENERATIONS.jsonl [--out DIR] [KEY=VALUE ...]`
 
 Evaluate a model folder, a checkpoint (`global_step_N`) or a run folder (its newest checkpoint) on a
 verl-format parquet file with the rollout engine, exactly as the trainer validates: the validation
@@ -12,6 +13,13 @@ val_kwargs.do_sample=true val_kwargs.temperature=0.8` for pass@k), the built-in 
 `fulcrum data math`). Writes `DIR/generations.jsonl` (one row per response: prompt, output, ground
 truth, score) and `DIR/metrics.json`, and prints a summary table. `trainer.device=cpu` runs on the CPU;
 otherwise the first GPU when there is one.
+
+`--score` scores saved generations again, without a model: a `generations.jsonl` of `fulcrum eval` or of
+`trainer.validation_data_dir` (its `output`, `gts` and `data_source` per row; the rows of one prompt are
+those with the same `input`, else the same `gts`), with the scorers the keys choose, into OUT's
+`generations.jsonl` and `metrics.json`. Code runs only where the jail can be built: generate on a GPU
+machine without bubblewrap (a `custom_reward_function` that returns 0 keeps the generations), score where
+it is.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 USAGE_KEYS = (
     "KEY=VALUE overrides use the training keys (docs/configuration.md), e.g. data.max_response_length=512"
@@ -32,13 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fulcrum eval", description=__doc__.splitlines()[0], epilog=USAGE_KEYS
     )
     parser.add_argument(
-        "model", help="a Hugging Face model folder, a checkpoint global_step_N, or a run folder"
+        "model", nargs="?", help="a Hugging Face model folder, a checkpoint global_step_N, or a run folder"
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", help="a verl-format parquet file")
     source.add_argument(
         "--task", choices=("gsm8k", "math", "humaneval"), help="a known benchmark's test split"
     )
+    source.add_argument("--score", help="a generations.jsonl to score again (no model)")
     parser.add_argument("--src", help="--task gsm8k: GSM8K's folder; --task math: a MATH jsonl file")
     parser.add_argument("--out", default="eval", help="output folder (default: ./eval)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
@@ -100,6 +110,83 @@ def summary_table(metrics: dict[str, float], rows: int, prompts: int) -> str:
     return "\n".join(lines)
 
 
+def read_generations(path: Path) -> list[dict[str, Any]]:
+    """The rows of a generations.jsonl; SystemExit naming the line that is not a row with an `output`, a
+    `gts` and a `data_source`."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise SystemExit(f"fulcrum eval: --score {path}: {err.strerror}") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise SystemExit(f"fulcrum eval: {path}, line {number}: not JSON ({err.msg})") from None
+        missing = [k for k in ("output", "gts", "data_source") if not isinstance(row, dict) or k not in row]
+        if missing:
+            raise SystemExit(f"fulcrum eval: {path}, line {number}: no {', '.join(missing)}")
+        rows.append(row)
+    if not rows:
+        raise SystemExit(f"fulcrum eval: {path}: no generations")
+    return rows
+
+
+def score_generations(path: Path, out: Path, overrides: list[str]) -> int:
+    """`--score`: the rows of `path` scored again by the reward the keys choose; metrics as a validation's."""
+    from fulcrum.config import ConfigError, load_config
+    from fulcrum.reward.coverage import source_problems
+    from fulcrum.reward.guard import guard_manager
+    from fulcrum.reward.managers import builtin_options, manager_from_config
+    from fulcrum.reward.scoring import as_result
+    from fulcrum.trainer.evaluation import measure_generations
+
+    if (out / "generations.jsonl").resolve() == path.resolve():
+        raise SystemExit(f"fulcrum eval: --out {out} would overwrite {path}: give another folder")
+    rows = read_generations(path)
+    try:
+        cfg = load_config(overrides)
+    except ConfigError as err:
+        print(f"fulcrum eval: {err}", file=sys.stderr)
+        return 1
+    sources = [str(row["data_source"]) for row in rows]
+    if not cfg.custom_reward_function.path:
+        problems = source_problems(
+            str(path), sources, [row["gts"] for row in rows], builtin_options(cfg.reward_model)
+        )
+        for message in problems:
+            print(f"fulcrum eval: {message}", file=sys.stderr)
+        if problems:
+            return 1
+    manager = guard_manager(manager_from_config(cfg), cfg.reward_model)
+    texts = [str(row["output"]) for row in rows]
+    lengths = [int(row.get("response_length", 0)) for row in rows]
+    try:
+        result = as_result(manager.score(texts, [row["gts"] for row in rows], sources, None, lengths))
+    finally:
+        pool = getattr(manager.manager, "pool", None)
+        if pool is not None:
+            pool.close()
+    uids = [row.get("input", json.dumps(row["gts"], sort_keys=True)) for row in rows]
+    metrics = measure_generations(rows, result.scores, result.extra, uids)
+    metrics["val-aux/reward/num_timeouts"] = float(result.num_timeouts)
+    prompts = len(set(uids))
+    return write_results(out, rows, metrics, prompts)
+
+
+def write_results(out: Path, rows: list[dict[str, Any]], metrics: dict[str, float], prompts: int) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "generations.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True) + "\n")
+    print(summary_table(metrics, len(rows), prompts))
+    print(f"generations -> {out / 'generations.jsonl'}; metrics -> {out / 'metrics.json'}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -114,6 +201,13 @@ def run(args: argparse.Namespace) -> int:
     from fulcrum.trainer.sampling import Sampler, reward_model_of, tools_of
 
     out = Path(args.out).expanduser()
+    if args.score:
+        return score_generations(Path(args.score).expanduser(), out, args.overrides)
+    if args.model is None:
+        print(
+            "fulcrum eval: give the model (a folder, a checkpoint or a run), or --score FILE", file=sys.stderr
+        )
+        return 2
     model = model_folder(args.model)
     data = Path(args.data).expanduser() if args.data else task_file(args.task, args.src, out)
     base = [f"actor_rollout_ref.model.path={model}", f"data.train_files={data}", f"data.val_files={data}"]
@@ -160,20 +254,15 @@ def run(args: argparse.Namespace) -> int:
         pool = getattr(manager.manager, "pool", None)
         if pool is not None:
             pool.close()
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "generations.jsonl", "w") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True) + "\n")
-    print(summary_table(metrics, len(rows), len(items)))
-    print(f"generations -> {out / 'generations.jsonl'}; metrics -> {out / 'metrics.json'}")
-    return 0
+    return write_results(out, rows, metrics, len(items))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     args.overrides = [*args.overrides, *rest]  # KEY=VALUE may come before or after the options
+    if args.score and args.model is not None:  # with --score there is no model: the first KEY=VALUE
+        args.overrides, args.model = [args.model, *args.overrides], None
     bad = [o for o in args.overrides if "=" not in o or o.startswith("-")]
     if bad:
         print(f"fulcrum eval: {bad[0]!r} is not KEY=VALUE", file=sys.stderr)

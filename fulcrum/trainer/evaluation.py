@@ -171,3 +171,18 @@ def validation_metrics(
 ) -> dict[str, float]:
     """Every validation metric under verl's names (see the module docstring)."""
     return named_metrics(process_validation_metrics(data_sources, uids, infos))
+
+
+def measure_generations(
+    rows: list[dict[str, Any]], scores: Sequence[float], extra: dict[str, list[Any]], uids: Sequence[Any]
+) -> dict[str, float]:
+    """verl's validation metrics of scored generation rows (`output`, `gts`, `data_source` each), the
+    responses of one prompt sharing a uid; each row gets its score and its other validated variables
+    (GSM8K's "flexible", the reward function's numeric keys)."""
+    sources = [row["data_source"] for row in rows]
+    texts = [row["output"] for row in rows]
+    infos = validation_infos(scores, extra, texts, [row["gts"] for row in rows], sources)
+    for name, column in infos.items():
+        for row, value in zip(rows, column, strict=True):
+            row["score" if name == "reward" else name] = value
+    return validation_metrics(sources, uids, infos)

@@ -33,7 +33,7 @@ from fulcrum.rollout import RolloutEngine, SamplingParams, sampling_params
 from fulcrum.trainer import metrics as M
 from fulcrum.trainer.data_parallel import generate_shares, map_shares
 from fulcrum.trainer.dynamic_sampling import GroupFilter, group_metric_values
-from fulcrum.trainer.evaluation import validation_infos, validation_metrics
+from fulcrum.trainer.evaluation import measure_generations
 from fulcrum.trainer.generations import dump_generations, generation_rows
 
 logger = logging.getLogger(__name__)
@@ -297,18 +297,7 @@ class Sampler:
         batch = self.generate(items, self.sampling_params(validate=True, step=step), "val")
         _, result = self.score(batch)
         rows = generation_rows(batch, result.scores, self.tokenizer, step, prompts)
-        infos = validation_infos(
-            result.scores,
-            result.extra,
-            [row["output"] for row in rows],
-            batch.non_tensors["ground_truth"],
-            batch.non_tensors["data_source"],
-        )
-        for name, column in infos.items():
-            if name != "reward":
-                for row, value in zip(rows, column, strict=True):
-                    row[name] = value
-        metrics = validation_metrics(batch.non_tensors["data_source"], batch.non_tensors["uid"], infos)
+        metrics = measure_generations(rows, result.scores, result.extra, batch.non_tensors["uid"])
         metrics["val-aux/response_length/mean"] = float(M.prompt_and_response_lengths(batch)[1].mean().item())
         metrics["val-aux/reward/num_timeouts"] = float(result.num_timeouts)
         if "num_turns" in batch.non_tensors:  # verl's val-aux/num_turns/{min,max,mean}
