@@ -175,6 +175,25 @@ def test_responses_at_the_length_limit() -> None:
     assert "length_limit" not in rules(rows)  # the last 3 steps average 17%
 
 
+def test_a_reward_out_of_reach_is_named_with_its_lever() -> None:
+    """A reward no sample reaches in 16 of 20 steps (strict GSM8K on a model that never writes '####'):
+    named at the 20th step; rare rewards every other step (a run that can still find the format) are not."""
+    rows = healthy_rows(24)
+    for row in rows:
+        row["critic/score/max"] = 1.0 if row["step"] % 5 == 0 else 0.0
+        row["critic/score/min"] = 0.0
+        row["actor/entropy"] = 0.4 - 0.005 * row["step"]
+    findings = [f for f in diagnose(rows[:20]) if f.rule == "reward_out_of_reach"]
+    assert len(findings) == 1 and findings[0].step == 20
+    assert "16 of the last 20 steps" in findings[0].message and "entropy 0.40 -> 0.30" in findings[0].message
+    assert "'#### N'" in findings[0].fix and "rollout.n" in findings[0].fix
+    assert "reward_out_of_reach" not in rules(rows[:19])  # too early to tell
+    for row in rows:
+        row["critic/score/max"] = 1.0 if row["step"] % 2 == 0 else 0.0
+    assert "reward_out_of_reach" not in rules(rows)
+    assert "reward_out_of_reach" not in rules(healthy_rows(24))  # rows without the scores' range
+
+
 def test_grpo_groups_that_all_score_alike() -> None:
     rows = healthy_rows()
     for i, row in enumerate(rows):

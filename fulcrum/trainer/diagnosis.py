@@ -55,6 +55,11 @@ LENGTH_CLIP_LIMIT = 0.2  # share of responses at the length limit
 ADV_DRIFT_LIMIT = 0.1  # |mean advantage| ...
 ADV_DRIFT_STEPS = 3  # ... for this many steps in a row
 CRITIC_MIN_STEPS = 10
+# A step whose samples all score alike (critic/score/max = min) teaches nothing; most steps of a window so:
+# the reward is out of the policy's reach. A run whose rare rewarded answers come every other step can
+# still find the task; one with a reward in a step of four or fewer drifts on the critic's errors.
+UNREACHED_WINDOW = 20
+UNREACHED_SHARE = 0.75
 
 
 # ------------------------------------------------------------------------------------------ rules
@@ -253,6 +258,40 @@ def non_finite(rows: Sequence[Row]) -> list[Finding]:
     return []
 
 
+def reward_out_of_reach(rows: Sequence[Row]) -> list[Finding]:
+    """In UNREACHED_SHARE or more of the last UNREACHED_WINDOW steps, every sample of the step scored alike
+    (critic/score/max = critic/score/min): the reward almost never separates one answer from another."""
+    train = training_rows(rows)
+    highs, lows = (
+        dict(finite_series(train, "critic/score/max")),
+        dict(finite_series(train, "critic/score/min")),
+    )
+    steps = [step for step in highs if step in lows][-UNREACHED_WINDOW:]
+    if len(steps) < UNREACHED_WINDOW:
+        return []
+    alike = sum(highs[step] == lows[step] for step in steps)
+    if alike < UNREACHED_SHARE * UNREACHED_WINDOW:
+        return []
+    entropy = finite_series(train, "actor/entropy")
+    drift = f"; actor/entropy {entropy[0][1]:.2f} -> {entropy[-1][1]:.2f}" if len(entropy) > 1 else ""
+    return [
+        Finding(
+            (),
+            f"every sample scored {lows[steps[-1]]:.3g} alike in {alike} of the last {len(steps)} steps "
+            f"(critic/score/max = min): the reward gives the policy nothing to learn from, and its updates "
+            f"follow the advantages' noise{drift}",
+            "warning",
+            fix="bring the reward within reach: a prompt that asks for what the scorer reads (GSM8K's "
+            "strict score needs '#### N'; `fulcrum eval` of the model shows its format rate), a reward with "
+            "partial credit (custom_reward_function), a warm start that writes the format (fulcrum sft), "
+            "or more samples a prompt (actor_rollout_ref.rollout.n) so that rare rewarded answers come "
+            "every step",
+            rule="reward_out_of_reach",
+            step=steps[-1],
+        )
+    ]
+
+
 def groups_without_signal(rows: Sequence[Row]) -> list[Finding]:
     """critic/score/groups_alike: the median over the last ALIKE_STEPS steps at or above ALIKE_LIMIT (most
     prompt groups score alike, so most of a GRPO-style step teaches nothing). With algorithm.filter_groups on,
@@ -302,6 +341,7 @@ RULES: list[Callable[[Sequence[Row]], list[Finding]]] = [
     kl_spikes,
     kl_high,
     reward_collapse,
+    reward_out_of_reach,
     validation_drop,
     critic_not_learning,
     advantage_drift,
