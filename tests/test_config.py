@@ -356,6 +356,17 @@ def test_advice_is_not_an_error():
     assert validate(cfg) == []
 
 
+def test_a_mini_batch_that_does_not_divide_the_step_is_a_note_for_the_actor_and_the_critic():
+    """The last mini-batch of each epoch is smaller: said once at start, naming each role's key."""
+    sizes = ["data.train_batch_size=96", "actor_rollout_ref.actor.ppo_mini_batch_size=64"]
+    cfg = load_config(
+        [*seed_command(), *sizes, "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=64"]
+    )
+    keys = {note.keys[1] for note in advise(cfg) if "last mini-batch" in str(note)}
+    assert keys == {"actor_rollout_ref.actor.ppo_mini_batch_size", "critic.ppo_mini_batch_size"}
+    assert validate(cfg, n_devices=1) == []
+
+
 def test_defaults_are_not_shared_between_configs():
     a, b = FulcrumConfig(), FulcrumConfig()
     a.trainer.logger.append("wandb")
