@@ -293,6 +293,7 @@ def build_engine(
         gpu_memory_utilization=args.gpu_memory_utilization,
         decode_steps=args.decode_steps,
         enforce_eager=args.enforce_eager,
+        free_cache_engine=False,  # timed generates back to back: the cache (and its graphs) stay
     )
     engine = NativeEngine(model, [1], 0, config, torch.device(args.device))
     engine.runner.capture_all()

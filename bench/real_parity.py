@@ -18,7 +18,8 @@ The float32 run (CPU) shows what remains without bf16 rounding.
 
 `--lm-head-fp32 off,on` adds, per setting of `actor_rollout_ref.model.lm_head_fp32`, a sampled rollout
 (temperature 1, seeded, as in training) and its log-prob gap to the HF forward and to the training
-path's packed `forward_log_prob`, both sides with the same setting (`lm_head_fp32/<off|on>/...`).
+path's packed forward (`forward_batch` with a `LogProbHead`), both sides with the same setting
+(`lm_head_fp32/<off|on>/...`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from fulcrum.models.packed import enable_packed_attention
 from fulcrum.rollout import SamplingParams
 from fulcrum.rollout.native import EngineConfig, NativeEngine
 from fulcrum.rollout.testing import scoring_batch
-from fulcrum.workers.micro_batch import forward_log_prob
+from fulcrum.workers.forwards import LogProbHead, forward_batch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -121,7 +122,8 @@ def lm_head_fp32_gaps(
     for start in range(0, len(rows), 16):
         mb = batch.select(list(range(start, min(start + 16, len(rows)))))
         with torch.no_grad():
-            logp, _ = forward_log_prob(packed_model, mb, 1.0, False, device, packed=True, fp32_logits=fp32)
+            head = LogProbHead(1.0, fp32_logits=fp32)
+            logp = forward_batch(packed_model, mb, head, device, packed=True)[0]
         engine = torch.zeros_like(logp)
         for i, (_, _, lp) in enumerate(rows[start : start + 16]):
             engine[i, : len(lp)] = torch.tensor(lp, device=engine.device)

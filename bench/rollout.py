@@ -93,6 +93,7 @@ def bench_native(args, model, prompts, device, summary: dict) -> NativeEngine:
         gpu_memory_utilization=args.gpu_memory_utilization,
         decode_steps=args.decode_steps,
         enforce_eager=args.enforce_eager,
+        free_cache_engine=False,  # timed generates back to back: the cache (and its graphs) stay
         indirect_kv_cache=args.indirect_kv_cache,
         overlap_windows=not getattr(args, "sequential_windows", False),
         num_kv_blocks=getattr(args, "num_kv_blocks", None),

@@ -25,7 +25,7 @@ from fulcrum.batch import Batch
 from fulcrum.config.schema import FSDPConfig
 from fulcrum.models.load import load_causal_lm
 from fulcrum.parallel import current, init_distributed, max_over_ranks
-from fulcrum.workers.forwards import ModelForwards
+from fulcrum.workers.forwards import LogProbHead, ModelForwards
 from fulcrum.workers.placement import place_on_ranks
 
 PROMPT = 64
@@ -55,8 +55,8 @@ def update_seconds(
     """One micro-batch's forward, backward and optimiser step, timed after the device finishes."""
     start = time.perf_counter()
     with forwards.active():
-        logp, _ = forwards.log_prob(mb, 1.0, False)  # (1, R)
-        (-logp.sum() / logp.numel()).backward()
+        (logp,) = forwards.forward(forwards.inputs(mb, []), LogProbHead(1.0))  # (1, R)
+        forwards.backward(-logp.sum() / logp.numel())
         forwards.accumulate_grads()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -3,6 +3,7 @@ steps, kernel kinds, launch gaps and the gap between windows."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -90,3 +91,16 @@ def test_prefill_counts_each_launch_whether_before_its_read_or_inside_the_step_b
         host("prefill", 70, 10),
     ]  # fmt: skip
     assert prefill_figures(trace, on_device=True) == {"steps": 3, "host_s": 0.08, "gpu_busy_s": 0.06}
+
+
+def test_a_cpu_run_annotates_the_engine_prefill_windows_and_steps(tmp_path: Path) -> None:
+    """Two prompts of 8 tokens in windows of 4 steps: one prefill step samples the first token, then
+    7 decode steps in two windows (4 + 3), each found by its annotation on the engine's instance."""
+    from decode_profile import main
+
+    out = tmp_path / "profile.json"
+    argv = ["--small", "--device", "cpu", "--prompts", "2", "--new-tokens", "8", "--decode-steps", "4"]
+    assert main([*argv, "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["prefill"]["steps"] == 1
+    assert (summary["decode"]["windows"], summary["decode"]["steps"]) == (2, 7)

@@ -356,6 +356,29 @@ def test_advice_is_not_an_error():
     assert validate(cfg) == []
 
 
+def test_a_mini_batch_that_does_not_divide_the_step_is_a_note_for_the_actor_and_the_critic():
+    """The last mini-batch of each epoch is smaller: said once at start, naming each role's key."""
+    sizes = ["data.train_batch_size=96", "actor_rollout_ref.actor.ppo_mini_batch_size=64"]
+    cfg = load_config(
+        [*seed_command(), *sizes, "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=64"]
+    )
+    keys = {note.keys[1] for note in advise(cfg) if "last mini-batch" in str(note)}
+    assert keys == {"actor_rollout_ref.actor.ppo_mini_batch_size", "critic.ppo_mini_batch_size"}
+    assert validate(cfg, n_devices=1) == []
+
+
+def test_bypass_mode_as_a_loss_mode_is_refused_pointing_at_rollout_correction():
+    """verl's trainer sets loss_mode=bypass_mode itself from rollout correction's bypass key; set by hand
+    the loss has no correction to apply, so the run stops before any model loads, naming both keys."""
+    key = "actor_rollout_ref.actor.policy_loss.loss_mode"
+    cfg = load_config([*seed_command(), f"{key}=bypass_mode"])
+    with pytest.raises(ConfigError, match=r"set algorithm\.rollout_correction\.bypass_mode=True") as err:
+        check(cfg, n_devices=1)
+    assert err.value.key == key
+    fixed = ["algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.rollout_is=token"]
+    assert not [f for f in validate(load_config([*seed_command(), *fixed]), n_devices=1) if key in f.keys]
+
+
 def test_defaults_are_not_shared_between_configs():
     a, b = FulcrumConfig(), FulcrumConfig()
     a.trainer.logger.append("wandb")

@@ -40,6 +40,7 @@ def test_fp32_greedy_with_graphs_and_kernels_matches_hf(arch, indirect, overlap)
     config = EngineConfig(
         max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, num_kv_blocks=24, decode_steps=4,
         dtype=torch.float32, indirect_kv_cache=indirect, overlap_windows=overlap,
+        free_cache_engine=False,  # the cache stays between generates: the test sleeps the engine itself
     )  # fmt: skip
     engine = NativeEngine(model, [EOS], 0, config, CUDA)
     assert engine.runner.use_triton and engine.runner.use_graphs

@@ -319,7 +319,14 @@ def test_the_engine_defaults_are_the_documented_ones():
     documented = {info.key: info.default for info in describe()}
     rollout = load_config().actor_rollout_ref.rollout
     run, direct = engine_config_from(rollout, model_max_len=4096), EngineConfig()
-    for key in ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager"):
+    keys = (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "gpu_memory_utilization",
+        "enforce_eager",
+        "free_cache_engine",
+    )
+    for key in keys:
         expected = documented[f"actor_rollout_ref.rollout.{key}"]
         assert getattr(run, key) == getattr(direct, key) == expected, key
     assert run.dtype == direct.dtype == torch.bfloat16

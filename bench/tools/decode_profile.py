@@ -6,16 +6,17 @@
 
 Workload and engine: bench/rollout.py's (`bench_native`: the same EngineConfig, CUDA graphs on unless
 `--enforce-eager`, every bucket captured, a warm-up generate, then `--repeats` timed ones without the
-profiler). Then one more generate runs under `torch.profiler` (CPU and CUDA activities), with three
-host annotations added to the engine's instance (its code is unchanged): `prefill` around each
-prefill step (first-token sampling included), `decode_window` around each window's launch
-(`launch_decode`: its `decode_steps` steps and the copy of its tokens to the host; the read that waits
-for them follows, between windows, so the host between windows includes that wait: trees before the
-launch/read split annotated `decode`, read included), `decode_step` around each step's forward (a
-graph replay, or the eager forward). A GPU event (kernel, memcpy, memset) belongs to the step whose
-host span holds its launch (the runtime or driver call with the same correlation id: the kernels of a
-graph replay share the `cudaGraphLaunch`'s), so a step is its forward plus the sampler and bookkeeping
-that follow it.
+profiler). Then one more generate runs under `torch.profiler` (CPU and CUDA activities), with four
+host annotations added to the engine's instance (its code is unchanged): `prefill_launch` around each
+prefill step's launch (`Launcher.launch_prefill`: its forward and first-token sampling), `prefill`
+around the read of its first tokens into the scheduler (`Pipeline._postprocess` of a prefill step),
+`decode_window` around each window's launch (`Launcher.launch_decode`: its `decode_steps` steps and
+the copy of its tokens to the host; the read that waits for them follows, between windows, so the
+host between windows includes that wait), `decode_step` around each step's forward
+(`ModelRunner.decode_logits`: a graph replay, or the eager forward). A GPU event (kernel, memcpy,
+memset) belongs to the step whose host span holds its launch (the runtime or driver call with the
+same correlation id: the kernels of a graph replay share the `cudaGraphLaunch`'s), so a step is its
+forward plus the sampler and bookkeeping that follow it.
 
 Per decode step, on the GPU timeline: `wall` (first event of the step to the first of the next; the
 last step of a window ends at its last event), `busy` (the union of its events), `idle` (wall - busy:
@@ -64,6 +65,8 @@ from rollout import (
 
 from fulcrum.rollout import SamplingParams
 from fulcrum.rollout.native import NativeEngine
+from fulcrum.rollout.native.launcher import Launched
+from fulcrum.rollout.native.scheduler import PrefillWork
 
 # Kernel name -> category: the first category with a pattern that is a substring of the lower-cased
 # name wins, so the order matters ("index_copy" is a KV write before "copy" is a copy; the prefill's
@@ -285,25 +288,35 @@ def decode_figures(windows: list[Window], on_device: bool) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- profiling
-def annotate(obj: object, method: str, label: str) -> None:
-    """Wrap `obj.method` (on the instance only) in a profiler annotation named `label`."""
+def annotate(
+    obj: object, method: str, label: str, when: Callable[..., bool] = lambda *args, **kwargs: True
+) -> None:
+    """Wrap `obj.method` (on the instance only) in a profiler annotation named `label`, on the calls
+    whose arguments satisfy `when`."""
     original: Callable[..., Any] = getattr(obj, method)
 
     @functools.wraps(original)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not when(*args, **kwargs):
+            return original(*args, **kwargs)
         with record_function(label):
             return original(*args, **kwargs)
 
     setattr(obj, method, wrapped)
 
 
+def reads_prefill(launched: Launched, *args: Any) -> bool:
+    """Whether the pipeline's postprocess reads a prefill step (rather than a decode window)."""
+    return isinstance(launched.work, PrefillWork)
+
+
 def annotate_engine(engine: NativeEngine) -> None:
     """Mark prefill steps, decode windows and decode steps; the step is a replay or an eager forward."""
-    runner = engine.runner
-    annotate(engine.stepper, "_prefill", PREFILL)
-    annotate(runner, "launch_prefill", PREFILL_LAUNCH)
-    annotate(runner, "launch_decode", WINDOW)  # its steps' launches; the read comes after, between windows
-    annotate(runner, "_graph_logits" if runner.use_graphs else "_decode_forward", STEP)
+    launcher = engine.launcher
+    annotate(engine.pipeline, "_postprocess", PREFILL, when=reads_prefill)  # the read of its first tokens
+    annotate(launcher, "launch_prefill", PREFILL_LAUNCH)
+    annotate(launcher, "launch_decode", WINDOW)  # its steps' launches; the read comes after, between windows
+    annotate(engine.runner, "decode_logits", STEP)
 
 
 def load_trace(path: Path) -> list[dict[str, Any]]:

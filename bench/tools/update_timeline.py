@@ -9,14 +9,16 @@ replayed as a CUDA graph"): unprofiled, its 32 micro-batches' forward and backwa
 the update's 1.99 s. This finds the rest without a profiler. The actor as `bench/passes.py` builds it
 (the seed's sizes by default: micro-batches of 8, mini-batches of 128) runs `update_policy` on the same
 synthetic batch; after --warmup updates, one update runs with its parts wrapped — each micro-batch's
-`micro_step` (forward, loss, backward) and within it the forward to log-probs and the backward, then
-`accumulate_grads`, the compute copies' `refresh`, the
-micro-batches' cutting (`make_micro_batches`) and `clip_and_step` (gradient norm, optimiser step). Each
+`run` (`ModelForwards.run`: a CUDA-graph replay, or the eager `fwd_bwd`), and within an eager one
+`fwd_bwd` (forward, loss, backward), its `forward` (`ModelForwards.forward`, to log-probs) and its
+`backward`; then `accumulate_grads`, the compute copies' `refresh`, the micro-batches' cutting
+(`make_micro_batches`) and `clip_and_step` (gradient norm, optimiser step). A replayed micro-batch
+shows only in `run`: its forward and backward are one graph. Each
 part records a CUDA event as its call starts and as it returns, and its host time. On the GPU's
 timeline a part's span is from the moment the GPU reached its first event to its second: its kernels,
 plus any time the GPU idled inside it waiting for the host. The time between one part's end and the next
 one's start on the GPU is what the GPU ran or idled outside the wrapped parts ("between"; the parts
-inside `micro_step` count in its span and in their own, not in the gaps). Printed and
+inside `run` count in its span and in their own, not in the gaps). Printed and
 written: per part, calls, host seconds and GPU-span seconds; the sum of the gaps; the update's wall time.
 """
 
@@ -108,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     batch = synthetic_batch(args.rows, args.prompt_width, args.response, actor.model.config.vocab_size)
     batch["old_log_probs"], _ = actor.compute_log_prob(batch)
     timeline = Timeline(device)
-    actor.micro_step = timeline.wrap("micro_step", actor.micro_step)
     forwards = actor.forwards
-    forwards.log_prob = timeline.wrap("log_prob (forward)", forwards.log_prob)
+    forwards.run = timeline.wrap("run", forwards.run)
+    actor.fwd_bwd = timeline.wrap("fwd_bwd", actor.fwd_bwd)
+    forwards.forward = timeline.wrap("forward", forwards.forward)
     forwards.backward = timeline.wrap("backward", forwards.backward)
     forwards.accumulate_grads = timeline.wrap("accumulate_grads", forwards.accumulate_grads)
     if forwards.compute is not None:

@@ -27,6 +27,7 @@ from fulcrum.config.validate_signal import signal_problems
 from fulcrum.config.validate_sizes import (
     CRITIC_ESTIMATORS,
     size_problems,
+    uneven_mini_batches,
     uses_critic,
     uses_reference,
     world_size,
@@ -295,14 +296,7 @@ def advise(cfg: FulcrumConfig) -> list[Finding]:
                 "grpo with one response per prompt has no group baseline; usually n >= 4",
             )
         )
-    mini = arr.actor.ppo_mini_batch_size
-    if 0 < mini <= cfg.data.train_batch_size and cfg.data.train_batch_size % mini:
-        notes.append(
-            Finding(
-                ("data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"),
-                "train_batch_size is not a multiple of ppo_mini_batch_size: the last mini-batch of a step is smaller",
-            )
-        )
+    notes += uneven_mini_batches(cfg)
     if not uses_reference(cfg) and (
         arr.ref.log_prob_micro_batch_size_per_gpu is not None or arr.ref.log_prob_micro_batch_size is not None
     ):

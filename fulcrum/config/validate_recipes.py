@@ -41,6 +41,16 @@ def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:
                 "loss_mode=dro needs policy_loss.dro_beta > 0, the weight of its quadratic log-ratio penalty",
             )
         )
+    if actor.policy_loss.loss_mode == "bypass_mode" and not algo.rollout_correction.bypass_mode:
+        # verl's trainer switches to this loss itself (apply_bypass_mode) and hands it the correction.
+        problems.append(
+            Finding(
+                ("actor_rollout_ref.actor.policy_loss.loss_mode", f"{RC}.bypass_mode"),
+                "loss_mode=bypass_mode is rollout correction's bypass mode, whose loss needs the correction's "
+                f"settings: set {RC}.bypass_mode=True (its loss_type reinforce or ppo_clip) and leave "
+                "loss_mode=vanilla",
+            )
+        )
     gen = cfg.data.gen_batch_size
     if gen is not None and gen <= 0:
         problems.append(Finding(("data.gen_batch_size",), f"must be positive, got {gen}"))

@@ -136,9 +136,10 @@ def _batch_divisibility(cfg: FulcrumConfig) -> list[Finding]:
 
 def _token_budgets(cfg: FulcrumConfig) -> list[Finding]:
     """With dynamic batching a micro-batch holds at most its budget of tokens: below one full-length
-    sequence, that sequence fits in none and the step fails."""
+    sequence, that sequence runs alone over the budget, which then no longer bounds the memory."""
     arr, critic = cfg.actor_rollout_ref, cfg.critic
-    prompt = arr.rollout.prompt_length or cfg.data.max_prompt_length  # derived by load_config, or unset
+    # The rollout's lengths follow data's: the loader resolves them, a FulcrumConfig built in code leaves null.
+    prompt = arr.rollout.prompt_length or cfg.data.max_prompt_length
     longest = prompt + (arr.rollout.response_length or cfg.data.max_response_length)
     budgets = [
         (
@@ -172,11 +173,31 @@ def _token_budgets(cfg: FulcrumConfig) -> list[Finding]:
             (key, *lengths),
             f"{key}={limit} is below one sequence of up to {longest} tokens "
             f"(data.max_prompt_length + response_length)",
-            why="with dynamic batching a micro-batch holds at most this many tokens, so a full-length "
-            "sequence fits in none and the step fails",
+            why="with dynamic batching a micro-batch holds at most this many tokens, the bound its memory "
+            "is sized for: a full-length sequence would run alone over it",
             fix=f"{key}>={longest}; a budget of several sequences (e.g. {4 * longest}) lets short ones share "
             "a micro-batch",
         )
         for key, dynamic, limit in budgets
         if dynamic and limit is not None and limit < longest
+    ]
+
+
+def uneven_mini_batches(cfg: FulcrumConfig) -> list[Finding]:
+    """A mini-batch size that does not divide the step's prompts leaves a smaller last mini-batch each
+    epoch (verl splits the same way): an optimiser step over fewer responses."""
+    train = cfg.data.train_batch_size
+    roles: list[ActorConfig | CriticConfig] = [cfg.actor_rollout_ref.actor]
+    if uses_critic(cfg):
+        roles.append(cfg.critic)
+    return [
+        Finding(
+            (cfg.data.key("train_batch_size"), role.key("ppo_mini_batch_size")),
+            f"train_batch_size={train} is not a multiple of {role.key('ppo_mini_batch_size')}="
+            f"{role.ppo_mini_batch_size}: the last mini-batch of a step is smaller",
+        )
+        for role in roles
+        if role.ppo_mini_batch_size
+        and 0 < role.ppo_mini_batch_size <= train
+        and train % role.ppo_mini_batch_size
     ]

@@ -148,8 +148,8 @@ def enable_packed_attention(model: nn.Module) -> None:
 
 # Decoder layers per compiled region. Each region call pays dynamo's guards and AOTAutograd's runtime
 # wrapper on the host; with the checkpoint inside the region and the C++ wrapper launching its kernels,
-# one layer a region keeps a seed-size micro-batch (6k tokens) within a few % of the same micro-batch
-# replayed as a CUDA graph (BENCHMARKS.md), and larger regions cost compile time.
+# one layer a region keeps a seed-size micro-batch (6k tokens) close to the same micro-batch replayed as
+# a CUDA graph, and larger regions cost compile time.
 LAYERS_PER_REGION = 1
 
 # Checkpointing keeps each layer's input and recomputes the rest in the backward. It also keeps the
@@ -157,25 +157,21 @@ LAYERS_PER_REGION = 1
 # more (bf16 output and float32 log-sum-exp at Qwen2.5-0.5B's width; +0.25 GiB at the seed command's
 # micro-batches): the backward skips recomputing attention, and the compiler has no random kernel to
 # replay in the recomputation (it wraps the flash kernel, which takes an RNG state even at dropout 0, in
-# GraphSafeRunWithRngState, which inductor's C++ wrapper refuses). Measured on the H200 at the seed
-# command's sizes, calls interleaved in one process: actor update 3.24 -> 2.32 s, critic update
-# 1.87 -> 1.47 s (BENCHMARKS.md, "Training passes", tree f3b1f99).
+# GraphSafeRunWithRngState, which inductor's C++ wrapper refuses). The recomputation it saves outweighs
+# the memory at seed-command sizes for both the actor's and the critic's update.
 SAVE_ATTENTION_OUTPUTS = True
 
 # Checkpointing may also keep the outputs of each layer's expanding projections (a matmul whose output is
 # wider than its input: the MLP's gate and up projections), so that the backward recomputes only the
 # attention projections and elementwise ops: about 87 % of a Qwen2.5-0.5B layer's recomputed matmul FLOPs
 # go, for 2 x intermediate x 2 B a token a layer more (19.5 kB; +2.9 GB at the seed command's 6,144-token
-# micro-batches). Off: measured on the H200 at the seed command's sizes, calls interleaved in one process
-# (`bench/passes.py --ab save_mlp`), the actor's update 1.754 -> 1.648 s but the critic's 1.516 -> 1.623 s,
-# for +2.2-2.7 GiB at each update's peak: no gain for the step (BENCHMARKS.md, "Measured as an A/B").
-# (`fulcrum doctor`'s memory estimate assumes it off.)
+# micro-batches). Off: at the seed command's sizes it speeds the actor's update and slows the critic's
+# about as much, for more than 2 GiB at each update's peak, so the step gains nothing
+# (`bench/passes.py --ab save_mlp` measures it). (`fulcrum doctor`'s memory estimate assumes it off.)
 SAVE_MLP_PROJECTIONS = False
 
 # Inductor's C++ wrapper for the compiled regions on CUDA: their kernels are launched from compiled C++
-# instead of generated Python, whose per-kernel cost bounded the seed command's micro-batches (seed step
-# 35.0k tok/s with it, 28.8k without in another call of the same kind, BENCHMARKS.md, "The training
-# step", trees f3b1f99 and 9cbfb34).
+# instead of generated Python, whose per-kernel host cost bounds micro-batches of the seed command's size.
 # Needs SAVE_ATTENTION_OUTPUTS (above), and is left out for layers that call an op the installed
 # torch's C shim lacks (`compile_options`). The key actor_rollout_ref.actor.inductor_cpp_wrapper=false
 # turns it off (`compile_options(cpp_wrapper=False)`).

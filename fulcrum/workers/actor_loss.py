@@ -23,7 +23,6 @@ from fulcrum.algo.kl import kl_penalty
 from fulcrum.algo.losses import agg_loss
 from fulcrum.algo.policy_losses import LossConfig, get_policy_loss_fn, import_policy_losses
 from fulcrum.algo.rollout_correction import RolloutCorrection
-from fulcrum.config.keys import ConfigError
 from fulcrum.config.schema import ActorConfig
 from fulcrum.models.router_loss import load_balancing_loss, recorded_router_logits, router_loss_settings
 from fulcrum.workers.forwards import ModelForwards
@@ -53,9 +52,6 @@ def policy_term(cfg: ActorConfig, bypass: RolloutCorrection | None) -> Term:
     """pg_loss: the registered policy loss on (old log-probs, log-probs, advantages). A loss reports what it
     defines; one that clips nothing reports no clip fractions, which are then 0."""
     import_policy_losses(cfg.policy_loss.path)
-    if bypass is None and cfg.policy_loss.loss_mode == "bypass_mode":
-        key = "actor_rollout_ref.actor.policy_loss.loss_mode"
-        raise ConfigError(f"{key}=bypass_mode is set by algorithm.rollout_correction.bypass_mode=True", key)
     loss_fn = get_policy_loss_fn("bypass_mode" if bypass is not None else cfg.policy_loss.loss_mode)
 
     def policy(f: PolicyForward) -> tuple[torch.Tensor, Metrics]:

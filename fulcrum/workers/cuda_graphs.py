@@ -55,8 +55,9 @@ MAX_GRAPHS = 128
 # Graphs keep a model's bf16 compute weights and a bf16 gradient buffer resident (4 B a trained parameter,
 # 2 B a frozen one: `resident_bytes`) and a memory pool as large as an update micro-batch's work. A model
 # graphs only while those bytes stay within this share of the device:
-# the small models whose micro-batches the host bounds (0.5B on an H200: 2 %); a larger model, or a
-# smaller device, keeps that memory for activations and the KV cache, and runs eagerly.
+# the small models whose micro-batches the host bounds (a 0.5B model takes a few % of a data-centre
+# GPU); a larger model, or a smaller device, keeps that memory for activations and the KV cache, and runs
+# eagerly.
 MAX_RESIDENT_SHARE = 0.05
 
 

@@ -32,14 +32,16 @@ def sequence_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def token_budget_groups(
-    prompt_len: list[int], response_len: list[int], max_token_len: int, key: str
+    prompt_len: list[int], response_len: list[int], max_token_len: int
 ) -> list[list[int]]:
     """Pack sample indices into groups whose padded cost fits the token budget.
 
     A group's cost is `len(group) × (max prompt + max response)`: what the padded path's trimmed
     forward really processes (every row is as wide as the group's widest), so the budget bounds
     memory honestly. (Packed micro-batches are cut by `packed_token_groups` instead.) Samples
-    are taken longest first, which keeps the padding inside each group small.
+    are taken longest first, which keeps the padding inside each group small. A sample over the budget
+    takes a group alone: the configuration refuses a budget below one full-length sequence
+    (`fulcrum.config.validate_sizes`).
     """
     order = sorted(range(len(prompt_len)), key=lambda i: prompt_len[i] + response_len[i], reverse=True)
     groups: list[list[int]] = []
@@ -47,11 +49,6 @@ def token_budget_groups(
     max_p = max_r = 0
     for i in order:
         p, r = max(max_p, prompt_len[i]), max(max_r, response_len[i])
-        if prompt_len[i] + response_len[i] > max_token_len:
-            raise ValueError(
-                f"{key}={max_token_len} is smaller than one sequence ({prompt_len[i] + response_len[i]} tokens); "
-                "raise it to at least max_prompt_length + max_response_length"
-            )
         if current and (len(current) + 1) * (p + r) > max_token_len:
             groups.append(current)
             current, p, r = [], prompt_len[i], response_len[i]
@@ -62,20 +59,15 @@ def token_budget_groups(
     return groups
 
 
-def packed_token_groups(lengths: list[int], max_token_len: int, key: str) -> list[list[int]]:
+def packed_token_groups(lengths: list[int], max_token_len: int) -> list[list[int]]:
     """Sample indices in groups of at most `max_token_len` real tokens (first-fit decreasing).
 
     Longest first, each into the first group with room: few groups (close to Σ lengths / budget),
-    hence few micro-batches.
+    hence few micro-batches. A sample over the budget takes a group alone (see `token_budget_groups`).
     """
     groups: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        if lengths[i] > max_token_len:
-            raise ValueError(
-                f"{key}: a token budget of {max_token_len} is smaller than one sequence ({lengths[i]} tokens); "
-                "raise it to at least max_prompt_length + max_response_length"
-            )
         for g, free in enumerate(room):
             if lengths[i] <= free:
                 groups[g].append(i)
@@ -92,11 +84,9 @@ def packed_budget(
 ) -> int:
     """Tokens per packed micro-batch: the dynamic budget, or `size` rows of the batch's padded width."""
     if use_dynamic_bsz:
-        if not max_token_len or max_token_len <= 0:
-            raise ValueError(f"{key}: use_dynamic_bsz=True needs a positive max token length")
+        assert max_token_len, f"{key}: use_dynamic_bsz=True needs a token budget"
         return int(max_token_len)
-    if not size or size <= 0:
-        raise ValueError(f"{key}: micro-batch size must be a positive integer, got {size}")
+    assert size, f"{key}: a micro-batch size is needed"
     return int(size) * (batch.prompt_length + batch.response_length)
 
 
@@ -117,22 +107,24 @@ def make_micro_batches(
     real tokens (`packed_budget`, `packed_token_groups`) for the padding-free forwards. When FSDP
     shards `model`, the micro-batches are cut further (`split_to_count`) to the largest count of any
     rank: each forward gathers the layers' shards, a collective every rank must join.
+
+    The sizes are the configuration's, checked once there (`fulcrum.config.validate_sizes` and the keys'
+    domains name `key` to the user); the asserts only catch a direct caller that passes none.
     """
     groups: list[list[int]] | None = None  # None: consecutive rows, in the batch's order
     if packed:
         budget = packed_budget(batch, size, use_dynamic_bsz, max_token_len, key)
-        groups = packed_token_groups(batch["attention_mask"].sum(-1).tolist(), budget, key)
+        groups = packed_token_groups(batch["attention_mask"].sum(-1).tolist(), budget)
     elif use_dynamic_bsz:
-        if not max_token_len or max_token_len <= 0:
-            raise ValueError(f"{key}: use_dynamic_bsz=True needs a positive max token length")
+        assert max_token_len, f"{key}: use_dynamic_bsz=True needs a token budget"
         p, r = sequence_lengths(batch)
-        groups = token_budget_groups(p.tolist(), r.tolist(), int(max_token_len), key)
-    elif not size or size <= 0:
-        raise ValueError(f"{key}: micro-batch size must be a positive integer, got {size}")
-    elif sort_by_length and len(batch) > size:
-        p, r = sequence_lengths(batch)
-        ranked = sorted(range(len(batch)), key=lambda i: (int(p[i]) + int(r[i]), i), reverse=True)
-        groups = [ranked[i : i + size] for i in range(0, len(batch), size)]
+        groups = token_budget_groups(p.tolist(), r.tolist(), int(max_token_len))
+    else:
+        assert size, f"{key}: a micro-batch size is needed"
+        if sort_by_length and len(batch) > size:
+            p, r = sequence_lengths(batch)
+            ranked = sorted(range(len(batch)), key=lambda i: (int(p[i]) + int(r[i]), i), reverse=True)
+            groups = [ranked[i : i + size] for i in range(0, len(batch), size)]
     micro = batch.split(int(size or 0)) if groups is None else [batch.select(g) for g in groups]
     order = None if groups is None else [i for g in groups for i in g]
     if model is not None and is_sharded(model):

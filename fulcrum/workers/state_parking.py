@@ -9,14 +9,12 @@ comes after a whole mini-batch of forwards and backwards), and the step waits fo
 never on the host. The update's peak falls by the other model's moments.
 
 The host copies of a model's moments are views of one pinned block, pinned on a thread when the
-optimiser is registered (the run's start): pinning 3.7 GiB takes about 2 s on an H200's host, which the
-first update that parked a model's moments paid on the step when each copy was pinned there (the seed
-command's step 2, whose critic update measured 5-7 s slower; 1.50 s with the block pinned ahead,
-BENCHMARKS.md).
+optimiser is registered (the run's start): pinning gigabytes takes seconds, which an update would
+otherwise pay on the step that first parks a model's moments.
 
-On by default (`trainer.park_optimizer_state=false` turns it off): measured in the seed trainer on one H200
-(BENCHMARKS.md, "Optimiser state parked between updates"), and a GPU run that checkpoints every step writes
-the live state and resumes from it (tests/test_state_parking.py). (The moments come back at new device
+On by default (`trainer.park_optimizer_state=false` turns it off; BENCHMARKS.md has its figures), and a
+GPU run that checkpoints every step writes the live state and resumes from it
+(tests/test_state_parking.py). (The moments come back at new device
 addresses; a background save's host buffers are kept by the tensor's place in the snapshot, not by its
 address, so each save still copies into mapped memory.)
 One process, CUDA, and at least two optimisers with state: with one model (GRPO) nothing is parked.

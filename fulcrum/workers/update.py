@@ -8,7 +8,6 @@ step runs (`ModelForwards.run`), compute weights, grad clip, LR schedule, metric
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,8 +23,6 @@ from fulcrum.workers.micro_batch import MicroInputs, make_micro_batches
 from fulcrum.workers.optim import clip_and_step, warn_skipped_steps
 from fulcrum.workers.placement import Placement
 from fulcrum.workers.state_parking import OptimizerStateParking
-
-logger = logging.getLogger(__name__)
 
 # Metrics that are a micro-batch's share of the mini-batch loss: summed per mini-batch (and over ranks).
 LOSS_SHARES = frozenset({"actor/pg_loss", "actor/kl_loss", "critic/vf_loss"})
@@ -96,13 +93,6 @@ def ppo_update(
     micro-batches; grad_norm is per mini-batch; each then averaged over the update.
     """
     forwards, optimizer, plan = worker.forwards, worker.optimizer, worker.plan
-    if len(batch) % plan.mini_batch_size != 0 and len(batch) > plan.mini_batch_size:
-        logger.warning(
-            "%s: %d responses do not divide into mini-batches of %d",
-            plan.role,
-            len(batch),
-            plan.mini_batch_size,
-        )
     forwards.model.train()
     if worker.parking is not None:  # the other models' moments out, this one's back, beside the forwards
         worker.parking.activate(optimizer)

@@ -51,8 +51,8 @@ class EngineConfig:
     # alignment, which slows decode: off unless sleeps are frequent and the decode batch takes many sizes.
     indirect_kv_cache: bool = native(False)
     # rollout.free_cache_engine: `generate` releases the KV cache before it returns, so training has the
-    # memory (the schema's default); off for direct users (benchmarks) that call `generate` back to back.
-    free_cache_engine: bool = False
+    # memory; a direct user that calls `generate` back to back (a benchmark) turns it off.
+    free_cache_engine: bool = SCHEMA.free_cache_engine
     dtype: torch.dtype = _DTYPES[SCHEMA.dtype]  # weights and KV cache on CUDA; the CPU uses the model's dtype
     # actor_rollout_ref.model.lm_head_fp32: sample from float32 LM-head logits (fulcrum.models.head_logits),
     # as the actor scores them with the key on; a model-section key, so the trainer passes it in.

@@ -233,8 +233,8 @@ def next_pow2(n: int) -> int:
 
 # The paged decode kernel's launch: TILE positions a loop iteration, SPLITS programs a (sequence, KV head)
 # (flash-decoding; 1: the kernel writes the output itself), and Triton's num_warps and num_stages
-# (absent: Triton's defaults). A tuned value, one launch for every model shape: `bench/attention_sweep.py`
-# times the alternatives on a GPU.
+# (absent: Triton's defaults). A tuned value, one launch for every model shape:
+# `bench/tools/attention_sweep.py` times the alternatives on a GPU.
 DECODE_LAUNCH: dict[str, int] = {"TILE": 64, "SPLITS": 1, "num_warps": 1, "num_stages": 4}
 
 

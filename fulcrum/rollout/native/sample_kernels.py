@@ -121,7 +121,7 @@ def _cdiv(a: int, b: int) -> int:
 # Entries per tile of the sampling kernels (a power of two): the first pass's unit, the second pass's scan.
 SAMPLE_BLOCK = 512
 # First-pass programs per multiprocessor that the split aims for, over the whole batch; with the first
-# pass's launch (below) a tuned value: `bench/sample_sweep.py` times the alternatives on a GPU.
+# pass's launch (below) a tuned value: `bench/tools/sample_sweep.py` times the alternatives on a GPU.
 SAMPLE_PROGRAMS_PER_SM = 16
 # Multiprocessors assumed off CUDA (the interpreter): a data-centre GPU's 132, so that tests under the
 # interpreter split the rows as the GPU does.
@@ -129,9 +129,9 @@ DEFAULT_SM_COUNT = 132
 
 
 # The first pass's launch beyond BLOCK and the split's aim: GROUP (tiles a loop iteration), Triton's
-# num_warps and num_stages (absent: Triton's defaults). `bench/sample_sweep.py` times BLOCK, programs per
-# SM and these on a GPU; the split never changes the tokens, the others only where a tile's sum adds its
-# entries in another order (fp32 rounding at a boundary).
+# num_warps and num_stages (absent: Triton's defaults). `bench/tools/sample_sweep.py` times BLOCK,
+# programs per SM and these on a GPU; the split never changes the tokens, the others only where a tile's
+# sum adds its entries in another order (fp32 rounding at a boundary).
 SAMPLE_LAUNCH: dict[str, int] = {"GROUP": 4, "num_warps": 1, "num_stages": 2}
 
 
