@@ -110,27 +110,26 @@ def summary_table(metrics: dict[str, float], rows: int, prompts: int) -> str:
     return "\n".join(lines)
 
 
+class GenerationsError(Exception):
+    """A generations file that cannot be scored again, naming the file and line."""
+
+
 def read_generations(path: Path) -> list[dict[str, Any]]:
-    """The rows of a generations.jsonl; SystemExit naming the line that is not a row with an `output`, a
-    `gts` and a `data_source`."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise SystemExit(f"fulcrum eval: --score {path}: {err.strerror}") from None
+    """The rows of a generations.jsonl; GenerationsError naming the line that is not a row with an
+    `output`, a `gts` and a `data_source`."""
+    from fulcrum.data.jsonl import jsonl_objects
+
     rows = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise SystemExit(f"fulcrum eval: {path}, line {number}: not JSON ({err.msg})") from None
-        missing = [k for k in ("output", "gts", "data_source") if not isinstance(row, dict) or k not in row]
-        if missing:
-            raise SystemExit(f"fulcrum eval: {path}, line {number}: no {', '.join(missing)}")
-        rows.append(row)
+    try:
+        for place, row in jsonl_objects(path, GenerationsError, "{path}, line {line}"):
+            missing = [k for k in ("output", "gts", "data_source") if k not in row]
+            if missing:
+                raise GenerationsError(f"{place}: no {', '.join(missing)}")
+            rows.append(row)
+    except OSError as err:
+        raise GenerationsError(f"{path}: {err.strerror}") from None
     if not rows:
-        raise SystemExit(f"fulcrum eval: {path}: no generations")
+        raise GenerationsError(f"{path}: no generations")
     return rows
 
 
@@ -145,7 +144,10 @@ def score_generations(path: Path, out: Path, overrides: list[str]) -> int:
 
     if (out / "generations.jsonl").resolve() == path.resolve():
         raise SystemExit(f"fulcrum eval: --out {out} would overwrite {path}: give another folder")
-    rows = read_generations(path)
+    try:
+        rows = read_generations(path)
+    except GenerationsError as err:
+        raise SystemExit(f"fulcrum eval: {err}") from None
     try:
         cfg = load_config(overrides)
     except ConfigError as err:
