@@ -11,7 +11,7 @@ from test_workers_units import make_batch  # tests/ is on sys.path under pytest
 
 from fulcrum.models.value_head import CriticModel
 from fulcrum.rollout.testing import random_causal_lm
-from fulcrum.workers.forwards import ModelForwards
+from fulcrum.workers.forwards import LogProbHead, ModelForwards, ValueHead
 from fulcrum.workers.micro_batch import make_micro_batches
 
 pytestmark = pytest.mark.gpu
@@ -52,10 +52,12 @@ def test_packed_bf16_log_probs_and_gradients_match_padded_fp32() -> None:
     forwards = ModelForwards(gpu_model, CUDA, use_remove_padding=True, role="actor")
     assert forwards.packed and forwards.compute is not None
     with forwards.active():
-        logp, _ = forwards.log_prob(batch, 0.9, False)
-        ppo_loss(batch["old_log_probs"].to(CUDA), logp, batch["advantages"].to(CUDA), mask.float().to(CUDA))[
-            0
-        ].backward()
+        (logp,) = forwards.forward(forwards.inputs(batch, []), LogProbHead(0.9))
+        forwards.backward(
+            ppo_loss(
+                batch["old_log_probs"].to(CUDA), logp, batch["advantages"].to(CUDA), mask.float().to(CUDA)
+            )[0]
+        )
         forwards.accumulate_grads()
     diff = (logp.cpu() - logp_ref.detach()).abs()[mask.bool()]
     assert diff.mean() < 0.02 and diff.max() < 0.25, (diff.mean(), diff.max())
@@ -72,7 +74,7 @@ def test_packed_bf16_values_match_padded_fp32() -> None:
     batch = batch_for(SHAPE["vocab_size"])
     forwards = ModelForwards(gpu_model, CUDA, use_remove_padding=True, role="critic", keep=("score",))
     with torch.no_grad(), forwards.active():
-        values = forwards.values(batch).cpu()
+        values = forwards.forward(forwards.inputs(batch, []), ValueHead())[0].cpu()
         ref = values_of(cpu_model, batch, CPU)
     mask = batch["response_mask"].bool()
     spread = ref[mask].std()
@@ -125,11 +127,11 @@ def test_compiled_checkpointed_layers_match_eager_on_cuda(
         with forwards.active():
             for b in (12, 7):
                 batch = batch_for(SHAPE["vocab_size"]).select(list(range(b)))
-                logp, _ = forwards.log_prob(batch, 0.9, False)
+                (logp,) = forwards.forward(forwards.inputs(batch, []), LogProbHead(0.9))
                 mask = batch["response_mask"].float().to(CUDA)
-                ppo_loss(batch["old_log_probs"].to(CUDA), logp, batch["advantages"].to(CUDA), mask)[
-                    0
-                ].backward()
+                forwards.backward(
+                    ppo_loss(batch["old_log_probs"].to(CUDA), logp, batch["advantages"].to(CUDA), mask)[0]
+                )
                 forwards.accumulate_grads()
                 logps.append(logp.detach().float().cpu())
         results.append((logps, flat_grad(model)))
