@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -180,3 +181,58 @@ def test_data_math_names_a_line_that_is_not_an_object(tmp_path: Path, capsys) ->
     assert data_main(["math", "--src", str(src), "--out", str(tmp_path / "m")]) == 1
     assert "test.jsonl, line 2: not a JSON object" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+def test_eval_of_a_lora_run_evaluates_base_and_adapters_as_the_trainer_validated(
+    assets: Path, tmp_path: Path, capsys
+) -> None:
+    """A run that trains LoRA adapters keeps only them in its checkpoints: `fulcrum eval RUN` evaluates
+    the base with the adapters, giving the responses and figures of the trainer's validation at that
+    step (with either engine), and says which weights it evaluated."""
+    keys = {
+        "data.max_response_length": 8,
+        "actor_rollout_ref.model.lora_rank": 4,
+        "actor_rollout_ref.model.lora_alpha": 8,
+        "actor_rollout_ref.actor.optim.lr": 0.05,
+        "trainer.total_training_steps": 2,
+        "trainer.test_freq": 2,
+        "trainer.save_freq": 2,
+        "trainer.val_before_train": False,
+        "trainer.logger": "[console,jsonl]",
+        "trainer.validation_data_dir": tmp_path / "validation",
+    }
+    run = tmp_path / "run"
+    assert train_main(cpu_ppo_overrides(assets, run, keys)) == 0
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (run / "global_step_2" / "actor" / "adapter_model.safetensors").is_file()
+
+    def outputs(path: Path) -> list[str]:
+        return [json.loads(line)["output"] for line in path.read_text().splitlines()]
+
+    common = ["--data", str(assets / "data/test.parquet"), "trainer.device=cpu", "data.max_response_length=8"]
+    common.append("data.max_prompt_length=128")
+    for engine in ("hf", "native"):
+        capsys.readouterr()
+        out = tmp_path / engine
+        assert (
+            eval_main([str(run), "--out", str(out), *common, f"actor_rollout_ref.rollout.name={engine}"]) == 0
+        )
+        said = capsys.readouterr().out
+        assert f"LoRA adapters of {run / 'global_step_2' / 'actor'} on the base model" in said
+        metrics = json.loads((out / "metrics.json").read_text())
+        for key in ("val-core/synthetic/arithmetic/reward/mean@1", "val-aux/response_length/mean"):
+            assert metrics[key] == pytest.approx(last[key]), (engine, key)
+        assert outputs(out / "generations.jsonl") == outputs(tmp_path / "validation" / "2.jsonl"), engine
+    base = tmp_path / "base"
+    assert (
+        eval_main([str(assets / "model"), "--out", str(base), *common, "actor_rollout_ref.rollout.name=hf"])
+        == 0
+    )
+    trained = outputs(tmp_path / "hf" / "generations.jsonl")
+    assert outputs(base / "generations.jsonl") != trained  # the adapters were trained: they matter
+    moved = tmp_path / "moved"
+    shutil.copytree(run / "global_step_2", moved / "global_step_2")
+    pointer = moved / "global_step_2" / "actor" / "base_model.json"
+    pointer.write_text(json.dumps({**json.loads(pointer.read_text()), "path": str(tmp_path / "gone")}))
+    with pytest.raises(SystemExit, match=r"the base model .*gone is not there"):
+        eval_main([str(moved), "--out", str(tmp_path / "o"), *common])

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import tempfile
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -141,18 +146,32 @@ def test_humaneval_all_164_canonical_solutions_score_1_and_without_their_last_li
 
 
 class _FakeSandbox(BaseHTTPRequestHandler):
-    """A stand-in SandboxFusion: runs nothing, answers as the service does for `print(3)`."""
+    """A stand-in SandboxFusion `run_code` endpoint: runs the posted Python with its stdin in a local
+    subprocess under `run_timeout`, and answers as the service does."""
 
     requests: ClassVar[list[dict[str, Any]]] = []
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         _FakeSandbox.requests.append(body)
-        answer = {
-            "status": "Success",
-            "run_result": {"status": "Finished", "return_code": 0, "stdout": "3\n"},
-        }
-        data = json.dumps(answer).encode()
+        with tempfile.TemporaryDirectory() as folder:
+            source = Path(folder) / "main.py"
+            source.write_text(body["code"])
+            try:
+                done = subprocess.run(
+                    [sys.executable, str(source)],
+                    input=body["stdin"] or "",
+                    capture_output=True,
+                    text=True,
+                    cwd=folder,
+                    timeout=body["run_timeout"],
+                )
+                run = {"status": "Finished", "return_code": done.returncode, "stdout": done.stdout}
+            except subprocess.TimeoutExpired as err:
+                partial = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+                run = {"status": "TimeLimitExceeded", "return_code": None, "stdout": partial}
+        ok = run["status"] == "Finished" and run["return_code"] == 0
+        data = json.dumps({"status": "Success" if ok else "Failed", "run_result": run}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -163,15 +182,74 @@ class _FakeSandbox(BaseHTTPRequestHandler):
         pass
 
 
-def test_sandbox_fusion_url_sends_each_test_to_the_service() -> None:
-    server = HTTPServer(("127.0.0.1", 0), _FakeSandbox)
+@pytest.fixture(scope="module")
+def sandbox_url() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeSandbox)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/run_code"
-        got = score("apps", "```python\nprint(3)\n```", SUM, sandbox_fusion_url=url, memory_limit_mb=512)
+        yield f"http://127.0.0.1:{server.server_address[1]}/run_code"
     finally:
         server.shutdown()
-    assert got == 0.5
-    assert [r["stdin"] for r in _FakeSandbox.requests] == ["1 2\n", "5 6\n"]
-    assert all(r["language"] == "python" and r["memory_limit_MB"] == 512 for r in _FakeSandbox.requests)
+
+
+CALL = json.dumps({"fn_name": "add", "inputs": ["1\n2", "[1]\n[2]"], "outputs": ["3", "[1, 2]"]})
+SLOW_CALL = json.dumps({"fn_name": "echo", "inputs": ["1", "2"], "outputs": ["1", "2"]})
+HUMANEVAL_0 = _variants(PROBLEMS[0])
+
+SAME_SCORE_CASES = [
+    # (data source, response, ground truth, score): the jail's and the service's score
+    ("apps", "a, b = map(int, input().split())\nprint(a + b)", SUM, 1.0),
+    ("apps", "print(3)", SUM, 0.5),
+    ("apps", "a, b = map(int, input().split())\nprint(floor(sqrt((a + b) ** 2)))", SUM, 1.0),
+    ("apps", "print(sum(map(int, input().split())))\nexit()", SUM, 0.0),
+    ("apps", "def add(a, b):\n    return a + b", CALL, 1.0),
+    ("apps", "class Solution:\n    def add(self, a, b):\n        return a - b", CALL, 0.0),
+    ("apps", "def echo(x):\n    while x == 2:\n        pass\n    return x", SLOW_CALL, 0.5),
+    ("openai/openai_humaneval", HUMANEVAL_0["canonical"], _truth(PROBLEMS[0]), 1.0),
+    ("openai/openai_humaneval", HUMANEVAL_0["sys.exit(0)"], _truth(PROBLEMS[0]), 0.0),
+    ("openai/openai_humaneval", HUMANEVAL_0["infinite loop"], _truth(PROBLEMS[0]), 0.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("source", "program", "truth", "expected"),
+    SAME_SCORE_CASES,
+    ids=[
+        "stdin",
+        "stdin-one-wrong",
+        "stdin-apps-imports",
+        "stdin-exit",
+        "call",
+        "call-solution-wrong",
+        "call-one-past-limit",
+        "humaneval",
+        "humaneval-sys-exit",
+        "humaneval-loop",
+    ],
+)
+def test_sandbox_fusion_scores_as_the_jail_scores(
+    sandbox_url: str, source: str, program: str, truth: str, expected: float
+) -> None:
+    """Standard-input, call-based and HumanEval tests, passing, failing and past their limit: the same
+    score from the local jail and from a SandboxFusion service."""
+    response = f"```python\n{program}\n```"
+    jailed = score(source, response, truth, code_test_timeout_s=2)
+    served = score(source, response, truth, code_test_timeout_s=2, sandbox_fusion_url=sandbox_url)
+    assert (jailed, served) == (expected, expected)
+
+
+def test_sandbox_fusion_requests_carry_verls_fields_and_a_fresh_nonce_each(sandbox_url: str) -> None:
+    _FakeSandbox.requests.clear()
+    response = "```python\ndef add(a, b):\n    return a + b\n```"
+    assert score("apps", response, CALL, sandbox_fusion_url=sandbox_url, memory_limit_mb=512) == 1.0
+    sent = list(_FakeSandbox.requests)
+    assert len(sent) == 2
+    assert all(
+        r["language"] == "python" and r["memory_limit_MB"] == 512 and r["run_timeout"] == 10 for r in sent
+    )
+    jobs = [json.loads(r["stdin"]) for r in sent]
+    assert [job["input"] for job in jobs] == ["1\n2", "[1]\n[2]"]
+    assert len({job["nonce"] for job in jobs}) == 2
+    # the response's program is in the job, never the posted code: a verdict line it prints cannot count
+    assert all("def add" not in r["code"] for r in sent)

