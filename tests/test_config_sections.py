@@ -94,3 +94,21 @@ def test_each_section_names_its_keys_by_the_path_it_sits_at() -> None:
     assert len(seen) == len(set(seen)) == len(Section.__subclasses__())
     with pytest.raises(KeyError, match="critic has no key 'ppo_micro_batch_size_per_gpus'"):
         cfg.critic.key("ppo_micro_batch_size_per_gpus")
+
+
+def test_a_key_named_through_a_section_is_checked_at_every_depth() -> None:
+    """Every path a section's key() gives is a key of the tree, and a typo inside a nested group fails
+    where a module names it instead of reaching a user as a key that does not exist; a free-form
+    mapping's sub-keys are the user's to choose."""
+    from fulcrum.config.keys import Section, all_keys
+    from fulcrum.config.schema import ActorConfig, FulcrumConfig, RewardModelConfig
+
+    tree = set(all_keys(FulcrumConfig))
+    for section in Section.__subclasses__():
+        assert {section.key(name) for name in all_keys(section)} <= tree
+    assert ActorConfig.key("fsdp_config.param_offload") == "actor_rollout_ref.actor.fsdp_config.param_offload"
+    with pytest.raises(KeyError, match=r"actor_rollout_ref\.actor has no key 'fsdp_config\.param_offlod'"):
+        ActorConfig.key("fsdp_config.param_offlod")
+    with pytest.raises(KeyError, match=r"has no key 'optim\.lr\.max'"):
+        ActorConfig.key("optim.lr.max")
+    assert RewardModelConfig.key("reward_kwargs.threshold") == "reward_model.reward_kwargs.threshold"

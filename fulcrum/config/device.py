@@ -9,6 +9,7 @@ import os
 from typing import TYPE_CHECKING
 
 from fulcrum.config.keys import ConfigError
+from fulcrum.config.schema import TrainerConfig
 
 if TYPE_CHECKING:
     import torch
@@ -45,21 +46,22 @@ def select_device(
     if want == "auto" and cpu_when_no_cuda and available == 0:
         return torch.device("cpu")
     asked = n_gpus_per_node * nnodes
+    device, per_node, nodes = map(TrainerConfig.key, ("device", "n_gpus_per_node", "nnodes"))
     # No device at all: advising n_gpus_per_node=1 would not help.
     if n_gpus_per_node > available == 0:
         raise DeviceError(
-            f"trainer.device={want} with trainer.n_gpus_per_node={n_gpus_per_node} × trainer.nnodes={nnodes} "
+            f"{device}={want} with {per_node}={n_gpus_per_node} × {nodes}={nnodes} "
             f"asks for {asked} CUDA device(s) but this machine has 0 (no GPU, or CUDA_VISIBLE_DEVICES hides "
-            "them). Set trainer.device=cpu to run on the CPU (slowly).",
-            "trainer.device",
+            f"them). Set {device}=cpu to run on the CPU (slowly).",
+            device,
         )
     if n_gpus_per_node > available:
         raise DeviceError(
-            f"trainer.n_gpus_per_node={n_gpus_per_node} (× trainer.nnodes={nnodes}) asks for {n_gpus_per_node} "
+            f"{per_node}={n_gpus_per_node} (× {nodes}={nnodes}) asks for {n_gpus_per_node} "
             f"CUDA device(s) on each machine but this one has {available}. Set "
-            f"trainer.n_gpus_per_node={max(available, 1)} to match, or trainer.device=cpu to run on the CPU "
+            f"{per_node}={max(available, 1)} to match, or {device}=cpu to run on the CPU "
             "(slowly).",
-            "trainer.device",
+            device,
         )
     return torch.device("cuda", local_rank)
 

@@ -38,9 +38,15 @@ class Section:
     @classmethod
     def key(cls, name: str) -> str:
         """'ppo_micro_batch_size_per_gpu' -> 'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu' (a
-        dotted name reaches into a nested group); KeyError for a name the section does not hold."""
-        if name.partition(".")[0] not in field_types(cls):
-            raise KeyError(f"{cls.PATH} has no key {name!r}")
+        dotted name reaches into a nested group, and any sub-key of a free-form mapping); KeyError for a
+        name the section does not hold, at any depth."""
+        node: Any = cls
+        for part in name.split("."):
+            if is_free_dict(node):
+                break
+            if not is_group(node) or part not in field_types(node):
+                raise KeyError(f"{cls.PATH} has no key {name!r}")
+            node = non_null(field_types(node)[part])
         return f"{cls.PATH}.{name}"
 
 

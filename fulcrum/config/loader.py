@@ -32,7 +32,7 @@ from fulcrum.config.keys import (
     type_name,
     unknown_key_error,
 )
-from fulcrum.config.schema import FulcrumConfig
+from fulcrum.config.schema import FulcrumConfig, RolloutConfig
 
 log = logging.getLogger("fulcrum.config")
 T = TypeVar("T")
@@ -178,7 +178,8 @@ def _is_nan(value: Any) -> bool:
 def _alias_rollout_name(value: Any) -> Any:
     if isinstance(value, str) and value in ROLLOUT_NAME_ALIASES:
         log.warning(
-            "actor_rollout_ref.rollout.name=%s: fulcrum has no %s backend; using %s",
+            "%s=%s: fulcrum has no %s backend; using %s",
+            RolloutConfig.key("name"),
             value,
             value,
             ROLLOUT_NAME_ALIASES[value],
@@ -205,7 +206,7 @@ def apply_override(node: DictConfig, text: str, root_cls: type = FulcrumConfig) 
     hint = " (+ adds keys only inside free-form mappings such as reward_model.reward_kwargs)" if add else ""
     tp = _field_type(root_cls, key, hint)
     value = _typed_value(text_value, tp, key)
-    if key == "actor_rollout_ref.rollout.name":
+    if key == RolloutConfig.key("name"):
         value = _alias_rollout_name(value)
     parts = key.split(".")
     for i in range(1, len(parts)):  # a null free-form mapping becomes {} before a sub-key is set in it

@@ -363,7 +363,7 @@ class RewardModelConfig(Section, path="reward_model"):
 
 
 @dataclass
-class CustomRewardFunctionConfig:
+class CustomRewardFunctionConfig(Section, path="custom_reward_function"):
     path: str | None = opt(None, "python file with a custom reward function")
     name: str = opt("compute_score", "function name in that file")
     reward_kwargs: dict[str, Any] = opt({}, "extra kwargs passed to the custom function")

@@ -42,12 +42,12 @@ GROUP_ESTIMATORS_NEEDING_N2 = ("rloo",)
 # ------------------------------------------------------------------------------------ error rules
 def _choices(cfg: FulcrumConfig) -> list[Finding]:
     """Values a field's type cannot restrict (the algorithm package's names: fulcrum.trainer.checks)."""
-    problems = []
-    if cfg.reward_model.on_error not in ("raise", "zero"):
+    problems, reward = [], cfg.reward_model
+    if reward.on_error not in ("raise", "zero"):
         problems.append(
-            Finding(("reward_model.on_error",), f"expected raise or zero, got {cfg.reward_model.on_error!r}")
+            Finding((reward.key("on_error"),), f"expected raise or zero, got {reward.on_error!r}")
         )
-    for key in ("actor_rollout_ref.actor.optim.betas", "critic.optim.betas"):
+    for key in (cfg.actor_rollout_ref.actor.key("optim.betas"), cfg.critic.key("optim.betas")):
         if len(_get(cfg, key)) != 2:
             problems.append(Finding((key,), f"AdamW takes two betas [beta1, beta2], got {_get(cfg, key)}"))
     return problems
@@ -67,8 +67,8 @@ def _context_length(cfg: FulcrumConfig) -> list[Finding]:
         return []
     return [
         Finding(
-            ("data.max_prompt_length", "data.max_response_length"),
-            f"prompt + response = {needed} tokens exceeds actor_rollout_ref.model.path's "
+            (cfg.data.key("max_prompt_length"), cfg.data.key("max_response_length")),
+            f"prompt + response = {needed} tokens exceeds {cfg.actor_rollout_ref.model.key('path')}'s "
             f"max_position_embeddings = {limit} ({path})",
         )
     ]
@@ -76,14 +76,14 @@ def _context_length(cfg: FulcrumConfig) -> list[Finding]:
 
 def _devices(cfg: FulcrumConfig, n_devices: int | None) -> list[Finding]:
     problems = []
-    n_gpus = world_size(cfg)
+    n_gpus, trainer = world_size(cfg), cfg.trainer
     if n_devices is not None and n_gpus > n_devices:
         problems.append(
             Finding(
-                ("trainer.n_gpus_per_node", "trainer.nnodes"),
+                (trainer.key("n_gpus_per_node"), trainer.key("nnodes")),
                 f"the run asks for {n_gpus} device(s) but {n_devices} are visible; "
-                f"set trainer.n_gpus_per_node={max(n_devices, 1)}"
-                + (" or trainer.device=cpu" if n_devices == 0 else ""),
+                f"set {trainer.key('n_gpus_per_node')}={max(n_devices, 1)}"
+                + (f" or {trainer.key('device')}=cpu" if n_devices == 0 else ""),
             )
         )
     return problems
@@ -116,7 +116,7 @@ def _sequence_parallel(cfg: FulcrumConfig) -> list[Finding]:
         if n_gpus % sp:
             problems.append(
                 Finding(
-                    (key, "trainer.n_gpus_per_node"),
+                    (key, cfg.trainer.key("n_gpus_per_node")),
                     f"{key}={sp} must divide the {n_gpus} device(s): the world is data-parallel groups × {sp}",
                 )
             )
@@ -132,15 +132,15 @@ def _lm_head_fp32(cfg: FulcrumConfig) -> list[Finding]:
     actor/reference must both follow the key. The hf backend's generate and the padded forward run
     Hugging Face's own head, rounded to the model's dtype. (An architecture the native engine does not
     run, or rollout.name=vllm on the CPU, is refused when the rollout is built.)"""
-    key, model = "actor_rollout_ref.model.lm_head_fp32", cfg.actor_rollout_ref.model
+    model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
     if not model.lm_head_fp32:
         return []
-    problems = []
-    if cfg.actor_rollout_ref.rollout.name == "hf":
-        name_key = "actor_rollout_ref.rollout.name"
+    problems, key = [], model.key("lm_head_fp32")
+    if rollout.name == "hf":
+        name_key = rollout.key("name")
         problems.append(Finding((key, name_key), "needs the native engine: the hf backend rounds its logits"))
     if not model.use_remove_padding:
-        pad_key = "actor_rollout_ref.model.use_remove_padding"
+        pad_key = model.key("use_remove_padding")
         problems.append(
             Finding((key, pad_key), "needs the packed path: the padded forward rounds its logits")
         )
@@ -151,26 +151,19 @@ def _algorithm(cfg: FulcrumConfig) -> list[Finding]:
     problems = []
     estimator = cfg.algorithm.adv_estimator
     if cfg.critic.enable is False and estimator in CRITIC_ESTIMATORS:
-        problems.append(Finding(("critic.enable", "algorithm.adv_estimator"), f"{estimator} needs a critic"))
-    val = cfg.actor_rollout_ref.rollout.val_kwargs
-    if val.do_sample and val.temperature <= 0:
-        problems.append(
-            Finding(
-                (
-                    "actor_rollout_ref.rollout.val_kwargs.do_sample",
-                    "actor_rollout_ref.rollout.val_kwargs.temperature",
-                ),
-                "sampling at validation needs a temperature > 0",
-            )
-        )
+        keys = (cfg.critic.key("enable"), cfg.algorithm.key("adv_estimator"))
+        problems.append(Finding(keys, f"{estimator} needs a critic"))
     rollout = cfg.actor_rollout_ref.rollout
+    if rollout.val_kwargs.do_sample and rollout.val_kwargs.temperature <= 0:
+        keys = (rollout.key("val_kwargs.do_sample"), rollout.key("val_kwargs.temperature"))
+        problems.append(Finding(keys, "sampling at validation needs a temperature > 0"))
     if (
         rollout.max_model_len is not None
         and rollout.prompt_length + rollout.response_length > rollout.max_model_len
     ):
         problems.append(
             Finding(
-                ("actor_rollout_ref.rollout.max_model_len",),
+                (rollout.key("max_model_len"),),
                 f"{rollout.max_model_len} is shorter than prompt_length + response_length = "
                 f"{rollout.prompt_length + rollout.response_length}",
             )
@@ -183,22 +176,23 @@ def _trainer(cfg: FulcrumConfig) -> list[Finding]:
     trainer = cfg.trainer
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         problems.append(
-            Finding(("trainer.resume_mode", "trainer.resume_from_path"), "resume_path needs resume_from_path")
+            Finding(
+                (trainer.key("resume_mode"), trainer.key("resume_from_path")),
+                "resume_path needs resume_from_path",
+            )
         )
     return problems
 
 
 def _unsupported(cfg: FulcrumConfig) -> list[Finding]:
-    problems = []
+    problems, logger_key = [], cfg.trainer.key("logger")
     verl_only = [name for name in cfg.trainer.logger if name in VERL_ONLY_LOGGERS]
     unknown = [name for name in cfg.trainer.logger if name not in SUPPORTED_LOGGERS + VERL_ONLY_LOGGERS]
     if verl_only:
-        problems.append(
-            Finding(("trainer.logger",), f"{verl_only}: verl loggers fulcrum does not support yet")
-        )
+        problems.append(Finding((logger_key,), f"{verl_only}: verl loggers fulcrum does not support yet"))
     if unknown:
         problems.append(
-            Finding(("trainer.logger",), f"unknown logger(s) {unknown}; one of {list(SUPPORTED_LOGGERS)}")
+            Finding((logger_key,), f"unknown logger(s) {unknown}; one of {list(SUPPORTED_LOGGERS)}")
         )
     for key, (allowed, why) in UNSUPPORTED.items():
         value = _get(cfg, key)
@@ -244,7 +238,7 @@ def advise(cfg: FulcrumConfig) -> list[Finding]:
     if tp > 1 and (tp > n_gpus or n_gpus % tp):
         notes.append(
             Finding(
-                ("actor_rollout_ref.rollout.tensor_model_parallel_size", "trainer.n_gpus_per_node"),
+                (arr.rollout.key("tensor_model_parallel_size"), cfg.trainer.key("n_gpus_per_node")),
                 f"tensor parallel size {tp} does not divide the {n_gpus} device(s) of the run "
                 "(verl would refuse; fulcrum runs one rollout engine per process instead)",
             )
@@ -257,26 +251,29 @@ def advise(cfg: FulcrumConfig) -> list[Finding]:
             notes.append(Finding((key,), f"{key}={size}: {note}"))
     if cfg.data.val_batch_size is not None:
         notes.append(
-            Finding(("data.val_batch_size",), "deprecated in verl and ignored: validation runs as one batch")
+            Finding(
+                (cfg.data.key("val_batch_size"),),
+                "deprecated in verl and ignored: validation runs as one batch",
+            )
         )
     if algo.use_kl_in_reward and arr.actor.use_kl_loss:
         notes.append(
             Finding(
-                ("algorithm.use_kl_in_reward", "actor_rollout_ref.actor.use_kl_loss"),
+                (algo.key("use_kl_in_reward"), arr.actor.key("use_kl_loss")),
                 "both KL in reward and KL loss are on",
             )
         )
     if algo.kl_ctrl.type == "adaptive" and not algo.use_kl_in_reward:
         notes.append(
             Finding(
-                ("algorithm.kl_ctrl.type", "algorithm.use_kl_in_reward"),
+                (algo.key("kl_ctrl.type"), algo.key("use_kl_in_reward")),
                 "adaptive KL control acts only with use_kl_in_reward=True",
             )
         )
     if not algo.use_kl_in_reward and algo.kl_ctrl != KLControlConfig():
         notes.append(
             Finding(
-                ("algorithm.kl_ctrl", "algorithm.use_kl_in_reward"),
+                (algo.key("kl_ctrl"), algo.key("use_kl_in_reward")),
                 "kl_ctrl settings act only with use_kl_in_reward=True (as in verl)",
             )
         )
@@ -285,14 +282,14 @@ def advise(cfg: FulcrumConfig) -> list[Finding]:
     if algo.adv_estimator in GROUP_ESTIMATORS_NEEDING_N2 and arr.rollout.n < 2:
         notes.append(
             Finding(
-                ("algorithm.adv_estimator", "actor_rollout_ref.rollout.n"),
+                (algo.key("adv_estimator"), arr.rollout.key("n")),
                 f"{algo.adv_estimator} compares responses to the same prompt; with rollout.n=1 it has no baseline",
             )
         )
     if algo.adv_estimator == "grpo" and arr.rollout.n < 2:
         notes.append(
             Finding(
-                ("algorithm.adv_estimator", "actor_rollout_ref.rollout.n"),
+                (algo.key("adv_estimator"), arr.rollout.key("n")),
                 "grpo with one response per prompt has no group baseline; usually n >= 4",
             )
         )
@@ -302,7 +299,7 @@ def advise(cfg: FulcrumConfig) -> list[Finding]:
     ):
         notes.append(
             Finding(
-                ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",),
+                (arr.ref.key("log_prob_micro_batch_size_per_gpu"),),
                 "no reference policy is used (use_kl_loss and use_kl_in_reward are off): the reference pass is skipped",
             )
         )
@@ -313,9 +310,9 @@ def advise(cfg: FulcrumConfig) -> list[Finding]:
 
 def zero_learning_rates(cfg: FulcrumConfig) -> list[Finding]:
     """A learning rate of 0 trains nothing: the run spends its compute and the weights never change."""
-    roles = [("actor_rollout_ref.actor.optim.lr", cfg.actor_rollout_ref.actor.optim.lr)]
+    roles = [(cfg.actor_rollout_ref.actor.key("optim.lr"), cfg.actor_rollout_ref.actor.optim.lr)]
     if uses_critic(cfg):
-        roles.append(("critic.optim.lr", cfg.critic.optim.lr))
+        roles.append((cfg.critic.key("optim.lr"), cfg.critic.optim.lr))
     return [
         Finding((key,), f"{key}=0: the optimiser steps change nothing, so the model never trains")
         for key, lr in roles
@@ -337,7 +334,7 @@ def lower_clip_off(cfg: FulcrumConfig) -> list[Finding]:
         return []
     return [
         Finding(
-            ("actor_rollout_ref.actor.clip_ratio_low",),
+            (actor.key("clip_ratio_low"),),
             f"{low} >= 1: the lower clip bound 1 - {low} <= 0 never acts, so the {actor.policy_loss.loss_mode} "
             "loss does not limit how far a token's probability falls in one update",
         )

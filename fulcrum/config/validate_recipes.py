@@ -8,24 +8,25 @@ from fulcrum.config.finding import Finding
 from fulcrum.config.schema import FulcrumConfig
 
 BUILT_IN_REWARD_MANAGERS = ("naive", "dapo", "batch", "prime")
-RC = "algorithm.rollout_correction"
 
 
 def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:
     """Settings of the recipes that would fail at start-up or mid-run."""
     problems = []
     algo, actor, rm = cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.reward_model
+    rollout, custom = cfg.actor_rollout_ref.rollout, cfg.custom_reward_function
+    loss_mode = actor.key("policy_loss.loss_mode")
     if algo.adv_estimator == "optimal_token_baseline" and not actor.calculate_sum_pi_squared:
         problems.append(
             Finding(
-                ("algorithm.adv_estimator", "actor_rollout_ref.actor.calculate_sum_pi_squared"),
+                (algo.key("adv_estimator"), actor.key("calculate_sum_pi_squared")),
                 "optimal_token_baseline needs actor.calculate_sum_pi_squared=True (as verl)",
             )
         )
-    if algo.filter_groups.enable and cfg.actor_rollout_ref.rollout.n < 2:
+    if algo.filter_groups.enable and rollout.n < 2:
         problems.append(
             Finding(
-                ("algorithm.filter_groups.enable", "actor_rollout_ref.rollout.n"),
+                (algo.key("filter_groups.enable"), rollout.key("n")),
                 "dynamic sampling keeps groups whose responses differ; set rollout.n >= 2",
             )
         )
@@ -34,46 +35,43 @@ def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:
         # (A value <= 0 is outside the key's domain, which names it too.)
         problems.append(
             Finding(
-                (
-                    "actor_rollout_ref.actor.policy_loss.dro_beta",
-                    "actor_rollout_ref.actor.policy_loss.loss_mode",
-                ),
+                (actor.key("policy_loss.dro_beta"), loss_mode),
                 "loss_mode=dro needs policy_loss.dro_beta > 0, the weight of its quadratic log-ratio penalty",
             )
         )
     if actor.policy_loss.loss_mode == "bypass_mode" and not algo.rollout_correction.bypass_mode:
         # verl's trainer switches to this loss itself (apply_bypass_mode) and hands it the correction.
+        bypass = algo.key("rollout_correction.bypass_mode")
         problems.append(
             Finding(
-                ("actor_rollout_ref.actor.policy_loss.loss_mode", f"{RC}.bypass_mode"),
+                (loss_mode, bypass),
                 "loss_mode=bypass_mode is rollout correction's bypass mode, whose loss needs the correction's "
-                f"settings: set {RC}.bypass_mode=True (its loss_type reinforce or ppo_clip) and leave "
+                f"settings: set {bypass}=True (its loss_type reinforce or ppo_clip) and leave "
                 "loss_mode=vanilla",
             )
         )
     gen = cfg.data.gen_batch_size
     if gen is not None and gen <= 0:
-        problems.append(Finding(("data.gen_batch_size",), f"must be positive, got {gen}"))
-    if rm.reward_manager not in BUILT_IN_REWARD_MANAGERS and not cfg.custom_reward_function.path:
+        problems.append(Finding((cfg.data.key("gen_batch_size"),), f"must be positive, got {gen}"))
+    if rm.reward_manager not in BUILT_IN_REWARD_MANAGERS and not custom.path:
         problems.append(
             Finding(
-                ("reward_model.reward_manager",),
+                (rm.key("reward_manager"),),
                 f"{rm.reward_manager!r} is not built in ({', '.join(BUILT_IN_REWARD_MANAGERS)}); register your "
-                "own with @fulcrum.reward.managers.register_reward_manager in custom_reward_function.path",
+                f"own with @fulcrum.reward.managers.register_reward_manager in {custom.key('path')}",
             )
         )
-    if rm.reward_manager == "batch" and not cfg.custom_reward_function.path:
+    if rm.reward_manager == "batch" and not custom.path:
         problems.append(
             Finding(
-                ("reward_model.reward_manager", "custom_reward_function.path"),
-                "the batch manager calls a batched function: set custom_reward_function.path and name",
+                (rm.key("reward_manager"), custom.key("path")),
+                f"the batch manager calls a batched function: set {custom.key('path')} and name",
             )
         )
-    rollout = cfg.actor_rollout_ref.rollout
     if rollout.multi_turn.enable and rollout.name == "hf":
         problems.append(
             Finding(
-                ("actor_rollout_ref.rollout.multi_turn.enable", "actor_rollout_ref.rollout.name"),
+                (rollout.key("multi_turn.enable"), rollout.key("name")),
                 "multi-turn rollouts need rollout.name=native: the hf backend generates whole batches, not "
                 "conversations turn by turn",
             )
@@ -85,10 +83,7 @@ def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:
         if getattr(rollout.multi_turn, name) and not rollout.multi_turn.enable:
             problems.append(
                 Finding(
-                    (
-                        f"actor_rollout_ref.rollout.multi_turn.{name}",
-                        "actor_rollout_ref.rollout.multi_turn.enable",
-                    ),
+                    (rollout.key(f"multi_turn.{name}"), rollout.key("multi_turn.enable")),
                     f"{what} only in the agent loop, which runs with multi_turn.enable=True; without it "
                     f"{getattr(rollout.multi_turn, name)} would be ignored",
                 )
@@ -98,8 +93,8 @@ def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:
     if buffer.enable and not 0 < buffer.len <= max_len:
         problems.append(
             Finding(
-                ("reward_model.overlong_buffer.len",),
-                f"{buffer.len} must be in 1..data.max_response_length ({max_len})",
+                (rm.key("overlong_buffer.len"),),
+                f"{buffer.len} must be in 1..{cfg.data.key('max_response_length')} ({max_len})",
             )
         )
     return problems
@@ -112,7 +107,7 @@ def recipe_notes(cfg: FulcrumConfig) -> list[Finding]:
     if algo.use_pf_ppo and algo.adv_estimator != "gae":
         notes.append(
             Finding(
-                ("algorithm.use_pf_ppo", "algorithm.adv_estimator"),
+                (algo.key("use_pf_ppo"), algo.key("adv_estimator")),
                 "PF-PPO resamples only after gae (as verl): no effect with this estimator",
             )
         )
@@ -121,7 +116,7 @@ def recipe_notes(cfg: FulcrumConfig) -> list[Finding]:
     ) and rm.reward_manager != "dapo":
         notes.append(
             Finding(
-                ("reward_model.overlong_buffer", "reward_model.reward_manager"),
+                (rm.key("overlong_buffer"), rm.key("reward_manager")),
                 "the overlong penalty is applied by reward_manager=dapo only",
             )
         )
@@ -129,15 +124,18 @@ def recipe_notes(cfg: FulcrumConfig) -> list[Finding]:
     if rc.bypass_mode and cfg.actor_rollout_ref.actor.policy_loss.loss_mode != "vanilla":
         notes.append(
             Finding(
-                (f"{RC}.bypass_mode", "actor_rollout_ref.actor.policy_loss.loss_mode"),
+                (
+                    algo.key("rollout_correction.bypass_mode"),
+                    cfg.actor_rollout_ref.actor.key("policy_loss.loss_mode"),
+                ),
                 f"bypass mode replaces the policy loss with its own ({rc.loss_type}), as verl",
             )
         )
     if rm.use_reward_loop:
         notes.append(
             Finding(
-                ("reward_model.use_reward_loop",),
-                "rewards are scored in this process (sympy, Math-Verify and code in reward_model.num_workers "
+                (rm.key("use_reward_loop"),),
+                f"rewards are scored in this process (sympy, Math-Verify and code in {rm.key('num_workers')} "
                 "processes; prime: in a pool of its own); no reward-loop workers",
             )
         )

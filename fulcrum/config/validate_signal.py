@@ -16,9 +16,8 @@ import re
 from typing import Any
 
 from fulcrum.config.finding import Finding
-from fulcrum.config.schema import FulcrumConfig
+from fulcrum.config.schema import FulcrumConfig, RolloutConfig
 
-R = "actor_rollout_ref.rollout"
 # Estimators whose advantage is a score minus the mean (or another baseline) of the responses to the same
 # prompt: with n identical responses it is 0. With n = 1 they fall back to the plain score.
 GROUP_BASELINE_ESTIMATORS = frozenset(
@@ -35,15 +34,15 @@ UNSYNCED_MODULES = {
 }
 
 
-def greedy_keys(rollout: Any) -> list[str]:
+def greedy_keys(rollout: RolloutConfig) -> list[str]:
     """The rollout keys that make training rollouts greedy (none: they sample)."""
     keys = []
     if not rollout.do_sample:
-        keys.append(f"{R}.do_sample")
+        keys.append(rollout.key("do_sample"))
     if rollout.temperature == 0:
-        keys.append(f"{R}.temperature")
+        keys.append(rollout.key("temperature"))
     if rollout.top_k == 1:
-        keys.append(f"{R}.top_k")
+        keys.append(rollout.key("top_k"))
     return keys
 
 
@@ -61,7 +60,7 @@ def greedy_groups(cfg: FulcrumConfig) -> list[Finding]:
         return []
     return [
         Finding(
-            ("algorithm.adv_estimator", *greedy, f"{R}.n"),
+            (cfg.algorithm.key("adv_estimator"), *greedy, rollout.key("n")),
             f"{estimator} with greedy rollouts ({', '.join(f'{k}={_value(cfg, k)}' for k in greedy)}): {why}; "
             "every advantage and the policy gradient are 0 at every step. Sample (temperature > 0, do_sample=True)",
         )
@@ -94,7 +93,7 @@ def unsynced_lora_targets(cfg: FulcrumConfig) -> list[Finding]:
         if peft_matches(path, targets) and not peft_matches(path, model.exclude_modules):
             findings.append(
                 Finding(
-                    ("actor_rollout_ref.model.target_modules",),
+                    (model.key("target_modules"),),
                     f"{targets!r} gives {path} an adapter: {why}. Adapt the attention and MLP Linears "
                     "('all-linear', or names such as q_proj, v_proj)",
                 )

@@ -171,8 +171,7 @@ def _token_budgets(cfg: FulcrumConfig) -> list[Finding]:
     return [
         Finding(
             (key, *lengths),
-            f"{key}={limit} is below one sequence of up to {longest} tokens "
-            f"(data.max_prompt_length + response_length)",
+            f"{key}={limit} is below one sequence of up to {longest} tokens ({lengths[0]} + response_length)",
             why="with dynamic batching a micro-batch holds at most this many tokens, the bound its memory "
             "is sized for: a full-length sequence would run alone over it",
             fix=f"{key}>={longest}; a budget of several sequences (e.g. {4 * longest}) lets short ones share "

@@ -40,6 +40,7 @@ from fulcrum.config.compat import ROLLOUT_NAME_ALIASES, UNSUPPORTED
 from fulcrum.config.device import cuda_device_count
 from fulcrum.config.finding import Finding
 from fulcrum.config.keys import flatten
+from fulcrum.config.schema_data import DataConfig
 from fulcrum.models.folder import (
     looks_like_path,
     model_folder_problems,
@@ -99,7 +100,7 @@ def _as_list(files: str | list[str]) -> list[str]:
     return [files] if isinstance(files, str) else list(files)
 
 
-def _parquet_columns(key: str, name: str, prompt_key: str) -> list[Finding]:
+def _parquet_columns(key: str, name: str, data: DataConfig) -> list[Finding]:
     """The file is a parquet file with the columns the prompt data set reads (schema only, no rows)."""
     import pyarrow.parquet as pq
 
@@ -109,17 +110,17 @@ def _parquet_columns(key: str, name: str, prompt_key: str) -> list[Finding]:
         schema = pq.read_schema(os.path.expanduser(name))
     except Exception as exc:  # pyarrow raises several types for a file that is not parquet
         return [_error(f"{key}: {name} is not a readable parquet file ({str(exc).splitlines()[0]})")]
-    missing = [c for c in (prompt_key, *REQUIRED_COLUMNS) if c not in schema.names]
+    missing = [c for c in (data.prompt_key, *REQUIRED_COLUMNS) if c not in schema.names]
     if missing:
-        hint = " (set data.prompt_key)" if prompt_key in missing else ""
+        hint = f" (set {data.key('prompt_key')})" if data.prompt_key in missing else ""
         return [_error(f"{key}: {name} has no column(s) {missing}{hint}; columns: {schema.names}")]
     return []
 
 
 def check_data_files(ctx: Context) -> list[Finding]:
-    findings = []
-    for key in ("data.train_files", "data.val_files"):
-        files = _as_list(getattr(ctx.cfg.data, key.split(".")[1]))
+    findings, data = [], ctx.cfg.data
+    for attr in ("train_files", "val_files"):
+        key, files = data.key(attr), _as_list(getattr(data, attr))
         if not files:
             findings.append(_error(f"{key}: no file given"))
         for name in files:
@@ -129,7 +130,7 @@ def check_data_files(ctx: Context) -> list[Finding]:
                     _error(f"{key}: {name} does not exist" + (" (it is a folder)" if path.is_dir() else ""))
                 )
             else:
-                findings += _parquet_columns(key, name, ctx.cfg.data.prompt_key)
+                findings += _parquet_columns(key, name, data)
     return findings
 
 
@@ -155,9 +156,9 @@ def check_model_paths(ctx: Context) -> list[Finding]:
     findings: list[Finding] = []
     for key, (name, needs_tokenizer) in models_to_check(ctx.cfg).items():
         findings += _model_folder(key, name, needs_tokenizer=needs_tokenizer)
-    adapter = ctx.cfg.actor_rollout_ref.model.lora_adapter_path
-    if adapter:
-        findings += [_error(p) for p in adapter_folder_problems(adapter, "actor_rollout_ref.model")]
+    model = ctx.cfg.actor_rollout_ref.model
+    if model.lora_adapter_path:
+        findings += [_error(p) for p in adapter_folder_problems(model.lora_adapter_path, model.PATH)]
     return findings
 
 
@@ -169,20 +170,18 @@ def _models_reading_actor_ids(cfg: FulcrumConfig) -> dict[str, str]:
 
 def check_vocabularies(ctx: Context) -> list[Finding]:
     """Every model that reads the actor's token ids has an embedding row for each (loads the tokenizer only)."""
-    actor = ctx.cfg.actor_rollout_ref.model.path
+    actor, key = ctx.cfg.actor_rollout_ref.model.path, ctx.cfg.actor_rollout_ref.model.key("path")
     if not actor or not Path(os.path.expanduser(actor)).is_dir():
         return []
-    if model_folder_problems(
-        actor, "actor_rollout_ref.model.path", needs_tokenizer=True, needs_weights=False
-    ):
+    if model_folder_problems(actor, key, needs_tokenizer=True, needs_weights=False):
         return []  # check_model_paths names what is missing
     from transformers import AutoTokenizer
 
     try:
         token_count = len(AutoTokenizer.from_pretrained(os.path.expanduser(actor)))
     except Exception as exc:  # a tokenizer that does not load: say so instead of a traceback
-        return [_error(f"actor_rollout_ref.model.path: the tokenizer of {actor} does not load ({exc})")]
-    problems = vocab_problems(token_count, "actor_rollout_ref.model.path", _models_reading_actor_ids(ctx.cfg))
+        return [_error(f"{key}: the tokenizer of {actor} does not load ({exc})")]
+    problems = vocab_problems(token_count, key, _models_reading_actor_ids(ctx.cfg))
     return [_error(p) for p in problems]
 
 
@@ -207,14 +206,16 @@ def check_data_rows(ctx: Context) -> list[Finding]:
     if rows is not None and rows < data.train_batch_size:
         findings.append(
             _error(
-                f"data.train_files: {', '.join(train)} hold(s) {rows} row(s), fewer than "
-                f"data.train_batch_size={data.train_batch_size}: not one full batch"
+                f"{data.key('train_files')}: {', '.join(train)} hold(s) {rows} row(s), fewer than "
+                f"{data.key('train_batch_size')}={data.train_batch_size}: not one full batch"
             )
         )
     val = _as_list(data.val_files)
     val_rows = _parquet_rows(val) if val and all(Path(os.path.expanduser(n)).is_file() for n in val) else None
     if val_rows == 0:
-        findings.append(_error(f"data.val_files: {', '.join(val)} hold(s) no rows; give a file with rows"))
+        findings.append(
+            _error(f"{data.key('val_files')}: {', '.join(val)} hold(s) no rows; give a file with rows")
+        )
     return findings
 
 
@@ -223,15 +224,13 @@ def check_custom_reward(ctx: Context) -> list[Finding]:
     spec = ctx.cfg.custom_reward_function
     if not spec.path:
         return []
-    path = Path(os.path.expanduser(spec.path))
+    path, path_key = Path(os.path.expanduser(spec.path)), spec.key("path")
     if not path.is_file():
-        return [_error(f"custom_reward_function.path: {spec.path} does not exist")]
+        return [_error(f"{path_key}: {spec.path} does not exist")]
     try:
         tree = ast.parse(path.read_text(), filename=str(path))
     except SyntaxError as exc:
-        return [
-            _error(f"custom_reward_function.path: {spec.path} line {exc.lineno}: syntax error: {exc.msg}")
-        ]
+        return [_error(f"{path_key}: {spec.path} line {exc.lineno}: syntax error: {exc.msg}")]
     defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
     defined |= {
         t.id
@@ -241,7 +240,7 @@ def check_custom_reward(ctx: Context) -> list[Finding]:
         if isinstance(t, ast.Name)
     }
     if spec.name not in defined:
-        return [_error(f"custom_reward_function.name: {spec.path} defines no function {spec.name!r}")]
+        return [_error(f"{spec.key('name')}: {spec.path} defines no function {spec.name!r}")]
     return []
 
 
@@ -249,27 +248,26 @@ def check_resume(ctx: Context) -> list[Finding]:
     trainer = ctx.cfg.trainer
     if trainer.resume_mode == "resume_path" and trainer.resume_from_path:
         if not Path(os.path.expanduser(trainer.resume_from_path)).is_dir():
-            return [_error(f"trainer.resume_from_path: {trainer.resume_from_path} does not exist")]
+            return [_error(f"{trainer.key('resume_from_path')}: {trainer.resume_from_path} does not exist")]
     return []
 
 
 def check_logger_packages(ctx: Context) -> list[Finding]:
-    findings = []
+    findings, key = [], ctx.cfg.trainer.key("logger")
     for name in ("wandb", "mlflow"):
         if name in ctx.cfg.trainer.logger and importlib.util.find_spec(name) is None:
-            findings.append(_error(f"trainer.logger: lists {name} but the package {name!r} is not installed"))
+            findings.append(_error(f"{key}: lists {name} but the package {name!r} is not installed"))
     return findings
 
 
 def check_rollout_alias(ctx: Context) -> list[Finding]:
+    name_key = ctx.cfg.actor_rollout_ref.rollout.key("name")
     for text in ctx.overrides:
         key, _, value = text.lstrip("+").partition("=")
-        if key.strip() == "actor_rollout_ref.rollout.name" and value.strip("'\" ") in ROLLOUT_NAME_ALIASES:
+        if key.strip() == name_key and value.strip("'\" ") in ROLLOUT_NAME_ALIASES:
             name = value.strip("'\" ")
             return [
-                _warning(
-                    f"actor_rollout_ref.rollout.name: fulcrum has no {name} backend; {ROLLOUT_NAME_ALIASES[name]} is used"
-                )
+                _warning(f"{name_key}: fulcrum has no {name} backend; {ROLLOUT_NAME_ALIASES[name]} is used")
             ]
     return []
 
@@ -341,7 +339,7 @@ def summary(ctx: Context) -> list[str]:
             f"{micro_count} micro-batch(es) of {micro} per mini-batch"
         )
     if not uses_critic(cfg):
-        lines.append(f"critic      off (algorithm.adv_estimator={cfg.algorithm.adv_estimator})")
+        lines.append(f"critic      off ({cfg.algorithm.key('adv_estimator')}={cfg.algorithm.adv_estimator})")
     lines.append(f"reference   {'on' if uses_reference(cfg) else 'off (no KL loss or KL in reward)'}")
     lines.append(f"run dir     {cfg.trainer.default_local_dir}")
     no_effect = keys_without_effect(cfg)

@@ -15,7 +15,13 @@ from typing import Any, Protocol
 
 from fulcrum.config import FulcrumConfig, uses_critic, uses_reference, world_size
 from fulcrum.config.finding import Finding
-from fulcrum.config.schema import ActorConfig, ModelConfig, RolloutConfig
+from fulcrum.config.schema import (
+    ActorConfig,
+    CriticModelConfig,
+    ModelConfig,
+    RewardModelConfig,
+    RolloutConfig,
+)
 from fulcrum.config.validate import sp_roles
 from fulcrum.tools.memory_estimate import (
     DEFAULT_DEVICE_GIB,
@@ -47,15 +53,16 @@ def check_response_length(ctx: DoctorContext) -> list[Finding]:
     generated, data_limit = cfg.actor_rollout_ref.rollout.response_length, cfg.data.max_response_length
     if generated == data_limit:
         return []
+    key, data_key = cfg.actor_rollout_ref.rollout.key("response_length"), cfg.data.key("max_response_length")
     return [
         Finding(
-            ("actor_rollout_ref.rollout.response_length", "data.max_response_length"),
-            f"actor_rollout_ref.rollout.response_length={generated} differs from data.max_response_length={data_limit}",
+            (key, data_key),
+            f"{key}={generated} differs from {data_key}={data_limit}",
             "warning",
             why=f"the rollout generates at most {generated} tokens and the batches, response_length/clip_ratio and "
-            f"the memory follow it; data.max_response_length={data_limit} then only misleads whoever reads "
+            f"the memory follow it; {data_key}={data_limit} then only misleads whoever reads "
             "the configuration (verl derives one from the other)",
-            fix=f"set data.max_response_length={generated} and drop rollout.response_length (it follows data)",
+            fix=f"set {data_key}={generated} and drop rollout.response_length (it follows data)",
         )
     ]
 
@@ -84,7 +91,7 @@ def check_epoch_drop(ctx: DoctorContext) -> list[Finding]:
     batch = cfg.data.train_batch_size
     if prompts is None or batch <= 0 or prompts < batch:  # fewer rows than a batch: doctor's check_data_rows
         return []
-    keys = ("data.train_batch_size",)
+    keys = (cfg.data.key("train_batch_size"),)
     dropped = prompts % batch
     if dropped == 0:
         return []
@@ -95,7 +102,8 @@ def check_epoch_drop(ctx: DoctorContext) -> list[Finding]:
         else f"none between {batch // 2} and {2 * batch} divides {prompts:,}: accept the loss, or add or "
         "filter prompts to a multiple of the batch"
     )
-    shuffled = " with data.shuffle=True a different set is dropped each epoch, so none is lost for good"
+    shuffle = cfg.data.key("shuffle")
+    shuffled = f" with {shuffle}=True a different set is dropped each epoch, so none is lost for good"
     return [
         Finding(
             keys,
@@ -129,8 +137,9 @@ def check_token_limits(ctx: DoctorContext) -> list[Finding]:
 
 def check_tensor_parallel_heads(ctx: DoctorContext) -> list[Finding]:
     """Rollout tensor parallelism must split the attention and KV heads evenly (vLLM's rule)."""
-    tp = ctx.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    shape = read_model_shape(ctx.cfg.actor_rollout_ref.model.path)
+    arr = ctx.cfg.actor_rollout_ref
+    key, tp = arr.rollout.key("tensor_model_parallel_size"), arr.rollout.tensor_model_parallel_size
+    shape = read_model_shape(arr.model.path)
     if shape is None or tp <= 1:
         return []
     bad = [
@@ -143,12 +152,12 @@ def check_tensor_parallel_heads(ctx: DoctorContext) -> list[Finding]:
     good = [t for t in (1, 2, 4, 8) if shape.heads % t == 0 and shape.kv_heads % t == 0]
     return [
         Finding(
-            ("actor_rollout_ref.rollout.tensor_model_parallel_size", "actor_rollout_ref.model.path"),
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the model's {' and '.join(bad)}",
+            (key, arr.model.key("path")),
+            f"{key}={tp} does not divide the model's {' and '.join(bad)}",
             "warning",
             why="each tensor-parallel rank takes an equal share of the heads; verl's vLLM refuses this model at "
             "this size (fulcrum's rollout runs one engine per device and ignores the key today)",
-            fix=f"actor_rollout_ref.rollout.tensor_model_parallel_size in {good}",
+            fix=f"{key} in {good}",
         )
     ]
 
@@ -158,11 +167,10 @@ def check_sequence_parallel_heads(ctx: DoctorContext) -> list[Finding]:
     a size that does not divide them; key/value heads are repeated as needed)."""
     findings = []
     for key, sp, _, _ in sp_roles(ctx.cfg):
-        model_key = "critic.model.path" if key.startswith("critic.") else "actor_rollout_ref.model.path"
-        path = (
-            ctx.cfg.critic.model.path if key.startswith("critic.") else ctx.cfg.actor_rollout_ref.model.path
-        )
-        shape = read_model_shape(path)
+        critic = key.startswith(f"{ctx.cfg.critic.PATH}.")
+        model = ctx.cfg.critic.model if critic else ctx.cfg.actor_rollout_ref.model
+        model_key = model.key("path")
+        shape = read_model_shape(model.path)
         if sp <= 1 or shape is None or shape.heads % sp == 0:
             continue
         good = [s for s in (1, 2, 4, 8) if shape.heads % s == 0]
@@ -179,27 +187,32 @@ def check_sequence_parallel_heads(ctx: DoctorContext) -> list[Finding]:
 
 def check_target_kl_fixed(ctx: DoctorContext) -> list[Finding]:
     """target_kl (or horizon) set with the fixed KL controller, which never reads them."""
-    kl = ctx.cfg.algorithm.kl_ctrl
+    algo = ctx.cfg.algorithm
+    kl, type_key = algo.kl_ctrl, algo.key("kl_ctrl.type")
     if kl.type != "fixed":
         return []
     set_keys = [
-        k for k in ("algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.horizon") if _set_by_user(ctx, k)
+        k for k in (algo.key("kl_ctrl.target_kl"), algo.key("kl_ctrl.horizon")) if _set_by_user(ctx, k)
     ]
     if not set_keys:
         return []
     return [
         Finding(
-            (*set_keys, "algorithm.kl_ctrl.type"),
-            f"{' and '.join(set_keys)} set with algorithm.kl_ctrl.type=fixed: no effect",
+            (*set_keys, type_key),
+            f"{' and '.join(set_keys)} set with {type_key}=fixed: no effect",
             "warning",
             why=f"only the adaptive controller moves the coefficient towards target_kl; the fixed one keeps "
             f"kl_coef={kl.kl_coef} for the whole run",
-            fix="algorithm.kl_ctrl.type=adaptive with algorithm.use_kl_in_reward=True, or drop target_kl",
+            fix=f"{type_key}=adaptive with {algo.key('use_kl_in_reward')}=True, or drop target_kl",
         )
     ]
 
 
-SHM_KEYS = ("actor_rollout_ref.model.use_shm", "critic.model.use_shm", "reward_model.model.use_shm")
+SHM_KEYS = (
+    ModelConfig.key("use_shm"),
+    CriticModelConfig.key("use_shm"),
+    RewardModelConfig.key("model.use_shm"),
+)
 
 
 def check_use_shm(ctx: DoctorContext) -> list[Finding]:
@@ -230,20 +243,16 @@ def check_rollout_waves(ctx: DoctorContext) -> list[Finding]:
     per_device = cfg.data.train_batch_size * rollout.n // max(world_size(cfg), 1)
     if rollout.max_num_seqs <= 0 or per_device <= rollout.max_num_seqs:
         return []
-    waves = math.ceil(per_device / rollout.max_num_seqs)
+    waves, key = math.ceil(per_device / rollout.max_num_seqs), rollout.key("max_num_seqs")
     return [
         Finding(
-            (
-                "actor_rollout_ref.rollout.max_num_seqs",
-                "data.train_batch_size",
-                "actor_rollout_ref.rollout.n",
-            ),
-            f"actor_rollout_ref.rollout.max_num_seqs={rollout.max_num_seqs} is below the {per_device} responses "
+            (key, cfg.data.key("train_batch_size"), rollout.key("n")),
+            f"{key}={rollout.max_num_seqs} is below the {per_device} responses "
             f"a device generates per step: the rollout runs in about {waves} waves",
             "warning",
             why="decoding is bound by reading the weights and KV cache once per token for the whole batch, so a "
             "larger decode batch is nearly free until memory runs out; waves repeat the long tail",
-            fix=f"actor_rollout_ref.rollout.max_num_seqs={per_device} if the KV cache holds it (see the memory "
+            fix=f"{key}={per_device} if the KV cache holds it (see the memory "
             "estimate), else a larger gpu_memory_utilization",
         )
     ]
@@ -279,11 +288,11 @@ def check_memory(ctx: DoctorContext) -> list[Finding]:
     findings = []
     rollout = ctx.cfg.actor_rollout_ref.rollout
     if rollout.name == "native" and est.kv_cache_bytes <= 0:
+        key = rollout.key("gpu_memory_utilization")
         findings.append(
             Finding(
-                ("actor_rollout_ref.rollout.gpu_memory_utilization",),
-                f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} leaves no "
-                "room for the KV cache",
+                (key,),
+                f"{key}={rollout.gpu_memory_utilization} leaves no room for the KV cache",
                 "error" if est.device_known else "warning",
                 why="the engine's share of the device must hold its weights, its workspace and the cache",
                 fix="a larger gpu_memory_utilization, or a smaller max_num_batched_tokens / max_num_seqs",
@@ -305,7 +314,7 @@ def check_memory(ctx: DoctorContext) -> list[Finding]:
                 "error" if est.device_known else "warning",
                 why="largest items: " + "; ".join(f"{name} {size / GiB:.1f} GiB" for name, size in top),
                 fix="smaller micro-batches, enable_gradient_checkpointing=True, a lower gpu_memory_utilization, "
-                "or more devices (trainer.n_gpus_per_node)",
+                f"or more devices ({ctx.cfg.trainer.key('n_gpus_per_node')})",
             )
         )
     return findings
@@ -339,20 +348,21 @@ def check_kv_preemption(ctx: DoctorContext) -> list[Finding]:
         rollout.gpu_memory_utilization
         + (needed - est.kv_tokens) * est.kv_cache_bytes / est.kv_tokens / est.device_bytes
     )
+    key = rollout.key("gpu_memory_utilization")
     return [
         Finding(
             (
-                "actor_rollout_ref.rollout.gpu_memory_utilization",
-                "actor_rollout_ref.rollout.max_num_seqs",
-                "data.max_prompt_length",
-                "actor_rollout_ref.rollout.response_length",
+                key,
+                rollout.key("max_num_seqs"),
+                ctx.cfg.data.key("max_prompt_length"),
+                rollout.key("response_length"),
             ),
             f"the KV cache holds {est.kv_tokens:,} tokens; a step's sequences at their longest need "
             f"{needed:,}: the rollout preempts (frees and later recomputes sequences) when they run long",
             "warning",
             why="a preempted sequence's prefill and decode are done again, so generation slows as the cache "
             "falls short (docs/levers.md)",
-            fix=f"actor_rollout_ref.rollout.gpu_memory_utilization={math.ceil(share * 100) / 100:.2f} or more, "
+            fix=f"{key}={math.ceil(share * 100) / 100:.2f} or more, "
             "or a smaller max_num_seqs (fewer sequences at once)",
         )
     ]
@@ -361,7 +371,7 @@ def check_kv_preemption(ctx: DoctorContext) -> list[Finding]:
 def memory_lines(ctx: DoctorContext) -> list[str]:
     est = memory_estimate(ctx)
     if est is None:
-        return ["memory estimate: no model config.json to read (actor_rollout_ref.model.path)"]
+        return [f"memory estimate: no model config.json to read ({ModelConfig.key('path')})"]
     return format_estimate(est)
 
 

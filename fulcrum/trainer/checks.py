@@ -12,7 +12,6 @@ from fulcrum.algo.losses import LOSS_AGG_MODES
 from fulcrum.algo.policy_losses import policy_loss_names
 from fulcrum.config import ConfigError, Finding, FulcrumConfig, validate
 from fulcrum.config.keys import get_path
-from fulcrum.config.validate_recipes import RC
 from fulcrum.reward.coverage import unscored_problems
 
 
@@ -20,24 +19,20 @@ def algorithm_findings(cfg: FulcrumConfig) -> list[Finding]:
     """Estimator, KL, loss-aggregation and policy-loss names the algorithm package implements, and the
     rollout-correction thresholds as its parsers read them."""
     findings = []
-    policy_loss = cfg.actor_rollout_ref.actor.policy_loss
+    actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
     try:  # the user's own losses (policy_loss.path) are registered when their module is imported
-        loss_modes = policy_loss_names(policy_loss.path)
+        loss_modes = policy_loss_names(actor.policy_loss.path)
     except ImportError as err:
-        findings.append(Finding(("actor_rollout_ref.actor.policy_loss.path",), str(err)))
+        findings.append(Finding((actor.key("policy_loss.path"),), str(err)))
         loss_modes = policy_loss_names()
     kl, agg = "unknown KL estimator {value!r}; one of {names}", "expected one of {names}, got {value!r}"
     choices = [  # (key, the names it takes, the message when it takes another)
-        ("algorithm.adv_estimator", adv_estimator_names(), "unknown estimator {value!r}; one of {names}"),
-        ("actor_rollout_ref.actor.loss_agg_mode", LOSS_AGG_MODES, agg),
-        ("critic.loss_agg_mode", LOSS_AGG_MODES, agg),
-        ("algorithm.kl_penalty", KL_PENALTY_NAMES, kl),
-        ("actor_rollout_ref.actor.kl_loss_type", KL_PENALTY_NAMES, kl),
-        (
-            "actor_rollout_ref.actor.policy_loss.loss_mode",
-            loss_modes,
-            "{value!r} is not implemented; one of {names}",
-        ),
+        (algo.key("adv_estimator"), adv_estimator_names(), "unknown estimator {value!r}; one of {names}"),
+        (actor.key("loss_agg_mode"), LOSS_AGG_MODES, agg),
+        (cfg.critic.key("loss_agg_mode"), LOSS_AGG_MODES, agg),
+        (algo.key("kl_penalty"), KL_PENALTY_NAMES, kl),
+        (actor.key("kl_loss_type"), KL_PENALTY_NAMES, kl),
+        (actor.key("policy_loss.loss_mode"), loss_modes, "{value!r} is not implemented; one of {names}"),
     ]
     for key, names, message in choices:
         if (value := get_path(cfg, key)) not in names:
@@ -46,22 +41,23 @@ def algorithm_findings(cfg: FulcrumConfig) -> list[Finding]:
 
 
 def _rollout_correction(cfg: FulcrumConfig) -> list[Finding]:
-    rc = cfg.algorithm.rollout_correction
-    findings = []
+    rc, findings = cfg.algorithm.rollout_correction, []
+
+    def key(name: str) -> str:
+        return cfg.algorithm.key(f"rollout_correction.{name}")
+
     if rc.rollout_is is not None:
         if rc.rollout_is not in rollout_correction.IS_LEVELS:
-            findings.append(
-                Finding((f"{RC}.rollout_is",), f"{rc.rollout_is!r}: one of null, token, sequence")
-            )
+            findings.append(Finding((key("rollout_is"),), f"{rc.rollout_is!r}: one of null, token, sequence"))
         try:
             rollout_correction.parse_is_threshold(rc.rollout_is_threshold)
         except ValueError as err:
-            findings.append(Finding((f"{RC}.rollout_is_threshold",), str(err)))
+            findings.append(Finding((key("rollout_is_threshold"),), str(err)))
     if rc.rollout_rs is not None:
         try:
             rollout_correction.parse_rs_options(rc.rollout_rs, rc.rollout_rs_threshold)
         except ValueError as err:
-            findings.append(Finding((f"{RC}.rollout_rs", f"{RC}.rollout_rs_threshold"), str(err)))
+            findings.append(Finding((key("rollout_rs"), key("rollout_rs_threshold")), str(err)))
     return findings
 
 

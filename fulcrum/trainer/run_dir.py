@@ -29,6 +29,7 @@ from typing import Any
 
 from fulcrum.config import save_config, to_dict, uses_critic
 from fulcrum.config.keys import flatten
+from fulcrum.config.schema import ActorConfig, CriticConfig, DataConfig, RolloutConfig, TrainerConfig
 from fulcrum.trainer import run_lock
 from fulcrum.trainer.checkpoint import ResumeChoice, read_run_config, step_folders
 from fulcrum.trainer.checkpoint.atomic import fsync_dir, write_text_atomic
@@ -52,55 +53,41 @@ from fulcrum.trainer.run_ownership import (
 
 # Keys whose change leaves what the run trains on, and how, alone: bookkeeping, frequencies, the step
 # budget, validation, and the throughput levers (micro-batching, engine memory, the number of ranks)
-# whose results agree up to floating-point summation order.
+# whose results agree up to floating-point summation order. A pattern (fnmatch) reaches every section.
 HARMLESS_KEYS = (
-    "trainer.logger",
-    "trainer.project_name",
-    "trainer.experiment_name",
-    "trainer.default_local_dir",
-    "trainer.save_freq",
-    "trainer.test_freq",
-    "trainer.total_training_steps",
-    "trainer.total_epochs",
-    "trainer.max_*_ckpt_to_keep",
-    "trainer.resume_mode",
-    "trainer.resume_from_path",
-    "trainer.val_before_train",
-    "trainer.val_only",
-    "trainer.log_val_generations",
-    "trainer.rollout_data_dir",
-    "trainer.validation_data_dir",
-    "trainer.save_on_interrupt",
-    "trainer.save_in_background",
-    "trainer.max_nan_steps",
-    "trainer.overwrite_run",
-    "trainer.accept_config_changes",
+    *map(TrainerConfig.key, ("logger", "project_name", "experiment_name", "default_local_dir")),
+    *map(TrainerConfig.key, ("save_freq", "test_freq", "total_training_steps", "total_epochs")),
+    f"{TrainerConfig.PATH}.max_*_ckpt_to_keep",
+    *map(TrainerConfig.key, ("resume_mode", "resume_from_path", "overwrite_run", "accept_config_changes")),
+    *map(TrainerConfig.key, ("save_on_interrupt", "save_in_background", "max_nan_steps")),
+    *map(TrainerConfig.key, ("val_before_train", "val_only", "log_val_generations")),
+    *map(TrainerConfig.key, ("rollout_data_dir", "validation_data_dir")),
     "*.optim.total_training_steps",
-    "data.val_files",
-    "data.val_batch_size",
-    "actor_rollout_ref.rollout.val_kwargs.*",
+    *map(DataConfig.key, ("val_files", "val_batch_size")),
+    RolloutConfig.key("val_kwargs") + ".*",
     "*micro_batch_size*",
     "*max_token_len*",
     "*.use_dynamic_bsz",
     "*.enable_gradient_checkpointing",
-    "actor_rollout_ref.rollout.gpu_memory_utilization",
-    "actor_rollout_ref.rollout.max_num_seqs",
-    "actor_rollout_ref.rollout.max_num_batched_tokens",
-    "actor_rollout_ref.rollout.enforce_eager",
-    "actor_rollout_ref.rollout.free_cache_engine",
+    *map(RolloutConfig.key, ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens")),
+    *map(RolloutConfig.key, ("enforce_eager", "free_cache_engine")),
     # how the training passes launch (graphs, the compiled code's wrapper), where idle AdamW state waits
     "*.cuda_graphs",
-    "actor_rollout_ref.actor.inductor_cpp_wrapper",
-    "trainer.park_optimizer_state",
+    ActorConfig.key("inductor_cpp_wrapper"),
+    TrainerConfig.key("park_optimizer_state"),
     # the world size and the engine layout: the same global batches, split over other ranks
-    "trainer.n_gpus_per_node",
-    "trainer.nnodes",
-    "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    *map(TrainerConfig.key, ("n_gpus_per_node", "nnodes")),
+    RolloutConfig.key("tensor_model_parallel_size"),
 )
 
 
 # The keys that set how many steps the run has: the length a warm-up ratio or a cosine schedule spans.
-RUN_LENGTH_KEYS = ("trainer.total_training_steps", "trainer.total_epochs")
+RUN_LENGTH_KEYS = (TrainerConfig.key("total_training_steps"), TrainerConfig.key("total_epochs"))
+# The keys the one-run rule's messages offer.
+RUN_DIR, OVERWRITE, ACCEPT_CHANGES = map(
+    TrainerConfig.key, ("default_local_dir", "overwrite_run", "accept_config_changes")
+)
+RESUME_MODE, RESUME_PATH = TrainerConfig.key("resume_mode"), TrainerConfig.key("resume_from_path")
 
 
 def is_harmless(key: str) -> bool:
@@ -201,9 +188,9 @@ def move_old_run_aside(run_dir: Path) -> Path:
     foreign = foreign_entries(run_dir)
     if foreign:
         raise RunDirError(
-            f"trainer.overwrite_run=True: {run_dir} also holds {name_list(foreign)}, which fulcrum did not write. "
+            f"{OVERWRITE}=True: {run_dir} also holds {name_list(foreign)}, which fulcrum did not write. "
             f"overwrite_run moves a run into {run_dir / OLD_RUNS_DIR}/<time>/ only from a folder that holds "
-            "nothing else: move those out, or give the run a folder of its own (trainer.default_local_dir)."
+            f"nothing else: move those out, or give the run a folder of its own ({RUN_DIR})."
         )
     target = run_dir / OLD_RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
     suffix = 0
@@ -250,17 +237,17 @@ def _another_run_message(run_dir: Path, there: list[str], ckpt: Path | None) -> 
     listing = "; ".join(there)
     if ckpt is None:
         return (
-            f"trainer.default_local_dir={run_dir} holds another run ({listing}). A run directory "
-            "holds one run. Resume it (trainer.resume_mode=auto, or resume_path with a checkpoint), pick "
-            "another trainer.default_local_dir, or set trainer.overwrite_run=True to move the old run "
+            f"{RUN_DIR}={run_dir} holds another run ({listing}). A run directory "
+            f"holds one run. Resume it ({RESUME_MODE}=auto, or resume_path with a checkpoint), pick "
+            f"another {RUN_DIR}, or set {OVERWRITE}=True to move the old run "
             f"into {run_dir / OLD_RUNS_DIR}/<time>/ (nothing is deleted)."
         )
     return (
-        f"trainer.resume_from_path={ckpt} is another run's checkpoint, and trainer.default_local_dir={run_dir} "
+        f"{RESUME_PATH}={ckpt} is another run's checkpoint, and {RUN_DIR}={run_dir} "
         f"holds its own run ({listing}): continuing the other run here would write its steps over this run's "
         "checkpoints and mix two runs in one metrics.jsonl. Give the continuation a new or empty "
-        "trainer.default_local_dir, resume this folder's own run (trainer.resume_mode=auto), or set "
-        f"trainer.overwrite_run=True to move this folder's run into {run_dir / OLD_RUNS_DIR}/<time>/ first."
+        f"{RUN_DIR}, resume this folder's own run ({RESUME_MODE}=auto), or set "
+        f"{OVERWRITE}=True to move this folder's run into {run_dir / OLD_RUNS_DIR}/<time>/ first."
     )
 
 
@@ -336,11 +323,8 @@ def _check_resume_config(ckpt: Path, cfg: Any) -> list[str]:
     blocking, harmless = config_changes(saved, to_dict(cfg))
     # A schedule laid over the run's steps would be bent mid-run (the step restored, the length changed):
     # the warm-up end and the cosine's progress move, so the run's length counts as a training change.
-    sections = (
-        ("actor_rollout_ref.actor.optim", "critic.optim")
-        if uses_critic(cfg)
-        else ("actor_rollout_ref.actor.optim",)
-    )
+    optims = (ActorConfig.key("optim"), CriticConfig.key("optim"))
+    sections = optims if uses_critic(cfg) else optims[:1]
     spans = schedule_spans_run(flatten(to_dict(cfg)), sections)
     if spans:
         fixed = saved.get("trainer", {}).get("total_training_steps") is not None
@@ -359,9 +343,9 @@ def _check_resume_config(ckpt: Path, cfg: Any) -> list[str]:
         listing = f" {blocking[0]}. " if len(blocking) == 1 else "\n  " + "\n  ".join(blocking) + "\n"
         raise RunDirError(
             f"resuming {ckpt} with a configuration that changes what or how the run trains:{listing}"
-            "Set trainer.accept_config_changes=True to resume with these changes (the data position is kept "
+            f"Set {ACCEPT_CHANGES}=True to resume with these changes (the data position is kept "
             "in prompts, so no prompt is trained twice or skipped), restore the old values, or start a new "
-            "run in another trainer.default_local_dir."
+            f"run in another {RUN_DIR}."
         )
-    notes += [f"accepted changed key {line} (trainer.accept_config_changes=True)" for line in blocking]
+    notes += [f"accepted changed key {line} ({ACCEPT_CHANGES}=True)" for line in blocking]
     return notes
