@@ -305,7 +305,9 @@ class RewardModelModelConfig:
 @dataclass
 class SandboxFusionConfig:
     url: str | None = opt(
-        None, "SandboxFusion service URL: code rewards run there instead of in the local jail"
+        None,
+        "SandboxFusion service URL: code rewards run there (the same harness and scores) instead of in the "
+        "local jail",
     )
     max_concurrent: int = opt(64, "concurrent sandbox requests", AT_LEAST_1)
     memory_limit_mb: int = opt(1024, "sandbox memory limit", AT_LEAST_1)
