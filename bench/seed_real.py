@@ -7,6 +7,8 @@ seed's final command and GRPO with verl's GSM8K example, each for a fixed wall-c
     python bench/seed_real.py summarise RUN_DIR [RUN_DIR ...]  # the curves and the table from finished runs
     python bench/seed_real.py commands --model DIR --data DIR   # print the fulcrum train command lines
     python bench/seed_real.py eval ppo --model DIR --data DIR --out DIR  # `fulcrum eval` with the run's keys
+    python bench/seed_real.py tune ppo --model DIR --data DIR --work /tmp/w --time-budget 300 --out $OUT
+    python bench/seed_real.py run ppo --label tuned --set $(cat $OUT/tune-ppo.txt) ...  # what tune picked
 
 Each run is `fulcrum train` with the command as the seed (or verl's example) writes it, for one GPU
 (`trainer.n_gpus_per_node=1`, `actor_rollout_ref.rollout.tensor_model_parallel_size=1`), and only these
@@ -222,7 +224,7 @@ def markdown(summary: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------ stages
 def run(args: argparse.Namespace) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
-    run_dir = args.work.resolve() / f"{args.name}-s{args.seed}"
+    run_dir = args.work.resolve() / f"{args.label or args.name}-s{args.seed}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
     overrides = run_overrides(
@@ -231,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = replace_keys(overrides, dict(kv.split("=", 1) for kv in args.set))
     print("fulcrum train " + " ".join(overrides), flush=True)
     started = time.monotonic()
-    log = args.work / f"{args.name}-s{args.seed}.log"
+    log = args.work / f"{run_dir.name}.log"
     with open(log, "w") as f:
         proc = subprocess.run(
             [sys.executable, "-m", "fulcrum.cli", "train", *overrides],
@@ -240,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
             cwd=ROOT,
         )
     wall = time.monotonic() - started
-    print(f"{args.name} seed {args.seed}: exit {proc.returncode}, {wall:.1f} s from launch", flush=True)
+    print(f"{run_dir.name}: exit {proc.returncode}, {wall:.1f} s from launch", flush=True)
     summary = summarise_run(run_dir) if (run_dir / "metrics.jsonl").exists() else {"run": run_dir.name}
     summary.update(command=overrides, wall_s_from_launch=wall, exit_code=proc.returncode)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -303,6 +305,30 @@ def evaluate(args: argparse.Namespace) -> int:
     return proc.returncode
 
 
+def tune(args: argparse.Namespace) -> int:
+    """`fulcrum tune` on the run's own command (validation and the budget left out: tune's trials are a few
+    steps each); writes the overrides it picks to OUT/tune-NAME.txt (empty when it keeps the command)."""
+    keys = replace_keys(
+        COMMANDS[args.name](args.model.resolve(), args.data.resolve()),
+        dict(kv.split("=", 1) for kv in args.set),
+    )
+    work = args.work.resolve() / f"tune-{args.name}"
+    cmd = [sys.executable, "-m", "fulcrum.cli", "tune", "--work-dir", str(work)]
+    cmd += ["--time-budget", f"{args.time_budget:g}", *keys]
+    print(" ".join(cmd[2:]), flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    print(proc.stdout, flush=True)
+    lines = proc.stdout.splitlines()
+    marker = [i for i, line in enumerate(lines) if line.endswith("add these overrides:")]
+    picked = lines[marker[-1] + 1].strip() if marker and marker[-1] + 1 < len(lines) else ""
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"tune-{args.name}.txt").write_text(picked + "\n")
+    if (work / "trials.json").exists():
+        shutil.copy(work / "trials.json", args.out / f"tune-{args.name}.trials.json")
+    print(f"tune picked: {picked or '(the command as it is)'}", flush=True)
+    return proc.returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="stage", required=True)
@@ -315,8 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--work", type=Path, required=True)
     r.add_argument("--out", type=Path)
     r.add_argument(
-        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="keys replaced or added (smoke runs)"
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="keys replaced or added (tune's picks)"
     )
+    r.add_argument("--label", help="the run folder's name instead of NAME (e.g. tuned)")
     s = sub.add_parser("summarise")
     s.add_argument("runs", type=Path, nargs="+")
     c = sub.add_parser("commands")
@@ -327,8 +354,16 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--model", type=Path, required=True)
     e.add_argument("--data", type=Path, required=True)
     e.add_argument("--out", type=Path, required=True)
+    t = sub.add_parser("tune")
+    t.add_argument("name", choices=tuple(COMMANDS))
+    t.add_argument("--model", type=Path, required=True)
+    t.add_argument("--data", type=Path, required=True)
+    t.add_argument("--work", type=Path, required=True)
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--time-budget", type=float, default=300.0)
+    t.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    stages = {"run": run, "summarise": summarise, "commands": commands, "eval": evaluate}
+    stages = {"run": run, "summarise": summarise, "commands": commands, "eval": evaluate, "tune": tune}
     return stages[args.stage](args)
 
 
