@@ -89,10 +89,6 @@ class Batch:
             {k: [v[i] for i in idx_list] for k, v in self.non_tensors.items()},
         )
 
-    def keys_subset(self, keys: list[str]) -> Batch:
-        """A view holding only the named tensors (no copies)."""
-        return Batch({k: self.tensors[k] for k in keys if k in self.tensors})
-
     def split(self, size: int) -> list[Batch]:
         """Consecutive chunks of `size` samples (the last may be smaller)."""
         if size <= 0:

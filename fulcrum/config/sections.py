@@ -33,6 +33,16 @@ def per_device(size_per_gpu: int | None, deprecated_global: int | None) -> int |
     return size_per_gpu if size_per_gpu is not None else deprecated_global
 
 
+def log_prob_sizes(section: Any) -> ForwardSizes:
+    """The log-prob pass's `log_prob_*` sizes of `section` (the rollout's for the actor, or the ref's)."""
+    return ForwardSizes(
+        per_device(section.log_prob_micro_batch_size_per_gpu, section.log_prob_micro_batch_size),
+        bool(section.log_prob_use_dynamic_bsz),
+        section.log_prob_max_token_len_per_gpu,
+        section.key("log_prob_micro_batch_size_per_gpu"),
+    )
+
+
 def scoring_temperature(cfg: FulcrumConfig) -> float:
     """verl divides the logits by the rollout temperature wherever the policy is scored (1 when greedy)."""
     return float(cfg.actor_rollout_ref.rollout.temperature) or 1.0
@@ -85,12 +95,7 @@ def actor_section(cfg: FulcrumConfig) -> ActorSection:
         temperature=scoring_temperature(cfg),
         mini_batch_size=actor.ppo_mini_batch_size * rollout.n,
         micro_batch_size=per_device(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size),
-        log_prob=ForwardSizes(
-            per_device(rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_micro_batch_size),
-            bool(rollout.log_prob_use_dynamic_bsz),
-            rollout.log_prob_max_token_len_per_gpu,
-            rollout.key("log_prob_micro_batch_size_per_gpu"),
-        ),
+        log_prob=log_prob_sizes(rollout),
         seed=cfg.trainer.seed,
     )
 
@@ -100,12 +105,7 @@ def reference_section(cfg: FulcrumConfig) -> ReferenceSection:
     return ReferenceSection(
         model_path=cfg.actor_rollout_ref.model.path,
         temperature=scoring_temperature(cfg),
-        log_prob=ForwardSizes(
-            per_device(ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_micro_batch_size),
-            bool(ref.log_prob_use_dynamic_bsz),
-            ref.log_prob_max_token_len_per_gpu,
-            ref.key("log_prob_micro_batch_size_per_gpu"),
-        ),
+        log_prob=log_prob_sizes(ref),
         use_remove_padding=bool(cfg.actor_rollout_ref.model.use_remove_padding),
         use_torch_compile=bool(ref.use_torch_compile),
         fsdp=ref.fsdp_config,

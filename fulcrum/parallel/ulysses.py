@@ -10,7 +10,7 @@ holds the micro-batch's whole result and computes the same loss; per-token sums 
 (the router's load-balancing statistics) are added up over the group (`sum_over_group`) to the same end.
 
 The world is dp × sp: ranks g·sp … g·sp + sp - 1 form sequence-parallel group g and share one
-micro-batch; the data splits over the dp = world / sp groups (`dp_rank_and_size`). Gradients then add up
+micro-batch; the data splits over the dp = world / sp groups (group g takes share g). Gradients then add up
 over all ranks as without SP: within a group, each rank's backward carries its own tokens' part of the
 group's loss gradient (`gather_rows` passes back only the rank's slice, the all-to-alls pass it on
 exactly), so the group's sum is that loss's gradient.
@@ -58,11 +58,6 @@ def sequence_parallel_group(sp_size: int, key: str) -> SequenceParallel | None:
         assert mine is not None
         _GROUPS[sp_size] = mine
     return _GROUPS[sp_size]
-
-
-def dp_rank_and_size(rank: int, world: int, sp_size: int) -> tuple[int, int]:
-    """(data-parallel rank, data-parallel size) of `rank`: which share of the data its group takes."""
-    return rank // sp_size, world // sp_size
 
 
 def check_heads(num_attention_heads: int, sp_size: int, key: str) -> None:

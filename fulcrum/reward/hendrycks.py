@@ -25,6 +25,12 @@ def last_boxed(text: str) -> str | None:
     `\\fbox{...}` when there is no `\\boxed`; None when there is none or its braces never close."""
     if "\\boxed " in text:
         return "\\boxed " + text.split("\\boxed ")[-1].split("$")[0]
+    return last_braced_box(text)
+
+
+def last_braced_box(text: str) -> str | None:
+    """The last `\\boxed{...}` of `text` (else its last `\\fbox{...}`), braces included; None when there
+    is none or its braces never close."""
     start = text.rfind("\\boxed")
     if start < 0:
         start = text.rfind("\\fbox")

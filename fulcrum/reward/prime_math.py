@@ -227,12 +227,7 @@ def grade_answer(given: str | None, truth: str) -> bool:
 
 def _boxed_content(text: str) -> str | None:
     """The stripped content of the last `\\boxed`/`\\fbox` group; None when there is none."""
-    start = text.rfind("\\boxed")
-    if start < 0:
-        start = text.rfind("\\fbox")
-        if start < 0:
-            return None
-    boxed = hendrycks.braced_from(text, start)
+    boxed = hendrycks.last_braced_box(text)
     return None if boxed is None else boxed[boxed.index("{") + 1 : -1].strip()
 
 

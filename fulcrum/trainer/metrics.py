@@ -187,7 +187,13 @@ def step_metrics(
     metrics = compute_data_metrics(batch, use_critic=critic is not None)
     metrics.update(compute_timing_metrics(batch, timing_raw))
     metrics.update(compute_throughput_metrics(batch, timing_raw, n_devices))
-    metrics.update(update_mfu_metrics(batch, timing_raw, actor, critic, device, n_devices))
+    update_s = timing_raw.get("update_actor", 0.0)
+    metrics["perf/mfu/actor"] = compute_mfu(actor[0], batch, update_s, actor[1], device, n_devices)
+    if critic is not None:
+        seconds = timing_raw.get("update_critic", 0.0)
+        metrics["perf/mfu/critic"] = compute_mfu(
+            critic[0], batch, seconds, critic[1], device, n_devices, lm_head=False
+        )
     metrics.update(memory_metrics(device, peaks))
     metrics.update(phase_memory_metrics(peaks or {}))
     metrics.update(host_load_metrics())
@@ -280,28 +286,6 @@ def compute_mfu(
     lengths = batch["attention_mask"].sum(-1).long().tolist()
     flops = estimate_train_flops(config, lengths, lm_head) * ppo_epochs
     return flops / (update_seconds * n_devices * peak)
-
-
-def update_mfu_metrics(
-    batch: Batch,
-    timing_raw: dict[str, float],
-    actor: tuple[Any, int],
-    critic: tuple[Any, int] | None,
-    device: torch.device,
-    n_devices: int,
-) -> dict[str, float]:
-    """perf/mfu/actor and (with a critic) perf/mfu/critic; `actor`, `critic` = (model config, ppo_epochs)."""
-    out = {
-        "perf/mfu/actor": compute_mfu(
-            actor[0], batch, timing_raw.get("update_actor", 0.0), actor[1], device, n_devices
-        )
-    }
-    if critic is not None:
-        seconds = timing_raw.get("update_critic", 0.0)
-        out["perf/mfu/critic"] = compute_mfu(
-            critic[0], batch, seconds, critic[1], device, n_devices, lm_head=False
-        )
-    return out
 
 
 def memory_metrics(device: torch.device, peaks: dict[str, float] | None = None) -> dict[str, float]:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,12 +60,6 @@ from fulcrum.trainer.checkpoint.sharded import load_optimizer_state
 from fulcrum.trainer.checkpoint.snapshot import HostBuffers, RoleSnapshot, snapshot_role
 
 RESUME_MODES = ("auto", "disable", "resume_path")
-
-
-class Role(Protocol):
-    """What a worker exposes for checkpointing (only `model` is required)."""
-
-    model: torch.nn.Module
 
 
 @dataclass
