@@ -408,13 +408,20 @@ def run_decoder_layers(
     layers: list[nn.Module], hidden: torch.Tensor, recompute: bool, kwargs: dict[str, object]
 ) -> torch.Tensor:
     """`hidden` (1, N, H) through `layers` in turn (`call_layer`). With one RoPE table per layer type
-    (Gemma 3), `position_embeddings` is a dict by type: each layer takes its attention's."""
+    (Gemma 3, OLMo 3), `position_embeddings` is a dict by type: each layer takes its attention's."""
     tables = kwargs["position_embeddings"]
     for layer in layers:
         if isinstance(tables, dict):
-            kwargs = {**kwargs, "position_embeddings": tables[layer.self_attn.layer_type]}
+            kwargs = {**kwargs, "position_embeddings": tables[attention_type(layer)]}
         hidden = call_layer(layer, hidden, recompute, kwargs)
     return hidden
+
+
+def attention_type(layer: nn.Module) -> str:
+    """A decoder layer's `layer_types` entry, as its attention module keeps it (Gemma 3's `layer_type`,
+    OLMo 3's `attention_type`)."""
+    attention = layer.self_attn
+    return getattr(attention, "layer_type", None) or attention.attention_type
 
 
 def packed_hidden_states(
@@ -430,7 +437,7 @@ def packed_hidden_states(
     """
     ids, positions = packed.input_ids[None], packed.position_ids[None]  # (1, N)
     hidden = base.embed_tokens(ids)  # (1, N, H)
-    kinds = getattr(base.rotary_emb, "layer_types", None)  # Gemma 3: a table per layer type
+    kinds = getattr(base.rotary_emb, "layer_types", None)  # Gemma 3, OLMo 3: a table per layer type
     if kinds is None:
         position_embeddings = base.rotary_emb(hidden, positions)
     else:

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from fulcrum.models.arch import gemma3, llama, mistral, qwen2, qwen3, qwen3_moe
+from fulcrum.models.arch import gemma3, llama, mistral, olmo3, qwen2, qwen3, qwen3_moe, smollm3
 from fulcrum.models.arch.spec import ModelShape, ModelSpec, attention_bias, config_value, dense_shape
 
 SPECS: dict[str, ModelSpec] = {
     "gemma3_text": gemma3.SPEC,
     "llama": llama.SPEC,
     "mistral": mistral.SPEC,
+    "olmo3": olmo3.SPEC,
     "qwen2": qwen2.SPEC,
     "qwen3": qwen3.SPEC,
     "qwen3_moe": qwen3_moe.SPEC,
+    "smollm3": smollm3.SPEC,
 }
 
 __all__ = ["SPECS", "ModelShape", "ModelSpec", "model_shape", "spec_for", "unsupported_reason"]

@@ -182,6 +182,7 @@ class ModelShape:
     qkv_bias: bool
     o_bias: bool = False
     qk_norm: bool = False
+    qk_norm_over_heads: bool = False  # OLMo: one q norm H·d wide and one k norm K·d wide, not d each
     norms_per_layer: int = 2  # 4 with Gemma's norms around attention and MLP outputs
     moe_layers: int = 0  # layers whose MLP is `experts` experts of width `expert_intermediate`
     experts: int = 0
@@ -190,7 +191,7 @@ class ModelShape:
 
 
 def dense_shape(
-    config: Any, qkv_bias: bool, o_bias: bool = False, qk_norm: bool = False, **extra: int
+    config: Any, qkv_bias: bool, o_bias: bool = False, qk_norm: bool = False, **extra: int | bool
 ) -> ModelShape:
     """A Llama-style decoder's shape from its config (object or config.json dict); KeyError names a
     missing key. `extra`: ModelShape's norm and expert fields."""
@@ -228,12 +229,14 @@ def _mlp_params(shape: ModelShape, active: bool) -> int:
 
 
 def param_count(shape: ModelShape, lm_head: bool = True) -> int:
-    """P = embeddings + L·(attention + SwiGLU MLP + 2 norms) + final norm (+ an untied LM head)."""
+    """P = embeddings + L·(attention + SwiGLU MLP + 2 norms) + final norm (+ an untied LM head); the
+    QK-norm weights are 2·d a layer, or H·d + K·d over all heads together."""
     h, d = shape.hidden, shape.head_dim
     q, kv = shape.heads * d, shape.kv_heads * d
     attention = h * q + 2 * h * kv + q * h
     attention += (q + 2 * kv if shape.qkv_bias else 0) + (h if shape.o_bias else 0)
-    attention += 2 * d if shape.qk_norm else 0
+    if shape.qk_norm:
+        attention += q + kv if shape.qk_norm_over_heads else 2 * d
     per_layer = attention + shape.norms_per_layer * h
     head = shape.vocab * h if lm_head and not shape.tied_embeddings else 0
     return shape.vocab * h + shape.layers * per_layer + _mlp_params(shape, False) + h + head
@@ -281,6 +284,8 @@ class ModelSpec:
     qkv_bias: Callable[[Any], bool]  # q/k/v projections carry biases
     o_bias: Callable[[Any], bool] = never  # the output projection carries a bias
     qk_norm: bool = False  # RMSNorm over each head's q and k (head_dim wide) before RoPE
+    # OLMo 2/3: the QK-norm spans all heads of a token (q_norm H·d wide, k_norm K·d), not each head.
+    qk_norm_over_heads: bool = False
     # `fulcrum.models.packed.packed_hidden_states` replays the base model's forward exactly
     # (embed -> rotary -> layers -> final norm); None, else why not for this config.
     packing_refused: Callable[[Any], str | None] = lambda _config: None
@@ -296,6 +301,13 @@ class ModelSpec:
     # on the MLP output too (`sandwich_norms`), embeddings scaled (`embed_scale`, sqrt(hidden)).
     norm_offset: float = 0.0
     sandwich_norms: bool = False
+    # OLMo 2/3: no norm on the layer's or the MLP's input; only the attention and MLP outputs are
+    # normed (Hugging Face's post_attention_layernorm and post_feedforward_layernorm) before each
+    # residual sum.
+    pre_norms: bool = True
+    # Which layers rotate q and k (SmolLM3's `no_rope_layers`: 0 marks a layer without positions,
+    # NoPE); empty when every layer does.
+    rotary_layers: Callable[[Any], list[bool]] = lambda _config: []
     embed_scale: Callable[[Any], float] = lambda _config: 1.0
     attention_scale: Callable[[Any], float | None] = lambda _config: None  # None: head_dim ** -0.5
     activation: Callable[[Any], str] = lambda _config: "silu"  # the MLP gate's: "silu" or "gelu_tanh"
@@ -309,7 +321,8 @@ class ModelSpec:
 
     def shape(self, config: Any) -> ModelShape:
         norms = 4 if self.sandwich_norms else 2
-        extra = {"norms_per_layer": norms, **self.moe_shape(config)}
+        extra = {"norms_per_layer": norms, "qk_norm_over_heads": self.qk_norm_over_heads}
+        extra |= self.moe_shape(config)
         return dense_shape(config, self.qkv_bias(config), self.o_bias(config), self.qk_norm, **extra)
 
     def layer_windows(self, config: Any) -> list[int | None]:

@@ -3,11 +3,12 @@
 One decoder serves every family whose `ModelSpec` (fulcrum.models.arch) it has the features of:
 Llama, Mistral (a sliding window), Qwen2 (q/k/v biases), Qwen3 (an RMSNorm over each head's q and
 k), Gemma 3 (norms on the attention and MLP outputs, (1 + w) norms, scaled embeddings, local and
-global layers with their own window and RoPE table, GELU), Qwen3-MoE (expert MLPs, `moe.py`). The
-spec says which features a config has and which Hugging Face names fill which slot; the decoder
-fuses q/k/v and gate/up and knows how each slot splits over tensor-parallel ranks. Weights are the engine's own
-tensors (in the engine dtype), filled by `load_weights`, always in place, so CUDA graphs captured over
-them stay valid across weight syncs.
+global layers with their own window and RoPE table, GELU), Qwen3-MoE (expert MLPs, `moe.py`),
+SmolLM3 (layers without RoPE), OLMo 3 (norms only on the attention and MLP outputs, a QK-norm over
+all heads, local and global layers). The spec says which features a config has and which Hugging
+Face names fill which slot; the decoder fuses q/k/v and gate/up and knows how each slot splits over
+tensor-parallel ranks. Weights are the engine's own tensors (in the engine dtype), filled by
+`load_weights`, always in place, so CUDA graphs captured over them stay valid across weight syncs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from fulcrum.rollout.native.models import moe
 Shard = tuple[int, int, int]  # (dim, start, length) of an HF tensor that one tensor-parallel rank holds
 Target = tuple[torch.Tensor, Shard | None]  # (the (view of the) engine tensor, this rank's slice or None)
 Rotary = tuple[torch.Tensor, float]  # (inv_freq (D/2,), attention scaling) of one RoPE table
+# The table of layers without positions (NoPE): inv_freq 0 makes cos 1 and sin 0, so RoPE (the torch
+# twin and the Triton kernel alike) leaves q and k exactly as they are.
+NOPE = "no_rope"
 # Wrappers that prefix parameter names: torch.compile, DDP/FSDP1, activation checkpointing.
 _WRAPPER_PREFIXES = re.compile(r"(_orig_mod\.|module\.|_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.)")
 
@@ -82,6 +86,7 @@ class DecoderLM:
         inter = self.inter_range[1] - self.inter_range[0]
         qkv_bias, o_bias = spec.qkv_bias(config), spec.o_bias(config)
         self.qk_norm = spec.qk_norm
+        self.qk_norm_over_heads = spec.qk_norm_over_heads
         moe_layers = spec.moe_layers(config) or [False] * self.num_layers
         if any(moe_layers):
             self.expert_range = shard_range(
@@ -101,11 +106,11 @@ class DecoderLM:
         self.layers: list[dict[str, torch.Tensor]] = []
         for is_moe in moe_layers:
             layer = {
-                "input_norm": empty(self.hidden),
                 "qkv": empty(self.q_size + 2 * self.kv_size, self.hidden),
                 "o": empty(self.hidden, self.q_size),
-                "post_norm": empty(self.hidden),
             }
+            if spec.pre_norms:
+                layer |= {"input_norm": empty(self.hidden), "post_norm": empty(self.hidden)}
             if is_moe:  # router (E, H) whole; experts (E, 2I, H) and (E, H, I) over this rank's columns
                 experts, width = config.num_experts, self.expert_range[1] - self.expert_range[0]
                 layer |= {
@@ -119,10 +124,10 @@ class DecoderLM:
                 layer["qkv_bias"] = empty(self.q_size + 2 * self.kv_size)
             if o_bias:
                 layer["o_bias"] = empty(self.hidden)
-            if self.qk_norm:
-                layer["q_norm"] = empty(self.head_dim)
-                layer["k_norm"] = empty(self.head_dim)
-            if spec.sandwich_norms:
+            if self.qk_norm:  # one head's width, or (OLMo) this rank's heads together
+                layer["q_norm"] = empty(self.q_size if self.qk_norm_over_heads else self.head_dim)
+                layer["k_norm"] = empty(self.kv_size if self.qk_norm_over_heads else self.head_dim)
+            if spec.sandwich_norms or not spec.pre_norms:
                 layer["attn_out_norm"] = empty(self.hidden)
                 layer["mlp_out_norm"] = empty(self.hidden)
             self.layers.append(layer)
@@ -132,6 +137,13 @@ class DecoderLM:
         }
         kinds = getattr(config, "layer_types", None) or [""] * self.num_layers
         self.rope_kind = [kind if kind in rotaries else next(iter(rotaries)) for kind in kinds]
+        rotary_layers = spec.rotary_layers(config)
+        if not all(rotary_layers):
+            self.rotaries[NOPE] = (torch.zeros_like(next(iter(self.rotaries.values()))[0]), 1.0)
+            self.rope_kind = [
+                kind if rotates else NOPE
+                for kind, rotates in zip(self.rope_kind, rotary_layers, strict=False)
+            ]
         self.cos_sin: dict[str, torch.Tensor] = {}
         self.ensure_positions(config.max_position_embeddings)
         self._targets = self._weight_targets()
@@ -146,8 +158,6 @@ class DecoderLM:
         q_rows: Shard = (0, self.heads.q_start * d, q)
         kv_rows: Shard = (0, self.heads.kv_start * d, kv)
         slots: dict[str, Target] = {
-            "input_norm": (layer["input_norm"], None),
-            "post_norm": (layer["post_norm"], None),
             "q": (layer["qkv"][:q], q_rows),
             "k": (layer["qkv"][q : q + kv], kv_rows),
             "v": (layer["qkv"][q + kv :], kv_rows),
@@ -159,9 +169,12 @@ class DecoderLM:
             slots |= {"gate": (layer["gate_up"][: stop - start], mlp_rows)}
             slots |= {"up": (layer["gate_up"][stop - start :], mlp_rows)}
             slots["down"] = (layer["down"], (1, start, stop - start))
-        for name in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "router", "o_bias"):
+        whole = ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm", "router", "o_bias")
+        for name in whole + (() if self.qk_norm_over_heads else ("q_norm", "k_norm")):
             if name in layer:  # whole on every rank (o_bias: added once, after the all-reduce)
                 slots[name] = (layer[name], None)
+        if self.qk_norm_over_heads and "q_norm" in layer:  # the weights of this rank's heads
+            slots |= {"q_norm": (layer["q_norm"], q_rows), "k_norm": (layer["k_norm"], kv_rows)}
         if "qkv_bias" in layer:
             bias = layer["qkv_bias"]
             slots |= {"q_bias": (bias[:q], q_rows), "k_bias": (bias[q : q + kv], kv_rows)}
@@ -253,6 +266,20 @@ class DecoderLM:
             return self._norm(rows, None, weight)[0].view(x.shape)
         return ops.rms_norm(x, weight, self.eps, self.norm_offset)
 
+    def _norm_over_heads(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """OLMo's QK-norm: x (N, H, D) -> (N, H, D), normed over all H·D values of a token together,
+        w · x / sqrt(mean(x²) + eps) with the product in fp32 (as Hugging Face's Olmo3RMSNorm).
+
+        Under tensor parallelism the squares are summed over the ranks, each holding an equal share
+        of the heads (a replicated K/V head counts once on each of its ranks, which leaves the mean
+        as it is), so the mean is over the model's heads."""
+        flat = x.reshape(x.shape[0], -1).float()  # (N, H·D)
+        if self.tp.size == 1:
+            mean = flat.pow(2).mean(-1, keepdim=True)
+        else:
+            mean = self.tp.all_reduce(flat.pow(2).sum(-1, keepdim=True)) / (flat.shape[-1] * self.tp.size)
+        return (weight * (flat * torch.rsqrt(mean + self.eps))).to(x.dtype).view(x.shape)
+
     def _attention(
         self,
         i: int,
@@ -267,7 +294,9 @@ class DecoderLM:
         q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm_over_heads:
+            q, k = self._norm_over_heads(q, layer["q_norm"]), self._norm_over_heads(k, layer["k_norm"])
+        elif self.qk_norm:
             q, k = self._head_norm(q, layer["q_norm"]), self._head_norm(k, layer["k_norm"])
         cos_sin = self.cos_sin[self.rope_kind[i]]
         q, k = rotate_and_store(q, k, v, positions, cos_sin, kv_cache, i, meta, self.use_triton)
@@ -312,6 +341,8 @@ class DecoderLM:
         hidden = F.embedding(input_ids, self.embed)  # (N, hidden)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
+        if not self.spec.pre_norms:
+            return self._forward_output_norms(hidden, positions, kv_cache, meta)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             # The fused Triton norm adds into `residual` in place; the first one is the embedding output.
@@ -325,6 +356,17 @@ class DecoderLM:
                 hidden = self._norm(hidden, None, layer["mlp_out_norm"])[0]
         out, _ = self._norm(hidden, residual, self.final_norm)
         return out
+
+    def _forward_output_norms(
+        self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """`forward`'s layers for a family without input norms (OLMo 2/3): each sublayer reads the
+        residual stream as it is, its output normed before the sum: h += norm(attn(h)); h += norm(mlp(h))."""
+        for i, layer in enumerate(self.layers):
+            attn = self._attention(i, hidden, positions, kv_cache, meta)
+            hidden = hidden + self._norm(attn, None, layer["attn_out_norm"])[0]
+            hidden = hidden + self._norm(self._mlp(layer, hidden), None, layer["mlp_out_norm"])[0]
+        return self._norm(hidden, None, self.final_norm)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab): in the engine dtype, or float32 with `fp32_logits` (the head is
