@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fulcrum.models.arch import gemma3, llama, mistral, olmo3, qwen2, qwen3, qwen3_moe, smollm3
+from fulcrum.models.arch import gemma3, gemma4, llama, mistral, olmo3, qwen2, qwen3, qwen3_moe, smollm3
 from fulcrum.models.arch.spec import ModelShape, ModelSpec, attention_bias, config_value, dense_shape
 
 SPECS: dict[str, ModelSpec] = {
@@ -49,6 +49,10 @@ def unsupported_reason(config: Any, max_model_len: int | None = None) -> str | N
     spec = spec_for(config)
     if spec is None:
         model_type = config_value(config, "model_type")
-        why = gemma3.REFUSED.get(model_type)
+        why = (
+            gemma4.refused_reason(config)
+            if model_type in gemma4.MODEL_TYPES
+            else gemma3.REFUSED.get(model_type)
+        )
         return f"model_type={model_type!r} ({why if why else 'it runs ' + ', '.join(sorted(SPECS))})"
     return spec.unsupported_reason(config, max_model_len)
