@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fulcrum.models.arch import gemma3, llama, mistral, qwen2, qwen3, qwen3_moe
+from fulcrum.models.arch import gemma3, llama, mistral, qwen2, qwen3, qwen3_5, qwen3_moe
 from fulcrum.models.arch.spec import ModelShape, ModelSpec, attention_bias, config_value, dense_shape
 
 SPECS: dict[str, ModelSpec] = {
@@ -18,6 +18,7 @@ SPECS: dict[str, ModelSpec] = {
     "mistral": mistral.SPEC,
     "qwen2": qwen2.SPEC,
     "qwen3": qwen3.SPEC,
+    "qwen3_5_text": qwen3_5.SPEC,
     "qwen3_moe": qwen3_moe.SPEC,
 }
 
