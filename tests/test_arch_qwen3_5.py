@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from arch_checks import arch_model, check_training_log_probs_equal_hf
+from arch_checks import (
+    CPU,
+    EOS,
+    arch_model,
+    check_greedy_equals_hf_generate,
+    check_training_log_probs_equal_hf,
+    engine_config,
+    prompts_of,
+)
 from helpers import cpu_ppo_overrides, make_assets
 from transformers import AutoConfig
 
@@ -21,6 +29,8 @@ from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token, param_count, recurrent_state_bytes
 from fulcrum.models.packed import enable_packed_attention, pack_micro_batch, packed_hidden_states
 from fulcrum.models.packed_recurrent import enable_packed_recurrence
+from fulcrum.rollout.base import SamplingParams
+from fulcrum.rollout.native import NativeEngine
 from fulcrum.rollout.testing import random_causal_lm
 from fulcrum.trainer.main_ppo import main
 
@@ -114,13 +124,14 @@ def qwen3_5_assets(root: Path) -> Path:
     return root
 
 
-def test_a_grpo_step_on_the_cpu_trains_through_the_packed_path(
+def test_a_grpo_step_on_the_cpu_samples_natively_and_trains_packed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     assets = qwen3_5_assets(tmp_path / "assets")
     run = tmp_path / "run"
     keys = {
         "algorithm.adv_estimator": "grpo",
+        "actor_rollout_ref.rollout.name": "native",
         "actor_rollout_ref.rollout.n": 2,
         "actor_rollout_ref.model.use_remove_padding": True,
         # a random model's rewards are all 0 (no advantage): the entropy bonus makes the gradient
@@ -134,5 +145,65 @@ def test_a_grpo_step_on_the_cpu_trains_through_the_packed_path(
     with caplog.at_level(logging.WARNING):
         assert main(cpu_ppo_overrides(assets, run, keys)) == 0
     assert "using padded micro-batches" not in caplog.text
+    assert "using the hf backend" not in caplog.text
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert math.isfinite(rows[0]["actor/pg_loss"]) and rows[0]["actor/grad_norm"] > 0
+
+
+def test_greedy_equals_hf_generate(model: torch.nn.Module) -> None:
+    """Prefill chunked by a 64-token budget (the 40-token prompt splits across steps beside the
+    others), decode windows of 4 steps, each sequence's state in its own slot."""
+    check_greedy_equals_hf_generate(model)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_chunked_prefill_forks_and_preemption_keep_each_state(model: torch.nn.Module) -> None:
+    """A 16-token prefill budget splits the 40-token prompt over three steps (its state carried between
+    them); n=2 forks copy the prompt's state into their own slots; 12 blocks of 8 tokens force
+    preemptions, whose sequences recompute their state from the first token. Every sample is HF's greedy
+    continuation, and every slot is free again at the end."""
+    prompts = prompts_of([40, 9, 23])
+    config = engine_config(max_num_batched_tokens=16, block_size=8, num_kv_blocks=12, max_model_len=80)
+    engine = NativeEngine(model, [EOS], 0, config, CPU)
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)
+    out = engine.generate(prompts, params)
+    assert engine.stats["preemptions"] > 0
+    for index, tokens in zip(out.prompt_index, out.token_ids, strict=True):
+        assert tokens == hf_greedy(model, prompts[index], 24)
+    blocks = engine.scheduler.blocks
+    assert len(blocks.free_states) == engine.runner.num_state_slots - 1
+
+
+def test_a_next_turn_and_sleep_between_turns_continue_as_hf(model: torch.nn.Module) -> None:
+    """A held conversation: turn one, sleep and wake, then a next turn with tokens appended; the second
+    turn's tokens are HF's greedy continuation of the whole conversation."""
+    engine = NativeEngine(model, [EOS], 0, engine_config(free_cache_engine=False), CPU)
+    prompt = prompts_of([13])[0]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine.seed_requests(params)
+    seq_id = engine.add_request(prompt, params, keep=True)
+    first = []
+    while engine.has_unfinished_requests():
+        first += engine.step()
+    assert first[0].token_ids == hf_greedy(model, prompt, 10)
+    engine.sleep()
+    engine.wake_up()
+    tool = [5, 6, 7]
+    engine.resume(seq_id, tool, params, keep=False)
+    second = []
+    while engine.has_unfinished_requests():
+        second += engine.step()
+    context = prompt + first[0].token_ids + tool
+    assert second[0].token_ids[len(first[0].token_ids) + 3 :] == hf_greedy(model, context, 10)
+    assert len(engine.scheduler.blocks.free_states) == engine.runner.num_state_slots - 1

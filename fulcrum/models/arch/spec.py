@@ -380,8 +380,6 @@ class ModelSpec:
             value = getattr(config, name, missing)
             if value is not missing and not rule.accepts(value, config, max_model_len):
                 return f"{name}={_shown(value)} (it runs {rule.supported})"
-        if any(self.linear_layers(config)):
-            return "linear_attention layers (their recurrent state is not in the engine yet)"
         unknown = sorted(set(type(config)().to_dict()) - set(self.fields))
         if unknown:
             return f"the {self.model_type} config field(s) {unknown}, which it does not know"
