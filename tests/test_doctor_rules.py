@@ -427,3 +427,35 @@ def test_the_kv_cache_leaves_the_engine_workspace_room_on_a_full_card(files: Pat
     assert 0 < est.kv_cache_bytes < by_fraction  # what is free bounds it here, not the fraction
     assert kv_cache_budget(100.0, 0.5, 10.0, 5.0, 1e12) == 35.0  # the fraction: 50 - 10 - 5
     assert kv_cache_budget(100.0, 0.5, 10.0, 5.0, 2**30 + 20.0) == 15.0  # free - workspace - 1 GiB
+
+
+# Qwen3.5-0.8B's text config (the sizes the estimate reads).
+QWEN3_5_08B = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 1024,
+    "intermediate_size": 3584,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "tie_word_embeddings": True,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+}
+
+
+def test_the_estimate_counts_a_hybrid_models_recurrent_states(files: Path) -> None:
+    """Qwen3.5-0.8B: 18 linear-attention layers, each sequence 16 x 128 x 128 float32 state and a
+    3-input conv window of 6,144 bf16 channels a layer (19.1 MiB); max_num_seqs 1,896 + 2 slots; K/V in
+    the 6 attention layers only."""
+    cfg = load_config([*seed_command(files)])
+    est = estimate(cfg, model_shape(QWEN3_5_08B), 140 * 2**30, True, True, False, 512)
+    per_seq = 18 * (16 * 128 * 128 * 4 + 6144 * 3 * 2)
+    states = est.phases[0].items["recurrent states of the linear-attention layers (1898 slots)"]
+    assert states == 1898 * per_seq
+    assert est.kv_tokens == int(est.kv_cache_bytes // (6 * 2 * 2 * 256 * 2))  # 6 layers x (K, V) x 2 heads

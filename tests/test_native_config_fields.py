@@ -37,7 +37,17 @@ def test_the_architectures_served_are_the_ones_specified() -> None:
     assert (
         set(SPECS)
         == set(NATIVE_ARCHITECTURES)
-        == {"gemma3_text", "llama", "mistral", "olmo3", "qwen2", "qwen3", "qwen3_moe", "smollm3"}
+        == {
+            "gemma3_text",
+            "llama",
+            "mistral",
+            "olmo3",
+            "qwen2",
+            "qwen3",
+            "qwen3_5_text",
+            "qwen3_moe",
+            "smollm3",
+        }
     )
 
 

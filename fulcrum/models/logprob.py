@@ -121,7 +121,8 @@ def no_empty_rows_mask(
     window (Mistral, `fulcrum.models.arch`) gets it here, as Hugging Face's own mask would have it:
     query i sees key j when i - window < j (real tokens are contiguous in a row, so column distance
     is position distance). A config whose layers differ (Gemma 3's local and global layers, Qwen2's
-    sliding ones) gets one such mask per layer type, the dict its Hugging Face model takes. Other attention implementations
+    sliding ones) gets one such mask per layer type, the dict its Hugging Face model takes; a hybrid one
+    (Qwen3.5) gives its linear-attention layers the 2-D padding mask. Other attention implementations
     (eager, flash) get the 2-D mask unchanged.
     """
     if getattr(getattr(model, "config", None), "_attn_implementation", None) not in (
@@ -130,6 +131,10 @@ def no_empty_rows_mask(
     ):
         return attention_mask
     spec = spec_for(model.config)
+    if spec is not None and any(spec.linear_layers(model.config)):
+        # Linear-attention layers take the 2-D padding mask: they zero the pad tokens' inputs, so that a
+        # left-padded row's recurrent state starts at its first real token.
+        return {"full_attention": _self_seeing_mask(attention_mask, None), "linear_attention": attention_mask}
     windows = spec.layer_windows(model.config) if spec is not None else [None]
     if spec is not None and spec.windows_by_layer_type is not None and len(set(windows)) > 1:
         by_type = spec.windows_by_layer_type(model.config)

@@ -31,6 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from fulcrum.batch import host_to_device
 from fulcrum.models.arch import SPECS, spec_for
 from fulcrum.models.packed_attention import packed_attention
+from fulcrum.models.packed_recurrent import enable_packed_recurrence
 from fulcrum.parallel.ulysses import SequenceParallel
 
 logger = logging.getLogger(__name__)
@@ -137,13 +138,15 @@ def packing_unsupported_reason(config: object) -> str | None:
 
 
 def enable_packed_attention(model: nn.Module) -> None:
-    """Route the model's attention through `packed_attention` (padded calls still get SDPA)."""
+    """Route the model's attention through `packed_attention` (padded calls still get SDPA), and its
+    linear-attention layers' packed calls through `enable_packed_recurrence` (a state per sequence)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
     AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)  # padded calls build SDPA's mask
     model.config._attn_implementation = PACKED_ATTENTION
+    enable_packed_recurrence(model)
 
 
 # Decoder layers per compiled region. Each region call pays dynamo's guards and AOTAutograd's runtime

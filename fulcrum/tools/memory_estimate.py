@@ -51,7 +51,7 @@ from typing import Any
 from fulcrum.config import world_size
 from fulcrum.config.keys import get_path
 from fulcrum.models.arch import ModelShape, model_shape
-from fulcrum.models.arch.spec import kv_bytes_per_token, param_count
+from fulcrum.models.arch.spec import kv_bytes_per_token, param_count, recurrent_state_bytes
 from fulcrum.rollout.native.config import engine_config_from
 from fulcrum.rollout.native.memory import engine_workspace_bytes, kv_cache_budget
 from fulcrum.tools.lora_params import ModelParams, model_params
@@ -365,17 +365,27 @@ def estimate(
         budget = kv_cache_budget(
             device_bytes, float(rollout.gpu_memory_utilization), engine_weights, workspace, free_now
         )
+        # A hybrid model's recurrent states (fulcrum.rollout.native.model_runner): a slot for every
+        # decoding sequence, one prompt part-way through a chunked prefill and the scratch slot, whatever
+        # the sequences' lengths, taken from the budget ahead of the KV blocks.
+        slots = int(rollout.max_num_seqs) + 2
+        states = slots * recurrent_state_bytes(shape) if shape.linear_layers else 0
+        budget -= states
         kv = max(0.0, min(budget, usable_cache_bytes(rollout, shape, sizes.seq_len)))
+        if states:
+            generation.items[f"recurrent states of the linear-attention layers ({slots} slots)"] = states
         generation.items["engine weights (bf16)"] = engine_weights
         generation.items["engine workspace"] = workspace
         generation.items[f"KV cache (gpu_memory_utilization={rollout.gpu_memory_utilization})"] = kv
         training_extra["engine weights (bf16)"] = engine_weights
         if not rollout.free_cache_engine:
-            training_extra["KV cache (free_cache_engine=False)"] = kv
+            training_extra["KV cache (free_cache_engine=False)"] = kv + states
     else:  # hf generate shares the actor's module; its cache holds the decoding batch
         batch = min(int(rollout.max_num_seqs), responses_per_device)
         kv = batch * sizes.seq_len * kv_bytes_per_token(shape)
         generation.items["KV cache of generate (bf16)"] = kv
+        if shape.linear_layers:
+            generation.items["recurrent states of generate"] = batch * recurrent_state_bytes(shape)
         generation.items["decode logits (fp32)"] = batch * shape.vocab * 4 * 2
     kv_tokens = int(kv // kv_bytes_per_token(shape))
 

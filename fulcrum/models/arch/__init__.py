@@ -9,7 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from fulcrum.models.arch import gemma3, gemma4, llama, mistral, olmo3, qwen2, qwen3, qwen3_moe, smollm3
+from fulcrum.models.arch import (
+    gemma3,
+    gemma4,
+    llama,
+    mistral,
+    olmo3,
+    qwen2,
+    qwen3,
+    qwen3_5,
+    qwen3_moe,
+    smollm3,
+)
 from fulcrum.models.arch.spec import ModelShape, ModelSpec, attention_bias, config_value, dense_shape
 
 SPECS: dict[str, ModelSpec] = {
@@ -19,6 +30,7 @@ SPECS: dict[str, ModelSpec] = {
     "olmo3": olmo3.SPEC,
     "qwen2": qwen2.SPEC,
     "qwen3": qwen3.SPEC,
+    "qwen3_5_text": qwen3_5.SPEC,
     "qwen3_moe": qwen3_moe.SPEC,
     "smollm3": smollm3.SPEC,
 }

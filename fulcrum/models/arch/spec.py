@@ -188,6 +188,21 @@ class ModelShape:
     experts: int = 0
     active_experts: int = 0  # top-k: the experts each token runs
     expert_intermediate: int = 0
+    # Hybrid models (Qwen3.5): layers whose token mixer is Gated DeltaNet (no KV cache; a recurrent state
+    # per sequence), with Hk key heads of Dk and Hv value heads of Dv and a conv of K taps; the other
+    # layers attend, their q projection twice as wide with `attention_output_gate`.
+    linear_layers: int = 0
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+    attention_output_gate: int = 0
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers that attend over a KV cache."""
+        return self.layers - self.linear_layers
 
 
 def dense_shape(
@@ -228,18 +243,33 @@ def _mlp_params(shape: ModelShape, active: bool) -> int:
     return (shape.layers - shape.moe_layers) * 3 * h * shape.intermediate + shape.moe_layers * moe
 
 
+def _linear_mixer_params(shape: ModelShape) -> tuple[int, int]:
+    """(matmul weights, other weights) of one Gated DeltaNet mixer: projections h·(2·Hk·Dk + 2·Hv·Dv +
+    2·Hv) in and Hv·Dv·h out; the conv (2·Hk·Dk + Hv·Dv)·K, dt_bias and A_log (Hv each), the norm (Dv)."""
+    h, key = shape.hidden, shape.linear_key_heads * shape.linear_key_dim
+    value = shape.linear_value_heads * shape.linear_value_dim
+    matmul = h * (2 * key + 2 * value + 2 * shape.linear_value_heads) + value * h
+    other = (
+        (2 * key + value) * shape.linear_conv_kernel + 2 * shape.linear_value_heads + shape.linear_value_dim
+    )
+    return matmul, other
+
+
 def param_count(shape: ModelShape, lm_head: bool = True) -> int:
-    """P = embeddings + L·(attention + SwiGLU MLP + 2 norms) + final norm (+ an untied LM head); the
-    QK-norm weights are 2·d a layer, or H·d + K·d over all heads together."""
+    """P = embeddings + L_a·attention + L_lin·Gated DeltaNet + L·(SwiGLU MLP + norms) + final norm
+    (+ an untied LM head); an output-gated attention's q projection is twice as wide; the QK-norm weights
+    are 2·d a layer, or H·d + K·d over all heads together."""
     h, d = shape.hidden, shape.head_dim
     q, kv = shape.heads * d, shape.kv_heads * d
-    attention = h * q + 2 * h * kv + q * h
+    attention = h * q * (2 if shape.attention_output_gate else 1) + 2 * h * kv + q * h
     attention += (q + 2 * kv if shape.qkv_bias else 0) + (h if shape.o_bias else 0)
     if shape.qk_norm:
         attention += q + kv if shape.qk_norm_over_heads else 2 * d
-    per_layer = attention + shape.norms_per_layer * h
+    linear = sum(_linear_mixer_params(shape)) if shape.linear_layers else 0
+    mixers = shape.attention_layers * attention + shape.linear_layers * linear
     head = shape.vocab * h if lm_head and not shape.tied_embeddings else 0
-    return shape.vocab * h + shape.layers * per_layer + _mlp_params(shape, False) + h + head
+    norms = shape.layers * shape.norms_per_layer * h
+    return shape.vocab * h + mixers + norms + _mlp_params(shape, False) + h + head
 
 
 def matmul_param_count(shape: ModelShape, lm_head: bool = True) -> int:
@@ -248,22 +278,39 @@ def matmul_param_count(shape: ModelShape, lm_head: bool = True) -> int:
     counted, a tied head counted twice, as verl; of a mixture of experts only the router and the
     experts a token runs (its FLOPs)."""
     h, d = shape.hidden, shape.head_dim
-    attention = h * (2 * shape.heads * d + 2 * shape.kv_heads * d)
-    return attention * shape.layers + _mlp_params(shape, True) + (2 if lm_head else 1) * shape.vocab * h
+    q = shape.heads * d * (2 if shape.attention_output_gate else 1)
+    attention = h * (q + shape.heads * d + 2 * shape.kv_heads * d)
+    linear = _linear_mixer_params(shape)[0] * shape.linear_layers if shape.linear_layers else 0
+    mixers = attention * shape.attention_layers + linear
+    return mixers + _mlp_params(shape, True) + (2 if lm_head else 1) * shape.vocab * h
 
 
 def train_flops(shape: ModelShape, seq_lengths: list[int], lm_head: bool = True) -> float:
     """FLOPs of one forward + backward over sequences of these lengths (verl's estimate):
-    6·N·Σℓ + 12·Σℓ²·d·H·L, N = `matmul_param_count`; recomputation is not counted."""
+    6·N·Σℓ + 12·Σℓ²·d·H·L_a, N = `matmul_param_count`, L_a the attention layers (a linear-attention
+    layer's state update is linear in ℓ and not counted); recomputation is not counted."""
     tokens = sum(seq_lengths)
     square_sum = sum(s * s for s in seq_lengths)
-    attention = 12.0 * square_sum * shape.head_dim * shape.heads * shape.layers
+    attention = 12.0 * square_sum * shape.head_dim * shape.heads * shape.attention_layers
     return 6.0 * matmul_param_count(shape, lm_head) * tokens + attention
 
 
 def kv_bytes_per_token(shape: ModelShape, element_bytes: int = 2) -> int:
-    """K and V of every layer: L · 2 · K · d · element bytes (bf16 by default)."""
-    return shape.layers * 2 * shape.kv_heads * shape.head_dim * element_bytes
+    """K and V of every attention layer: L_a · 2 · K · d · element bytes (bf16 by default)."""
+    return shape.attention_layers * 2 * shape.kv_heads * shape.head_dim * element_bytes
+
+
+def recurrent_state_bytes(shape: ModelShape, element_bytes: int = 2) -> int:
+    """One sequence's state in the linear-attention layers, whatever its length: per layer the delta-rule
+    state Hv · Dk · Dv in float32 and the conv window (2·Hk·Dk + Hv·Dv) · (K - 1) in the engine dtype."""
+    if not shape.linear_layers:
+        return 0
+    delta = shape.linear_value_heads * shape.linear_key_dim * shape.linear_value_dim * 4
+    channels = (
+        2 * shape.linear_key_heads * shape.linear_key_dim + shape.linear_value_heads * shape.linear_value_dim
+    )
+    conv = channels * (shape.linear_conv_kernel - 1) * element_bytes
+    return shape.linear_layers * (delta + conv)
 
 
 def _shown(value: Any) -> str:
@@ -318,11 +365,15 @@ class ModelSpec:
     # The training path's layers call aten's `_grouped_mm` (Hugging Face's experts, whose default
     # `experts_implementation` is grouped_mm): `fulcrum.models.packed.compile_options` asks it.
     grouped_mm: Callable[[Any], bool] = never
+    # Hybrid families: which layers are linear attention (a recurrent state per sequence, no KV), and
+    # their sizes for ModelShape (`linear_layers`, ...); empty for a family that only attends.
+    linear_layers: Callable[[Any], list[bool]] = lambda _config: []
+    linear_shape: Callable[[Any], dict[str, int]] = lambda _config: {}
 
     def shape(self, config: Any) -> ModelShape:
         norms = 4 if self.sandwich_norms else 2
         extra = {"norms_per_layer": norms, "qk_norm_over_heads": self.qk_norm_over_heads}
-        extra |= self.moe_shape(config)
+        extra |= self.moe_shape(config) | self.linear_shape(config)
         return dense_shape(config, self.qkv_bias(config), self.o_bias(config), self.qk_norm, **extra)
 
     def layer_windows(self, config: Any) -> list[int | None]:

@@ -38,6 +38,10 @@ class AttentionMetadata:
     # CUDA decode: the cache seen through its device-held address (kernels.IndirectCache), so that
     # captured graphs outlive a sleep / wake-up cycle. None: index the cache tensor directly.
     indirect_cache: Any = None
+    # Hybrid models: each sequence's (prefill) or row's (decode) recurrent-state slot, and for prefill
+    # whether each sequence starts at its first token (its state starts from zeros).
+    state_slots: torch.Tensor | None = None  # (S,) or (B,) int64
+    state_fresh: list[bool] | None = None
 
 
 def rotate_and_store(

@@ -129,7 +129,8 @@ class NativeEngine:
         self.runner = ModelRunner(self.model, config, self.device)
         self.runner.allocate_cache()
         self.launcher = Launcher(self.runner, config)
-        self.scheduler = Scheduler(config, BlockManager(self.runner.num_blocks, config.block_size))
+        blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_state_slots)
+        self.scheduler = Scheduler(config, blocks)
         self.pipeline = Pipeline(self.scheduler, self.launcher, config)
         self.sampler: DeviceSampler | None = None
         self.next_id = 0

@@ -189,8 +189,15 @@ class Launcher:
             k_lens=k_lens,
             context_slots=context_slots,
         )
+        if self.runner.states is not None:
+            meta.state_slots = host_to_device(torch.tensor([s.state_slot for s in work.seqs]), dev)
+            meta.state_fresh = [start == 0 for start in work.starts]
         hidden = self.model.forward(
-            host_to_device(torch.tensor(ids, dtype=torch.long), dev), pos_t, self.runner.kv_cache, meta
+            host_to_device(torch.tensor(ids, dtype=torch.long), dev),
+            pos_t,
+            self.runner.kv_cache,
+            meta,
+            self.runner.states,
         )
         last = [cu_q[i + 1] - 1 for i, done in enumerate(work.completes) if done]
         return self.model.logits(hidden[host_to_device(torch.tensor(last, dtype=torch.long), dev)])
@@ -228,6 +235,9 @@ class Launcher:
             runner.context_lens[:padded].copy_((pos + 1).to(torch.int32), non_blocking=True)
             max_context = int(pos[:batch].max()) + 1
         runner.block_tables[:padded].copy_(host_tables, non_blocking=True)
+        if runner.states is not None:  # padding rows step the scratch slot 0
+            slots = torch.tensor([s.state_slot for s in seqs] + [0] * (padded - batch), dtype=torch.long)
+            runner.state_slots[:padded].copy_(slots, non_blocking=True)
         out_tokens, out_logprobs = self.out_tokens[slot], self.out_logprobs[slot]
         # Each step's sampling writes its tokens there and moves these rows on (next input, position + 1).
         state = DecodeState(runner.input_ids[:batch], runner.positions[:batch], runner.context_lens[:batch])

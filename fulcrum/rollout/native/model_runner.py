@@ -22,6 +22,7 @@ from fulcrum.rollout.native.config import EngineConfig
 from fulcrum.rollout.native.kernels import HAVE_TRITON, IndirectCache
 from fulcrum.rollout.native.memory import engine_workspace_bytes, kv_cache_budget
 from fulcrum.rollout.native.models.decoder import DecoderLM
+from fulcrum.rollout.native.models.linear_attention import RecurrentStates
 
 CPU_DEFAULT_CACHE_TOKENS = 65536  # the CPU cache when num_kv_blocks is not set
 
@@ -52,10 +53,18 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.block_size = config.block_size
-        self.use_triton = use_triton_on(device, config.triton_kernels)
+        hybrid = model.linear_shape is not None
+        # The linear-attention layers and partial RoPE run the torch path, eagerly: the Triton rotary kernel
+        # rotates whole heads, and the graphs would hold the recurrent states' address across a sleep.
+        self.use_triton = use_triton_on(device, False if hybrid else config.triton_kernels)
         model.use_triton = self.use_triton
         model.fp32_logits = config.lm_head_fp32
-        self.use_graphs = device.type == "cuda" and not config.enforce_eager
+        self.use_graphs = device.type == "cuda" and not config.enforce_eager and not hybrid
+        # Recurrent-state slots (hybrid models): every decoding sequence, one prompt part-way through a
+        # chunked prefill, and the scratch slot 0; sequences held between turns give theirs back first.
+        self.num_state_slots = config.max_num_seqs + 2 if hybrid else 0
+        self.states: RecurrentStates | None = None
+        self.state_slots = torch.zeros(config.max_num_seqs, dtype=torch.long, device=device)
         self.max_blocks_per_seq = config.blocks_per_seq()
         model.ensure_positions(config.max_tokens_per_seq())
         self.num_blocks = model.tp.agree_min(self._cache_blocks(), device)
@@ -81,7 +90,18 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         m = self.model
         element = torch.empty((), dtype=m.dtype).element_size()
-        return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * element
+        return m.num_kv_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * element
+
+    def state_bytes(self) -> int:
+        """The recurrent-state slots' bytes (0 for a model without linear-attention layers)."""
+        lin = self.model.linear_shape
+        if lin is None:
+            return 0
+        element = torch.empty((), dtype=self.model.dtype).element_size()
+        per_slot = (
+            lin.value_heads * lin.key_dim * lin.value_dim * 4 + lin.channels * (lin.kernel - 1) * element
+        )
+        return self.num_state_slots * sum(self.model.linear) * per_slot
 
     def cache_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block()
@@ -107,7 +127,9 @@ class ModelRunner:
             cfg.lm_head_fp32,
         )
         free_now, _ = torch.cuda.mem_get_info(self.device)
+        # The recurrent-state slots come out of the same budget, ahead of the blocks.
         budget = kv_cache_budget(total, cfg.gpu_memory_utilization, weights, workspace, free_now)
+        budget -= self.state_bytes()
         blocks = min(int(budget // self.bytes_per_block()), cfg.usable_cache_blocks())
         if blocks < 2:
             raise RuntimeError(
@@ -123,7 +145,7 @@ class ModelRunner:
 
     def _cache_shape(self) -> tuple[int, ...]:
         m = self.model
-        return (m.num_layers, 2, self.num_blocks * self.block_size, m.num_kv_heads, m.head_dim)
+        return (m.num_kv_layers, 2, self.num_blocks * self.block_size, m.num_kv_heads, m.head_dim)
 
     def allocate_cache(self) -> None:
         if self.kv_cache is not None:
@@ -134,6 +156,12 @@ class ModelRunner:
         # scores, where a never-written slot must hold a finite value (0 x NaN is NaN): zeros there.
         new = torch.empty if self.use_triton else torch.zeros
         self.kv_cache = new(self._cache_shape(), dtype=self.model.dtype, device=self.device)
+        lin = self.model.linear_shape
+        if lin is not None:
+            self.states = RecurrentStates.empty(
+                sum(self.model.linear), self.num_state_slots, lin.channels, lin.kernel, lin.value_heads,
+                lin.key_dim, lin.value_dim, self.model.dtype, self.device,
+            )  # fmt: skip
         if self.indirect is not None:
             self.indirect.point_to(self.kv_cache)
         elif self.graphs and self.model.tp.agree_any(
@@ -148,6 +176,7 @@ class ModelRunner:
         """Drop the KV cache. The graphs stay (with their activation pool) until we know whether the
         next cache lands at the same address (then they are still valid) or not."""
         self.kv_cache = None
+        self.states = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -173,9 +202,14 @@ class ModelRunner:
         dst = host_to_device(torch.tensor([p[1] for p in pairs]), self.device)
         m = self.model
         blocks = self.kv_cache.view(
-            m.num_layers, 2, self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim
+            m.num_kv_layers, 2, self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim
         )
         blocks[:, :, dst] = blocks[:, :, src]
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Recurrent state of slot src -> slot dst for each (src, dst) (a prompt's forks)."""
+        if self.states is not None:
+            self.states.copy(pairs)
 
     # ------------------------------------------------------------------------------ decode
     def padded_batch(self, batch: int) -> int:
@@ -207,8 +241,11 @@ class ModelRunner:
             max_context=max_context,
             use_triton=self.use_triton,
             indirect_cache=self.indirect,
+            state_slots=self.state_slots[:batch],
         )
-        hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch], self.kv_cache, meta)
+        hidden = self.model.forward(
+            self.input_ids[:batch], self.positions[:batch], self.kv_cache, meta, self.states
+        )
         return self.model.logits(hidden)
 
     def _capture(self, batch: int) -> None:

@@ -44,7 +44,13 @@ def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int, scaling: float) -> 
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: x * cos + rotate_half(x) * sin, per token position. x: (N, H, D) -> (N, H, D)."""
+    """Rotate-half RoPE: x * cos + rotate_half(x) * sin, per token position. x: (N, H, D) -> (N, H, D).
+
+    A table narrower than D (`partial_rotary_factor`, Qwen3.5) rotates the first R of each head's D
+    dimensions and passes the rest through."""
+    rotary = cos_sin.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rotary], positions, cos_sin), x[..., rotary:]], dim=-1)
     half = x.shape[-1] // 2
     cos_half, sin_half = cos_sin[positions].chunk(2, dim=-1)  # (N, D/2) each
     cos = torch.cat([cos_half, cos_half], dim=-1)[:, None, :].to(x.dtype)

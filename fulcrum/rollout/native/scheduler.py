@@ -68,6 +68,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_evictions = 0  # held sequences whose blocks were taken back under memory pressure
         self.peak_blocks = 0  # most blocks in use at once (the KV memory a generate really needed)
+        # (prompt's state slot, fork's slot) pairs of the last committed prefill step (hybrid models)
+        self.state_copies: list[tuple[int, int]] = []
 
     def admit(self, num_tokens: int, params: SamplingParams) -> None:
         """Refuse a turn that can never run, before anything of it is queued (every prompt and next turn
@@ -173,6 +175,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         seats = self.config.max_num_seqs - len(self.running)
         fork_reserve = 0  # blocks the step's forks take after it (held back from later prompts)
+        state_reserve = 0  # state slots they take (hybrid models)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             remaining = seq.num_tokens - seq.num_computed
@@ -186,12 +189,14 @@ class Scheduler:
             # Start (or go on with) a prompt only if all of it fits now, so a chunked prefill does not
             # hold blocks it cannot complete.
             need = self.blocks.extra_blocks(seq, seq.num_tokens)
-            while not self.blocks.can_allocate(need + forks + fork_reserve) and self.evict_held():
+            states = self.blocks.states_needed(seq, seq.num_samples - 1 if completes else 0) + state_reserve
+            while not self.blocks.fits(need + forks + fork_reserve, states) and self.evict_held():
                 pass
-            if not self.blocks.can_allocate(need + forks + fork_reserve):
+            if not self.blocks.fits(need + forks + fork_reserve, states):
                 break
             if completes:
                 fork_reserve += forks
+                state_reserve += seq.num_samples - 1 if self.blocks.has_states else 0
             self.blocks.grow(seq, seq.num_computed + chunk)
             work.seqs.append(seq)
             work.starts.append(seq.num_computed)
@@ -255,6 +260,7 @@ class Scheduler:
         full blocks. The (source, destination) block copies of its partial last block that the forks are
         owed, to run on the device after the step's forward."""
         copies = []
+        self.state_copies = []
         for seq, length, completes in zip(work.seqs, work.lengths, work.completes, strict=True):
             seq.num_computed += length
             if not completes:
@@ -265,6 +271,8 @@ class Scheduler:
                 copy = self.blocks.fork_blocks(seq, child)
                 if copy is not None:
                     copies.append(copy)
+                if child.state_slot >= 0:
+                    self.state_copies.append((seq.state_slot, child.state_slot))
                 family.append(child)
             seq.num_samples = 1
             for member in family:
@@ -348,6 +356,11 @@ class Scheduler:
         seq.status = Status.FINISHED
         if seq.keep:
             self.held[seq.output_index] = seq
+            if seq.state_slot >= 0:
+                # A decode window runs up to a window past a sequence's stop, and the recurrent state,
+                # unlike K/V at positions past the end, cannot be rolled back: its next turn recomputes.
+                self.blocks.release(seq)
+                seq.num_computed = 0
         else:
             self.blocks.release(seq)
         self.finished.append(seq)

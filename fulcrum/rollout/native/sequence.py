@@ -43,6 +43,7 @@ class Sequence:
     request_id: int = -1  # the output_index of sample 0 of the request (-1: this sequence's own)
     turn_start: int = -1  # -1: num_prompt_tokens
     appended: list[tuple[int, int]] = field(default_factory=list)
+    state_slot: int = -1  # hybrid models: its recurrent-state slot (with its blocks), -1 while it has none
 
     def __post_init__(self) -> None:
         if self.turn_start < 0:

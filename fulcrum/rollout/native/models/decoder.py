@@ -25,6 +25,11 @@ from fulcrum.parallel.tensor_parallel import TensorParallel, shard_heads, shard_
 from fulcrum.rollout.native import ops
 from fulcrum.rollout.native.attention import AttentionMetadata, paged_attention, rotate_and_store
 from fulcrum.rollout.native.models import moe
+from fulcrum.rollout.native.models.linear_attention import (
+    LinearAttentionShape,
+    RecurrentStates,
+    linear_attention,
+)
 
 Shard = tuple[int, int, int]  # (dim, start, length) of an HF tensor that one tensor-parallel rank holds
 Target = tuple[torch.Tensor, Shard | None]  # (the (view of the) engine tensor, this rank's slice or None)
@@ -88,6 +93,31 @@ class DecoderLM:
         self.qk_norm = spec.qk_norm
         self.qk_norm_over_heads = spec.qk_norm_over_heads
         moe_layers = spec.moe_layers(config) or [False] * self.num_layers
+        # Hybrid families (Qwen3.5): Gated DeltaNet layers with a recurrent state per sequence instead of
+        # K/V; the attention layers' q projection also yields a sigmoid output gate per head.
+        self.linear = spec.linear_layers(config) or [False] * self.num_layers
+        shape = spec.shape(config)
+        self.output_gate = bool(shape.attention_output_gate)
+        self.linear_shape: LinearAttentionShape | None = None
+        if any(self.linear):
+            if self.tp.size > 1:
+                raise ValueError(
+                    "native engine: tensor parallelism does not shard linear-attention layers yet; set "
+                    "actor_rollout_ref.rollout.tensor_model_parallel_size=1 for this model"
+                )
+            self.linear_shape = LinearAttentionShape(
+                shape.linear_key_heads,
+                shape.linear_value_heads,
+                shape.linear_key_dim,
+                shape.linear_value_dim,
+                shape.linear_conv_kernel,
+            )
+        # The layer's index among the linear-attention layers (its slice of RecurrentStates), or -1.
+        self.state_index = [sum(self.linear[:i]) if lin else -1 for i, lin in enumerate(self.linear)]
+        # The layer's index in the KV cache, which holds the attention layers only.
+        self.kv_index = [i - sum(self.linear[:i]) for i in range(self.num_layers)]
+        self.num_kv_layers = self.num_layers - sum(self.linear)
+        q_width = self.q_size * (2 if self.output_gate else 1)  # [q | gate] per head when gated
         if any(moe_layers):
             self.expert_range = shard_range(
                 config.moe_intermediate_size, self.tp.rank, self.tp.size, "moe_intermediate_size"
@@ -104,13 +134,29 @@ class DecoderLM:
         self.lm_head = self.embed if self.tied else empty(config.vocab_size, self.hidden)
         self.final_norm = empty(self.hidden)
         self.layers: list[dict[str, torch.Tensor]] = []
-        for is_moe in moe_layers:
-            layer = {
-                "qkv": empty(self.q_size + 2 * self.kv_size, self.hidden),
-                "o": empty(self.hidden, self.q_size),
-            }
+        for is_moe, is_linear in zip(moe_layers, self.linear, strict=True):
+            layer: dict[str, torch.Tensor] = {}
             if spec.pre_norms:
                 layer |= {"input_norm": empty(self.hidden), "post_norm": empty(self.hidden)}
+            if is_linear:
+                lin = self.linear_shape
+                value = lin.value_heads * lin.value_dim
+                layer |= {
+                    "lin_qkv": empty(lin.channels, self.hidden),
+                    "lin_z": empty(value, self.hidden),
+                    "lin_b": empty(lin.value_heads, self.hidden),
+                    "lin_a": empty(lin.value_heads, self.hidden),
+                    "lin_conv": empty(lin.channels, 1, lin.kernel),
+                    "lin_dt_bias": empty(lin.value_heads),
+                    "lin_a_log": empty(lin.value_heads),
+                    "lin_norm": empty(lin.value_dim),
+                    "lin_out": empty(self.hidden, value),
+                }
+            else:
+                layer |= {
+                    "qkv": empty(q_width + 2 * self.kv_size, self.hidden),
+                    "o": empty(self.hidden, self.q_size),
+                }
             if is_moe:  # router (E, H) whole; experts (E, 2I, H) and (E, H, I) over this rank's columns
                 experts, width = config.num_experts, self.expert_range[1] - self.expert_range[0]
                 layer |= {
@@ -120,11 +166,11 @@ class DecoderLM:
                 layer["experts_down"] = empty(experts, self.hidden, width)
             else:
                 layer |= {"gate_up": empty(2 * inter, self.hidden), "down": empty(self.hidden, inter)}
-            if qkv_bias:
+            if qkv_bias and not is_linear:
                 layer["qkv_bias"] = empty(self.q_size + 2 * self.kv_size)
-            if o_bias:
+            if o_bias and not is_linear:
                 layer["o_bias"] = empty(self.hidden)
-            if self.qk_norm:  # one head's width, or (OLMo) this rank's heads together
+            if self.qk_norm and not is_linear:  # one head's width, or (OLMo) this rank's heads together
                 layer["q_norm"] = empty(self.q_size if self.qk_norm_over_heads else self.head_dim)
                 layer["k_norm"] = empty(self.kv_size if self.qk_norm_over_heads else self.head_dim)
             if spec.sandwich_norms or not spec.pre_norms:
@@ -157,12 +203,17 @@ class DecoderLM:
         q, kv, d = self.q_size, self.kv_size, self.head_dim
         q_rows: Shard = (0, self.heads.q_start * d, q)
         kv_rows: Shard = (0, self.heads.kv_start * d, kv)
-        slots: dict[str, Target] = {
-            "q": (layer["qkv"][:q], q_rows),
-            "k": (layer["qkv"][q : q + kv], kv_rows),
-            "v": (layer["qkv"][q + kv :], kv_rows),
-            "o": (layer["o"], (1, self.heads.q_start * d, q)),
-        }
+        slots: dict[str, Target] = {}
+        if "qkv" in layer:
+            qw = q * (2 if self.output_gate else 1)
+            slots |= {
+                "q": (layer["qkv"][:qw], (0, self.heads.q_start * d, qw)),
+                "k": (layer["qkv"][qw : qw + kv], kv_rows),
+                "v": (layer["qkv"][qw + kv :], kv_rows),
+                "o": (layer["o"], (1, self.heads.q_start * d, q)),
+            }
+        for name in [name for name in layer if name.startswith("lin_")]:  # whole (no tensor parallelism)
+            slots[name] = (layer[name], None)
         if "gate_up" in layer:
             start, stop = self.inter_range
             mlp_rows: Shard = (0, start, stop - start)
@@ -290,8 +341,14 @@ class DecoderLM:
     ) -> torch.Tensor:
         """Layer i's attention of the normed input x (N, hidden) -> (N, hidden), summed over ranks."""
         layer, tokens = self.layers[i], x.shape[0]
-        qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))  # (N, q + 2 kv)
-        q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
+        qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))  # (N, q [+ gate] + 2 kv)
+        gate = None
+        if self.output_gate:  # per head [q (D) | gate (D)]
+            q_gate = qkv[:, : 2 * self.q_size].view(tokens, self.num_heads, 2 * self.head_dim)
+            q, gate = q_gate[..., : self.head_dim].contiguous(), q_gate[..., self.head_dim :]
+            qkv = qkv[:, self.q_size :]  # k and v follow at offset q_size, as ungated
+        else:
+            q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm_over_heads:
@@ -299,8 +356,12 @@ class DecoderLM:
         elif self.qk_norm:
             q, k = self._head_norm(q, layer["q_norm"]), self._head_norm(k, layer["k_norm"])
         cos_sin = self.cos_sin[self.rope_kind[i]]
-        q, k = rotate_and_store(q, k, v, positions, cos_sin, kv_cache, i, meta, self.use_triton)
-        attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale, self.windows[i])
+        q, k = rotate_and_store(
+            q, k, v, positions, cos_sin, kv_cache, self.kv_index[i], meta, self.use_triton
+        )
+        attn = paged_attention(q, k, v, kv_cache, self.kv_index[i], meta, self.scale, self.windows[i])
+        if gate is not None:
+            attn = attn * torch.sigmoid(gate)
         if self.tp.size == 1:
             return F.linear(attn.reshape(tokens, self.q_size), layer["o"], layer.get("o_bias"))
         # row-parallel: sum the ranks' partial products, then the bias once
@@ -333,10 +394,12 @@ class DecoderLM:
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        states: RecurrentStates | None = None,
     ) -> torch.Tensor:
-        """Final hidden states (N, hidden) for N packed tokens; writes their K/V into `kv_cache`.
+        """Final hidden states (N, hidden) for N packed tokens; writes their K/V into `kv_cache` and
+        steps their sequences' recurrent `states` (linear-attention layers, slots `meta.state_slots`).
 
-        input_ids, positions: (N,); kv_cache: (layers, 2, slots, Hkv, D).
+        input_ids, positions: (N,); kv_cache: (attention layers, 2, slots, Hkv, D).
         """
         hidden = F.embedding(input_ids, self.embed)  # (N, hidden)
         if self.embed_scale is not None:
@@ -347,7 +410,23 @@ class DecoderLM:
         for i, layer in enumerate(self.layers):
             # The fused Triton norm adds into `residual` in place; the first one is the embedding output.
             x, residual = self._norm(hidden, residual, layer["input_norm"])
-            hidden = self._attention(i, x, positions, kv_cache, meta)
+            if self.linear[i]:
+                j = self.state_index[i]
+                fresh = meta.state_fresh if meta.is_prefill else None
+                q_lens = meta.q_lens if meta.is_prefill else None
+                hidden = linear_attention(
+                    layer,
+                    x,
+                    self.linear_shape,
+                    states.conv[j],
+                    states.delta[j],
+                    meta.state_slots,
+                    q_lens,
+                    fresh,
+                    self.eps,
+                )
+            else:
+                hidden = self._attention(i, x, positions, kv_cache, meta)
             if "attn_out_norm" in layer:  # Gemma: the output is normed before the residual sum
                 hidden = self._norm(hidden, None, layer["attn_out_norm"])[0]
             x, residual = self._norm(hidden, residual, layer["post_norm"])

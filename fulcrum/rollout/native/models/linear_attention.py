@@ -1,0 +1,154 @@
+"""Gated DeltaNet (Qwen3.5's linear attention) in the native engine: each sequence's recurrent state.
+
+A linear-attention layer keeps no KV cache. Each sequence has, per such layer, a slot in
+`RecurrentStates`: the delta-rule state S (Hv, Dk, Dv), float32, and the conv window, the last K - 1
+inputs of the causal depthwise conv (C channels). Slot 0 is scratch (padded decode rows write there).
+A prefill chunk starts from zeros at a sequence's first token, else from its slot (chunked prefill, a
+next turn), and leaves the state after its last token in the slot; a decode step advances every row's
+slot by one token. The delta rule itself is transformers' (`torch_chunk_gated_delta_rule` for a chunk,
+`torch_recurrent_gated_delta_rule` for one step), which run flash-linear-attention's kernels where that
+package is installed and supports the device, and their torch reference otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class RecurrentStates:
+    """conv: (L_lin, slots, C, K - 1) in the engine dtype; delta: (L_lin, slots, Hv, Dk, Dv) float32."""
+
+    conv: torch.Tensor
+    delta: torch.Tensor
+
+    @classmethod
+    def empty(
+        cls, layers: int, slots: int, channels: int, kernel: int, heads: int, key_dim: int, value_dim: int,
+        dtype: torch.dtype, device: torch.device,
+    ) -> RecurrentStates:  # fmt: skip
+        conv = torch.zeros(layers, slots, channels, kernel - 1, dtype=dtype, device=device)
+        return cls(conv, torch.zeros(layers, slots, heads, key_dim, value_dim, device=device))
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Slot src -> slot dst for each (src, dst) (a prompt's state to its forks)."""
+        if pairs:
+            src = torch.tensor([p[0] for p in pairs], device=self.conv.device)
+            dst = torch.tensor([p[1] for p in pairs], device=self.conv.device)
+            self.conv[:, dst] = self.conv[:, src]
+            self.delta[:, dst] = self.delta[:, src]
+
+
+def causal_conv(
+    window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv with SiLU over x (B, T, C) after `window` (B, C, K - 1), the inputs before it:
+    y_t = silu(Σ_j w[:, j] · u_{t + j}), u = [window | x] along time, w (C, K); and the new window, the
+    last K - 1 of u. Returns (y (B, T, C), window (B, C, K - 1))."""
+    u = torch.cat([window.to(x.dtype), x.transpose(1, 2)], dim=-1)  # (B, C, K - 1 + T)
+    y = F.conv1d(u.to(weight.dtype), weight[:, None, :], groups=weight.shape[0])  # (B, C, T)
+    return F.silu(y).to(x.dtype).transpose(1, 2), u[..., u.shape[-1] - window.shape[-1] :]
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """w · x / rms(x) · silu(z) per head: x, z (N, Hv, Dv) -> (N, Hv, Dv) in x's dtype (the normed x is
+    rounded to x's dtype before the weight, the gate taken in float32, as Hugging Face's RMSNormGated)."""
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * normed * F.silu(z.float())).to(x.dtype)
+
+
+@dataclass
+class LinearAttentionShape:
+    """One rank's Gated DeltaNet sizes: Hk key heads of Dk, Hv value heads of Dv, conv of K taps."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    kernel: int
+
+    @property
+    def channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+def linear_attention(
+    layer: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    shape: LinearAttentionShape,
+    conv_state: torch.Tensor,
+    delta_state: torch.Tensor,
+    slots: torch.Tensor,
+    q_lens: list[int] | None,
+    fresh: list[bool] | None,
+    eps: float,
+) -> torch.Tensor:
+    """One Gated DeltaNet layer over the normed input x (N, hidden) -> (N, hidden), stepping the states.
+
+    Decode (`q_lens` None): row b is one token of the sequence in slot `slots[b]`. Prefill: sequence i
+    has `q_lens[i]` consecutive tokens and slot `slots[i]`, and starts from zeros where `fresh[i]`.
+    `conv_state` (slots, C, K - 1) and `delta_state` (slots, Hv, Dk, Dv) are this layer's, written in place.
+    g = -exp(A_log) · softplus(a + dt_bias) and β = sigmoid(b) per token and value head.
+    """
+    # transformers releases before Qwen3.5 lack the module; only a hybrid model needs it
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    s = shape
+    key = s.key_heads * s.key_dim
+    mixed = F.linear(x, layer["lin_qkv"])  # (N, C)
+    z = F.linear(x, layer["lin_z"]).view(-1, s.value_heads, s.value_dim)
+    beta = F.linear(x, layer["lin_b"]).sigmoid()  # (N, Hv)
+    g = -layer["lin_a_log"].float().exp() * F.softplus(
+        F.linear(x, layer["lin_a"]).float() + layer["lin_dt_bias"]
+    )
+    weight = layer["lin_conv"].view(s.channels, s.kernel)
+    if q_lens is None:  # decode: B rows of one token
+        rows = x.shape[0]
+        conv, window = causal_conv(conv_state.index_select(0, slots), mixed[:, None], weight)
+        conv_state.index_copy_(0, slots, window.to(conv_state.dtype))
+        q, k, v = conv[:, 0].split([key, key, s.value_heads * s.value_dim], dim=-1)
+        out, state = torch_recurrent_gated_delta_rule(
+            q.reshape(rows, 1, s.key_heads, s.key_dim),
+            k.reshape(rows, 1, s.key_heads, s.key_dim),
+            v.reshape(rows, 1, s.value_heads, s.value_dim),
+            g=g[:, None],
+            beta=beta[:, None],
+            initial_state=delta_state.index_select(0, slots),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        delta_state.index_copy_(0, slots, state.float())
+        core = out[:, 0]  # (B, Hv, Dv)
+    else:
+        outs, start = [], 0
+        for i, length in enumerate(q_lens):
+            slot = slots[i : i + 1]
+            span = slice(start, start + length)
+            start += length
+            window = torch.zeros_like(conv_state[:1]) if fresh[i] else conv_state.index_select(0, slot)
+            conv, window = causal_conv(window, mixed[None, span], weight)
+            conv_state.index_copy_(0, slot, window.to(conv_state.dtype))
+            q, k, v = conv[0].split([key, key, s.value_heads * s.value_dim], dim=-1)
+            initial = None if fresh[i] else delta_state.index_select(0, slot)
+            out, state = torch_chunk_gated_delta_rule(
+                q.reshape(1, length, s.key_heads, s.key_dim),
+                k.reshape(1, length, s.key_heads, s.key_dim),
+                v.reshape(1, length, s.value_heads, s.value_dim),
+                g=g[None, span],
+                beta=beta[None, span],
+                initial_state=initial,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )
+            delta_state.index_copy_(0, slot, state.float())
+            outs.append(out[0])
+        core = torch.cat(outs)  # (N, Hv, Dv)
+    normed = gated_rms_norm(core.to(x.dtype), z, layer["lin_norm"], eps)
+    return F.linear(normed.reshape(x.shape[0], -1), layer["lin_out"])
