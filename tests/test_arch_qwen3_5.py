@@ -9,6 +9,7 @@ import copy
 import json
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from fulcrum.models.packed import enable_packed_attention, pack_micro_batch, pac
 from fulcrum.models.packed_recurrent import enable_packed_recurrence
 from fulcrum.rollout.base import SamplingParams
 from fulcrum.rollout.native import NativeEngine
+from fulcrum.rollout.native.models.linear_attention import turn_ended
 from fulcrum.rollout.testing import random_causal_lm
 from fulcrum.trainer.main_ppo import main
 
@@ -207,3 +209,56 @@ def test_a_next_turn_and_sleep_between_turns_continue_as_hf(model: torch.nn.Modu
     context = prompt + first[0].token_ids + tool
     assert second[0].token_ids[len(first[0].token_ids) + 3 :] == hf_greedy(model, context, 10)
     assert len(engine.scheduler.blocks.free_states) == engine.runner.num_state_slots - 1
+
+
+def run_all(engine: NativeEngine) -> dict[int, list[int]]:
+    """Step until nothing is in flight; each finished turn's tokens by its id."""
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({out.seq_id: out.token_ids for out in engine.step()})
+    return done
+
+
+@pytest.mark.parametrize("between", ["windows-in-turn", "overlap-windows", "sleep"])
+def test_a_held_turn_keeps_its_state_for_the_next_turn(model: torch.nn.Module, between: str) -> None:
+    """Two conversations held in a batch whose decode windows (4 steps, the next launched ahead under
+    overlap_windows) run on past their ends: one stops at a stop id mid-window, one at its max_tokens
+    while a longer request decodes beside them. Their next turns prefill only the new tokens (the tool's
+    3 and the last sampled token, whose K/V no step wrote) and continue as HF's greedy continuation of
+    the whole conversation. After a sleep (the cache freed) the next turns recompute the conversation."""
+    config = engine_config(free_cache_engine=False, overlap_windows=between != "windows-in-turn")
+    engine = NativeEngine(model, [EOS], 0, config, CPU)
+    stopped, capped, longer = prompts_of([13, 9, 20], seed=3)
+    reference = hf_greedy(model, stopped, 12)
+    stop = next(t for k, t in enumerate(reference) if k >= 5 and t not in reference[:k])
+    cut = reference.index(stop) + 1
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.seed_requests(params)
+    first_id = engine.add_request(stopped, replace(params, stop_token_ids=[stop]), keep=True)
+    second_id = engine.add_request(capped, replace(params, max_tokens=6), keep=True)
+    engine.add_request(longer, replace(params, max_tokens=30))
+    first = run_all(engine)
+    assert first[first_id] == reference[:cut]
+    assert first[second_id] == hf_greedy(model, capped, 6)
+    if between == "sleep":
+        engine.sleep()
+        engine.wake_up()
+    tool = [5, 6, 7]
+    before = engine.counters["prefill_tokens"]
+    engine.resume(first_id, tool, params)
+    engine.resume(second_id, tool, params)
+    second = run_all(engine)
+    contexts = [stopped + first[first_id] + tool, capped + first[second_id] + tool]
+    expected = 2 * 4 if between != "sleep" else sum(map(len, contexts))
+    assert engine.counters["prefill_tokens"] - before == expected
+    for seq_id, context, prompt in zip((first_id, second_id), contexts, (stopped, capped), strict=True):
+        assert second[seq_id][len(context) - len(prompt) :] == hf_greedy(model, context, 12)
+    assert len(engine.scheduler.blocks.free_states) == engine.runner.num_state_slots - 1
+
+
+def test_turn_ended_marks_a_stop_id_or_the_last_token_of_a_row() -> None:
+    tokens = torch.tensor([7, 9, 4, 4])
+    stops = torch.tensor([[7, -1], [3, 5], [3, 5], [-1, -1]])
+    left = torch.tensor([5, 3, 1, 2])
+    assert turn_ended(tokens, stops, left, 0).tolist() == [True, False, True, False]
+    assert turn_ended(tokens, stops, left, 2).tolist() == [True, True, False, False]
