@@ -262,3 +262,25 @@ def test_turn_ended_marks_a_stop_id_or_the_last_token_of_a_row() -> None:
     left = torch.tensor([5, 3, 1, 2])
     assert turn_ended(tokens, stops, left, 0).tolist() == [True, False, True, False]
     assert turn_ended(tokens, stops, left, 2).tolist() == [True, True, False, False]
+
+
+def test_held_turns_give_their_slots_back_when_a_prompt_needs_one(model: torch.nn.Module) -> None:
+    """max_num_seqs=2: three usable state slots, all held by finished conversations, plenty of blocks.
+    A new prompt takes the slot of the conversation held longest (an eviction), whose next turn then
+    recomputes its tokens and still continues as HF."""
+    engine = NativeEngine(model, [EOS], 0, engine_config(max_num_seqs=2, free_cache_engine=False), CPU)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.seed_requests(params)
+    prompts = prompts_of([6, 7, 8, 9], seed=5)
+    ids = []
+    for prompt in prompts[:3]:
+        ids.append(engine.add_request(prompt, params, keep=True))
+        run_all(engine)
+    assert not engine.scheduler.blocks.free_states and engine.counters["evictions"] == 0
+    last = engine.add_request(prompts[3], params)
+    assert run_all(engine)[last] == hf_greedy(model, prompts[3], 5)
+    assert engine.counters["evictions"] == 1
+    oldest = engine.scheduler.held[ids[0]]
+    context = [*oldest.token_ids, 5, 6]
+    engine.resume(ids[0], [5, 6], params)
+    assert run_all(engine)[ids[0]][len(context) - 6 :] == hf_greedy(model, context, 5)
