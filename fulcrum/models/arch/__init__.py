@@ -19,6 +19,7 @@ from fulcrum.models.arch import (
     qwen3,
     qwen3_5,
     qwen3_moe,
+    qwen3_next,
     smollm3,
 )
 from fulcrum.models.arch.spec import ModelShape, ModelSpec, attention_bias, config_value, dense_shape
@@ -88,10 +89,11 @@ def unsupported_reason(config: Any, max_model_len: int | None = None) -> str | N
     spec = spec_for(config)
     if spec is None:
         model_type = config_value(config, "model_type")
-        why = (
-            gemma4.refused_reason(config)
-            if model_type in gemma4.MODEL_TYPES
-            else gemma3.REFUSED.get(model_type)
-        )
+        if model_type in gemma4.MODEL_TYPES:
+            why = gemma4.refused_reason(config)
+        elif model_type in qwen3_next.MODEL_TYPES:
+            why = qwen3_next.refused_reason(config)
+        else:
+            why = gemma3.REFUSED.get(model_type)
         return f"model_type={model_type!r} ({why if why else 'it runs ' + ', '.join(sorted(SPECS))})"
     return spec.unsupported_reason(config, max_model_len)
