@@ -17,6 +17,7 @@ import torch
 from arch_checks import (
     CPU,
     EOS,
+    GATED_DELTANET_SHAPE,
     VOCAB,
     StubTokenizer,
     arch_model,
@@ -42,15 +43,8 @@ from fulcrum.rollout.testing import TINY_SHAPE, random_causal_lm
 from fulcrum.tools.memory_estimate import read_model_shape
 from fulcrum.trainer.main_ppo import main
 
-# 8 layers: linear, linear, linear, full, twice. Two key heads of 8 serve four value heads of 12.
-SHAPE = dict(
-    num_hidden_layers=8,
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=12,
-)
+# 8 layers: linear, linear, linear, full, twice.
+SHAPE = dict(GATED_DELTANET_SHAPE, num_hidden_layers=8)
 
 
 @pytest.fixture(scope="module")

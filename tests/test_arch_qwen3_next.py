@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from arch_checks import CPU, EOS, TOL, VOCAB, StubTokenizer, engine_config, prompts_of
+from arch_checks import CPU, EOS, GATED_DELTANET_SHAPE, TOL, VOCAB, StubTokenizer, engine_config, prompts_of
 from helpers import log_probs_of
 from test_workers_units import make_batch, unpadded_log_probs
 
@@ -19,13 +19,9 @@ from fulcrum.rollout.testing import random_causal_lm
 
 # Three Gated DeltaNet layers and one attention layer; every MLP sparse, 4 experts (top 2) and a shared one.
 SHAPE = dict(
+    GATED_DELTANET_SHAPE,
     vocab_size=VOCAB,
     num_hidden_layers=4,
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=12,
     num_experts=4,
     num_experts_per_tok=2,
     moe_intermediate_size=32,
