@@ -37,6 +37,14 @@ EOS = 1
 VOCAB = 1024  # make_batch draws token ids below 1000
 GREEDY_TOKENS = 64
 TOL = 1e-5
+# Gated DeltaNet sizes of the hybrid families' random models: two key heads of 8 serve four value heads of 12.
+GATED_DELTANET_SHAPE = dict(
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+)
 
 
 def require_model_type(arch: str) -> None:

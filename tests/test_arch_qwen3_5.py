@@ -9,6 +9,7 @@ import copy
 import json
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,9 @@ import torch
 from arch_checks import (
     CPU,
     EOS,
+    GATED_DELTANET_SHAPE,
+    VOCAB,
+    StubTokenizer,
     arch_model,
     check_greedy_equals_hf_generate,
     check_training_log_probs_equal_hf,
@@ -23,26 +27,24 @@ from arch_checks import (
     prompts_of,
 )
 from helpers import cpu_ppo_overrides, make_assets
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForImageTextToText
 
+from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token, param_count, recurrent_state_bytes
+from fulcrum.models.load import load_causal_lm
 from fulcrum.models.packed import enable_packed_attention, pack_micro_batch, packed_hidden_states
 from fulcrum.models.packed_recurrent import enable_packed_recurrence
+from fulcrum.rollout import build_rollout
 from fulcrum.rollout.base import SamplingParams
-from fulcrum.rollout.native import NativeEngine
-from fulcrum.rollout.testing import random_causal_lm
+from fulcrum.rollout.native import NativeEngine, native_unsupported_reason
+from fulcrum.rollout.native.models.linear_attention import turn_ended
+from fulcrum.rollout.testing import TINY_SHAPE, random_causal_lm
+from fulcrum.tools.memory_estimate import read_model_shape
 from fulcrum.trainer.main_ppo import main
 
-# 8 layers: linear, linear, linear, full, twice. Two key heads of 8 serve four value heads of 12.
-SHAPE = dict(
-    num_hidden_layers=8,
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=12,
-)
+# 8 layers: linear, linear, linear, full, twice.
+SHAPE = dict(GATED_DELTANET_SHAPE, num_hidden_layers=8)
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +209,105 @@ def test_a_next_turn_and_sleep_between_turns_continue_as_hf(model: torch.nn.Modu
     context = prompt + first[0].token_ids + tool
     assert second[0].token_ids[len(first[0].token_ids) + 3 :] == hf_greedy(model, context, 10)
     assert len(engine.scheduler.blocks.free_states) == engine.runner.num_state_slots - 1
+
+
+def run_all(engine: NativeEngine) -> dict[int, list[int]]:
+    """Step until nothing is in flight; each finished turn's tokens by its id."""
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({out.seq_id: out.token_ids for out in engine.step()})
+    return done
+
+
+@pytest.mark.parametrize("between", ["windows-in-turn", "overlap-windows", "sleep"])
+def test_a_held_turn_keeps_its_state_for_the_next_turn(model: torch.nn.Module, between: str) -> None:
+    """Two conversations held in a batch whose decode windows (4 steps, the next launched ahead under
+    overlap_windows) run on past their ends: one stops at a stop id mid-window, one at its max_tokens
+    while a longer request decodes beside them. Their next turns prefill only the new tokens (the tool's
+    3 and the last sampled token, whose K/V no step wrote) and continue as HF's greedy continuation of
+    the whole conversation. After a sleep (the cache freed) the next turns recompute the conversation."""
+    config = engine_config(free_cache_engine=False, overlap_windows=between != "windows-in-turn")
+    engine = NativeEngine(model, [EOS], 0, config, CPU)
+    stopped, capped, longer = prompts_of([13, 9, 20], seed=3)
+    reference = hf_greedy(model, stopped, 12)
+    stop = next(t for k, t in enumerate(reference) if k >= 5 and t not in reference[:k])
+    cut = reference.index(stop) + 1
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.seed_requests(params)
+    first_id = engine.add_request(stopped, replace(params, stop_token_ids=[stop]), keep=True)
+    second_id = engine.add_request(capped, replace(params, max_tokens=6), keep=True)
+    engine.add_request(longer, replace(params, max_tokens=30))
+    first = run_all(engine)
+    assert first[first_id] == reference[:cut]
+    assert first[second_id] == hf_greedy(model, capped, 6)
+    if between == "sleep":
+        engine.sleep()
+        engine.wake_up()
+    tool = [5, 6, 7]
+    before = engine.counters["prefill_tokens"]
+    engine.resume(first_id, tool, params)
+    engine.resume(second_id, tool, params)
+    second = run_all(engine)
+    contexts = [stopped + first[first_id] + tool, capped + first[second_id] + tool]
+    expected = 2 * 4 if between != "sleep" else sum(map(len, contexts))
+    assert engine.counters["prefill_tokens"] - before == expected
+    for seq_id, context, prompt in zip((first_id, second_id), contexts, (stopped, capped), strict=True):
+        assert second[seq_id][len(context) - len(prompt) :] == hf_greedy(model, context, 12)
+    assert len(engine.scheduler.blocks.free_states) == engine.runner.num_state_slots - 1
+
+
+def test_turn_ended_marks_a_stop_id_or_the_last_token_of_a_row() -> None:
+    tokens = torch.tensor([7, 9, 4, 4])
+    stops = torch.tensor([[7, -1], [3, 5], [3, 5], [-1, -1]])
+    left = torch.tensor([5, 3, 1, 2])
+    assert turn_ended(tokens, stops, left, 0).tolist() == [True, False, True, False]
+    assert turn_ended(tokens, stops, left, 2).tolist() == [True, True, False, False]
+
+
+def test_held_turns_give_their_slots_back_when_a_prompt_needs_one(model: torch.nn.Module) -> None:
+    """max_num_seqs=2: three usable state slots, all held by finished conversations, plenty of blocks.
+    A new prompt takes the slot of the conversation held longest (an eviction), whose next turn then
+    recomputes its tokens and still continues as HF."""
+    engine = NativeEngine(model, [EOS], 0, engine_config(max_num_seqs=2, free_cache_engine=False), CPU)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.seed_requests(params)
+    prompts = prompts_of([6, 7, 8, 9], seed=5)
+    ids = []
+    for prompt in prompts[:3]:
+        ids.append(engine.add_request(prompt, params, keep=True))
+        run_all(engine)
+    assert not engine.scheduler.blocks.free_states and engine.counters["evictions"] == 0
+    last = engine.add_request(prompts[3], params)
+    assert run_all(engine)[last] == hf_greedy(model, prompts[3], 5)
+    assert engine.counters["evictions"] == 1
+    oldest = engine.scheduler.held[ids[0]]
+    context = [*oldest.token_ids, 5, 6]
+    engine.resume(ids[0], [5, 6], params)
+    assert run_all(engine)[ids[0]][len(context) - 6 :] == hf_greedy(model, context, 5)
+
+
+def test_a_multimodal_qwen3_5_checkpoint_runs_as_its_text_model(tmp_path: Path) -> None:
+    """Qwen3.5 checkpoints ship `qwen3_5` (Qwen3_5ForConditionalGeneration, its text model's config in
+    `text_config`), which AutoModelForCausalLM loads as the text model alone (the vision tower left out).
+    The trainer's loader, the native engine, doctor's check of the folder and the memory estimate all
+    read it as that text model: same logits, sampled natively as HF, its shape counting its parameters."""
+    text = {**TINY_SHAPE, **SHAPE, "vocab_size": VOCAB, "eos_token_id": EOS}
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=64)
+    torch.manual_seed(0)
+    full = AutoModelForImageTextToText.from_config(
+        AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision)
+    ).eval()
+    full.save_pretrained(tmp_path)
+    loaded = load_causal_lm(str(tmp_path), CPU).eval()
+    prompt = prompts_of([9])[0]
+    with torch.no_grad():
+        assert torch.equal(loaded(torch.tensor([prompt])).logits, full(torch.tensor([prompt])).logits)
+    rollout = RolloutConfig(name="native", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    assert native_unsupported_reason(rollout, AutoConfig.from_pretrained(tmp_path)) is None
+    shape = read_model_shape(str(tmp_path))
+    assert shape == model_shape(loaded.config) and shape.linear_layers == 6
+    assert param_count(shape) == sum(p.numel() for p in loaded.parameters())
+    engine = build_rollout(rollout, loaded, StubTokenizer(), CPU)
+    assert isinstance(engine, NativeEngine)
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out.token_ids[0] == hf_greedy(loaded, prompt, 8)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fulcrum.config.schema_rollout import RolloutConfig
-from fulcrum.models.arch import SPECS, unsupported_reason
+from fulcrum.models.arch import SPECS, causal_lm_config, unsupported_reason
 from fulcrum.parallel.tensor_parallel import TensorParallel, tensor_parallel_group
 from fulcrum.rollout.native.config import EngineConfig, engine_config_from
 from fulcrum.rollout.native.engine import NativeEngine
@@ -53,7 +53,7 @@ def engine_tensor_parallel(rollout_cfg: RolloutConfig) -> TensorParallel:
 
 
 def _engine_config(rollout_cfg: RolloutConfig, hf_config: object, lm_head_fp32: bool = False) -> EngineConfig:
-    max_len = int(getattr(hf_config, "max_position_embeddings", 4096))
+    max_len = int(getattr(causal_lm_config(hf_config), "max_position_embeddings", 4096))
     return engine_config_from(rollout_cfg, max_len, lm_head_fp32)
 
 

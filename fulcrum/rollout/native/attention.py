@@ -42,6 +42,9 @@ class AttentionMetadata:
     # whether each sequence starts at its first token (its state starts from zeros).
     state_slots: torch.Tensor | None = None  # (S,) or (B,) int64
     state_fresh: list[bool] | None = None
+    # Decode: where each row's stepped state goes: its slot, or the scratch slot 0 once its turn has
+    # ended in the window (the state stays as its last token left it, for a held turn's next one).
+    state_writes: torch.Tensor | None = None  # (B,) int64
 
 
 def rotate_and_store(

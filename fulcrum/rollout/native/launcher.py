@@ -21,6 +21,7 @@ from fulcrum.rollout.native import ops
 from fulcrum.rollout.native.attention import AttentionMetadata
 from fulcrum.rollout.native.config import EngineConfig
 from fulcrum.rollout.native.model_runner import ModelRunner
+from fulcrum.rollout.native.models.linear_attention import turn_ended
 from fulcrum.rollout.native.sample_kernels import DecodeState
 from fulcrum.rollout.native.sampler import DeviceSampler
 from fulcrum.rollout.native.scheduler import DecodeWork, PrefillWork, Work
@@ -217,15 +218,22 @@ class Launcher:
         batch = len(seqs)
         padded = runner.padded_batch(batch)
         host_tables = padded_tables([s.block_table for s in seqs], padded, runner.max_blocks_per_seq)
+        hybrid = runner.states is not None
         if work.rows is not None:
+            rows_state = (runner.input_ids, runner.positions, runner.context_lens)
+            if hybrid:  # a row whose turn ended in that window goes on writing the scratch slot
+                rows_state += (runner.state_slots, runner.state_writes)
             if work.rows != list(range(batch)):
                 index = torch.tensor(work.rows, dtype=torch.long).to(self.device, non_blocking=True)
-                for state in (runner.input_ids, runner.positions, runner.context_lens):
+                for state in rows_state:
                     state[:batch] = state.index_select(0, index)
             if padded > batch:  # padding rows as a fresh window leaves them: position 0, in block 0
                 runner.input_ids[batch:padded] = 0
                 runner.positions[batch:padded] = 0
                 runner.context_lens[batch:padded] = 1
+                if hybrid:
+                    runner.state_slots[batch:padded] = 0
+                    runner.state_writes[batch:padded] = 0
             max_context = max(s.num_tokens for s in seqs) + work.unread
         else:
             last = torch.tensor([s.token_ids[-1] for s in seqs] + [0] * (padded - batch), dtype=torch.long)
@@ -234,16 +242,20 @@ class Launcher:
             runner.positions[:padded].copy_(pos, non_blocking=True)
             runner.context_lens[:padded].copy_((pos + 1).to(torch.int32), non_blocking=True)
             max_context = int(pos[:batch].max()) + 1
+            if hybrid:  # padding rows step the scratch slot 0
+                slots = torch.tensor([s.state_slot for s in seqs] + [0] * (padded - batch), dtype=torch.long)
+                runner.state_slots[:padded].copy_(slots, non_blocking=True)
+                runner.state_writes[:padded].copy_(slots, non_blocking=True)
         runner.block_tables[:padded].copy_(host_tables, non_blocking=True)
-        if runner.states is not None:  # padding rows step the scratch slot 0
-            slots = torch.tensor([s.state_slot for s in seqs] + [0] * (padded - batch), dtype=torch.long)
-            runner.state_slots[:padded].copy_(slots, non_blocking=True)
+        ends = self._turn_ends(seqs, work.unread) if hybrid else None
         out_tokens, out_logprobs = self.out_tokens[slot], self.out_logprobs[slot]
         # Each step's sampling writes its tokens there and moves these rows on (next input, position + 1).
         state = DecodeState(runner.input_ids[:batch], runner.positions[:batch], runner.context_lens[:batch])
         for k in range(steps):
             logits = runner.decode_logits(padded, max_context + k)
             sampler.sample_step(logits[:batch], out_tokens[k, :batch], out_logprobs[k, :batch], state)
+            if ends is not None:  # the recurrent state of a row whose turn ended stays as it is
+                runner.state_writes[:batch].masked_fill_(turn_ended(out_tokens[k, :batch], *ends, k), 0)
         # One row per sequence: the scheduler takes each sequence's tokens as one slice.
         # Contiguous views: a copy into a strided host tensor would not stay asynchronous.
         host_tokens = self.host_tokens[slot, : batch * steps].view(batch, steps)
@@ -252,3 +264,13 @@ class Launcher:
             out_tokens[:steps, :batch].t(), out_logprobs[:steps, :batch].t(), host_tokens, host_logprobs
         )
         return Launched(work, copy)
+
+    def _turn_ends(self, seqs: list[Sequence], unread: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ends each row's turn in a window, on the device (`turn_ended`): its stop ids (B, S), -1
+        padded, and the tokens it has left (B,), those of the `unread` steps before the window taken."""
+        width = max(1, *(len(s.stop_ids) for s in seqs))
+        stops = torch.tensor(
+            [[*s.stop_ids, *[-1] * (width - len(s.stop_ids))] for s in seqs], dtype=torch.long
+        )
+        left = torch.tensor([max(1, s.max_tokens - s.num_generated) - unread for s in seqs])
+        return host_to_device(stops, self.device), host_to_device(left, self.device)

@@ -61,10 +61,13 @@ class ModelRunner:
         model.fp32_logits = config.lm_head_fp32
         self.use_graphs = device.type == "cuda" and not config.enforce_eager and not hybrid
         # Recurrent-state slots (hybrid models): every decoding sequence, one prompt part-way through a
-        # chunked prefill, and the scratch slot 0; sequences held between turns give theirs back first.
+        # chunked prefill, and the scratch slot 0; a held sequence keeps its slot as it keeps its blocks
+        # (a cache: evicted, slot and blocks, when a prompt needs them).
         self.num_state_slots = config.max_num_seqs + 2 if hybrid else 0
         self.states: RecurrentStates | None = None
+        # Decode rows' slots, read and written (`AttentionMetadata.state_writes`).
         self.state_slots = torch.zeros(config.max_num_seqs, dtype=torch.long, device=device)
+        self.state_writes = torch.zeros(config.max_num_seqs, dtype=torch.long, device=device)
         self.max_blocks_per_seq = config.blocks_per_seq()
         model.ensure_positions(config.max_tokens_per_seq())
         self.num_blocks = model.tp.agree_min(self._cache_blocks(), device)
@@ -242,6 +245,7 @@ class ModelRunner:
             use_triton=self.use_triton,
             indirect_cache=self.indirect,
             state_slots=self.state_slots[:batch],
+            state_writes=self.state_writes[:batch],
         )
         hidden = self.model.forward(
             self.input_ids[:batch], self.positions[:batch], self.kv_cache, meta, self.states

@@ -10,8 +10,9 @@ the cache cannot hold them, the most recently admitted sequences are preempted: 
 released and they go back to the front of the queue, to be recomputed from their tokens (vLLM's
 "recompute" preemption). A finished sequence's surplus tokens of the window are dropped.
 
-A sequence that finishes with `keep` set is *held*: it keeps its blocks so that a next turn (a tool's
-answer appended, then more sampling) prefills only the new tokens. Held blocks are a cache, never a
+A sequence that finishes with `keep` set is *held*: it keeps its blocks (and a hybrid model's
+recurrent-state slot) so that a next turn (a tool's answer appended, then more sampling) prefills only
+the new tokens. Held blocks are a cache, never a
 reservation: when a prefill or a decode window needs blocks that are not free, the sequence held
 longest gives its blocks back first (an *eviction*; its next turn recomputes its tokens), before any
 running sequence is preempted. So conversations waiting on their tools can never starve the running
@@ -356,11 +357,6 @@ class Scheduler:
         seq.status = Status.FINISHED
         if seq.keep:
             self.held[seq.output_index] = seq
-            if seq.state_slot >= 0:
-                # A decode window runs up to a window past a sequence's stop, and the recurrent state,
-                # unlike K/V at positions past the end, cannot be rolled back: its next turn recomputes.
-                self.blocks.release(seq)
-                seq.num_computed = 0
         else:
             self.blocks.release(seq)
         self.finished.append(seq)

@@ -424,6 +424,7 @@ class DecoderLM:
                     q_lens,
                     fresh,
                     self.eps,
+                    meta.state_writes,
                 )
             else:
                 hidden = self._attention(i, x, positions, kv_cache, meta)

@@ -5,9 +5,12 @@ A linear-attention layer keeps no KV cache. Each sequence has, per such layer, a
 inputs of the causal depthwise conv (C channels). Slot 0 is scratch (padded decode rows write there).
 A prefill chunk starts from zeros at a sequence's first token, else from its slot (chunked prefill, a
 next turn), and leaves the state after its last token in the slot; a decode step advances every row's
-slot by one token. The delta rule itself is transformers' (`torch_chunk_gated_delta_rule` for a chunk,
-`torch_recurrent_gated_delta_rule` for one step), which run flash-linear-attention's kernels where that
-package is installed and supports the device, and their torch reference otherwise.
+slot by one token, until the row's turn ends (`turn_ended`): a window runs on past a row's stop, and
+from then on the row's steps write the scratch slot, so a held turn's slot stays as its last token
+left it and its next turn prefills only the new tokens. The delta rule itself is transformers'
+(`torch_chunk_gated_delta_rule` for a chunk, `torch_recurrent_gated_delta_rule` for one step), which
+run flash-linear-attention's kernels where that package is installed and supports the device, and
+their torch reference otherwise.
 """
 
 from __future__ import annotations
@@ -61,6 +64,14 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return (weight * normed * F.silu(z.float())).to(x.dtype)
 
 
+def turn_ended(tokens: torch.Tensor, stop_ids: torch.Tensor, left: torch.Tensor, step: int) -> torch.Tensor:
+    """Decode rows whose turn ends with the token sampled at `step` (0-based) of a window: the token is
+    one of the row's stop ids, or it is the row's last, its `left`-th of the window (step + 1 = left).
+
+    tokens (B,) int64; stop_ids (B, S) int64, -1 where a row has fewer than S; left (B,) -> (B,) bool."""
+    return (tokens[:, None] == stop_ids).any(dim=1) | (left == step + 1)
+
+
 @dataclass
 class LinearAttentionShape:
     """One rank's Gated DeltaNet sizes: Hk key heads of Dk, Hv value heads of Dv, conv of K taps."""
@@ -86,11 +97,14 @@ def linear_attention(
     q_lens: list[int] | None,
     fresh: list[bool] | None,
     eps: float,
+    writes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One Gated DeltaNet layer over the normed input x (N, hidden) -> (N, hidden), stepping the states.
 
-    Decode (`q_lens` None): row b is one token of the sequence in slot `slots[b]`. Prefill: sequence i
-    has `q_lens[i]` consecutive tokens and slot `slots[i]`, and starts from zeros where `fresh[i]`.
+    Decode (`q_lens` None): row b is one token of the sequence in slot `slots[b]`, whose stepped state
+    goes to slot `writes[b]` (default `slots`; scratch 0 leaves a finished row's slot as it was).
+    Prefill: sequence i has `q_lens[i]` consecutive tokens and slot `slots[i]`, and starts from zeros
+    where `fresh[i]`.
     `conv_state` (slots, C, K - 1) and `delta_state` (slots, Hv, Dk, Dv) are this layer's, written in place.
     g = -exp(A_log) · softplus(a + dt_bias) and β = sigmoid(b) per token and value head.
     """
@@ -112,7 +126,8 @@ def linear_attention(
     if q_lens is None:  # decode: B rows of one token
         rows = x.shape[0]
         conv, window = causal_conv(conv_state.index_select(0, slots), mixed[:, None], weight)
-        conv_state.index_copy_(0, slots, window.to(conv_state.dtype))
+        writes = slots if writes is None else writes
+        conv_state.index_copy_(0, writes, window.to(conv_state.dtype))
         q, k, v = conv[:, 0].split([key, key, s.value_heads * s.value_dim], dim=-1)
         out, state = torch_recurrent_gated_delta_rule(
             q.reshape(rows, 1, s.key_heads, s.key_dim),
@@ -124,7 +139,7 @@ def linear_attention(
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
         )
-        delta_state.index_copy_(0, slots, state.float())
+        delta_state.index_copy_(0, writes, state.float())
         core = out[:, 0]  # (B, Hv, Dv)
     else:
         outs, start = [], 0
