@@ -192,6 +192,9 @@ def test_a_reward_out_of_reach_is_named_with_its_lever() -> None:
         row["critic/score/max"] = 1.0 if row["step"] % 2 == 0 else 0.0
     assert "reward_out_of_reach" not in rules(rows)
     assert "reward_out_of_reach" not in rules(healthy_rows(24))  # rows without the scores' range
+    for row in rows:  # every sample solved: too easy, not out of reach
+        row["critic/score/max"] = row["critic/score/min"] = 1.0
+    assert "reward_out_of_reach" not in rules(rows)
 
 
 def test_grpo_groups_that_all_score_alike() -> None:

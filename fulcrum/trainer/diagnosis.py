@@ -260,7 +260,8 @@ def non_finite(rows: Sequence[Row]) -> list[Finding]:
 
 def reward_out_of_reach(rows: Sequence[Row]) -> list[Finding]:
     """In UNREACHED_SHARE or more of the last UNREACHED_WINDOW steps, every sample of the step scored alike
-    (critic/score/max = critic/score/min): the reward almost never separates one answer from another."""
+    at 0 or below (critic/score/max = critic/score/min <= 0, verl's scorers' failing scores): the reward
+    almost never separates one answer from another."""
     train = training_rows(rows)
     highs, lows = (
         dict(finite_series(train, "critic/score/max")),
@@ -269,7 +270,7 @@ def reward_out_of_reach(rows: Sequence[Row]) -> list[Finding]:
     steps = [step for step in highs if step in lows][-UNREACHED_WINDOW:]
     if len(steps) < UNREACHED_WINDOW:
         return []
-    alike = sum(highs[step] == lows[step] for step in steps)
+    alike = sum(highs[step] == lows[step] <= 0.0 for step in steps)  # all failed (all solved: too easy)
     if alike < UNREACHED_SHARE * UNREACHED_WINDOW:
         return []
     entropy = finite_series(train, "actor/entropy")
