@@ -1,61 +1,108 @@
-"""Qwen3-Next is refused by the native engine, with one line naming the shared expert it has no slot for,
-and sampled by the `hf` backend instead; its padded training path gives HF's log-probs."""
+"""Qwen3-Next (`qwen3_next`): Qwen3.5's Gated DeltaNet and output-gated attention layers, with sparse MLPs
+whose routed experts sit beside a shared expert scaled by its own sigmoid gate, and Gated DeltaNet
+projections fused per key-head group (`in_proj_qkvz`, `in_proj_ba`), which the engine splits on load.
+Native greedy = HF's generate; padded and packed log-probs within 1e-5 of HF's; the router's
+load-balancing loss equal to HF's; one GRPO step on the CPU."""
 
 from __future__ import annotations
 
-import logging
+from pathlib import Path
 
 import pytest
 import torch
-from arch_checks import CPU, EOS, GATED_DELTANET_SHAPE, TOL, VOCAB, StubTokenizer, engine_config, prompts_of
-from helpers import log_probs_of
-from test_workers_units import make_batch, unpadded_log_probs
+from arch_checks import (
+    CPU,
+    GATED_DELTANET_SHAPE,
+    arch_model,
+    check_greedy_equals_hf_generate,
+    check_grpo_step,
+    check_training_log_probs_equal_hf,
+    engine_config,
+)
+from test_workers_units import make_batch
+from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_loss_func
 
-from fulcrum.config.schema_rollout import RolloutConfig
-from fulcrum.rollout import HFRollout, build_rollout
-from fulcrum.rollout.base import SamplingParams
+from fulcrum.models.arch import model_shape
+from fulcrum.models.arch.spec import matmul_param_count, param_count
+from fulcrum.models.router_loss import load_balancing_loss, recorded_router_logits, router_loss_settings
 from fulcrum.rollout.native import NativeEngine
-from fulcrum.rollout.testing import random_causal_lm
+from fulcrum.workers.forwards import LogProbHead, ModelForwards, micro_inputs
 
-# Three Gated DeltaNet layers and one attention layer; every MLP sparse, 4 experts (top 2) and a shared one.
+# Four layers (three Gated DeltaNet, one attention); every MLP sparse but layer 2's (`mlp_only_layers`):
+# 4 experts (top 2) and a shared expert 48 wide. Two key heads of 8 serve four value heads of 12, so
+# the fused projections interleave two groups.
 SHAPE = dict(
     GATED_DELTANET_SHAPE,
-    vocab_size=VOCAB,
     num_hidden_layers=4,
     num_experts=4,
     num_experts_per_tok=2,
     moe_intermediate_size=32,
     shared_expert_intermediate_size=48,
+    mlp_only_layers=[2],
 )
 
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     torch.set_num_threads(1)
-    return random_causal_lm("qwen3_next", init_std=0.1, **SHAPE)
+    # seed 1: seed 0's model greedily samples EOS within 64 tokens of a prompt, which HF's generate
+    # (min_new_tokens) masks and the engine (ignore_eos) does not
+    return arch_model("qwen3_next", SHAPE, seed=1, init_std=0.1)
 
 
-def test_the_engine_names_the_shared_expert_and_hf_samples_it(
-    model: torch.nn.Module, caplog: pytest.LogCaptureFixture
-) -> None:
-    with pytest.raises(ValueError, match=r"model_type='qwen3_next' \(shared_expert_intermediate_size=48"):
-        NativeEngine(model, [EOS], 0, engine_config(), CPU)
-    rollout = RolloutConfig(name="native", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
-    with caplog.at_level(logging.WARNING, logger="fulcrum.rollout"):
-        engine = build_rollout(rollout, model, StubTokenizer(), CPU)
-    assert isinstance(engine, HFRollout)
-    assert [r.getMessage() for r in caplog.records if "shared_expert_gate" in r.getMessage()]
-    prompt = prompts_of([7])[0]
-    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    with torch.no_grad():
-        expected = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6, min_new_tokens=6)
-    assert out.token_ids[0] == expected[0, len(prompt) :].tolist()
+def test_the_shape_counts_every_parameter_and_the_shared_expert(model: torch.nn.Module) -> None:
+    shape = model_shape(model.config)
+    assert (shape.linear_layers, shape.moe_layers, shape.shared_expert_intermediate) == (3, 3, 48)
+    assert param_count(shape) == sum(p.numel() for p in model.parameters())
+    # verl's N: the matmul weights, of the routed experts only the 2 a token runs (the shared one always)
+    idle_experts = 3 * (4 - 2) * 3 * 64 * 32  # 3 expert layers, 2 idle experts of 3 matrices 64 x 32
+    small = ("norm", "dt_bias", "A_log", "conv1d")
+    matmuls = sum(p.numel() for name, p in model.named_parameters() if not any(s in name for s in small))
+    assert matmul_param_count(shape) == matmuls - idle_experts
 
 
-def test_padded_training_log_probs_equal_hf(model: torch.nn.Module) -> None:
-    """Left-padded prompts: the linear-attention layers' states start at each row's first real token."""
+def test_the_engine_loads_the_fused_projections_into_each_slot(model: torch.nn.Module) -> None:
+    """Key head g's rows of in_proj_qkvz are [q | k | v | z] of its group: the engine's q, k and v
+    projections (its conv's input) and its output gate hold HF's de-interleaved rows."""
+    engine = NativeEngine(model, [1], 0, engine_config(), CPU)
+    attn = model.model.layers[0].linear_attn
+    groups = attn.in_proj_qkvz.weight.view(2, 2 * 8 + 2 * 2 * 12, 64)  # (Hk, [q k v z] rows, hidden)
+    q, k, v, z = groups.split([8, 8, 24, 24], dim=1)
+    layer = engine.model.layers[0]
+    expected = torch.cat([q.reshape(-1, 64), k.reshape(-1, 64), v.reshape(-1, 64)])
+    assert torch.equal(layer["lin_qkv"], expected) and torch.equal(layer["lin_z"], z.reshape(-1, 64))
+    b, a = attn.in_proj_ba.weight.view(2, 4, 64).split([2, 2], dim=1)
+    assert torch.equal(layer["lin_b"], b.reshape(-1, 64)) and torch.equal(layer["lin_a"], a.reshape(-1, 64))
+
+
+def test_greedy_equals_hf_generate(model: torch.nn.Module) -> None:
+    check_greedy_equals_hf_generate(model)
+
+
+def test_training_log_probs_equal_hf_padded_and_packed(model: torch.nn.Module) -> None:
+    check_training_log_probs_equal_hf(model)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_load_balancing_loss_equals_hugging_face(packed: bool) -> None:
+    """The actor's router loss over the real tokens equals HF's `load_balancing_loss_func` of its own
+    router logits, and reaches the routers' gradient."""
+    model = arch_model("qwen3_next", dict(SHAPE, output_router_logits=True, router_aux_loss_coef=0.01))
+    assert router_loss_settings(model) == (0.01, 2)
     batch = make_batch(b=5, p=12, r=9)
-    expected = unpadded_log_probs(model, batch, 0.7).float()
+    ids, mask, pos, _, _ = micro_inputs(batch, [], CPU, packed=False).padded
     with torch.no_grad():
-        logp, _ = log_probs_of(model, batch, 0.7, False, CPU, packed=False)
-    assert (logp - expected)[batch["response_mask"].bool()].abs().max() < TOL
+        out = model.model(input_ids=ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
+    expected = load_balancing_loss_func(out.router_logits, 4, 2, mask)
+    forwards = ModelForwards(model, CPU, packed, "actor")
+    inputs = forwards.inputs(batch, [])
+    with recorded_router_logits(model) as logits:
+        forwards.forward(inputs, LogProbHead(1.0))
+    got = load_balancing_loss(logits, 2, forwards.token_mask(inputs))
+    torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-6)
+    got.backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_a_grpo_step_on_the_cpu(model: torch.nn.Module, tmp_path: Path) -> None:
+    check_grpo_step(model, tmp_path)

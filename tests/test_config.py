@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -506,3 +507,14 @@ def test_rollout_tensor_parallel_size_has_no_effect_so_only_warns():
     cfg = load_config(["trainer.device=cpu", "trainer.n_gpus_per_node=1"])  # verl's default tp=2
     assert not any("tensor_model_parallel_size" in k for p in validate(cfg, n_devices=0) for k in p.keys)
     assert any("tensor_model_parallel_size" in k for note in advise(cfg) for k in note.keys)
+
+
+@pytest.mark.parametrize("composite", [False, True])
+def test_context_longer_than_the_models_positions_is_refused_for_a_composite_config(tmp_path, composite):
+    """A multimodal folder (qwen3_5) keeps max_position_embeddings in config.json's `text_config`."""
+    (tmp_path / "model").mkdir()
+    text = {"model_type": "qwen3_5_text", "max_position_embeddings": 512}
+    config = {"model_type": "qwen3_5", "text_config": text} if composite else text
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    problems = [str(p) for p in validate(load_config(seed_command(tmp_path)), n_devices=1)]
+    assert any("prompt + response = 768 tokens exceeds" in p and "= 512" in p for p in problems)

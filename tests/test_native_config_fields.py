@@ -46,6 +46,7 @@ def test_the_architectures_served_are_the_ones_specified() -> None:
             "qwen3",
             "qwen3_5_text",
             "qwen3_moe",
+            "qwen3_next",
             "smollm3",
         }
     )

@@ -55,10 +55,14 @@ def _choices(cfg: FulcrumConfig) -> list[Finding]:
 
 def _context_length(cfg: FulcrumConfig) -> list[Finding]:
     """prompt + response fit the actor's position embeddings, read from its config.json (no weights):
-    past them the model runs on positions it was never trained on, without a word."""
+    past them the model runs on positions it was never trained on, without a word. A composite
+    (vision-language) config keeps them in its `text_config`."""
     path = Path(os.path.expanduser(str(cfg.actor_rollout_ref.model.path))) / "config.json"
     try:
-        limit = json.loads(path.read_text()).get("max_position_embeddings")
+        config = json.loads(path.read_text())
+        limit = config.get(
+            "max_position_embeddings", (config.get("text_config") or {}).get("max_position_embeddings")
+        )
     except (OSError, ValueError, AttributeError):
         return []  # a hub id, or a folder the model-folder checks name as broken
     rollout = cfg.actor_rollout_ref.rollout

@@ -33,6 +33,7 @@ SPECS: dict[str, ModelSpec] = {
     "qwen3": qwen3.SPEC,
     "qwen3_5_text": qwen3_5.SPEC,
     "qwen3_moe": qwen3_moe.SPEC,
+    "qwen3_next": qwen3_next.SPEC,
     "smollm3": smollm3.SPEC,
 }
 
@@ -91,8 +92,6 @@ def unsupported_reason(config: Any, max_model_len: int | None = None) -> str | N
         model_type = config_value(config, "model_type")
         if model_type in gemma4.MODEL_TYPES:
             why = gemma4.refused_reason(config)
-        elif model_type in qwen3_next.MODEL_TYPES:
-            why = qwen3_next.refused_reason(config)
         else:
             why = gemma3.REFUSED.get(model_type)
         return f"model_type={model_type!r} ({why if why else 'it runs ' + ', '.join(sorted(SPECS))})"

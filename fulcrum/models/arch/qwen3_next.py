@@ -1,27 +1,89 @@
-"""Qwen3-Next (`model_type` qwen3_next): refused by the native decoder, which samples it through the `hf`
-backend; the padded training path runs it (Hugging Face's forward). Its layers mix Gated DeltaNet and
-output-gated attention as Qwen3.5's do (`qwen3_5.py`), with what the decoder has no slot for:
+"""Qwen3-Next (`model_type` qwen3_next; Qwen3-Next-80B-A3B). Qwen3.5's hybrid layers (`qwen3_5.py`:
+Gated DeltaNet in three layers of four beside output-gated attention with partial RoPE, (1 + w) norms)
+with Qwen3-MoE's sparse MLP (`qwen3_moe.py`: softmax top-k router, `moe.py`), and two differences:
 
-- sparse MLP layers whose routed experts (Qwen3-MoE's softmax top-k router, which `moe.py` runs) sit
-  beside a shared expert (`shared_expert_intermediate_size`) scaled by a sigmoid gate of its own;
-- the Gated DeltaNet projections fused and interleaved per key-head group (`in_proj_qkvz`,
-  `in_proj_ba`), where Qwen3.5 has one projection per part.
+- each sparse MLP adds a shared expert, a SwiGLU of width `shared_expert_intermediate_size` that every
+  token runs, scaled by a sigmoid gate of its own: y = Σ_j p_j · expert_j(x) + σ(w_g · x) · shared(x);
+- the Gated DeltaNet input projections are fused and interleaved per key-head group: `in_proj_qkvz`
+  holds, for each of the Hk key heads in turn, [q (Dk) | k (Dk) | v (r·Dv) | z (r·Dv)] rows, r = Hv / Hk
+  the value heads a key head serves, and `in_proj_ba` [b (r) | a (r)]. The engine keeps Qwen3.5's
+  separate projections; loading copies each group's rows into them (the decoder's `lin_qkvz`, `lin_ba`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fulcrum.models.arch.spec import config_value
+from fulcrum.models.arch import qwen3_5, qwen3_moe
+from fulcrum.models.arch.spec import (
+    COMMON,
+    HARMLESS,
+    HONOURED,
+    LLAMA_LAYER_WEIGHTS,
+    ModelSpec,
+    Runs,
+    attention_bias,
+    config_value,
+)
 
 MODEL_TYPES = ("qwen3_next",)
 
 
-def refused_reason(config: Any) -> str:
-    """Why the decoder does not run this Qwen3-Next config (object or config.json dict), naming its fields."""
-    shared = config_value(config, "shared_expert_intermediate_size")
-    return (
-        f"shared_expert_intermediate_size={shared!r}: Qwen3-Next's sparse MLP layers add a shared expert, "
-        "scaled by a sigmoid gate (shared_expert_gate), to the routed ones, which the MoE path has no slot "
-        "for; and its Gated DeltaNet projections are fused per key-head group (in_proj_qkvz, in_proj_ba)"
-    )
+def moe_shape(config: Any) -> dict[str, int]:
+    """Qwen3-MoE's expert sizes and the shared expert's width."""
+    shared = int(config_value(config, "shared_expert_intermediate_size") or 0)
+    return qwen3_moe.moe_shape(config) | {"shared_expert_intermediate": shared}
+
+
+_FUSED_LINEAR = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+SPEC = ModelSpec(
+    model_type="qwen3_next",
+    fields={
+        **COMMON,
+        "attention_bias": HONOURED,
+        "layer_types": Runs(
+            qwen3_5._hybrid_layers, f"{qwen3_5.LINEAR_ATTENTION} and {qwen3_5.FULL_ATTENTION} layers"
+        ),
+        "linear_conv_kernel_dim": HONOURED,
+        "linear_key_head_dim": HONOURED,
+        "linear_value_head_dim": HONOURED,
+        "linear_num_key_heads": HONOURED,
+        "linear_num_value_heads": HONOURED,
+        "num_experts": HONOURED,
+        "num_experts_per_tok": HONOURED,
+        "moe_intermediate_size": HONOURED,
+        "shared_expert_intermediate_size": HONOURED,
+        "norm_topk_prob": HONOURED,
+        "decoder_sparse_step": HONOURED,
+        "mlp_only_layers": HONOURED,
+        "output_router_logits": HARMLESS,  # training: whether the load-balancing loss is computed
+        "router_aux_loss_coef": HARMLESS,  # training: its weight in the loss
+    },
+    qkv_bias=attention_bias,
+    o_bias=attention_bias,
+    qk_norm=True,
+    layer_weights={
+        **LLAMA_LAYER_WEIGHTS,
+        **{
+            name: slot
+            for name, slot in qwen3_5.QWEN3_5_LAYER_WEIGHTS.items()
+            if name.split(".")[1] not in _FUSED_LINEAR
+        },
+        "linear_attn.in_proj_qkvz.weight": "lin_qkvz",  # (2 Hk Dk + 2 Hv Dv, hidden), per key-head group
+        "linear_attn.in_proj_ba.weight": "lin_ba",  # (2 Hv, hidden), per key-head group
+        "mlp.gate.weight": "router",  # (E, hidden)
+        "mlp.experts.gate_up_proj": "experts_gate_up",  # (E, 2 · moe_intermediate, hidden)
+        "mlp.experts.down_proj": "experts_down",  # (E, hidden, moe_intermediate)
+        "mlp.shared_expert.gate_proj.weight": "shared_gate",  # (shared_intermediate, hidden)
+        "mlp.shared_expert.up_proj.weight": "shared_up",
+        "mlp.shared_expert.down_proj.weight": "shared_down",  # (hidden, shared_intermediate)
+        "mlp.shared_expert_gate.weight": "shared_expert_gate",  # (1, hidden)
+    },
+    norm_offset=1.0,
+    moe_layers=qwen3_moe.moe_layers,
+    moe_shape=moe_shape,
+    grouped_mm=lambda config: any(qwen3_moe.moe_layers(config)),
+    linear_layers=qwen3_5.linear_layers,
+    linear_shape=qwen3_5.linear_shape,
+)

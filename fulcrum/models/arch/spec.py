@@ -188,6 +188,7 @@ class ModelShape:
     experts: int = 0
     active_experts: int = 0  # top-k: the experts each token runs
     expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0  # Qwen3-Next: a SwiGLU every token runs beside the experts
     # Hybrid models (Qwen3.5): layers whose token mixer is Gated DeltaNet (no KV cache; a recurrent state
     # per sequence), with Hk key heads of Dk and Hv value heads of Dv and a conv of K taps; the other
     # layers attend, their q projection twice as wide with `attention_output_gate`.
@@ -236,10 +237,13 @@ def dense_shape(
 
 def _mlp_params(shape: ModelShape, active: bool) -> int:
     """SwiGLU / GeGLU weights of all layers: 3·h·I per dense layer; per expert layer the router (E·h)
-    and 3·h·I_e per expert, all E of them, or (`active`) the top-k a token runs."""
+    and 3·h·I_e per expert, all E of them, or (`active`) the top-k a token runs, and a shared expert's
+    3·h·I_s with its gate (h) where there is one (every token runs it)."""
     h = shape.hidden
     experts = shape.active_experts if active else shape.experts
     moe = shape.experts * h + experts * 3 * h * shape.expert_intermediate
+    if shape.shared_expert_intermediate:
+        moe += 3 * h * shape.shared_expert_intermediate + h
     return (shape.layers - shape.moe_layers) * 3 * h * shape.intermediate + shape.moe_layers * moe
 
 

@@ -4,6 +4,7 @@ One decoder serves every family whose `ModelSpec` (fulcrum.models.arch) it has t
 Llama, Mistral (a sliding window), Qwen2 (q/k/v biases), Qwen3 (an RMSNorm over each head's q and
 k), Gemma 3 (norms on the attention and MLP outputs, (1 + w) norms, scaled embeddings, local and
 global layers with their own window and RoPE table, GELU), Qwen3-MoE (expert MLPs, `moe.py`),
+Qwen3.5 and Qwen3-Next (Gated DeltaNet layers, `linear_attention.py`; Qwen3-Next's shared expert),
 SmolLM3 (layers without RoPE), OLMo 3 (norms only on the attention and MLP outputs, a QK-norm over
 all heads, local and global layers). The spec says which features a config has and which Hugging
 Face names fill which slot; the decoder fuses q/k/v and gate/up and knows how each slot splits over
@@ -28,6 +29,7 @@ from fulcrum.rollout.native.models import moe
 from fulcrum.rollout.native.models.linear_attention import (
     LinearAttentionShape,
     RecurrentStates,
+    fused_projection_targets,
     linear_attention,
 )
 
@@ -123,6 +125,15 @@ class DecoderLM:
                 config.moe_intermediate_size, self.tp.rank, self.tp.size, "moe_intermediate_size"
             )
             self.top_k, self.norm_topk = config.num_experts_per_tok, bool(config.norm_topk_prob)
+        # Qwen3-Next: a shared expert beside the routed ones, sharded by its columns as a dense MLP.
+        self.shared_range = (0, 0)
+        if any(moe_layers) and shape.shared_expert_intermediate:
+            self.shared_range = shard_range(
+                shape.shared_expert_intermediate,
+                self.tp.rank,
+                self.tp.size,
+                "shared_expert_intermediate_size",
+            )
 
         def empty(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=self.device)
@@ -164,6 +175,13 @@ class DecoderLM:
                     "experts_gate_up": empty(experts, 2 * width, self.hidden),
                 }
                 layer["experts_down"] = empty(experts, self.hidden, width)
+                shared = self.shared_range[1] - self.shared_range[0]
+                if shared:  # its SwiGLU over this rank's columns; its gate (1, H) whole
+                    layer |= {
+                        "shared_gate_up": empty(2 * shared, self.hidden),
+                        "shared_down": empty(self.hidden, shared),
+                        "shared_expert_gate": empty(1, self.hidden),
+                    }
             else:
                 layer |= {"gate_up": empty(2 * inter, self.hidden), "down": empty(self.hidden, inter)}
             if qkv_bias and not is_linear:
@@ -220,7 +238,14 @@ class DecoderLM:
             slots |= {"gate": (layer["gate_up"][: stop - start], mlp_rows)}
             slots |= {"up": (layer["gate_up"][stop - start :], mlp_rows)}
             slots["down"] = (layer["down"], (1, start, stop - start))
+        if "shared_gate_up" in layer:
+            start, stop = self.shared_range
+            rows: Shard = (0, start, stop - start)
+            slots |= {"shared_gate": (layer["shared_gate_up"][: stop - start], rows)}
+            slots |= {"shared_up": (layer["shared_gate_up"][stop - start :], rows)}
+            slots["shared_down"] = (layer["shared_down"], (1, start, stop - start))
         whole = ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm", "router", "o_bias")
+        whole += ("shared_expert_gate",)
         for name in whole + (() if self.qk_norm_over_heads else ("q_norm", "k_norm")):
             if name in layer:  # whole on every rank (o_bias: added once, after the all-reduce)
                 slots[name] = (layer[name], None)
@@ -237,6 +262,8 @@ class DecoderLM:
             gate, up = (fused[:, :width], (1, start, width)), (fused[:, width:], (1, total + start, width))
             targets["experts_gate_up"] = [gate, up]
             targets["experts_down"] = [(layer["experts_down"], (2, start, width))]
+        if "lin_qkv" in layer:  # Qwen3-Next's fused projections, split into the separate ones
+            targets |= fused_projection_targets(layer, self.linear_shape)
         return targets
 
     def _weight_targets(self) -> dict[str, list[Target]]:
@@ -385,6 +412,14 @@ class DecoderLM:
             out = moe.experts_forward(
                 x, weights, experts, layer["experts_gate_up"], layer["experts_down"], self._act_and_mul
             )
+            if "shared_gate_up" in layer:  # x whole on every rank, so the gate is too
+                out = out + moe.shared_expert_forward(
+                    x,
+                    layer["shared_gate_up"],
+                    layer["shared_down"],
+                    layer["shared_expert_gate"],
+                    self._act_and_mul,
+                )
             return self.tp.all_reduce(out)
         return self.tp.all_reduce(F.linear(self._act_and_mul(F.linear(x, layer["gate_up"])), layer["down"]))
 

@@ -87,6 +87,36 @@ class LinearAttentionShape:
         return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
 
 
+Target = tuple[torch.Tensor, tuple[int, int, int]]  # (engine view, (dim, start, length) of the HF tensor)
+
+
+def fused_projection_targets(
+    layer: dict[str, torch.Tensor], shape: LinearAttentionShape
+) -> dict[str, list[Target]]:
+    """Qwen3-Next's fused projections into the engine's separate ones, as (engine rows, the HF rows that
+    fill them). `lin_qkvz` holds, per key head g, rows [q (Dk) | k (Dk) | v (r·Dv) | z (r·Dv)]
+    (r = Hv / Hk), which go to row g·Dk of q and of k in `lin_qkv` ([q | k | v], heads in order) and to
+    row g·r·Dv of its v and of `lin_z`; `lin_ba` holds [b (r) | a (r)] per key head, to row g·r of
+    `lin_b` and `lin_a`."""
+    s = shape
+    key, ratio = s.key_heads * s.key_dim, s.value_heads // s.key_heads
+    dk, dv = s.key_dim, ratio * s.value_dim  # one group's q (or k) rows, and its v (or z) rows
+    qkv, z, b, a = layer["lin_qkv"], layer["lin_z"], layer["lin_b"], layer["lin_a"]
+    qkvz: list[Target] = []
+    ba: list[Target] = []
+    for g in range(s.key_heads):
+        base = g * (2 * dk + 2 * dv)
+        qkvz += [
+            (qkv[g * dk : (g + 1) * dk], (0, base, dk)),
+            (qkv[key + g * dk : key + (g + 1) * dk], (0, base + dk, dk)),
+            (qkv[2 * key + g * dv : 2 * key + (g + 1) * dv], (0, base + 2 * dk, dv)),
+            (z[g * dv : (g + 1) * dv], (0, base + 2 * dk + dv, dv)),
+        ]
+        rows = slice(g * ratio, (g + 1) * ratio)
+        ba += [(b[rows], (0, 2 * g * ratio, ratio)), (a[rows], (0, (2 * g + 1) * ratio, ratio))]
+    return {"lin_qkvz": qkvz, "lin_ba": ba}
+
+
 def linear_attention(
     layer: dict[str, torch.Tensor],
     x: torch.Tensor,

@@ -74,3 +74,16 @@ def experts_forward(
     hidden = act_and_mul(grouped_matmul(x[token], gate_up, offsets))  # (N·k, I)
     out = grouped_matmul(hidden, down, offsets) * weights.reshape(-1)[order, None]  # (N·k, H)
     return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
+
+
+def shared_expert_forward(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate: torch.Tensor,
+    act_and_mul: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Qwen3-Next's shared expert, which every token runs beside the routed ones: σ(w_g · x) ·
+    down(act(gate(x)) · up(x)); x (N, H), gate_up (2I_s, H), down (H, I_s), gate w_g (1, H) -> (N, H)."""
+    shared = F.linear(act_and_mul(F.linear(x, gate_up)), down)
+    return torch.sigmoid(F.linear(x, gate)) * shared
