@@ -116,5 +116,15 @@ def test_a_new_call_adds_its_prompts_after_the_carried_samples_and_returns_at_mo
     assert len(more) == 3 and all(g.complete for g in more)
     started = [g for g in partial.carried if g.started]
     assert engine.counters["held"] == sum(len(g.held) for g in started) > 0
-    assert partial.drop_carried() == len(started)
+    partial.drop(list(partial.carried))
     assert engine.counters["held"] == 0 and not partial.carried
+
+
+def test_groups_that_must_finish_are_generated_to_the_end_and_returned_first(model):
+    engine = engine_for(model)
+    partial, _ = first_call(engine)
+    longest = next(g for g in partial.carried if g.key == 1)  # the 48-token budget
+    new = partial.generate(prompts()[:2], ["a", "b"], GREEDY, enough=1, version=1, max_tokens=[2, 2])
+    assert new[0] is not longest and not longest.complete
+    groups = partial.generate([], [], GREEDY, enough=1, version=2, must_finish=[longest])
+    assert groups == [longest] and longest.complete

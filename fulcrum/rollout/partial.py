@@ -88,10 +88,12 @@ class PartialRollout:
         enough: int,
         version: int,
         max_tokens: list[int] | None = None,
+        must_finish: list[Group] | None = None,
     ) -> list[Group]:
-        """At most `enough` complete groups (carried ones first, then in the order they completed), at
-        fewer only when every group is complete; the rest is carried. `max_tokens`: one response budget
-        per prompt (default `params.max_tokens`)."""
+        """At most `enough` complete groups (`must_finish` first, in its order, then carried ones, then in the order
+        they completed), fewer only when every group is complete; the rest is carried. `max_tokens`: one
+        response budget per prompt (default `params.max_tokens`); `must_finish`: carried groups to
+        generate to the end before suspending."""
         if len(keys) != len(prompts) or (max_tokens is not None and len(max_tokens) != len(prompts)):
             raise ValueError("partial rollout: one key (and one max_tokens, if given) per prompt")
         budgets = max_tokens or [params.max_tokens] * len(prompts)
@@ -117,8 +119,13 @@ class PartialRollout:
                 self.engine.resume(seq_id, [], replace(params, n=1, max_tokens=left))
                 owner[seq_id] = (group, index)
             group.held = {}
-        while len(ready) < enough and self.engine.has_unfinished_requests():
+        must = must_finish or []
+        while (
+            len(ready) < enough or not all(g.complete for g in must)
+        ) and self.engine.has_unfinished_requests():
             ready += self._take(self.engine.step(), owner, version)
+        rank = {id(g): i for i, g in enumerate(must)}
+        ready.sort(key=lambda g: rank.get(id(g), len(must)))  # stable: the rest keep their order
         if self.engine.has_unfinished_requests():
             finished, held, dropped = self.engine.suspend()
             ready += self._take(finished, owner, version)
@@ -143,12 +150,11 @@ class PartialRollout:
                 completed.append(group)
         return completed
 
-    def drop_carried(self) -> int:
-        """Forget every carried group, releasing its held samples; how many groups had started."""
-        started = 0
-        for group in self.carried:
-            started += group.started
+    def drop(self, groups: list[Group]) -> None:
+        """Forget carried `groups`, releasing their held samples."""
+        gone = {id(g) for g in groups}
+        for group in groups:
             for seq_id in group.held:
                 self.engine.release(seq_id)
-        self.carried = []
-        return started
+            group.held = {}
+        self.carried = [g for g in self.carried if id(g) not in gone]
