@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_assets
+from helpers import cpu_ppo_overrides, make_assets
 
 from fulcrum.trainer.main_ppo import main
 from fulcrum.trainer.partial_steps import PartialSteps
@@ -31,32 +31,20 @@ def uneven_budgets(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def overrides(assets: Path, run: Path, *extra: str) -> list[str]:
-    return [
-        f"data.train_files={assets}/data/train.parquet",
-        f"data.val_files={assets}/data/test.parquet",
-        "data.train_batch_size=2",
-        "data.max_prompt_length=128",
-        "data.max_response_length=24",
-        f"actor_rollout_ref.model.path={assets}/model",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.rollout.name=native",
-        "actor_rollout_ref.rollout.n=2",
-        "+actor_rollout_ref.rollout.engine_kwargs.native.decode_steps=2",  # stop soon after enough groups
-        "algorithm.adv_estimator=grpo",
-        "algorithm.rollout_correction.rollout_is=token",
-        "trainer.use_v1=True",
-        "trainer.v1.trainer_mode=colocate_async",
-        "trainer.v1.colocate_async.num_warmup_batches=2",
-        "trainer.logger=[console]",
-        "trainer.val_before_train=False",
-        "trainer.test_freq=-1",
-        "trainer.n_gpus_per_node=1",
-        "trainer.device=cpu",
-        f"trainer.default_local_dir={run}",
-        *extra,
-    ]
+    keys = {
+        "data.max_response_length": 8,
+        "actor_rollout_ref.rollout.name": "native",
+        "actor_rollout_ref.rollout.n": 2,
+        "+actor_rollout_ref.rollout.engine_kwargs.native.decode_steps": 2,  # stop soon after enough groups
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.rollout_correction.rollout_is": "token",
+        "trainer.use_v1": True,
+        "trainer.v1.trainer_mode": "colocate_async",
+        "trainer.v1.colocate_async.num_warmup_batches": 2,
+        "trainer.val_before_train": False,
+        "trainer.logger": "[console]",
+    }
+    return [*cpu_ppo_overrides(assets, run, keys), *extra]
 
 
 def rows(run: Path) -> list[dict]:
