@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fulcrum.config import ConfigError, load_config, validate
+from fulcrum.config import ConfigError, advise, load_config, validate
 from tests.helpers import seed_command
 
 ASYNC = ["trainer.use_v1=True", "trainer.v1.trainer_mode=colocate_async"]
@@ -49,3 +49,11 @@ def test_what_colocate_async_cannot_run_is_refused_by_key():
         load_config([*ASYNC[:1], "trainer.v1.trainer_mode=separate_async"])
     with pytest.raises(ConfigError, match="max_off_policy_strategy"):
         load_config(["trainer.v1.sampler.max_off_policy_strategy=keep"])
+
+
+def test_colocate_async_without_rollout_correction_gets_a_note_naming_it():
+    key = "algorithm.rollout_correction"
+    notes = [n for n in advise(load_config([*seed_command(), *ASYNC])) if key in n.keys]
+    assert len(notes) == 1 and "rollout_is=token" in notes[0].message
+    corrected = load_config([*seed_command(), *ASYNC, f"{key}.rollout_is=token"])
+    assert not [n for n in advise(corrected) if key in n.keys]

@@ -155,6 +155,21 @@ def recipe_notes(cfg: FulcrumConfig) -> list[Finding]:
                 f"bypass mode replaces the policy loss with its own ({rc.loss_type}), as verl",
             )
         )
+    trainer = cfg.trainer
+    if (
+        trainer.use_v1
+        and trainer.v1.trainer_mode == "colocate_async"
+        and not (rc.rollout_is or rc.rollout_rs or rc.bypass_mode)
+    ):
+        notes.append(
+            Finding(
+                (trainer.key("v1.trainer_mode"), algo.key("rollout_correction")),
+                "carried responses were partly sampled by older weights, and without rollout correction the "
+                "loss treats them as on-policy: set rollout_correction.rollout_is=token (decoupled weights) "
+                "or bypass_mode=True",
+                severity="warning",
+            )
+        )
     if rm.use_reward_loop:
         notes.append(
             Finding(
