@@ -35,6 +35,7 @@ from fulcrum.config.schema_data import DataConfig
 from fulcrum.config.schema_recipes import AlgorithmConfig, OverlongBufferConfig, PolicyLossConfig
 from fulcrum.config.schema_recipes import KLControlConfig as KLControlConfig  # re-exported
 from fulcrum.config.schema_rollout import RolloutConfig
+from fulcrum.config.schema_v1 import V1Config
 
 
 # ---------------------------------------------------------------------------- actor_rollout_ref
@@ -434,6 +435,8 @@ class TrainerConfig(Section, path="trainer"):
     accept_config_changes: bool = opt(
         False, "resume although keys that change what or how the run trains differ (ours)"
     )
+    use_v1: bool = opt(False, "verl's V1 trainer: trainer.v1.* takes effect")
+    v1: V1Config = sub(V1Config, "V1 trainer: mode, partial rollouts, staleness bound")
 
 
 # ------------------------------------------------------------------------------------------ root

@@ -88,6 +88,7 @@ def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:
                     f"{getattr(rollout.multi_turn, name)} would be ignored",
                 )
             )
+    problems += v1_problems(cfg)
     buffer = rm.overlong_buffer
     max_len = cfg.data.max_response_length
     if buffer.enable and not 0 < buffer.len <= max_len:
@@ -98,6 +99,29 @@ def recipe_problems(cfg: FulcrumConfig) -> list[Finding]:
             )
         )
     return problems
+
+
+def v1_problems(cfg: FulcrumConfig) -> list[Finding]:
+    """trainer.v1.*: colocate_async runs partial rollouts of the native engine for single-turn GRPO-style
+    steps; what it cannot run is refused here rather than ignored."""
+    trainer, rollout, algo = cfg.trainer, cfg.actor_rollout_ref.rollout, cfg.algorithm
+    mode = trainer.key("v1.trainer_mode")
+    if trainer.v1.trainer_mode != "colocate_async":
+        return []
+    if not trainer.use_v1:
+        return [Finding((mode, trainer.key("use_v1")), "trainer.v1.* takes effect with trainer.use_v1=True")]
+    refused = [
+        (rollout.name != "native", rollout.key("name"), "needs rollout.name=native (it suspends sequences)"),
+        (rollout.multi_turn.enable, rollout.key("multi_turn.enable"), "runs single-turn rollouts only"),
+        (algo.filter_groups.enable, algo.key("filter_groups.enable"), "does not run DAPO's dynamic sampling"),
+        (algo.adv_estimator == "remax", algo.key("adv_estimator"), "does not run ReMax's greedy baseline"),
+        (
+            trainer.nnodes * trainer.n_gpus_per_node > 1,
+            trainer.key("n_gpus_per_node"),
+            "runs on one device (trainer.nnodes * n_gpus_per_node = 1)",
+        ),
+    ]
+    return [Finding((mode, key), f"colocate_async {why}") for bad, key, why in refused if bad]
 
 
 def recipe_notes(cfg: FulcrumConfig) -> list[Finding]:
@@ -129,6 +153,21 @@ def recipe_notes(cfg: FulcrumConfig) -> list[Finding]:
                     cfg.actor_rollout_ref.actor.key("policy_loss.loss_mode"),
                 ),
                 f"bypass mode replaces the policy loss with its own ({rc.loss_type}), as verl",
+            )
+        )
+    trainer = cfg.trainer
+    if (
+        trainer.use_v1
+        and trainer.v1.trainer_mode == "colocate_async"
+        and not (rc.rollout_is or rc.rollout_rs or rc.bypass_mode)
+    ):
+        notes.append(
+            Finding(
+                (trainer.key("v1.trainer_mode"), algo.key("rollout_correction")),
+                "carried responses were partly sampled by older weights, and without rollout correction the "
+                "loss treats them as on-policy: set rollout_correction.rollout_is=token (decoupled weights) "
+                "or bypass_mode=True",
+                severity="warning",
             )
         )
     if rm.use_reward_loop:

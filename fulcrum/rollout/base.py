@@ -13,7 +13,8 @@ from typing import Literal, Protocol
 
 import torch
 
-FinishReason = Literal["stop", "length"]
+# "abort": cut off by `suspend` before it ended, held to be continued (partial rollouts)
+FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass

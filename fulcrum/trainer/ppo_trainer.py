@@ -53,6 +53,7 @@ from fulcrum.trainer.diagnosis import LiveDiagnosis
 from fulcrum.trainer.faults import GracefulInterrupt, NonFiniteGuard, StepAbandoned, explain_oom
 from fulcrum.trainer.loggers import Tracking
 from fulcrum.trainer.old_log_probs import old_log_prob_stage, update_actor
+from fulcrum.trainer.partial_steps import carried_groups, dropped_on_resume
 from fulcrum.trainer.run_dir import open_run_dir
 from fulcrum.trainer.sampling import Sampler, reward_model_of, tools_of
 from fulcrum.trainer.startup import (
@@ -182,6 +183,7 @@ class PPOTrainer:
             "data_loader": self.train_loader.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
             "nan_guard": self.nan_guard.state_dict(),
+            "carried_groups": carried_groups(self.sampler.partial_steps),
         }
 
     def interrupt_requested(self) -> bool:
@@ -254,7 +256,7 @@ class PPOTrainer:
             self.nan_guard.load_state_dict(state["nan_guard"])
         # The native engine keeps its own copy of the weights: hand it the restored ones.
         self.rollout.update_weights(self.actor.named_weights())
-        print(f"resumed from global_step {self.global_step}", flush=True)
+        print(f"resumed from global_step {self.global_step}{dropped_on_resume(state)}", flush=True)
 
     def fit(self) -> dict[str, float]:
         """Train for total_training_steps; returns the last step's metrics (validation included)."""

@@ -35,6 +35,7 @@ from fulcrum.trainer.data_parallel import generate_shares, map_shares
 from fulcrum.trainer.dynamic_sampling import GroupFilter, group_metric_values
 from fulcrum.trainer.evaluation import measure_generations
 from fulcrum.trainer.generations import dump_generations, generation_rows
+from fulcrum.trainer.partial_steps import PartialSteps
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,12 @@ class Sampler:
             if tools is not None
             else None
         )
+        v1 = cfg.trainer.v1
+        self.partial_steps = (
+            PartialSteps(cfg, rollout, self.pad_id)  # type: ignore[arg-type]  # native: validated
+            if cfg.trainer.use_v1 and v1.trainer_mode == "colocate_async"
+            else None
+        )
 
     def generate(self, items: list[dict[str, Any]], params: SamplingParams, uid_prefix: str) -> Batch:
         """Sample responses for `items` into a Batch: the one path to the engine (training, validation and
@@ -217,6 +224,10 @@ class Sampler:
             if fg.enable
             else None
         )
+        if self.partial_steps is not None:
+            return self.partial_generate_and_score(
+                items, step, timing, metrics, peaks, more_prompts, reward_stage
+            )
         errors = RewardResult(scores=[])
         round_no = 0
         while True:
@@ -260,6 +271,30 @@ class Sampler:
         errors.scores = batch["token_level_scores"].sum(-1).tolist()
         metrics.update(self.conversation_metrics(batch))
         return batch, errors
+
+    def partial_generate_and_score(
+        self,
+        items: list[dict[str, Any]],
+        step: int,
+        timing: dict[str, float],
+        metrics: dict[str, float],
+        peaks: dict[str, float] | None,
+        more_prompts: Callable[[], list[dict[str, Any]] | None],
+        reward_stage: Callable[[], contextlib.AbstractContextManager[None]],
+    ) -> tuple[Batch, RewardResult]:
+        """Stages 1-2 under colocate_async (fulcrum.trainer.partial_steps): the step's complete groups,
+        scored. Under `rollout.free_cache_engine` the KV cache is released for training, so the carried
+        samples are prefilled again next step; without it their K/V stay while memory allows."""
+        assert self.partial_steps is not None
+        with M.timer("gen", timing, peaks):
+            params = self.sampling_params(validate=False, step=step)
+            batch, off_policy = self.partial_steps.generate(items, step, params, more_prompts)
+            if self.cfg.actor_rollout_ref.rollout.free_cache_engine:
+                self.rollout.sleep()
+        metrics.update(off_policy)
+        with M.timer("reward", timing), reward_stage():
+            batch["token_level_scores"], reward = self.score(batch)
+        return batch, reward
 
     @staticmethod
     def conversation_metrics(batch: Batch) -> dict[str, float]:

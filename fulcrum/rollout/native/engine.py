@@ -265,6 +265,18 @@ class NativeEngine:
         finished, self.scheduler.finished = self.scheduler.finished, []
         return [output_of(seq) for seq in finished]
 
+    def suspend(self) -> tuple[list[SequenceOutput], list[SequenceOutput], list[int]]:
+        """Stop everything in flight where it stands, for partial rollouts: the round launched ahead is
+        read first, so no sampled token is lost. Returns (the turns that round finished; the unfinished
+        turns, held with their tokens and log-probs so far, finish reason "abort", to be continued by
+        `resume(seq_id, [], params)` with the rest of their `max_tokens`; the ids of requests not
+        prefilled yet, dropped with nothing sampled). A held turn's K/V stay while memory allows
+        (eviction, `sleep`: its continuation prefills its tokens again)."""
+        self.pipeline.drain()
+        finished, self.scheduler.finished = self.scheduler.finished, []
+        held, dropped = self.scheduler.suspend()
+        return [output_of(seq) for seq in finished], [output_of(seq) for seq in held], dropped
+
     def has_unfinished_requests(self) -> bool:
         """Work queued or running, a round launched ahead, or finished turns not handed out yet."""
         return self.scheduler.has_work() or self.pipeline.ahead is not None or bool(self.scheduler.finished)

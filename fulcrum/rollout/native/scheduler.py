@@ -133,6 +133,27 @@ class Scheduler:
         self.running.clear()
         self.finished.clear()
 
+    def suspend(self) -> tuple[list[Sequence], list[int]]:
+        """Stop every queued and running turn where it stands, to be continued by `resume` (partial
+        rollouts): a turn with sampled tokens is held as it is (finish reason "abort"), its blocks a
+        cache as any held sequence's; a prompt with nothing sampled yet is dropped, blocks freed.
+        Returns (the held turns, the ids of the dropped requests)."""
+        held: list[Sequence] = []
+        dropped: list[int] = []
+        for seq in [*self.running, *self.waiting]:
+            if seq.num_tokens == seq.num_prompt_tokens:
+                self.blocks.release(seq)
+                dropped.append(seq.output_index)
+                continue
+            seq.finish_reason = "abort"
+            seq.status = Status.FINISHED
+            seq.keep = True
+            self.held[seq.output_index] = seq
+            held.append(seq)
+        self.waiting.clear()
+        self.running.clear()
+        return held, dropped
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
