@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from budget_data import with_budgets
 from helpers import cpu_ppo_overrides, make_assets
 
 from fulcrum.trainer.main_ppo import main
-from fulcrum.trainer.partial_steps import PartialSteps
 
 SPANS = "training/off_policy/trajectory_spans"
 WORST = "training/off_policy/trajectory_staleness_worst"
@@ -21,13 +21,11 @@ THRESHOLD = "trainer.v1.sampler.max_off_policy_threshold"
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_assets(tmp_path_factory.mktemp("assets"), num_train=32, num_test=2)
-
-
-@pytest.fixture(autouse=True)
-def uneven_budgets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every other prompt may answer in 2 tokens, the others in up to 8: a long tail."""
-    monkeypatch.setattr(PartialSteps, "budget", lambda self, item: 2 if item["index"] % 2 else 8)
+    """Every other row may answer in 2 tokens, the others in up to 8 (their extra_info says so): a
+    long tail."""
+    root = make_assets(tmp_path_factory.mktemp("assets"), num_train=32, num_test=2)
+    with_budgets(root / "data/train.parquet", lambda i: 2 if i % 2 else 8)
+    return root
 
 
 def overrides(assets: Path, run: Path, *extra: str) -> list[str]:

@@ -23,6 +23,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from fulcrum.data.budgets import budget_problem
+
 logger = logging.getLogger(__name__)
 
 TRUNCATIONS = ("error", "left", "right", "middle")
@@ -67,6 +69,9 @@ def _check_row(row: dict[str, Any], prompt_key: str, where: str) -> None:
     reward = row["reward_model"]
     if not isinstance(reward, dict) or reward.get("ground_truth") is None:
         raise DatasetError(f"{where}: column 'reward_model' has no 'ground_truth' (got {str(reward)[:100]})")
+    problem = budget_problem(row.get("extra_info"))
+    if problem:
+        raise DatasetError(f"{where}: {problem}")
 
 
 def truncate(ids: list[int], max_length: int, side: str) -> list[int]:

@@ -29,6 +29,7 @@ from fulcrum.config import FulcrumConfig
 from fulcrum.config.validate import sp_roles
 from fulcrum.parallel import DistInfo, all_gather_objects, all_gather_rows, current, share_bounds
 from fulcrum.rollout import RolloutEngine, RolloutOutput, SamplingParams
+from fulcrum.rollout.budgets import generate_budgeted
 
 SEED_STRIDE = 7919  # a prime: engine g's sampling seed is seed + g × SEED_STRIDE
 
@@ -43,23 +44,32 @@ def engine_tp_size(rollout: RolloutEngine) -> int:
 
 
 def generate_shares(
-    rollout: RolloutEngine, prompts: list[list[int]], params: SamplingParams
+    rollout: RolloutEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    budgets: list[int] | None = None,
 ) -> RolloutOutput:
     """`rollout.generate(prompts, params)` with each engine generating its share of the prompts; every rank
-    returns the whole output (prompt-major, as one process would).
+    returns the whole output (prompt-major, as one process would). `budgets`: one response budget per
+    prompt (fulcrum.rollout.budgets).
 
     The engines are data-parallel: with tensor parallelism of size t, ranks g·t .. g·t+t-1 form engine
     g, generate the same share together, and only the first of them hands its output on.
     """
     info = current()
     if not info.distributed:
-        return rollout.generate(prompts, params)
+        return generate_budgeted(rollout, prompts, params, budgets)
     tp_size = engine_tp_size(rollout)
     engine, engines = info.rank // tp_size, info.world_size // tp_size
     start, stop = share_bounds(len(prompts), engine, engines)
     seed = None if params.seed is None else params.seed + engine * SEED_STRIDE
     out = (
-        rollout.generate(prompts[start:stop], replace(params, seed=seed))
+        generate_budgeted(
+            rollout,
+            prompts[start:stop],
+            replace(params, seed=seed),
+            None if budgets is None else budgets[start:stop],
+        )
         if stop > start
         else RolloutOutput([], [], [], [])
     )

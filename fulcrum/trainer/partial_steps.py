@@ -26,6 +26,7 @@ from typing import Any
 
 from fulcrum.batch import Batch, assemble_batch
 from fulcrum.config import FulcrumConfig
+from fulcrum.data.budgets import response_budget
 from fulcrum.rollout import SamplingParams
 from fulcrum.rollout.partial import Group, PartialRollout, SuspendableEngine
 
@@ -118,7 +119,7 @@ class PartialSteps:
                 items = [*items, *extra]
         dropped = self._drop_stale(step)
         must = self._at_bound(step)
-        budgets = [min(self.budget(item), self.response_length) for item in items]
+        budgets = [response_budget(item, self.response_length) for item in items]
         groups = self.partial.generate(
             [item["input_ids"][-self.max_prompt_length :] for item in items],
             items,
@@ -144,11 +145,6 @@ class PartialSteps:
         metrics["training/off_policy/dropped_groups"] = float(dropped)
         metrics["training/off_policy/in_flight_groups"] = float(self.carried)
         return batch, metrics
-
-    def budget(self, item: dict[str, Any]) -> int:
-        """A prompt's response budget in tokens: data.max_response_length (a benchmark of long-tailed
-        lengths replaces this with per-request budgets)."""
-        return self.response_length
 
     def _drop_stale(self, step: int) -> int:
         """Discard the carried groups that would span more than the threshold at `step` (under `wait`, only

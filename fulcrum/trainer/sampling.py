@@ -27,6 +27,7 @@ from fulcrum.agent.loop import Conversation, ConversationRequest, LoopLimits, To
 from fulcrum.agent.metrics import conversation_metrics, spread
 from fulcrum.batch import Batch, assemble_batch, response_lengths
 from fulcrum.config import FulcrumConfig
+from fulcrum.data.budgets import response_budget
 from fulcrum.models.reward_model import RewardModel
 from fulcrum.reward.scoring import RewardResult, score_batch, token_level_scores
 from fulcrum.rollout import RolloutEngine, SamplingParams, sampling_params
@@ -138,11 +139,12 @@ class Sampler:
 
     def generate(self, items: list[dict[str, Any]], params: SamplingParams, uid_prefix: str) -> Batch:
         """Sample responses for `items` into a Batch: the one path to the engine (training, validation and
-        ReMax's greedy baseline). Every backend batches under max_num_seqs by itself (the native engine
+        ReMax's greedy baseline), each prompt's responses within its row's budget (fulcrum.data.budgets). Every backend batches under max_num_seqs by itself (the native engine
         also shares prompt blocks across the whole call) and owns its KV cache (`free_cache_engine`)."""
         if self.agent_loop is not None:
             return self.converse(items, params, uid_prefix)
-        out = generate_shares(self.rollout, [it["input_ids"] for it in items], params)
+        budgets = [response_budget(it, params.max_tokens) for it in items]
+        out = generate_shares(self.rollout, [it["input_ids"] for it in items], params, budgets)
         return assemble_batch(
             items,
             out.token_ids,

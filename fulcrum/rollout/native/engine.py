@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -300,9 +301,12 @@ class NativeEngine:
         }
 
     # ------------------------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, max_tokens: list[int] | None = None
+    ) -> RolloutOutput:
         """Sample `params.n` responses per prompt (see `RolloutOutput`): requests added in prompt order,
-        stepped until all are done. A prompt that cannot run is refused before any is sampled."""
+        stepped until all are done. A prompt that cannot run is refused before any is sampled.
+        `max_tokens`: one response budget per prompt (default `params.max_tokens` for all)."""
         if not prompts:
             return RolloutOutput([], [], [], [])
         if self.has_unfinished_requests():
@@ -311,7 +315,7 @@ class NativeEngine:
         self.wake_up()
         wake_up_s = time.perf_counter() - start
         try:
-            return self._generate(prompts, params)
+            return self._generate(prompts, params, max_tokens)
         except BaseException:
             self.abort()  # an interrupted batch must not stay in flight
             raise
@@ -323,16 +327,21 @@ class NativeEngine:
             # inside the trainer's gen time.
             self.stats.update(wake_up_s=wake_up_s, sleep_s=time.perf_counter() - start)
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def _generate(
+        self, prompts: list[list[int]], params: SamplingParams, max_tokens: list[int] | None
+    ) -> RolloutOutput:
         start = time.perf_counter()
         before = self.counters
         captured_before = self.runner.graph_capture_s
         self.scheduler.peak_blocks = 0
         self._new_sampler(params)
         first = self.next_id
-        for index, prompt in enumerate(prompts):
+        budgets = max_tokens or [params.max_tokens] * len(prompts)
+        for index, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
             try:
-                self.add_request(prompt, params)
+                self.add_request(
+                    prompt, replace(params, max_tokens=budget) if budget != params.max_tokens else params
+                )
             except (ValueError, RuntimeError) as exc:
                 raise type(exc)(f"prompt {index} refused: {exc}") from None
         finished: list[SequenceOutput] = []
