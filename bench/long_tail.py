@@ -1,0 +1,265 @@
+"""Benchmark: GRPO 64 x 8 with long-tailed response lengths, synchronous steps against partial rollouts
+(`trainer.use_v1=True trainer.v1.trainer_mode=colocate_async`), in one call on one GPU.
+
+    python bench/long_tail.py --out .bench/long_tail --steps 6 --json long_tail.json
+    python bench/long_tail.py --smoke --out /tmp/long_tail     # the CPU path, tiny model, < 2 minutes
+
+Lengths: every prompt row carries its own response budget (`extra_info.max_response_length`, see
+fulcrum.data.budgets) drawn from a log-normal distribution, median `--median` (1,536) tokens, log-space
+sigma `--sigma` (0.8), cut at `--cap` (8,192 = data.max_response_length), seeded: with these about 2 % of
+the draws are cut, the mean is about 2k tokens. The model is Qwen3-0.6B-shaped with random weights and
+the tiny tokenizer (bench/shapes.py); with `rollout.ignore_eos` every response runs to its budget, so a
+group's length is its row's draw and the tail is the distribution's. The prompts are GSM8K-format
+arithmetic questions (fulcrum.data.synthetic); every reward is 0: this measures time, not learning.
+
+Per mode, over the steps after the first (the first compiles, and under partial rollouts it also puts the
+warm-up batches in flight): the median step time, the response tokens trained per second
+(response_length/mean x 512 / step time; in a steady state what is generated is trained or dropped),
+the share of trained tokens carried from an earlier step (`training/off_policy/carried_token_share`),
+and the GPU's utilisation over the last step, polled every 50 ms in a thread (NVML through
+`torch.cuda.utilization`, else nvidia-smi): its mean and the share of samples below 50 % (the idle
+tail). The table's last column divides partial by synchronous (for the step rate: synchronous step time
+over partial step time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_step import GRPO_STEP, make_model, seed_command
+
+from fulcrum.data.synthetic import ArithmeticTask, make_rows, write_parquet
+from fulcrum.trainer.main_ppo import main as train
+
+PARTIAL = [
+    "trainer.use_v1=True",
+    "trainer.v1.trainer_mode=colocate_async",
+    "algorithm.rollout_correction.rollout_is=token",  # the older tokens weighed by the policy that sampled them
+]
+
+
+def lognormal_budgets(count: int, median: float, sigma: float, cap: int, seed: int) -> list[int]:
+    """`count` response budgets: b = min(cap, max(1, round(median * exp(sigma * z)))), z ~ N(0, 1) from
+    numpy's PCG64 seeded with `seed` (log b is normal with mean ln(median) and sd `sigma`, cut at `cap`)."""
+    z = np.random.default_rng(seed).standard_normal(count)
+    return [min(cap, max(1, round(median * math.exp(sigma * float(v))))) for v in z]
+
+
+def write_data(out: Path, rows: int, median: float, sigma: float, cap: int, seed: int) -> Path:
+    """`out/train.parquet` and `out/test.parquet`: GSM8K-format rows, each with a long-tailed budget."""
+    task = ArithmeticTask()
+    budgets = lognormal_budgets(rows, median, sigma, cap, seed)
+    train_rows = make_rows(rows, seed, task, "train")
+    for row, budget in zip(train_rows, budgets, strict=True):
+        row["extra_info"]["max_response_length"] = budget
+    write_parquet(train_rows, out / "train.parquet")
+    write_parquet(make_rows(4, seed, task, "test"), out / "test.parquet")
+    return out
+
+
+def gpu_utilisation() -> float | None:
+    """The current GPU's utilisation (%): NVML through torch, else nvidia-smi; None when neither answers."""
+    try:
+        return float(torch.cuda.utilization())
+    except Exception:  # torch asks NVML through pynvml, which may be missing
+        pass
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
+        return float(out.stdout.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+class UtilisationPoller:
+    """(seconds since start, GPU utilisation %) every `period_s` in a daemon thread; nothing on a machine
+    without CUDA or NVML."""
+
+    def __init__(self, period_s: float = 0.05) -> None:
+        self.period_s = period_s
+        self.samples: list[tuple[float, float]] = []
+        self.start = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            util = gpu_utilisation()
+            if util is None:
+                return
+            self.samples.append((time.perf_counter() - self.start, util))
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> UtilisationPoller:
+        if torch.cuda.is_available():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def window(self, begin: float, end: float) -> list[float]:
+        """The samples taken between `begin` and `end` seconds since start."""
+        return [u for t, u in self.samples if begin <= t <= end]
+
+
+def utilisation_figures(samples: list[float]) -> dict[str, float | None]:
+    """Mean utilisation (%) and the share of samples under 50 % (None without samples)."""
+    if not samples:
+        return {"gpu_util_mean": None, "gpu_util_idle_share": None}
+    return {
+        "gpu_util_mean": sum(samples) / len(samples),
+        "gpu_util_idle_share": sum(u < 50 for u in samples) / len(samples),
+    }
+
+
+def step_figures(rows: list[dict[str, Any]], responses_per_step: int) -> dict[str, float]:
+    """Median step time (s), trained response tok/s and mean carried-token share over the warm steps."""
+    warm = rows[1:] or rows
+    step_s = statistics.median(r["timing_s/step"] for r in warm)
+    tokens = statistics.median(r["response_length/mean"] * responses_per_step for r in warm)
+    return {
+        "step_s": step_s,
+        "tok_per_s": tokens / step_s,
+        "carried_token_share": statistics.mean(
+            r.get("training/off_policy/carried_token_share", 0.0) for r in warm
+        ),
+        "response_length_mean": statistics.mean(r["response_length/mean"] for r in warm),
+    }
+
+
+def overrides(args: argparse.Namespace, data: Path, model: Path, run: Path) -> list[str]:
+    """The GRPO 64 x 8 step (bench/train_step.py) over the seed command, lengths from the rows' budgets;
+    `--smoke`: the same on the CPU at a size that runs in seconds."""
+    keys = [
+        *seed_command(data, model),
+        *GRPO_STEP,
+        f"data.max_response_length={args.cap}",
+        "actor_rollout_ref.rollout.ignore_eos=True",  # every response runs to its budget
+        f"trainer.total_training_steps={args.steps}",
+        f"trainer.default_local_dir={run}",
+    ]
+    if args.smoke:
+        keys += [
+            "data.train_batch_size=4",
+            "data.max_prompt_length=128",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+            "trainer.device=cpu",
+        ]
+    return keys
+
+
+def run_mode(args: argparse.Namespace, data: Path, model: Path, partial: bool) -> dict[str, Any]:
+    """One training run; its step figures and the GPU's utilisation over its last step."""
+    name = "partial" if partial else "sync"
+    run = args.out / f"run_{name}"
+    keys = [*overrides(args, data, model, run), *(PARTIAL if partial else []), *args.overrides]
+    with UtilisationPoller() as poller:
+        if train(keys) != 0:
+            raise SystemExit(f"the {name} run failed (keys: {' '.join(keys)})")
+        end = time.perf_counter() - poller.start
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "training/global_step" in r]
+    responses = int(_key(keys, "data.train_batch_size")) * int(_key(keys, "actor_rollout_ref.rollout.n"))
+    figures = step_figures(steps, responses)
+    figures.update(utilisation_figures(poller.window(end - steps[-1]["timing_s/step"], end)))
+    return {"mode": name, "steps": len(steps), **figures}
+
+
+def _key(keys: list[str], name: str) -> str:
+    """The last value given to `name` in `keys` (later overrides win)."""
+    return [k.split("=", 1)[1] for k in keys if k.startswith(f"{name}=")][-1]
+
+
+def table(sync: dict[str, Any], partial: dict[str, Any]) -> str:
+    """A markdown table of both modes and partial / sync."""
+
+    def cell(value: Any, fmt: str) -> str:
+        return "n/a" if value is None else format(value, fmt)
+
+    lines = [
+        "| figure | sync | partial | partial / sync |",
+        "|---|---:|---:|---:|",
+        f"| step time (s) | {sync['step_s']:.3f} | {partial['step_s']:.3f} | "
+        f"{partial['step_s'] / sync['step_s']:.3f} |",
+        f"| step rate (steps/s) | {1 / sync['step_s']:.4f} | {1 / partial['step_s']:.4f} | "
+        f"{sync['step_s'] / partial['step_s']:.3f} |",
+        f"| trained response tok/s | {sync['tok_per_s']:.0f} | {partial['tok_per_s']:.0f} | "
+        f"{partial['tok_per_s'] / sync['tok_per_s']:.3f} |",
+        f"| mean response length | {sync['response_length_mean']:.0f} | {partial['response_length_mean']:.0f} | |",
+        f"| carried-token share | {sync['carried_token_share']:.3f} | {partial['carried_token_share']:.3f} | |",
+        f"| GPU util over the last step (%) | {cell(sync['gpu_util_mean'], '.1f')} | "
+        f"{cell(partial['gpu_util_mean'], '.1f')} | |",
+        f"| share of util samples < 50 % | {cell(sync['gpu_util_idle_share'], '.3f')} | "
+        f"{cell(partial['gpu_util_idle_share'], '.3f')} | |",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the data, model and runs")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per mode")
+    parser.add_argument("--median", type=float, default=1536, help="median response budget (tokens)")
+    parser.add_argument("--sigma", type=float, default=0.8, help="sd of the log budget")
+    parser.add_argument("--cap", type=int, default=8192, help="largest budget = data.max_response_length")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the budgets and the questions")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, median 12, cap 32, 4 x 2")
+    parser.add_argument("--json", type=Path, help="write the summary here")
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE trainer overrides for both runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.median, args.cap, args.steps = min(args.median, 12), min(args.cap, 32), min(args.steps, 3)
+        torch.set_num_threads(1)
+    if args.steps < 2:
+        parser.error("--steps must be at least 2: the first step is left out of the figures")
+    rows = 64 if args.smoke else 64 * (args.steps + 4)  # every step's batch, the warm-up batches and spare
+    data = write_data(args.out / "data", rows, args.median, args.sigma, args.cap, args.seed)
+    model = make_model(args.out / "model", shape="qwen3-0.6b", tiny=args.smoke)
+    sync = run_mode(args, data, model, partial=False)
+    partial = run_mode(args, data, model, partial=True)
+    summary = {
+        "budgets": {
+            "distribution": "log-normal",
+            "median": args.median,
+            "sigma": args.sigma,
+            "cap": args.cap,
+        },
+        "sync": sync,
+        "partial": partial,
+        "step_rate_ratio": sync["step_s"] / partial["step_s"],
+        "tok_per_s_ratio": partial["tok_per_s"] / sync["tok_per_s"],
+    }
+    print(table(sync, partial))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""bench/long_tail.py: the budgets follow the stated log-normal distribution, and the smoke path on the
+CPU runs both modes and reports every figure (carried tokens only under partial rollouts)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from long_tail import lognormal_budgets, main
+
+
+def test_budgets_are_log_normal_around_the_median_and_cut_at_the_cap() -> None:
+    budgets = lognormal_budgets(20_000, median=1536, sigma=0.8, cap=8192, seed=0)
+    assert budgets == lognormal_budgets(20_000, median=1536, sigma=0.8, cap=8192, seed=0)  # seeded
+    assert abs(statistics.median(budgets) - 1536) < 40
+    assert max(budgets) == 8192 and min(budgets) >= 1
+    cut = 1 - statistics.NormalDist().cdf(math.log(8192 / 1536) / 0.8)  # P(draw > cap), about 1.8 %
+    assert sum(b == 8192 for b in budgets) / len(budgets) == pytest.approx(cut, abs=0.004)
+
+
+def test_the_smoke_run_compares_both_modes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    summary_path = tmp_path / "summary.json"
+    assert main(["--smoke", "--out", str(tmp_path / "out"), "--json", str(summary_path)]) == 0
+    rows = pq.read_table(tmp_path / "out/data/train.parquet").to_pylist()
+    budgets = [r["extra_info"]["max_response_length"] for r in rows]
+    assert max(budgets) <= 32 and len(set(budgets)) > 5  # the smoke's cap, and a spread of lengths
+    summary = json.loads(summary_path.read_text())
+    sync, partial = summary["sync"], summary["partial"]
+    assert sync["steps"] == partial["steps"] == 3
+    assert sync["carried_token_share"] == 0 and partial["carried_token_share"] > 0
+    assert sync["step_s"] > 0 and partial["tok_per_s"] > 0
+    assert summary["step_rate_ratio"] == pytest.approx(sync["step_s"] / partial["step_s"])
+    assert sync["gpu_util_mean"] is None  # no GPU here: said, not invented
+    out = capsys.readouterr().out
+    assert "| step rate (steps/s) |" in out and "| carried-token share |" in out
