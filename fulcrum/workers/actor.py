@@ -19,13 +19,13 @@ from fulcrum.config.sections import ActorSection, ReferenceSection
 from fulcrum.models.load import load_causal_lm
 from fulcrum.models.lora import Adapters, LoraSettings
 from fulcrum.parallel.fsdp import full_named_tensors
-from fulcrum.workers.actor_loss import ActorLoss, Metrics, PolicyForward
+from fulcrum.workers.actor_loss import ActorLoss, PolicyForward
 from fulcrum.workers.forwards import LogProbHead, ModelForwards, PiSquaredHead
 from fulcrum.workers.micro_batch import MicroInputs
 from fulcrum.workers.optim import build_lr_scheduler, build_optimizer
 from fulcrum.workers.placement import place_on_ranks
 from fulcrum.workers.state_parking import OptimizerStateParking
-from fulcrum.workers.update import Step, UpdatePlan, one_optimizer_step, ppo_update
+from fulcrum.workers.update import Metrics, Step, UpdatePlan, one_optimizer_step, ppo_update
 
 
 def reference_worker(section: ReferenceSection, device: torch.device, actor: ActorWorker) -> Any:

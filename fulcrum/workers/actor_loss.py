@@ -27,8 +27,7 @@ from fulcrum.config.schema import ActorConfig
 from fulcrum.models.router_loss import load_balancing_loss, recorded_router_logits, router_loss_settings
 from fulcrum.workers.forwards import ModelForwards
 from fulcrum.workers.micro_batch import MicroInputs
-
-Metrics = dict[str, torch.Tensor | float]
+from fulcrum.workers.update import Metrics
 
 
 @dataclass
