@@ -189,8 +189,10 @@ class ActorWorker:
             )
         ratio_one = on_policy and self.bypass is None
         keys = self.loss.keys(ratio_one, "rollout_is_weights" in batch)
-        # Bypass mode's loss reads its correction's statistics on the host.
-        step = Step(keys, (ratio_one, gives_old), 2 if gives_old else 0, device_only=self.bypass is None)
+        # Eager, not replayed: bypass mode's loss reads its correction's statistics on the host, and a
+        # graph's stream holds its bucket's padding tokens, which the router term would count as real.
+        device_only = self.bypass is None and self.loss.router is None
+        step = Step(keys, (ratio_one, gives_old), 2 if gives_old else 0, device_only=device_only)
         metrics, given = ppo_update(self, batch, global_step, step)
         return metrics, ((given[0], given[1]) if gives_old else None)
 
