@@ -47,9 +47,6 @@ class BlockManager:
     def num_usable(self) -> int:
         return self.num_blocks - 1
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free)
-
     def take(self) -> int:
         block = self.free.popleft()
         self.ref_counts[block] = 1
@@ -81,7 +78,7 @@ class BlockManager:
         """Share the parent's full blocks with `child`; give it a fresh copy target for the partial one.
 
         Returns (source block, destination block) when the last block is partial and must be copied
-        by the caller (the KV data), else None. The caller checked can_allocate(1) for that case.
+        by the caller (the KV data), else None. The caller checked `fits` for that block and the state slot.
         """
         if self.has_states:
             child.state_slot = self.free_states.popleft()

@@ -57,7 +57,7 @@ class Pipeline:
             # Its prompts run (with their forks) from now on, so the round after it can be scheduled
             # before its first tokens are read; the forks' copies queue behind its forward.
             self.launcher.runner.copy_blocks(self.scheduler.commit_prefill(work))
-            self.launcher.runner.copy_states(self.scheduler.state_copies)
+            self.launcher.runner.copy_states(work.state_copies)
         else:
             self.slot = (self.slot + 1) % self.depth
         return launched

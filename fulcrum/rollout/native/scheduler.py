@@ -33,13 +33,15 @@ from fulcrum.rollout.native.sequence import Sequence, Status
 @dataclass
 class PrefillWork:
     """Prefill `lengths[i]` tokens of `seqs[i]` from position `starts[i]`; `completes[i]`: last chunk.
-    `families`: each completed prompt with its forks, one list per prompt in order (`commit_prefill`)."""
+    `families`: each completed prompt with its forks, one list per prompt in order, and `state_copies`:
+    the (prompt's state slot, fork's slot) pairs they are owed (hybrid models) (`commit_prefill`)."""
 
     seqs: list[Sequence]
     starts: list[int]
     lengths: list[int]
     completes: list[bool]
     families: list[list[Sequence]] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -69,8 +71,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_evictions = 0  # held sequences whose blocks were taken back under memory pressure
         self.peak_blocks = 0  # most blocks in use at once (the KV memory a generate really needed)
-        # (prompt's state slot, fork's slot) pairs of the last committed prefill step (hybrid models)
-        self.state_copies: list[tuple[int, int]] = []
 
     def admit(self, num_tokens: int, params: SamplingParams) -> None:
         """Refuse a turn that can never run, before anything of it is queued (every prompt and next turn
@@ -279,10 +279,10 @@ class Scheduler:
     def commit_prefill(self, work: PrefillWork) -> list[tuple[int, int]]:
         """What a launched prefill step changes before its first tokens are known: the chunks count as
         computed, and each completed prompt runs with its n - 1 forks (`work.families`), which share its
-        full blocks. The (source, destination) block copies of its partial last block that the forks are
-        owed, to run on the device after the step's forward."""
+        full blocks and are owed a copy of its recurrent state (`work.state_copies`). The (source,
+        destination) block copies of its partial last block that the forks are owed, to run on the
+        device after the step's forward."""
         copies = []
-        self.state_copies = []
         for seq, length, completes in zip(work.seqs, work.lengths, work.completes, strict=True):
             seq.num_computed += length
             if not completes:
@@ -294,7 +294,7 @@ class Scheduler:
                 if copy is not None:
                     copies.append(copy)
                 if child.state_slot >= 0:
-                    self.state_copies.append((seq.state_slot, child.state_slot))
+                    work.state_copies.append((seq.state_slot, child.state_slot))
                 family.append(child)
             seq.num_samples = 1
             for member in family:
