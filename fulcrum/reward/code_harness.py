@@ -120,12 +120,7 @@ def run_call(program: str, fn_name: str, given: str, expected_text: str) -> dict
         expected = json.loads(expected_text)
     except ValueError as err:
         return {"error": f"test case is not JSON: {err}"}
-    try:
-        if isinstance(inputs[0], dict):
-            inputs = [{int(k): v for k, v in inputs[0].items()}]
-    except Exception:
-        pass
-    expected = _int_keys(expected)
+    inputs, expected = _int_keys(inputs), _int_keys(expected)
     try:
         output = method(*inputs)
         if isinstance(output, tuple):

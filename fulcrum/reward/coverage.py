@@ -22,7 +22,7 @@ from fulcrum.reward.sources import (
     NUMINA,
     GroundTruthError,
     UnscoredSource,
-    family_of,
+    configured_family,
     text_ground_truth,
 )
 
@@ -71,9 +71,7 @@ def source_problems(name: str, sources: list[Any], truths: list[Any], options: d
     for source, count in Counter(sources).items():
         first = sources.index(source)
         try:
-            family = family_of(
-                str(source), bool(options.get("math_verify")), options.get("sandbox_fusion_url")
-            )
+            family = configured_family(str(source), options)
         except UnscoredSource as err:
             problems.append(f"{name}: {count} row(s) from row {first}: {err}")
             continue

@@ -97,6 +97,12 @@ class GuardedRewardManager:
         self._check_finite(result, data_sources)
         return result
 
+    def close(self) -> None:
+        """End the manager's scoring processes, if it has a pool."""
+        pool = getattr(self.manager, "pool", None)
+        if pool is not None:
+            pool.close()
+
     def _batch_failed(self, num: int, reason: str, err: BaseException | None = None) -> RewardResult:
         """on_error for a failure of the whole batch: raise, or every response scored 0 and counted."""
         message = f"the reward function {self.what} {reason}"

@@ -92,6 +92,11 @@ def family_of(data_source: str, math_verify: bool = False, sandbox_fusion_url: s
     )
 
 
+def configured_family(data_source: str, options: dict[str, Any]) -> Family:
+    """`family_of` under the built-in scorers' options (`math_verify`, `sandbox_fusion_url`)."""
+    return family_of(data_source, bool(options.get("math_verify")), options.get("sandbox_fusion_url"))
+
+
 def text_ground_truth(ground_truth: Any, data_source: str) -> str:
     """The ground truth of a text family as a string: a string as is, an integer as its digits; a
     GroundTruthError naming the data source for a float, a bool, None or anything else."""
@@ -189,9 +194,7 @@ class BuiltinScorer:
     def isolated(self, data_source: str) -> bool:
         """Whether the sample's scorer runs in the scoring pool (sympy, Math-Verify, code)."""
         try:
-            family = family_of(
-                data_source, bool(self.options.get("math_verify")), self.options.get("sandbox_fusion_url")
-            )
+            family = configured_family(data_source, self.options)
         except UnscoredSource:
             return False  # scored in-process, where the error names the sample
         return family.isolated
@@ -207,6 +210,7 @@ __all__ = [
     "Family",
     "GroundTruthError",
     "UnscoredSource",
+    "configured_family",
     "default_compute_score",
     "family_of",
     "scorer_name",

@@ -229,9 +229,7 @@ def score_generations(path: Path, out: Path, overrides: list[str]) -> int:
     try:
         result = as_result(manager.score(texts, [row["gts"] for row in rows], sources, None, lengths))
     finally:
-        pool = getattr(manager.manager, "pool", None)
-        if pool is not None:
-            pool.close()
+        manager.close()
     uids = [row.get("input", json.dumps(row["gts"], sort_keys=True)) for row in rows]
     metrics = measure_generations(rows, result.scores, result.extra, uids)
     metrics["val-aux/reward/num_timeouts"] = float(result.num_timeouts)
@@ -318,9 +316,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         metrics, rows = sampler.evaluate(items, step=0)
     finally:
-        pool = getattr(manager.manager, "pool", None)
-        if pool is not None:
-            pool.close()
+        manager.close()
     print(policy.describe())
     return write_results(out, rows, metrics, len(items))
 
