@@ -442,13 +442,13 @@ class DecoderLM:
         if not self.spec.pre_norms:
             return self._forward_output_norms(hidden, positions, kv_cache, meta)
         residual: torch.Tensor | None = None
+        # Linear-attention layers: a prefill's sequence lengths and fresh starts; decode steps one token a row.
+        q_lens, fresh = (meta.q_lens, meta.state_fresh) if meta.is_prefill else (None, None)
         for i, layer in enumerate(self.layers):
             # The fused Triton norm adds into `residual` in place; the first one is the embedding output.
             x, residual = self._norm(hidden, residual, layer["input_norm"])
             if self.linear[i]:
                 j = self.state_index[i]
-                fresh = meta.state_fresh if meta.is_prefill else None
-                q_lens = meta.q_lens if meta.is_prefill else None
                 hidden = linear_attention(
                     layer,
                     x,
