@@ -119,7 +119,7 @@ class DecoderLM:
         # The layer's index in the KV cache, which holds the attention layers only.
         self.kv_index = [i - sum(self.linear[:i]) for i in range(self.num_layers)]
         self.num_kv_layers = self.num_layers - sum(self.linear)
-        q_width = self.q_size * (2 if self.output_gate else 1)  # [q | gate] per head when gated
+        self.q_width = self.q_size * (2 if self.output_gate else 1)  # [q | gate] per head when gated
         if any(moe_layers):
             self.expert_range = shard_range(
                 config.moe_intermediate_size, self.tp.rank, self.tp.size, "moe_intermediate_size"
@@ -165,7 +165,7 @@ class DecoderLM:
                 }
             else:
                 layer |= {
-                    "qkv": empty(q_width + 2 * self.kv_size, self.hidden),
+                    "qkv": empty(self.q_width + 2 * self.kv_size, self.hidden),
                     "o": empty(self.hidden, self.q_size),
                 }
             if is_moe:  # router (E, H) whole; experts (E, 2I, H) and (E, H, I) over this rank's columns
@@ -223,7 +223,7 @@ class DecoderLM:
         kv_rows: Shard = (0, self.heads.kv_start * d, kv)
         slots: dict[str, Target] = {}
         if "qkv" in layer:
-            qw = q * (2 if self.output_gate else 1)
+            qw = self.q_width
             slots |= {
                 "q": (layer["qkv"][:qw], (0, self.heads.q_start * d, qw)),
                 "k": (layer["qkv"][qw : qw + kv], kv_rows),
