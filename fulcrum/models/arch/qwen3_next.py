@@ -23,8 +23,6 @@ from fulcrum.models.arch.spec import (
     config_value,
 )
 
-MODEL_TYPES = ("qwen3_next",)
-
 
 def moe_shape(config: Any) -> dict[str, int]:
     """Qwen3-MoE's expert sizes and the shared expert's width."""
