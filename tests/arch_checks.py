@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,13 @@ from fulcrum.algo.advantages import grpo_advantage
 from fulcrum.config.sections import actor_section
 from fulcrum.models.arch import SPECS
 from fulcrum.models.packed import enable_packed_attention
+from fulcrum.models.router_loss import load_balancing_loss, recorded_router_logits, router_loss_settings
 from fulcrum.rollout import build_rollout
 from fulcrum.rollout.base import SamplingParams
 from fulcrum.rollout.native import EngineConfig, NativeEngine
 from fulcrum.rollout.testing import random_causal_lm, scoring_batch
 from fulcrum.workers.actor import ActorWorker
+from fulcrum.workers.forwards import LogProbHead, ModelForwards, micro_inputs
 
 CPU = torch.device("cpu")
 EOS = 1
@@ -195,6 +198,30 @@ def check_grpo_step(model: torch.nn.Module, folder: Path) -> None:
             torch.tensor(prompts[:1]), do_sample=False, max_new_tokens=8, min_new_tokens=8, pad_token_id=0
         )[0, len(prompts[0]) :].tolist()
     assert tokens == expected
+
+
+def check_load_balancing_loss_equals_hf(
+    arch: str, shape: dict[str, Any], experts: int, reference: Callable[..., torch.Tensor], packed: bool
+) -> None:
+    """The actor's loss from the routers it records equals Hugging Face's `reference`
+    (`load_balancing_loss_func`) of its own router logits over the same real tokens (the padded rows and
+    their attention mask), and reaches the routers' gradient."""
+    model = arch_model(arch, dict(shape, output_router_logits=True, router_aux_loss_coef=0.01))
+    assert router_loss_settings(model) == (0.01, 2)
+    batch = make_batch(b=5, p=12, r=9)
+    ids, mask, pos, _, _ = micro_inputs(batch, [], CPU, packed=False).padded
+    with torch.no_grad():
+        # the base model: the causal LM's own aux_loss trips over the 4-D mask it builds (transformers 5.24)
+        out = model.model(input_ids=ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
+    expected = reference(out.router_logits, experts, 2, mask)
+    forwards = ModelForwards(model, CPU, packed, "actor")
+    inputs = forwards.inputs(batch, [])
+    with recorded_router_logits(model) as logits:
+        forwards.forward(inputs, LogProbHead(1.0))
+    got = load_balancing_loss(logits, 2, forwards.token_mask(inputs))
+    torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-6)
+    got.backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
 
 
 def hf_forward_log_probs(

@@ -8,21 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 from arch_checks import (
-    CPU,
     arch_model,
     check_bf16_gap_on_gpu,
     check_greedy_equals_hf_generate,
+    check_load_balancing_loss_equals_hf,
     check_tensor_parallel_equals_one_rank,
     check_training_log_probs_equal_hf,
 )
-from test_workers_units import make_batch  # tests/ is on sys.path under pytest
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import matmul_param_count, param_count
-from fulcrum.models.router_loss import load_balancing_loss, recorded_router_logits, router_loss_settings
 from fulcrum.rollout.native.models.moe import grouped_matmul
-from fulcrum.workers.forwards import LogProbHead, ModelForwards, micro_inputs
 
 SHAPE = dict(
     num_hidden_layers=3,
@@ -85,25 +82,7 @@ def test_grouped_matmul_equals_one_matmul_per_expert(width: int) -> None:
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_load_balancing_loss_equals_hugging_face(packed: bool) -> None:
-    """The actor's loss from the routers it records equals HF's `load_balancing_loss_func` of its own
-    router logits over the same real tokens (the padded rows and their attention mask), and reaches
-    the routers' gradient."""
-    model = arch_model("qwen3_moe", dict(SHAPE, output_router_logits=True, router_aux_loss_coef=0.01))
-    assert router_loss_settings(model) == (0.01, 2)
-    batch = make_batch(b=5, p=12, r=9)
-    ids, mask, pos, _, _ = micro_inputs(batch, [], CPU, packed=False).padded
-    with torch.no_grad():
-        # the base model: the causal LM's own aux_loss trips over the 4-D mask it builds (transformers 5.24)
-        out = model.model(input_ids=ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
-    expected = load_balancing_loss_func(out.router_logits, 8, 2, mask)
-    forwards = ModelForwards(model, CPU, packed, "actor")
-    inputs = forwards.inputs(batch, [])
-    with recorded_router_logits(model) as logits:
-        forwards.forward(inputs, LogProbHead(1.0))
-    got = load_balancing_loss(logits, 2, forwards.token_mask(inputs))
-    torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-6)
-    got.backward()
-    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+    check_load_balancing_loss_equals_hf("qwen3_moe", SHAPE, 8, load_balancing_loss_func, packed)
 
 
 @pytest.mark.gpu

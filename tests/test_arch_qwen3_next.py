@@ -16,17 +16,15 @@ from arch_checks import (
     arch_model,
     check_greedy_equals_hf_generate,
     check_grpo_step,
+    check_load_balancing_loss_equals_hf,
     check_training_log_probs_equal_hf,
     engine_config,
 )
-from test_workers_units import make_batch
 from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_loss_func
 
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import matmul_param_count, param_count
-from fulcrum.models.router_loss import load_balancing_loss, recorded_router_logits, router_loss_settings
 from fulcrum.rollout.native import NativeEngine
-from fulcrum.workers.forwards import LogProbHead, ModelForwards, micro_inputs
 
 # Four layers (three Gated DeltaNet, one attention); every MLP sparse but layer 2's (`mlp_only_layers`):
 # 4 experts (top 2) and a shared expert 48 wide. Two key heads of 8 serve four value heads of 12, so
@@ -85,23 +83,7 @@ def test_training_log_probs_equal_hf_padded_and_packed(model: torch.nn.Module) -
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_load_balancing_loss_equals_hugging_face(packed: bool) -> None:
-    """The actor's router loss over the real tokens equals HF's `load_balancing_loss_func` of its own
-    router logits, and reaches the routers' gradient."""
-    model = arch_model("qwen3_next", dict(SHAPE, output_router_logits=True, router_aux_loss_coef=0.01))
-    assert router_loss_settings(model) == (0.01, 2)
-    batch = make_batch(b=5, p=12, r=9)
-    ids, mask, pos, _, _ = micro_inputs(batch, [], CPU, packed=False).padded
-    with torch.no_grad():
-        out = model.model(input_ids=ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
-    expected = load_balancing_loss_func(out.router_logits, 4, 2, mask)
-    forwards = ModelForwards(model, CPU, packed, "actor")
-    inputs = forwards.inputs(batch, [])
-    with recorded_router_logits(model) as logits:
-        forwards.forward(inputs, LogProbHead(1.0))
-    got = load_balancing_loss(logits, 2, forwards.token_mask(inputs))
-    torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-6)
-    got.backward()
-    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+    check_load_balancing_loss_equals_hf("qwen3_next", SHAPE, 4, load_balancing_loss_func, packed)
 
 
 def test_a_grpo_step_on_the_cpu(model: torch.nn.Module, tmp_path: Path) -> None:

@@ -56,6 +56,16 @@ def linear_shape(config: Any) -> dict[str, int]:
     }
 
 
+# The hybrid layers' config fields, shared with Qwen3-Next's.
+LINEAR_FIELDS = {
+    "layer_types": Runs(_hybrid_layers, f"{LINEAR_ATTENTION} and {FULL_ATTENTION} layers"),
+    "linear_conv_kernel_dim": HONOURED,
+    "linear_key_head_dim": HONOURED,
+    "linear_value_head_dim": HONOURED,
+    "linear_num_key_heads": HONOURED,
+    "linear_num_value_heads": HONOURED,
+}
+
 # Llama's names for the attention layers, and the Gated DeltaNet's under `linear_attn.`.
 QWEN3_5_LAYER_WEIGHTS: dict[str, str] = {
     **LLAMA_LAYER_WEIGHTS,
@@ -75,12 +85,7 @@ SPEC = ModelSpec(
     fields={
         **COMMON,
         "attention_bias": HONOURED,
-        "layer_types": Runs(_hybrid_layers, f"{LINEAR_ATTENTION} and {FULL_ATTENTION} layers"),
-        "linear_conv_kernel_dim": HONOURED,
-        "linear_key_head_dim": HONOURED,
-        "linear_value_head_dim": HONOURED,
-        "linear_num_key_heads": HONOURED,
-        "linear_num_value_heads": HONOURED,
+        **LINEAR_FIELDS,
     },
     qkv_bias=attention_bias,
     o_bias=attention_bias,

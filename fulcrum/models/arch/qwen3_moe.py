@@ -54,6 +54,23 @@ def window(config: Any) -> int | None:
     return config_value(config, "sliding_window") if config_value(config, "use_sliding_window") else None
 
 
+# The sparse MLP's config fields and weights, shared with Qwen3-Next's.
+MOE_FIELDS = {
+    "num_experts_per_tok": HONOURED,
+    "moe_intermediate_size": HONOURED,
+    "norm_topk_prob": HONOURED,
+    "decoder_sparse_step": HONOURED,
+    "mlp_only_layers": HONOURED,
+    "output_router_logits": HARMLESS,  # training: whether the load-balancing loss is computed
+    "router_aux_loss_coef": HARMLESS,  # training: its weight in the loss
+}
+MOE_LAYER_WEIGHTS: dict[str, str] = {
+    "mlp.gate.weight": "router",  # (E, hidden)
+    "mlp.experts.gate_up_proj": "experts_gate_up",  # (E, 2 · moe_intermediate, hidden)
+    "mlp.experts.down_proj": "experts_down",  # (E, hidden, moe_intermediate)
+}
+
+
 SPEC = ModelSpec(
     model_type="qwen3_moe",
     fields={
@@ -62,13 +79,7 @@ SPEC = ModelSpec(
         "use_sliding_window": HONOURED,  # a window on every layer, which the engine applies
         "sliding_window": HONOURED,
         "num_local_experts": HONOURED,  # num_experts
-        "num_experts_per_tok": HONOURED,
-        "moe_intermediate_size": HONOURED,
-        "norm_topk_prob": HONOURED,
-        "decoder_sparse_step": HONOURED,
-        "mlp_only_layers": HONOURED,
-        "output_router_logits": HARMLESS,  # training: whether the load-balancing loss is computed
-        "router_aux_loss_coef": HARMLESS,  # training: its weight in the loss
+        **MOE_FIELDS,
     },
     qkv_bias=attention_bias,
     o_bias=attention_bias,
@@ -76,9 +87,7 @@ SPEC = ModelSpec(
     window=window,
     layer_weights={
         **LLAMA_LAYER_WEIGHTS,
-        "mlp.gate.weight": "router",  # (E, hidden)
-        "mlp.experts.gate_up_proj": "experts_gate_up",  # (E, 2 · moe_intermediate, hidden)
-        "mlp.experts.down_proj": "experts_down",  # (E, hidden, moe_intermediate)
+        **MOE_LAYER_WEIGHTS,
     },
     moe_layers=moe_layers,
     moe_shape=moe_shape,

@@ -17,16 +17,11 @@ from typing import Any
 from fulcrum.models.arch import qwen3_5, qwen3_moe
 from fulcrum.models.arch.spec import (
     COMMON,
-    HARMLESS,
     HONOURED,
-    LLAMA_LAYER_WEIGHTS,
     ModelSpec,
-    Runs,
     attention_bias,
     config_value,
 )
-
-MODEL_TYPES = ("qwen3_next",)
 
 
 def moe_shape(config: Any) -> dict[str, int]:
@@ -42,29 +37,15 @@ SPEC = ModelSpec(
     fields={
         **COMMON,
         "attention_bias": HONOURED,
-        "layer_types": Runs(
-            qwen3_5._hybrid_layers, f"{qwen3_5.LINEAR_ATTENTION} and {qwen3_5.FULL_ATTENTION} layers"
-        ),
-        "linear_conv_kernel_dim": HONOURED,
-        "linear_key_head_dim": HONOURED,
-        "linear_value_head_dim": HONOURED,
-        "linear_num_key_heads": HONOURED,
-        "linear_num_value_heads": HONOURED,
+        **qwen3_5.LINEAR_FIELDS,
         "num_experts": HONOURED,
-        "num_experts_per_tok": HONOURED,
-        "moe_intermediate_size": HONOURED,
         "shared_expert_intermediate_size": HONOURED,
-        "norm_topk_prob": HONOURED,
-        "decoder_sparse_step": HONOURED,
-        "mlp_only_layers": HONOURED,
-        "output_router_logits": HARMLESS,  # training: whether the load-balancing loss is computed
-        "router_aux_loss_coef": HARMLESS,  # training: its weight in the loss
+        **qwen3_moe.MOE_FIELDS,
     },
     qkv_bias=attention_bias,
     o_bias=attention_bias,
     qk_norm=True,
     layer_weights={
-        **LLAMA_LAYER_WEIGHTS,
         **{
             name: slot
             for name, slot in qwen3_5.QWEN3_5_LAYER_WEIGHTS.items()
@@ -72,9 +53,7 @@ SPEC = ModelSpec(
         },
         "linear_attn.in_proj_qkvz.weight": "lin_qkvz",  # (2 Hk Dk + 2 Hv Dv, hidden), per key-head group
         "linear_attn.in_proj_ba.weight": "lin_ba",  # (2 Hv, hidden), per key-head group
-        "mlp.gate.weight": "router",  # (E, hidden)
-        "mlp.experts.gate_up_proj": "experts_gate_up",  # (E, 2 · moe_intermediate, hidden)
-        "mlp.experts.down_proj": "experts_down",  # (E, hidden, moe_intermediate)
+        **qwen3_moe.MOE_LAYER_WEIGHTS,
         "mlp.shared_expert.gate_proj.weight": "shared_gate",  # (shared_intermediate, hidden)
         "mlp.shared_expert.up_proj.weight": "shared_up",
         "mlp.shared_expert.down_proj.weight": "shared_down",  # (hidden, shared_intermediate)

@@ -205,6 +205,13 @@ class ModelShape:
         """Layers that attend over a KV cache."""
         return self.layers - self.linear_layers
 
+    @property
+    def linear_conv_channels(self) -> int:
+        """The Gated DeltaNet conv's channels, q, k and v: 2·Hk·Dk + Hv·Dv."""
+        return (
+            2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+        )
+
 
 def dense_shape(
     config: Any, qkv_bias: bool, o_bias: bool = False, qk_norm: bool = False, **extra: int | bool
@@ -254,7 +261,9 @@ def _linear_mixer_params(shape: ModelShape) -> tuple[int, int]:
     value = shape.linear_value_heads * shape.linear_value_dim
     matmul = h * (2 * key + 2 * value + 2 * shape.linear_value_heads) + value * h
     other = (
-        (2 * key + value) * shape.linear_conv_kernel + 2 * shape.linear_value_heads + shape.linear_value_dim
+        shape.linear_conv_channels * shape.linear_conv_kernel
+        + 2 * shape.linear_value_heads
+        + shape.linear_value_dim
     )
     return matmul, other
 
@@ -310,10 +319,7 @@ def recurrent_state_bytes(shape: ModelShape, element_bytes: int = 2) -> int:
     if not shape.linear_layers:
         return 0
     delta = shape.linear_value_heads * shape.linear_key_dim * shape.linear_value_dim * 4
-    channels = (
-        2 * shape.linear_key_heads * shape.linear_key_dim + shape.linear_value_heads * shape.linear_value_dim
-    )
-    conv = channels * (shape.linear_conv_kernel - 1) * element_bytes
+    conv = shape.linear_conv_channels * (shape.linear_conv_kernel - 1) * element_bytes
     return shape.linear_layers * (delta + conv)
 
 

@@ -119,7 +119,7 @@ class DecoderLM:
         # The layer's index in the KV cache, which holds the attention layers only.
         self.kv_index = [i - sum(self.linear[:i]) for i in range(self.num_layers)]
         self.num_kv_layers = self.num_layers - sum(self.linear)
-        q_width = self.q_size * (2 if self.output_gate else 1)  # [q | gate] per head when gated
+        self.q_width = self.q_size * (2 if self.output_gate else 1)  # [q | gate] per head when gated
         if any(moe_layers):
             self.expert_range = shard_range(
                 config.moe_intermediate_size, self.tp.rank, self.tp.size, "moe_intermediate_size"
@@ -165,7 +165,7 @@ class DecoderLM:
                 }
             else:
                 layer |= {
-                    "qkv": empty(q_width + 2 * self.kv_size, self.hidden),
+                    "qkv": empty(self.q_width + 2 * self.kv_size, self.hidden),
                     "o": empty(self.hidden, self.q_size),
                 }
             if is_moe:  # router (E, H) whole; experts (E, 2I, H) and (E, H, I) over this rank's columns
@@ -223,7 +223,7 @@ class DecoderLM:
         kv_rows: Shard = (0, self.heads.kv_start * d, kv)
         slots: dict[str, Target] = {}
         if "qkv" in layer:
-            qw = q * (2 if self.output_gate else 1)
+            qw = self.q_width
             slots |= {
                 "q": (layer["qkv"][:qw], (0, self.heads.q_start * d, qw)),
                 "k": (layer["qkv"][qw : qw + kv], kv_rows),
@@ -442,13 +442,13 @@ class DecoderLM:
         if not self.spec.pre_norms:
             return self._forward_output_norms(hidden, positions, kv_cache, meta)
         residual: torch.Tensor | None = None
+        # Linear-attention layers: a prefill's sequence lengths and fresh starts; decode steps one token a row.
+        q_lens, fresh = (meta.q_lens, meta.state_fresh) if meta.is_prefill else (None, None)
         for i, layer in enumerate(self.layers):
             # The fused Triton norm adds into `residual` in place; the first one is the embedding output.
             x, residual = self._norm(hidden, residual, layer["input_norm"])
             if self.linear[i]:
                 j = self.state_index[i]
-                fresh = meta.state_fresh if meta.is_prefill else None
-                q_lens = meta.q_lens if meta.is_prefill else None
                 hidden = linear_attention(
                     layer,
                     x,
