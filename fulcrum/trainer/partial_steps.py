@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from fulcrum.agent.metrics import spread
 from fulcrum.batch import Batch, assemble_batch
 from fulcrum.config import FulcrumConfig
 from fulcrum.data.budgets import response_budget
@@ -36,13 +37,6 @@ logger = logging.getLogger(__name__)
 def versions_spanned(step: int, first_version: int) -> int:
     """Policy versions from a group's first sampled token to the step that trains it: t - t0 + 1."""
     return step - first_version + 1
-
-
-def spread(name: str, values: list[float]) -> dict[str, float]:
-    """{name/mean, name/max, name/min} of `values` (0 for none)."""
-    if not values:
-        return {f"{name}/{k}": 0.0 for k in ("mean", "max", "min")}
-    return {f"{name}/mean": sum(values) / len(values), f"{name}/max": max(values), f"{name}/min": min(values)}
 
 
 def off_policy_metrics(groups: list[Group], step: int) -> dict[str, float]:
