@@ -89,7 +89,6 @@ class PartialSteps:
         self.pad_id = pad_id
         self.partial = PartialRollout(engine)
         self.started = False
-        self.dropped_total = 0
 
     @property
     def carried(self) -> int:
@@ -150,7 +149,6 @@ class PartialSteps:
         ]
         if stale:
             self.partial.drop(stale)
-            self.dropped_total += len(stale)
         return len(stale)
 
     def _at_bound(self, step: int) -> list[Group]:
@@ -165,9 +163,3 @@ class PartialSteps:
             if g.versions and versions_spanned(step, g.versions[0]) >= self.threshold
         ]
         return sorted(at_bound, key=lambda g: g.complete)
-
-    def drop_all(self) -> int:
-        """Forget every carried group (end of a run); how many there were."""
-        count = self.carried
-        self.partial.drop(list(self.partial.carried))
-        return count
