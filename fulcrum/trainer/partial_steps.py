@@ -114,7 +114,7 @@ class PartialSteps:
         must = self._at_bound(step)
         budgets = [response_budget(item, self.response_length) for item in items]
         groups = self.partial.generate(
-            [item["input_ids"][-self.max_prompt_length :] for item in items],
+            [item["input_ids"] for item in items],
             items,
             params,
             enough=self.batch_size,
