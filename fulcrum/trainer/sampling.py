@@ -220,16 +220,16 @@ class Sampler:
         """Stages 1-2 of step `step`. With algorithm.filter_groups.enable (DAPO), `more_prompts` batches are
         generated and scored until data.train_batch_size prompts have responses whose metric differs.
         `reward_stage` is entered around each scoring (the trainer's stop signal may drop the step there)."""
+        if self.partial_steps is not None:
+            return self.partial_generate_and_score(
+                items, step, timing, metrics, peaks, more_prompts, reward_stage
+            )
         fg = self.cfg.algorithm.filter_groups
         gate = (
             GroupFilter(int(self.cfg.data.train_batch_size), int(fg.max_num_gen_batches))
             if fg.enable
             else None
         )
-        if self.partial_steps is not None:
-            return self.partial_generate_and_score(
-                items, step, timing, metrics, peaks, more_prompts, reward_stage
-            )
         errors = RewardResult(scores=[])
         round_no = 0
         while True:
