@@ -70,8 +70,8 @@ def dropped_on_resume(state: dict[str, Any]) -> str:
     if not carried:
         return ""
     return (
-        f"\npartial rollouts: the {carried} prompt groups in flight at global_step {state['global_step']} are "
-        "dropped (their sequences are not checkpointed); new prompts follow"
+        f"\npartial rollouts: the {carried} prompt groups in flight at global_step {state['global_step']} "
+        "are dropped (their sequences are not checkpointed); new prompts follow"
     )
 
 

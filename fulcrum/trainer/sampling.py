@@ -139,8 +139,9 @@ class Sampler:
 
     def generate(self, items: list[dict[str, Any]], params: SamplingParams, uid_prefix: str) -> Batch:
         """Sample responses for `items` into a Batch: the one path to the engine (training, validation and
-        ReMax's greedy baseline), each prompt's responses within its row's budget (fulcrum.data.budgets). Every backend batches under max_num_seqs by itself (the native engine
-        also shares prompt blocks across the whole call) and owns its KV cache (`free_cache_engine`)."""
+        ReMax's greedy baseline), each prompt's responses within its row's budget (fulcrum.data.budgets).
+        Every backend batches under max_num_seqs by itself (the native engine also shares prompt blocks
+        across the whole call) and owns its KV cache (`free_cache_engine`)."""
         if self.agent_loop is not None:
             return self.converse(items, params, uid_prefix)
         budgets = [response_budget(it, params.max_tokens) for it in items]
