@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from fulcrum.agent.metrics import spread
 from fulcrum.batch import Batch, assemble_batch
 from fulcrum.config import FulcrumConfig
 from fulcrum.data.budgets import response_budget
@@ -36,13 +37,6 @@ logger = logging.getLogger(__name__)
 def versions_spanned(step: int, first_version: int) -> int:
     """Policy versions from a group's first sampled token to the step that trains it: t - t0 + 1."""
     return step - first_version + 1
-
-
-def spread(name: str, values: list[float]) -> dict[str, float]:
-    """{name/mean, name/max, name/min} of `values` (0 for none)."""
-    if not values:
-        return {f"{name}/{k}": 0.0 for k in ("mean", "max", "min")}
-    return {f"{name}/mean": sum(values) / len(values), f"{name}/max": max(values), f"{name}/min": min(values)}
 
 
 def off_policy_metrics(groups: list[Group], step: int) -> dict[str, float]:
@@ -76,8 +70,8 @@ def dropped_on_resume(state: dict[str, Any]) -> str:
     if not carried:
         return ""
     return (
-        f"\npartial rollouts: the {carried} prompt groups in flight at global_step {state['global_step']} are "
-        "dropped (their sequences are not checkpointed); new prompts follow"
+        f"\npartial rollouts: the {carried} prompt groups in flight at global_step {state['global_step']} "
+        "are dropped (their sequences are not checkpointed); new prompts follow"
     )
 
 
@@ -95,7 +89,6 @@ class PartialSteps:
         self.pad_id = pad_id
         self.partial = PartialRollout(engine)
         self.started = False
-        self.dropped_total = 0
 
     @property
     def carried(self) -> int:
@@ -121,7 +114,7 @@ class PartialSteps:
         must = self._at_bound(step)
         budgets = [response_budget(item, self.response_length) for item in items]
         groups = self.partial.generate(
-            [item["input_ids"][-self.max_prompt_length :] for item in items],
+            [item["input_ids"] for item in items],
             items,
             params,
             enough=self.batch_size,
@@ -156,7 +149,6 @@ class PartialSteps:
         ]
         if stale:
             self.partial.drop(stale)
-            self.dropped_total += len(stale)
         return len(stale)
 
     def _at_bound(self, step: int) -> list[Group]:
@@ -171,9 +163,3 @@ class PartialSteps:
             if g.versions and versions_spanned(step, g.versions[0]) >= self.threshold
         ]
         return sorted(at_bound, key=lambda g: g.complete)
-
-    def drop_all(self) -> int:
-        """Forget every carried group (end of a run); how many there were."""
-        count = self.carried
-        self.partial.drop(list(self.partial.carried))
-        return count

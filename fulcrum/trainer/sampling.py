@@ -139,8 +139,9 @@ class Sampler:
 
     def generate(self, items: list[dict[str, Any]], params: SamplingParams, uid_prefix: str) -> Batch:
         """Sample responses for `items` into a Batch: the one path to the engine (training, validation and
-        ReMax's greedy baseline), each prompt's responses within its row's budget (fulcrum.data.budgets). Every backend batches under max_num_seqs by itself (the native engine
-        also shares prompt blocks across the whole call) and owns its KV cache (`free_cache_engine`)."""
+        ReMax's greedy baseline), each prompt's responses within its row's budget (fulcrum.data.budgets).
+        Every backend batches under max_num_seqs by itself (the native engine also shares prompt blocks
+        across the whole call) and owns its KV cache (`free_cache_engine`)."""
         if self.agent_loop is not None:
             return self.converse(items, params, uid_prefix)
         budgets = [response_budget(it, params.max_tokens) for it in items]
@@ -220,16 +221,16 @@ class Sampler:
         """Stages 1-2 of step `step`. With algorithm.filter_groups.enable (DAPO), `more_prompts` batches are
         generated and scored until data.train_batch_size prompts have responses whose metric differs.
         `reward_stage` is entered around each scoring (the trainer's stop signal may drop the step there)."""
+        if self.partial_steps is not None:
+            return self.partial_generate_and_score(
+                items, step, timing, metrics, peaks, more_prompts, reward_stage
+            )
         fg = self.cfg.algorithm.filter_groups
         gate = (
             GroupFilter(int(self.cfg.data.train_batch_size), int(fg.max_num_gen_batches))
             if fg.enable
             else None
         )
-        if self.partial_steps is not None:
-            return self.partial_generate_and_score(
-                items, step, timing, metrics, peaks, more_prompts, reward_stage
-            )
         errors = RewardResult(scores=[])
         round_no = 0
         while True:
