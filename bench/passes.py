@@ -130,11 +130,12 @@ def compilations() -> int:
 
 
 def timed_call(fn: Callable[[], object]) -> float:
-    """Seconds of one call, the GPU synchronised before and after."""
-    torch.cuda.synchronize()
+    """Seconds of one call, the GPU (where there is one) synchronised before and after."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - start
 
 
@@ -166,7 +167,9 @@ def measure(fn: Callable[[], object], repeat: int, warmup_s: float = 15.0) -> tu
     Prints every call and how many graphs were compiled during the timed ones: a timed call that still
     compiles (a new shape, or dynamo's cache limit) is not a warm figure."""
     warm_up(fn, warmup_s)
-    torch.cuda.reset_peak_memory_stats()
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
     compiled_before = compilations()
     times = [timed_call(fn) for _ in range(repeat)]
     calls = ", ".join(f"{t:.3f}" for t in times)
@@ -174,7 +177,7 @@ def measure(fn: Callable[[], object], repeat: int, warmup_s: float = 15.0) -> tu
         f"  timed calls {calls} s; graphs compiled during them: {compilations() - compiled_before}",
         flush=True,
     )
-    return statistics.median(times), torch.cuda.max_memory_allocated() / GiB
+    return statistics.median(times), (torch.cuda.max_memory_allocated() / GiB if gpu else 0.0)
 
 
 def measure_ab(
