@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from arch_checks import EOS, GATED_DELTANET_SHAPE, arch_model, engine_config, prompts_of
+from arch_checks import EOS, GATED_DELTANET_SHAPE, arch_model, engine_config, prompts_of, require_model_type
 from helpers import log_probs_of
 
 from fulcrum.models.gated_delta import use_fla
@@ -61,6 +61,7 @@ def test_the_engines_kernels_equal_the_torch_reference(dtype: torch.dtype) -> No
     (one row's turn ended: its step goes to the scratch slot and its own slot stays; one padding row):
     layer outputs and the sequences' slots as the torch path's on the CPU (float32, the same weights,
     inputs and starting states), the other slots untouched."""
+    require_model_type("qwen3_5_text")
     model = arch_model("qwen3_5_text", SHAPE, init_std=0.1).to(dtype)
     decoder = NativeEngine(model, [EOS], 0, engine_config(), CUDA).model
     layer, shape, eps = decoder.layers[0], decoder.linear_shape, decoder.eps  # layer 0: Gated DeltaNet
@@ -137,6 +138,7 @@ def test_packed_log_probs_and_gradients_equal_the_torch_reference(arch: str, dty
     (gradients: the decay's, reached through a chunk's cumulative products, is the least conditioned);
     in bfloat16 within 2x + 1e-3 of the torch path's own bfloat16 error (log-probs, mean) and 3x + 1e-2
     (each gradient)."""
+    require_model_type(arch)
     model = arch_model(arch, NEXT_SHAPE if arch == "qwen3_next" else SHAPE, init_std=0.1)
     batch = long_batch(model.config.vocab_size)
     mask = batch["response_mask"].bool()
@@ -161,6 +163,7 @@ def test_packed_log_probs_and_gradients_equal_the_torch_reference(arch: str, dty
 def test_native_greedy_equals_hf_generate_on_cuda(arch: str) -> None:
     """float32 on CUDA: the engine (fla's prefill over a 64-token budget, so the 150-token prompt spans
     three steps; fla's decode) samples Hugging Face's greedy tokens, 64 a prompt."""
+    require_model_type(arch)
     model = arch_model(arch, NEXT_SHAPE if arch == "qwen3_next" else SHAPE, seed=1, init_std=0.1).to(CUDA)
     model.generation_config.eos_token_id = None  # every response runs 64 tokens on both sides
     prompts = prompts_of([1, 40, 9, 150])

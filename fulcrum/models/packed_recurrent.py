@@ -73,7 +73,7 @@ def packed_recurrent_forward(
         return packed_gated_deltanet(module, stream, cu_seqlens)[None]
     flat, count, longest = stream_grid_index(cu_seqlens, stream.device)
     grid = stream.new_zeros(count * longest, stream.shape[-1]).index_copy(0, flat, stream)
-    out = forward(module, grid.view(count, longest, -1), cache=None, attention_mask=None)  # (S, L, H)
+    out = forward(module, grid.view(count, longest, -1))  # (S, L, H): no cache, no mask
     return out.reshape(count * longest, -1).index_select(0, flat)[None]  # (1, N, H)
 
 
