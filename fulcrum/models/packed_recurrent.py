@@ -9,8 +9,8 @@ for packed calls (ones carrying `fulcrum_cu_seqlens`):
   the module's own projections, norm and output over the stream, its conv and delta rule as fla's varlen
   kernels, which start every sequence from zeros (fla's backward for both);
 - elsewhere, the sequences laid side by side in an (S, L) grid, right-padded to the longest, through the
-  module's own forward (transformers' torch reference): every row starts from a zero state and zero conv
-  history, and the padding lies after each row's tokens, where a causal layer never reads it.
+  module's own forward (on the CPU transformers' torch reference): every row starts from a zero state and
+  zero conv history, and the padding lies after each row's tokens, where a causal layer never reads it.
 
 Other calls (padded batches) go to the module's forward unchanged; the state dict is unchanged.
 """
