@@ -12,6 +12,11 @@ qwen3-moe-small a small Qwen3-MoE: Qwen3-30B-A3B's layout (128-wide heads, top-8
                 scaled down to hidden 1024, 16 layers, 32 experts of 384, top 4 (1.0B parameters; 0.47B
                 active a token, 0.16B of them outside the embedding and the LM head), so that a step fits
                 beside the others in one call
+qwen3.5-0.8b    Qwen3.5-0.8B's text model (its `text_config`; the vision tower left out): 24 layers, three
+                Gated DeltaNet layers of four (16 key and 16 value heads of 128, a conv of 4 taps) and 6
+                attention layers (8 heads / 2 KV heads of 256, an output gate, RoPE on a quarter of each
+                head, base 1e7), hidden 1024, intermediate 3584, vocabulary 248,320, tied embeddings:
+                0.75B parameters, 18.6 MiB of recurrent state a sequence
 smollm2-135m    SmolLM2-135M-Instruct's (Llama: hidden 576, 30 layers, 9 heads / 3 KV heads of 64,
                 intermediate 1536, vocabulary 49,152, tied embeddings) with random weights: the real
                 model's speed without its GGUF (the engine's time does not depend on the weights, only the
@@ -39,6 +44,27 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             num_attention_heads=16,
             num_key_value_heads=8,
             head_dim=128,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3.5-0.8b": (
+        "qwen3_5_text",
+        dict(
+            vocab_size=248320,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+            hidden_size=1024,
+            intermediate_size=3584,
+            num_hidden_layers=24,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
             tie_word_embeddings=True,
         ),
     ),
@@ -92,6 +118,14 @@ TINY_FIELDS = dict(
     max_position_embeddings=1024,
 )
 TINY_MOE_FIELDS = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+# A hybrid's: four layers, so that one of them attends (every fourth does).
+TINY_LINEAR_FIELDS = dict(
+    num_hidden_layers=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
 
 
 def shape_of(name: str, tiny: bool = False) -> tuple[str, dict[str, Any]]:
@@ -102,4 +136,5 @@ def shape_of(name: str, tiny: bool = False) -> tuple[str, dict[str, Any]]:
     model_type, fields = SHAPES[name]
     if tiny:
         fields = {**fields, **TINY_FIELDS, **(TINY_MOE_FIELDS if "num_experts" in fields else {})}
+        fields |= TINY_LINEAR_FIELDS if "linear_num_key_heads" in fields else {}
     return model_type, dict(fields)

@@ -9,6 +9,7 @@ import copy
 import json
 import logging
 import math
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,8 +31,10 @@ from helpers import cpu_ppo_overrides, make_assets
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from fulcrum.config.schema_rollout import RolloutConfig
+from fulcrum.models import gated_delta
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token, param_count, recurrent_state_bytes
+from fulcrum.models.gated_delta import runs_fla
 from fulcrum.models.load import load_causal_lm
 from fulcrum.models.packed import enable_packed_attention, pack_micro_batch, packed_hidden_states
 from fulcrum.models.packed_recurrent import enable_packed_recurrence
@@ -254,6 +257,31 @@ def test_a_held_turn_keeps_its_state_for_the_next_turn(model: torch.nn.Module, b
     for seq_id, context, prompt in zip((first_id, second_id), contexts, (stopped, capped), strict=True):
         assert second[seq_id][len(context) - len(prompt) :] == hf_greedy(model, context, 12)
     assert len(engine.scheduler.blocks.free_states) == engine.runner.num_state_slots - 1
+
+
+def test_the_cpu_runs_the_torch_path_even_where_fla_imports(
+    model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gated DeltaNet's kernels follow the device: flash-linear-attention's on CUDA where it imports, the
+    torch reference anywhere else. With fla taken as importable but any import of it failing, the CPU
+    engine samples HF's greedy tokens and the packed pass gives HF's hidden states: neither touched fla."""
+    assert runs_fla("cuda", True) and not runs_fla("cuda", False) and not runs_fla("cpu", True)
+    monkeypatch.setattr(gated_delta, "fla_importable", lambda: True)
+    monkeypatch.setitem(sys.modules, "fla", None)  # `import fla...` raises ImportError
+    assert gated_delta.use_fla(torch.device("cuda")) and not gated_delta.use_fla(CPU)
+    prompt = prompts_of([9], seed=7)[0]
+    engine = NativeEngine(model, [EOS], 0, engine_config(), CPU)
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out.token_ids[0] == hf_greedy(model, prompt, 8)
+    packed = copy.deepcopy(model)
+    enable_packed_attention(packed)
+    ids = torch.tensor([prompt])
+    stream = pack_micro_batch(ids, torch.ones_like(ids), torch.arange(9)[None], 9)
+    stream.cu_seqlens = torch.tensor([0, 9], dtype=torch.int32)
+    with torch.no_grad():
+        got = packed_hidden_states(packed.model, stream)
+        expected = model.model(input_ids=ids).last_hidden_state[0]
+    assert (got - expected).abs().max() < 1e-5
 
 
 def test_turn_ended_marks_a_stop_id_or_the_last_token_of_a_row() -> None:

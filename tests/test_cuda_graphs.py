@@ -373,6 +373,12 @@ def test_the_start_says_why_a_model_runs_its_micro_batches_eagerly() -> None:
     assert refused(packed=False).startswith("padded micro-batches")
     assert refused(compute=None) == "no compute copies of its own (FSDP-sharded)"
     assert refused(sp=object()) == "sequence parallelism"
+
+    class TinyGatedDeltaNet(torch.nn.Linear):  # what `is_recurrent_mixer` recognises by its class name
+        pass
+
+    hybrid = torch.nn.Sequential(torch.nn.Linear(2, 2), TinyGatedDeltaNet(2, 2))
+    assert refused(model=hybrid, compute=ComputeWeights(hybrid)).startswith("linear-attention layers")
     actor, critic = forwards(packed=False), forwards(compute=None)
     line = graphs_line({"actor": actor, "critic": critic})
     assert line is not None and "actor off (padded micro-batches" in line and "critic off (no compute" in line

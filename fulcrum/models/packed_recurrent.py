@@ -3,13 +3,16 @@
 A Gated DeltaNet layer (Qwen3.5's `linear_attn`) carries a recurrent state and a causal conv window
 along its input; over a packed stream of S sequences laid end to end, its own forward would carry both
 across sequence boundaries. `enable_packed_recurrence` gives each such module an instance `forward`
-that, for a packed call (one carrying `fulcrum_cu_seqlens`), lays the sequences side by side in an
-(S, L) grid, right-padded to the longest, and runs the module's own forward over that batch: every row
-starts from a zero state and zero conv history, and the padding lies after each row's tokens, where a
-causal layer never reads it. Hugging Face's forward picks its kernels (flash-linear-attention and
-causal-conv1d where installed and on their device, its torch reference otherwise), so this module
-re-implements nothing. Other calls (padded batches) go to the module's forward unchanged; the state
-dict is unchanged.
+for packed calls (ones carrying `fulcrum_cu_seqlens`):
+
+- on CUDA with flash-linear-attention installed (`fulcrum.models.gated_delta`), `packed_gated_deltanet`:
+  the module's own projections, norm and output over the stream, its conv and delta rule as fla's varlen
+  kernels, which start every sequence from zeros (fla's backward for both);
+- elsewhere, the sequences laid side by side in an (S, L) grid, right-padded to the longest, through the
+  module's own forward (on the CPU transformers' torch reference): every row starts from a zero state and
+  zero conv history, and the padding lies after each row's tokens, where a causal layer never reads it.
+
+Other calls (padded batches) go to the module's forward unchanged; the state dict is unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from fulcrum.models.gated_delta import conv_varlen, decay, delta_rule_varlen, use_fla
 
 
 def is_recurrent_mixer(module: nn.Module) -> bool:
@@ -64,7 +69,50 @@ def packed_recurrent_forward(
         )
     assert isinstance(cu_seqlens, torch.Tensor)
     stream = hidden_states[0]  # (N, H)
+    if use_fla(stream.device):
+        return packed_gated_deltanet(module, stream, cu_seqlens)[None]
     flat, count, longest = stream_grid_index(cu_seqlens, stream.device)
     grid = stream.new_zeros(count * longest, stream.shape[-1]).index_copy(0, flat, stream)
-    out = forward(module, grid.view(count, longest, -1), cache=None, attention_mask=None)  # (S, L, H)
+    out = forward(module, grid.view(count, longest, -1))  # (S, L, H): no cache, no mask
     return out.reshape(count * longest, -1).index_select(0, flat)[None]  # (1, N, H)
+
+
+def mixer_inputs(module: nn.Module, stream: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A Gated DeltaNet module's projections of the stream (N, H): the conv's input [q | k | v] (N, C),
+    the gate z (N, Hv, Dv), b and a (N, Hv). Qwen3-Next fuses them per key-head group (`in_proj_qkvz`,
+    `in_proj_ba`), which its own `fix_query_key_value_ordering` takes apart."""
+    rows = stream.shape[0]
+    if hasattr(module, "in_proj_qkvz"):
+        q, k, v, z, b, a = module.fix_query_key_value_ordering(
+            module.in_proj_qkvz(stream)[None], module.in_proj_ba(stream)[None]
+        )
+        mixed = torch.cat([t.reshape(rows, -1) for t in (q, k, v)], dim=-1)
+        return mixed, z[0], b[0], a[0]
+    z = module.in_proj_z(stream).view(rows, -1, module.head_v_dim)
+    return module.in_proj_qkv(stream), z, module.in_proj_b(stream), module.in_proj_a(stream)
+
+
+@torch.compiler.disable  # fla's Triton launches and autotuning stay outside a compiled region
+def packed_gated_deltanet(module: nn.Module, stream: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """A Gated DeltaNet module over the packed stream (N, H) of sequences `cu_seqlens` (S + 1,), each from
+    a zero state and zero conv history: its forward with the conv and the delta rule as fla's varlen
+    kernels (transformers' Qwen3.5 forward, argument for argument). Returns (N, H)."""
+    if module.activation not in ("silu", "swish"):
+        raise ValueError(
+            f"linear attention: fla's causal conv runs SiLU, not hidden_act={module.activation!r}"
+        )
+    rows = stream.shape[0]
+    mixed, z, b, a = mixer_inputs(module, stream)
+    conv, _ = conv_varlen(mixed, module.conv1d.weight.squeeze(1), cu_seqlens)
+    key = module.key_dim
+    q, k, v = conv.split([key, key, module.value_dim], dim=-1)
+    core, _ = delta_rule_varlen(
+        q.reshape(rows, -1, module.head_k_dim),
+        k.reshape(rows, -1, module.head_k_dim),
+        v.reshape(rows, -1, module.head_v_dim),
+        decay(a, module.A_log, module.dt_bias),
+        b.sigmoid(),
+        cu_seqlens,
+    )
+    normed = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(normed.reshape(rows, -1))

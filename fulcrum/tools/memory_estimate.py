@@ -325,11 +325,14 @@ def estimate(
 
     # CUDA graphs of the micro-batches (`graphs_refused`): each graphed model's compute weights and gradient
     # buffer, the reference's compute weights, and the graphs' pool (the largest update micro-batch's work).
-    refused = {"actor": graphs_refused(cfg, "actor", device_bytes, 4 * actor.trained, actor.lora)}
+    linear = shape.linear_layers > 0
+    refused = {"actor": graphs_refused(cfg, "actor", device_bytes, 4 * actor.trained, actor.lora, linear)}
     if uses_critic:
-        refused["critic"] = graphs_refused(cfg, "critic", device_bytes, 4 * critic.trained, critic.lora)
+        refused["critic"] = graphs_refused(
+            cfg, "critic", device_bytes, 4 * critic.trained, critic.lora, linear
+        )
     if uses_reference and not actor.lora:  # a LoRA actor's reference is its base, adapters off
-        refused["reference"] = graphs_refused(cfg, "reference", device_bytes, 2 * p_actor)
+        refused["reference"] = graphs_refused(cfg, "reference", device_bytes, 2 * p_actor, linear=linear)
     graphed = {role: role in refused and refused[role] is None for role in ("actor", "critic", "reference")}
     pool = 0.0
     for role, params in (("actor", actor), ("critic", critic)):
@@ -427,11 +430,13 @@ GRAPH_ROLE_KEYS = {
 }
 
 
-def graphs_refused(cfg: Any, role: str, device_bytes: float, kept: float, lora: bool = False) -> str | None:
+def graphs_refused(
+    cfg: Any, role: str, device_bytes: float, kept: float, lora: bool = False, linear: bool = False
+) -> str | None:
     """Why `role`'s micro-batches would run eagerly, or None when they replay as CUDA graphs keeping `kept`
     bytes resident (fulcrum.workers.cuda_graphs.graphs_refused's rule, read from the keys): its
-    `cuda_graphs` key on, one process, packed, no sequence parallelism, no LoRA, `kept` within
-    `GRAPHS_RESIDENT_SHARE` of the device (a CUDA device, as the whole estimate)."""
+    `cuda_graphs` key on, one process, packed, no sequence parallelism, no `linear`-attention layers, no
+    LoRA, `kept` within `GRAPHS_RESIDENT_SHARE` of the device (a CUDA device, as the whole estimate)."""
     switch, model, sp = (get_path(cfg, path) for path in GRAPH_ROLE_KEYS[role])
     if not switch.cuda_graphs:
         return f"{GRAPH_ROLE_KEYS[role][0]}.cuda_graphs=false"
@@ -441,6 +446,8 @@ def graphs_refused(cfg: Any, role: str, device_bytes: float, kept: float, lora: 
         return f"padded micro-batches ({GRAPH_ROLE_KEYS[role][1]}.use_remove_padding=false)"
     if int(sp.ulysses_sequence_parallel_size or 1) > 1:
         return "sequence parallelism"
+    if linear:
+        return "linear-attention layers"
     if lora:
         return "LoRA adapters"
     if kept > GRAPHS_RESIDENT_SHARE * device_bytes:

@@ -37,6 +37,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from fulcrum.batch import Batch, host_to_device
 from fulcrum.models.lora import hf_name
 from fulcrum.models.packed import PackedMicroBatch
+from fulcrum.models.packed_recurrent import is_recurrent_mixer
 from fulcrum.models.precision import ComputeWeights
 from fulcrum.parallel.fsdp import several_processes
 from fulcrum.workers.graph_buckets import Bucket, extra_work, fits, padded_inputs
@@ -71,7 +72,7 @@ def graphs_refused(
 ) -> str | None:
     """Why `model` runs its micro-batches eagerly, or None when they can be graphed: its `cuda_graphs` key
     on (`enabled`), on CUDA, `packed`, with `compute` weights of its own (not FSDP-sharded), in one
-    process, without sequence parallelism (`sp`) or LoRA adapters, when what it keeps resident fits
+    process, without sequence parallelism (`sp`), linear-attention layers or LoRA adapters, when what it keeps resident fits
     `MAX_RESIDENT_SHARE` of the device. (Each of these is a reason the key is ignored, not refused: the
     key is on by default, and CPU, multi-process, LoRA and Ulysses runs train the same eagerly.)"""
     if not enabled:
@@ -84,6 +85,10 @@ def graphs_refused(
         return "no compute copies of its own (FSDP-sharded)"
     if sp is not None:
         return "sequence parallelism"
+    if any(is_recurrent_mixer(module) for module in model.modules()):
+        # flash-linear-attention's varlen kernels size their grids on the host from each micro-batch's
+        # sequence lengths (cached by the offsets tensor): a replay would keep the captured ones.
+        return "linear-attention layers (their kernels are sized from each micro-batch's sequence lengths)"
     if several_processes():
         return "several processes (graphs are measured in one process only)"
     if any(hf_name(name) is None for name, _ in model.named_parameters()):  # adapter tensors

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fulcrum.models.arch import ModelSpec
+from fulcrum.models.gated_delta import use_fla
 from fulcrum.models.head_logits import head_logits
 from fulcrum.parallel.tensor_parallel import TensorParallel, shard_heads, shard_range
 from fulcrum.rollout.native import ops
@@ -29,6 +30,7 @@ from fulcrum.rollout.native.models import moe
 from fulcrum.rollout.native.models.linear_attention import (
     LinearAttentionShape,
     RecurrentStates,
+    StateStep,
     fused_projection_targets,
     linear_attention,
 )
@@ -442,24 +444,14 @@ class DecoderLM:
         if not self.spec.pre_norms:
             return self._forward_output_norms(hidden, positions, kv_cache, meta)
         residual: torch.Tensor | None = None
-        # Linear-attention layers: a prefill's sequence lengths and fresh starts; decode steps one token a row.
-        q_lens, fresh = (meta.q_lens, meta.state_fresh) if meta.is_prefill else (None, None)
+        step = self._state_step(meta) if states is not None else None
         for i, layer in enumerate(self.layers):
             # The fused Triton norm adds into `residual` in place; the first one is the embedding output.
             x, residual = self._norm(hidden, residual, layer["input_norm"])
             if self.linear[i]:
                 j = self.state_index[i]
                 hidden = linear_attention(
-                    layer,
-                    x,
-                    self.linear_shape,
-                    states.conv[j],
-                    states.delta[j],
-                    meta.state_slots,
-                    q_lens,
-                    fresh,
-                    self.eps,
-                    meta.state_writes,
+                    layer, x, self.linear_shape, states.conv[j], states.delta[j], step, self.eps
                 )
             else:
                 hidden = self._attention(i, x, positions, kv_cache, meta)
@@ -471,6 +463,14 @@ class DecoderLM:
                 hidden = self._norm(hidden, None, layer["mlp_out_norm"])[0]
         out, _ = self._norm(hidden, residual, self.final_norm)
         return out
+
+    def _state_step(self, meta: AttentionMetadata) -> StateStep:
+        """The linear-attention layers' slots for this forward: a prefill's sequences (lengths, fresh
+        starts) or a decode step's rows; flash-linear-attention's kernels where they run."""
+        fla = use_fla(self.device)
+        if meta.is_prefill:
+            return StateStep.prefill(meta.state_slots, meta.q_lens, meta.state_fresh, meta.cu_seqlens_q, fla)
+        return StateStep.decode(meta.state_slots, meta.state_writes, fla)
 
     def _forward_output_norms(
         self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata

@@ -7,18 +7,26 @@ A prefill chunk starts from zeros at a sequence's first token, else from its slo
 next turn), and leaves the state after its last token in the slot; a decode step advances every row's
 slot by one token, until the row's turn ends (`turn_ended`): a window runs on past a row's stop, and
 from then on the row's steps write the scratch slot, so a held turn's slot stays as its last token
-left it and its next turn prefills only the new tokens. The delta rule itself is transformers'
-(`torch_chunk_gated_delta_rule` for a chunk, `torch_recurrent_gated_delta_rule` for one step), which
-run flash-linear-attention's kernels where that package is installed and supports the device, and
-their torch reference otherwise.
+left it and its next turn prefills only the new tokens.
+
+Two paths compute the same thing (`StateStep.fla` picks one per forward, by device): on CUDA with
+flash-linear-attention installed, its Triton kernels (`fulcrum.models.gated_delta`): every sequence of a
+prefill in one varlen call of the conv and of the chunked delta rule, each starting from its slot, and a
+decode step that reads and writes the slots in place; elsewhere the torch reference, transformers'
+`torch_chunk_gated_delta_rule` (a prefill chunk, one sequence at a time) and
+`torch_recurrent_gated_delta_rule` (one step), the tests' yardstick for the kernels.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from fulcrum.batch import host_to_device
+from fulcrum.models.gated_delta import conv_step, conv_varlen, decay, delta_rule_step, delta_rule_varlen
 
 
 @dataclass
@@ -117,83 +125,186 @@ def fused_projection_targets(
     return {"lin_qkvz": qkvz, "lin_ba": ba}
 
 
+@dataclass
+class StateStep:
+    """What one forward's linear-attention layers share: which slots it reads and writes.
+
+    Prefill: sequence i has `q_lens[i]` consecutive tokens and slot `slots[i]`, and starts from zeros
+    where `fresh[i]`. Decode (`q_lens` None): row b is one token of the sequence in slot `slots[b]`,
+    whose stepped state goes to slot `writes[b]` (scratch 0 leaves a finished row's slot as it was).
+    With `fla`, the kernels' inputs are built once here, the same tensors for every layer (fla caches
+    its chunk indices by the `cu_seqlens` object): the stream's offsets on the device and the host,
+    and which sequences start fresh (S,) bool on the device."""
+
+    slots: torch.Tensor
+    writes: torch.Tensor | None = None
+    q_lens: list[int] | None = None
+    fresh: list[bool] | None = None
+    fla: bool = False
+    cu_seqlens: torch.Tensor | None = None
+    cu_seqlens_cpu: torch.Tensor | None = None
+    fresh_rows: torch.Tensor | None = None
+
+    @classmethod
+    def prefill(
+        cls, slots: torch.Tensor, q_lens: list[int], fresh: list[bool], cu_seqlens: torch.Tensor, fla: bool
+    ) -> StateStep:
+        """`cu_seqlens` (S + 1,) int32 on the device: the offsets of the prefill's sequences."""
+        step = cls(slots, q_lens=q_lens, fresh=fresh, fla=fla)
+        if fla:
+            step.cu_seqlens = cu_seqlens
+            step.cu_seqlens_cpu = torch.tensor([0, *itertools.accumulate(q_lens)])
+            step.fresh_rows = host_to_device(torch.tensor(fresh), slots.device)
+        return step
+
+    @classmethod
+    def decode(cls, slots: torch.Tensor, writes: torch.Tensor | None, fla: bool) -> StateStep:
+        return cls(slots, writes=slots if writes is None else writes, fla=fla)
+
+
+def split_heads(conv: torch.Tensor, shape: LinearAttentionShape) -> tuple[torch.Tensor, ...]:
+    """The conv's output (N, C) as q, k (N, Hk, Dk) and v (N, Hv, Dv): channels [q | k | v]."""
+    s, rows = shape, conv.shape[0]
+    key = s.key_heads * s.key_dim
+    q, k, v = conv.split([key, key, s.value_heads * s.value_dim], dim=-1)
+    return (
+        q.reshape(rows, s.key_heads, s.key_dim),
+        k.reshape(rows, s.key_heads, s.key_dim),
+        v.reshape(rows, s.value_heads, s.value_dim),
+    )
+
+
 def linear_attention(
     layer: dict[str, torch.Tensor],
     x: torch.Tensor,
     shape: LinearAttentionShape,
     conv_state: torch.Tensor,
     delta_state: torch.Tensor,
-    slots: torch.Tensor,
-    q_lens: list[int] | None,
-    fresh: list[bool] | None,
+    step: StateStep,
     eps: float,
-    writes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One Gated DeltaNet layer over the normed input x (N, hidden) -> (N, hidden), stepping the states.
-
-    Decode (`q_lens` None): row b is one token of the sequence in slot `slots[b]`, whose stepped state
-    goes to slot `writes[b]` (default `slots`; scratch 0 leaves a finished row's slot as it was).
-    Prefill: sequence i has `q_lens[i]` consecutive tokens and slot `slots[i]`, and starts from zeros
-    where `fresh[i]`.
-    `conv_state` (slots, C, K - 1) and `delta_state` (slots, Hv, Dk, Dv) are this layer's, written in place.
-    g = -exp(A_log) · softplus(a + dt_bias) and β = sigmoid(b) per token and value head.
-    """
-    # transformers releases before Qwen3.5 lack the module; only a hybrid model needs it
-    from transformers.models.qwen3_5.modeling_qwen3_5 import (
-        torch_chunk_gated_delta_rule,
-        torch_recurrent_gated_delta_rule,
-    )
-
+    """One Gated DeltaNet layer over the normed input x (N, hidden) -> (N, hidden), stepping the states
+    of `step`'s slots. `conv_state` (slots, C, K - 1) and `delta_state` (slots, Hv, Dk, Dv) are this
+    layer's, written in place. g = -exp(A_log) · softplus(a + dt_bias) and β = sigmoid(b) per token and
+    value head."""
     s = shape
-    key = s.key_heads * s.key_dim
     mixed = F.linear(x, layer["lin_qkv"])  # (N, C)
     z = F.linear(x, layer["lin_z"]).view(-1, s.value_heads, s.value_dim)
     beta = F.linear(x, layer["lin_b"]).sigmoid()  # (N, Hv)
-    g = -layer["lin_a_log"].float().exp() * F.softplus(
-        F.linear(x, layer["lin_a"]).float() + layer["lin_dt_bias"]
-    )
+    g = decay(F.linear(x, layer["lin_a"]), layer["lin_a_log"], layer["lin_dt_bias"])
     weight = layer["lin_conv"].view(s.channels, s.kernel)
-    if q_lens is None:  # decode: B rows of one token
-        rows = x.shape[0]
-        conv, window = causal_conv(conv_state.index_select(0, slots), mixed[:, None], weight)
-        writes = slots if writes is None else writes
-        conv_state.index_copy_(0, writes, window.to(conv_state.dtype))
-        q, k, v = conv[:, 0].split([key, key, s.value_heads * s.value_dim], dim=-1)
-        out, state = torch_recurrent_gated_delta_rule(
-            q.reshape(rows, 1, s.key_heads, s.key_dim),
-            k.reshape(rows, 1, s.key_heads, s.key_dim),
-            v.reshape(rows, 1, s.value_heads, s.value_dim),
-            g=g[:, None],
-            beta=beta[:, None],
-            initial_state=delta_state.index_select(0, slots),
+    if step.fla:
+        mixer = _fla_decode if step.q_lens is None else _fla_prefill
+    else:
+        mixer = _torch_decode if step.q_lens is None else _torch_prefill
+    core = mixer(mixed, weight, g, beta, s, conv_state, delta_state, step)  # (N, Hv, Dv)
+    normed = gated_rms_norm(core.to(x.dtype), z, layer["lin_norm"], eps)
+    return F.linear(normed.reshape(x.shape[0], -1), layer["lin_out"])
+
+
+def _fla_prefill(
+    mixed: torch.Tensor,
+    weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    shape: LinearAttentionShape,
+    conv_state: torch.Tensor,
+    delta_state: torch.Tensor,
+    step: StateStep,
+) -> torch.Tensor:
+    """Every sequence of the prefill in one varlen conv and one varlen chunked delta rule, each from its
+    slot (zeros where fresh), each's final state back to its slot."""
+    slots, fresh = step.slots, step.fresh_rows
+    window = conv_state.index_select(0, slots).masked_fill_(fresh[:, None, None], 0)
+    conv, window = conv_varlen(mixed, weight, step.cu_seqlens, window, step.cu_seqlens_cpu)
+    conv_state.index_copy_(0, slots, window.to(conv_state.dtype))
+    q, k, v = split_heads(conv, shape)
+    initial = delta_state.index_select(0, slots).masked_fill_(fresh[:, None, None, None], 0)
+    core, final = delta_rule_varlen(q, k, v, g, beta, step.cu_seqlens, initial, True, step.cu_seqlens_cpu)
+    delta_state.index_copy_(0, slots, final.to(delta_state.dtype))
+    return core
+
+
+def _fla_decode(
+    mixed: torch.Tensor,
+    weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    shape: LinearAttentionShape,
+    conv_state: torch.Tensor,
+    delta_state: torch.Tensor,
+    step: StateStep,
+) -> torch.Tensor:
+    """One token a row: the conv stepped over the row's window, the delta rule in place in the slots."""
+    conv, window = conv_step(mixed, conv_state.index_select(0, step.slots), weight)
+    conv_state.index_copy_(0, step.writes, window.to(conv_state.dtype))
+    q, k, v = split_heads(conv, shape)
+    return delta_rule_step(q, k, v, g, beta, delta_state, step.slots, step.writes)
+
+
+def _torch_decode(
+    mixed: torch.Tensor,
+    weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    shape: LinearAttentionShape,
+    conv_state: torch.Tensor,
+    delta_state: torch.Tensor,
+    step: StateStep,
+) -> torch.Tensor:
+    """The torch reference of `_fla_decode`: transformers' recurrent delta rule over gathered states."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    conv, window = causal_conv(conv_state.index_select(0, step.slots), mixed[:, None], weight)
+    conv_state.index_copy_(0, step.writes, window.to(conv_state.dtype))
+    q, k, v = split_heads(conv[:, 0], shape)
+    out, state = torch_recurrent_gated_delta_rule(
+        q[:, None],
+        k[:, None],
+        v[:, None],
+        g=g[:, None],
+        beta=beta[:, None],
+        initial_state=delta_state.index_select(0, step.slots),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    delta_state.index_copy_(0, step.writes, state.float())
+    return out[:, 0]  # (B, Hv, Dv)
+
+
+def _torch_prefill(
+    mixed: torch.Tensor,
+    weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    shape: LinearAttentionShape,
+    conv_state: torch.Tensor,
+    delta_state: torch.Tensor,
+    step: StateStep,
+) -> torch.Tensor:
+    """The torch reference of `_fla_prefill`: one sequence at a time, transformers' chunked delta rule."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    outs, start = [], 0
+    for i, length in enumerate(step.q_lens):
+        slot = step.slots[i : i + 1]
+        span = slice(start, start + length)
+        start += length
+        fresh = step.fresh[i]
+        window = torch.zeros_like(conv_state[:1]) if fresh else conv_state.index_select(0, slot)
+        conv, window = causal_conv(window, mixed[None, span], weight)
+        conv_state.index_copy_(0, slot, window.to(conv_state.dtype))
+        q, k, v = split_heads(conv[0], shape)
+        out, state = torch_chunk_gated_delta_rule(
+            q[None],
+            k[None],
+            v[None],
+            g=g[None, span],
+            beta=beta[None, span],
+            initial_state=None if fresh else delta_state.index_select(0, slot),
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
         )
-        delta_state.index_copy_(0, writes, state.float())
-        core = out[:, 0]  # (B, Hv, Dv)
-    else:
-        outs, start = [], 0
-        for i, length in enumerate(q_lens):
-            slot = slots[i : i + 1]
-            span = slice(start, start + length)
-            start += length
-            window = torch.zeros_like(conv_state[:1]) if fresh[i] else conv_state.index_select(0, slot)
-            conv, window = causal_conv(window, mixed[None, span], weight)
-            conv_state.index_copy_(0, slot, window.to(conv_state.dtype))
-            q, k, v = conv[0].split([key, key, s.value_heads * s.value_dim], dim=-1)
-            initial = None if fresh[i] else delta_state.index_select(0, slot)
-            out, state = torch_chunk_gated_delta_rule(
-                q.reshape(1, length, s.key_heads, s.key_dim),
-                k.reshape(1, length, s.key_heads, s.key_dim),
-                v.reshape(1, length, s.value_heads, s.value_dim),
-                g=g[None, span],
-                beta=beta[None, span],
-                initial_state=initial,
-                output_final_state=True,
-                use_qk_l2norm_in_kernel=True,
-            )
-            delta_state.index_copy_(0, slot, state.float())
-            outs.append(out[0])
-        core = torch.cat(outs)  # (N, Hv, Dv)
-    normed = gated_rms_norm(core.to(x.dtype), z, layer["lin_norm"], eps)
-    return F.linear(normed.reshape(x.shape[0], -1), layer["lin_out"])
+        delta_state.index_copy_(0, slot, state.float())
+        outs.append(out[0])
+    return torch.cat(outs)  # (N, Hv, Dv)

@@ -1,0 +1,166 @@
+"""Gated DeltaNet's sequence kernels on the GPU: flash-linear-attention (`fla`, the `linear-attention`
+extra) for the causal depthwise conv and the gated delta rule, over many sequences in one varlen call.
+
+`use_fla(device)` decides: fla's Triton kernels on CUDA where the package imports; elsewhere (the CPU,
+or fla not installed) the callers run their torch reference (transformers' `torch_chunk_gated_delta_rule`
+and `torch_recurrent_gated_delta_rule`, F.conv1d), which the kernels are tested against.
+
+Layouts are fla's, as transformers' Qwen3.5 calls it: a stream of N tokens of S sequences laid end to
+end, `cu_seqlens` (S + 1,) their offsets; q, k (N, Hk, Dk) and v (N, Hv, Dv) with Hv a multiple of Hk
+(value head h reads key head h // (Hv / Hk), transformers' `repeat_interleave`); g the log-decay (N, Hv)
+float32; β in (0, 1); q and k L2-normed inside the kernel (eps 1e-6) and q scaled by Dk^-1/2; the
+delta-rule state (Hv, Dk, Dv) float32. fla's conv state holds the last K inputs, the engine's the last
+K - 1 (the oldest is never read): the wrappers pad and trim.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+def runs_fla(device_type: str, importable: bool) -> bool:
+    """fla's kernels run on CUDA only (Triton), and only where the package imports."""
+    return device_type == "cuda" and importable
+
+
+@functools.cache
+def fla_importable() -> bool:
+    """Whether flash-linear-attention's kernels import here (a broken install says why, once)."""
+    try:
+        import fla.modules.causal_conv1d
+        import fla.ops.gated_delta_rule
+        import fla.ops.kda.fused_recurrent  # noqa: F401
+    except ImportError:
+        return False
+    except Exception as error:  # an install that fails past the import (a Triton it does not match)
+        logger.warning(
+            "flash-linear-attention does not load (%r): linear attention runs its torch path", error
+        )
+        return False
+    return True
+
+
+def use_fla(device: torch.device) -> bool:
+    """Whether Gated DeltaNet layers on `device` run fla's kernels (else the torch reference)."""
+    return runs_fla(device.type, device.type == "cuda" and fla_importable())
+
+
+def decay(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """The delta rule's log-decay per token and value head: g = -exp(A_log) · softplus(a + dt_bias),
+    float32 (a (..., Hv) in the model dtype; as transformers computes it, so that fp16 keeps A finite)."""
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+
+
+def conv_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """SiLU of the causal depthwise conv of each sequence of the stream x (N, C), weight (C, K):
+    y_t = silu(Σ_j w[:, j] · u_{t + j}), u = [window | x_seq] (the window of K - 1 inputs before the
+    sequence: zeros, or `initial` (S, C, K - 1)). Returns (y (N, C), each sequence's last K - 1 inputs
+    (S, C, K - 1), or None without `initial`). Differentiable in x and weight."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    state = None if initial is None else F.pad(initial.to(x.dtype), (1, 0))  # fla's (S, C, K)
+    y, final = causal_conv1d(
+        x[None],
+        weight,
+        activation="silu",
+        initial_state=state,
+        output_final_state=initial is not None,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+    return y[0], None if final is None else final[..., 1:]
+
+
+def conv_step(
+    x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token a row: y = silu(Σ_j w[:, j] · [window | x]_j) for x (B, C) after `window` (B, C, K - 1);
+    returns (y (B, C), the new window (B, C, K - 1): the last K - 1 of [window | x])."""
+    from fla.modules.causal_conv1d import causal_conv1d_update
+
+    cache = F.pad(window.to(x.dtype), (1, 0)).contiguous()  # fla's (B, C, K), stepped in place
+    y, cache = causal_conv1d_update(x, cache, weight=weight, activation="silu")
+    return y, cache[..., 1:]
+
+
+def delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial: torch.Tensor | None = None,
+    output_final: bool = False,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule over each sequence of the stream, chunked (fla's `chunk_gated_delta_rule`):
+    S_t = exp(g_t) S_{t-1} + k_t β_t (v_t - exp(g_t) S_{t-1}ᵀ k_t)ᵀ, o_t = S_tᵀ q_t / sqrt(Dk), q and k
+    L2-normed, S_0 zeros or `initial` (S, Hv, Dk, Dv). Returns (o (N, Hv, Dv) in v's dtype, the final
+    states (S, Hv, Dk, Dv) float32 with `output_final`). Differentiable (fla's own backward)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    out, final = chunk_gated_delta_rule(
+        q[None],
+        k[None],
+        v[None],
+        g=g[None],
+        beta=beta[None],
+        initial_state=initial,
+        output_final_state=output_final,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+    return out[0], final
+
+
+def delta_rule_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    reads: torch.Tensor,
+    writes: torch.Tensor,
+) -> torch.Tensor:
+    """One delta-rule step a row, in place in the slot pool `states` (slots, Hv, Dk, Dv) float32: row b
+    starts from slot `reads[b]` and leaves its new state in slot `writes[b]`; returns o (B, Hv, Dv).
+
+    q, k (B, Hk, Dk), v (B, Hv, Dv), g, β (B, Hv). The kernel is fla's fused recurrent KDA decode
+    (vLLM's continuous-batching kernel), whose per-key-channel decay the scalar g fills along Dk: with
+    exp(g) on every channel its step is the gated delta rule's. Its state indices are (read, write) by
+    way of its speculative-decoding form: each row lists two slots and `num_accepted_tokens` = 2 makes
+    it start from the second and write its one token's state to the first."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    rows, heads, key_dim = q.shape[0], v.shape[1], k.shape[-1]
+    indices = torch.stack([writes, reads], dim=1)  # (B, 2)
+    accepted = torch.full((rows,), 2, dtype=torch.int32, device=q.device)
+    gate = g.float()[:, None, :, None].expand(rows, 1, heads, key_dim).contiguous()  # (B, 1, Hv, Dk)
+    out, _ = fused_recurrent_kda_fwd(
+        q[:, None].contiguous(),
+        k[:, None].contiguous(),
+        v[:, None].contiguous(),
+        g=gate,
+        beta=beta[:, None].contiguous(),
+        initial_state=states,
+        inplace_final_state=True,
+        ssm_state_indices=indices,
+        num_accepted_tokens=accepted,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out[:, 0]

@@ -1,0 +1,38 @@
+"""bench/hybrid.py: its smoke run on the CPU (tiny shapes of both families, the torch path) measures both
+models' engine and GRPO step, splits the hybrid's engine time by token mixer, and reports its recurrent
+state as the engine holds it and as doctor's memory estimate counts it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from hybrid import main
+
+
+def test_the_smoke_run_reports_every_figure(tmp_path: Path) -> None:
+    summary_path = tmp_path / "hybrid.json"
+    args = ["--smoke", "--work", str(tmp_path / "work"), "--data", str(tmp_path / "no-gsm8k")]
+    assert main([*args, "--json", str(summary_path)]) == 0
+    summary = json.loads(summary_path.read_text())
+    assert summary["fla"] is False and summary["grpo_data"].endswith("work/data")  # the built-in prompts
+    hybrid, dense = summary["qwen3.5-0.8b"], summary["qwen3-0.6b"]
+    for model in (hybrid, dense):
+        assert model["engine"]["native_tok_per_s"] > 0
+        assert model["grpo"]["step_s"] > 0 and len(model["grpo"]["steps_s"]) == 2, model["grpo"]
+    split = hybrid["engine"]["split"]
+    kinds = {
+        f"{kind}/{phase}" for kind in ("linear_attention", "attention") for phase in ("prefill", "decode")
+    }
+    assert set(split["mixers_s"]) == kinds and all(s > 0 for s in split["mixers_s"].values())
+    assert abs(sum(split["share"].values()) + split["rest_share"] - 1) < 0.01 and split["rest_share"] > 0
+    # tiny shape: 3 Gated DeltaNet layers of 4 value heads of 16 x 16 (float32) and a conv window of 3 x 128
+    # channels (bf16 in the engine's count); a slot per row (8) + 2
+    per_sequence = 3 * (4 * 16 * 16 * 4 + 128 * 3 * 2)
+    assert hybrid["engine"]["recurrent_state"]["bytes_per_sequence"] == per_sequence
+    assert hybrid["engine"]["recurrent_state"]["engine_slots"] == 10
+    assert list(hybrid["memory_estimate"]) == ["recurrent states of the linear-attention layers (514 slots)"]
+    assert "split" not in dense["engine"] and "memory_estimate" not in dense
+    assert summary["ratio_hybrid_over_dense"]["grpo_step_s"] > 0
