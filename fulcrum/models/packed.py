@@ -440,6 +440,11 @@ def packed_hidden_states(
     """
     ids, positions = packed.input_ids[None], packed.position_ids[None]  # (1, N)
     hidden = base.embed_tokens(ids)  # (1, N, H)
+    if not torch.is_grad_enabled():
+        # Transformers' gradient checkpointing hooks the embedding to flag its output as requiring grad, a
+        # flag no-grad work never reads but the compiled regions guard on: the first region's input alone
+        # would carry it, and compile a graph of its own in every no-grad pass's process.
+        hidden = hidden.detach()
     kinds = getattr(base.rotary_emb, "layer_types", None)  # Gemma 3, OLMo 3: a table per layer type
     if kinds is None:
         position_embeddings = base.rotary_emb(hidden, positions)
