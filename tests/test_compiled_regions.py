@@ -3,7 +3,8 @@
 Each compile of a decoder layer or a log-softmax chunk is paid again by every new process (a run's first
 step, each `fulcrum tune` trial): a pass must compile its graph once whatever its micro-batches' sizes, and
 the passes that differ only in what no compiled op reads (the `requires_grad` flag of a tensor no chunk or
-no-grad region records autograd for) must share one graph.
+no-grad region records autograd for) must share one graph. A checkpointed region must compile whole: after a
+graph break inside it dynamo runs the layers eagerly, silently.
 
 The CPU's packed attention reads the longest sequence on the host (a graph break of its own), so these
 tests give the layers an opaque varlen attention op, as CUDA's flash kernel is to dynamo.
@@ -131,6 +132,19 @@ def test_a_no_grad_pass_compiles_its_layers_once(model_dir: Path, opaque_attenti
             for seed, rows in enumerate((4, 2, 5))
         ]
     assert len(set(sizes)) == 3  # three token counts
+    assert graphs() == 1
+
+
+def test_a_checkpointed_update_compiles_its_layers_whole(model_dir: Path, opaque_attention: None) -> None:
+    """Train mode with gradients: the layers checkpointed inside one compiled graph, micro-batches of other
+    sizes included. The attention module's forward sets a context variable (transformers' kernels hub
+    wrapper), a side effect dynamo refuses to replay in the recomputation by default: the region broke
+    and its layers ran eagerly."""
+    model = compiled_model(model_dir)
+    model.train()
+    for seed, rows in enumerate((4, 2, 5)):
+        packed_hidden_states(model.model, micro_batch(rows, seed)).square().mean().backward()
+    assert not counters["graph_break"]
     assert graphs() == 1
 
 
