@@ -16,6 +16,8 @@ logits of a micro-batch are never held whole. Gradients, per row (g_lp, g_H the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fulcrum.models.head_logits import head_logits
@@ -91,12 +93,14 @@ def _chunk_logit_grad(
 _CHUNK_FNS = {"forward": _chunk_forward, "grad": _chunk_logit_grad}
 
 
-def use_compiled_chunks(enabled: bool, options: dict[str, object] | None = None) -> None:
-    """Switch the per-chunk functions to `torch.compile`d ones (dynamic chunk sizes, inductor `options`)
-    or back."""
+def use_compiled_chunks(
+    enabled: bool, options: dict[str, object] | None = None, backend: str | Callable[..., object] = "inductor"
+) -> None:
+    """Switch the per-chunk functions to `torch.compile`d ones (dynamic chunk sizes, `backend` with
+    inductor `options`) or back."""
     if enabled:
-        _CHUNK_FNS["forward"] = torch.compile(_chunk_forward, dynamic=True, options=options)
-        _CHUNK_FNS["grad"] = torch.compile(_chunk_logit_grad, dynamic=True, options=options)
+        _CHUNK_FNS["forward"] = torch.compile(_chunk_forward, dynamic=True, backend=backend, options=options)
+        _CHUNK_FNS["grad"] = torch.compile(_chunk_logit_grad, dynamic=True, backend=backend, options=options)
     else:
         _CHUNK_FNS.update(forward=_chunk_forward, grad=_chunk_logit_grad)
 
@@ -111,7 +115,13 @@ def _forward_chunks(
     rows: int,
     fp32: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(log p (M,), lse (M,), entropy (M,) or None), at least float32."""
+    """(log p (M,), lse (M,), entropy (M,) or None), at least float32.
+
+    The chunks record no autograd (no-grad passes, or inside `_LinearLogSoftmax.forward`), so their
+    inputs go detached: the compiled chunk guards on `requires_grad`, which differs between callers (an
+    actor's weights and a frozen reference's, hidden states in an update), and would compile per caller."""
+    hidden, weight = hidden.detach(), weight.detach()
+    bias = bias.detach() if bias is not None else None
     parts = [
         _CHUNK_FNS["forward"](
             hidden[s : s + rows], weight, bias, labels[s : s + rows], inv_temp, with_entropy, fp32

@@ -291,6 +291,26 @@ def layer_compile_options(
     return compile_options(backend, base.config, next(base.parameters()).device.type, cpp_wrapper)
 
 
+# Dynamo's switch that lets a checkpointed region's forward have side effects (not replayed by the
+# recomputation). Transformers' kernels hub wrapper (the `kernels` package, a dependency of transformers
+# 5.25) sets and resets a context variable around each attention module's forward: by default dynamo
+# refuses that inside a checkpoint, the graph breaks in the regions' loop, and every checkpointed layer runs
+# eagerly, with no warning. The set and its reset leave nothing behind for a recomputation to need.
+CHECKPOINT_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
+def compile_region(
+    fn: Callable[..., torch.Tensor], backend: str | Callable[..., object], options: dict[str, object] | None
+) -> Callable[..., torch.Tensor]:
+    """`torch.compile(fn)` with dynamic sizes, whose tracing lets a checkpointed layer's forward have
+    side effects (`CHECKPOINT_SIDE_EFFECTS`, where the installed torch has the switch; set for its calls
+    only)."""
+    compiled = torch.compile(fn, dynamic=True, backend=backend, options=options)
+    if not hasattr(torch._dynamo.config, CHECKPOINT_SIDE_EFFECTS):
+        return compiled
+    return torch._dynamo.config.patch({CHECKPOINT_SIDE_EFFECTS: True})(compiled)
+
+
 def compile_decoder_layers(
     base: nn.Module,
     backend: str = "inductor",
@@ -318,11 +338,8 @@ def compile_decoder_layers(
     base.fulcrum_regions = [
         layers[i : i + layers_per_region] for i in range(0, len(layers), layers_per_region)
     ]
-    base.fulcrum_compiled_run = torch.compile(
-        run_decoder_layers,
-        dynamic=True,
-        backend=backend,
-        options=layer_compile_options(base, backend, cpp_wrapper),
+    base.fulcrum_compiled_run = compile_region(
+        run_decoder_layers, backend, layer_compile_options(base, backend, cpp_wrapper)
     )
 
 
@@ -341,7 +358,7 @@ def compile_inside_layers(base: nn.Module, backend: str = "inductor", cpp_wrappe
     """
     checkpointed = take_over_checkpointing(base)  # transformers' wrapper would sit outside FSDP's hooks
     options = layer_compile_options(base, backend, cpp_wrapper)
-    compiled = torch.compile(run_layer_body, dynamic=True, backend=backend, options=options)
+    compiled = compile_region(run_layer_body, backend, options)
     for layer in base.layers[: base.config.num_hidden_layers]:
         layer.forward = functools.partial(
             _packed_layer_call, compiled, layer, type(layer).forward, checkpointed
@@ -440,6 +457,11 @@ def packed_hidden_states(
     """
     ids, positions = packed.input_ids[None], packed.position_ids[None]  # (1, N)
     hidden = base.embed_tokens(ids)  # (1, N, H)
+    if not torch.is_grad_enabled():
+        # Transformers' gradient checkpointing hooks the embedding to flag its output as requiring grad, a
+        # flag no-grad work never reads but the compiled regions guard on: the first region's input alone
+        # would carry it, and compile a graph of its own in every no-grad pass's process.
+        hidden = hidden.detach()
     kinds = getattr(base.rotary_emb, "layer_types", None)  # Gemma 3, OLMo 3: a table per layer type
     if kinds is None:
         position_embeddings = base.rotary_emb(hidden, positions)
