@@ -11,6 +11,7 @@ model's. `estimate()` returns every phase, itemised:
     generation    = resident + engine weights (2P) + engine workspace + KV cache
     forward pass  = resident + engine weights + bf16 compute weights (2P)
                     + T·2h (the residual stream) + max(T·2(h + 3I), one bf16 logits block)
+                    (old log-probs, the reference's log-probs at its own micro-batch, values)
     update        = resident + engine weights + fp32 gradients (4P) + bf16 compute weights (2P)
                     + their bf16 gradients (2P) + activations + (actor) the LM head's blocks
                     - the other model's AdamW state (one process with a critic, with
@@ -411,6 +412,22 @@ def estimate(
         phases.append(
             forward_phase(
                 "old log-prob forward", actor.trained, actor_rows, base, shape, sizes, True, graphed["actor"]
+            )
+        )
+    if uses_reference:  # its own model, or a LoRA actor's forwards with the adapters off
+        ref_params, ref_graphed = (
+            (actor.trained, graphed["actor"]) if actor.lora else (p_actor, graphed["reference"])
+        )
+        phases.append(
+            forward_phase(
+                "reference log-prob forward",
+                ref_params,
+                sizes.forward_rows["reference"],
+                base,
+                shape,
+                sizes,
+                True,
+                ref_graphed,
             )
         )
     if uses_critic:
