@@ -70,3 +70,34 @@ def test_the_chosen_split_launch_matches_gather_sdpa_over_long_contexts() -> Non
     expected = ops.decode_attention_gather(q, k_cache, v_cache, tables, context, width * block, block, 0.125)
     got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, context, block, 0.125)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(
+    not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
+    reason="the engine's Triton path on the CPU needs triton and TRITON_INTERPRET=1",
+)
+def test_an_engine_with_a_long_max_model_len_decodes_as_the_torch_path() -> None:
+    """max_model_len 2,100 lets a batch of two sequences split (2 programs a pair); the greedy tokens are
+    the torch path's."""
+    import dataclasses
+
+    from fulcrum.rollout import SamplingParams
+    from fulcrum.rollout.native import EngineConfig, NativeEngine
+    from fulcrum.rollout.testing import random_causal_lm
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (1_100, 200)]
+    config = EngineConfig(
+        max_num_seqs=2, max_model_len=2_100, num_kv_blocks=160, decode_steps=2, dtype=torch.float32
+    )
+    model = random_causal_lm("qwen2", init_std=0.2)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    expected = NativeEngine(
+        model, [1], 0, dataclasses.replace(config, triton_kernels=False), torch.device("cpu")
+    )
+    engine = NativeEngine(
+        model, [1], 0, dataclasses.replace(config, triton_kernels=True), torch.device("cpu")
+    )
+    width = engine.runner.max_blocks_per_seq * engine.runner.block_size
+    assert decode_splits(2, model.config.num_key_value_heads, width, kernels.DEFAULT_SM_COUNT) == 2
+    assert engine.generate(prompts, params).token_ids == expected.generate(prompts, params).token_ids
