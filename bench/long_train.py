@@ -21,11 +21,14 @@ old-log-prob pass runs, as in a run with several mini-batches).
 Phases, in a step's order, after one call of each (the warm step: compilation, the graphs' captures): the
 old log-probs (`ActorWorker.compute_log_prob`, with the entropy), the reference's log-probs
 (`ReferenceWorker.compute_ref_log_prob`) and the update (`ActorWorker.update_policy`, one epoch). Each phase
-empties the allocator's cache, resets the peak statistics, then runs bench/passes.py's `warm_up` and
-`--repeat` timed calls (`timed_call`): the median seconds, tokens/s, and the phase's peaks,
-`torch.cuda.max_memory_allocated` and `max_memory_reserved`. Replayed micro-batches run inside the
-graphs' memory pool, which is reserved, not allocated, outside a capture: the reserved peak is the
-phase's footprint, and the estimate is compared with it (and with the allocated one beside it).
+empties the allocator's cache, resets the peak statistics, then runs bench/passes.py's `warm_up` (at most
+`--warmup-calls`, 2: the warm step ran each pass once) and `--repeat` timed calls (`timed_call`): the median
+seconds, tokens/s, and the phase's peaks, `torch.cuda.max_memory_allocated` and `max_memory_reserved`.
+Replayed micro-batches run inside the graphs' memory pool, which is reserved, not allocated, outside a
+capture: the reserved peak is a warm phase's footprint. A capture first runs its micro-batch eagerly (its
+blocks stay cached beside the pool), so the warm step's reserved peak is the run's; doctor's estimate counts
+both the pool and a phase's own activations, i.e. that step: the warm step is compared with the estimate's
+largest phase, each warm phase with its own (allocated beside reserved).
 
 MFU: the trainer's `estimate_train_flops` (6·N·T + 12·Σℓ²·d·H·L, verl's) over the update's seconds and the
 card's dense bf16 peak (`fulcrum.trainer.metrics.device_peak_flops`: H100 and H200 989 TFLOP/s); a forward
@@ -160,7 +163,7 @@ def measure_phase(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     print(f"{name}:", flush=True)
-    warm_up(fn, args.warmup_s)
+    warm_up(fn, args.warmup_s, max_warmup=args.warmup_calls)
     times = []
     for _ in range(args.repeat):
         if times and time.perf_counter() - started + times[-1] > args.deadline_s:
@@ -290,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument(
         "--warmup-s", type=float, default=5.0, help="passes.warm_up's seconds after the first"
+    )
+    parser.add_argument(
+        "--warmup-calls", type=int, default=2, help="passes.warm_up's most calls (after the warm step's one)"
     )
     parser.add_argument("--deadline-s", type=float, default=390.0, help="no phase starts after it")
     parser.add_argument("--device-gib", type=float, default=80.0, help="the device the CPU smoke plans for")
