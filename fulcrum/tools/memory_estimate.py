@@ -415,21 +415,9 @@ def estimate(
             )
         )
     if uses_reference:  # its own model, or a LoRA actor's forwards with the adapters off
-        ref_params, ref_graphed = (
-            (actor.trained, graphed["actor"]) if actor.lora else (p_actor, graphed["reference"])
-        )
-        phases.append(
-            forward_phase(
-                "reference log-prob forward",
-                ref_params,
-                sizes.forward_rows["reference"],
-                base,
-                shape,
-                sizes,
-                True,
-                ref_graphed,
-            )
-        )
+        n_ref, ref_role = (actor.trained, "actor") if actor.lora else (p_actor, "reference")
+        name, rows = "reference log-prob forward", sizes.forward_rows["reference"]
+        phases.append(forward_phase(name, n_ref, rows, base, shape, sizes, True, graphed[ref_role]))
     if uses_critic:
         phases.append(
             forward_phase(
