@@ -5,7 +5,7 @@ fractions of the card's memory and compute rooflines.
     python bench/long_context.py --smoke --json /tmp/lc.json # the same code on the CPU at tiny shapes
 
 Rows: Qwen3-0.6B's and Qwen2.5-0.5B's shapes (bench/shapes.py; random bf16 weights) at contexts of 8k,
-16k and 2k tokens (in that order, so that the issue's 8k figures come first if the deadline cuts the
+16k and 2k tokens (in that order: the 8k figures, those with targets, come first if the deadline cuts the
 rest). A row: as many prompts of `context` random tokens as the KV cache holds at that length (at most
 `--max-seqs`, 512), each then decoding `--new-tokens` (128) with EOS ignored, temperature 1. The engine:
 `gpu_memory_utilization` 0.9, prefill steps of 16,384 tokens (`max_num_batched_tokens`, so a 16k prompt
