@@ -410,6 +410,40 @@ def test_reference_and_hf_backend_in_the_estimate(files: Path) -> None:
     assert generation.items["KV cache of generate (bf16)"] == 512 * 768 * 24 * 2 * 2 * 64 * 2
 
 
+def test_the_reference_pass_is_a_phase_at_its_own_micro_batch(files: Path) -> None:
+    """The trainer runs the reference's log-probs as a pass of their own, micro-batched by the ref's keys:
+    at 128 rows of 768 tokens against the old log-probs' 16 its hidden states and working set are 8x, and it
+    is the largest forward."""
+    shape = model_shape(QWEN25_05B)
+    keys = [*seed_command(files), NO_GRAPHS, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=128"]
+    est = estimate(
+        load_config(keys),
+        shape,
+        140 * 2**30,
+        True,
+        uses_critic=True,
+        uses_reference=True,
+        responses_per_device=512,
+    )
+    phases = {p.name: p for p in est.phases}
+    ref, old = phases["reference log-prob forward"], phases["old log-prob forward"]
+    tokens = 128 * 768
+    assert ref.items["hidden states, micro-batch of 128 x 768 tokens"] == 2 * shape.hidden * tokens
+    assert ref.items["one layer's working set"] == 2 * (shape.hidden + 3 * shape.intermediate) * tokens
+    assert ref.items["bf16 compute weights"] == 2 * param_count(shape)  # the reference's own copies
+    assert ref.total > old.total
+    without = estimate(
+        load_config(keys),
+        shape,
+        140 * 2**30,
+        True,
+        uses_critic=True,
+        uses_reference=False,
+        responses_per_device=512,
+    )
+    assert "reference log-prob forward" not in {p.name for p in without.phases}
+
+
 def test_the_kv_cache_leaves_the_engine_workspace_room_on_a_full_card(files: Path) -> None:
     """The engine sizes its cache from what is free before its workspace exists: a cache that took all of
     it less 1 GiB would leave a prefill step or the sampler no room (the estimate said 27.1 GiB in

@@ -35,11 +35,18 @@ PROMPT, RESPONSE = (60, 150), 256
 
 
 def decode_batch(
-    sequences: int, heads: int, kv_heads: int, dim: int, device: torch.device, seed: int = 0
+    sequences: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    device: torch.device,
+    seed: int = 0,
+    context: tuple[int, int] = (PROMPT[0], PROMPT[1] + RESPONSE),
 ) -> dict:
-    """One decode step's inputs: q, the paged caches, block tables and context lengths."""
+    """One decode step's inputs: q, the paged caches, block tables and context lengths (drawn uniformly
+    from `context`'s [low, high), the rollout's by default)."""
     gen = torch.Generator().manual_seed(seed)
-    lens = torch.randint(PROMPT[0], PROMPT[1] + RESPONSE, (sequences,), generator=gen)
+    lens = torch.randint(context[0], context[1], (sequences,), generator=gen)
     blocks_per_seq = (lens + BLOCK - 1) // BLOCK
     width = int(blocks_per_seq.max())
     total = int(blocks_per_seq.sum()) + 1

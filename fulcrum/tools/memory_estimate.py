@@ -11,6 +11,7 @@ model's. `estimate()` returns every phase, itemised:
     generation    = resident + engine weights (2P) + engine workspace + KV cache
     forward pass  = resident + engine weights + bf16 compute weights (2P)
                     + T·2h (the residual stream) + max(T·2(h + 3I), one bf16 logits block)
+                    (old log-probs, the reference's log-probs at its own micro-batch, values)
     update        = resident + engine weights + fp32 gradients (4P) + bf16 compute weights (2P)
                     + their bf16 gradients (2P) + activations + (actor) the LM head's blocks
                     - the other model's AdamW state (one process with a critic, with
@@ -413,6 +414,10 @@ def estimate(
                 "old log-prob forward", actor.trained, actor_rows, base, shape, sizes, True, graphed["actor"]
             )
         )
+    if uses_reference:  # its own model, or a LoRA actor's forwards with the adapters off
+        n_ref, ref_role = (actor.trained, "actor") if actor.lora else (p_actor, "reference")
+        name, rows = "reference log-prob forward", sizes.forward_rows["reference"]
+        phases.append(forward_phase(name, n_ref, rows, base, shape, sizes, True, graphed[ref_role]))
     if uses_critic:
         phases.append(
             forward_phase(

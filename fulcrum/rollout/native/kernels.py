@@ -232,10 +232,67 @@ def next_pow2(n: int) -> int:
 
 
 # The paged decode kernel's launch: TILE positions a loop iteration, SPLITS programs a (sequence, KV head)
-# (flash-decoding; 1: the kernel writes the output itself), and Triton's num_warps and num_stages
-# (absent: Triton's defaults). A tuned value, one launch for every model shape:
-# `bench/tools/attention_sweep.py` times the alternatives on a GPU.
-DECODE_LAUNCH: dict[str, int] = {"TILE": 64, "SPLITS": 1, "num_warps": 1, "num_stages": 4}
+# (flash-decoding; 1: the kernel writes the output itself; 0: chosen per launch by `decode_splits`), and
+# Triton's num_warps and num_stages (absent: Triton's defaults). A tuned value, one launch for every model
+# shape: `bench/tools/attention_sweep.py` times the alternatives on a GPU.
+DECODE_LAUNCH: dict[str, int] = {"TILE": 64, "SPLITS": 0, "num_warps": 1, "num_stages": 4}
+# `decode_splits`' rule. Programs wanted in a launch, per SM: a one-warp program holding a few K/V tiles in
+# flight (num_stages) leaves room for one or two such programs on an SM, and a launch of a few waves of
+# long programs idles every SM but a few in its last wave, so the grid is made several waves deep.
+SPLIT_PROGRAMS_PER_SM = 8
+# The fewest context positions a split reads when the context fills the block table: below this the
+# partial outputs and the combine kernel cost more than the programs they add (short contexts never split).
+SPLIT_MIN_POSITIONS = 1024
+MAX_SPLITS = 16
+# The SM count assumed off CUDA (Triton's interpreter), an H100's.
+DEFAULT_SM_COUNT = 132
+
+
+def decode_splits(batch: int, kv_heads: int, max_context: int, sm_count: int) -> int:
+    """Programs a (sequence, KV head) for the paged decode kernel (flash-decoding's split count):
+
+        s = the smallest power of two with batch · kv_heads · s ≥ SPLIT_PROGRAMS_PER_SM · sm_count,
+            at most max(1, max_context // SPLIT_MIN_POSITIONS) and MAX_SPLITS
+
+    `max_context`: the longest context a row can hold (the block table's width in positions, or a sliding
+    window's). Fixed when a CUDA graph is captured, so it is a bound, not the step's context: the kernel
+    shares each row's tiles out over the splits by the row's own length. A decode batch of many sequences
+    keeps one program a pair (the sweeps found splits slower at 512 sequences of a few hundred tokens);
+    few sequences of long contexts get more programs, each reading a share."""
+    cap = max(1, min(MAX_SPLITS, max_context // SPLIT_MIN_POSITIONS))
+    pairs = max(1, batch * kv_heads)
+    splits = 1
+    while splits < cap and pairs * splits < SPLIT_PROGRAMS_PER_SM * sm_count:
+        splits *= 2
+    return min(splits, cap)
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's SM count (DEFAULT_SM_COUNT off CUDA), read once a device."""
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def decode_launch(
+    batch: int,
+    kv_heads: int,
+    max_context: int,
+    device: torch.device,
+    launch: dict[str, int] | None = None,
+) -> dict[str, int]:
+    """The paged decode kernel's launch for a batch: DECODE_LAUNCH with `launch`'s keys over it, SPLITS 0
+    resolved by `decode_splits` on `device`'s SMs."""
+    params = {**DECODE_LAUNCH, **(launch or {})}
+    if params["SPLITS"] == 0:
+        params["SPLITS"] = decode_splits(batch, kv_heads, max_context, sm_count(device))
+    return params
 
 
 def _decode(
@@ -256,7 +313,8 @@ def _decode(
     """Launch _paged_decode_kernel (and, with SPLITS > 1, _decode_combine_kernel) into `out`."""
     batch, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
-    params = {**DECODE_LAUNCH, **(launch or {})}
+    max_context = block_tables.shape[1] * block_size
+    params = decode_launch(batch, num_kv_heads, min(max_context, window or max_context), q.device, launch)
     splits = params["SPLITS"]
     if splits > 1:
         part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -293,7 +351,7 @@ def paged_decode_attention(
     launch: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Triton twin of ops.decode_attention_gather. q: (B, Hq, D); caches (slots, Hkv, D) -> (B, Hq, D).
-    `launch` overrides DECODE_LAUNCH's keys (TILE, SPLITS, num_warps, num_stages)."""
+    `launch` overrides DECODE_LAUNCH's keys (TILE, SPLITS, num_warps, num_stages; `decode_launch`)."""
     return _decode(
         q, (k_cache, v_cache), (k_cache.stride(0), k_cache.stride(1)), None, block_tables, context_lens,
         block_size, scale, torch.empty_like(q) if out is None else out, window, q.dtype, k_cache.shape[1],

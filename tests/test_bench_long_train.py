@@ -1,0 +1,51 @@
+"""bench/long_train.py: the micro-batches are the largest that doctor's estimate fits on the card, and the
+smoke path on the CPU runs the warm step and the three phases and reports every figure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from long_train import doctor_estimate, largest_fitting, load, main, phase_totals
+from train_step import make_model
+
+GiB = 1024**3
+
+
+def test_a_smaller_card_gets_smaller_update_micro_batches(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "model", shape="qwen3-0.6b", tiny=True)
+    args = argparse.Namespace(
+        model=model, prompt_width=300, response=64, rows=0, smoke=True, overrides=[], max_seqs=4, fill=0.8
+    )
+    big = 80 * GiB
+    assert largest_fitting(args, big) == (4, 4)  # a tiny model: every size fits
+    # A card where the estimated update of 2 sequences does not fit and that of 1 does.
+    one, two = (phase_totals(doctor_estimate(load(args, k, k), big, 2 * k))["update_actor"] for k in (1, 2))
+    small = (one + two) / 2 / args.fill
+    k_update, k_forward = largest_fitting(args, small)
+    assert k_update == 1 and k_forward > 1  # a forward holds less than an update
+    keys = load(args, 3, 5).actor_rollout_ref
+    assert keys.actor.use_dynamic_bsz and keys.actor.ppo_max_token_len_per_gpu == 3 * 364
+    assert keys.ref.log_prob_max_token_len_per_gpu == keys.rollout.log_prob_max_token_len_per_gpu == 5 * 364
+
+
+def test_the_smoke_run_measures_every_phase(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    summary_path = tmp_path / "summary.json"
+    assert main(["--smoke", "--out", str(tmp_path / "out"), "--json", str(summary_path)]) == 0
+    summary = json.loads(summary_path.read_text())
+    assert summary["micro_batch_sequences"] == {"update": 2, "forwards": 2}
+    assert summary["rows"] == 4 and summary["sequence_tokens"]["max"] <= 300 + 64
+    assert "actor_rollout_ref.model.enable_gradient_checkpointing=True" in summary["keys"]
+    assert set(summary["phases"]) == {"old_log_prob", "ref_log_prob", "update_actor"}
+    for phase in summary["phases"].values():
+        assert phase["seconds"] > 0 and phase["tokens_per_s"] > 0 and phase["estimate_gib"] > 0
+        assert phase["peak_reserved_gib"] is None and phase["mfu"] is None  # no GPU here: said, not invented
+    # The warm step (compiles, captures) is compared with the estimate's largest phase.
+    assert summary["warm_step"]["estimate_gib"] == max(p["estimate_gib"] for p in summary["phases"].values())
+    out = capsys.readouterr().out
+    assert "| update_actor |" in out and "| warm step (compiles, captures) |" in out
