@@ -19,10 +19,11 @@ heads of 256; hidden 1024, intermediate 3584, vocabulary 248,320, tied embedding
 - for the hybrid: one more generate with CUDA events around every layer's token mixer, summed by kind and
   phase: `linear_attention` (projections, the conv and the delta rule (fla's kernels), the gated norm, the
   output projection) and `attention` (projections, RoPE, paged attention, output) in prefill and decode;
-  the rest of the generate is MLPs, norms, the LM head, sampling and the host. (The dense model decodes
-  through CUDA graphs, which no host-side event can split.) And its recurrent state: bytes a sequence,
-  the engine's slots at this run's max_num_seqs, and the line of doctor's memory estimate for the GRPO
-  step's configuration.
+  the rest of the generate is MLPs, norms, the LM head, sampling and the host. Decode replays CUDA
+  graphs, which no host-side event can split: this generate runs eagerly (graphs off for it), so its
+  shares are those of an eager generate, slower than the throughput above. And its recurrent state:
+  bytes a sequence, the engine's slots at this run's max_num_seqs, and the line of doctor's memory
+  estimate for the GRPO step's configuration.
 """
 
 from __future__ import annotations
@@ -131,9 +132,11 @@ class MixerTimes:
 
 
 def mixer_split(engine, prompts: list[list[int]], params: SamplingParams, device: torch.device) -> dict:
-    """One generate with every token mixer's calls timed: seconds by kind and phase, their share of it."""
+    """One eager generate (events cannot split a graph's replay) with every token mixer's calls timed:
+    seconds by kind and phase, their share of it."""
     times = MixerTimes(device)
-    model = engine.model
+    model, graphs = engine.model, engine.runner.use_graphs
+    engine.runner.use_graphs = False
     linear = decoder_module.linear_attention
     decoder_module.linear_attention = times.wrap(
         linear, lambda a: "linear_attention/" + ("decode" if a[5].q_lens is None else "prefill")
@@ -146,6 +149,7 @@ def mixer_split(engine, prompts: list[list[int]], params: SamplingParams, device
     finally:
         decoder_module.linear_attention = linear
         del model._attention
+        engine.runner.use_graphs = graphs
     spent = {k: round(v, 4) for k, v in sorted(times.seconds().items())}
     inside = sum(spent.values())
     return {

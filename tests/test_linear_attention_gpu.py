@@ -1,8 +1,9 @@
 """Gated DeltaNet on CUDA with flash-linear-attention (the `linear-attention` extra), against the torch
 reference on the CPU: the engine's varlen prefill (sequences fresh and continuing their slots, across
 fla's 64-token chunks) and its in-place decode step; the trainer's packed log-probs and gradients
-(Qwen3.5, and Qwen3-Next's fused projections); and the engine's greedy tokens against Hugging Face's
-`generate` on the same device, in float32 and bfloat16 where it applies.
+(Qwen3.5, and Qwen3-Next's fused projections); the engine's greedy tokens (Triton kernels, decode CUDA
+graphs) against Hugging Face's `generate` on the same device; and the engine's graphed decode against
+its eager decode through held turns and a sleep; in float32 and bfloat16 where it applies.
 
 Float32 compares to float32 with Triton's and cuBLAS's TF32 off (Triton's own switch, TRITON_F32_DEFAULT,
 set for these tests only); bfloat16 compares to the float32 reference, the torch path's own bfloat16
@@ -12,6 +13,8 @@ error setting the bar where one exists.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 
 import pytest
 import torch
@@ -168,7 +171,9 @@ def test_native_greedy_equals_hf_generate_on_cuda(arch: str) -> None:
     model.generation_config.eos_token_id = None  # every response runs 64 tokens on both sides
     prompts = prompts_of([1, 40, 9, 150])
     engine = NativeEngine(model, [EOS], 0, engine_config(max_model_len=256), CUDA)
+    assert engine.runner.use_triton and engine.runner.use_graphs
     out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    assert engine.runner.graphs  # decode replayed captured graphs
     for prompt, tokens in zip(prompts, out.token_ids, strict=True):
         with torch.no_grad():
             expected = model.generate(
@@ -179,3 +184,84 @@ def test_native_greedy_equals_hf_generate_on_cuda(arch: str) -> None:
                 pad_token_id=0,
             )[0, len(prompt) :].tolist()
         assert tokens == expected
+
+
+def run_all(engine: NativeEngine) -> dict[int, list[int]]:
+    """Step until nothing is in flight; each finished turn's tokens by its id."""
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({out.seq_id: out.token_ids for out in engine.step()})
+    return done
+
+
+def bucket(sizes: list[int], batch: int) -> int:
+    """The smallest graph bucket that holds `batch` rows (`ModelRunner.padded_batch` with graphs)."""
+    return next(size for size in sizes if size >= batch)
+
+
+def conversation(engine: NativeEngine) -> dict[str, object]:
+    """Greedy turns through the engine: two held conversations beside a longer request (one stops at a
+    stop id mid-window, one at its max_tokens), their next turns (prefilling only the new tokens, from
+    the states their slots kept), a sleep while the old recurrent states are still referenced (so the
+    new ones land elsewhere), a third turn (the conversations recomputed) and a generate of 2 samples
+    of 6 prompts (forks). Returns every turn's tokens, and whether the graphs were dropped at the
+    wake-up and captured again by the end."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first, second, longer = prompts_of([13, 9, 20], seed=3)
+    probe = engine.generate([first], params).token_ids[0]
+    stop = next(t for k, t in enumerate(probe) if k >= 5 and t not in probe[:k])
+    tokens: dict[str, object] = {"probe": probe}
+    engine.seed_requests(params)
+    a = engine.add_request(first, dataclasses.replace(params, stop_token_ids=[stop]), keep=True)
+    b = engine.add_request(second, dataclasses.replace(params, max_tokens=6), keep=True)
+    engine.add_request(longer, dataclasses.replace(params, max_tokens=40))
+    tokens["turn 1"] = run_all(engine)
+    assert tokens["turn 1"][a][-1] == stop and len(tokens["turn 1"][a]) < 24
+    tool = [5, 6, 7]
+    for seq_id in (a, b):
+        engine.resume(seq_id, tool, params, keep=True)
+    tokens["turn 2"] = run_all(engine)
+    held = engine.runner.states
+    engine.sleep()
+    engine.wake_up()
+    tokens["dropped"] = not engine.runner.graphs
+    assert engine.runner.states.delta.data_ptr() != held.delta.data_ptr()
+    del held
+    for seq_id in (a, b):
+        engine.resume(seq_id, tool, params)
+    tokens["turn 3"] = run_all(engine)
+    prompts = prompts_of([1, 40, 9, 150, 3, 70], seed=4)
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=32, ignore_eos=True))
+    tokens["generate"] = out.token_ids
+    tokens["captured"] = bool(engine.runner.graphs)
+    return tokens
+
+
+@pytest.mark.parametrize("indirect", [False, True], ids=["cache-address", "indirect-cache"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
+def test_graphed_decode_equals_eager_decode_through_held_turns_and_a_sleep(
+    arch: str, dtype: torch.dtype, indirect: bool
+) -> None:
+    """The engine with its decode CUDA graphs samples, token for token, what the same engine samples
+    eagerly: through held turns (a row whose turn ended steps the scratch slot for the rest of its
+    window, and its slot carries the state into the next turn) and a wake-up that puts the recurrent
+    states elsewhere (the graphs, whose kernels hold the states' address, are dropped and recaptured,
+    also where the KV cache is read through its device-held address). The eager engine runs each
+    decode step over the same padded rows as the graph's bucket, so that both run the same kernels on
+    the same shapes and bfloat16 compares exactly too."""
+    require_model_type(arch)
+    model = arch_model(arch, NEXT_SHAPE if arch == "qwen3_next" else SHAPE, seed=1, init_std=0.1).to(CUDA)
+    config = engine_config(dtype=dtype, indirect_kv_cache=indirect, free_cache_engine=False)
+    runs = {}
+    for eager in (True, False):
+        engine = NativeEngine(model, [EOS], 0, dataclasses.replace(config, enforce_eager=eager), CUDA)
+        runner = engine.runner
+        assert runner.use_triton and runner.use_graphs == (not eager)
+        assert (runner.indirect is not None) == (indirect and not eager)
+        if eager:  # the graphs' buckets: padding rows read and write the scratch block and state slot
+            runner.padded_batch = functools.partial(bucket, runner.capture_sizes)
+        runs[eager] = conversation(engine)
+        dropped, captured = runs[eager].pop("dropped"), runs[eager].pop("captured")
+        assert (dropped and captured) == (not eager)
+    assert runs[False] == runs[True]

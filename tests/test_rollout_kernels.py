@@ -91,6 +91,14 @@ def test_fused_norms_rope_and_swiglu_match_torch(dtype):
     torch.testing.assert_close(
         kernels.add_rms_norm(x, None, weight, 1e-6), ops.rms_norm(x, weight, 1e-6), **tol(dtype)
     )
+    # (1 + w) norms (Gemma, Qwen3.5): the weights stored as w - 1, the product taken in fp32
+    torch.testing.assert_close(
+        kernels.add_rms_norm(x, None, weight, 1e-6, 1.0), ops.rms_norm(x, weight, 1e-6, 1.0), **tol(dtype)
+    )
+    summed = residual.clone()
+    expected_out, expected_residual = ops.add_rms_norm(x, summed, weight, 1e-6, 1.0)
+    torch.testing.assert_close(kernels.add_rms_norm(x, summed, weight, 1e-6, 1.0), expected_out, **tol(dtype))
+    torch.testing.assert_close(summed, expected_residual, **tol(dtype))
 
     tokens, heads, kv_heads, dim = 7, 14, 2, 64
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEVICE, dtype=dtype)
@@ -112,10 +120,13 @@ def test_fused_norms_rope_and_swiglu_match_torch(dtype):
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), ops.silu_and_mul(gate_up), **tol(dtype))
 
 
+@pytest.mark.parametrize("rotary", [64, 16, 24], ids=["whole-heads", "partial-16-of-64", "partial-24-of-64"])
 @pytest.mark.parametrize("indirect", [False, True], ids=["cache-tensor", "indirect-cache"])
-def test_rope_and_store_kv_rotates_and_writes_the_cache_like_rope_then_index_copy(indirect):
+def test_rope_and_store_kv_rotates_and_writes_the_cache_like_rope_then_index_copy(indirect, rotary):
     """The fused kernel leaves q and k rotated in place and k, v at their slots of the layer's planes,
-    exactly as the rotation (ops.apply_rope) then the cache's index_copy_ do; other slots and layers untouched."""
+    exactly as the rotation (ops.apply_rope) then the cache's index_copy_ do; other slots and layers
+    untouched. A table narrower than the head (partial RoPE, Qwen3.5's quarter) rotates the first dims
+    and passes the rest through, in q and in the cached k (24: a half-width of 12, no power of two)."""
     from fulcrum.rollout.native import kernels
 
     torch.manual_seed(0)
@@ -126,10 +137,11 @@ def test_rope_and_store_kv_rotates_and_writes_the_cache_like_rope_then_index_cop
     v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
     positions = torch.tensor([0, 7, 3, 30, 12], device=DEVICE)
     slot_mapping = torch.tensor([4, 17, 0, 39, 22], device=DEVICE)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary, 2, device=DEVICE).float() / rotary))
     cos_sin = ops.rope_cos_sin(inv_freq, 64, 1.0)
+    assert cos_sin.shape[-1] == rotary
     cache = torch.randn(layers, 2, slots, kv_heads, dim, device=DEVICE)
-    expected_cache = cache.clone()
+    expected_cache, projected = cache.clone(), qkv.clone()
     expected_q, expected_k = ops.apply_rope(q, positions, cos_sin), ops.apply_rope(k, positions, cos_sin)
     expected_cache[1, 0].index_copy_(0, slot_mapping, expected_k)
     expected_cache[1, 1].index_copy_(0, slot_mapping, v)
@@ -141,6 +153,11 @@ def test_rope_and_store_kv_rotates_and_writes_the_cache_like_rope_then_index_cop
     torch.testing.assert_close(q, expected_q, **tol(torch.float32))
     torch.testing.assert_close(k, expected_k, **tol(torch.float32))
     torch.testing.assert_close(cache, expected_cache, **tol(torch.float32))
+    if rotary < dim:  # the tail of each head as projected, in q, k and the cached k
+        assert torch.equal(
+            q[..., rotary:], projected[:, : heads * dim].view(tokens, heads, dim)[..., rotary:]
+        )
+        assert torch.equal(cache[1, 0, slot_mapping, :, rotary:], expected_k[..., rotary:])
 
 
 def test_sampler_follows_the_tempered_distribution_and_greedy_is_argmax():
@@ -390,3 +407,38 @@ def test_the_engine_never_reads_a_kv_slot_before_writing_it():
     assert engine.stats["preemptions"] > 0
     assert poisoned.token_ids == expected
     assert all(torch.isfinite(torch.tensor(lp)).all() for lp in poisoned.logprobs)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
+def test_a_hybrid_engine_on_its_triton_kernels_samples_the_torch_paths_tokens(arch):
+    """Qwen3.5 and Qwen3-Next run the engine's Triton kernels in their attention layers (RoPE on a
+    quarter of each head, the rest passed through into the cache), their (1 + w) norms and the sampler,
+    beside the Gated DeltaNet layers; the greedy tokens are the torch path's, through chunked prefill,
+    forks, preemption and re-prefill, with the KV cache poisoned with NaN (never zero-filled there)."""
+    from arch_checks import GATED_DELTANET_SHAPE, arch_model, require_model_type
+
+    from fulcrum.rollout import SamplingParams
+    from fulcrum.rollout.native import EngineConfig, NativeEngine
+
+    require_model_type(arch)
+    shape = dict(GATED_DELTANET_SHAPE, num_hidden_layers=4)
+    if arch == "qwen3_next":
+        shape |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        shape |= dict(shared_expert_intermediate_size=48)
+    model = arch_model(arch, shape, seed=1, init_std=0.1).to(DEVICE)
+    assert model.config.rope_parameters["partial_rotary_factor"] < 1
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in [1, 40, 7, 23]]
+    config = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=10, decode_steps=4,
+        dtype=torch.float32,
+    )  # fmt: skip
+    params = SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True)
+    reference = NativeEngine(model, [1], 0, dataclasses.replace(config, triton_kernels=False), DEVICE)
+    expected = reference.generate(prompts, params).token_ids
+    engine = NativeEngine(model, [1], 0, dataclasses.replace(config, triton_kernels=True), DEVICE)
+    assert engine.runner.use_triton and engine.runner.states is not None
+    engine.wake_up()
+    engine.runner.kv_cache.fill_(float("nan"))
+    assert engine.generate(prompts, params).token_ids == expected
+    assert engine.stats["preemptions"] > 0

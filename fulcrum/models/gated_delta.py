@@ -11,6 +11,11 @@ end, `cu_seqlens` (S + 1,) their offsets; q, k (N, Hk, Dk) and v (N, Hv, Dv) wit
 float32; β in (0, 1); q and k L2-normed inside the kernel (eps 1e-6) and q scaled by Dk^-1/2; the
 delta-rule state (Hv, Dk, Dv) float32. fla's conv state holds the last K inputs, the engine's the last
 K - 1 (the oldest is never read): the wrappers pad and trim.
+
+The decode step's kernels (`conv_step`, `delta_rule_step`) size their launches from the tensors' shapes
+alone and read no value on the host, so the engine's decode CUDA graphs capture them; the conv's kernel
+autotunes on its first call for each (C, K), which a capture's warm-up run makes. The varlen kernels
+(prefill, training) size theirs from the sequence lengths on the host.
 """
 
 from __future__ import annotations

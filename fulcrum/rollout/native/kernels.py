@@ -126,10 +126,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _add_rms_norm_kernel(
-        x_ptr, residual_ptr, weight_ptr, out_ptr, eps, hidden, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
-    ):
-        # out = weight * rmsnorm(x + residual); residual <- x + residual (rounded to the model dtype first,
-        # as the unfused HF code does).
+        x_ptr, residual_ptr, weight_ptr, out_ptr, eps, hidden,
+        HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # out = (OFFSET + weight) * rmsnorm(x + residual); residual <- x + residual (rounded to the model
+        # dtype first, as the unfused HF code does). OFFSET 0: the normed x is rounded to the model dtype
+        # before the weight (HF's LlamaRMSNorm); else the product is taken in fp32 and rounded once
+        # (HF's (1 + w) norms: Gemma, Qwen3.5), as ops.rms_norm.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < hidden
@@ -140,35 +143,47 @@ if HAVE_TRITON:
             x = total
         x32 = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / hidden + eps)
-        normed = (x32 * rstd).to(x_ptr.dtype.element_ty)
         weight = tl.load(weight_ptr + cols, mask=ok, other=0.0)
-        tl.store(out_ptr + row * hidden + cols, weight * normed, mask=ok)
+        if OFFSET == 0:
+            out = weight * (x32 * rstd).to(x_ptr.dtype.element_ty)
+        else:
+            out = (x32 * rstd * (weight.to(tl.float32) + OFFSET)).to(x_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * hidden + cols, out, mask=ok)
 
     @triton.jit
     def _rope_kernel(
         q_ptr, k_ptr, positions_ptr, cos_sin_ptr, stride_q_tok, stride_k_tok, num_q_heads, num_k_heads,
         v_ptr, stride_v_tok, slots_ptr, cache_ptr, cache_addr_ptr, k_offset, v_offset,
-        HALF: tl.constexpr, HEADS_PAD: tl.constexpr, INDIRECT: tl.constexpr, CACHE_DTYPE: tl.constexpr,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+        HEADS_PAD: tl.constexpr, INDIRECT: tl.constexpr, CACHE_DTYPE: tl.constexpr,
     ):  # fmt: skip
-        # In place on q (N, Hq, D) and k (N, Hkv, D) rows that may be strided views of one qkv buffer;
-        # then the rotated k and v (N, Hkv, D) written at each token's cache slot (K plane at k_offset,
-        # V plane at v_offset, elements from the cache's start; the start read on the device when
-        # INDIRECT, as the paged kernel does): the K/V write costs no kernel of its own (a decode step
-        # would otherwise launch two index_copy_ a layer).
+        # In place on q (N, Hq, D) and k (N, Hkv, D) rows that may be strided views of one qkv buffer:
+        # the first 2 * HALF of each head's HEAD_DIM dims rotate (rotate-half over that width), the rest
+        # pass through (partial RoPE: Qwen3.5, Qwen3-Next). Then k and v (N, Hkv, D) written whole at
+        # each token's cache slot (K plane at k_offset, V plane at v_offset, elements from the cache's
+        # start; the start read on the device when INDIRECT, as the paged kernel does): the K/V write
+        # costs no kernel of its own (a decode step would otherwise launch two index_copy_ a layer).
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions_ptr + tok)
-        half = tl.arange(0, HALF)
-        cos = tl.load(cos_sin_ptr + pos * 2 * HALF + half)[None, :]
-        sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + half)[None, :]
+        half = tl.arange(0, HALF_PAD)
+        half_ok = (half < HALF)[None, :]
+        cos = tl.load(cos_sin_ptr + pos * 2 * HALF + half, mask=half < HALF, other=0.0)[None, :]
+        sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + half, mask=half < HALF, other=0.0)[None, :]
         heads = tl.arange(0, HEADS_PAD)
-        k_ok = (heads < num_k_heads)[:, None]
-        in_row = heads[:, None] * (2 * HALF) + half[None, :]  # a head's first half, within a token's row
+        dims = tl.arange(0, DIM_PAD)
+        k_heads = (heads < num_k_heads)[:, None]
+        in_row = heads[:, None] * HEAD_DIM + half[None, :]  # a head's first rotated half, within a row
+        whole = heads[:, None] * HEAD_DIM + dims[None, :]  # every dim of a head, within a row
+        whole_ok = k_heads & (dims < HEAD_DIM)[None, :]
         if INDIRECT:
             cache_ptr = tl.multiple_of(tl.load(cache_addr_ptr), 16).to(tl.pointer_type(CACHE_DTYPE))
-        slot_row = cache_ptr + tl.load(slots_ptr + tok).to(tl.int64) * (num_k_heads * 2 * HALF) + in_row
-        v_first = v_ptr + tok * stride_v_tok + in_row
-        tl.store(slot_row + v_offset, tl.load(v_first, mask=k_ok, other=0.0), mask=k_ok)
-        tl.store(slot_row + v_offset + HALF, tl.load(v_first + HALF, mask=k_ok, other=0.0), mask=k_ok)
+        slot = cache_ptr + tl.load(slots_ptr + tok).to(tl.int64) * (num_k_heads * HEAD_DIM)
+        v_row = tl.load(v_ptr + tok * stride_v_tok + whole, mask=whole_ok, other=0.0)
+        tl.store(slot + v_offset + whole, v_row, mask=whole_ok)
+        if 2 * HALF < HEAD_DIM:  # k's dims past the rotated ones go to the cache as they are
+            tail = whole_ok & (dims >= 2 * HALF)[None, :]
+            k_tail = tl.load(k_ptr + tok * stride_k_tok + whole, mask=tail, other=0.0)
+            tl.store(slot + k_offset + whole, k_tail, mask=tail)
         for which in tl.static_range(2):
             if which == 0:
                 base = q_ptr + tok * stride_q_tok
@@ -176,7 +191,7 @@ if HAVE_TRITON:
             else:
                 base = k_ptr + tok * stride_k_tok
                 count = num_k_heads
-            ok = (heads < count)[:, None]
+            ok = (heads < count)[:, None] & half_ok
             first_ptr = base + in_row
             x1 = tl.load(first_ptr, mask=ok, other=0.0)
             x2 = tl.load(first_ptr + HALF, mask=ok, other=0.0)
@@ -185,8 +200,8 @@ if HAVE_TRITON:
             tl.store(first_ptr, y1, mask=ok)
             tl.store(first_ptr + HALF, y2, mask=ok)
             if which == 1:
-                tl.store(slot_row + k_offset, y1, mask=ok)
-                tl.store(slot_row + k_offset + HALF, y2, mask=ok)
+                tl.store(slot + k_offset + in_row, y1, mask=ok)
+                tl.store(slot + k_offset + in_row + HALF, y2, mask=ok)
 
     @triton.jit
     def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
@@ -379,14 +394,15 @@ def paged_decode_attention_indirect(
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float = 0.0
 ) -> torch.Tensor:
-    """Triton twin of ops.rms_norm / ops.add_rms_norm; with a residual, it is updated in place to x + residual."""
+    """Triton twin of ops.rms_norm / ops.add_rms_norm (`offset`: 1 for (1 + w) norms); with a residual,
+    it is updated in place to x + residual."""
     rows, hidden = x.shape
     out = torch.empty_like(x)
     _add_rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, eps, hidden,
-        HAS_RESIDUAL=residual is not None, BLOCK=next_pow2(hidden),
+        HAS_RESIDUAL=residual is not None, OFFSET=float(offset), BLOCK=next_pow2(hidden),
     )  # fmt: skip
     return out
 
@@ -404,8 +420,11 @@ def rope_and_store_kv(
     """Triton twin of ops.apply_rope on q (N, Hq, D) and k (N, Hkv, D), in place (rows may be strided),
     and the rotated k and v (N, Hkv, D) written at `slots` (N,) of layer `layer` of `cache`: a (layers,
     2, slots, Hkv, D) tensor, or an IndirectCache. One kernel for the rotation and the cache's two
-    index_copy_."""
+    index_copy_. A `cos_sin` table (P, R) narrower than D rotates the first R dims of each head and
+    passes the rest through (partial RoPE), as ops.apply_rope."""
     tokens, num_q_heads, head_dim = q.shape
+    half = cos_sin.shape[-1] // 2
+    assert 2 * half <= head_dim and cos_sin.is_contiguous()
     kv_heads = k.shape[1]
     for t in (q, k, v):
         assert t.stride(2) == 1 and t.stride(1) == head_dim
@@ -420,8 +439,8 @@ def rope_and_store_kv(
     _rope_kernel[(tokens,)](
         q, k, positions, cos_sin, q.stride(0), k.stride(0), num_q_heads, kv_heads,
         v, v.stride(0), slots, tensor, address, k_offset, v_offset,
-        HALF=head_dim // 2, HEADS_PAD=next_pow2(max(num_q_heads, kv_heads)), INDIRECT=indirect,
-        CACHE_DTYPE=_TL_DTYPES[dtype],
+        HALF=half, HALF_PAD=next_pow2(half), HEAD_DIM=head_dim, DIM_PAD=next_pow2(head_dim),
+        HEADS_PAD=next_pow2(max(num_q_heads, kv_heads)), INDIRECT=indirect, CACHE_DTYPE=_TL_DTYPES[dtype],
     )  # fmt: skip
 
 

@@ -1,10 +1,12 @@
-"""The owner of the paged KV cache and of the decode CUDA graphs that point into it.
+"""The owner of the paged KV cache (and a hybrid model's recurrent states) and of the decode CUDA graphs
+that point into them.
 
 `ModelRunner` sizes the cache, takes it (`allocate_cache`, at every wake-up) and gives it back
 (`free_cache`, at every sleep), copies blocks for forks, and runs one decode step over its static inputs
-(`input_ids`, `positions`, `context_lens`, `block_tables`, which `launcher.Launcher` fills): by replaying
-the CUDA graph captured for the smallest batch-size bucket that holds the batch (padded rows write into
-the scratch block 0 and are ignored), else eagerly.
+(`input_ids`, `positions`, `context_lens`, `block_tables`, and a hybrid model's `state_slots` and
+`state_writes`, which `launcher.Launcher` fills): by replaying the CUDA graph captured for the smallest
+batch-size bucket that holds the batch (padded rows write into the scratch block 0 and the scratch state
+slot 0 and are ignored), else eagerly.
 """
 
 from __future__ import annotations
@@ -54,20 +56,22 @@ class ModelRunner:
         self.device = device
         self.block_size = config.block_size
         hybrid = model.linear_shape is not None
-        # The linear-attention layers and partial RoPE run the torch path, eagerly: the Triton rotary kernel
-        # rotates whole heads, and the graphs would hold the recurrent states' address across a sleep.
-        self.use_triton = use_triton_on(device, False if hybrid else config.triton_kernels)
+        self.use_triton = use_triton_on(device, config.triton_kernels)
         model.use_triton = self.use_triton
         model.fp32_logits = config.lm_head_fp32
-        self.use_graphs = device.type == "cuda" and not config.enforce_eager and not hybrid
+        # A hybrid model's decode graphs also hold the recurrent states' address: recaptured after a
+        # wake-up that moved them (`allocate_cache`); their slot inputs below are static.
+        self.use_graphs = device.type == "cuda" and not config.enforce_eager
         # Recurrent-state slots (hybrid models): every decoding sequence, one prompt part-way through a
         # chunked prefill, and the scratch slot 0; a held sequence keeps its slot as it keeps its blocks
         # (a cache: evicted, slot and blocks, when a prompt needs them).
         self.num_state_slots = config.max_num_seqs + 2 if hybrid else 0
         self.states: RecurrentStates | None = None
-        # Decode rows' slots, read and written (`AttentionMetadata.state_writes`).
+        # Decode rows' slots, read and written (`AttentionMetadata.state_writes`); and every row on the
+        # scratch slot, for a capture's warm-up run (`_capture`).
         self.state_slots = torch.zeros(config.max_num_seqs, dtype=torch.long, device=device)
         self.state_writes = torch.zeros(config.max_num_seqs, dtype=torch.long, device=device)
+        self.scratch_slots = torch.zeros(config.max_num_seqs, dtype=torch.long, device=device)
         self.max_blocks_per_seq = config.blocks_per_seq()
         model.ensure_positions(config.max_tokens_per_seq())
         self.num_blocks = model.tp.agree_min(self._cache_blocks(), device)
@@ -78,7 +82,7 @@ class ModelRunner:
             self.indirect = IndirectCache(self._cache_shape(), model.dtype, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None
-        self._graphs_cache_ptr = 0  # the cache address the captured graphs hold (direct mode)
+        self._graphs_addresses: tuple[int, ...] = ()  # what the captured graphs hold (`graph_addresses`)
         self.capture_sizes = config.capture_sizes()
         self.graph_capture_s = 0.0
         max_bs = config.max_num_seqs
@@ -167,17 +171,25 @@ class ModelRunner:
             )  # fmt: skip
         if self.indirect is not None:
             self.indirect.point_to(self.kv_cache)
-        elif self.graphs and self.model.tp.agree_any(
-            self.kv_cache.data_ptr() != self._graphs_cache_ptr, self.device
-        ):
-            # The graphs hold the old cache's address: drop them, the next decodes recapture (every
-            # tensor-parallel rank at once: the capture's warm-up forward all-reduces).
+        addresses = self.graph_addresses()
+        if self.graphs and self.model.tp.agree_any(addresses != self._graphs_addresses, self.device):
+            # The graphs hold the old cache's or states' address: drop them, the next decodes recapture
+            # (every tensor-parallel rank at once: the capture's warm-up forward all-reduces).
             self.release_graphs()
-        self._graphs_cache_ptr = self.kv_cache.data_ptr()
+        self._graphs_addresses = addresses
+
+    def graph_addresses(self) -> tuple[int, ...]:
+        """The device addresses a decode graph captured now would hold: the KV cache's (unless the
+        kernels read it through `indirect`) and the recurrent states' (flash-linear-attention's kernels
+        and the torch path take them as pointers: no indirect form)."""
+        held = () if self.indirect is not None else (self.kv_cache.data_ptr(),)
+        if self.states is not None:
+            held += (self.states.conv.data_ptr(), self.states.delta.data_ptr())
+        return held
 
     def free_cache(self) -> None:
-        """Drop the KV cache. The graphs stay (with their activation pool) until we know whether the
-        next cache lands at the same address (then they are still valid) or not."""
+        """Drop the KV cache and the recurrent states. The graphs stay (with their activation pool) until
+        we know whether the next ones land at the same addresses (then they are still valid) or not."""
         self.kv_cache = None
         self.states = None
         if self.device.type == "cuda":
@@ -195,7 +207,7 @@ class ModelRunner:
             graph.reset()
         self.graphs.clear()
         self.graph_pool = None
-        self._graphs_cache_ptr = 0
+        self._graphs_addresses = ()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """KV data of block src -> block dst for each (src, dst) (forks' private partial blocks)."""
@@ -230,7 +242,9 @@ class ModelRunner:
         graph.replay()
         return logits
 
-    def _decode_forward(self, batch: int, max_context: int) -> torch.Tensor:
+    def _decode_forward(self, batch: int, max_context: int, scratch_states: bool = False) -> torch.Tensor:
+        """The decode step eagerly; with `scratch_states` every row reads and writes the scratch state
+        slot 0 instead of its own (`_capture`'s warm-up)."""
         slots = ops.block_slots(
             self.block_tables, self.row_index[:batch], self.positions[:batch], self.block_size
         )
@@ -244,8 +258,8 @@ class ModelRunner:
             max_context=max_context,
             use_triton=self.use_triton,
             indirect_cache=self.indirect,
-            state_slots=self.state_slots[:batch],
-            state_writes=self.state_writes[:batch],
+            state_slots=(self.scratch_slots if scratch_states else self.state_slots)[:batch],
+            state_writes=(self.scratch_slots if scratch_states else self.state_writes)[:batch],
         )
         hidden = self.model.forward(
             self.input_ids[:batch], self.positions[:batch], self.kv_cache, meta, self.states
@@ -255,11 +269,15 @@ class ModelRunner:
     def _capture(self, batch: int) -> None:
         start = time.perf_counter()
         full_width = self.max_blocks_per_seq * self.block_size  # the gather path's static width
-        # Warm-up runs write the rows' K/V at their current slots: the same values the replay writes.
+        # The warm-up runs the step (compiling the Triton kernels, tuning fla's, settling the allocator),
+        # where nothing it writes may change what the replay computes: a recurrent step is not idempotent,
+        # so its rows step the scratch state slot; it writes each row's K/V at the row's current slot,
+        # which the replay writes again before any read (the warm-up's K/V may differ from the replay's
+        # when a linear layer ran on the scratch state).
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._decode_forward(batch, full_width)  # compile Triton kernels, settle the allocator
+            self._decode_forward(batch, full_width, scratch_states=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):

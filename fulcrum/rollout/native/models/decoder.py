@@ -331,10 +331,10 @@ class DecoderLM:
         if self.use_triton:
             from fulcrum.rollout.native import kernels
 
-            scale = weight + self.norm_offset if self.norm_offset else weight  # Gemma's (1 + w)
+            offset = self.norm_offset  # (1 + w) norms: Gemma, Qwen3.5
             if residual is None:
-                return kernels.add_rms_norm(x, None, scale, self.eps), x
-            return kernels.add_rms_norm(x, residual, scale, self.eps), residual  # residual += x in place
+                return kernels.add_rms_norm(x, None, weight, self.eps, offset), x
+            return kernels.add_rms_norm(x, residual, weight, self.eps, offset), residual  # residual += x
         if residual is None:
             return ops.rms_norm(x, weight, self.eps, self.norm_offset), x
         return ops.add_rms_norm(x, residual, weight, self.eps, self.norm_offset)
