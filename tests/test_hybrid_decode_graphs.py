@@ -1,7 +1,8 @@
 """The host side of a hybrid model's decode graphs (Qwen3.5), on the CPU: a graph captured over the decode
 step holds the recurrent states' addresses, so a wake-up that moves the states drops the graphs (also
 where the KV cache is read through its device-held address), and a capture's warm-up run steps only the
-scratch state slot. The graphs themselves are checked against eager decode on the GPU
+scratch state slot; and which models' decode steps no graph can capture (Qwen3-Next's experts in
+float32 on CUDA). The graphs themselves are checked against eager decode on the GPU
 (`tests/test_linear_attention_gpu.py`)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from arch_checks import CPU, EOS, GATED_DELTANET_SHAPE, arch_model, engine_confi
 from fulcrum.rollout.base import SamplingParams
 from fulcrum.rollout.native import NativeEngine
 from fulcrum.rollout.native.kernels import IndirectCache
-from fulcrum.rollout.native.model_runner import ModelRunner
+from fulcrum.rollout.native.model_runner import ModelRunner, graph_obstacle
 from fulcrum.rollout.native.models.linear_attention import RecurrentStates
 
 
@@ -82,3 +83,23 @@ def test_a_captures_warm_up_steps_only_the_scratch_state_slot(model: torch.nn.Mo
         assert not torch.equal(after[:, 0], was[:, 0])
     runner._decode_forward(2, width)  # the step itself moves the row's slot on
     assert not torch.equal(runner.states.delta[:, slot], before[1][:, slot])
+
+
+def test_no_graph_where_the_experts_products_read_their_row_counts_on_the_host(
+    model: torch.nn.Module,
+) -> None:
+    """On CUDA torch's grouped GEMM takes bf16 only: Qwen3-Next's experts in float32 loop over the
+    experts with each one's row count read on the host, which a graph cannot capture, and the engine
+    says so; in bf16 (and on the CPU, in any dtype) the counts stay on the device. A dense model has
+    no experts to stop it."""
+    shape = dict(GATED_DELTANET_SHAPE, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2)
+    moe = arch_model("qwen3_next", shape | dict(moe_intermediate_size=32, shared_expert_intermediate_size=48))
+    decoder = NativeEngine(moe, [EOS], 0, engine_config(), CPU).model
+    assert graph_obstacle(decoder) is None  # the CPU
+    decoder.device = torch.device("cuda")  # the rule reads the device's type and the dtype only
+    assert "float32 read each expert's row count on the host" in graph_obstacle(decoder)
+    decoder.dtype = torch.bfloat16
+    assert graph_obstacle(decoder) is None
+    dense = NativeEngine(model, [EOS], 0, engine_config(), CPU).model
+    dense.device = torch.device("cuda")
+    assert graph_obstacle(dense) is None

@@ -148,7 +148,7 @@ class NativeEngine:
             config.block_size,
             self.runner.cache_bytes() / 2**30,
             self.runner.use_triton,
-            self.runner.use_graphs,
+            self.runner.graphs_off_reason or self.runner.use_graphs,
         )
 
     # ------------------------------------------------------------------------------ hybrid engine

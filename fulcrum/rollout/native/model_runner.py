@@ -23,6 +23,7 @@ from fulcrum.rollout.native.attention import AttentionMetadata
 from fulcrum.rollout.native.config import EngineConfig
 from fulcrum.rollout.native.kernels import HAVE_TRITON, IndirectCache
 from fulcrum.rollout.native.memory import engine_workspace_bytes, kv_cache_budget
+from fulcrum.rollout.native.models import moe
 from fulcrum.rollout.native.models.decoder import DecoderLM
 from fulcrum.rollout.native.models.linear_attention import RecurrentStates
 
@@ -47,6 +48,21 @@ def use_triton_on(device: torch.device, wanted: bool | None) -> bool:
     return runs if wanted else HAVE_TRITON and device.type == "cuda"
 
 
+def graph_obstacle(model: DecoderLM) -> str | None:
+    """Why a CUDA graph cannot capture `model`'s decode step (it would read a value on the host), or None:
+    expert products in a dtype torch's grouped GEMM does not take (`moe.grouped_mm_runs`)."""
+    if not any("router" in layer for layer in model.layers):
+        return None
+    width = model.expert_range[1] - model.expert_range[0]
+    for row in (min(model.hidden, 2 * width), min(width, model.hidden)):  # gate_up's product, down's
+        if not moe.grouped_mm_runs(model.device.type, model.dtype, row):
+            return (
+                f"the experts' products in {model.dtype} read each expert's row count on the host "
+                "(torch's grouped GEMM takes bf16 on CUDA, rows a multiple of 16 bytes)"
+            )
+    return None
+
+
 class ModelRunner:
     """The KV cache (num_layers, 2, slots, Hkv, D), the decode graphs over it and the inputs they read."""
 
@@ -61,7 +77,8 @@ class ModelRunner:
         model.fp32_logits = config.lm_head_fp32
         # A hybrid model's decode graphs also hold the recurrent states' address: recaptured after a
         # wake-up that moved them (`allocate_cache`); their slot inputs below are static.
-        self.use_graphs = device.type == "cuda" and not config.enforce_eager
+        self.graphs_off_reason = graph_obstacle(model) if device.type == "cuda" else None
+        self.use_graphs = device.type == "cuda" and not config.enforce_eager and not self.graphs_off_reason
         # Recurrent-state slots (hybrid models): every decoding sequence, one prompt part-way through a
         # chunked prefill, and the scratch slot 0; a held sequence keeps its slot as it keeps its blocks
         # (a cache: evicted, slot and blocks, when a prompt needs them).

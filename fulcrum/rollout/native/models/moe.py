@@ -4,7 +4,8 @@ Shapes: N tokens, E experts, k experts per token, H hidden, I an expert's interm
 tensor-parallel rank's share). Expert weights keep Hugging Face's fused layout: gate_up (E, 2I, H),
 down (E, H, I). The N·k (token, expert) pairs are sorted by expert, so each expert's rows are one
 contiguous run and every expert's product is one call of `grouped_matmul`; no step waits for the host
-(counts and offsets stay on the device), so CUDA graphs capture it.
+(counts and offsets stay on the device), so CUDA graphs capture it, where torch's grouped GEMM takes the
+dtype (`grouped_mm_runs`).
 """
 
 from __future__ import annotations
@@ -28,12 +29,18 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
     return weights.to(router_logits.dtype), experts
 
 
-def _grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """torch's grouped GEMM wants rows aligned to 16 bytes and, on CUDA, bf16 (its kernels' type)."""
-    row_bytes = x.element_size() * min(x.shape[-1], weight.shape[1])
-    if not hasattr(F, "grouped_mm") or row_bytes % 16:
+def grouped_mm_runs(device_type: str, dtype: torch.dtype, width: int) -> bool:
+    """Whether `grouped_matmul` takes torch's grouped GEMM for a product whose rows and columns are at
+    least `width` elements of `dtype`: rows aligned to 16 bytes and, on CUDA, bf16 (its kernels' type).
+    Otherwise it loops over the experts with their row counts read on the host, which no CUDA graph
+    can capture."""
+    if not hasattr(F, "grouped_mm") or (width * dtype.itemsize) % 16:
         return False
-    return x.device.type == "cpu" or x.dtype == torch.bfloat16
+    return device_type == "cpu" or dtype == torch.bfloat16
+
+
+def _grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return grouped_mm_runs(x.device.type, x.dtype, min(x.shape[-1], weight.shape[1]))
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
