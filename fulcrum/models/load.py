@@ -67,6 +67,21 @@ def load_causal_lm(
     return model.to(device)
 
 
+def text_model_config(config: Any) -> Any:
+    """The text model's config when `config` is a multimodal model whose causal LM is its text model alone,
+    else None. `AutoModelForCausalLM`'s rule: the class it maps the config to is built from the config's
+    `text_config` class (Qwen3.5's `qwen3_5`, Qwen3_5ForCausalLM over its text config; Gemma 3's
+    `gemma3` maps to the whole multimodal model, so it is not one)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    text_class = getattr(config, "sub_configs", {}).get("text_config")
+    if text_class is None or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return None
+    if getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "config_class", None) is not text_class:
+        return None
+    return config.get_text_config()
+
+
 def load_backbone(
     path: str,
     device: torch.device,
@@ -75,16 +90,26 @@ def load_backbone(
     override_config: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """`AutoModel` (no LM head) in `dtype` (float32 masters by default): the critic's trunk, whose last
-    hidden state feeds a value head; verl's `override_config` set on its config as in `load_causal_lm`."""
+    hidden state feeds a value head; verl's `override_config` set on its config as in `load_causal_lm`.
+    Of a multimodal folder whose causal LM is its text model alone (`text_model_config`), the text model
+    alone, as `load_causal_lm` loads it (no vision tower), with the folder's config kept as its
+    `fulcrum_multimodal_config` (a Hugging Face token classifier of it is the multimodal one's)."""
     path = _check_model_dir(path, key)
     kwargs = overridden(path, key, override_config) or {"config": AutoConfig.from_pretrained(path)}
-    # A causal-LM folder has an lm_head the backbone does not use: expected, so silence the load report.
+    folder_config = kwargs["config"]
+    text = text_model_config(folder_config)
+    if text is not None:  # AutoModel maps the folder's config to the multimodal model
+        kwargs["config"] = text
+    # A causal-LM folder has an lm_head the backbone does not use, a multimodal one a vision tower:
+    # expected, so silence the load report.
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
         model = AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
     finally:
         hf_logging.set_verbosity(previous)
+    if text is not None:
+        model.fulcrum_multimodal_config = folder_config
     return model.to(device)
 
 

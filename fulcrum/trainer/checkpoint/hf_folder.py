@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_model
+from safetensors.torch import load_file, save_file, save_model
 
 from fulcrum.parallel.fsdp import full_named_tensors, is_sharded, load_full_state_dict
 from fulcrum.trainer.checkpoint.layout import CheckpointError
@@ -56,6 +56,11 @@ def save_model_folder(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> 
     state = dict(full_named_tensors(model))  # DTensor shards gathered into whole tensors
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(str(out_dir), state_dict=state)
+    elif getattr(model, "multimodal_config", None) is not None:
+        # a text critic of a multimodal folder: the multimodal model's config and names (value_head)
+        token_classification_config(model.folder_config()).save_pretrained(str(out_dir))
+        named = {model.folder_name(name): tensor.contiguous() for name, tensor in model.state_dict().items()}
+        save_file(named, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     elif hasattr(model, "config") and hasattr(model, "score"):
         token_classification_config(model.config).save_pretrained(str(out_dir))
         save_model(model, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -88,6 +93,8 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
     """Copy the folder's weights into `model` in place. Tied weights (saved once) are allowed to be absent.
     A model sharded by FSDP takes its shards of the whole tensors (every rank calls this)."""
     state = load_safetensors_folder(folder)
+    if hasattr(model, "own_name"):  # a critic's folder may name its backbone as a multimodal model does
+        state = {model.own_name(name): tensor for name, tensor in state.items()}
     own = model.state_dict()  # a sharded model's entries are DTensors: their shapes are the whole ones
     unexpected = sorted(set(state) - set(own))
     if unexpected:
