@@ -1,6 +1,7 @@
 """What LoRA saves: the frozen base held once in the compute dtype (no float32 master, gradient or
 optimiser state), only the adapters (and a critic's value head) as float32 masters with AdamW state;
-and `fulcrum doctor`'s estimate counting it, so a 7B shape fits one H200 with LoRA and not without.
+and `fulcrum doctor`'s estimate counting it (the adapters peft makes, on dense, hybrid and expert
+layers), so a 7B shape fits one H200 with LoRA and not without.
 
 On the CPU the compute dtype is float32; these tests set it to bf16, as on CUDA, to see a GPU run's
 dtypes and bytes (the other LoRA tests keep float32 and exact numerics)."""
@@ -15,12 +16,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from arch_checks import GATED_DELTANET_SHAPE, arch_model, require_model_type
 from helpers import GSM8K_ROW, seed_command
 from test_lora import CPU, cfg_for, perturb, rl_batch
 
 from fulcrum.config.sections import actor_section, critic_section, reference_section
 from fulcrum.models import precision
 from fulcrum.models.arch import model_shape
+from fulcrum.models.lora import Adapters, LoraSettings
 from fulcrum.models.precision import optimizer_state_bytes, parameter_bytes
 from fulcrum.tools import doctor
 from fulcrum.tools.lora_params import adapter_param_count
@@ -154,3 +157,43 @@ def test_doctor_says_a_7b_shape_fits_one_h200_with_lora_only(
     assert "0.30 GiB  actor LoRA adapters (fp32)" in out  # 28 x 32 x 90,112 = 80.7M parameters
     assert "reference weights" not in out  # the reference is the base with the adapters off
     assert adapter_param_count(model_shape(QWEN25_7B), 32, "all-linear") == 80_740_352
+
+
+HYBRID_AND_EXPERT_SHAPES = {
+    "qwen3_5_text": dict(GATED_DELTANET_SHAPE, num_hidden_layers=4),
+    "qwen3_next": dict(
+        GATED_DELTANET_SHAPE, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[2],
+    ),
+    "qwen3_moe": dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", sorted(HYBRID_AND_EXPERT_SHAPES))
+@pytest.mark.parametrize(
+    "targets, exclude",
+    [
+        ("all-linear", None),
+        (["q_proj", "v_proj", "down_proj"], ".*down_proj"),
+        (".*layers.0.*_proj", None),
+        (["in_proj_qkv", "in_proj_qkvz", "in_proj_b", "out_proj", "gate", "gate_proj", "up_proj"], None),
+        ("all-linear", ["in_proj_z", "k_proj", "shared_expert_gate"]),
+    ],
+    ids=["all-linear", "names-and-exclude", "regex", "mixer-and-expert-names", "all-but-some"],
+)
+def test_adapter_count_of_hybrid_and_expert_layers_equals_peft(arch: str, targets, exclude) -> None:
+    """What LoRA wraps on Qwen3.5 (Gated DeltaNet's in_proj_qkv/z/b/a and out_proj, an output-gated
+    q_proj twice as wide), Qwen3-Next (its fused in_proj_qkvz and in_proj_ba, the shared expert's gate)
+    and Qwen3-MoE, whose routers and fused experts peft adapts as parameters (and the target names of
+    the experts' projections no Linear of a dense layer or a shared expert): the estimate's count is
+    the trainable parameter count of the model `Adapters` makes."""
+    require_model_type(arch)
+    model = arch_model(arch, HYBRID_AND_EXPERT_SHAPES[arch])
+    as_key = tuple(targets) if isinstance(targets, list) else targets
+    settings = LoraSettings(rank=4, alpha=8.0, target_modules=as_key, exclude_modules=exclude)
+    adapters = Adapters(model, settings, "unused", base_dtype=FP32)
+    trained = sum(p.numel() for p in adapters.parameters())
+    assert trained > 0
+    assert adapter_param_count(model_shape(model.config), 4, targets, exclude) == trained

@@ -43,10 +43,12 @@ def linear_layers(config: Any) -> list[bool]:
     return [kind == LINEAR_ATTENTION for kind in config_value(config, "layer_types")[:layers]]
 
 
-def linear_shape(config: Any) -> dict[str, int]:
-    """ModelShape's Gated DeltaNet sizes: how many such layers, their key/value heads, head dims, conv."""
+def linear_shape(config: Any) -> dict[str, Any]:
+    """ModelShape's Gated DeltaNet sizes: which layers, their key/value heads, head dims, conv."""
+    layers = linear_layers(config)
     return {
-        "linear_layers": sum(linear_layers(config)),
+        "linear_layers": sum(layers),
+        "linear_layer_ids": tuple(i for i, linear in enumerate(layers) if linear),
         "linear_key_heads": int(config_value(config, "linear_num_key_heads")),
         "linear_value_heads": int(config_value(config, "linear_num_value_heads")),
         "linear_key_dim": int(config_value(config, "linear_key_head_dim")),

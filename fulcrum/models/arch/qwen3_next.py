@@ -64,5 +64,5 @@ SPEC = ModelSpec(
     moe_shape=moe_shape,
     grouped_mm=lambda config: any(qwen3_moe.moe_layers(config)),
     linear_layers=qwen3_5.linear_layers,
-    linear_shape=qwen3_5.linear_shape,
+    linear_shape=lambda config: qwen3_5.linear_shape(config) | {"linear_projections_fused": True},
 )

@@ -199,6 +199,10 @@ class ModelShape:
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
     attention_output_gate: int = 0
+    linear_layer_ids: tuple[int, ...] = ()  # which layers are Gated DeltaNet
+    # Qwen3-Next: the input projections fused per key-head group (in_proj_qkvz, in_proj_ba), Qwen3.5's
+    # separate (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a): the Linears LoRA adapts.
+    linear_projections_fused: bool = False
 
     @property
     def attention_layers(self) -> int:
@@ -214,7 +218,7 @@ class ModelShape:
 
 
 def dense_shape(
-    config: Any, qkv_bias: bool, o_bias: bool = False, qk_norm: bool = False, **extra: int | bool
+    config: Any, qkv_bias: bool, o_bias: bool = False, qk_norm: bool = False, **extra: Any
 ) -> ModelShape:
     """A Llama-style decoder's shape from its config (object or config.json dict); KeyError names a
     missing key. `extra`: ModelShape's norm and expert fields."""
@@ -378,7 +382,7 @@ class ModelSpec:
     # Hybrid families: which layers are linear attention (a recurrent state per sequence, no KV), and
     # their sizes for ModelShape (`linear_layers`, ...); empty for a family that only attends.
     linear_layers: Callable[[Any], list[bool]] = lambda _config: []
-    linear_shape: Callable[[Any], dict[str, int]] = lambda _config: {}
+    linear_shape: Callable[[Any], dict[str, Any]] = lambda _config: {}
 
     def shape(self, config: Any) -> ModelShape:
         norms = 4 if self.sandwich_norms else 2
