@@ -3,7 +3,10 @@
 The actor is a `PreTrainedModel` and uses its own `save_pretrained`. The critic
 (`fulcrum.models.value_head.CriticModel`) names its parts as `XxxForTokenClassification` does
 (`model.*`, `score.weight`, `score.bias`), so it is written in that layout with `num_labels=1` and
-`AutoModelForTokenClassification` loads it.
+`AutoModelForTokenClassification` loads it. A backbone whose model type transformers gives no token
+classifier (OLMo 3, Gemma 3's text model, Qwen3.5's text model alone) is written in the same layout with
+its own config (`architectures` = the backbone's class, `num_labels=1`, `fulcrum_value_head = "score"`):
+fulcrum's resume reads it back in place, and `AutoModel` loads its backbone.
 """
 
 from __future__ import annotations
@@ -36,18 +39,27 @@ def check_tensors_finite(named: Iterable[tuple[str, torch.Tensor]], where: str) 
 
 
 def token_classification_config(config: Any) -> Any:
-    """A copy of a backbone's config that `AutoModelForTokenClassification` loads as backbone + 1-output head."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+    """A copy of a backbone's config that `AutoModelForTokenClassification` loads as backbone + 1-output head.
+    Where transformers has no token classifier of `config.model_type`, the copy names the backbone's
+    class (the one `AutoModel` builds) as its architecture and `score` as its value head
+    (`fulcrum_value_head`)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+        MODEL_MAPPING_NAMES,
+    )
 
     arch = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.get(config.model_type)
-    if arch is None:
+    backbone = MODEL_MAPPING_NAMES.get(config.model_type)
+    if arch is None and backbone is None:
         raise CheckpointError(
-            f"model_type {config.model_type!r} has no token-classification class in transformers: "
-            "the critic cannot be written as a Hugging Face folder"
+            f"model_type {config.model_type!r} has neither a token-classification nor a base model class "
+            "in transformers: the critic cannot be written as a Hugging Face folder"
         )
     out = copy.deepcopy(config)
-    out.architectures = [arch]
+    out.architectures = [arch or backbone]
     out.num_labels = 1
+    if arch is None:
+        out.fulcrum_value_head = "score"  # the Linear(hidden, 1) beside the backbone's `model.*` weights
     return out
 
 
