@@ -11,6 +11,7 @@ masters with bf16 compute copies, as a fully trained model's weights. What LoRA 
   which are the reference policy's, from the same weights (no second model in memory);
 - `merged_weights()`: the adapted modules' weights as the engine must see them, W + scale·B·A under
   their Hugging Face names, one module at a time (the frozen rest never changes, so it is not sent);
+  a parameter peft adapts in place (a router's weight, a fused expert stack) the same, per expert;
 - `state_dict()` / `load_state_dict()` / `save()`: the adapters alone, as a PEFT adapter folder.
 
 `base_view(module)` is the base model under its Hugging Face names, sharing the base's tensors: what
@@ -162,11 +163,15 @@ class Adapters:
         return (p for p in self.module.parameters() if p.requires_grad)
 
     def merged_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, W + scale·B·A) of every adapted module, computed one at a time.
+        """(Hugging Face name, W + scale·B·A) of every adapted module, computed one at a time; a parameter
+        peft adapts in place (its `ParamWrapper`: a fused expert stack, a router's weight) under its own
+        name, W + `param_lora_delta`.
 
         An adapted embedding (peft's `lora_embedding_A/B`) is refused: sending its base weight would leave
         the engine sampling from the untrained embedding while the actor trains it
         (fulcrum.config.validate_signal refuses the usual spelling before the run)."""
+        from peft.tuners.lora.layer import ParamWrapper
+
         with torch.no_grad():
             for name, layer in self.layers:
                 if any(
@@ -176,18 +181,31 @@ class Adapters:
                         f"{self.settings.key}.target_modules={self.settings.target_modules!r}: {name} is an "
                         "embedding; its adapter cannot be merged into the rollout engine's weights"
                     )
+                adapters = [adapter for adapter in layer.active_adapters if adapter in layer.lora_A]
+                if isinstance(layer, ParamWrapper):
+                    # Summed in float32 (the base may be bf16): the engine rounds W + delta once.
+                    weight = _whole(layer.get_param()).float()
+                    for adapter in adapters:
+                        weight = weight + param_lora_delta(
+                            _whole(layer.lora_A[adapter].weight).float(),
+                            _whole(layer.lora_B[adapter].weight).float(),
+                            layer.scaling[adapter],
+                            layer.num_experts,
+                            experts_out_first=layer._did_swap_in_out_features,
+                        ).reshape(weight.shape)
+                    yield f"{_plain_path(name)}.{layer.parameter_name}", weight
+                    continue
                 base = layer.get_base_layer()
                 # Summed in float32 (the base may be bf16): the engine rounds W + scale·B·A once.
                 weight = _whole(base.weight).float()
                 delta = torch.zeros_like(weight)
-                for adapter in layer.active_adapters:
-                    if adapter in layer.lora_A:
-                        a = _whole(layer.lora_A[adapter].weight).float()
-                        b = _whole(layer.lora_B[adapter].weight).float()
-                        delta += (b @ a) * layer.scaling[adapter]
+                for adapter in adapters:
+                    a = _whole(layer.lora_A[adapter].weight).float()
+                    b = _whole(layer.lora_B[adapter].weight).float()
+                    delta += (b @ a) * layer.scaling[adapter]
                 if getattr(layer, "fan_in_fan_out", False):
                     delta = delta.T
-                yield f"{name}.weight", weight + delta
+                yield f"{_plain_path(name)}.weight", weight + delta
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The adapters' tensors under PEFT's names (as in `adapter_model.safetensors`), copies on the
@@ -239,6 +257,28 @@ def freeze_base(module: nn.Module, dtype: torch.dtype) -> None:
         target = torch.float32 if p.requires_grad else dtype
         if p.dtype != target:
             p.data = p.data.to(target)  # the Parameter object stays: tied weights stay tied
+
+
+def param_lora_delta(
+    a: torch.Tensor, b: torch.Tensor, scaling: float, num_experts: int, experts_out_first: bool
+) -> torch.Tensor:
+    """peft's LoRA delta of one adapted parameter (`ParamWrapper.get_delta_weight`): `a` (r·E, in), `b`
+    (out, r·E) hold E experts' rank-r factors, expert e's A_e = a.reshape(E, r, in)[e] and
+    B_e = b.reshape(out, r, E)[:, :, e]; delta_e = scaling · B_e @ A_e, stacked (E, out, in) when the
+    parameter is stored experts x out x in (`experts_out_first`), else (E, in, out). One expert (a 2-D
+    parameter, a router's weight) is the plain scaling · b @ a, (out, in)."""
+    if num_experts == 1:
+        return (b @ a) * scaling
+    a_e = a.reshape(num_experts, -1, a.shape[-1])  # (E, r, in)
+    b_e = b.reshape(b.shape[0], -1, num_experts)  # (out, r, E)
+    layout = "e o i" if experts_out_first else "e i o"
+    return torch.einsum(f"o r e, e r i -> {layout}", b_e, a_e) * scaling
+
+
+def _plain_path(path: str) -> str:
+    """A module's path in the plain model: peft's `base_layer` steps removed (nested wrappers, when peft
+    adapts two parameters of one module, add one each)."""
+    return ".".join(part for part in path.split(".") if part != "base_layer")
 
 
 def _peft_names(value: str | tuple[str, ...] | None) -> str | list[str] | None:
