@@ -4,7 +4,9 @@ Checkpoints already keep each role in Hugging Face layout (`fulcrum.trainer.chec
 copies config, safetensors weights, generation config and tokenizer, leaving out optimiser and
 scheduler state; `--dtype` casts the floating-point weights (e.g. to bfloat16 for serving). The
 actor loads with `AutoModelForCausalLM`, the critic with `AutoModelForTokenClassification`
-(backbone + 1-output `score` head: the value of every token is `logits[..., 0]`).
+(backbone + 1-output `score` head: the value of every token is `logits[..., 0]`); a critic whose
+backbone transformers gives no token classifier loads its backbone with `AutoModel`, beside its `score`
+tensors (`fulcrum.trainer.checkpoint.hf_folder`).
 
 Only the role's files that the checkpoint's manifest lists (and `verify_checkpoint` has just checked)
 are copied: a file added to the folder later is left out, and named.
@@ -310,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.adapter:
         print(f"load it with: peft.PeftModel.from_pretrained(base_model, {str(out)!r})")
+    elif "fulcrum_value_head" in json.loads((out / "config.json").read_text()):
+        # transformers has no token classifier of this backbone (docs/checkpoints.md)
+        print(
+            f"load its backbone with: transformers.AutoModel.from_pretrained({str(out)!r}); "
+            "values = last_hidden_state @ score.weight.T + score.bias (model.safetensors)"
+        )
     else:
         print(f"load it with: transformers.{AUTO_CLASS[args.role]}.from_pretrained({str(out)!r})")
     return 0
