@@ -106,16 +106,12 @@ def ratios(results: dict[str, dict]) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from passes import add_seed_batch_args
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--rows", type=int, default=512)
-    parser.add_argument("--mini", type=int, default=128)
-    parser.add_argument("--micro", type=int, default=8)
-    parser.add_argument("--prompt-width", type=int, default=512)
-    parser.add_argument("--response", type=int, default=256)
+    add_seed_batch_args(parser)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--warmup-s", type=float, default=15.0)
     parser.add_argument("--setups", default=",".join(SETUPS))
