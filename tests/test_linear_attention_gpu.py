@@ -70,9 +70,7 @@ def test_the_engines_kernels_equal_the_torch_reference(dtype: torch.dtype) -> No
     layer, shape, eps = decoder.layers[0], decoder.linear_shape, decoder.eps  # layer 0: Gated DeltaNet
     ref_layer = {name: weight.float().cpu() for name, weight in layer.items()}
     generator = torch.Generator().manual_seed(0)
-    states = RecurrentStates.empty(
-        1, 9, shape.channels, shape.kernel, shape.value_heads, shape.key_dim, shape.value_dim, dtype, CUDA
-    )
+    states = RecurrentStates.empty(1, 9, shape, dtype, CUDA)
     states.conv.copy_(torch.randn(states.conv.shape, generator=generator))
     states.delta.copy_(0.1 * torch.randn(states.delta.shape, generator=generator))
     ref = RecurrentStates(states.conv.float().cpu().clone(), states.delta.cpu().clone())

@@ -121,11 +121,7 @@ class ModelRunner:
         lin = self.model.linear_shape
         if lin is None:
             return 0
-        element = torch.empty((), dtype=self.model.dtype).element_size()
-        per_slot = (
-            lin.value_heads * lin.key_dim * lin.value_dim * 4 + lin.channels * (lin.kernel - 1) * element
-        )
-        return self.num_state_slots * sum(self.model.linear) * per_slot
+        return RecurrentStates.nbytes(sum(self.model.linear), self.num_state_slots, lin, self.model.dtype)
 
     def cache_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block()
@@ -183,9 +179,8 @@ class ModelRunner:
         lin = self.model.linear_shape
         if lin is not None:
             self.states = RecurrentStates.empty(
-                sum(self.model.linear), self.num_state_slots, lin.channels, lin.kernel, lin.value_heads,
-                lin.key_dim, lin.value_dim, self.model.dtype, self.device,
-            )  # fmt: skip
+                sum(self.model.linear), self.num_state_slots, lin, self.model.dtype, self.device
+            )
         if self.indirect is not None:
             self.indirect.point_to(self.kv_cache)
         addresses = self.graph_addresses()

@@ -20,6 +20,7 @@ decode step that reads and writes the slots in place; elsewhere the torch refere
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,13 +37,26 @@ class RecurrentStates:
     conv: torch.Tensor
     delta: torch.Tensor
 
+    @staticmethod
+    def shapes(
+        layers: int, slots: int, shape: LinearAttentionShape
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The (conv, delta) tensors' shapes for `slots` slots of `layers` layers."""
+        conv = (layers, slots, shape.channels, shape.kernel - 1)
+        return conv, (layers, slots, shape.value_heads, shape.key_dim, shape.value_dim)
+
+    @classmethod
+    def nbytes(cls, layers: int, slots: int, shape: LinearAttentionShape, dtype: torch.dtype) -> int:
+        """What `empty` allocates: the conv windows in `dtype`, the delta-rule states in float32."""
+        conv, delta = cls.shapes(layers, slots, shape)
+        return math.prod(conv) * dtype.itemsize + math.prod(delta) * 4
+
     @classmethod
     def empty(
-        cls, layers: int, slots: int, channels: int, kernel: int, heads: int, key_dim: int, value_dim: int,
-        dtype: torch.dtype, device: torch.device,
-    ) -> RecurrentStates:  # fmt: skip
-        conv = torch.zeros(layers, slots, channels, kernel - 1, dtype=dtype, device=device)
-        return cls(conv, torch.zeros(layers, slots, heads, key_dim, value_dim, device=device))
+        cls, layers: int, slots: int, shape: LinearAttentionShape, dtype: torch.dtype, device: torch.device
+    ) -> RecurrentStates:
+        conv, delta = cls.shapes(layers, slots, shape)
+        return cls(torch.zeros(conv, dtype=dtype, device=device), torch.zeros(delta, device=device))
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Slot src -> slot dst for each (src, dst) (a prompt's state to its forks)."""
