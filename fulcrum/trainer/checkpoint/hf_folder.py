@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file, save_model
+from safetensors.torch import load_file, save_file
 
 from fulcrum.parallel.fsdp import full_named_tensors, is_sharded, load_full_state_dict
 from fulcrum.trainer.checkpoint.layout import CheckpointError
@@ -68,18 +68,16 @@ def save_model_folder(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> 
     state = dict(full_named_tensors(model))  # DTensor shards gathered into whole tensors
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(str(out_dir), state_dict=state)
-    elif getattr(model, "multimodal_config", None) is not None:
-        # a text critic of a multimodal folder: the multimodal model's config and names (value_head)
+    elif hasattr(model, "folder_config") and hasattr(model, "score"):
+        # a critic (fulcrum.models.value_head): its folder's config and names (a text critic of a
+        # multimodal folder: the multimodal model's), the gathered tensors
         token_classification_config(model.folder_config()).save_pretrained(str(out_dir))
-        named = {model.folder_name(name): tensor.contiguous() for name, tensor in model.state_dict().items()}
+        named = {model.folder_name(name): tensor.contiguous() for name, tensor in state.items()}
         save_file(named, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    elif hasattr(model, "config") and hasattr(model, "score"):
-        token_classification_config(model.config).save_pretrained(str(out_dir))
-        save_model(model, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     else:
         raise CheckpointError(
-            f"{type(model).__name__} is neither a Hugging Face PreTrainedModel nor a value model with "
-            "`.config` and `.score`: cannot write it as a Hugging Face folder"
+            f"{type(model).__name__} is neither a Hugging Face PreTrainedModel nor a critic "
+            "(fulcrum.models.value_head.CriticModel): cannot write it as a Hugging Face folder"
         )
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
