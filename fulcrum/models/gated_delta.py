@@ -62,6 +62,19 @@ def decay(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.
     return -a_log.float().exp() * F.softplus(a.float() + dt_bias)
 
 
+def split_qkv(
+    conv: torch.Tensor, key_heads: int, key_dim: int, value_heads: int, value_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv's output (N, C), channels [q | k | v], as q, k (N, Hk, Dk) and v (N, Hv, Dv)."""
+    rows, key = conv.shape[0], key_heads * key_dim
+    q, k, v = conv.split([key, key, value_heads * value_dim], dim=-1)
+    return (
+        q.reshape(rows, key_heads, key_dim),
+        k.reshape(rows, key_heads, key_dim),
+        v.reshape(rows, value_heads, value_dim),
+    )
+
+
 def conv_varlen(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fulcrum.models.gated_delta import conv_varlen, decay, delta_rule_varlen, use_fla
+from fulcrum.models.gated_delta import conv_varlen, decay, delta_rule_varlen, split_qkv, use_fla
 
 
 def is_recurrent_mixer(module: nn.Module) -> bool:
@@ -104,12 +104,11 @@ def packed_gated_deltanet(module: nn.Module, stream: torch.Tensor, cu_seqlens: t
     rows = stream.shape[0]
     mixed, z, b, a = mixer_inputs(module, stream)
     conv, _ = conv_varlen(mixed, module.conv1d.weight.squeeze(1), cu_seqlens)
-    key = module.key_dim
-    q, k, v = conv.split([key, key, module.value_dim], dim=-1)
+    q, k, v = split_qkv(conv, module.num_k_heads, module.head_k_dim, module.num_v_heads, module.head_v_dim)
     core, _ = delta_rule_varlen(
-        q.reshape(rows, -1, module.head_k_dim),
-        k.reshape(rows, -1, module.head_k_dim),
-        v.reshape(rows, -1, module.head_v_dim),
+        q,
+        k,
+        v,
         decay(a, module.A_log, module.dt_bias),
         b.sigmoid(),
         cu_seqlens,

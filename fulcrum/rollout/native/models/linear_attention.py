@@ -27,7 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from fulcrum.batch import host_to_device
-from fulcrum.models.gated_delta import conv_step, conv_varlen, decay, delta_rule_step, delta_rule_varlen
+from fulcrum.models.gated_delta import (
+    conv_step,
+    conv_varlen,
+    decay,
+    delta_rule_step,
+    delta_rule_varlen,
+    split_qkv,
+)
 
 
 @dataclass
@@ -178,14 +185,7 @@ class StateStep:
 
 def split_heads(conv: torch.Tensor, shape: LinearAttentionShape) -> tuple[torch.Tensor, ...]:
     """The conv's output (N, C) as q, k (N, Hk, Dk) and v (N, Hv, Dv): channels [q | k | v]."""
-    s, rows = shape, conv.shape[0]
-    key = s.key_heads * s.key_dim
-    q, k, v = conv.split([key, key, s.value_heads * s.value_dim], dim=-1)
-    return (
-        q.reshape(rows, s.key_heads, s.key_dim),
-        k.reshape(rows, s.key_heads, s.key_dim),
-        v.reshape(rows, s.value_heads, s.value_dim),
-    )
+    return split_qkv(conv, shape.key_heads, shape.key_dim, shape.value_heads, shape.value_dim)
 
 
 def linear_attention(
