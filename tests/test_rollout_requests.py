@@ -12,6 +12,7 @@ from fulcrum.rollout import SamplingParams
 from fulcrum.rollout.base import SequenceOutput
 from fulcrum.rollout.native import EngineConfig, NativeEngine
 from fulcrum.rollout.native.block_manager import BlockManager
+from fulcrum.rollout.native.memory import prefill_context_tokens
 from fulcrum.rollout.native.scheduler import DecodeWork, Scheduler
 from fulcrum.rollout.native.sequence import Sequence
 from fulcrum.rollout.testing import random_causal_lm
@@ -225,3 +226,54 @@ def test_an_interrupted_generate_leaves_nothing_in_flight(model, monkeypatch):
             engine.generate(prompts, GREEDY)
     assert not engine.has_unfinished_requests() and engine.counters["blocks_in_use"] == 0
     assert engine.generate(prompts, GREEDY).token_ids == expected.token_ids
+
+
+def test_a_prefill_step_reads_back_no_more_context_than_its_budget():
+    blocks = BlockManager(num_blocks=32, block_size=4)
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, decode_steps=4)
+    fresh = Sequence(token_ids=list(range(6)), num_prompt_tokens=6, output_index=0, max_tokens=4)
+    turns = []
+    for index in (1, 2):  # next turns: 16 tokens cached, 4 new
+        turn = Sequence(token_ids=list(range(20)), num_prompt_tokens=20, output_index=index, max_tokens=4)
+        blocks.grow(turn, 16)
+        turn.num_computed = 16
+        turns.append(turn)
+    capped = Scheduler(config, blocks, context_budget=40)
+    for seq in (fresh, *turns):
+        capped.add(seq)
+    # 6 + 20 keys; the second turn would make 46: it waits for the next step.
+    assert capped.schedule().seqs == [fresh, turns[0]]
+    assert list(capped.waiting) == [turns[1]]
+
+    unbounded = Scheduler(config, BlockManager(num_blocks=32, block_size=4))
+    for seq in (fresh, *turns):
+        seq.block_table, seq.num_computed = [], 0
+        unbounded.add(seq)
+    assert unbounded.schedule().seqs == [fresh, *turns]  # nothing cached: no read-back, no bound
+
+
+def test_conversations_under_a_small_context_budget_equal_the_unbounded_ones(model):
+    reference = engine_for(model)
+    unbounded = run_conversations(reference, 7, GREEDY)
+    engine = engine_for(model)
+    engine.scheduler.context_budget = 48  # a few continued turns a prefill step, where 7 would fit
+    capped = run_conversations(engine, 7, GREEDY)
+    assert engine.counters["prefill_steps"] > reference.counters["prefill_steps"]
+    assert {k: v.token_ids for k, v in capped.items()} == {k: v.token_ids for k, v in unbounded.items()}
+    for k, out in capped.items():
+        torch.testing.assert_close(
+            torch.tensor(out.logprobs), torch.tensor(unbounded[k].logprobs), atol=1e-5, rtol=0
+        )
+
+
+def test_the_read_back_budget_of_the_benchmarked_shapes(model):
+    # Qwen3-0.6B (8 K/V heads of 128): 4 KiB a token a layer, 53,248 tokens (6 contexts of 8k) a step of
+    # 8,192; Qwen2.5-0.5B (2 K/V heads of 64) reads 8x less a token: 581,632, which never binds.
+    assert prefill_context_tokens(1024, 3072, 8, 128, 8192) == 53_248
+    assert prefill_context_tokens(896, 4864, 2, 64, 8192) == 581_632
+    assert prefill_context_tokens(64, 64, 64, 256, 100) == 100  # never under one step's new tokens
+    engine = engine_for(model)
+    m = engine.model
+    assert engine.scheduler.context_budget == prefill_context_tokens(
+        m.hidden, m.config.intermediate_size, m.num_kv_heads, m.head_dim, 128
+    )

@@ -44,6 +44,7 @@ from fulcrum.rollout.base import RolloutOutput, SamplingParams, SequenceOutput
 from fulcrum.rollout.native.block_manager import BlockManager
 from fulcrum.rollout.native.config import EngineConfig
 from fulcrum.rollout.native.launcher import Launcher
+from fulcrum.rollout.native.memory import prefill_context_tokens
 from fulcrum.rollout.native.model_runner import ModelRunner
 from fulcrum.rollout.native.models.decoder import DecoderLM, Rotary
 from fulcrum.rollout.native.pipeline import COUNTERS, Pipeline
@@ -131,7 +132,11 @@ class NativeEngine:
         self.runner.allocate_cache()
         self.launcher = Launcher(self.runner, config)
         blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_state_slots)
-        self.scheduler = Scheduler(config, blocks)
+        m = self.model
+        context_budget = prefill_context_tokens(
+            m.hidden, m.config.intermediate_size, m.num_kv_heads, m.head_dim, config.max_num_batched_tokens
+        )
+        self.scheduler = Scheduler(config, blocks, context_budget)
         self.pipeline = Pipeline(self.scheduler, self.launcher, config)
         self.sampler: DeviceSampler | None = None
         self.next_id = 0

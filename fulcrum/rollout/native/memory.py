@@ -38,3 +38,16 @@ def kv_cache_budget(
     `free_bytes` what the device has free when the cache is allocated (the weights already loaded)."""
     by_fraction = device_bytes * utilization - weight_bytes - workspace_bytes
     return min(by_fraction, free_bytes - workspace_bytes - SLACK_BYTES)
+
+
+def prefill_context_tokens(
+    hidden: int, intermediate: int, kv_heads: int, head_dim: int, max_num_batched_tokens: int
+) -> int:
+    """Most tokens a prefill step may read back from the KV cache, summed over its sequences, when any
+    of them continues a cached context (a held turn, a chunked prompt, a continued partial rollout):
+    attention then copies each layer's keys and values of every sequence's whole context, 4·kv_heads·
+    head_dim bytes a token in bf16, which `engine_workspace_bytes` does not count. The copy lives inside
+    attention, where the MLP's widest tensors do not, so it gets half of the prefill part of the workspace:
+    tokens = B·(8·hidden + 6·intermediate) / (4·kv_heads·head_dim), B = max_num_batched_tokens, at least B."""
+    tokens = max_num_batched_tokens * (8 * hidden + 6 * intermediate) // (4 * kv_heads * head_dim)
+    return max(tokens, max_num_batched_tokens)

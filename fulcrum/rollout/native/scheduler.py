@@ -60,9 +60,11 @@ Work = PrefillWork | DecodeWork
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, context_budget: int | None = None) -> None:
         self.config = config
         self.blocks = blocks
+        # Most tokens a prefill step reads back from the cache (memory.prefill_context_tokens); None: any.
+        self.context_budget = context_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.finished: list[Sequence] = []
@@ -198,12 +200,18 @@ class Scheduler:
         seats = self.config.max_num_seqs - len(self.running)
         fork_reserve = 0  # blocks the step's forks take after it (held back from later prompts)
         state_reserve = 0  # state slots they take (hybrid models)
+        context = 0  # the step's keys: its sequences' cached and new tokens
+        reads_cache = False  # whether attention reads every sequence's context back from the cache
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             remaining = seq.num_tokens - seq.num_computed
             chunk = min(remaining, budget)
             completes = chunk == remaining
             if completes and seq.num_samples > seats:
+                break
+            if self._over_context(
+                work, context + seq.num_computed + chunk, reads_cache or seq.num_computed > 0
+            ):
                 break
             forks = 0
             if seq.num_tokens % self.blocks.block_size:
@@ -225,11 +233,23 @@ class Scheduler:
             work.lengths.append(chunk)
             work.completes.append(completes)
             budget -= chunk
+            context += seq.num_computed + chunk
+            reads_cache = reads_cache or seq.num_computed > 0
             if not completes:
                 break  # the rest of this prompt comes in the next prefill step
             seats -= seq.num_samples
             self.waiting.popleft()
         return work if work.seqs else None
+
+    def _over_context(self, work: PrefillWork, context: int, reads_cache: bool) -> bool:
+        """Whether a prefill step with these keys would read back more than `context_budget` tokens (a
+        step's first sequence always runs: its context fits the cache, so its copy is bounded)."""
+        return (
+            bool(work.seqs)
+            and reads_cache
+            and self.context_budget is not None
+            and context > self.context_budget
+        )
 
     def _schedule_decode(self) -> DecodeWork:
         left = max(seq.max_tokens - seq.num_generated for seq in self.running)
