@@ -12,6 +12,8 @@ heads of 256; hidden 1024, intermediate 3584, vocabulary 248,320, tied embedding
 
 - engine: 512 prompts of GSM8K-like lengths x 256 new tokens, EOS ignored, temperature 1: bench/rollout.py's
   `bench_native` (a warm-up generate, then `--repeats` generates timed with CUDA events; the median);
+  then the rollout-vs-training gap in bf16: the engine's log-probs of 64 sampled tokens on 64 prompts
+  against the Hugging Face forward's on the same weights (`bench_logprob_gap`);
 - a GRPO step of 64 prompts x 8: bench/train_step.py `run --grpo` (the trainer's step: native rollout,
   micro-batches of 32, gradient checkpointing; max_num_seqs 512), each model in its own process, the
   median `timing_s/step` of the steps after the first; on GSM8K (`--data`, verl's parquet, as
@@ -43,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout import bench_native, prompt_lengths, random_prompts, timed
+from rollout import bench_logprob_gap, bench_native, prompt_lengths, random_prompts, timed
 from shapes import shape_of
 from train_step import GRPO_STEP, make_model, seed_command
 
@@ -161,7 +163,9 @@ def mixer_split(engine, prompts: list[list[int]], params: SamplingParams, device
 
 
 def bench_engine(name: str, args: argparse.Namespace, device: torch.device) -> dict:
-    """The engine's throughput at 512 x 256 (bench_native), and for the hybrid the split and its states."""
+    """The engine's throughput at 512 x 256 (bench_native), its bf16 log-probs against the Hugging Face
+    forward's (bench_logprob_gap: 64 rows of 64 sampled tokens), and for the hybrid the split and its
+    states."""
     model = random_model(name, args.smoke, device)
     lengths = prompt_lengths(args.prompts, None)
     if args.smoke:  # a few tokens, not GSM8K's hundred
@@ -169,6 +173,7 @@ def bench_engine(name: str, args: argparse.Namespace, device: torch.device) -> d
     prompts = random_prompts(lengths, model.config.vocab_size)
     out: dict = {}
     engine = bench_native(engine_args(args), model, prompts, device, out)
+    bench_logprob_gap(args, engine, model, prompts, device, out)
     if engine.runner.states is not None:
         shape = model_shape(model.config)
         out["recurrent_state"] = {

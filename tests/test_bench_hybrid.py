@@ -22,6 +22,8 @@ def test_the_smoke_run_reports_every_figure(tmp_path: Path) -> None:
     for model in (hybrid, dense):
         assert model["engine"]["native_tok_per_s"] > 0
         assert model["grpo"]["step_s"] > 0 and len(model["grpo"]["steps_s"]) == 2, model["grpo"]
+        # float32 on the CPU: the engine's log-probs are the forward's (fla's kernels are not in play)
+        assert model["engine"]["logprob_gap_bf16"]["rollout/logprob_diff_max"] < 1e-4
     split = hybrid["engine"]["split"]
     kinds = {
         f"{kind}/{phase}" for kind in ("linear_attention", "attention") for phase in ("prefill", "decode")
