@@ -27,7 +27,7 @@ from arch_checks import (
     engine_config,
     prompts_of,
 )
-from helpers import cpu_ppo_overrides, make_assets
+from helpers import cpu_ppo_overrides, log_probs_of, make_assets
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from fulcrum.config.schema_rollout import RolloutConfig
@@ -42,7 +42,7 @@ from fulcrum.rollout import build_rollout
 from fulcrum.rollout.base import SamplingParams
 from fulcrum.rollout.native import NativeEngine, native_unsupported_reason
 from fulcrum.rollout.native.models.linear_attention import turn_ended
-from fulcrum.rollout.testing import TINY_SHAPE, random_causal_lm
+from fulcrum.rollout.testing import TINY_SHAPE, random_causal_lm, scoring_batch
 from fulcrum.tools.memory_estimate import read_model_shape
 from fulcrum.trainer.main_ppo import main
 
@@ -94,6 +94,29 @@ def test_a_packed_stream_resets_the_state_at_each_sequence_start(model: torch.nn
     assert (carried - alone).abs().max() > 1e-2  # the check would see a state carried over
 
 
+@pytest.mark.parametrize("built", ["loaded", "from_config"])
+def test_the_packed_state_reset_survives_train_and_eval(built: str, tmp_path: Path) -> None:
+    """transformers (5.2x, with the `kernels` package it requires) kernelizes a model at each `train()` /
+    `eval()` and resets the Gated DeltaNet's forward there: the actor's model, loaded from a folder or
+    built from a config, keeps its packed state reset through both, and its packed log-probs equal the
+    padded ones."""
+    model = arch_model("qwen3_5_text", SHAPE, init_std=0.1)
+    if built == "loaded":
+        model.save_pretrained(tmp_path)
+        model = load_causal_lm(str(tmp_path), CPU)
+        assert not getattr(model, "use_kernels", False)
+    enable_packed_attention(model)
+    model.train()
+    model.eval()
+    model.train()
+    prompts, responses = prompts_of([5, 11, 3], seed=3), prompts_of([8, 8, 8], seed=4)
+    batch = scoring_batch(prompts, responses)
+    mask = batch["response_mask"].bool()
+    padded, _ = log_probs_of(model, batch, 1.0, False, CPU, packed=False)
+    packed, _ = log_probs_of(model, batch, 1.0, False, CPU, packed=True)
+    assert (padded - packed)[mask].abs().max() < 1e-5
+
+
 def test_packed_gradients_equal_padded(model: torch.nn.Module) -> None:
     """The packed path's backward through the grid: the weights' gradients of a packed forward equal
     those of each sequence's own forward."""
@@ -101,7 +124,8 @@ def test_packed_gradients_equal_padded(model: torch.nn.Module) -> None:
     enable_packed_attention(packed)
     reference = copy.deepcopy(model).train()
     lengths = [9, 4, 13]
-    seqs = [torch.randint(3, 1000, (n,)) for n in lengths]
+    generator = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 1000, (n,), generator=generator) for n in lengths]
     ids = torch.cat(seqs)[None]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     stream = pack_micro_batch(ids, torch.ones_like(ids), positions, ids.shape[1])
@@ -112,7 +136,9 @@ def test_packed_gradients_equal_padded(model: torch.nn.Module) -> None:
     weight = "layers.0.linear_attn.in_proj_qkv.weight"
     got = dict(packed.model.named_parameters())[weight].grad
     expected = dict(reference.model.named_parameters())[weight].grad
-    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
+    # float32 summation order: within 1e-5 of the gradient's scale (a state carried across a boundary
+    # moves it by percents)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 def qwen3_5_assets(root: Path) -> Path:

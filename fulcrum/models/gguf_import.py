@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from fulcrum.models.gguf_tensors import needed_tensors, tensor_problem
+from fulcrum.models.load import NO_HUB_KERNELS
 
 GGUF_MAGIC = b"GGUF"
 # GGUF `general.architecture` -> Hugging Face `model_type`.
@@ -168,7 +169,9 @@ def _convert(path: Path, out: Path, dtype: torch.dtype) -> dict[str, Any]:
             raise GGUFImportError(f"{path}: {problem}")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         set_special_tokens(tokenizer, header.special_ids)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, **NO_HUB_KERNELS
+        )
     except GGUFImportError:
         raise
     except (ValueError, KeyError, RuntimeError) as err:

@@ -14,7 +14,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers import logging as hf_logging
 
 from fulcrum.models.config_override import apply_override, loader_kwargs, override_key
@@ -30,6 +37,24 @@ def _check_model_dir(path: str, key: str, needs_tokenizer: bool = False, needs_w
     if problems:
         raise ModelPathError("; ".join(problems))
     return resolved
+
+
+# From_pretrained's keyword that keeps transformers' Hub kernels off (`switch_off_hub_kernels`).
+NO_HUB_KERNELS: dict[str, Any] = {"use_kernels": False}
+
+
+def switch_off_hub_kernels(model: nn.Module) -> nn.Module:
+    """`model` with transformers' Hub kernels switched off, its modules' own forwards back.
+
+    With the `kernels` package installed (transformers 5.2x requires it), transformers kernelizes the models
+    it builds, and again at every `train()` / `eval()`: it fetches kernels from the Hugging Face Hub at run
+    time, where fulcrum downloads nothing, and it resets the `forward` of every module it has a mapping for
+    (Qwen3.5's Gated DeltaNet among them), which would silently undo `enable_packed_recurrence` at the
+    actor's first `train()` and carry the recurrent state across the sequences of a packed stream."""
+    for module in model.modules():  # a LoRA wrapper holds the transformers model inside
+        if isinstance(module, PreTrainedModel) and getattr(module, "use_kernels", False):
+            module.use_kernels = False  # transformers' reset: the torch forwards, no kernelize on train()
+    return model
 
 
 def load_tokenizer(
@@ -60,6 +85,7 @@ def load_causal_lm(
         path,
         dtype=dtype,
         trust_remote_code=trust_remote_code,
+        **NO_HUB_KERNELS,
         **overridden(path, key, override_config, trust_remote_code),
     )
     if gradient_checkpointing:
@@ -105,7 +131,7 @@ def load_backbone(
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        model = AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
+        model = AutoModel.from_pretrained(path, dtype=dtype, **NO_HUB_KERNELS, **kwargs)
     finally:
         hf_logging.set_verbosity(previous)
     if text is not None:

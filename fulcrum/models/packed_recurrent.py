@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fulcrum.models.gated_delta import conv_varlen, decay, delta_rule_varlen, split_qkv, use_fla
+from fulcrum.models.load import switch_off_hub_kernels
 
 
 def is_recurrent_mixer(module: nn.Module) -> bool:
@@ -33,7 +34,9 @@ def is_recurrent_mixer(module: nn.Module) -> bool:
 
 def enable_packed_recurrence(model: nn.Module) -> int:
     """Route packed calls of every recurrent mixer of `model` through `packed_recurrent_forward`;
-    returns how many mixers it found (idempotent)."""
+    returns how many mixers it found (idempotent). transformers' Hub kernels go off first
+    (`switch_off_hub_kernels`): they would reset these forwards at the model's next `train()`."""
+    switch_off_hub_kernels(model)
     found = 0
     for module in model.modules():
         if is_recurrent_mixer(module):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fulcrum.models.load import _check_model_dir, autocast_for, load_tokenizer
+from fulcrum.models.load import NO_HUB_KERNELS, _check_model_dir, autocast_for, load_tokenizer
 
 KEY = "reward_model.model.path"
 
@@ -35,7 +35,9 @@ def load_reward_model(path: str, device: torch.device) -> nn.Module:
     if labels != 1:
         raise ValueError(f"{KEY}: {path} has {labels} labels; a reward model has one (a scalar score)")
     config.num_labels = 1
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    model = AutoModelForTokenClassification.from_pretrained(
+        path, config=config, dtype=torch.float32, **NO_HUB_KERNELS
+    )
     return model.to(device).eval()
 
 

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fulcrum.data.cli import top_missing
+from fulcrum.models.load import NO_HUB_KERNELS
 from fulcrum.models.lora import base_pointer_problems, read_base_pointer
 from fulcrum.trainer.checkpoint import (
     MANIFEST,
@@ -250,7 +251,9 @@ def write_merged_export(source: Path, tmp: Path, marker: dict[str, str | None]) 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = AutoModelForCausalLM.from_pretrained(read_base_pointer(source)["path"], dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(
+        read_base_pointer(source)["path"], dtype=torch.float32, **NO_HUB_KERNELS
+    )
     merged = PeftModel.from_pretrained(base, str(source)).merge_and_unload()
     merged.save_pretrained(str(tmp))
     if list(source.glob("tokenizer*")):
