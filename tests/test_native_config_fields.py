@@ -45,6 +45,7 @@ def test_the_architectures_served_are_the_ones_specified() -> None:
             "qwen2",
             "qwen3",
             "qwen3_5_text",
+            "qwen3_5_moe_text",
             "qwen3_moe",
             "qwen3_next",
             "smollm3",

@@ -30,6 +30,20 @@ def moe_shape(config: Any) -> dict[str, int]:
     return qwen3_moe.moe_shape(config) | {"shared_expert_intermediate": shared}
 
 
+# Qwen3-MoE's router and experts and the shared expert beside them (Qwen3.5-MoE's too).
+SHARED_EXPERT_MOE_WEIGHTS: dict[str, str] = {
+    **qwen3_moe.MOE_LAYER_WEIGHTS,
+    "mlp.shared_expert.gate_proj.weight": "shared_gate",  # (shared_intermediate, hidden)
+    "mlp.shared_expert.up_proj.weight": "shared_up",
+    "mlp.shared_expert.down_proj.weight": "shared_down",  # (hidden, shared_intermediate)
+    "mlp.shared_expert_gate.weight": "shared_expert_gate",  # (1, hidden)
+}
+SHARED_EXPERT_MOE_FIELDS = {
+    "num_experts": HONOURED,
+    "shared_expert_intermediate_size": HONOURED,
+    **qwen3_moe.MOE_FIELDS,
+}
+
 _FUSED_LINEAR = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 SPEC = ModelSpec(
@@ -38,9 +52,7 @@ SPEC = ModelSpec(
         **COMMON,
         "attention_bias": HONOURED,
         **qwen3_5.LINEAR_FIELDS,
-        "num_experts": HONOURED,
-        "shared_expert_intermediate_size": HONOURED,
-        **qwen3_moe.MOE_FIELDS,
+        **SHARED_EXPERT_MOE_FIELDS,
     },
     qkv_bias=attention_bias,
     o_bias=attention_bias,
@@ -53,11 +65,7 @@ SPEC = ModelSpec(
         },
         "linear_attn.in_proj_qkvz.weight": "lin_qkvz",  # (2 Hk Dk + 2 Hv Dv, hidden), per key-head group
         "linear_attn.in_proj_ba.weight": "lin_ba",  # (2 Hv, hidden), per key-head group
-        **qwen3_moe.MOE_LAYER_WEIGHTS,
-        "mlp.shared_expert.gate_proj.weight": "shared_gate",  # (shared_intermediate, hidden)
-        "mlp.shared_expert.up_proj.weight": "shared_up",
-        "mlp.shared_expert.down_proj.weight": "shared_down",  # (hidden, shared_intermediate)
-        "mlp.shared_expert_gate.weight": "shared_expert_gate",  # (1, hidden)
+        **SHARED_EXPERT_MOE_WEIGHTS,
     },
     norm_offset=1.0,
     moe_layers=qwen3_moe.moe_layers,

@@ -126,7 +126,11 @@ class DecoderLM:
             self.expert_range = shard_range(
                 config.moe_intermediate_size, self.tp.rank, self.tp.size, "moe_intermediate_size"
             )
-            self.top_k, self.norm_topk = config.num_experts_per_tok, bool(config.norm_topk_prob)
+            # Qwen3.5-MoE's config has no norm_topk_prob: its router always renormalises.
+            self.top_k, self.norm_topk = (
+                config.num_experts_per_tok,
+                bool(getattr(config, "norm_topk_prob", True)),
+            )
         # Qwen3-Next: a shared expert beside the routed ones, sharded by its columns as a dense MLP.
         self.shared_range = (0, 0)
         if any(moe_layers) and shape.shared_expert_intermediate:
