@@ -66,6 +66,9 @@ LINEAR_FIELDS = {
     "linear_value_head_dim": HONOURED,
     "linear_num_key_heads": HONOURED,
     "linear_num_value_heads": HONOURED,
+    # transformers before 5.2x keeps it beside `rope_parameters`; its rotary module's table is as narrow
+    # (the engine rotates what the table covers)
+    "partial_rotary_factor": HONOURED,
 }
 
 # Llama's names for the attention layers, and the Gated DeltaNet's under `linear_attn.`.
