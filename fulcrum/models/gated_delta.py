@@ -65,14 +65,17 @@ def decay(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.
 def split_qkv(
     conv: torch.Tensor, key_heads: int, key_dim: int, value_heads: int, value_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The conv's output (N, C), channels [q | k | v], as q, k (N, Hk, Dk) and v (N, Hv, Dv)."""
+    """The conv's output (N, C), channels [q | k | v], as q, k (N, Hv, Dk) and v (N, Hv, Dv): each of the
+    Hk key heads serves r = Hv / Hk consecutive value heads, so q and k are repeated r times head by head
+    (transformers' Qwen3.5 forward does the same before its delta rule; its torch rule before 5.2x, which
+    fulcrum's torch path calls, takes equal head counts only)."""
     rows, key = conv.shape[0], key_heads * key_dim
     q, k, v = conv.split([key, key, value_heads * value_dim], dim=-1)
-    return (
-        q.reshape(rows, key_heads, key_dim),
-        k.reshape(rows, key_heads, key_dim),
-        v.reshape(rows, value_heads, value_dim),
-    )
+    q, k = q.reshape(rows, key_heads, key_dim), k.reshape(rows, key_heads, key_dim)
+    if value_heads > key_heads:
+        q = q.repeat_interleave(value_heads // key_heads, dim=1)
+        k = k.repeat_interleave(value_heads // key_heads, dim=1)
+    return q, k, v.reshape(rows, value_heads, value_dim)
 
 
 def conv_varlen(

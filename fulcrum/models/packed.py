@@ -464,7 +464,12 @@ def packed_hidden_states(
         hidden = hidden.detach()
     kinds = getattr(base.rotary_emb, "layer_types", None)  # Gemma 3, OLMo 3: a table per layer type
     if kinds is None:
-        position_embeddings = base.rotary_emb(hidden, positions)
+        # Qwen3.5's M-RoPE: text positions on its three axes, as its text model passes them (transformers
+        # before 5.2x takes only that (3, 1, N) form)
+        rope_positions = (
+            positions[None].expand(3, -1, -1) if hasattr(base.rotary_emb, "mrope_section") else positions
+        )
+        position_embeddings = base.rotary_emb(hidden, rope_positions)
     else:
         position_embeddings = {kind: base.rotary_emb(hidden, positions, kind) for kind in kinds}
     kwargs = {
