@@ -24,14 +24,18 @@ from test_workers_units import make_batch, unpadded_log_probs  # tests/ is on sy
 from test_workers_update import cfg_for
 
 from fulcrum.algo.advantages import grpo_advantage
+from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.config.sections import actor_section
-from fulcrum.models.arch import SPECS
+from fulcrum.models.arch import SPECS, model_shape
+from fulcrum.models.arch.spec import param_count
+from fulcrum.models.load import load_causal_lm
 from fulcrum.models.packed import enable_packed_attention
 from fulcrum.models.router_loss import load_balancing_loss, recorded_router_logits, router_loss_settings
 from fulcrum.rollout import build_rollout
 from fulcrum.rollout.base import SamplingParams
-from fulcrum.rollout.native import EngineConfig, NativeEngine
-from fulcrum.rollout.testing import random_causal_lm, scoring_batch
+from fulcrum.rollout.native import EngineConfig, NativeEngine, native_unsupported_reason
+from fulcrum.rollout.testing import TINY_SHAPE, random_causal_lm, scoring_batch
+from fulcrum.tools.memory_estimate import read_model_shape
 from fulcrum.workers.actor import ActorWorker
 from fulcrum.workers.forwards import LogProbHead, ModelForwards, micro_inputs
 
@@ -273,3 +277,40 @@ def check_bf16_gap_on_gpu(arch: str, shape: dict[str, Any]) -> None:
     gaps = bf16_gaps(arch, shape, torch.device("cuda"))
     assert gaps["engine_vs_hf_bf16"] <= 0.02, gaps
     assert gaps["engine_vs_fp32"] <= 1.5 * gaps["hf_bf16_vs_fp32"] + 0.002, gaps
+
+
+def check_multimodal_folder_runs_as_its_text_model(
+    arch: str, text_shape: dict[str, Any], folder: Path
+) -> Any:
+    """A multimodal `arch` folder (a tiny vision tower, the text model of `text_shape`) whose causal LM
+    is its text model alone (Qwen3.5's `qwen3_5`, `qwen3_5_moe`): the trainer's loader gives the whole
+    model's logits, the engine's check, doctor's folder check and the memory estimate read it as the text
+    model, whose parameters the shape counts, and the engine samples Hugging Face's greedy tokens.
+    Returns the shape."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = {**TINY_SHAPE, **text_shape, "vocab_size": VOCAB, "eos_token_id": EOS}
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=64)
+    torch.manual_seed(0)
+    full = AutoModelForImageTextToText.from_config(
+        AutoConfig.for_model(arch, text_config=text, vision_config=vision)
+    ).eval()
+    full.save_pretrained(folder)
+    loaded = load_causal_lm(str(folder), CPU).eval()
+    prompt = prompts_of([9])[0]
+    with torch.no_grad():
+        assert torch.equal(loaded(torch.tensor([prompt])).logits, full(torch.tensor([prompt])).logits)
+    rollout = RolloutConfig(name="native", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    assert native_unsupported_reason(rollout, AutoConfig.from_pretrained(folder)) is None
+    shape = read_model_shape(str(folder))
+    assert shape == model_shape(loaded.config)
+    assert param_count(shape) == sum(p.numel() for p in loaded.parameters())
+    engine = build_rollout(rollout, loaded, StubTokenizer(), CPU)
+    assert isinstance(engine, NativeEngine)
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    with torch.no_grad():
+        expected = loaded.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=8, min_new_tokens=8, pad_token_id=0
+        )
+    assert out.token_ids[0] == expected[0, len(prompt) :].tolist()
+    return shape

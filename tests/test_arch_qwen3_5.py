@@ -19,18 +19,16 @@ from arch_checks import (
     CPU,
     EOS,
     GATED_DELTANET_SHAPE,
-    VOCAB,
-    StubTokenizer,
     arch_model,
     check_greedy_equals_hf_generate,
+    check_multimodal_folder_runs_as_its_text_model,
     check_training_log_probs_equal_hf,
     engine_config,
     prompts_of,
 )
 from helpers import cpu_ppo_overrides, log_probs_of, make_assets
-from transformers import AutoConfig, AutoModelForImageTextToText
+from transformers import AutoConfig
 
-from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.models import gated_delta
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token, param_count, recurrent_state_bytes
@@ -38,12 +36,10 @@ from fulcrum.models.gated_delta import runs_fla
 from fulcrum.models.load import load_causal_lm
 from fulcrum.models.packed import enable_packed_attention, pack_micro_batch, packed_hidden_states
 from fulcrum.models.packed_recurrent import enable_packed_recurrence
-from fulcrum.rollout import build_rollout
 from fulcrum.rollout.base import SamplingParams
-from fulcrum.rollout.native import NativeEngine, native_unsupported_reason
+from fulcrum.rollout.native import NativeEngine
 from fulcrum.rollout.native.models.linear_attention import turn_ended
-from fulcrum.rollout.testing import TINY_SHAPE, random_causal_lm, scoring_batch
-from fulcrum.tools.memory_estimate import read_model_shape
+from fulcrum.rollout.testing import random_causal_lm, scoring_batch
 from fulcrum.trainer.main_ppo import main
 
 # 8 layers: linear, linear, linear, full, twice.
@@ -345,23 +341,5 @@ def test_a_multimodal_qwen3_5_checkpoint_runs_as_its_text_model(tmp_path: Path) 
     `text_config`), which AutoModelForCausalLM loads as the text model alone (the vision tower left out).
     The trainer's loader, the native engine, doctor's check of the folder and the memory estimate all
     read it as that text model: same logits, sampled natively as HF, its shape counting its parameters."""
-    text = {**TINY_SHAPE, **SHAPE, "vocab_size": VOCAB, "eos_token_id": EOS}
-    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=64)
-    torch.manual_seed(0)
-    full = AutoModelForImageTextToText.from_config(
-        AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision)
-    ).eval()
-    full.save_pretrained(tmp_path)
-    loaded = load_causal_lm(str(tmp_path), CPU).eval()
-    prompt = prompts_of([9])[0]
-    with torch.no_grad():
-        assert torch.equal(loaded(torch.tensor([prompt])).logits, full(torch.tensor([prompt])).logits)
-    rollout = RolloutConfig(name="native", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
-    assert native_unsupported_reason(rollout, AutoConfig.from_pretrained(tmp_path)) is None
-    shape = read_model_shape(str(tmp_path))
-    assert shape == model_shape(loaded.config) and shape.linear_layers == 6
-    assert param_count(shape) == sum(p.numel() for p in loaded.parameters())
-    engine = build_rollout(rollout, loaded, StubTokenizer(), CPU)
-    assert isinstance(engine, NativeEngine)
-    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert out.token_ids[0] == hf_greedy(loaded, prompt, 8)
+    shape = check_multimodal_folder_runs_as_its_text_model("qwen3_5", SHAPE, tmp_path)
+    assert shape.linear_layers == 6

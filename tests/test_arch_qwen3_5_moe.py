@@ -15,29 +15,20 @@ from arch_checks import (
     CPU,
     EOS,
     GATED_DELTANET_SHAPE,
-    VOCAB,
-    StubTokenizer,
     arch_model,
     check_bf16_gap_on_gpu,
     check_greedy_equals_hf_generate,
     check_grpo_step,
     check_load_balancing_loss_equals_hf,
+    check_multimodal_folder_runs_as_its_text_model,
     check_training_log_probs_equal_hf,
     engine_config,
-    prompts_of,
     require_model_type,
 )
-from transformers import AutoConfig, AutoModelForImageTextToText
 
-from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import matmul_param_count, param_count
-from fulcrum.models.load import load_causal_lm
-from fulcrum.rollout import build_rollout
-from fulcrum.rollout.base import SamplingParams
-from fulcrum.rollout.native import NativeEngine, native_unsupported_reason
-from fulcrum.rollout.testing import TINY_SHAPE
-from fulcrum.tools.memory_estimate import read_model_shape
+from fulcrum.rollout.native import NativeEngine
 
 pytest.importorskip("transformers.models.qwen3_5_moe")
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
@@ -96,33 +87,11 @@ def test_a_grpo_step_on_the_cpu(model: torch.nn.Module, tmp_path: Path) -> None:
 
 def test_a_multimodal_qwen3_5_moe_checkpoint_runs_as_its_text_model(tmp_path: Path) -> None:
     """`qwen3_5_moe` folders (Qwen3_5MoeForConditionalGeneration) load through AutoModelForCausalLM as the
-    text model alone; the loader, the engine's check, the memory estimate's shape and the engine read
-    them so: the same logits as the whole model's, HF's greedy tokens sampled natively."""
-    text = {**TINY_SHAPE, **SHAPE, "vocab_size": VOCAB, "eos_token_id": EOS, "initializer_range": 0.1}
-    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=64)
-    torch.manual_seed(0)
-    full = AutoModelForImageTextToText.from_config(
-        AutoConfig.for_model("qwen3_5_moe", text_config=text, vision_config=vision)
-    ).eval()
-    full.save_pretrained(tmp_path)
-    loaded = load_causal_lm(str(tmp_path), CPU).eval()
-    assert loaded.config.model_type == "qwen3_5_moe_text"
-    prompt = prompts_of([9])[0]
-    with torch.no_grad():
-        assert torch.equal(loaded(torch.tensor([prompt])).logits, full(torch.tensor([prompt])).logits)
-    rollout = RolloutConfig(name="native", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
-    assert native_unsupported_reason(rollout, AutoConfig.from_pretrained(tmp_path)) is None
-    shape = read_model_shape(str(tmp_path))
-    assert shape == model_shape(loaded.config) and shape.moe_layers == 4
-    assert param_count(shape) == sum(p.numel() for p in loaded.parameters())
-    engine = build_rollout(rollout, loaded, StubTokenizer(), CPU)
-    assert isinstance(engine, NativeEngine)
-    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    with torch.no_grad():
-        expected = loaded.generate(
-            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8, pad_token_id=0
-        )
-    assert out.token_ids[0] == expected[0, len(prompt) :].tolist()
+    text model alone, and every part of fulcrum reads them so (`check_multimodal_folder_runs_as_its_text_model`)."""
+    shape = check_multimodal_folder_runs_as_its_text_model(
+        "qwen3_5_moe", dict(SHAPE, initializer_range=0.1), tmp_path
+    )
+    assert (shape.linear_layers, shape.moe_layers) == (3, 4)
 
 
 @pytest.mark.gpu
