@@ -209,9 +209,8 @@ class Scheduler:
             completes = chunk == remaining
             if completes and seq.num_samples > seats:
                 break
-            if self._over_context(
-                work, context + seq.num_computed + chunk, reads_cache or seq.num_computed > 0
-            ):
+            keys, reads = context + seq.num_computed + chunk, reads_cache or seq.num_computed > 0
+            if self._over_context(work, keys, reads):
                 break
             forks = 0
             if seq.num_tokens % self.blocks.block_size:
@@ -233,8 +232,7 @@ class Scheduler:
             work.lengths.append(chunk)
             work.completes.append(completes)
             budget -= chunk
-            context += seq.num_computed + chunk
-            reads_cache = reads_cache or seq.num_computed > 0
+            context, reads_cache = keys, reads
             if not completes:
                 break  # the rest of this prompt comes in the next prefill step
             seats -= seq.num_samples
