@@ -91,6 +91,20 @@ def engine_config(**overrides: Any) -> EngineConfig:
     return EngineConfig(**{**base, **overrides})
 
 
+def hf_greedy(model: torch.nn.Module, prompt: list[int], tokens: int) -> list[int]:
+    """transformers' greedy `generate` of `tokens` new tokens after `prompt` (EOS not stopping it)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def check_greedy_equals_hf_generate(model: torch.nn.Module, lengths: tuple[int, ...] = (1, 40, 9)) -> None:
     """The engine's greedy tokens = transformers' `generate(do_sample=False)` for 64 tokens per prompt
     (prefill chunked by a small token budget, decode windows of 4 steps)."""
@@ -98,16 +112,7 @@ def check_greedy_equals_hf_generate(model: torch.nn.Module, lengths: tuple[int, 
     params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
     out = NativeEngine(model, [EOS], 0, engine_config(), CPU).generate(prompts, params)
     for prompt, tokens in zip(prompts, out.token_ids, strict=True):
-        with torch.no_grad():
-            expected = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=GREEDY_TOKENS,
-                min_new_tokens=GREEDY_TOKENS,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-        assert tokens == expected
+        assert tokens == hf_greedy(model, prompt, GREEDY_TOKENS)
 
 
 def check_training_log_probs_equal_hf(model: torch.nn.Module, temperature: float = 0.7) -> None:
@@ -197,11 +202,7 @@ def check_grpo_step(model: torch.nn.Module, folder: Path) -> None:
     engine.update_weights(actor.model.state_dict().items())
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokens = engine.generate(prompts[:1], greedy).token_ids[0]
-    with torch.no_grad():
-        expected = actor.model.generate(
-            torch.tensor(prompts[:1]), do_sample=False, max_new_tokens=8, min_new_tokens=8, pad_token_id=0
-        )[0, len(prompts[0]) :].tolist()
-    assert tokens == expected
+    assert tokens == hf_greedy(actor.model, prompts[0], 8)
 
 
 def check_load_balancing_loss_equals_hf(
@@ -308,9 +309,5 @@ def check_multimodal_folder_runs_as_its_text_model(
     engine = build_rollout(rollout, loaded, StubTokenizer(), CPU)
     assert isinstance(engine, NativeEngine)
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    with torch.no_grad():
-        expected = loaded.generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=8, min_new_tokens=8, pad_token_id=0
-        )
-    assert out.token_ids[0] == expected[0, len(prompt) :].tolist()
+    assert out.token_ids[0] == hf_greedy(loaded, prompt, 8)
     return shape

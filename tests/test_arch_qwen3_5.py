@@ -24,6 +24,7 @@ from arch_checks import (
     check_multimodal_folder_runs_as_its_text_model,
     check_training_log_probs_equal_hf,
     engine_config,
+    hf_greedy,
     prompts_of,
 )
 from helpers import cpu_ppo_overrides, log_probs_of, make_assets
@@ -181,18 +182,6 @@ def test_greedy_equals_hf_generate(model: torch.nn.Module) -> None:
     """Prefill chunked by a 64-token budget (the 40-token prompt splits across steps beside the
     others), decode windows of 4 steps, each sequence's state in its own slot."""
     check_greedy_equals_hf_generate(model)
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            do_sample=False,
-            max_new_tokens=tokens,
-            min_new_tokens=tokens,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def test_chunked_prefill_forks_and_preemption_keep_each_state(model: torch.nn.Module) -> None:
