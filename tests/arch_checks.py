@@ -273,10 +273,13 @@ def bf16_gaps(arch: str, shape: dict[str, Any], device: torch.device) -> dict[st
 
 
 def check_bf16_gap_on_gpu(arch: str, shape: dict[str, Any]) -> None:
-    """bf16 on CUDA with the Triton kernels and CUDA graphs: mean |engine - HF bf16 forward| <= 0.02, and
-    the engine as close to the float32 forward as HF's bf16 forward is (within 1.5x + 0.002)."""
+    """bf16 on CUDA with the Triton kernels and CUDA graphs: the engine as close to the float32 forward as
+    HF's bf16 forward is (within 1.5x + 0.002), and mean |engine - HF bf16 forward| <= 0.02 or 1.5x HF
+    bf16's own gap to float32, whichever is larger: two bf16 forwards whose rounding errors are of one
+    size and independent differ by about √2 times that size (a mixture of experts' routing makes the
+    size larger than a dense model's)."""
     gaps = bf16_gaps(arch, shape, torch.device("cuda"))
-    assert gaps["engine_vs_hf_bf16"] <= 0.02, gaps
+    assert gaps["engine_vs_hf_bf16"] <= max(0.02, 1.5 * gaps["hf_bf16_vs_fp32"]), gaps
     assert gaps["engine_vs_fp32"] <= 1.5 * gaps["hf_bf16_vs_fp32"] + 0.002, gaps
 
 

@@ -133,9 +133,10 @@ def test_packed_gradients_equal_padded(model: torch.nn.Module) -> None:
     weight = "layers.0.linear_attn.in_proj_qkv.weight"
     got = dict(packed.model.named_parameters())[weight].grad
     expected = dict(reference.model.named_parameters())[weight].grad
-    # float32 summation order: within 1e-5 of the gradient's scale (a state carried across a boundary
-    # moves it by percents)
-    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    # float32 rounding, which the gated norm amplifies where a head's output is small (it divides by the
+    # head's RMS): within 1e-4 of the gradient's scale (a state carried across a boundary moves it by
+    # percents)
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 
 def qwen3_5_assets(root: Path) -> Path:

@@ -66,7 +66,7 @@ def test_the_engines_kernels_equal_the_torch_reference(dtype: torch.dtype) -> No
     inputs and starting states), the other slots untouched."""
     require_model_type("qwen3_5_text")
     model = arch_model("qwen3_5_text", SHAPE, init_std=0.1).to(dtype)
-    decoder = NativeEngine(model, [EOS], 0, engine_config(), CUDA).model
+    decoder = NativeEngine(model, [EOS], 0, engine_config(dtype=dtype), CUDA).model
     layer, shape, eps = decoder.layers[0], decoder.linear_shape, decoder.eps  # layer 0: Gated DeltaNet
     ref_layer = {name: weight.float().cpu() for name, weight in layer.items()}
     generator = torch.Generator().manual_seed(0)
@@ -170,7 +170,7 @@ def test_native_greedy_equals_hf_generate_on_cuda(arch: str) -> None:
     model = arch_model(arch, NEXT_SHAPE if arch == "qwen3_next" else SHAPE, seed=1, init_std=0.1).to(CUDA)
     model.generation_config.eos_token_id = None  # every response runs 64 tokens on both sides
     prompts = prompts_of([1, 40, 9, 150])
-    engine = NativeEngine(model, [EOS], 0, engine_config(max_model_len=256), CUDA)
+    engine = NativeEngine(model, [EOS], 0, engine_config(max_model_len=256, dtype=torch.float32), CUDA)
     graphed = arch != "qwen3_next"  # float32 experts read their row counts on the host: decode eager
     assert engine.runner.use_triton and engine.runner.use_graphs == graphed
     out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))

@@ -2,8 +2,9 @@
 extra) for the causal depthwise conv and the gated delta rule, over many sequences in one varlen call.
 
 `use_fla(device)` decides: fla's Triton kernels on CUDA where the package imports; elsewhere (the CPU,
-or fla not installed) the callers run their torch reference (transformers' `torch_chunk_gated_delta_rule`
-and `torch_recurrent_gated_delta_rule`, F.conv1d), which the kernels are tested against.
+or fla not installed) the callers run their torch reference (transformers' `torch_chunk_gated_delta_rule` and
+`torch_recurrent_gated_delta_rule` as `torch_delta_rules` gives them, F.conv1d), which the kernels are
+tested against.
 
 Layouts are fla's, as transformers' Qwen3.5 calls it: a stream of N tokens of S sequences laid end to
 end, `cu_seqlens` (S + 1,) their offsets; q, k (N, Hk, Dk) and v (N, Hv, Dv) with Hv a multiple of Hk
@@ -21,7 +22,10 @@ autotunes on its first call for each (C, K), which a capture's warm-up run makes
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +80,18 @@ def split_qkv(
         q = q.repeat_interleave(value_heads // key_heads, dim=1)
         k = k.repeat_interleave(value_heads // key_heads, dim=1)
     return q, k, v.reshape(rows, value_heads, value_dim)
+
+
+def torch_delta_rules() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """transformers' torch references of the gated delta rule: (`torch_chunk_gated_delta_rule`,
+    `torch_recurrent_gated_delta_rule`). transformers routes those names to fla's kernels wherever fla
+    imports, whatever the device of the tensors they are given (a CPU tensor then fails inside Triton);
+    the torch functions are the ones its wrappers wrap."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+
+    chunked = inspect.unwrap(qwen3_5.torch_chunk_gated_delta_rule)
+    recurrent = inspect.unwrap(qwen3_5.torch_recurrent_gated_delta_rule)
+    return chunked, recurrent
 
 
 def conv_varlen(

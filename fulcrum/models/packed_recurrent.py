@@ -5,12 +5,14 @@ along its input; over a packed stream of S sequences laid end to end, its own fo
 across sequence boundaries. `enable_packed_recurrence` gives each such module an instance `forward`
 for packed calls (ones carrying `fulcrum_cu_seqlens`):
 
-- on CUDA with flash-linear-attention installed (`fulcrum.models.gated_delta`), `packed_gated_deltanet`:
-  the module's own projections, norm and output over the stream, its conv and delta rule as fla's varlen
-  kernels, which start every sequence from zeros (fla's backward for both);
-- elsewhere, the sequences laid side by side in an (S, L) grid, right-padded to the longest, through the
-  module's own forward (on the CPU transformers' torch reference): every row starts from a zero state and
-  zero conv history, and the padding lies after each row's tokens, where a causal layer never reads it.
+`packed_gated_deltanet`: the module's own projections, norm and output over the stream; its conv and
+delta rule
+- on CUDA with flash-linear-attention installed (`fulcrum.models.gated_delta`), as fla's varlen kernels,
+  which start every sequence from zeros (fla's backward for both);
+- elsewhere, as their torch references over the sequences laid side by side in an (S, L) grid,
+  right-padded to the longest: every row starts from a zero state and zero conv history, and the padding
+  lies after each row's tokens, where a causal layer never reads it. (Not the module's own forward:
+  transformers sends its delta rule to fla's kernels wherever fla imports, CPU tensors included.)
 
 Other calls (padded batches) go to the module's forward unchanged; the state dict is unchanged.
 """
@@ -21,9 +23,17 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from fulcrum.models.gated_delta import conv_varlen, decay, delta_rule_varlen, split_qkv, use_fla
+from fulcrum.models.gated_delta import (
+    conv_varlen,
+    decay,
+    delta_rule_varlen,
+    split_qkv,
+    torch_delta_rules,
+    use_fla,
+)
 from fulcrum.models.load import switch_off_hub_kernels
 
 
@@ -71,13 +81,7 @@ def packed_recurrent_forward(
             "layer's recurrent state runs along the whole sequence: set it to 1 for this model"
         )
     assert isinstance(cu_seqlens, torch.Tensor)
-    stream = hidden_states[0]  # (N, H)
-    if use_fla(stream.device):
-        return packed_gated_deltanet(module, stream, cu_seqlens)[None]
-    flat, count, longest = stream_grid_index(cu_seqlens, stream.device)
-    grid = stream.new_zeros(count * longest, stream.shape[-1]).index_copy(0, flat, stream)
-    out = forward(module, grid.view(count, longest, -1))  # (S, L, H): no cache, no mask
-    return out.reshape(count * longest, -1).index_select(0, flat)[None]  # (1, N, H)
+    return packed_gated_deltanet(module, hidden_states[0], cu_seqlens)[None]  # (1, N, H)
 
 
 def mixer_inputs(module: nn.Module, stream: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -99,22 +103,46 @@ def mixer_inputs(module: nn.Module, stream: torch.Tensor) -> tuple[torch.Tensor,
 def packed_gated_deltanet(module: nn.Module, stream: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """A Gated DeltaNet module over the packed stream (N, H) of sequences `cu_seqlens` (S + 1,), each from
     a zero state and zero conv history: its forward with the conv and the delta rule as fla's varlen
-    kernels (transformers' Qwen3.5 forward, argument for argument). Returns (N, H)."""
+    kernels on CUDA where fla imports, else their torch references over the sequences' grid
+    (transformers' Qwen3.5 forward, argument for argument). Returns (N, H)."""
     if module.activation not in ("silu", "swish"):
-        raise ValueError(
-            f"linear attention: fla's causal conv runs SiLU, not hidden_act={module.activation!r}"
-        )
+        raise ValueError(f"linear attention: the causal conv runs SiLU, not hidden_act={module.activation!r}")
     rows = stream.shape[0]
     mixed, z, b, a = mixer_inputs(module, stream)
-    conv, _ = conv_varlen(mixed, module.conv1d.weight.squeeze(1), cu_seqlens)
-    q, k, v = split_qkv(conv, module.num_k_heads, module.head_k_dim, module.num_v_heads, module.head_v_dim)
-    core, _ = delta_rule_varlen(
-        q,
-        k,
-        v,
-        decay(a, module.A_log, module.dt_bias),
-        b.sigmoid(),
-        cu_seqlens,
-    )
+    heads = (module.num_k_heads, module.head_k_dim, module.num_v_heads, module.head_v_dim)
+    weight, g, beta = module.conv1d.weight.squeeze(1), decay(a, module.A_log, module.dt_bias), b.sigmoid()
+    if use_fla(stream.device):
+        conv, _ = conv_varlen(mixed, weight, cu_seqlens)
+        q, k, v = split_qkv(conv, *heads)
+        core, _ = delta_rule_varlen(q, k, v, g, beta, cu_seqlens)
+    else:
+        core = torch_mixer_over_grid(mixed, weight, g, beta, cu_seqlens, heads)
     normed = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(normed.reshape(rows, -1))
+
+
+def torch_mixer_over_grid(
+    mixed: torch.Tensor,
+    weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    heads: tuple[int, int, int, int],
+) -> torch.Tensor:
+    """The torch reference of fla's varlen conv and delta rule from zero states: the stream's mixer input
+    (N, C), log-decay g and β (N, Hv) laid out in the (S, L) grid of its sequences, the causal conv and
+    transformers' chunked delta rule over the grid, the outputs (N, Hv, Dv) gathered back. `heads` is
+    (Hk, Dk, Hv, Dv)."""
+    flat, count, longest = stream_grid_index(cu_seqlens, mixed.device)
+
+    def grid(t: torch.Tensor) -> torch.Tensor:  # (N, ...) -> (S, L, ...), zeros after each sequence
+        laid = t.new_zeros(count * longest, *t.shape[1:]).index_copy(0, flat, t)
+        return laid.view(count, longest, *t.shape[1:])
+
+    taps = weight.shape[-1]  # transformers' torch conv, op for op: zero-padded on both sides, the tail cut
+    conv = F.conv1d(grid(mixed).transpose(1, 2), weight[:, None], padding=taps - 1, groups=weight.shape[0])
+    conv = F.silu(conv[..., :longest]).transpose(1, 2)  # (S, L, C)
+    q, k, v = (t.view(count, longest, *t.shape[1:]) for t in split_qkv(conv.flatten(0, 1), *heads))
+    chunked, _ = torch_delta_rules()
+    out, _ = chunked(q, k, v, g=grid(g), beta=grid(beta), use_qk_l2norm_in_kernel=True)  # (S, L, Hv, Dv)
+    return out.flatten(0, 1).index_select(0, flat)

@@ -34,6 +34,7 @@ from fulcrum.models.gated_delta import (
     delta_rule_step,
     delta_rule_varlen,
     split_qkv,
+    torch_delta_rules,
 )
 
 
@@ -267,8 +268,7 @@ def _torch_decode(
     step: StateStep,
 ) -> torch.Tensor:
     """The torch reference of `_fla_decode`: transformers' recurrent delta rule over gathered states."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
-
+    _, torch_recurrent_gated_delta_rule = torch_delta_rules()
     conv, window = causal_conv(conv_state.index_select(0, step.slots), mixed[:, None], weight)
     conv_state.index_copy_(0, step.writes, window.to(conv_state.dtype))
     q, k, v = split_heads(conv[:, 0], shape)
@@ -297,8 +297,7 @@ def _torch_prefill(
     step: StateStep,
 ) -> torch.Tensor:
     """The torch reference of `_fla_prefill`: one sequence at a time, transformers' chunked delta rule."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
-
+    torch_chunk_gated_delta_rule, _ = torch_delta_rules()
     outs, start = [], 0
     for i, length in enumerate(step.q_lens):
         slot = step.slots[i : i + 1]
