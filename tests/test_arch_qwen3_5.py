@@ -6,12 +6,15 @@ the recurrent state and the conv window."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -275,25 +278,44 @@ def test_the_cpu_runs_the_torch_path_even_where_fla_imports(
     model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Gated DeltaNet's kernels follow the device: flash-linear-attention's on CUDA where it imports, the
-    torch reference anywhere else. With fla taken as importable but any import of it failing, the CPU
-    engine samples HF's greedy tokens and the packed pass gives HF's hidden states: neither touched fla."""
+    torch reference anywhere else. With fla taken as importable but any import of it failing, and
+    transformers' delta-rule names sending every call to fla as transformers does where fla imports (here:
+    raising), the CPU engine samples HF's greedy tokens and the packed pass gives HF's hidden states (both
+    computed before): neither touched fla."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
     assert runs_fla("cuda", True) and not runs_fla("cuda", False) and not runs_fla("cpu", True)
+    prompt = prompts_of([9], seed=7)[0]
+    ids = torch.tensor([prompt])
+    expected_tokens = hf_greedy(model, prompt, 8)
+    with torch.no_grad():
+        expected = model.model(input_ids=ids).last_hidden_state[0]
     monkeypatch.setattr(gated_delta, "fla_importable", lambda: True)
     monkeypatch.setitem(sys.modules, "fla", None)  # `import fla...` raises ImportError
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        monkeypatch.setattr(modeling_qwen3_5, name, sent_to_fla(getattr(modeling_qwen3_5, name)))
     assert gated_delta.use_fla(torch.device("cuda")) and not gated_delta.use_fla(CPU)
-    prompt = prompts_of([9], seed=7)[0]
     engine = NativeEngine(model, [EOS], 0, engine_config(), CPU)
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert out.token_ids[0] == hf_greedy(model, prompt, 8)
+    assert out.token_ids[0] == expected_tokens
     packed = copy.deepcopy(model)
     enable_packed_attention(packed)
-    ids = torch.tensor([prompt])
     stream = pack_micro_batch(ids, torch.ones_like(ids), torch.arange(9)[None], 9)
     stream.cu_seqlens = torch.tensor([0, 9], dtype=torch.int32)
     with torch.no_grad():
         got = packed_hidden_states(packed.model, stream)
-        expected = model.model(input_ids=ids).last_hidden_state[0]
     assert (got - expected).abs().max() < 1e-5
+
+
+def sent_to_fla(torch_rule: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers' wrapper of a torch delta rule where fla imports: fla's kernel whatever the device,
+    which fails on CPU tensors (here at once)."""
+
+    @functools.wraps(torch_rule)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+
+    return wrapped
 
 
 def test_turn_ended_marks_a_stop_id_or_the_last_token_of_a_row() -> None:
