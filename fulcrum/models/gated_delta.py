@@ -82,6 +82,7 @@ def split_qkv(
     return q, k, v.reshape(rows, value_heads, value_dim)
 
 
+@functools.cache
 def torch_delta_rules() -> tuple[Callable[..., Any], Callable[..., Any]]:
     """transformers' torch references of the gated delta rule: (`torch_chunk_gated_delta_rule`,
     `torch_recurrent_gated_delta_rule`). transformers routes those names to fla's kernels wherever fla
