@@ -70,8 +70,8 @@ def stream_grid_index(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[t
 def packed_recurrent_forward(
     forward: Callable[..., torch.Tensor], module: nn.Module, hidden_states: torch.Tensor, **kwargs: object
 ) -> torch.Tensor:
-    """`forward(module, hidden_states, **kwargs)`; for a packed call ((1, N, H) with
-    `fulcrum_cu_seqlens`), the same over the (S, L, H) grid of its sequences, back as (1, N, H)."""
+    """`forward(module, hidden_states, **kwargs)` (the module's own); for a packed call ((1, N, H) with
+    `fulcrum_cu_seqlens`), `packed_gated_deltanet` over its sequences, each from zero states (1, N, H)."""
     cu_seqlens = kwargs.get("fulcrum_cu_seqlens")
     if cu_seqlens is None:
         return forward(module, hidden_states, **kwargs)
