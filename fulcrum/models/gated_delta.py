@@ -69,30 +69,43 @@ def decay(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.
 def split_qkv(
     conv: torch.Tensor, key_heads: int, key_dim: int, value_heads: int, value_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The conv's output (N, C), channels [q | k | v], as q, k (N, Hv, Dk) and v (N, Hv, Dv): each of the
-    Hk key heads serves r = Hv / Hk consecutive value heads, so q and k are repeated r times head by head
-    (transformers' Qwen3.5 forward does the same before its delta rule; its torch rule before 5.2x, which
-    fulcrum's torch path calls, takes equal head counts only)."""
+    """The conv's output (N, C), channels [q | k | v], as q, k (N, Hk, Dk) and v (N, Hv, Dv)."""
     rows, key = conv.shape[0], key_heads * key_dim
     q, k, v = conv.split([key, key, value_heads * value_dim], dim=-1)
-    q, k = q.reshape(rows, key_heads, key_dim), k.reshape(rows, key_heads, key_dim)
-    if value_heads > key_heads:
-        q = q.repeat_interleave(value_heads // key_heads, dim=1)
-        k = k.repeat_interleave(value_heads // key_heads, dim=1)
-    return q, k, v.reshape(rows, value_heads, value_dim)
+    return (
+        q.reshape(rows, key_heads, key_dim),
+        k.reshape(rows, key_heads, key_dim),
+        v.reshape(rows, value_heads, value_dim),
+    )
 
 
 @functools.cache
 def torch_delta_rules() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """transformers' torch references of the gated delta rule: (`torch_chunk_gated_delta_rule`,
-    `torch_recurrent_gated_delta_rule`). transformers routes those names to fla's kernels wherever fla
-    imports, whatever the device of the tensors they are given (a CPU tensor then fails inside Triton);
-    the torch functions are the ones its wrappers wrap."""
+    """transformers' torch references of the gated delta rule, (`torch_chunk_gated_delta_rule`,
+    `torch_recurrent_gated_delta_rule`), each taking q, k (..., Hk, Dk) with fewer heads than v
+    (`grouped`). transformers routes those names to fla's kernels wherever fla imports, whatever the
+    device of the tensors they are given (a CPU tensor then fails inside Triton); the torch functions are
+    the ones its wrappers wrap."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 
     chunked = inspect.unwrap(qwen3_5.torch_chunk_gated_delta_rule)
     recurrent = inspect.unwrap(qwen3_5.torch_recurrent_gated_delta_rule)
-    return chunked, recurrent
+    return grouped(chunked), grouped(recurrent)
+
+
+def grouped(rule: Callable[..., Any]) -> Callable[..., Any]:
+    """`rule(q, k, v, **kwargs)` for q, k (..., Hk, Dk) and v (..., Hv, Dv), Hv a multiple of Hk: each key
+    head serves Hv / Hk consecutive value heads, so q and k are repeated head by head first, as
+    transformers' Qwen3.5 forward does (its torch rules before 5.2x take equal head counts only; fla's
+    kernels take the groups as they are)."""
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> Any:
+        repeats = v.shape[-2] // q.shape[-2]
+        if repeats > 1:
+            q, k = q.repeat_interleave(repeats, dim=-2), k.repeat_interleave(repeats, dim=-2)
+        return rule(q, k, v, **kwargs)
+
+    return call
 
 
 def conv_varlen(
