@@ -27,7 +27,7 @@ from fulcrum.algo.advantages import grpo_advantage
 from fulcrum.config.schema_rollout import RolloutConfig
 from fulcrum.config.sections import actor_section
 from fulcrum.models.arch import SPECS, model_shape
-from fulcrum.models.arch.spec import param_count
+from fulcrum.models.arch.spec import matmul_param_count, param_count
 from fulcrum.models.load import load_causal_lm
 from fulcrum.models.packed import enable_packed_attention
 from fulcrum.models.router_loss import load_balancing_loss, recorded_router_logits, router_loss_settings
@@ -313,4 +313,16 @@ def check_multimodal_folder_runs_as_its_text_model(
     assert isinstance(engine, NativeEngine)
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert out.token_ids[0] == hf_greedy(loaded, prompt, 8)
+    return shape
+
+
+def check_hybrid_moe_parameter_counts(model: torch.nn.Module, idle_experts: int) -> Any:
+    """The shape of a hybrid mixture of experts counts every parameter, and verl's N (the matmul weights,
+    of the routed experts only the top k a token runs, the shared expert always) is the model's matmul
+    weights less `idle_experts`' (the weights of the experts a token does not run). Returns the shape."""
+    shape = model_shape(model.config)
+    assert param_count(shape) == sum(p.numel() for p in model.parameters())
+    small = ("norm", "dt_bias", "A_log", "conv1d")
+    matmuls = sum(p.numel() for name, p in model.named_parameters() if not any(s in name for s in small))
+    assert matmul_param_count(shape) == matmuls - idle_experts
     return shape

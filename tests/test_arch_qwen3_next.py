@@ -16,14 +16,13 @@ from arch_checks import (
     arch_model,
     check_greedy_equals_hf_generate,
     check_grpo_step,
+    check_hybrid_moe_parameter_counts,
     check_load_balancing_loss_equals_hf,
     check_training_log_probs_equal_hf,
     engine_config,
 )
 from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_loss_func
 
-from fulcrum.models.arch import model_shape
-from fulcrum.models.arch.spec import matmul_param_count, param_count
 from fulcrum.rollout.native import NativeEngine
 
 # Four layers (three Gated DeltaNet, one attention); every MLP sparse but layer 2's (`mlp_only_layers`):
@@ -49,14 +48,9 @@ def model() -> torch.nn.Module:
 
 
 def test_the_shape_counts_every_parameter_and_the_shared_expert(model: torch.nn.Module) -> None:
-    shape = model_shape(model.config)
-    assert (shape.linear_layers, shape.moe_layers, shape.shared_expert_intermediate) == (3, 3, 48)
-    assert param_count(shape) == sum(p.numel() for p in model.parameters())
-    # verl's N: the matmul weights, of the routed experts only the 2 a token runs (the shared one always)
     idle_experts = 3 * (4 - 2) * 3 * 64 * 32  # 3 expert layers, 2 idle experts of 3 matrices 64 x 32
-    small = ("norm", "dt_bias", "A_log", "conv1d")
-    matmuls = sum(p.numel() for name, p in model.named_parameters() if not any(s in name for s in small))
-    assert matmul_param_count(shape) == matmuls - idle_experts
+    shape = check_hybrid_moe_parameter_counts(model, idle_experts)
+    assert (shape.linear_layers, shape.moe_layers, shape.shared_expert_intermediate) == (3, 3, 48)
 
 
 def test_the_engine_loads_the_fused_projections_into_each_slot(model: torch.nn.Module) -> None:
