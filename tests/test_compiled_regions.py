@@ -12,6 +12,10 @@ tests give the layers an opaque varlen attention op, as CUDA's flash kernel is t
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -169,3 +173,53 @@ def test_the_log_softmax_chunks_compile_once_for_every_caller(opaque_attention: 
         use_compiled_chunks(False)
     assert linear_logprob._CHUNK_FNS["forward"] is linear_logprob._chunk_forward
     assert graphs() == 2  # the forward chunk and the backward's
+
+
+# A process that compiles the checkpointed update with inductor (the GPU's backend; on the CPU its C++
+# kernels) over one micro-batch and prints AOTAutograd's cache counters.
+UPDATE_IN_A_NEW_PROCESS = """
+import json, sys
+import torch
+from torch._dynamo.utils import counters
+import test_compiled_regions as t
+from fulcrum.models import packed_attention
+from fulcrum.models.packed import compile_decoder_layers, packed_hidden_states
+packed_attention.has_flash_varlen = lambda x: True
+packed_attention.varlen_causal_attention = (
+    lambda q, k, v, cu, max_seqlen, scale, window=None: t.varlen_attention(q, k, v, cu, max_seqlen)
+)
+model = t.load_causal_lm(sys.argv[1], t.CPU, gradient_checkpointing=True)
+t.enable_packed_attention(model)
+compile_decoder_layers(model.model, backend="inductor", cpp_wrapper=False)
+model.train()
+packed_hidden_states(model.model, t.micro_batch(4, 0)).square().mean().backward()
+print(json.dumps(dict(counters["aot_autograd"])))
+"""
+
+
+def test_a_second_process_takes_the_checkpointed_update_from_the_compile_cache(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A run's first step compiles its passes; the next run on the machine (a second seed, each `fulcrum
+    tune` trial, a resume) should find them in torch's on-disk caches. AOTAutograd caches a selectively
+    checkpointed graph only when the checkpoint's context function carries a `cache_hash` and pickles;
+    without, it bypassed its cache and every new process traced and partitioned the update again."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor_cache")}
+
+    def aot_counters() -> dict[str, int]:
+        out = subprocess.run(
+            [sys.executable, "-c", UPDATE_IN_A_NEW_PROCESS, str(model_dir)],
+            cwd=Path(__file__).parent,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = aot_counters()
+    assert first.get("autograd_cache_bypass", 0) == 0 and first.get("autograd_cache_saved", 0) >= 1, first
+    second = aot_counters()
+    assert second.get("autograd_cache_hit", 0) >= 1, second
+    assert second.get("autograd_cache_bypass", 0) == 0 and second.get("autograd_cache_miss", 0) == 0, second

@@ -271,8 +271,10 @@ def test_compiled_layer_twins_match_and_leave_the_model_alone(
     saved: list[object] = []
     keep = packed.selective_checkpoint_policy
 
-    def recording_policy(ctx: object, op: object, *args: object, **kwargs: object) -> object:
-        decision = keep(ctx, op, *args, **kwargs)
+    def recording_policy(
+        attention: bool, mlp: bool, ctx: object, op: object, *args: object, **kwargs: object
+    ) -> object:
+        decision = keep(attention, mlp, ctx, op, *args, **kwargs)
         if decision == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE:
             saved.append(op)
         return decision

@@ -18,6 +18,7 @@ The packing and the compiled regions (plain, and inside FSDP units) depend on th
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -194,12 +195,14 @@ ATTENTION_OPS = frozenset(
 MATMUL_OPS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
 
 
-def selective_checkpoint_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-    """Selective-checkpointing policy: save what the attention kernels return (`SAVE_ATTENTION_OUTPUTS`)
-    and, with `SAVE_MLP_PROJECTIONS`, what the expanding projections return; recompute the rest."""
-    if op in ATTENTION_OPS and SAVE_ATTENTION_OUTPUTS:
+def selective_checkpoint_policy(
+    save_attention: bool, save_mlp: bool, ctx: object, op: object, *args: object, **kwargs: object
+) -> CheckpointPolicy:
+    """Selective-checkpointing policy: save what the attention kernels return (`save_attention`) and, with
+    `save_mlp`, what the expanding projections return; recompute the rest."""
+    if op in ATTENTION_OPS and save_attention:
         return CheckpointPolicy.MUST_SAVE
-    if op in MATMUL_OPS and SAVE_MLP_PROJECTIONS and expanding_matmul(op, args):
+    if op in MATMUL_OPS and save_mlp and expanding_matmul(op, args):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -211,8 +214,42 @@ def expanding_matmul(op: object, args: tuple[object, ...]) -> bool:
     return shape is not None and len(shape) == 2 and shape[1] > shape[0]
 
 
-def _selective_checkpoint_contexts() -> tuple[object, object]:
-    return create_selective_checkpoint_contexts(selective_checkpoint_policy)
+def selective_checkpoint_contexts(save_attention: bool, save_mlp: bool) -> tuple[object, object]:
+    """The checkpoint's `context_fn` (bound to the flags by `CHECKPOINT_CONTEXTS`): the policy's contexts."""
+    policy = functools.partial(selective_checkpoint_policy, save_attention, save_mlp)
+    return create_selective_checkpoint_contexts(policy)
+
+
+def policy_code_hash() -> str:
+    """A digest of what decides the selective checkpoint: the policy's and `expanding_matmul`'s code and
+    the ops they name (bytecode, constants, names; the Python and torch versions are in the caches' keys
+    already)."""
+    digest = hashlib.sha256()
+    for fn in (selective_checkpoint_policy, expanding_matmul, selective_checkpoint_contexts):
+        code = fn.__code__
+        digest.update(code.co_code + repr((code.co_consts, code.co_names)).encode())
+    for ops in (ATTENTION_OPS, MATMUL_OPS):
+        digest.update(repr(sorted(map(str, ops))).encode())
+    return digest.hexdigest()[:16]
+
+
+def _bound_contexts(
+    save_attention: bool, save_mlp: bool, code_hash: str
+) -> Callable[[], tuple[object, object]]:
+    """`selective_checkpoint_contexts` bound to one setting of the flags, with the `cache_hash` that
+    AOTAutograd keys a selectively checkpointed graph by: without one it bypasses its cache, and every
+    new process (a run's first step, each `fulcrum tune` trial, a resumed run) traces and partitions the
+    checkpointed update's joint graph again. A partial of module-level functions and booleans, so that
+    the cache key pickles it; dynamo keeps a partial's `cache_hash`."""
+    bound = functools.partial(selective_checkpoint_contexts, save_attention, save_mlp)
+    flags = f"attention{int(save_attention)}-mlp{int(save_mlp)}"
+    bound.cache_hash = f"fulcrum-sac-{code_hash}-{flags}"  # type: ignore[attr-defined]
+    return bound
+
+
+CHECKPOINT_CONTEXTS = {
+    (a, m): _bound_contexts(a, m, policy_code_hash()) for a in (False, True) for m in (False, True)
+}
 
 
 def compile_options(
@@ -401,13 +438,11 @@ def call_layer(
     if recompute:
         # The keyword only when selective: dynamo (torch 2.13) refused torch's default context_fn passed
         # explicitly ("checkpoint not implemented for ... LazyVariableTracker context_fn").
-        # any() of the pair rather than `or`: dynamo then reads, and guards on, both flags, so a
-        # compiled region never outlives a change of either (bench/passes.py --ab switches them).
-        selective = (
-            {"context_fn": _selective_checkpoint_contexts}
-            if any((SAVE_ATTENTION_OUTPUTS, SAVE_MLP_PROJECTIONS))
-            else {}
-        )
+        # Both flags read (not `or`): dynamo guards on both, so a compiled region never outlives a
+        # change of either (bench/passes.py --ab switches them), and each setting has its context
+        # function with its own cache hash.
+        flags = (SAVE_ATTENTION_OUTPUTS, SAVE_MLP_PROJECTIONS)
+        selective = {"context_fn": CHECKPOINT_CONTEXTS[flags]} if any(flags) else {}
         out = checkpoint(layer, hidden, use_reentrant=False, **selective, **kwargs)
     else:
         out = layer(hidden, **kwargs)
