@@ -10,6 +10,9 @@ condition, in this order:
 
 - `cold`: new, empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (a user's first run on a machine);
 - `warm`: the same command and the same cache folders again (the user's second run);
+- `python_wrapper`: `actor_rollout_ref.actor.inductor_cpp_wrapper=False` (compiled, inductor's Python
+  wrapper instead of its C++ one, whose wrapper source g++ compiles per graph), caches of its own, new and
+  empty: what the C++ wrapper costs a first step and buys a warm one;
 - `eager`: `actor_rollout_ref.actor.use_torch_compile=False` (the reference and the critic follow it),
   with caches of its own, new and empty.
 
@@ -44,8 +47,12 @@ sys.path.insert(0, str(BENCH))
 from seed_real import replace_keys, verl_grpo_example  # noqa: E402  bench/ is on sys.path when a script of it runs
 from train_step import seed_command, summarise  # noqa: E402
 
-CONDITIONS = ("cold", "warm", "eager")
-COMPILE_OFF = {"actor_rollout_ref.actor.use_torch_compile": "False"}
+CONDITIONS = ("cold", "warm", "python_wrapper", "eager")
+# The keys a condition sets on top of the command (cold and warm run it as it is).
+CONDITION_KEYS = {
+    "python_wrapper": {"actor_rollout_ref.actor.inductor_cpp_wrapper": "False"},
+    "eager": {"actor_rollout_ref.actor.use_torch_compile": "False"},
+}
 # What every condition's run adds: a fixed number of steps, nothing but steps (validation and checkpoints
 # would land in the last step), a fresh run.
 RUN_KEYS = {
@@ -75,8 +82,7 @@ def overrides(base: list[str], condition: str, run: Path, steps: int, extra: lis
     """`base` for `steps` steps in `run`, the user's `extra` KEY=VALUE after, the condition's keys last."""
     keys = {**RUN_KEYS, "trainer.total_training_steps": str(steps), "trainer.default_local_dir": str(run)}
     keys.update(dict(kv.split("=", 1) for kv in extra))
-    if condition == "eager":
-        keys.update(COMPILE_OFF)
+    keys.update(CONDITION_KEYS.get(condition, {}))
     return replace_keys(base, keys)
 
 
@@ -86,8 +92,8 @@ def cache_env(caches: Path) -> dict[str, str]:
 
 
 def caches_of(work: Path, condition: str) -> Path:
-    """`cold` and `warm` share one cache folder (warm runs on what cold left); `eager` has its own."""
-    return work / ("caches_eager" if condition == "eager" else "caches_compiled")
+    """`cold` and `warm` share one cache folder (warm runs on what cold left); the others have their own."""
+    return work / ("caches_compiled" if condition in ("cold", "warm") else f"caches_{condition}")
 
 
 def phase_table(steps: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(
-        "--conditions", default=",".join(CONDITIONS), help="comma-separated, of cold, warm, eager"
+        "--conditions", default=",".join(CONDITIONS), help="comma-separated, of " + ", ".join(CONDITIONS)
     )
     parser.add_argument("--work", type=Path, default=Path("/tmp/cold_start"), help="runs, caches and logs")
     parser.add_argument("--out", type=Path, required=True, help="the summary, profiles and logs' tails")

@@ -22,11 +22,9 @@ def keys_of(keys: list[str]) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("grpo", [False, True])
-def test_each_condition_runs_the_command_for_its_steps_and_only_eager_turns_compile_off(
-    grpo: bool, tmp_path: Path
-) -> None:
+def test_each_condition_runs_the_command_for_its_steps_with_its_own_keys(grpo: bool, tmp_path: Path) -> None:
     base = command(grpo, Path("M"), Path("D"))
-    for condition in ("cold", "warm", "eager"):
+    for condition in ("cold", "warm", "python_wrapper", "eager"):
         keys = keys_of(overrides(base, condition, tmp_path / "run", 3, ["data.train_batch_size=64"]))
         assert keys["trainer.total_training_steps"] == "3"
         assert (keys["trainer.test_freq"], keys["trainer.save_freq"]) == ("-1", "-1")  # steps only
@@ -36,8 +34,12 @@ def test_each_condition_runs_the_command_for_its_steps_and_only_eager_turns_comp
         assert ("actor_rollout_ref.actor.use_torch_compile" in keys) == (condition == "eager")
         if condition == "eager":
             assert keys["actor_rollout_ref.actor.use_torch_compile"] == "False"
+        assert ("actor_rollout_ref.actor.inductor_cpp_wrapper" in keys) == (condition == "python_wrapper")
+        if condition == "python_wrapper":
+            assert keys["actor_rollout_ref.actor.inductor_cpp_wrapper"] == "False"
         assert (keys.get("algorithm.adv_estimator") == "grpo") == grpo
-    assert caches_of(tmp_path, "cold") == caches_of(tmp_path, "warm") != caches_of(tmp_path, "eager")
+    caches = [caches_of(tmp_path, c) for c in ("cold", "warm", "python_wrapper", "eager")]
+    assert caches[0] == caches[1] and len({*caches[1:]}) == 3  # warm reuses cold's; the others start empty
 
 
 def test_step_one_is_set_against_the_mean_of_the_later_steps() -> None:
