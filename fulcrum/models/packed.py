@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -226,11 +227,21 @@ def policy_code_hash() -> str:
     already)."""
     digest = hashlib.sha256()
     for fn in (selective_checkpoint_policy, expanding_matmul, selective_checkpoint_contexts):
-        code = fn.__code__
-        digest.update(code.co_code + repr((code.co_consts, code.co_names)).encode())
+        _hash_code(digest, fn.__code__)
     for ops in (ATTENTION_OPS, MATMUL_OPS):
         digest.update(repr(sorted(map(str, ops))).encode())
     return digest.hexdigest()[:16]
+
+
+def _hash_code(digest: hashlib._Hash, code: types.CodeType) -> None:
+    """Feed `code`'s bytecode, names and constants to `digest`, nested code (a comprehension, a lambda)
+    by its own content: its repr carries a memory address, which differs from process to process."""
+    digest.update(code.co_code + repr(code.co_names).encode())
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _hash_code(digest, const)
+        else:
+            digest.update(repr(const).encode())
 
 
 def _bound_contexts(
