@@ -222,9 +222,9 @@ def selective_checkpoint_contexts(save_attention: bool, save_mlp: bool) -> tuple
 
 
 def policy_code_hash() -> str:
-    """A digest of what decides the selective checkpoint: the policy's and `expanding_matmul`'s code and
-    the ops they name (bytecode, constants, names; the Python and torch versions are in the caches' keys
-    already)."""
+    """A digest of what decides the selective checkpoint: the code of the policy, of `expanding_matmul` and
+    of the contexts' function, and the ops they name (bytecode, constants, names; the Python and torch
+    versions are in the caches' keys already)."""
     digest = hashlib.sha256()
     for fn in (selective_checkpoint_policy, expanding_matmul, selective_checkpoint_contexts):
         _hash_code(digest, fn.__code__)
