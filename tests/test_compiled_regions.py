@@ -229,11 +229,11 @@ def test_each_checkpoint_setting_has_its_own_cache_hash_the_same_in_every_proces
     """AOTAutograd reuses a cached checkpointed graph when the hash matches: a hash shared by two settings
     of the checkpoint flags would hand one setting the other's saved tensors; one that moves from process
     to process would never hit."""
-    from fulcrum.models.packed import CHECKPOINT_CONTEXTS
+    from fulcrum.models.checkpoint_policy import CHECKPOINT_CONTEXTS
 
     here = {flags: bound.cache_hash for flags, bound in CHECKPOINT_CONTEXTS.items()}
     assert len(set(here.values())) == 4
-    code = "from fulcrum.models.packed import CHECKPOINT_CONTEXTS as c; print(sorted((k, v.cache_hash) for k, v in c.items()))"
+    code = "from fulcrum.models.checkpoint_policy import CHECKPOINT_CONTEXTS as c; print(sorted((k, v.cache_hash) for k, v in c.items()))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )

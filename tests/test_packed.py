@@ -263,13 +263,13 @@ def test_compiled_layer_twins_match_and_leave_the_model_alone(
     and the checkpoint keeping the attention kernel's outputs (`SAVE_ATTENTION_OUTPUTS`: the CPU's
     SDPA kernel is one of `ATTENTION_OPS`, so the selective policy does save here), and the outputs of
     the MLP's expanding projections (`SAVE_MLP_PROJECTIONS`: two matmuls a layer)."""
-    from fulcrum.models import packed
+    from fulcrum.models import checkpoint_policy, packed
     from fulcrum.models.packed import compile_decoder_layers
 
     monkeypatch.setattr(packed, "SAVE_ATTENTION_OUTPUTS", save_attention)
     monkeypatch.setattr(packed, "SAVE_MLP_PROJECTIONS", save_mlp)
     saved: list[object] = []
-    keep = packed.selective_checkpoint_policy
+    keep = checkpoint_policy.selective_checkpoint_policy
 
     def recording_policy(
         attention: bool, mlp: bool, ctx: object, op: object, *args: object, **kwargs: object
@@ -279,7 +279,7 @@ def test_compiled_layer_twins_match_and_leave_the_model_alone(
             saved.append(op)
         return decision
 
-    monkeypatch.setattr(packed, "selective_checkpoint_policy", recording_policy)
+    monkeypatch.setattr(checkpoint_policy, "selective_checkpoint_policy", recording_policy)
 
     results = []
     for compiled in (False, True):
@@ -301,8 +301,8 @@ def test_compiled_layer_twins_match_and_leave_the_model_alone(
         results.append((logp.detach(), grads(model)))
     (lp_a, g_a), (lp_b, g_b) = results
     # the policy ran, and saved the attention kernel's outputs and the expanding projections' as asked
-    assert any(op in packed.ATTENTION_OPS for op in saved) == save_attention
-    matmuls = [op for op in saved if op in packed.MATMUL_OPS]
+    assert any(op in checkpoint_policy.ATTENTION_OPS for op in saved) == save_attention
+    matmuls = [op for op in saved if op in checkpoint_policy.MATMUL_OPS]
     layers = len(model.model.layers)
     assert len(matmuls) == (2 * layers if save_mlp else 0)  # gate and up, once in the forward
     assert torch.allclose(lp_a, lp_b, atol=TOL, rtol=0)

@@ -18,9 +18,7 @@ The packing and the compiled regions (plain, and inside FSDP units) depend on th
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -28,10 +26,11 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from fulcrum.batch import host_to_device
 from fulcrum.models.arch import SPECS, spec_for
+from fulcrum.models.checkpoint_policy import CHECKPOINT_CONTEXTS
 from fulcrum.models.packed_attention import packed_attention
 from fulcrum.models.packed_recurrent import enable_packed_recurrence
 from fulcrum.parallel.ulysses import SequenceParallel
@@ -175,94 +174,12 @@ SAVE_ATTENTION_OUTPUTS = True
 # (`bench/passes.py --ab save_mlp` measures it). (`fulcrum doctor`'s memory estimate assumes it off.)
 SAVE_MLP_PROJECTIONS = False
 
+
 # Inductor's C++ wrapper for the compiled regions on CUDA: their kernels are launched from compiled C++
 # instead of generated Python, whose per-kernel host cost bounds micro-batches of the seed command's size.
 # Needs SAVE_ATTENTION_OUTPUTS (above), and is left out for layers that call an op the installed
 # torch's C shim lacks (`compile_options`). The key actor_rollout_ref.actor.inductor_cpp_wrapper=false
 # turns it off (`compile_options(cpp_wrapper=False)`).
-ATTENTION_OPS = frozenset(
-    getattr(torch.ops.aten, name).default
-    for name in (
-        "_flash_attention_forward",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    )
-    if hasattr(torch.ops.aten, name)
-)
-
-
-MATMUL_OPS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
-
-
-def selective_checkpoint_policy(
-    save_attention: bool, save_mlp: bool, ctx: object, op: object, *args: object, **kwargs: object
-) -> CheckpointPolicy:
-    """Selective-checkpointing policy: save what the attention kernels return (`save_attention`) and, with
-    `save_mlp`, what the expanding projections return; recompute the rest."""
-    if op in ATTENTION_OPS and save_attention:
-        return CheckpointPolicy.MUST_SAVE
-    if op in MATMUL_OPS and save_mlp and expanding_matmul(op, args):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def expanding_matmul(op: object, args: tuple[object, ...]) -> bool:
-    """mm(a, b) or addmm(bias, a, b) whose output is wider than its input: b (K, N) with N > K."""
-    weight = args[2] if op is torch.ops.aten.addmm.default else args[1]
-    shape = getattr(weight, "shape", None)
-    return shape is not None and len(shape) == 2 and shape[1] > shape[0]
-
-
-def selective_checkpoint_contexts(save_attention: bool, save_mlp: bool) -> tuple[object, object]:
-    """The checkpoint's `context_fn` (bound to the flags by `CHECKPOINT_CONTEXTS`): the policy's contexts."""
-    policy = functools.partial(selective_checkpoint_policy, save_attention, save_mlp)
-    return create_selective_checkpoint_contexts(policy)
-
-
-def policy_code_hash() -> str:
-    """A digest of what decides the selective checkpoint: the code of the policy, of `expanding_matmul` and
-    of the contexts' function, and the ops they name (bytecode, constants, names; the Python and torch
-    versions are in the caches' keys already)."""
-    digest = hashlib.sha256()
-    for fn in (selective_checkpoint_policy, expanding_matmul, selective_checkpoint_contexts):
-        _hash_code(digest, fn.__code__)
-    for ops in (ATTENTION_OPS, MATMUL_OPS):
-        digest.update(repr(sorted(map(str, ops))).encode())
-    return digest.hexdigest()[:16]
-
-
-def _hash_code(digest: hashlib._Hash, code: types.CodeType) -> None:
-    """Feed `code`'s bytecode, names and constants to `digest`, nested code (a comprehension, a lambda)
-    by its own content: its repr carries a memory address, which differs from process to process."""
-    digest.update(code.co_code + repr(code.co_names).encode())
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            _hash_code(digest, const)
-        else:
-            digest.update(repr(const).encode())
-
-
-def _bound_contexts(
-    save_attention: bool, save_mlp: bool, code_hash: str
-) -> Callable[[], tuple[object, object]]:
-    """`selective_checkpoint_contexts` bound to one setting of the flags, with the `cache_hash` that
-    AOTAutograd keys a selectively checkpointed graph by: without one it bypasses its cache, and every
-    new process (a run's first step, each `fulcrum tune` trial, a resumed run) traces and partitions the
-    checkpointed update's joint graph again. A partial of module-level functions and booleans, so that
-    the cache key pickles it; dynamo keeps a partial's `cache_hash`."""
-    bound = functools.partial(selective_checkpoint_contexts, save_attention, save_mlp)
-    flags = f"attention{int(save_attention)}-mlp{int(save_mlp)}"
-    bound.cache_hash = f"fulcrum-sac-{code_hash}-{flags}"  # type: ignore[attr-defined]
-    return bound
-
-
-CHECKPOINT_CONTEXTS = {
-    (a, m): _bound_contexts(a, m, policy_code_hash()) for a in (False, True) for m in (False, True)
-}
-
-
 def compile_options(
     backend: str = "inductor", config: object | None = None, device: str = "cuda", cpp_wrapper: bool = True
 ) -> dict[str, object] | None:
