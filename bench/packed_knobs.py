@@ -55,5 +55,7 @@ def knob_summary() -> dict[str, object]:
         "layers_per_region": getattr(packed, "LAYERS_PER_REGION", None),
         "save_attention": getattr(packed, "SAVE_ATTENTION_OUTPUTS", None),
         "save_mlp": getattr(packed, "SAVE_MLP_PROJECTIONS", None),
-        "cpp_wrapper": compile_options() is not None if compile_options is not None else None,
+        "cpp_wrapper": bool((compile_options() or {}).get("cpp_wrapper"))
+        if compile_options is not None
+        else None,
     }

@@ -357,15 +357,25 @@ def test_right_padded_attention_equals_one_sdpa_per_sequence() -> None:
 def test_the_cpp_wrapper_only_where_it_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inductor's C++ wrapper (the compiled regions' default on CUDA) only with the attention outputs
     kept by the checkpoint: without them the regions hold an RNG-replay op the wrapper refuses. Other
-    backends, and actor_rollout_ref.actor.inductor_cpp_wrapper=false, get inductor's defaults."""
+    backends get their defaults; actor_rollout_ref.actor.inductor_cpp_wrapper=false the Python wrapper,
+    without inductor's mix-order reduction, whose size guard recompiles an update when micro-batches
+    cross it (the C++ wrapper does not fuse so)."""
+    from torch._inductor import config as inductor_config
+
     from fulcrum.models import packed
 
     monkeypatch.setattr(packed, "cpp_compiler_found", lambda: True)
     assert packed.SAVE_ATTENTION_OUTPUTS and packed.compile_options() == {"cpp_wrapper": True}
+    assert packed.uses_cpp_wrapper(packed.compile_options())
     assert packed.compile_options("eager") is None
-    assert packed.compile_options(cpp_wrapper=False) is None
+    python_wrapper = packed.compile_options(cpp_wrapper=False)
+    assert not packed.uses_cpp_wrapper(python_wrapper)
+    if hasattr(inductor_config.triton, "mix_order_reduction"):  # torch >= 2.10
+        assert python_wrapper == {"triton.mix_order_reduction": False}
+        with inductor_config.patch(python_wrapper):  # the option names inductor's setting
+            assert not inductor_config.triton.mix_order_reduction
     monkeypatch.setattr(packed, "SAVE_ATTENTION_OUTPUTS", False)
-    assert packed.compile_options() is None
+    assert packed.compile_options() == python_wrapper
 
 
 def test_no_cpp_compiler_keeps_the_python_wrapper(
@@ -381,7 +391,7 @@ def test_no_cpp_compiler_keeps_the_python_wrapper(
     packed.cpp_compiler_found.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="fulcrum.models.packed"):
-            assert packed.compile_options() is None
+            assert not packed.uses_cpp_wrapper(packed.compile_options())
         assert "no C++ compiler for inductor's C++ wrapper" in caplog.text
     finally:
         packed.cpp_compiler_found.cache_clear()
@@ -413,7 +423,7 @@ def test_layers_calling_an_op_the_c_shim_lacks_keep_the_python_wrapper(
         monkeypatch.setattr(
             packed, "c_shim_declares", lambda op, device, d=declared: asked.append((op, device)) or d
         )
-        want = {"cpp_wrapper": True} if declared else None
+        want = {"cpp_wrapper": True} if declared else packed.compile_options(cpp_wrapper=False)
         assert packed.compile_options("inductor", moe.config, "cuda") == want
         packed.compile_decoder_layers(moe.model)
         packed.compile_inside_layers(moe.model)

@@ -9,6 +9,7 @@ import torch
 from helpers import log_probs_of, ppo_loss, values_of
 from test_workers_units import make_batch  # tests/ is on sys.path under pytest
 
+from fulcrum.batch import Batch
 from fulcrum.models.value_head import CriticModel
 from fulcrum.rollout.testing import random_causal_lm
 from fulcrum.workers.forwards import LogProbHead, ModelForwards, ValueHead
@@ -102,7 +103,7 @@ def test_compiled_checkpointed_layers_match_eager_on_cuda(
     from fulcrum.models import packed
 
     monkeypatch.setattr(packed, "SAVE_ATTENTION_OUTPUTS", save_attention)
-    assert (packed.compile_options(cpp_wrapper=cpp_wrapper) is not None) == cpp_wrapper
+    assert packed.uses_cpp_wrapper(packed.compile_options(cpp_wrapper=cpp_wrapper)) == cpp_wrapper
     torch._dynamo.reset()  # the setting is read while tracing
     shape = MOE_SHAPE if arch == "qwen3_moe" else SHAPE
     results = []
@@ -121,8 +122,8 @@ def test_compiled_checkpointed_layers_match_eager_on_cuda(
         assert getattr(model.model, "fulcrum_checkpoint", False) == compiled
         if arch == "qwen3_moe":  # transformers' experts run F.grouped_mm on bf16 weights under compile
             assert model.config._experts_implementation == "grouped_mm"
-            wrapper = {"cpp_wrapper": True} if packed.c_shim_declares("_grouped_mm", "cuda") else None
-            assert packed.layer_compile_options(model.model, "inductor") == wrapper
+            wrapper = packed.c_shim_declares("_grouped_mm", "cuda")
+            assert packed.uses_cpp_wrapper(packed.layer_compile_options(model.model, "inductor")) == wrapper
         logps = []
         with forwards.active():
             for b in (12, 7):
@@ -142,6 +143,52 @@ def test_compiled_checkpointed_layers_match_eager_on_cuda(
             (a - b).abs().max(),
         )
     assert torch.nn.functional.cosine_similarity(g_eager, g_compiled, dim=0) > 0.999
+
+
+def full_batch(b: int, p: int, r: int, vocab: int):
+    """`b` rows of `p` prompt and `r` response tokens, none padded: b × (p + r) packed tokens."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, vocab, (b, p + r), generator=g)
+    return Batch(
+        {
+            "prompts": ids[:, :p].clone(),
+            "responses": ids[:, p:].clone(),
+            "input_ids": ids,
+            "attention_mask": torch.ones(b, p + r, dtype=torch.long),
+            "position_ids": torch.arange(p + r).expand(b, -1).clone(),
+            "response_mask": torch.ones(b, r, dtype=torch.long),
+            "advantages": torch.randn(b, r, generator=g),
+            "old_log_probs": torch.full((b, r), -10.0),
+        }
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_python_wrapper_compiles_an_update_once_across_micro_batch_sizes() -> None:
+    """With actor_rollout_ref.actor.inductor_cpp_wrapper=false, a checkpointed update's compiled layers
+    serve micro-batches on both sides of the size at which inductor's mix-order reduction would fuse
+    (5,242,880 elements: 20,480 tokens at hidden 256) without compiling again: that fusion guards on
+    the size, and on an H100 it compiled the seed command's critic update twice in its first step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = random_causal_lm("qwen2", seed=0, init_std=0.05, **SHAPE).to(CUDA).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    forwards = ModelForwards(
+        model, CUDA, use_remove_padding=True, role="actor", use_torch_compile=True, cpp_wrapper=False
+    )
+    graphs = []
+    with forwards.active():
+        for b, r in ((32, 700), (8, 60), (32, 700)):  # 23,680 packed tokens, then 800, then 23,680
+            batch = full_batch(b, 40, r, SHAPE["vocab_size"])
+            (logp,) = forwards.forward(forwards.inputs(batch, []), LogProbHead(0.9))
+            mask = batch["response_mask"].float().to(CUDA)
+            forwards.backward(
+                ppo_loss(batch["old_log_probs"].to(CUDA), logp, batch["advantages"].to(CUDA), mask)[0]
+            )
+            assert torch.isfinite(logp).all()
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1] == graphs[0] and graphs[2] == graphs[0], graphs
 
 
 def stream_syncs(fn) -> int:

@@ -180,22 +180,49 @@ SAVE_MLP_PROJECTIONS = False
 # Needs SAVE_ATTENTION_OUTPUTS (above), and is left out for layers that call an op the installed
 # torch's C shim lacks (`compile_options`). The key actor_rollout_ref.actor.inductor_cpp_wrapper=false
 # turns it off (`compile_options(cpp_wrapper=False)`).
+#
+# Under the Python wrapper, inductor's mix-order reduction (torch >= 2.10; the C++ wrapper does not
+# support it) fuses a backward's row-wise and column-wise reductions only above 5,242,880 elements, and
+# guards on that size: with dynamic sizes, a micro-batch on the other side of 5,242,880 / hidden tokens
+# (5,851 at Qwen2.5-0.5B's width, inside the seed command's range) compiles the update again. Off, the
+# Python wrapper compiles the fusions the C++ wrapper does, with no size guard.
+@functools.cache
+def python_wrapper_options() -> dict[str, object]:
+    """Inductor options for the Python wrapper: mix-order reduction off where the installed torch has it
+    (imported here, not with the module: inductor's config takes a second to import)."""
+    from torch._inductor import config as inductor_config
+
+    return (
+        {"triton.mix_order_reduction": False}
+        if hasattr(inductor_config.triton, "mix_order_reduction")
+        else {}
+    )
+
+
 def compile_options(
     backend: str = "inductor", config: object | None = None, device: str = "cuda", cpp_wrapper: bool = True
 ) -> dict[str, object] | None:
-    """`torch.compile` options for the training passes' compiled code: inductor's C++ wrapper when
-    `cpp_wrapper` (actor_rollout_ref.actor.inductor_cpp_wrapper) and the attention outputs are kept
-    (`SAVE_ATTENTION_OUTPUTS`; without them the checkpointed regions hold the RNG-replay op the wrapper
-    refuses), else inductor's defaults. For
-    the decoder layers of a model (its Hugging Face `config`, on `device`), inductor's defaults also
-    where they call aten's `_grouped_mm` (`ModelSpec.grouped_mm`) and the installed torch's C shim
-    for `device` lacks it (`c_shim_declares`)."""
-    if backend != "inductor" or not (cpp_wrapper and SAVE_ATTENTION_OUTPUTS and cpp_compiler_found()):
+    """`torch.compile` options for the training passes' compiled code (None: the backend's defaults):
+    inductor's C++ wrapper when `cpp_wrapper` (actor_rollout_ref.actor.inductor_cpp_wrapper) and the
+    attention outputs are kept (`SAVE_ATTENTION_OUTPUTS`; without them the checkpointed regions hold the
+    RNG-replay op the wrapper refuses), else its Python wrapper with `python_wrapper_options()`. For the
+    decoder layers of a model (its Hugging Face `config`, on `device`), the Python wrapper also where
+    they call aten's `_grouped_mm` (`ModelSpec.grouped_mm`) and the installed torch's C shim for
+    `device` lacks it (`c_shim_declares`)."""
+    if backend != "inductor":
         return None
+    python_wrapper = dict(python_wrapper_options()) or None
+    if not (cpp_wrapper and SAVE_ATTENTION_OUTPUTS and cpp_compiler_found()):
+        return python_wrapper
     spec = spec_for(config) if config is not None else None
     if spec is not None and spec.grouped_mm(config) and not c_shim_declares("_grouped_mm", device):
-        return None
+        return python_wrapper
     return {"cpp_wrapper": True}
+
+
+def uses_cpp_wrapper(options: dict[str, object] | None) -> bool:
+    """Whether `compile_options`' result compiles with inductor's C++ wrapper."""
+    return bool(options and options.get("cpp_wrapper"))
 
 
 # The C++ wrapper calls an op that inductor leaves to aten through the C shim's
