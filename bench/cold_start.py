@@ -13,6 +13,7 @@ condition, in this order:
 - `python_wrapper`: `actor_rollout_ref.actor.inductor_cpp_wrapper=False` (compiled, inductor's Python
   wrapper instead of its C++ one, whose wrapper source g++ compiles per graph), caches of its own, new and
   empty: what the C++ wrapper costs a first step and buys a warm one;
+- `python_wrapper_warm`: the same again on the caches `python_wrapper` left (its second run);
 - `eager`: `actor_rollout_ref.actor.use_torch_compile=False` (the reference and the critic follow it),
   with caches of its own, new and empty.
 
@@ -20,8 +21,8 @@ Per condition: each phase's seconds in step 1 against the mean of the later step
 CUDA graph captures, `perf/graph_capture*`), the seconds from the process's start to step 1, and from the
 runner, inside the trainer's process: torch's compile accounting (`compile_times`, frames, graphs,
 recompiles with dynamo's reasons, graph breaks, cache hits), the compiles by step and phase, and step 1's
-cProfile (top 30 by cumulative and by own time). `--out` gets cold_start.json, cold_start.md, each
-condition's profile and one file of the logs' tails. `--deadline-s` bounds the whole call (a condition
+cProfile (top 30 by cumulative and by own time). `--out` gets cold_start.json, cold_start.md, one file
+of every condition's step-1 profile and one of the logs' tails (four files: the device returns eight). `--deadline-s` bounds the whole call (a condition
 left without time is skipped, said so in the summary). On one H100 the seed command's cold run takes about
 2 minutes; verl's GRPO example takes several per condition: give it one call per condition
 (`--conditions cold`, then `--conditions warm` with the same `--work` on the same machine).
@@ -47,12 +48,16 @@ sys.path.insert(0, str(BENCH))
 from seed_real import replace_keys, verl_grpo_example  # noqa: E402  bench/ is on sys.path when a script of it runs
 from train_step import seed_command, summarise  # noqa: E402
 
-CONDITIONS = ("cold", "warm", "python_wrapper", "eager")
+CONDITIONS = ("cold", "warm", "python_wrapper", "python_wrapper_warm", "eager")
 # The keys a condition sets on top of the command (cold and warm run it as it is).
+PYTHON_WRAPPER_KEYS = {"actor_rollout_ref.actor.inductor_cpp_wrapper": "False"}
 CONDITION_KEYS = {
-    "python_wrapper": {"actor_rollout_ref.actor.inductor_cpp_wrapper": "False"},
+    "python_wrapper": PYTHON_WRAPPER_KEYS,
+    "python_wrapper_warm": PYTHON_WRAPPER_KEYS,
     "eager": {"actor_rollout_ref.actor.use_torch_compile": "False"},
 }
+# A second run, on the caches of the condition named: the user's next run of the same command.
+SECOND_RUN_OF = {"warm": "cold", "python_wrapper_warm": "python_wrapper"}
 # What every condition's run adds: a fixed number of steps, nothing but steps (validation and checkpoints
 # would land in the last step), a fresh run.
 RUN_KEYS = {
@@ -92,8 +97,9 @@ def cache_env(caches: Path) -> dict[str, str]:
 
 
 def caches_of(work: Path, condition: str) -> Path:
-    """`cold` and `warm` share one cache folder (warm runs on what cold left); the others have their own."""
-    return work / ("caches_compiled" if condition in ("cold", "warm") else f"caches_{condition}")
+    """A second run shares its first run's cache folder (`SECOND_RUN_OF`); the others have their own."""
+    first = SECOND_RUN_OF.get(condition, condition)
+    return work / ("caches_compiled" if first == "cold" else f"caches_{first}")
 
 
 def phase_table(steps: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
@@ -119,13 +125,14 @@ def run_condition(
     run, log = args.work / condition / "run", args.work / f"{condition}.log"
     shutil.rmtree(run, ignore_errors=True)
     caches = caches_of(args.work, condition)
-    if condition != "warm":
+    if condition not in SECOND_RUN_OF:
         shutil.rmtree(caches, ignore_errors=True)
     caches.mkdir(parents=True, exist_ok=True)
     keys = overrides(base, condition, run, args.steps, args.overrides)
     report = args.work / f"{condition}.report.json"
     report.unlink(missing_ok=True)
-    profile = args.out / f"{condition}.step1_profile.txt"
+    profile = args.work / f"{condition}.step1_profile.txt"
+    profile.unlink(missing_ok=True)
     cmd = [sys.executable, str(BENCH / "cold_start_runner.py"), "--report", str(report)]
     cmd += [] if args.no_profile else ["--profile", str(profile)]
     env = {**os.environ, **cache_env(caches), "PYTHONUNBUFFERED": "1"}
@@ -285,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
             lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
             tails.append(f"===== {r['condition']} ({log})\n" + "\n".join(lines))
     (args.out / "cold_start_logs.txt").write_text("\n\n".join(tails) + "\n")
+    profiles = [args.work / f"{r['condition']}.step1_profile.txt" for r in results]
+    (args.out / "step1_profiles.txt").write_text(
+        "".join(
+            f"===== {p.stem.split('.')[0]}\n{p.read_text(errors='replace')}\n" for p in profiles if p.exists()
+        )
+    )
     print(text, flush=True)
     return 0 if all(r.get("exit_code") == 0 for r in results) else 1
 

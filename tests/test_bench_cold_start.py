@@ -1,5 +1,5 @@
 """bench/cold_start.py: each condition's run is the measured command with only the run's keys added (cold
-and warm on one cache folder, eager with compile off on its own), step 1 is set against the later steps,
+and warm on one cache folder, the Python wrapper's two runs on another, eager with compile off on its own), step 1 is set against the later steps,
 and the CPU smoke reports every condition with the trainer process's compile accounting and profile."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def keys_of(keys: list[str]) -> dict[str, str]:
 @pytest.mark.parametrize("grpo", [False, True])
 def test_each_condition_runs_the_command_for_its_steps_with_its_own_keys(grpo: bool, tmp_path: Path) -> None:
     base = command(grpo, Path("M"), Path("D"))
-    for condition in ("cold", "warm", "python_wrapper", "eager"):
+    for condition in ("cold", "warm", "python_wrapper", "python_wrapper_warm", "eager"):
         keys = keys_of(overrides(base, condition, tmp_path / "run", 3, ["data.train_batch_size=64"]))
         assert keys["trainer.total_training_steps"] == "3"
         assert (keys["trainer.test_freq"], keys["trainer.save_freq"]) == ("-1", "-1")  # steps only
@@ -34,12 +34,16 @@ def test_each_condition_runs_the_command_for_its_steps_with_its_own_keys(grpo: b
         assert ("actor_rollout_ref.actor.use_torch_compile" in keys) == (condition == "eager")
         if condition == "eager":
             assert keys["actor_rollout_ref.actor.use_torch_compile"] == "False"
-        assert ("actor_rollout_ref.actor.inductor_cpp_wrapper" in keys) == (condition == "python_wrapper")
-        if condition == "python_wrapper":
+        python_wrapper = condition.startswith("python_wrapper")
+        assert ("actor_rollout_ref.actor.inductor_cpp_wrapper" in keys) == python_wrapper
+        if python_wrapper:
             assert keys["actor_rollout_ref.actor.inductor_cpp_wrapper"] == "False"
         assert (keys.get("algorithm.adv_estimator") == "grpo") == grpo
-    caches = [caches_of(tmp_path, c) for c in ("cold", "warm", "python_wrapper", "eager")]
-    assert caches[0] == caches[1] and len({*caches[1:]}) == 3  # warm reuses cold's; the others start empty
+    cold, warm, python, python_warm, eager = (
+        caches_of(tmp_path, c) for c in ("cold", "warm", "python_wrapper", "python_wrapper_warm", "eager")
+    )
+    assert cold == warm and python == python_warm  # a second run reuses its first run's caches
+    assert len({cold, python, eager}) == 3  # the first runs start on their own
 
 
 def test_step_one_is_set_against_the_mean_of_the_later_steps() -> None:
@@ -98,7 +102,9 @@ def test_the_smoke_run_reports_each_condition_from_inside_the_trainer(tmp_path: 
             "recompiles",
             "compiles_by_step_and_phase",
         } <= set(inside)
-        profile = (out / f"{result['condition']}.step1_profile.txt").read_text()
+    profiles = (out / "step1_profiles.txt").read_text().split("===== ")[1:]
+    assert [p.splitlines()[0] for p in profiles] == ["cold", "warm"]
+    for profile in profiles:
         assert "top 30 by cumulative" in profile and "train_step" in profile
     assert "| timing_s/step |" in (out / "cold_start.md").read_text()
     assert "===== warm" in (out / "cold_start_logs.txt").read_text()
