@@ -365,17 +365,39 @@ def test_the_cpp_wrapper_only_where_it_compiles(monkeypatch: pytest.MonkeyPatch)
     from fulcrum.models import packed
 
     monkeypatch.setattr(packed, "cpp_compiler_found", lambda: True)
-    assert packed.SAVE_ATTENTION_OUTPUTS and packed.compile_options() == {"cpp_wrapper": True}
-    assert packed.uses_cpp_wrapper(packed.compile_options())
+    assert packed.SAVE_ATTENTION_OUTPUTS and packed.compile_options(device="cpu") == {"cpp_wrapper": True}
+    assert packed.compile_options() == {"cpp_wrapper": True, **packed.GPU_HOST_OPTIONS}  # CUDA's
     assert packed.compile_options("eager") is None
     python_wrapper = packed.compile_options(cpp_wrapper=False)
     assert not packed.uses_cpp_wrapper(python_wrapper)
-    if hasattr(inductor_config.triton, "mix_order_reduction"):  # torch >= 2.10
-        assert python_wrapper == {"triton.mix_order_reduction": False}
-        with inductor_config.patch(python_wrapper):  # the option names inductor's setting
+    with inductor_config.patch(python_wrapper):  # each option names one of inductor's settings
+        if hasattr(inductor_config.triton, "mix_order_reduction"):  # torch >= 2.10
             assert not inductor_config.triton.mix_order_reduction
     monkeypatch.setattr(packed, "SAVE_ATTENTION_OUTPUTS", False)
     assert packed.compile_options() == python_wrapper
+
+
+def test_cuda_passes_skip_inductors_check_of_the_hosts_vector_instructions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compiled CUDA passes' options tell inductor that no CPU vector instruction set is usable, so a
+    process compiling them builds and loads no test library per candidate set; CPU passes keep the check."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpu_vec_isa
+
+    from fulcrum.models import packed
+
+    checked: list[object] = []
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda isa, code: checked.append(isa) or True)
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    try:
+        for cpp_wrapper in (True, False):
+            with inductor_config.patch(packed.compile_options(cpp_wrapper=cpp_wrapper)):
+                assert not cpu_vec_isa.pick_vec_isa() and checked == []
+            cpu_vec_isa.valid_vec_isa_list.cache_clear()
+        assert "cpp.vec_isa_ok" not in packed.compile_options(device="cpu")
+    finally:
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
 
 
 def test_no_cpp_compiler_keeps_the_python_wrapper(
@@ -423,8 +445,8 @@ def test_layers_calling_an_op_the_c_shim_lacks_keep_the_python_wrapper(
         monkeypatch.setattr(
             packed, "c_shim_declares", lambda op, device, d=declared: asked.append((op, device)) or d
         )
-        want = {"cpp_wrapper": True} if declared else packed.compile_options(cpp_wrapper=False)
-        assert packed.compile_options("inductor", moe.config, "cuda") == want
+        assert packed.uses_cpp_wrapper(packed.compile_options("inductor", moe.config, "cuda")) == declared
+        want = packed.compile_options(device="cpu", cpp_wrapper=declared)  # the weights are on the CPU
         packed.compile_decoder_layers(moe.model)
         packed.compile_inside_layers(moe.model)
         assert chosen[-2:] == [want, want]
@@ -432,7 +454,7 @@ def test_layers_calling_an_op_the_c_shim_lacks_keep_the_python_wrapper(
     asked.clear()
     all_dense = AutoConfig.for_model("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[0, 1])
     for config in (random_causal_lm("qwen3").config, all_dense):
-        assert packed.compile_options("inductor", config, "cuda") == {"cpp_wrapper": True}
+        assert packed.uses_cpp_wrapper(packed.compile_options("inductor", config, "cuda"))
     assert not asked
 
 

@@ -199,6 +199,13 @@ def python_wrapper_options() -> dict[str, object]:
     )
 
 
+# Inductor checks the host CPU's vector instruction set once a process, for the flags of the C++ it
+# builds: a test library per candidate, each loaded by a new Python that imports torch (on the CPU here
+# 3.1 s of a first compile, 1.1 s of a cached one). The kernels of CUDA passes run on the GPU, and the C++
+# wrapper has no vector loops: told no vector set is usable, inductor skips the check.
+GPU_HOST_OPTIONS: dict[str, object] = {"cpp.vec_isa_ok": False}
+
+
 def compile_options(
     backend: str = "inductor", config: object | None = None, device: str = "cuda", cpp_wrapper: bool = True
 ) -> dict[str, object] | None:
@@ -208,16 +215,17 @@ def compile_options(
     RNG-replay op the wrapper refuses), else its Python wrapper with `python_wrapper_options()`. For the
     decoder layers of a model (its Hugging Face `config`, on `device`), the Python wrapper also where
     they call aten's `_grouped_mm` (`ModelSpec.grouped_mm`) and the installed torch's C shim for
-    `device` lacks it (`c_shim_declares`)."""
+    `device` lacks it (`c_shim_declares`). On CUDA, with `GPU_HOST_OPTIONS`."""
     if backend != "inductor":
         return None
-    python_wrapper = dict(python_wrapper_options()) or None
+    host = GPU_HOST_OPTIONS if device == "cuda" else {}
+    python_wrapper = {**python_wrapper_options(), **host} or None
     if not (cpp_wrapper and SAVE_ATTENTION_OUTPUTS and cpp_compiler_found()):
         return python_wrapper
     spec = spec_for(config) if config is not None else None
     if spec is not None and spec.grouped_mm(config) and not c_shim_declares("_grouped_mm", device):
         return python_wrapper
-    return {"cpp_wrapper": True}
+    return {"cpp_wrapper": True, **host}
 
 
 def uses_cpp_wrapper(options: dict[str, object] | None) -> bool:
