@@ -22,8 +22,8 @@ CUDA graph captures, `perf/graph_capture*`), the seconds from the process's star
 runner, inside the trainer's process: torch's compile accounting (`compile_times`, frames, graphs,
 recompiles with dynamo's reasons, graph breaks, cache hits), the compiles by step and phase, and step 1's
 cProfile (top 30 by cumulative and by own time). `--out` gets cold_start.json, cold_start.md, one file
-of every condition's step-1 profile and one of the logs' tails (four files: the device returns eight). `--deadline-s` bounds the whole call (a condition
-left without time is skipped, said so in the summary). On one H100 the seed command's cold run takes about
+of every condition's step-1 profile and one of the logs' tails (four files: the device returns eight).
+`--deadline-s` bounds the whole call (a condition left without time is skipped, said so in the summary). On one H100 the seed command's cold run takes about
 2 minutes; verl's GRPO example takes several per condition: give it one call per condition
 (`--conditions cold`, then `--conditions warm` with the same `--work` on the same machine).
 """

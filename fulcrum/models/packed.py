@@ -200,9 +200,9 @@ def python_wrapper_options() -> dict[str, object]:
 
 
 # Inductor checks the host CPU's vector instruction set once a process, for the flags of the C++ it
-# builds: a test library per candidate, each loaded by a new Python that imports torch (on the CPU here
-# 3.1 s of a first compile, 1.1 s of a cached one). The kernels of CUDA passes run on the GPU, and the C++
-# wrapper has no vector loops: told no vector set is usable, inductor skips the check.
+# builds: a test library per candidate, each loaded by a new Python that imports torch (seconds of every
+# run's first step, BENCHMARKS.md "A run's first step"). The kernels of CUDA passes run on the GPU, and
+# the C++ wrapper has no vector loops: told no vector set is usable, inductor skips the check.
 GPU_HOST_OPTIONS: dict[str, object] = {"cpp.vec_isa_ok": False}
 
 
