@@ -412,7 +412,7 @@ def test_no_cpp_compiler_keeps_the_python_wrapper(
     monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
     packed.cpp_compiler_found.cache_clear()
     try:
-        with caplog.at_level("WARNING", logger="fulcrum.models.packed"):
+        with caplog.at_level("WARNING", logger="fulcrum.models.inductor_toolchain"):
             assert not packed.uses_cpp_wrapper(packed.compile_options())
         assert "no C++ compiler for inductor's C++ wrapper" in caplog.text
     finally:
@@ -464,24 +464,24 @@ def test_c_shim_declares_reads_the_installed_header(
     """Whether torch's generated c_shim_<device>.h declares an op's function: the installed torch's
     header (it declares `_scaled_mm`, as 2.11's and 2.13's do), one without the op (torch 2.11's CUDA shim
     has `_scaled_grouped_mm`, not `_grouped_mm`), and no header at all, taken as the op missing."""
-    from fulcrum.models import packed
+    from fulcrum.models import inductor_toolchain as toolchain
 
-    packed.c_shim_declares.cache_clear()
+    toolchain.c_shim_declares.cache_clear()
     try:
-        assert packed.c_shim_declares("_scaled_mm", "cuda")
+        assert toolchain.c_shim_declares("_scaled_mm", "cuda")
         declaration = "AOTI_TORCH_EXPORT AOTITorchError aoti_torch_{}(AtenTensorHandle self);\n"
         (tmp_path / "c_shim_cuda.h").write_text(declaration.format("cuda__scaled_grouped_mm"))
         (tmp_path / "c_shim_cpu.h").write_text(declaration.format("cpu__grouped_mm"))
-        monkeypatch.setattr(packed, "SHIM_HEADERS", tmp_path)
-        packed.c_shim_declares.cache_clear()
-        with caplog.at_level("WARNING", logger="fulcrum.models.packed"):
-            assert packed.c_shim_declares("_grouped_mm", "cpu")
-            assert not packed.c_shim_declares("_grouped_mm", "cuda")
-            assert not packed.c_shim_declares("_grouped_mm", "xpu")
+        monkeypatch.setattr(toolchain, "SHIM_HEADERS", tmp_path)
+        toolchain.c_shim_declares.cache_clear()
+        with caplog.at_level("WARNING", logger="fulcrum.models.inductor_toolchain"):
+            assert toolchain.c_shim_declares("_grouped_mm", "cpu")
+            assert not toolchain.c_shim_declares("_grouped_mm", "cuda")
+            assert not toolchain.c_shim_declares("_grouped_mm", "xpu")
         assert "has no aoti_torch_cuda__grouped_mm" in caplog.text
         assert "has no aoti_torch_xpu__grouped_mm" in caplog.text
     finally:
-        packed.c_shim_declares.cache_clear()
+        toolchain.c_shim_declares.cache_clear()
 
 
 def test_compute_weights_backward_leaves_the_gradients_loss_backward_leaves() -> None:

@@ -21,7 +21,6 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -31,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from fulcrum.batch import host_to_device
 from fulcrum.models.arch import SPECS, spec_for
 from fulcrum.models.checkpoint_policy import CHECKPOINT_CONTEXTS
+from fulcrum.models.inductor_toolchain import c_shim_declares, cpp_compiler_found
 from fulcrum.models.packed_attention import packed_attention
 from fulcrum.models.packed_recurrent import enable_packed_recurrence
 from fulcrum.parallel.ulysses import SequenceParallel
@@ -231,57 +231,6 @@ def compile_options(
 def uses_cpp_wrapper(options: dict[str, object] | None) -> bool:
     """Whether `compile_options`' result compiles with inductor's C++ wrapper."""
     return bool(options and options.get("cpp_wrapper"))
-
-
-# The C++ wrapper calls an op that inductor leaves to aten through the C shim's
-# `aoti_torch_<device>_<op>`, declared in torch's generated c_shim_<device>.h. torch 2.11's
-# c_shim_cuda.h lacks `aoti_torch_cuda__grouped_mm` (2.13's declares it): a mixture of experts'
-# compiled layers then failed to build their C++, and keep the Python wrapper on such a torch.
-SHIM_HEADERS = Path(torch.__file__).parent / "include/torch/csrc/inductor/aoti_torch/generated"
-
-
-@functools.cache
-def c_shim_declares(op: str, device: str) -> bool:
-    """Whether the installed torch's C shim for `device` declares `aoti_torch_<device>_<op>` (aten's
-    `op`, e.g. "_grouped_mm"); False, with a warning, when it does not or its header is not found."""
-    header = SHIM_HEADERS / f"c_shim_{device}.h"
-    try:
-        declared = f"aoti_torch_{device}_{op}(" in header.read_text()
-    except OSError:
-        declared = False
-    if not declared:
-        logger.warning(
-            "torch %s's C shim (%s) has no aoti_torch_%s_%s: compiled layers that call it use inductor's "
-            "Python wrapper, slower at small micro-batches (torch 2.13 declares aoti_torch_cuda__grouped_mm)",
-            torch.__version__,
-            header,
-            device,
-            op,
-        )
-    return declared
-
-
-@functools.cache
-def cpp_compiler_found() -> bool:
-    """Whether inductor finds a C++ compiler for its C++ wrapper (its own search: `$CXX`, else `g++`).
-
-    Without one the compiled passes keep inductor's Python wrapper, with a warning, rather than fail at
-    their first call after the models have loaded (Triton needs only a C compiler, so a machine can run
-    the rest and lack this)."""
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-    except ImportError:  # a torch without the helper: inductor decides at the first call
-        return True
-    try:
-        get_cpp_compiler()
-    except RuntimeError as err:  # torch._inductor.exc.InvalidCxxCompiler
-        logger.warning(
-            "no C++ compiler for inductor's C++ wrapper (%s): the compiled training passes use its Python "
-            "wrapper, slower at small micro-batches; install g++ (or set CXX) for the faster path",
-            err,
-        )
-        return False
-    return True
 
 
 def layer_compile_options(
