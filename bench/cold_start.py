@@ -23,9 +23,10 @@ runner, inside the trainer's process: torch's compile accounting (`compile_times
 recompiles with dynamo's reasons, graph breaks, cache hits), the compiles by step and phase, and step 1's
 cProfile (top 30 by cumulative and by own time). `--out` gets cold_start.json, cold_start.md, one file
 of every condition's step-1 profile and one of the logs' tails (four files: the device returns eight).
-`--deadline-s` bounds the whole call (a condition left without time is skipped, said so in the summary). On one H100 the seed command's cold run takes about
-2 minutes; verl's GRPO example takes several per condition: give it one call per condition
-(`--conditions cold`, then `--conditions warm` with the same `--work` on the same machine).
+`--deadline-s` bounds the whole call (a condition left without time is skipped, said so in the summary).
+On one H100 the seed command's cold run takes about 2 minutes; verl's GRPO example takes several per
+condition: give it one call per condition (`--conditions cold`, then `--conditions warm` with the same
+`--work` on the same machine).
 """
 
 from __future__ import annotations
@@ -102,6 +103,11 @@ def caches_of(work: Path, condition: str) -> Path:
     return work / ("caches_compiled" if first == "cold" else f"caches_{first}")
 
 
+def profile_of(work: Path, condition: str) -> Path:
+    """Where a condition's run writes its step-1 profile (`main` gathers them into one file)."""
+    return work / f"{condition}.step1_profile.txt"
+
+
 def phase_table(steps: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Per `timing_s/*` phase and graph-capture figure: step 1, the mean of the later steps, the difference."""
     first, later = steps[0], steps[1:]
@@ -131,7 +137,7 @@ def run_condition(
     keys = overrides(base, condition, run, args.steps, args.overrides)
     report = args.work / f"{condition}.report.json"
     report.unlink(missing_ok=True)
-    profile = args.work / f"{condition}.step1_profile.txt"
+    profile = profile_of(args.work, condition)
     profile.unlink(missing_ok=True)
     cmd = [sys.executable, str(BENCH / "cold_start_runner.py"), "--report", str(report)]
     cmd += [] if args.no_profile else ["--profile", str(profile)]
@@ -292,11 +298,9 @@ def main(argv: list[str] | None = None) -> int:
             lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
             tails.append(f"===== {r['condition']} ({log})\n" + "\n".join(lines))
     (args.out / "cold_start_logs.txt").write_text("\n\n".join(tails) + "\n")
-    profiles = [args.work / f"{r['condition']}.step1_profile.txt" for r in results]
+    profiles = {r["condition"]: profile_of(args.work, r["condition"]) for r in results}
     (args.out / "step1_profiles.txt").write_text(
-        "".join(
-            f"===== {p.stem.split('.')[0]}\n{p.read_text(errors='replace')}\n" for p in profiles if p.exists()
-        )
+        "".join(f"===== {c}\n{p.read_text(errors='replace')}\n" for c, p in profiles.items() if p.exists())
     )
     print(text, flush=True)
     return 0 if all(r.get("exit_code") == 0 for r in results) else 1

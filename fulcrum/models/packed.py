@@ -175,12 +175,6 @@ SAVE_ATTENTION_OUTPUTS = True
 SAVE_MLP_PROJECTIONS = False
 
 
-# Inductor's C++ wrapper for the compiled regions on CUDA: their kernels are launched from compiled C++
-# instead of generated Python, whose per-kernel host cost bounds micro-batches of the seed command's size.
-# Needs SAVE_ATTENTION_OUTPUTS (above), and is left out for layers that call an op the installed
-# torch's C shim lacks (`compile_options`). The key actor_rollout_ref.actor.inductor_cpp_wrapper=false
-# turns it off (`compile_options(cpp_wrapper=False)`).
-#
 # Under the Python wrapper, inductor's mix-order reduction (torch >= 2.10; the C++ wrapper does not
 # support it) fuses a backward's row-wise and column-wise reductions only above 5,242,880 elements, and
 # guards on that size: with dynamic sizes, a micro-batch on the other side of 5,242,880 / hidden tokens
@@ -206,6 +200,11 @@ def python_wrapper_options() -> dict[str, object]:
 GPU_HOST_OPTIONS: dict[str, object] = {"cpp.vec_isa_ok": False}
 
 
+# Inductor's C++ wrapper for the compiled regions on CUDA: their kernels are launched from compiled C++
+# instead of generated Python, whose per-kernel host cost bounds micro-batches of the seed command's size.
+# Needs SAVE_ATTENTION_OUTPUTS (above), and is left out for layers that call an op the installed
+# torch's C shim lacks (`compile_options`). The key actor_rollout_ref.actor.inductor_cpp_wrapper=false
+# turns it off (`compile_options(cpp_wrapper=False)`).
 def compile_options(
     backend: str = "inductor", config: object | None = None, device: str = "cuda", cpp_wrapper: bool = True
 ) -> dict[str, object] | None:
