@@ -17,4 +17,6 @@ VENV=${FULCRUM_VENV:-.venv}
 "$VENV/bin/python" -m pip install -q torch==2.13.0
 "$VENV/bin/python" -m pip install -q -e ".[dev]"
 "$VENV/bin/ruff" check --quiet .
-exec "$VENV/bin/python" -m pytest -q "$@"
+# Two pytest-xdist workers: CI has two cores, and most tests wait on one (compilers, subprocesses, Python);
+# `-n 0` after it runs the suite in one process.
+exec "$VENV/bin/python" -m pytest -q -n 2 "$@"

@@ -14,8 +14,10 @@ import torch
 
 from fulcrum.models.tiny import build_tiny_model
 
-# Two cores in CI: keep torch from oversubscribing them.
-torch.set_num_threads(min(torch.get_num_threads(), 2))
+# Two cores in CI, shared by pytest-xdist's workers (`scripts/test.sh` runs two): keep torch from
+# oversubscribing them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(torch.get_num_threads(), 2) // _WORKERS))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
