@@ -10,6 +10,10 @@ condition, in this order:
 
 - `cold`: new, empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (a user's first run on a machine);
 - `warm`: the same command and the same cache folders again (the user's second run);
+- `cold_no_pch`, `warm_no_pch`: the pair again with inductor's precompiled headers off
+  (`cpp_cache_precompile_headers`, set in the trainer's process), caches of their own: every new process
+  preprocesses the C++ wrapper's header and hashes the output, per wrapper module, before it looks for the
+  module's library, which the warm run's first step may be paying;
 - `python_wrapper`: `actor_rollout_ref.actor.inductor_cpp_wrapper=False` (compiled, inductor's Python
   wrapper instead of its C++ one, whose wrapper source g++ compiles per graph), caches of its own, new and
   empty: what the C++ wrapper costs a first step and buys a warm one;
@@ -49,7 +53,7 @@ sys.path.insert(0, str(BENCH))
 from seed_real import replace_keys, verl_grpo_example  # noqa: E402  bench/ is on sys.path when a script of it runs
 from train_step import seed_command, summarise  # noqa: E402
 
-CONDITIONS = ("cold", "warm", "python_wrapper", "python_wrapper_warm", "eager")
+CONDITIONS = ("cold", "warm", "cold_no_pch", "warm_no_pch", "python_wrapper", "python_wrapper_warm", "eager")
 # The keys a condition sets on top of the command (cold and warm run it as it is).
 PYTHON_WRAPPER_KEYS = {"actor_rollout_ref.actor.inductor_cpp_wrapper": "False"}
 CONDITION_KEYS = {
@@ -57,8 +61,12 @@ CONDITION_KEYS = {
     "python_wrapper_warm": PYTHON_WRAPPER_KEYS,
     "eager": {"actor_rollout_ref.actor.use_torch_compile": "False"},
 }
+# The inductor settings a condition sets in the trainer's process (its global config; the compile
+# options fulcrum passes do not name them).
+NO_PCH = {"cpp_cache_precompile_headers": False}
+CONDITION_INDUCTOR = {"cold_no_pch": NO_PCH, "warm_no_pch": NO_PCH}
 # A second run, on the caches of the condition named: the user's next run of the same command.
-SECOND_RUN_OF = {"warm": "cold", "python_wrapper_warm": "python_wrapper"}
+SECOND_RUN_OF = {"warm": "cold", "warm_no_pch": "cold_no_pch", "python_wrapper_warm": "python_wrapper"}
 # What every condition's run adds: a fixed number of steps, nothing but steps (validation and checkpoints
 # would land in the last step), a fresh run.
 RUN_KEYS = {
@@ -141,6 +149,8 @@ def run_condition(
     profile.unlink(missing_ok=True)
     cmd = [sys.executable, str(BENCH / "cold_start_runner.py"), "--report", str(report)]
     cmd += [] if args.no_profile else ["--profile", str(profile)]
+    if condition in CONDITION_INDUCTOR:
+        cmd += ["--inductor-config", json.dumps(CONDITION_INDUCTOR[condition])]
     env = {**os.environ, **cache_env(caches), "PYTHONUNBUFFERED": "1"}
     print(f"{condition}: {' '.join(cmd[1:])} -- ... ({len(keys)} keys, {cache_env(caches)})", flush=True)
     started = time.monotonic()

@@ -126,12 +126,23 @@ def install(observer: Observer, profile: Path | None) -> None:
     PPOTrainer.train_step = observed_step
 
 
+# Where a first step's subprocess waits come from (compilers, the preprocessor and openssl of inductor's
+# precompiled headers, the vector-instruction check), and what loading a cached compiled module spends.
+WAITS = r"subprocess.py:\d+\((run|check_call|check_output)\)"
+CACHED_LOAD = r"codecache.py:\d+\((load_by_key_path|_precompile_header)\)"
+
+
 def profile_tables(profiler: cProfile.Profile) -> str:
-    """The step's TOP functions by cumulative time, then by own time."""
+    """The step's TOP functions by cumulative time, then by own time; then who started subprocesses
+    (`WAITS`), and what a cached compiled module's load called (`CACHED_LOAD`)."""
     out = io.StringIO()
     for order in ("cumulative", "tottime"):
         out.write(f"# step 1, top {TOP} by {order}\n")
         pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(TOP)
+    out.write("# step 1, callers of the subprocess calls\n")
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_callers(WAITS)
+    out.write("# step 1, callees of a compiled module's load\n")
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_callees(CACHED_LOAD)
     return out.getvalue()
 
 
@@ -160,6 +171,21 @@ def accounting(observer: Observer) -> dict[str, Any]:
     }
 
 
+def set_inductor_config(values: dict[str, Any]) -> None:
+    """Set inductor's global config (`{"cpp_cache_precompile_headers": False}`; dotted names for its
+    sub-configs) for every compile of this process; an unknown name stops the run."""
+    from torch._inductor import config
+
+    for name, value in values.items():
+        *parents, leaf = name.split(".")
+        holder: Any = config
+        for part in parents:
+            holder = getattr(holder, part)
+        if not hasattr(holder, leaf):
+            raise SystemExit(f"--inductor-config: torch._inductor.config has no {name!r}")
+        setattr(holder, leaf, value)
+
+
 def recompile(key: str) -> bool:
     """Whether a compile id (`DYNAMO:frame/attempt`, maybe with a suffix) is a frame's second or later."""
     match = re.search(r"(\d+)/(\d+)", key)
@@ -178,8 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--report", type=Path, required=True, help="the accounting (JSON), written at exit")
     parser.add_argument("--profile", type=Path, help="step 1's cProfile tables (text); none without it")
+    parser.add_argument(
+        "--inductor-config", type=json.loads, default={}, help="JSON: torch._inductor.config values to set"
+    )
     parser.add_argument("overrides", nargs="*", help="fulcrum train's KEY=VALUE arguments")
     args = parser.parse_args(argv)
+    set_inductor_config(args.inductor_config)
     observer = Observer()
     install(observer, args.profile)
     from fulcrum.trainer.main_ppo import main as train_main
