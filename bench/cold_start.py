@@ -10,10 +10,6 @@ condition, in this order:
 
 - `cold`: new, empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (a user's first run on a machine);
 - `warm`: the same command and the same cache folders again (the user's second run);
-- `cold_no_pch`, `warm_no_pch`: the pair again with inductor's precompiled headers off
-  (`cpp_cache_precompile_headers`, set in the trainer's process), caches of their own: every new process
-  preprocesses the C++ wrapper's header and hashes the output, per wrapper module, before it looks for the
-  module's library, which the warm run's first step may be paying;
 - `python_wrapper`: `actor_rollout_ref.actor.inductor_cpp_wrapper=False` (compiled, inductor's Python
   wrapper instead of its C++ one, whose wrapper source g++ compiles per graph), caches of its own, new and
   empty: what the C++ wrapper costs a first step and buys a warm one;
@@ -25,8 +21,10 @@ Per condition: each phase's seconds in step 1 against the mean of the later step
 CUDA graph captures, `perf/graph_capture*`), the seconds from the process's start to step 1, and from the
 runner, inside the trainer's process: torch's compile accounting (`compile_times`, frames, graphs,
 recompiles with dynamo's reasons, graph breaks, cache hits), the compiles by step and phase, and step 1's
-cProfile (top 30 by cumulative and by own time). `--out` gets cold_start.json, cold_start.md, one file
-of every condition's step-1 profile and one of the logs' tails (four files: the device returns eight).
+cProfile (top 30 by cumulative and by own time, the subprocesses' callers, a cached module load's callees).
+`--out` gets cold_start.json, cold_start.md, one file of every condition's step-1 profile tables, one tar
+of their raw cProfile data (`pstats.Stats` reads each), and one of the logs' tails (five files: the device
+returns eight).
 `--deadline-s` bounds the whole call (a condition left without time is skipped, said so in the summary).
 On one H100 the seed command's cold run takes about 2 minutes; verl's GRPO example takes several per
 condition: give it one call per condition (`--conditions cold`, then `--conditions warm` with the same
@@ -43,6 +41,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -53,7 +52,7 @@ sys.path.insert(0, str(BENCH))
 from seed_real import replace_keys, verl_grpo_example  # noqa: E402  bench/ is on sys.path when a script of it runs
 from train_step import seed_command, summarise  # noqa: E402
 
-CONDITIONS = ("cold", "warm", "cold_no_pch", "warm_no_pch", "python_wrapper", "python_wrapper_warm", "eager")
+CONDITIONS = ("cold", "warm", "python_wrapper", "python_wrapper_warm", "eager")
 # The keys a condition sets on top of the command (cold and warm run it as it is).
 PYTHON_WRAPPER_KEYS = {"actor_rollout_ref.actor.inductor_cpp_wrapper": "False"}
 CONDITION_KEYS = {
@@ -61,12 +60,8 @@ CONDITION_KEYS = {
     "python_wrapper_warm": PYTHON_WRAPPER_KEYS,
     "eager": {"actor_rollout_ref.actor.use_torch_compile": "False"},
 }
-# The inductor settings a condition sets in the trainer's process (its global config; the compile
-# options fulcrum passes do not name them).
-NO_PCH = {"cpp_cache_precompile_headers": False}
-CONDITION_INDUCTOR = {"cold_no_pch": NO_PCH, "warm_no_pch": NO_PCH}
 # A second run, on the caches of the condition named: the user's next run of the same command.
-SECOND_RUN_OF = {"warm": "cold", "warm_no_pch": "cold_no_pch", "python_wrapper_warm": "python_wrapper"}
+SECOND_RUN_OF = {"warm": "cold", "python_wrapper_warm": "python_wrapper"}
 # What every condition's run adds: a fixed number of steps, nothing but steps (validation and checkpoints
 # would land in the last step), a fresh run.
 RUN_KEYS = {
@@ -147,10 +142,9 @@ def run_condition(
     report.unlink(missing_ok=True)
     profile = profile_of(args.work, condition)
     profile.unlink(missing_ok=True)
+    profile.with_suffix(".prof").unlink(missing_ok=True)
     cmd = [sys.executable, str(BENCH / "cold_start_runner.py"), "--report", str(report)]
     cmd += [] if args.no_profile else ["--profile", str(profile)]
-    if condition in CONDITION_INDUCTOR:
-        cmd += ["--inductor-config", json.dumps(CONDITION_INDUCTOR[condition])]
     env = {**os.environ, **cache_env(caches), "PYTHONUNBUFFERED": "1"}
     print(f"{condition}: {' '.join(cmd[1:])} -- ... ({len(keys)} keys, {cache_env(caches)})", flush=True)
     started = time.monotonic()
@@ -312,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "step1_profiles.txt").write_text(
         "".join(f"===== {c}\n{p.read_text(errors='replace')}\n" for c, p in profiles.items() if p.exists())
     )
+    with tarfile.open(args.out / "step1_profiles.tar.gz", "w:gz") as tar:
+        for condition, p in profiles.items():
+            if p.with_suffix(".prof").exists():
+                tar.add(p.with_suffix(".prof"), arcname=f"{condition}.prof")
     print(text, flush=True)
     return 0 if all(r.get("exit_code") == 0 for r in results) else 1
 

@@ -122,6 +122,7 @@ def install(observer: Observer, profile: Path | None) -> None:
             return profiler.runcall(train_step, self, *args, **kwargs)
         finally:
             profile.write_text(profile_tables(profiler))
+            profiler.dump_stats(profile.with_suffix(".prof"))
 
     PPOTrainer.train_step = observed_step
 
@@ -171,21 +172,6 @@ def accounting(observer: Observer) -> dict[str, Any]:
     }
 
 
-def set_inductor_config(values: dict[str, Any]) -> None:
-    """Set inductor's global config (`{"cpp_cache_precompile_headers": False}`; dotted names for its
-    sub-configs) for every compile of this process; an unknown name stops the run."""
-    from torch._inductor import config
-
-    for name, value in values.items():
-        *parents, leaf = name.split(".")
-        holder: Any = config
-        for part in parents:
-            holder = getattr(holder, part)
-        if not hasattr(holder, leaf):
-            raise SystemExit(f"--inductor-config: torch._inductor.config has no {name!r}")
-        setattr(holder, leaf, value)
-
-
 def recompile(key: str) -> bool:
     """Whether a compile id (`DYNAMO:frame/attempt`, maybe with a suffix) is a frame's second or later."""
     match = re.search(r"(\d+)/(\d+)", key)
@@ -204,12 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--report", type=Path, required=True, help="the accounting (JSON), written at exit")
     parser.add_argument("--profile", type=Path, help="step 1's cProfile tables (text); none without it")
-    parser.add_argument(
-        "--inductor-config", type=json.loads, default={}, help="JSON: torch._inductor.config values to set"
-    )
     parser.add_argument("overrides", nargs="*", help="fulcrum train's KEY=VALUE arguments")
     args = parser.parse_args(argv)
-    set_inductor_config(args.inductor_config)
     observer = Observer()
     install(observer, args.profile)
     from fulcrum.trainer.main_ppo import main as train_main

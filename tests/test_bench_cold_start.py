@@ -1,19 +1,21 @@
 """bench/cold_start.py: each condition's run is the measured command with only the run's keys added (cold
-and warm on one cache folder, the pair without precompiled headers and the Python wrapper's two runs on
-others, eager with compile off on its own), step 1 is set against the later steps,
+and warm on one cache folder, the Python wrapper's two runs on another, eager with compile off on its own), step 1 is set against the later steps,
 and the CPU smoke reports every condition with the trainer process's compile accounting and profile."""
 
 from __future__ import annotations
 
 import json
+import pstats
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from cold_start import CONDITIONS, caches_of, command, main, overrides, phase_table
-from cold_start_runner import recompile, set_inductor_config
+from cold_start import caches_of, command, main, overrides, phase_table
+from cold_start_runner import recompile
 
 
 def keys_of(keys: list[str]) -> dict[str, str]:
@@ -25,7 +27,7 @@ def keys_of(keys: list[str]) -> dict[str, str]:
 @pytest.mark.parametrize("grpo", [False, True])
 def test_each_condition_runs_the_command_for_its_steps_with_its_own_keys(grpo: bool, tmp_path: Path) -> None:
     base = command(grpo, Path("M"), Path("D"))
-    for condition in CONDITIONS:
+    for condition in ("cold", "warm", "python_wrapper", "python_wrapper_warm", "eager"):
         keys = keys_of(overrides(base, condition, tmp_path / "run", 3, ["data.train_batch_size=64"]))
         assert keys["trainer.total_training_steps"] == "3"
         assert (keys["trainer.test_freq"], keys["trainer.save_freq"]) == ("-1", "-1")  # steps only
@@ -40,28 +42,11 @@ def test_each_condition_runs_the_command_for_its_steps_with_its_own_keys(grpo: b
         if python_wrapper:
             assert keys["actor_rollout_ref.actor.inductor_cpp_wrapper"] == "False"
         assert (keys.get("algorithm.adv_estimator") == "grpo") == grpo
-    cold, warm, no_pch, no_pch_warm, python, python_warm, eager = (caches_of(tmp_path, c) for c in CONDITIONS)
-    # a second run reuses its first run's caches
-    assert cold == warm and no_pch == no_pch_warm and python == python_warm
-    assert len({cold, no_pch, python, eager}) == 4  # the first runs start on their own
-
-
-def test_the_runner_sets_inductors_config_and_names_an_unknown_setting() -> None:
-    from torch._inductor import config
-
-    before = (config.cpp_cache_precompile_headers, config.triton.cudagraphs)
-    try:
-        set_inductor_config(
-            {"cpp_cache_precompile_headers": not before[0], "triton.cudagraphs": not before[1]}
-        )
-        assert (config.cpp_cache_precompile_headers, config.triton.cudagraphs) == (
-            not before[0],
-            not before[1],
-        )
-    finally:
-        config.cpp_cache_precompile_headers, config.triton.cudagraphs = before
-    with pytest.raises(SystemExit, match=r"no 'cpp\.no_such_setting'"):
-        set_inductor_config({"cpp.no_such_setting": 1})
+    cold, warm, python, python_warm, eager = (
+        caches_of(tmp_path, c) for c in ("cold", "warm", "python_wrapper", "python_wrapper_warm", "eager")
+    )
+    assert cold == warm and python == python_warm  # a second run reuses its first run's caches
+    assert len({cold, python, eager}) == 3  # the first runs start on their own
 
 
 def test_step_one_is_set_against_the_mean_of_the_later_steps() -> None:
@@ -127,5 +112,10 @@ def test_the_smoke_run_reports_each_condition_from_inside_the_trainer(tmp_path: 
         assert (
             "callers of the subprocess calls" in profile and "callees of a compiled module's load" in profile
         )
+    with tarfile.open(out / "step1_profiles.tar.gz") as tar, tempfile.TemporaryDirectory() as raw:
+        assert sorted(tar.getnames()) == ["cold.prof", "warm.prof"]
+        tar.extractall(raw, filter="data")
+        stats = pstats.Stats(str(Path(raw) / "warm.prof"))
+        assert any(name == "train_step" for _, _, name in stats.stats)
     assert "| timing_s/step |" in (out / "cold_start.md").read_text()
     assert "===== warm" in (out / "cold_start_logs.txt").read_text()
