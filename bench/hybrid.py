@@ -16,7 +16,8 @@ heads of 256; hidden 1024, intermediate 3584, vocabulary 248,320, tied embedding
   against the Hugging Face forward's on the same weights (`bench_logprob_gap`);
 - a GRPO step of 64 prompts x 8: bench/train_step.py `run --grpo` (the trainer's step: native rollout,
   micro-batches of 32, gradient checkpointing; max_num_seqs 512), each model in its own process, the
-  median `timing_s/step` of the steps after the first; on GSM8K (`--data`, verl's parquet, as
+  median `timing_s/step` of the steps after the first (`fla_trains` in the summary: whether its
+  training passes ran fla's kernels, or the torch reference where fla refuses their backward); on GSM8K (`--data`, verl's parquet, as
   bench/run_all.sh) or else the built-in arithmetic prompts (`fulcrum.data.synthetic`);
 - for the hybrid: one more generate with CUDA events around every layer's token mixer, summed by kind and
   phase: `linear_attention` (projections, the conv and the delta rule (fla's kernels), the gated norm, the
@@ -52,7 +53,7 @@ from train_step import GRPO_STEP, make_model, seed_command
 from fulcrum.config import load_config
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import recurrent_state_bytes
-from fulcrum.models.gated_delta import use_fla
+from fulcrum.models.gated_delta import fla_trains, use_fla
 from fulcrum.rollout import SamplingParams
 from fulcrum.rollout.native.models import decoder as decoder_module
 from fulcrum.rollout.testing import random_causal_lm
@@ -270,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "torch": torch.__version__}
     summary["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     summary["fla"] = use_fla(device)
+    summary["fla_trains"] = fla_trains(device)  # else the GRPO step's training passes ran the torch reference
     for name in (HYBRID, DENSE):
         summary[name] = {"engine": bench_engine(name, args, device)}
     data = grpo_data(args)

@@ -318,6 +318,37 @@ def sent_to_fla(torch_rule: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+@pytest.mark.parametrize(
+    ("major", "triton", "tilelang", "refused"),
+    [
+        (9, "3.6.0", False, True),  # H100 / H200 with torch 2.11's Triton
+        (9, "3.4.0", False, True),
+        (9, "3.7.0", False, True),
+        (9, "3.7.1", False, False),  # fixed in Triton
+        (9, "3.3.1", False, False),  # before the regression
+        (9, "3.6.0", True, False),  # fla's TileLang backend takes the kernel
+        (8, "3.6.0", False, False),  # A100
+        (10, "3.6.0", False, False),  # Blackwell
+    ],
+)
+def test_fla_refuses_the_gated_backward_on_hopper_with_triton_3_4_to_3_7_0(
+    major: int, triton: str, tilelang: bool, refused: bool
+) -> None:
+    assert gated_delta.fla_backward_refused(major, triton, tilelang) is refused
+
+
+def test_the_trainer_takes_fla_only_where_fla_takes_the_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where fla refuses the delta rule's backward on the GPU, every training pass of a Gated DeltaNet
+    layer runs the torch reference (no-grad passes too: an update's first ratio is one kernel's), while
+    the engine, which takes no gradients, keeps fla's kernels."""
+    monkeypatch.setattr(gated_delta, "fla_importable", lambda: True)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(gated_delta, "fla_training_refusal", lambda index: None)
+    assert gated_delta.fla_trains(cuda) and not gated_delta.fla_trains(CPU)
+    monkeypatch.setattr(gated_delta, "fla_training_refusal", lambda index: "fla #640")
+    assert not gated_delta.fla_trains(cuda) and gated_delta.use_fla(cuda)
+
+
 def test_turn_ended_marks_a_stop_id_or_the_last_token_of_a_row() -> None:
     tokens = torch.tensor([7, 9, 4, 4])
     stops = torch.tensor([[7, -1], [3, 5], [3, 5], [-1, -1]])

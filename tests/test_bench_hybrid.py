@@ -17,7 +17,11 @@ def test_the_smoke_run_reports_every_figure(tmp_path: Path) -> None:
     args = ["--smoke", "--work", str(tmp_path / "work"), "--data", str(tmp_path / "no-gsm8k")]
     assert main([*args, "--json", str(summary_path)]) == 0
     summary = json.loads(summary_path.read_text())
-    assert summary["fla"] is False and summary["grpo_data"].endswith("work/data")  # the built-in prompts
+    assert (
+        summary["fla"] is False
+        and summary["fla_trains"] is False
+        and summary["grpo_data"].endswith("work/data")
+    )  # the built-in prompts
     hybrid, dense = summary["qwen3.5-0.8b"], summary["qwen3-0.6b"]
     for model in (hybrid, dense):
         assert model["engine"]["native_tok_per_s"] > 0

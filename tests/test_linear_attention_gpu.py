@@ -21,6 +21,7 @@ import torch
 from arch_checks import EOS, GATED_DELTANET_SHAPE, arch_model, engine_config, prompts_of, require_model_type
 from helpers import log_probs_of
 
+from fulcrum.models import gated_delta
 from fulcrum.models.gated_delta import use_fla
 from fulcrum.models.packed import enable_packed_attention
 from fulcrum.rollout.base import SamplingParams
@@ -111,6 +112,33 @@ def test_the_engines_kernels_equal_the_torch_reference(dtype: torch.dtype) -> No
     assert torch.equal(states.delta[0, 7], untouched)
 
 
+def test_the_trainer_leaves_fla_exactly_where_fla_refuses_the_backward() -> None:
+    """`fla_training_refusal` (the trainer's Gated DeltaNet passes then run the torch reference) holds on
+    this GPU exactly where fla's chunked gated delta rule raises in its backward (fla #640: Hopper GPUs
+    with Triton 3.4.0-3.7.0), so the trainer takes fla's kernels wherever fla gives their gradients."""
+    generator = torch.Generator().manual_seed(0)
+    tokens, heads, dk, dv = 80, 2, 32, 64
+    q, k = (torch.randn(tokens, heads, dk, generator=generator) for _ in range(2))
+    v = torch.randn(tokens, heads, dv, generator=generator)
+    g = -torch.rand(tokens, heads, generator=generator)
+    beta = torch.rand(tokens, heads, generator=generator)
+    leaves = [t.to(CUDA, torch.bfloat16).requires_grad_() for t in (q, k, v, g, beta)]
+    cu_seqlens = torch.tensor([0, 30, tokens], dtype=torch.int32, device=CUDA)
+    out, _ = gated_delta.delta_rule_varlen(*leaves, cu_seqlens)
+    try:
+        out.float().square().sum().backward()
+        refused = None
+    except RuntimeError as error:
+        if "chunk_bwd_dqkwg" not in str(error):
+            raise
+        refused = str(error)
+    reason = gated_delta.fla_training_refusal(torch.cuda.current_device())
+    assert (reason is not None) == (refused is not None), (reason, refused)
+    assert gated_delta.fla_trains(CUDA) == (refused is None)
+    if refused is None:
+        assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+
+
 def long_batch(vocab: int) -> object:
     """Five sequences of 20 to 150 tokens (prompt + response), three of them across fla's 64-token chunks."""
     lengths = [(12, 8), (40, 30), (7, 90), (100, 50), (3, 17)]
@@ -133,8 +161,9 @@ def packed_pass(model: torch.nn.Module, batch: object, device: torch.device) -> 
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_log_probs_and_gradients_equal_the_torch_reference(arch: str, dtype: torch.dtype) -> None:
-    """The trainer's packed pass with fla's varlen kernels (zero state at every sequence start, fla's
-    backward) against the torch path on the CPU in float32: log-probs and the gradients of the
+    """The trainer's packed pass on CUDA, with fla's varlen kernels (zero state at every sequence start,
+    fla's backward) where fla takes their gradients here, else the torch reference on CUDA
+    (`fla_trains`), against the torch path on the CPU in float32: log-probs and the gradients of the
     linear-attention layers' parameters. In float32 within 1e-4 (log-probs) and 5e-3 relative
     (gradients: the decay's, reached through a chunk's cumulative products, is the least conditioned);
     in bfloat16 within 2x + 1e-3 of the torch path's own bfloat16 error (log-probs, mean) and 3x + 1e-2

@@ -4,7 +4,8 @@ extra) for the causal depthwise conv and the gated delta rule, over many sequenc
 `use_fla(device)` decides: fla's Triton kernels on CUDA where the package imports; elsewhere (the CPU,
 or fla not installed) the callers run their torch reference (transformers' `torch_chunk_gated_delta_rule` and
 `torch_recurrent_gated_delta_rule` as `torch_delta_rules` gives them, F.conv1d), which the kernels are
-tested against.
+tested against. The trainer asks `fla_trains(device)`: also where fla takes the delta rule's gradients,
+which it refuses on Hopper GPUs with Triton 3.4.0-3.7.0 (`fla_backward_refused`).
 
 Layouts are fla's, as transformers' Qwen3.5 calls it: a stream of N tokens of S sequences laid end to
 end, `cu_seqlens` (S + 1,) their offsets; q, k (N, Hk, Dk) and v (N, Hv, Dv) with Hv a multiple of Hk
@@ -58,6 +59,52 @@ def fla_importable() -> bool:
 def use_fla(device: torch.device) -> bool:
     """Whether Gated DeltaNet layers on `device` run fla's kernels (else the torch reference)."""
     return runs_fla(device.type, device.type == "cuda" and fla_importable())
+
+
+def fla_backward_refused(compute_capability_major: int, triton_version: str, tilelang: bool) -> bool:
+    """Whether fla refuses the gated delta rule's chunked backward: on Hopper (compute capability 9),
+    Triton 3.4.0 <= version < 3.7.1 gives wrong gradients in its `chunk_bwd_dqkwg` kernel (fla #640), and
+    fla raises there unless its TileLang backend (`tilelang` installed) takes the kernel instead."""
+    from packaging.version import Version
+
+    return (
+        compute_capability_major == 9
+        and Version("3.4.0") <= Version(triton_version) < Version("3.7.1")
+        and not tilelang
+    )
+
+
+@functools.cache
+def fla_training_refusal(device_index: int) -> str | None:
+    """Why the trainer cannot take fla's gradients on CUDA device `device_index` (`fla_backward_refused`
+    with this machine's GPU, Triton and TileLang), said once as a warning; None where it can."""
+    import importlib.util
+
+    import triton
+
+    major = torch.cuda.get_device_capability(device_index)[0]
+    if not fla_backward_refused(major, triton.__version__, importlib.util.find_spec("tilelang") is not None):
+        return None
+    reason = (
+        f"flash-linear-attention refuses the gated delta rule's backward on {torch.cuda.get_device_name(device_index)}"
+        f" with Triton {triton.__version__} (wrong gradients on Hopper GPUs with Triton 3.4.0-3.7.0, fla #640):"
+        " the trainer's Gated DeltaNet passes run the torch reference, slower; Triton 3.7.1 or later (or"
+        " `pip install tilelang`) gives them fla's kernels"
+    )
+    logger.warning(reason)
+    return reason
+
+
+def fla_trains(device: torch.device) -> bool:
+    """Whether the trainer's Gated DeltaNet passes on `device` run fla's kernels: `use_fla`, and fla takes
+    their gradients there (`fla_training_refusal`). The no-grad passes follow the gradient passes, so an
+    update's first ratio compares one kernel's log-probs with themselves. (The engine's prefill and
+    decode take no gradients: `use_fla`.)"""
+    return (
+        use_fla(device)
+        and fla_training_refusal(torch.cuda.current_device() if device.index is None else device.index)
+        is None
+    )
 
 
 def decay(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ for packed calls (ones carrying `fulcrum_cu_seqlens`):
 
 `packed_gated_deltanet`: the module's own projections, norm and output over the stream; its conv and
 delta rule
-- on CUDA with flash-linear-attention installed (`fulcrum.models.gated_delta`), as fla's varlen kernels,
-  which start every sequence from zeros (fla's backward for both);
+- on CUDA with flash-linear-attention installed, where fla takes their gradients (`fulcrum.models.
+  gated_delta.fla_trains`), as fla's varlen kernels, which start every sequence from zeros (fla's
+  backward for both);
 - elsewhere, as their torch references over the sequences laid side by side in an (S, L) grid,
   right-padded to the longest: every row starts from a zero state and zero conv history, and the padding
   lies after each row's tokens, where a causal layer never reads it. (Not the module's own forward:
@@ -30,9 +31,9 @@ from fulcrum.models.gated_delta import (
     conv_varlen,
     decay,
     delta_rule_varlen,
+    fla_trains,
     split_qkv,
     torch_delta_rules,
-    use_fla,
 )
 from fulcrum.models.load import switch_off_hub_kernels
 
@@ -103,7 +104,7 @@ def mixer_inputs(module: nn.Module, stream: torch.Tensor) -> tuple[torch.Tensor,
 def packed_gated_deltanet(module: nn.Module, stream: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """A Gated DeltaNet module over the packed stream (N, H) of sequences `cu_seqlens` (S + 1,), each from
     a zero state and zero conv history: its forward with the conv and the delta rule as fla's varlen
-    kernels on CUDA where fla imports, else their torch references over the sequences' grid
+    kernels on CUDA where fla trains (`fla_trains`), else their torch references over the sequences' grid
     (transformers' Qwen3.5 forward, argument for argument). Returns (N, H)."""
     if module.activation not in ("silu", "swish"):
         raise ValueError(f"linear attention: the causal conv runs SiLU, not hidden_act={module.activation!r}")
@@ -111,7 +112,7 @@ def packed_gated_deltanet(module: nn.Module, stream: torch.Tensor, cu_seqlens: t
     mixed, z, b, a = mixer_inputs(module, stream)
     heads = (module.num_k_heads, module.head_k_dim, module.num_v_heads, module.head_v_dim)
     weight, g, beta = module.conv1d.weight.squeeze(1), decay(a, module.A_log, module.dt_bias), b.sigmoid()
-    if use_fla(stream.device):
+    if fla_trains(stream.device):
         conv, _ = conv_varlen(mixed, weight, cu_seqlens)
         q, k, v = split_qkv(conv, *heads)
         core, _ = delta_rule_varlen(q, k, v, g, beta, cu_seqlens)
