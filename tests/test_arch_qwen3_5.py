@@ -349,6 +349,37 @@ def test_the_trainer_takes_fla_only_where_fla_takes_the_gradients(monkeypatch: p
     assert not gated_delta.fla_trains(cuda) and gated_delta.use_fla(cuda)
 
 
+def test_doctor_says_which_linear_attention_layers_run_the_torch_reference_on_this_gpu(
+    model: torch.nn.Module, tiny_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a machine with a GPU, doctor warns before the run when a Qwen3.5 model's linear-attention layers
+    would run the torch reference: without flash-linear-attention (everywhere: the install to run), or
+    where fla refuses their backward (the trainer's passes: its reason); nothing for a model without such
+    layers, or with no GPU to ask."""
+    from types import SimpleNamespace
+
+    from fulcrum.config import load_config
+    from fulcrum.tools.doctor_model import check_linear_attention_kernels
+
+    model.save_pretrained(tmp_path)
+
+    def warnings(path: str, device: str = "cuda", visible: int = 1) -> list[str]:
+        cfg = load_config([f"actor_rollout_ref.model.path={path}"])
+        ctx = SimpleNamespace(cfg=cfg, device=device, n_visible=visible, overrides=[], device_memory_gib=None)
+        return [f.message for f in check_linear_attention_kernels(ctx)]
+
+    monkeypatch.setattr(gated_delta, "fla_importable", lambda: False)
+    (missing,) = warnings(str(tmp_path))
+    assert "6 linear-attention layers run the torch reference" in missing and "[linear-attention]" in missing
+    assert warnings(str(tmp_path), "cpu", 0) == [] and warnings(str(tmp_path), "cuda", 0) == []
+    assert warnings(tiny_dir) == []  # Qwen2: no linear-attention layers
+    monkeypatch.setattr(gated_delta, "fla_importable", lambda: True)
+    monkeypatch.setattr(gated_delta, "fla_training_refusal", lambda index: "fla refuses (fla #640)")
+    assert warnings(str(tmp_path)) == ["actor_rollout_ref.model.path: fla refuses (fla #640)"]
+    monkeypatch.setattr(gated_delta, "fla_training_refusal", lambda index: None)
+    assert warnings(str(tmp_path)) == []
+
+
 def test_turn_ended_marks_a_stop_id_or_the_last_token_of_a_row() -> None:
     tokens = torch.tensor([7, 9, 4, 4])
     stops = torch.tensor([[7, -1], [3, 5], [3, 5], [-1, -1]])

@@ -77,7 +77,7 @@ def fla_backward_refused(compute_capability_major: int, triton_version: str, til
 @functools.cache
 def fla_training_refusal(device_index: int) -> str | None:
     """Why the trainer cannot take fla's gradients on CUDA device `device_index` (`fla_backward_refused`
-    with this machine's GPU, Triton and TileLang), said once as a warning; None where it can."""
+    with this machine's GPU, Triton and TileLang), with the fix; None where it can."""
     import importlib.util
 
     import triton
@@ -85,26 +85,30 @@ def fla_training_refusal(device_index: int) -> str | None:
     major = torch.cuda.get_device_capability(device_index)[0]
     if not fla_backward_refused(major, triton.__version__, importlib.util.find_spec("tilelang") is not None):
         return None
-    reason = (
-        f"flash-linear-attention refuses the gated delta rule's backward on {torch.cuda.get_device_name(device_index)}"
-        f" with Triton {triton.__version__} (wrong gradients on Hopper GPUs with Triton 3.4.0-3.7.0, fla #640):"
-        " the trainer's Gated DeltaNet passes run the torch reference, slower; Triton 3.7.1 or later (or"
-        " `pip install tilelang`) gives them fla's kernels"
+    return (
+        f"flash-linear-attention refuses the gated delta rule's backward on "
+        f"{torch.cuda.get_device_name(device_index)} with Triton {triton.__version__} (wrong gradients on "
+        "Hopper GPUs with Triton 3.4.0-3.7.0, fla #640): the trainer's Gated DeltaNet passes run the torch "
+        "reference, slower; Triton 3.7.1 or later (or `pip install tilelang`) gives them fla's kernels"
     )
-    logger.warning(reason)
-    return reason
+
+
+@functools.cache
+def _warn_once(text: str) -> None:
+    logger.warning(text)
 
 
 def fla_trains(device: torch.device) -> bool:
     """Whether the trainer's Gated DeltaNet passes on `device` run fla's kernels: `use_fla`, and fla takes
-    their gradients there (`fla_training_refusal`). The no-grad passes follow the gradient passes, so an
-    update's first ratio compares one kernel's log-probs with themselves. (The engine's prefill and
-    decode take no gradients: `use_fla`.)"""
-    return (
-        use_fla(device)
-        and fla_training_refusal(torch.cuda.current_device() if device.index is None else device.index)
-        is None
-    )
+    their gradients there (`fla_training_refusal`, said once as a warning where it does not). The no-grad
+    passes follow the gradient passes, so an update's first ratio compares one kernel's log-probs with
+    themselves. (The engine's prefill and decode take no gradients: `use_fla`.)"""
+    if not use_fla(device):
+        return False
+    refusal = fla_training_refusal(torch.cuda.current_device() if device.index is None else device.index)
+    if refusal is not None:
+        _warn_once(refusal)
+    return refusal is None
 
 
 def decay(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """`fulcrum doctor`'s checks that read a model's config.json or a multi-turn run's files: the native
-engine's reading of the rollout keys, fields the engine does not run, `override_config` keys the
-model's config lacks, and the tool and interaction configs. Each returns findings; doctor.py runs them
+engine's reading of the rollout keys, fields the engine does not run, linear-attention layers left to
+their torch reference on this GPU, `override_config` keys the model's config lacks, and the tool and
+interaction configs. Each returns findings; doctor.py runs them
 with the others (CHECKS)."""
 
 from __future__ import annotations
@@ -96,6 +97,35 @@ def check_native_model_fields(ctx: DoctorContext) -> list[Finding]:
     ]
 
 
+def check_linear_attention_kernels(ctx: DoctorContext) -> list[Finding]:
+    """A model with linear-attention layers (Gated DeltaNet: Qwen3.5, Qwen3-Next) runs them on CUDA with
+    flash-linear-attention's kernels: without the package, everywhere with the torch reference; where fla
+    refuses the delta rule's backward on this machine's GPU, in the trainer's passes (`fla_trains`). Both
+    run, slower: said before the run, with the fix (reads config.json; needs the GPU to ask)."""
+    if ctx.device != "cuda" or ctx.n_visible == 0:
+        return []
+    config = _model_config(ctx.cfg.actor_rollout_ref.model.path)
+    if config is None:
+        return []
+    from fulcrum.models import gated_delta
+    from fulcrum.models.arch import model_shape
+
+    layers = model_shape(config).linear_layers
+    if not layers:
+        return []
+    key = "actor_rollout_ref.model.path"
+    if not gated_delta.fla_importable():
+        return [
+            _warning(
+                f"{key}: the model's {layers} linear-attention layers run the torch reference on CUDA "
+                "(generation and training, slower): pip install -e '.[linear-attention]' "
+                "(flash-linear-attention) gives them its kernels"
+            )
+        ]
+    refusal = gated_delta.fla_training_refusal(0)
+    return [_warning(f"{key}: {refusal}")] if refusal is not None else []
+
+
 def check_tool_config(ctx: DoctorContext) -> list[Finding]:
     """A multi-turn run's tool config exists and lists tools (their classes are not imported: doctor
     never runs user code; the trainer's start-up loads them)."""
@@ -132,6 +162,7 @@ def check_interaction_config(ctx: DoctorContext) -> list[Finding]:
 MODEL_CHECKS: list[Callable[[DoctorContext], list[Finding]]] = [
     check_rollout_engine,
     check_native_model_fields,
+    check_linear_attention_kernels,
     check_override_config,
     check_tool_config,
     check_interaction_config,
