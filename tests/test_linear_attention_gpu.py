@@ -122,7 +122,11 @@ def test_the_trainer_leaves_fla_exactly_where_fla_refuses_the_backward() -> None
     v = torch.randn(tokens, heads, dv, generator=generator)
     g = -torch.rand(tokens, heads, generator=generator)
     beta = torch.rand(tokens, heads, generator=generator)
-    leaves = [t.to(CUDA, torch.bfloat16).requires_grad_() for t in (q, k, v, g, beta)]
+    dtypes = (torch.bfloat16,) * 3 + (
+        torch.float32,
+        torch.bfloat16,
+    )  # the decay in float32, as `decay` gives it
+    leaves = [t.to(CUDA, dtype).requires_grad_() for t, dtype in zip((q, k, v, g, beta), dtypes, strict=True)]
     cu_seqlens = torch.tensor([0, 30, tokens], dtype=torch.int32, device=CUDA)
     out, _ = gated_delta.delta_rule_varlen(*leaves, cu_seqlens)
     try:
