@@ -17,8 +17,9 @@ heads of 256; hidden 1024, intermediate 3584, vocabulary 248,320, tied embedding
 - a GRPO step of 64 prompts x 8: bench/train_step.py `run --grpo` (the trainer's step: native rollout,
   micro-batches of 32, gradient checkpointing; max_num_seqs 512), each model in its own process, the
   median `timing_s/step` of the steps after the first (`fla_trains` in the summary: whether its
-  training passes ran fla's kernels, or the torch reference where fla refuses their backward); on GSM8K (`--data`, verl's parquet, as
-  bench/run_all.sh) or else the built-in arithmetic prompts (`fulcrum.data.synthetic`);
+  training passes ran fla's kernels, or the torch reference where fla refuses their backward); on
+  GSM8K (`--data`, verl's parquet, as bench/run_all.sh) or else the built-in arithmetic prompts
+  (`fulcrum.data.synthetic`);
 - for the hybrid: one more generate with CUDA events around every layer's token mixer, summed by kind and
   phase: `linear_attention` (projections, the conv and the delta rule (fla's kernels), the gated norm, the
   output projection) and `attention` (projections, RoPE, paged attention, output) in prefill and decode;

@@ -1,8 +1,7 @@
 """`fulcrum doctor`'s checks that read a model's config.json or a multi-turn run's files: the native
 engine's reading of the rollout keys, fields the engine does not run, linear-attention layers left to
 their torch reference on this GPU, `override_config` keys the model's config lacks, and the tool and
-interaction configs. Each returns findings; doctor.py runs them
-with the others (CHECKS)."""
+interaction configs. Each returns findings; doctor.py runs them with the others (CHECKS)."""
 
 from __future__ import annotations
 
