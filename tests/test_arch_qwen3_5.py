@@ -363,8 +363,8 @@ def test_doctor_says_which_linear_attention_layers_run_the_torch_reference_on_th
 
     model.save_pretrained(tmp_path)
 
-    def warnings(path: str, device: str = "cuda", visible: int = 1) -> list[str]:
-        cfg = load_config([f"actor_rollout_ref.model.path={path}"])
+    def warnings(path: str, device: str = "cuda", visible: int = 1, *overrides: str) -> list[str]:
+        cfg = load_config([f"actor_rollout_ref.model.path={path}", *overrides])
         ctx = SimpleNamespace(cfg=cfg, device=device, n_visible=visible, overrides=[], device_memory_gib=None)
         return [f.message for f in check_linear_attention_kernels(ctx)]
 
@@ -376,8 +376,37 @@ def test_doctor_says_which_linear_attention_layers_run_the_torch_reference_on_th
     monkeypatch.setattr(gated_delta, "fla_importable", lambda: True)
     monkeypatch.setattr(gated_delta, "fla_training_refusal", lambda index: "fla refuses (fla #640)")
     assert warnings(str(tmp_path)) == ["actor_rollout_ref.model.path: fla refuses (fla #640)"]
+    (_, padded) = warnings(str(tmp_path), "cuda", 1, "actor_rollout_ref.model.use_remove_padding=False")
+    assert padded.startswith("actor_rollout_ref.model.use_remove_padding=False: padded micro-batches")
     monkeypatch.setattr(gated_delta, "fla_training_refusal", lambda index: None)
     assert warnings(str(tmp_path)) == []
+
+
+def test_padded_training_is_refused_where_fla_would_take_its_gradients_and_refuse(
+    model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Padded micro-batches run transformers' own Qwen3.5 forward, which sends the delta rule to fla
+    wherever fla imports: where fla refuses that rule's backward, an actor or critic on padded
+    micro-batches is refused at build time, naming its use_remove_padding key; the packed path, the
+    reference (no gradients) and a model without linear attention are not."""
+    from fulcrum.config.keys import ConfigError
+    from fulcrum.models import packed_recurrent
+    from fulcrum.rollout.testing import random_causal_lm
+    from fulcrum.workers import forwards
+    from fulcrum.workers.forwards import ModelForwards
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(gated_delta, "fla_importable", lambda: True)
+    monkeypatch.setattr(gated_delta, "fla_training_refusal", lambda index: "fla refuses (fla #640)")
+    monkeypatch.setattr(packed_recurrent, "fla_training_refusal", lambda index: "fla refuses (fla #640)")
+    assert packed_recurrent.padded_training_refusal(model, cuda) == "fla refuses (fla #640)"
+    assert packed_recurrent.padded_training_refusal(model, CPU) is None  # the torch reference
+    assert packed_recurrent.padded_training_refusal(random_causal_lm("qwen2", seed=0), cuda) is None
+    monkeypatch.setattr(forwards, "padded_training_refusal", lambda m, d: "fla refuses (fla #640)")
+    with pytest.raises(ConfigError, match=r"critic\.model\.use_remove_padding=False: padded .*fla #640"):
+        ModelForwards(copy.deepcopy(model), CPU, use_remove_padding=False, role="critic")
+    ModelForwards(copy.deepcopy(model), CPU, use_remove_padding=False, role="reference")
+    ModelForwards(copy.deepcopy(model), CPU, use_remove_padding=True, role="actor")
 
 
 def test_turn_ended_marks_a_stop_id_or_the_last_token_of_a_row() -> None:

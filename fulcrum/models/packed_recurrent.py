@@ -15,7 +15,8 @@ delta rule
   lies after each row's tokens, where a causal layer never reads it. (Not the module's own forward:
   transformers sends its delta rule to fla's kernels wherever fla imports, CPU tensors included.)
 
-Other calls (padded batches) go to the module's forward unchanged; the state dict is unchanged.
+Other calls (padded batches) go to the module's forward unchanged (`padded_training_refusal` says where
+that forward cannot train); the state dict is unchanged.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ from fulcrum.models.gated_delta import (
     conv_varlen,
     decay,
     delta_rule_varlen,
+    fla_training_refusal,
     fla_trains,
     split_qkv,
     torch_delta_rules,
+    use_fla,
 )
 from fulcrum.models.load import switch_off_hub_kernels
 
@@ -41,6 +44,18 @@ from fulcrum.models.load import switch_off_hub_kernels
 def is_recurrent_mixer(module: nn.Module) -> bool:
     """Whether `module` is a linear-attention token mixer with a recurrent state (Gated DeltaNet)."""
     return type(module).__name__.endswith("GatedDeltaNet")
+
+
+def padded_training_refusal(model: nn.Module, device: torch.device) -> str | None:
+    """Why `model` cannot take gradients on padded micro-batches on `device`, or None: the padded path runs
+    the model's own forward, in which transformers sends the delta rule to fla wherever fla imports, and
+    where fla refuses that rule's backward (`fla_trains`) the update would stop there; the packed path
+    runs the torch reference instead."""
+    if not any(is_recurrent_mixer(module) for module in model.modules()):
+        return None
+    if not use_fla(device) or fla_trains(device):
+        return None
+    return fla_training_refusal(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def enable_packed_recurrence(model: nn.Module) -> int:

@@ -122,7 +122,26 @@ def check_linear_attention_kernels(ctx: DoctorContext) -> list[Finding]:
             )
         ]
     refusal = gated_delta.fla_training_refusal(0)
-    return [_warning(f"{key}: {refusal}")] if refusal is not None else []
+    if refusal is None:
+        return []
+    padded = [k for k, m in _trained_models(ctx) if not m.use_remove_padding]
+    return [_warning(f"{key}: {refusal}")] + [
+        _error(
+            f"{k}=False: padded micro-batches send the linear-attention layers to fla's refused backward; set it to True"
+        )
+        for k in padded
+    ]
+
+
+def _trained_models(ctx: DoctorContext) -> list[tuple[str, Any]]:
+    """(the use_remove_padding key, the model section) of each role that takes gradients."""
+    from fulcrum.workers.forwards import PADDING_KEYS
+
+    cfg = ctx.cfg
+    models = [(PADDING_KEYS["actor"], cfg.actor_rollout_ref.model)]
+    if uses_critic(cfg):
+        models.append((PADDING_KEYS["critic"], cfg.critic.model))
+    return models
 
 
 def check_tool_config(ctx: DoctorContext) -> list[Finding]:

@@ -40,6 +40,7 @@ from fulcrum.models.packed import (
     packed_hidden_states,
     packing_unsupported_reason,
 )
+from fulcrum.models.packed_recurrent import padded_training_refusal
 from fulcrum.models.precision import ComputeWeights, compute_dtype
 from fulcrum.models.stream_shard import StreamShard, real_tokens, shard_stream
 from fulcrum.parallel.fsdp import is_sharded, run_in_root
@@ -198,6 +199,13 @@ def forward_batch(
     return forward(model, micro_inputs(mb, [], device, packed, sp), head, sp)
 
 
+# The key that chooses padded micro-batches for each role that takes gradients.
+PADDING_KEYS = {
+    "actor": "actor_rollout_ref.model.use_remove_padding",
+    "critic": "critic.model.use_remove_padding",
+}
+
+
 class ModelForwards:
     """`model` on `device`: padding-free when `use_remove_padding` and the architecture allows it;
     on CUDA, bf16 copies of the float32 weights for compute (`fulcrum.models.precision`), except
@@ -235,6 +243,14 @@ class ModelForwards:
         if reason is not None:
             logger.warning("%s: use_remove_padding=True but %s; using padded micro-batches", role, reason)
         self.packed = use_remove_padding and reason is None
+        refusal = None if self.packed or role not in PADDING_KEYS else padded_training_refusal(model, device)
+        if refusal is not None:
+            raise ConfigError(
+                f"{PADDING_KEYS[role]}=False: padded micro-batches run the model's own forward, which sends "
+                f"its linear-attention layers to flash-linear-attention, and {refusal}; set it to True (the "
+                "packed path trains them with the torch reference here)",
+                PADDING_KEYS[role],
+            )
         if lm_head_fp32 and not self.packed:
             raise ConfigError(
                 "actor_rollout_ref.model.lm_head_fp32=True needs the packed path (use_remove_padding=True on "
