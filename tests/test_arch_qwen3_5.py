@@ -398,7 +398,6 @@ def test_padded_training_is_refused_where_fla_would_take_its_gradients_and_refus
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(gated_delta, "fla_importable", lambda: True)
     monkeypatch.setattr(gated_delta, "fla_training_refusal", lambda index: "fla refuses (fla #640)")
-    monkeypatch.setattr(packed_recurrent, "fla_training_refusal", lambda index: "fla refuses (fla #640)")
     assert packed_recurrent.padded_training_refusal(model, cuda) == "fla refuses (fla #640)"
     assert packed_recurrent.padded_training_refusal(model, CPU) is None  # the torch reference
     assert packed_recurrent.padded_training_refusal(random_causal_lm("qwen2", seed=0), cuda) is None

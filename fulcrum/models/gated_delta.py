@@ -98,17 +98,23 @@ def _warn_once(text: str) -> None:
     logger.warning(text)
 
 
+def fla_refusal(device: torch.device) -> str | None:
+    """Why fla, running on `device` (`use_fla`), refuses the delta rule's gradients there
+    (`fla_training_refusal`); None where fla does not run or takes them."""
+    if not use_fla(device):
+        return None
+    return fla_training_refusal(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def fla_trains(device: torch.device) -> bool:
     """Whether the trainer's Gated DeltaNet passes on `device` run fla's kernels: `use_fla`, and fla takes
-    their gradients there (`fla_training_refusal`, said once as a warning where it does not). The no-grad
-    passes follow the gradient passes, so an update's first ratio compares one kernel's log-probs with
+    their gradients there (`fla_refusal`, said once as a warning where it does not). The no-grad passes
+    follow the gradient passes, so an update's first ratio compares one kernel's log-probs with
     themselves. (The engine's prefill and decode take no gradients: `use_fla`.)"""
-    if not use_fla(device):
-        return False
-    refusal = fla_training_refusal(torch.cuda.current_device() if device.index is None else device.index)
+    refusal = fla_refusal(device)
     if refusal is not None:
         _warn_once(refusal)
-    return refusal is None
+    return refusal is None and use_fla(device)
 
 
 def decay(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:

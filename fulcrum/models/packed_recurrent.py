@@ -32,11 +32,10 @@ from fulcrum.models.gated_delta import (
     conv_varlen,
     decay,
     delta_rule_varlen,
-    fla_training_refusal,
+    fla_refusal,
     fla_trains,
     split_qkv,
     torch_delta_rules,
-    use_fla,
 )
 from fulcrum.models.load import switch_off_hub_kernels
 
@@ -49,13 +48,11 @@ def is_recurrent_mixer(module: nn.Module) -> bool:
 def padded_training_refusal(model: nn.Module, device: torch.device) -> str | None:
     """Why `model` cannot take gradients on padded micro-batches on `device`, or None: the padded path runs
     the model's own forward, in which transformers sends the delta rule to fla wherever fla imports, and
-    where fla refuses that rule's backward (`fla_trains`) the update would stop there; the packed path
+    where fla refuses that rule's backward (`fla_refusal`) the update would stop there; the packed path
     runs the torch reference instead."""
     if not any(is_recurrent_mixer(module) for module in model.modules()):
         return None
-    if not use_fla(device) or fla_trains(device):
-        return None
-    return fla_training_refusal(torch.cuda.current_device() if device.index is None else device.index)
+    return fla_refusal(device)
 
 
 def enable_packed_recurrence(model: nn.Module) -> int:
