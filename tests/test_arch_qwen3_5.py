@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -335,6 +336,42 @@ def test_fla_refuses_the_gated_backward_on_hopper_with_triton_3_4_to_3_7_0(
     major: int, triton: str, tilelang: bool, refused: bool
 ) -> None:
     assert gated_delta.fla_backward_refused(major, triton, tilelang) is refused
+
+
+class NoFla:
+    """An import finder for which `fla` is not installed, wherever this test runs."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "fla":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+@pytest.mark.parametrize(
+    ("fla_module", "warned"),
+    [(None, False), ("a package without its kernels", True)],
+    ids=["not-installed", "installed-without-fla-core"],
+)
+def test_a_broken_fla_install_is_named_where_a_missing_one_is_not(
+    fla_module: str | None, warned: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """flash-linear-attention's wheel holds the models and layers, fla-core the kernels: with the first
+    alone `import fla` works and its kernels do not. The torch path runs either way; only the broken
+    install, which the user meant to use, is reported, naming what is missing."""
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    if fla_module is None:
+        monkeypatch.setattr(sys, "meta_path", [NoFla(), *sys.meta_path])
+    else:
+        package = types.ModuleType("fla", fla_module)
+        package.__path__ = []  # a package with no submodules
+        monkeypatch.setitem(sys.modules, "fla", package)
+    gated_delta.fla_importable.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=gated_delta.__name__):
+            assert gated_delta.fla_importable() is False
+    finally:
+        gated_delta.fla_importable.cache_clear()
+    assert ("fla.modules" in caplog.text) is warned
 
 
 def test_the_trainer_takes_fla_only_where_fla_takes_the_gradients(monkeypatch: pytest.MonkeyPatch) -> None:

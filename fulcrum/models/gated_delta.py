@@ -41,17 +41,20 @@ def runs_fla(device_type: str, importable: bool) -> bool:
 
 @functools.cache
 def fla_importable() -> bool:
-    """Whether flash-linear-attention's kernels import here (a broken install says why, once)."""
+    """Whether flash-linear-attention's kernels import here. Not installed: no. Installed but broken (a part
+    missing, as `flash-linear-attention` without its `fla-core`, or a Triton it does not match): no, and it
+    says why, once."""
     try:
         import fla.modules.causal_conv1d
         import fla.ops.gated_delta_rule
         import fla.ops.kda.fused_recurrent  # noqa: F401
-    except ImportError:
-        return False
-    except Exception as error:  # an install that fails past the import (a Triton it does not match)
-        logger.warning(
-            "flash-linear-attention does not load (%r): linear attention runs its torch path", error
-        )
+    except Exception as error:
+        if not (isinstance(error, ModuleNotFoundError) and error.name == "fla"):
+            logger.warning(
+                "flash-linear-attention is installed but does not load (%r): linear attention runs its "
+                "torch path",
+                error,
+            )
         return False
     return True
 
