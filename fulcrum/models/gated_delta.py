@@ -115,9 +115,10 @@ def fla_trains(device: torch.device) -> bool:
     follow the gradient passes, so an update's first ratio compares one kernel's log-probs with
     themselves. (The engine's prefill and decode take no gradients: `use_fla`.)"""
     refusal = fla_refusal(device)
-    if refusal is not None:
-        _warn_once(refusal)
-    return refusal is None and use_fla(device)
+    if refusal is None:
+        return use_fla(device)
+    _warn_once(refusal)
+    return False
 
 
 def decay(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:

@@ -106,6 +106,8 @@ def check_linear_attention_kernels(ctx: DoctorContext) -> list[Finding]:
     config = _model_config(ctx.cfg.actor_rollout_ref.model.path)
     if config is None:
         return []
+    import torch
+
     from fulcrum.models import gated_delta
     from fulcrum.models.arch import model_shape
 
@@ -121,7 +123,7 @@ def check_linear_attention_kernels(ctx: DoctorContext) -> list[Finding]:
                 "(flash-linear-attention) gives them its kernels"
             )
         ]
-    refusal = gated_delta.fla_training_refusal(0)
+    refusal = gated_delta.fla_refusal(torch.device("cuda", 0))
     if refusal is None:
         return []
     padded = [k for k, m in _trained_models(ctx) if not m.use_remove_padding]
