@@ -12,6 +12,11 @@ the tiny tokenizer (bench/shapes.py); with `rollout.ignore_eos` every response r
 group's length is its row's draw and the tail is the distribution's. The prompts are GSM8K-format
 arithmetic questions (fulcrum.data.synthetic); every reward is 0: this measures time, not learning.
 
+Micro-batches are cut by tokens (`use_dynamic_bsz`, `--micro-tokens` 32,768 a micro-batch in every pass):
+a fixed 32 sequences of up to 8k tokens would make a micro-batch of a quarter of a million tokens. The
+modes share `--deadline-s` (480): each run gets `trainer.wall_clock_budget_s` = what is left of it over the
+modes left, so the call ends in time whatever a step costs, and `--steps` is an upper bound.
+
 Per mode, over the steps after the first (the first compiles, and under partial rollouts it also puts the
 warm-up batches in flight): the median step time, the response tokens trained per second
 (response_length/mean x 512 / step time; in a steady state what is generated is trained or dropped),
@@ -148,9 +153,9 @@ def step_figures(rows: list[dict[str, Any]], responses_per_step: int) -> dict[st
     }
 
 
-def overrides(args: argparse.Namespace, data: Path, model: Path, run: Path) -> list[str]:
-    """The GRPO 64 x 8 step (bench/train_step.py) over the seed command, lengths from the rows' budgets;
-    `--smoke`: the same on the CPU at a size that runs in seconds."""
+def overrides(args: argparse.Namespace, data: Path, model: Path, run: Path, budget_s: float) -> list[str]:
+    """The GRPO 64 x 8 step (bench/train_step.py) over the seed command, lengths from the rows' budgets,
+    ending within `budget_s` seconds; `--smoke`: the same on the CPU at a size that runs in seconds."""
     keys = [
         *seed_command(data, model),
         *GRPO_STEP,
@@ -158,6 +163,9 @@ def overrides(args: argparse.Namespace, data: Path, model: Path, run: Path) -> l
         "actor_rollout_ref.rollout.ignore_eos=True",  # every response runs to its budget
         f"trainer.total_training_steps={args.steps}",
         f"trainer.default_local_dir={run}",
+        "actor_rollout_ref.actor.use_dynamic_bsz=True",  # the log-prob passes follow the actor's two keys
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.micro_tokens}",
+        f"trainer.wall_clock_budget_s={budget_s:.0f}",
     ]
     if args.smoke:
         keys += [
@@ -174,11 +182,14 @@ def overrides(args: argparse.Namespace, data: Path, model: Path, run: Path) -> l
     return keys
 
 
-def run_mode(args: argparse.Namespace, data: Path, model: Path, partial: bool) -> dict[str, Any]:
-    """One training run; its step figures and the GPU's utilisation over its last step."""
+def run_mode(
+    args: argparse.Namespace, data: Path, model: Path, partial: bool, budget_s: float
+) -> dict[str, Any]:
+    """One training run of at most `budget_s` seconds; its step figures and the GPU's utilisation over its
+    last step."""
     name = "partial" if partial else "sync"
     run = args.out / f"run_{name}"
-    keys = [*overrides(args, data, model, run), *(PARTIAL if partial else []), *args.overrides]
+    keys = [*overrides(args, data, model, run, budget_s), *(PARTIAL if partial else []), *args.overrides]
     with UtilisationPoller() as poller:
         if train(keys) != 0:
             raise SystemExit(f"the {name} run failed (keys: {' '.join(keys)})")
@@ -189,6 +200,12 @@ def run_mode(args: argparse.Namespace, data: Path, model: Path, partial: bool) -
     figures = step_figures(steps, responses)
     figures.update(utilisation_figures(poller.window(end - steps[-1]["timing_s/step"], end)))
     return {"mode": name, "steps": len(steps), **figures}
+
+
+def share_of_deadline(args: argparse.Namespace, started: float, runs_left: int) -> float:
+    """A run's wall-clock budget: what is left of `--deadline-s` since `started`, over the runs left
+    (at least a minute: a budget shorter than the first step ends the run after it)."""
+    return max(60.0, (args.deadline_s - (time.perf_counter() - started)) / runs_left)
 
 
 def _key(keys: list[str], name: str) -> str:
@@ -230,19 +247,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap", type=int, default=8192, help="largest budget = data.max_response_length")
     parser.add_argument("--seed", type=int, default=0, help="seed of the budgets and the questions")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, median 12, cap 32, 4 x 2")
+    parser.add_argument(
+        "--micro-tokens", type=int, default=32768, help="tokens a micro-batch (use_dynamic_bsz), every pass"
+    )
+    parser.add_argument("--deadline-s", type=float, default=480.0, help="both runs end within this")
     parser.add_argument("--json", type=Path, help="write the summary here")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE trainer overrides for both runs")
     args = parser.parse_args(argv)
     if args.smoke:
         args.median, args.cap, args.steps = min(args.median, 12), min(args.cap, 32), min(args.steps, 3)
         torch.set_num_threads(1)
+    started = time.perf_counter()
     if args.steps < 2:
         parser.error("--steps must be at least 2: the first step is left out of the figures")
     rows = 64 if args.smoke else 64 * (args.steps + 4)  # every step's batch, the warm-up batches and spare
     data = write_data(args.out / "data", rows, args.median, args.sigma, args.cap, args.seed)
     model = make_model(args.out / "model", shape="qwen3-0.6b", tiny=args.smoke)
-    sync = run_mode(args, data, model, partial=False)
-    partial = run_mode(args, data, model, partial=True)
+    sync = run_mode(args, data, model, partial=False, budget_s=share_of_deadline(args, started, 2))
+    partial = run_mode(args, data, model, partial=True, budget_s=share_of_deadline(args, started, 1))
     summary = {
         "budgets": {
             "distribution": "log-normal",

@@ -3,17 +3,19 @@ CPU runs both modes and reports every figure (carried tokens only under partial 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from long_tail import lognormal_budgets, main
+from long_tail import lognormal_budgets, main, share_of_deadline
 
 
 def test_budgets_are_log_normal_around_the_median_and_cut_at_the_cap() -> None:
@@ -40,3 +42,11 @@ def test_the_smoke_run_compares_both_modes(tmp_path: Path, capsys: pytest.Captur
     assert sync["gpu_util_mean"] is None  # no GPU here: said, not invented
     out = capsys.readouterr().out
     assert "| step rate (steps/s) |" in out and "| carried-token share |" in out
+
+
+def test_the_runs_share_what_is_left_of_the_deadline() -> None:
+    args = argparse.Namespace(deadline_s=480.0)
+    now = time.perf_counter()
+    assert share_of_deadline(args, now, 2) == pytest.approx(240, abs=1)
+    assert share_of_deadline(args, now - 300, 1) == pytest.approx(180, abs=1)  # the first run took 300 s
+    assert share_of_deadline(args, now - 470, 1) == 60  # a minute at least: one step, then the run ends
