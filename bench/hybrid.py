@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rollout import bench_logprob_gap, bench_native, prompt_lengths, random_prompts, timed
 from shapes import shape_of
-from train_step import GRPO_STEP, make_model, seed_command
+from train_step import GRPO_STEP, make_model, seed_command, summarise
 
 from fulcrum.config import load_config
 from fulcrum.models.arch import model_shape
@@ -64,6 +64,7 @@ BENCH = Path(__file__).resolve().parent
 HYBRID, DENSE = "qwen3.5-0.8b", "qwen3-0.6b"
 # Trainer keys beside the GRPO step's (train_step.GRPO_STEP): 512 sequences, so 512 engine rows for both.
 GRPO_KEYS = ["actor_rollout_ref.rollout.max_num_seqs=512"]
+PROCESS_START_S = 30.0  # imports and CUDA start-up before the trainer counts its budget
 # The smoke's step on the CPU: 2 prompts x 2 responses of 8 tokens, micro-batches of 2.
 SMOKE_GRPO_KEYS = [
     "data.train_batch_size=2",
@@ -207,9 +208,12 @@ def estimate_line(model_dir: Path, data: Path) -> dict:
 
 
 def grpo_step(name: str, model_dir: Path, data: Path, args: argparse.Namespace, limit_s: float) -> dict:
-    """bench/train_step.py `run --grpo` for `name` in its own process: the median warm step."""
+    """bench/train_step.py `run --grpo` for `name` in its own process: the median warm step. The run ends
+    itself within `limit_s` (`trainer.wall_clock_budget_s`, less the process's start); a process stopped
+    at the limit still gives the steps it finished."""
     run, summary = args.work / f"run_{name}", args.work / f"grpo_{name}.json"
     keys = GRPO_KEYS + (SMOKE_GRPO_KEYS if args.smoke else [])
+    keys = [*keys, f"trainer.wall_clock_budget_s={max(limit_s - PROCESS_START_S, 1.0):.0f}"]
     command = [sys.executable, str(BENCH / "train_step.py"), "run", "--grpo", "--data", str(data)]
     command += ["--model", str(model_dir), "--run", str(run), "--steps", str(args.steps)]
     command += ["--summary", str(summary), *keys]
@@ -219,10 +223,12 @@ def grpo_step(name: str, model_dir: Path, data: Path, args: argparse.Namespace, 
         with log.open("w") as out:
             code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=limit_s).returncode
     except subprocess.TimeoutExpired:
-        return {"failed": f"stopped at its {limit_s:.0f} s limit (log {log})"}
-    if code != 0:
+        if not (run / "metrics.jsonl").exists() or not summarise(run)["steps"]:
+            return {"failed": f"stopped at its {limit_s:.0f} s limit before a step ended (log {log})"}
+        code = None
+    if code:
         return {"failed": f"exit {code}: " + " | ".join(log.read_text().splitlines()[-5:])}
-    steps = json.loads(summary.read_text())["steps"]
+    steps = (json.loads(summary.read_text()) if code == 0 else summarise(run))["steps"]
     warm = [s["timing_s/step"] for s in steps[1:]] or [steps[0]["timing_s/step"]]
     return {
         "step_s": round(statistics.median(warm), 3),
@@ -230,6 +236,7 @@ def grpo_step(name: str, model_dir: Path, data: Path, args: argparse.Namespace, 
         "gen_s": round(statistics.median(s["timing_s/gen"] for s in steps[1:] or steps), 3),
         "tok_per_s": round(statistics.median(s.get("perf/throughput", 0.0) for s in steps[1:] or steps)),
         "process_s": round(time.perf_counter() - tick, 1),
+        **({} if code == 0 else {"stopped": f"at its {limit_s:.0f} s limit"}),
     }
 
 

@@ -144,7 +144,7 @@ def summarise(run: Path) -> dict[str, object]:
     warm = per_step[1:] or per_step
     shared = {
         k
-        for k in set.intersection(*(set(r) for r in warm))
+        for k in (set.intersection(*(set(r) for r in warm)) if warm else set())  # none: a run with no step
         if all(isinstance(r[k], int | float) for r in warm)
     }
     mean_warm = {

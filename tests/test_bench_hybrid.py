@@ -4,11 +4,16 @@ state as the engine holds it and as doctor's memory estimate counts it."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import hybrid
 from hybrid import main
 
 
@@ -42,3 +47,31 @@ def test_the_smoke_run_reports_every_figure(tmp_path: Path) -> None:
     assert list(hybrid["memory_estimate"]) == ["recurrent states of the linear-attention layers (514 slots)"]
     assert "split" not in dense["engine"] and "memory_estimate" not in dense
     assert summary["ratio_hybrid_over_dense"]["grpo_step_s"] > 0
+
+
+def test_a_grpo_process_stopped_at_its_limit_still_gives_the_steps_it_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step runs in its own process under a time limit; when the limit stops it, the steps already
+    in its metrics are the figure, marked as stopped, rather than nothing."""
+    run = tmp_path / "run_qwen3-0.6b"
+    run.mkdir()
+    rows = [
+        {"training/global_step": i + 1, "timing_s/step": s, "timing_s/gen": 1.0, "perf/throughput": 100.0}
+        for i, s in enumerate((9.0, 4.0, 5.0))
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    commands: list[list[str]] = []
+
+    def stopped(command: list[str], **kwargs: object) -> None:
+        commands.append(command)
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"])  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hybrid.subprocess, "run", stopped)
+    args = argparse.Namespace(work=tmp_path, smoke=False, steps=5)
+    result = hybrid.grpo_step("qwen3-0.6b", tmp_path / "model", tmp_path / "data", args, limit_s=200.0)
+    assert result["step_s"] == 4.5 and result["steps_s"] == [9.0, 4.0, 5.0]  # the median after the first
+    assert result["stopped"] == "at its 200 s limit"
+    assert "trainer.wall_clock_budget_s=170" in commands[0]  # the run is asked to end by itself first
+    (run / "metrics.jsonl").write_text("")
+    assert "before a step ended" in hybrid.grpo_step("qwen3-0.6b", tmp_path, tmp_path, args, 200.0)["failed"]
