@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             hybrid["engine"]["native_tok_per_s"] / dense["engine"]["native_tok_per_s"], 3
         )
     }
-    if "step_s" in hybrid["grpo"] and "step_s" in dense["grpo"]:
+    if all(len(m["grpo"].get("steps_s", [])) >= 2 for m in (hybrid, dense)):  # warm steps, not a first one
         summary["ratio_hybrid_over_dense"]["grpo_step_s"] = round(
             hybrid["grpo"]["step_s"] / dense["grpo"]["step_s"], 3
         )
