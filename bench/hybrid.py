@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -211,24 +212,25 @@ def grpo_step(name: str, model_dir: Path, data: Path, args: argparse.Namespace, 
     """bench/train_step.py `run --grpo` for `name` in its own process: the median warm step. The run ends
     itself within `limit_s` (`trainer.wall_clock_budget_s`, less the process's start); a process stopped
     at the limit still gives the steps it finished."""
-    run, summary = args.work / f"run_{name}", args.work / f"grpo_{name}.json"
+    run = args.work / f"run_{name}"
+    shutil.rmtree(run, ignore_errors=True)  # metrics.jsonl is appended to: a run before this one's rows
     keys = GRPO_KEYS + (SMOKE_GRPO_KEYS if args.smoke else [])
     keys = [*keys, f"trainer.wall_clock_budget_s={max(limit_s - PROCESS_START_S, 1.0):.0f}"]
     command = [sys.executable, str(BENCH / "train_step.py"), "run", "--grpo", "--data", str(data)]
-    command += ["--model", str(model_dir), "--run", str(run), "--steps", str(args.steps)]
-    command += ["--summary", str(summary), *keys]
+    command += ["--model", str(model_dir), "--run", str(run), "--steps", str(args.steps), *keys]
     log = args.work / f"grpo_{name}.log"
     tick = time.perf_counter()
     try:
         with log.open("w") as out:
             code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=limit_s).returncode
     except subprocess.TimeoutExpired:
-        if not (run / "metrics.jsonl").exists() or not summarise(run)["steps"]:
-            return {"failed": f"stopped at its {limit_s:.0f} s limit before a step ended (log {log})"}
-        code = None
+        code = None  # stopped at the limit: the steps it finished are the figure
     if code:
         return {"failed": f"exit {code}: " + " | ".join(log.read_text().splitlines()[-5:])}
-    steps = (json.loads(summary.read_text()) if code == 0 else summarise(run))["steps"]
+    steps = summarise(run)["steps"] if (run / "metrics.jsonl").exists() else []
+    if not steps:
+        ended = "exited" if code == 0 else f"stopped at its {limit_s:.0f} s limit"
+        return {"failed": f"{ended} before a step ended (log {log})"}
     warm = [s["timing_s/step"] for s in steps[1:]] or [steps[0]["timing_s/step"]]
     return {
         "step_s": round(statistics.median(warm), 3),

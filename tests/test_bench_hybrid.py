@@ -56,15 +56,20 @@ def test_a_grpo_process_stopped_at_its_limit_still_gives_the_steps_it_finished(
     in its metrics are the figure, marked as stopped, rather than nothing."""
     run = tmp_path / "run_qwen3-0.6b"
     run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        '{"training/global_step": 1, "timing_s/step": 99.0}\n'
+    )  # an older run's
     rows = [
         {"training/global_step": i + 1, "timing_s/step": s, "timing_s/gen": 1.0, "perf/throughput": 100.0}
         for i, s in enumerate((9.0, 4.0, 5.0))
     ]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     commands: list[list[str]] = []
+    written: list[dict[str, float]] = rows  # what the process writes before the limit stops it
 
     def stopped(command: list[str], **kwargs: object) -> None:
         commands.append(command)
+        run.mkdir(exist_ok=True)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written))
         raise subprocess.TimeoutExpired(command, kwargs["timeout"])  # type: ignore[arg-type]
 
     monkeypatch.setattr(hybrid.subprocess, "run", stopped)
@@ -73,5 +78,5 @@ def test_a_grpo_process_stopped_at_its_limit_still_gives_the_steps_it_finished(
     assert result["step_s"] == 4.5 and result["steps_s"] == [9.0, 4.0, 5.0]  # the median after the first
     assert result["stopped"] == "at its 200 s limit"
     assert "trainer.wall_clock_budget_s=170" in commands[0]  # the run is asked to end by itself first
-    (run / "metrics.jsonl").write_text("")
+    written = []
     assert "before a step ended" in hybrid.grpo_step("qwen3-0.6b", tmp_path, tmp_path, args, 200.0)["failed"]
