@@ -47,6 +47,12 @@ timing: CUDA events, median of 20 after 3) at the row's batch and contexts (c ..
 under SPLITS 1, 2, 4, 8, 16 and the engine's own choice (`kernels.decode_splits`): microseconds and K/V
 bytes read per second, to show whether the split count the engine picks is the fastest at long contexts.
 `--decode-launch '{"SPLITS": 1}'` runs the whole rows with one fixed launch (bench/rollout.py's option).
+
+And where a prefill's time goes: the row's first `PROFILED_PROMPTS` (16) prompts prefilled once more under
+the profiler (`prefill_split`: GPU busy and wall, busy per kernel category as bench/tools/decode_profile.py
+sorts them, the busiest kernels), and one prefill step's attention alone (`prefill_kernel`: the prompts a
+step of `--max-num-batched-tokens` holds, under aten's flash kernel, the engine's, and cuDNN's;
+bench/tools/prefill_attention.py) with its TFLOP/s.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ import gc
 import json
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +75,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
 
 from attention_sweep import BLOCK, decode_batch, time_call
+from decode_profile import annotate_engine, prefill_figures, profiled_generate
+from prefill_attention import sweep as prefill_attention_sweep
 from rollout import add_launch_options, random_prompts, set_launches, timed
 from shapes import shape_of
 
@@ -83,6 +92,7 @@ CONTEXTS = (8192, 16384, 2048)
 # HBM bandwidth (bytes/s) by device name, the more specific names first.
 HBM_BANDWIDTH = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12))
 SWEEP_SPLITS = (1, 2, 4, 8, 16)
+PROFILED_PROMPTS = 16  # prefill_split's prompts: steps enough for the split, a trace that loads fast
 
 
 def hbm_bandwidth(name: str) -> float | None:
@@ -177,12 +187,29 @@ def run_row(
     shape = model_shape(model.config)
     kv = kv_bytes_per_token(shape)
     weights = sum(t.numel() * t.element_size() for t in engine.model.weight_tensors())
+    split = prefill_split(engine, prompts[:PROFILED_PROMPTS], device)
     release(engine, device)
     result = figures(args, row, shape, sequences, weights, kv, prefill_s, decode_s, device)
+    result["prefill_split"] = split
     if device.type == "cuda":
         result["decode_kernel"] = kernel_sweep(args, row, shape, sequences, device)
-        torch.cuda.empty_cache()  # the sweep's caches
+        result["prefill_kernel"] = prefill_attention_sweep(
+            row.context, shape.heads, shape.kv_heads, shape.head_dim, device, args.max_num_batched_tokens
+        )
+        torch.cuda.empty_cache()  # the sweeps' caches
     return result
+
+
+def prefill_split(engine: NativeEngine, prompts: list[list[int]], device: torch.device) -> dict[str, Any]:
+    """`prompts` prefilled once more, under the profiler (a generate of one token a prompt): the steps,
+    the GPU's busy time and wall, busy per kernel category (bench/tools/decode_profile.py's) and the
+    busiest kernels, so the attention's share and the GPU's idle time between steps show (on the CPU,
+    the steps and host seconds alone)."""
+    annotate_engine(engine)
+    params = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True, seed=0)
+    with tempfile.TemporaryDirectory() as folder:
+        seconds, trace, _ = profiled_generate(engine, prompts, params, device, Path(folder) / "trace.json")
+    return {"profiled_s": round(seconds, 4), **prefill_figures(trace, on_device=device.type == "cuda")}
 
 
 def prefill(engine: NativeEngine) -> None:

@@ -67,7 +67,15 @@ def test_decode_steps_split_into_kernel_kinds_launch_gaps_and_the_gap_between_wi
     assert figures["wall_s"] == 0.078 and figures["gpu_busy_s"] == 0.046
     assert figures["idle_in_windows_s"] == 0.01 and figures["idle_between_windows_s"] == 0.022
     assert figures["top_kernels"]["gemm"] == [["sm90_xmma_gemm_bf16bf16", 4 * MS, 1.0]]
-    assert prefill_figures(trace, on_device=True) == {"steps": 1, "host_s": 0.05, "gpu_busy_s": 0.025}
+    prefill = prefill_figures(trace, on_device=True)
+    assert prefill == {
+        "steps": 1,
+        "host_s": 0.05,
+        "gpu_busy_s": 0.025,
+        "gpu_wall_s": 0.025,
+        "gpu_busy_by_category_s": {"attention": 0.025},
+        "top_kernels": {"attention": [["flash_fwd_kernel", 0.025, 1]]},
+    }
 
 
 def test_kernel_names_fall_into_their_categories() -> None:
@@ -90,7 +98,10 @@ def test_prefill_counts_each_launch_whether_before_its_read_or_inside_the_step_b
         device("flash_fwd_kernel", 50, 20, 3),
         host("prefill", 70, 10),
     ]  # fmt: skip
-    assert prefill_figures(trace, on_device=True) == {"steps": 3, "host_s": 0.08, "gpu_busy_s": 0.06}
+    prefill = prefill_figures(trace, on_device=True)
+    assert (prefill["steps"], prefill["host_s"], prefill["gpu_busy_s"]) == (3, 0.08, 0.06)
+    # Busy 60 ms of a 64 ms span (6-70 ms): the GPU waited 4 ms between steps 1 and 2.
+    assert prefill["gpu_wall_s"] == 0.064 and prefill["gpu_busy_by_category_s"] == {"attention": 0.06}
 
 
 def test_a_cpu_run_annotates_the_engine_prefill_windows_and_steps(tmp_path: Path) -> None:

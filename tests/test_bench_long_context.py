@@ -72,6 +72,9 @@ def test_the_smoke_run_measures_every_row(tmp_path: Path, capsys: pytest.Capture
         assert row["decode_tok_per_s"] > 0 and row["prefill_tok_per_s"] > 0
         assert row["decode_roofline_fraction"] is None  # no GPU here: said, not invented
         assert f"{row['sequences']} x " in row["arithmetic"]
+        # The profiled prefill of the row's prompts: a step at least, its host time, no device figure.
+        split = row["prefill_split"]
+        assert split["steps"] >= 1 and split["host_s"] > 0 and "gpu_busy_s" not in split
     assert rows[0]["decode_bytes_per_step"] > rows[2]["decode_bytes_per_step"]  # longer context, more K/V
     out = capsys.readouterr().out
     assert "| qwen3-0.6b | 96 | 3 |" in out

@@ -24,8 +24,9 @@ the GPU waiting for launches), `busy` split by `KERNEL_CATEGORIES`, and `host` (
 step). Medians over steps, and totals over the decode phase: its wall (first to last decode event),
 busy, idle within windows, and the GPU idle between consecutive windows (the host reading the
 window's tokens, the scheduler, the next window's block tables). The prefill phase: steps, host
-seconds, GPU busy. Printed as a table, written as JSON with `--json`; `--trace FILE` keeps the
-Chrome trace (.json or .json.gz; Perfetto opens it).
+seconds, GPU busy and wall, busy per kernel category and each category's busiest kernels. Printed as a
+table, written as JSON with `--json`; `--trace FILE` keeps the Chrome trace (.json or .json.gz; Perfetto
+opens it).
 
 On the CPU there are no device events: step times are the host spans, the categories stay empty, and
 the CPU ops with the most self time over the whole profiled generate are listed instead.
@@ -199,16 +200,51 @@ def decode_windows(trace: list[dict[str, Any]]) -> list[Window]:
     return [w for w in windows if w.steps]
 
 
-def prefill_figures(trace: list[dict[str, Any]], on_device: bool) -> dict[str, float]:
+def prefill_figures(trace: list[dict[str, Any]], on_device: bool) -> dict[str, Any]:
     """The prefill phase: steps (their reads), host seconds (the union of the reads' and the launches'
-    spans) and, on a device, the union of the device events launched inside them."""
+    spans) and, on a device, of the device events launched inside them: the union of their spans
+    (busy), first start to last end (wall), the union per kernel category, and each category's
+    busiest names ([name, seconds, events])."""
     reads = host_spans(trace, PREFILL)
     spans = reads + host_spans(trace, PREFILL_LAUNCH)
-    figures = {"steps": len(reads), "host_s": round(union_us(spans) / 1e6, 4)}
+    figures: dict[str, Any] = {"steps": len(reads), "host_s": round(union_us(spans) / 1e6, 4)}
     if on_device:
         events = [e for launch, e in launched_events(trace) if any(lo <= launch <= hi for lo, hi in spans)]
         figures["gpu_busy_s"] = round(union_us((e.start, e.end) for e in events) / 1e6, 4)
+        if events:
+            figures["gpu_wall_s"] = round(
+                (max(e.end for e in events) - min(e.start for e in events)) / 1e6, 4
+            )
+            figures["gpu_busy_by_category_s"] = {
+                category: round(us / 1e6, 4) for category, us in busy_by_category(events).items()
+            }
+            figures["top_kernels"] = {
+                category: [[name, round(us / 1e6, 4), count] for name, us, count in rows]
+                for category, rows in busiest_names(events, count=3).items()
+            }
     return figures
+
+
+def busy_by_category(events: Iterable[DeviceEvent]) -> dict[str, float]:
+    """µs per kernel category: the union of its events' spans (categories without an event left out)."""
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for event in events:
+        spans[event.category].append((event.start, event.end))
+    return {category: union_us(spans[category]) for category in sorted(spans)}
+
+
+def busiest_names(events: Iterable[DeviceEvent], count: int) -> dict[str, list[tuple[str, float, int]]]:
+    """Per category, its `count` busiest event names: (name, µs summed, events)."""
+    time_of: dict[tuple[str, str], float] = defaultdict(float)
+    calls: dict[tuple[str, str], int] = defaultdict(int)
+    for event in events:
+        time_of[event.category, event.name] += event.end - event.start
+        calls[event.category, event.name] += 1
+    out: dict[str, list[tuple[str, float, int]]] = defaultdict(list)
+    for (category, name), us in sorted(time_of.items(), key=lambda item: -item[1]):
+        if len(out[category]) < count:
+            out[category].append((name[:120], us, calls[category, name]))
+    return dict(out)
 
 
 # ---------------------------------------------------------------------------------- windows -> figures
@@ -249,16 +285,11 @@ def medians(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def top_names(windows: list[Window], steps: int, count: int = 5) -> dict[str, list[list[Any]]]:
     """Per category: its busiest device event names, [name, µs per step, events per step]."""
-    time_of: dict[tuple[str, str], float] = defaultdict(float)
-    calls: dict[tuple[str, str], int] = defaultdict(int)
-    for event in (e for w in windows for e in w.events()):
-        time_of[event.category, event.name] += event.end - event.start
-        calls[event.category, event.name] += 1
-    out: dict[str, list[list[Any]]] = defaultdict(list)
-    for (category, name), us in sorted(time_of.items(), key=lambda item: -item[1]):
-        if len(out[category]) < count:
-            out[category].append([name[:120], round(us / steps, 1), round(calls[category, name] / steps, 2)])
-    return dict(out)
+    events = (e for w in windows for e in w.events())
+    return {
+        category: [[name, round(us / steps, 1), round(calls / steps, 2)] for name, us, calls in rows]
+        for category, rows in busiest_names(events, count).items()
+    }
 
 
 def decode_figures(windows: list[Window], on_device: bool) -> dict[str, Any]:
