@@ -52,7 +52,9 @@ And where a prefill's time goes: the row's first `PROFILED_PROMPTS` (16) prompts
 the profiler (`prefill_split`: GPU busy and wall, busy per kernel category as bench/tools/decode_profile.py
 sorts them, the busiest kernels), and one prefill step's attention alone (`prefill_kernel`: the prompts a
 step of `--max-num-batched-tokens` holds, under aten's flash kernel, the engine's, and cuDNN's;
-bench/tools/prefill_attention.py) with its TFLOP/s.
+bench/tools/prefill_attention.py) with its TFLOP/s; then the whole prefill again with cuDNN's kernel in the
+engine (`prefill_by_kernel`: `engine_kwargs.native.prefill_attention=cudnn`, `PREFILL_REPEATS` times, each
+generating the first token only), its fraction of the peak and its speed over the flash prefill.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ CONTEXTS = (8192, 16384, 2048)
 # HBM bandwidth (bytes/s) by device name, the more specific names first.
 HBM_BANDWIDTH = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12))
 SWEEP_SPLITS = (1, 2, 4, 8, 16)
+OTHER_PREFILL_KERNELS = ("cudnn",)  # timed beside the engine's default (flash) on CUDA
+PREFILL_REPEATS = 2  # prefill_under's timed prefills
 PROFILED_PROMPTS = 16  # prefill_split's prompts: steps enough for the split, a trace that loads fast
 
 
@@ -188,9 +192,14 @@ def run_row(
     kv = kv_bytes_per_token(shape)
     weights = sum(t.numel() * t.element_size() for t in engine.model.weight_tensors())
     split = prefill_split(engine, prompts[:PROFILED_PROMPTS], device)
+    flops = prefill_flops(shape, sequences, row.context)
+    other_kernels = {
+        k: prefill_under(engine, k, prompts, flops, prefill_s, device) for k in OTHER_PREFILL_KERNELS
+    }
     release(engine, device)
     result = figures(args, row, shape, sequences, weights, kv, prefill_s, decode_s, device)
     result["prefill_split"] = split
+    result["prefill_by_kernel"] = other_kernels  # the CPU runs SDPA under either key: the mechanics only
     if device.type == "cuda":
         result["decode_kernel"] = kernel_sweep(args, row, shape, sequences, device)
         result["prefill_kernel"] = prefill_attention_sweep(
@@ -198,6 +207,41 @@ def run_row(
         )
         torch.cuda.empty_cache()  # the sweeps' caches
     return result
+
+
+def prefill_under(
+    engine: NativeEngine,
+    kernel: str,
+    prompts: list[list[int]],
+    flops: float,
+    flash_s: list[float],
+    device: torch.device,
+) -> dict[str, Any]:
+    """The row's prefill timed again (`PREFILL_REPEATS` times) on the same engine with another prefill
+    attention kernel (`EngineConfig.prefill_attention`); the prompts are dropped once prefilled. Its
+    seconds, TFLOP/s, fraction of the peak and speed over the flash prefill timed before."""
+    engine.config.prefill_attention = kernel
+    seconds: list[float] = []
+    try:
+        for repeat in range(PREFILL_REPEATS):
+            params = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True, seed=repeat)
+            engine.seed_requests(params)
+            for prompt in prompts:
+                engine.add_request(prompt, params)
+            seconds.append(timed(lambda: prefill(engine), device))
+            drain(engine)
+    except Exception as exc:  # a kernel this torch or card refuses: said, the row kept
+        return {"failed": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    finally:
+        engine.config.prefill_attention = "flash"
+    median = statistics.median(seconds)
+    peak = device_peak_flops(device)
+    return {
+        "prefill_s": [round(t, 4) for t in seconds],
+        "tflop_per_s": round(flops / median / 1e12, 1),
+        "peak_fraction": round(flops / median / peak, 3) if peak else None,
+        "over_flash": round(statistics.median(flash_s) / median, 3),
+    }
 
 
 def prefill_split(engine: NativeEngine, prompts: list[list[int]], device: torch.device) -> dict[str, Any]:
@@ -336,19 +380,21 @@ def table(rows: list[dict[str, Any]]) -> str:
 
     lines = [
         "| shape | context | sequences | decode tok/s | decode ms/step | of memory roofline | prefill tok/s "
-        "| prefill TFLOP/s | of bf16 peak | splits chosen / fastest |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| prefill TFLOP/s | of bf16 peak | splits chosen / fastest | prefill, cuDNN over flash |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['shape']} | {r['context']} | {r['skipped']} |||||||")
+            lines.append(f"| {r['shape']} | {r['context']} | {r['skipped']} ||||||||")
             continue
         kernel = r.get("decode_kernel")
         splits = f"{kernel['chosen_splits']} / {kernel['best_splits']}" if kernel else "n/a"
+        other = r.get("prefill_by_kernel", {}).get("cudnn", {})
+        cudnn = f"{other['over_flash']}x" if "over_flash" in other else other.get("failed", "n/a")[:40]
         lines.append(
             f"| {r['shape']} | {r['context']} | {r['sequences']} | {r['decode_tok_per_s']:,} | "
             f"{r['decode_step_ms']} | {pct(r['decode_roofline_fraction'])} | {r['prefill_tok_per_s']:,} | "
-            f"{r['prefill_tflop_per_s']} | {pct(r['prefill_peak_fraction'])} | {splits} |"
+            f"{r['prefill_tflop_per_s']} | {pct(r['prefill_peak_fraction'])} | {splits} | {cudnn} |"
         )
     return "\n".join(lines)
 

@@ -75,6 +75,9 @@ def test_the_smoke_run_measures_every_row(tmp_path: Path, capsys: pytest.Capture
         # The profiled prefill of the row's prompts: a step at least, its host time, no device figure.
         split = row["prefill_split"]
         assert split["steps"] >= 1 and split["host_s"] > 0 and "gpu_busy_s" not in split
+        # The prefill timed again under the cuDNN key (SDPA here, as the CPU has no cuDNN attention).
+        cudnn = row["prefill_by_kernel"]["cudnn"]
+        assert len(cudnn["prefill_s"]) == 2 and cudnn["over_flash"] > 0 and cudnn["peak_fraction"] is None
     assert rows[0]["decode_bytes_per_step"] > rows[2]["decode_bytes_per_step"]  # longer context, more K/V
     out = capsys.readouterr().out
     assert "| qwen3-0.6b | 96 | 3 |" in out

@@ -96,3 +96,56 @@ def test_bf16_logprob_gap_against_the_hf_forward_is_reported():
     gap = logprob_diff(rollout, actor, torch.ones_like(rollout))
     print(f"\nbf16 log-prob gap, native engine vs HF forward: {gap}")
     assert gap["rollout/logprob_diff_mean"] < 0.05
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(14, 2, 64), (16, 8, 128)])
+def test_cudnn_varlen_prefill_attention_equals_flash(heads: int, kv_heads: int, dim: int) -> None:
+    """cuDNN's varlen causal attention (K/V heads repeated for their groups) = aten's flash kernel on
+    packed sequences of mixed lengths, at Qwen2.5-0.5B's and Qwen3-0.6B's heads, in bf16."""
+    from fulcrum.models.packed_attention import (
+        cudnn_varlen_causal_attention,
+        has_cudnn_varlen,
+        varlen_causal_attention,
+    )
+
+    lengths = [1, 37, 300, 1024, 2048]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    n = sum(lengths)
+    q = torch.randn(n, heads, dim, device=CUDA, generator=generator).bfloat16()
+    k = torch.randn(n, kv_heads, dim, device=CUDA, generator=generator).bfloat16()
+    v = torch.randn(n, kv_heads, dim, device=CUDA, generator=generator).bfloat16()
+    assert has_cudnn_varlen(q)
+    expected = varlen_causal_attention(q, k, v, cu, max(lengths), dim**-0.5)
+    got = cudnn_varlen_causal_attention(q, k, v, cu, max(lengths), dim**-0.5)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_engine_prefills_fresh_prompts_through_cudnn_and_continued_chunks_through_flash(monkeypatch):
+    """prefill_attention=cudnn: a step of fresh prompts runs cuDNN's kernel, a chunk over a cached
+    context flash's, and the first tokens' bf16 log-probs stay within the kernels' rounding of flash's."""
+    from fulcrum.rollout.native import attention
+
+    calls = Counter()
+    real = attention.cudnn_varlen_causal_attention
+
+    def counted(*args, **kwargs):
+        calls["cudnn"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "cudnn_varlen_causal_attention", counted)
+    model = random_causal_lm("qwen2", init_std=0.2).to(CUDA)
+    prompts = prompts_of([9, 300, 700, 64])  # 700 > 512 tokens a step: its second chunk has a cached context
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    first = {}
+    for kernel in ("flash", "cudnn"):
+        config = EngineConfig(
+            max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024, prefill_attention=kernel
+        )
+        first[kernel] = NativeEngine(model, [EOS], 0, config, CUDA).generate(prompts, params)
+        if kernel == "flash":
+            assert calls["cudnn"] == 0
+    layers = model.config.num_hidden_layers
+    assert calls["cudnn"] > 0 and calls["cudnn"] % layers == 0
+    for ours, theirs in zip(first["cudnn"].logprobs, first["flash"].logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=5e-2, rtol=0)

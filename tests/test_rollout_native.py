@@ -274,6 +274,35 @@ def test_engine_config_reads_verl_keys_and_our_engine_kwargs():
         engine_config_from(rollout, model_max_len=4096)
 
 
+def test_the_prefill_attention_key_is_read_and_a_wrong_value_named() -> None:
+    """engine_kwargs.native.prefill_attention: flash by default, cudnn when asked, anything else refused
+    naming the key and the values it takes."""
+    from fulcrum.config import load_config
+    from fulcrum.rollout.native.config import engine_config_from
+
+    key = "+actor_rollout_ref.rollout.engine_kwargs.native.prefill_attention"
+    assert engine_config_from(load_config([]).actor_rollout_ref.rollout, 4096).prefill_attention == "flash"
+    rollout = load_config([f"{key}=cudnn"]).actor_rollout_ref.rollout
+    assert engine_config_from(rollout, 4096).prefill_attention == "cudnn"
+    with pytest.raises(
+        ValueError, match=r"native\.prefill_attention: expected one of flash, cudnn, got 'fa3'"
+    ):
+        engine_config_from(load_config([f"{key}=fa3"]).actor_rollout_ref.rollout, 4096)
+
+
+def test_cudnn_prefill_on_the_cpu_generates_as_flash_does() -> None:
+    """The CPU has no cuDNN attention: the key leaves its SDPA prefill as it is, token for token."""
+    model = random_causal_lm("qwen2", init_std=0.2)
+    prompts = [[5, 9, 13, 2, 7], [3] * 40, [11, 4]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = {}
+    for kernel in ("flash", "cudnn"):
+        config = EngineConfig(max_num_seqs=4, max_model_len=64, num_kv_blocks=32, prefill_attention=kernel)
+        outputs[kernel] = NativeEngine(model, [1], 0, config, CPU).generate(prompts, params)
+    assert outputs["cudnn"].token_ids == outputs["flash"].token_ids
+    assert outputs["cudnn"].logprobs == outputs["flash"].logprobs
+
+
 def test_the_triton_kernels_key_picks_the_engine_kernels(monkeypatch: pytest.MonkeyPatch):
     """engine_kwargs.native.triton_kernels: null runs Triton on CUDA only (the CPU has torch ops), false
     never, true also on the CPU under Triton's interpreter, and is refused, naming the key, where

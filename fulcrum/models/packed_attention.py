@@ -27,6 +27,8 @@ except ImportError:  # pragma: no cover - older torch: CUDA packing falls back t
     _VARLEN_PARAMS = frozenset()
 # aten's flash kernel with its own derivative (varlen when given cumulative sequence offsets).
 _ATEN_FLASH = getattr(torch.ops.aten, "_flash_attention_forward", None)
+# aten's cuDNN fused attention (varlen when given cumulative sequence offsets); the engine's prefill only.
+_ATEN_CUDNN = getattr(torch.ops.aten, "_cudnn_attention_forward", None)
 
 
 def packed_attention(
@@ -154,3 +156,40 @@ def varlen_causal_attention(
     if "enable_gqa" in _VARLEN_PARAMS:
         kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
     return varlen_attn(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, **kwargs)
+
+
+def has_cudnn_varlen(x: torch.Tensor) -> bool:
+    """Whether `cudnn_varlen_causal_attention` can run on `x`: a CUDA tensor of a half-precision dtype,
+    with aten's cuDNN attention in this torch and cuDNN present."""
+    return (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and _ATEN_CUDNN is not None
+        and torch.backends.cudnn.is_available()
+    )
+
+
+def cudnn_varlen_causal_attention(
+    q: torch.Tensor,  # (N, Hq, D)
+    k: torch.Tensor,  # (N, Hkv, D)
+    v: torch.Tensor,  # (N, Hkv, D)
+    cu_seqlens: torch.Tensor,  # (S + 1,) int32
+    max_seqlen: int,
+    scale: float | None,
+) -> torch.Tensor:
+    """cuDNN's fused attention in its varlen form, causal, forward only: (N, Hq, D), where each
+    sequence's queries are all of its keys (a prefill with no cached context, no window).
+
+    The call `torch.nn.attention.varlen` makes on its cuDNN path. That op takes no grouped-query heads,
+    so each K/V head is first repeated for the query heads of its group (query head h reads K/V head
+    h // (Hq / Hkv), as the flash kernel groups them)."""
+    heads = q.shape[1]
+    if k.shape[1] != heads:
+        group = heads // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    assert _ATEN_CUDNN is not None
+    out = _ATEN_CUDNN(
+        q, k, v, None, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, False, 0.0, True, False, scale=scale
+    )
+    return out[0]

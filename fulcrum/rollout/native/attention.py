@@ -2,8 +2,9 @@
 (packed, causal) or decode (paged).
 
 The CUDA path uses aten's flash kernel in its varlen form for prefill (the training passes' call,
-`fulcrum.models.packed_attention.varlen_causal_attention`) and the Triton paged kernel for decode; the CPU
-path (and any dtype FlashAttention does not take) uses SDPA.
+`fulcrum.models.packed_attention.varlen_causal_attention`), or cuDNN's for a step of fresh prompts with
+`prefill_attention="cudnn"`, and the Triton paged kernel for decode; the CPU path (and any dtype
+FlashAttention does not take) uses SDPA.
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ from typing import Any
 
 import torch
 
-from fulcrum.models.packed_attention import has_flash_varlen, varlen_causal_attention
+from fulcrum.models.packed_attention import (
+    cudnn_varlen_causal_attention,
+    has_cudnn_varlen,
+    has_flash_varlen,
+    varlen_causal_attention,
+)
 from fulcrum.rollout.native import ops
 
 
@@ -30,6 +36,7 @@ class AttentionMetadata:
     q_lens: list[int] | None = None
     k_lens: list[int] | None = None
     context_slots: torch.Tensor | None = None  # (sum k_lens,) slots of the whole context, when any is cached
+    prefill_kernel: str = "flash"  # EngineConfig.prefill_attention
     # decode
     block_tables: torch.Tensor | None = None  # (B, max_blocks) int32
     context_lens: torch.Tensor | None = None  # (B,) int32, the current token included
@@ -129,6 +136,9 @@ def paged_attention(
             scale,
             window,
         )
+    fresh = meta.context_slots is None  # every sequence's queries are all of its keys
+    if meta.prefill_kernel == "cudnn" and fresh and window is None and has_cudnn_varlen(q):
+        return cudnn_varlen_causal_attention(q, k, v, meta.cu_seqlens_q, max(meta.q_lens), scale)
     if meta.context_slots is not None:  # part of the context is already cached: read it all back
         k = k_cache.index_select(0, meta.context_slots)
         v = v_cache.index_select(0, meta.context_slots)

@@ -18,6 +18,7 @@ from fulcrum.rollout.native.block_manager import blocks_for
 _DTYPES = dict(bfloat16=torch.bfloat16, bf16=torch.bfloat16, float16=torch.float16, fp16=torch.float16)
 _DTYPES |= dict(float32=torch.float32, fp32=torch.float32)
 SCHEMA = RolloutConfig()  # the defaults of verl's keys, for benchmarks and tests that build EngineConfig
+PREFILL_ATTENTION = ("flash", "cudnn")  # engine_kwargs.native.prefill_attention's values
 
 
 def native(default: Any) -> Any:
@@ -61,6 +62,10 @@ class EngineConfig:
     # None: on CUDA, off on the CPU; True: also on the CPU under Triton's interpreter (TRITON_INTERPRET=1,
     # for tests), refused where Triton cannot run; False: torch ops everywhere (the reference path).
     triton_kernels: bool | None = native(None)
+    # The prefill's attention kernel on CUDA: "flash" (aten's FlashAttention-2 varlen forward) or "cudnn"
+    # (aten's cuDNN fused attention, for a step whose prompts start at their first token; a step over a
+    # cached context, a sliding-window layer and the CPU keep flash / SDPA). bench/long_context.py times both.
+    prefill_attention: str = native("flash")
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1, f"rollout.max_num_seqs must be >= 1, got {self.max_num_seqs}"
@@ -72,6 +77,11 @@ class EngineConfig:
         )
         if self.num_kv_blocks is not None:
             assert self.num_kv_blocks >= 2, "engine_kwargs.native.num_kv_blocks must be >= 2 (one is scratch)"
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(
+                "actor_rollout_ref.rollout.engine_kwargs.native.prefill_attention: expected one of "
+                f"{', '.join(PREFILL_ATTENTION)}, got {self.prefill_attention!r}"
+            )
         if self.triton_kernels not in (None, True, False):
             raise ValueError(
                 "actor_rollout_ref.rollout.engine_kwargs.native.triton_kernels: expected true, false or null, "

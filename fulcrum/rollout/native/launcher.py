@@ -123,6 +123,7 @@ class Launcher:
     def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
         self.model = runner.model
         self.runner = runner
+        self.config = config
         self.device = runner.device
         max_bs = config.max_num_seqs
         # One output buffer per window in flight: the next window writes one while the host reads the
@@ -189,6 +190,7 @@ class Launcher:
             q_lens=q_lens,
             k_lens=k_lens,
             context_slots=context_slots,
+            prefill_kernel=self.config.prefill_attention,
         )
         if self.runner.states is not None:
             meta.state_slots = host_to_device(torch.tensor([s.state_slot for s in work.seqs]), dev)
