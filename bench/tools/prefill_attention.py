@@ -8,9 +8,9 @@ That call, alone, at each shape's heads and head dim, under:
 
 - `flash`: aten's FlashAttention-2 varlen forward, the engine's call (`varlen_causal_attention`); the
   kernel reads grouped K/V heads itself.
-- `cudnn`: aten's cuDNN varlen forward (`_cudnn_attention_forward` with cumulative lengths, the call
-  `torch.nn.attention.varlen` makes on its cuDNN path); it takes no grouped heads, so K/V are repeated to
-  the query heads first, and the repeat is timed with it.
+- `cudnn`: aten's cuDNN varlen forward, the engine's call with `engine_kwargs.native.prefill_attention=cudnn`
+  (`cudnn_varlen_causal_attention`: `_cudnn_attention_forward` with cumulative lengths); it takes no
+  grouped heads, so K/V are repeated to the query heads first, and the repeat is timed with it.
 - `cudnn_dense`: SDPA under its cuDNN backend on the (prompts, heads, context, head dim) batch, the form
   equal-length prompts allow, K/V repeated likewise.
 
@@ -39,7 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_sweep import time_call
 from shapes import shape_of
 
-from fulcrum.models.packed_attention import has_flash_varlen, varlen_causal_attention
+from fulcrum.models.packed_attention import (
+    cudnn_varlen_causal_attention,
+    has_flash_varlen,
+    varlen_causal_attention,
+)
 
 SHAPES = ("qwen3-0.6b", "qwen2.5-0.5b")
 CONTEXTS = (8192, 16384, 2048)
@@ -69,11 +73,7 @@ def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, c
 
 
 def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, c: int, scale: float):
-    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
-    out = torch.ops.aten._cudnn_attention_forward(
-        q, k, v, None, cu, cu, c, c, False, 0.0, True, False, scale=scale
-    )
-    return out[0]
+    return cudnn_varlen_causal_attention(q, k, v, cu, c, scale)
 
 
 def cudnn_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, c: int, scale: float):
