@@ -4,6 +4,7 @@ seed's final command and GRPO with verl's GSM8K example, each for a fixed wall-c
     python bench/seed_real.py run ppo  --model DIR --data DIR --seed 1 --budget-s 540 --work /tmp/w --out $OUT
     python bench/seed_real.py run grpo --model DIR --data DIR --seed 1 --budget-s 540 --work /tmp/w --out $OUT
     python bench/seed_real.py run original --model DIR ...   # the seed's starting configuration (its table)
+    python bench/seed_real.py run grpo-per-gpu --model DIR ...  # verl's example at one GPU's share of its batch
     python bench/seed_real.py summarise RUN_DIR [RUN_DIR ...]  # the curves and the table from finished runs
     python bench/seed_real.py commands --model DIR --data DIR   # print the fulcrum train command lines
     python bench/seed_real.py eval ppo --model DIR --data DIR --out DIR  # `fulcrum eval` with the run's keys
@@ -115,7 +116,29 @@ def verl_grpo_example(model: Path, data: Path) -> list[str]:
     ]
 
 
-COMMANDS = {"ppo": seed_final, "original": seed_original, "grpo": verl_grpo_example}
+VERL_EXAMPLE_GPUS = 8  # run_qwen2-7b.sh's trainer.n_gpus_per_node
+
+
+def verl_grpo_example_per_gpu(model: Path, data: Path) -> list[str]:
+    """verl's GSM8K GRPO example at one GPU's share of its 8-GPU batch: `data.train_batch_size` and
+    `actor.ppo_mini_batch_size` are global in verl (a rank takes 1/8 of each: 128 prompts a step, 32 a
+    mini-batch), the micro-batches per GPU already; every other key as written. One GPU does what each of
+    the example's eight does a step, with the same 4 optimiser steps a step, but each of them averages the
+    gradient over 32 prompts, not 256."""
+    keys = dict(o.split("=", 1) for o in verl_grpo_example(model, data))
+    share = {
+        key: str(int(keys[key]) // VERL_EXAMPLE_GPUS)
+        for key in ("data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size")
+    }
+    return replace_keys(verl_grpo_example(model, data), share)
+
+
+COMMANDS = {
+    "ppo": seed_final,
+    "original": seed_original,
+    "grpo": verl_grpo_example,
+    "grpo-per-gpu": verl_grpo_example_per_gpu,
+}
 
 
 def replace_keys(overrides: list[str], changed: dict[str, str]) -> list[str]:

@@ -21,7 +21,7 @@ def keys_of(overrides: list[str]) -> dict[str, str]:
     return dict(pairs)
 
 
-@pytest.mark.parametrize("name", ["ppo", "original", "grpo"])
+@pytest.mark.parametrize("name", ["ppo", "original", "grpo", "grpo-per-gpu"])
 def test_each_run_is_its_command_on_one_gpu_with_the_budget(name: str, tmp_path: Path) -> None:
     keys = keys_of(run_overrides(name, Path("M"), Path("D"), 3, 540, tmp_path / "run"))
     assert keys["trainer.n_gpus_per_node"] == "1"
@@ -38,6 +38,20 @@ def test_each_run_is_its_command_on_one_gpu_with_the_budget(name: str, tmp_path:
         assert keys["algorithm.kl_ctrl.target_kl"] == "0.1"
     if name == "grpo":
         assert (keys["algorithm.adv_estimator"], keys["actor_rollout_ref.rollout.n"]) == ("grpo", "5")
+        assert (keys["data.train_batch_size"], keys["actor_rollout_ref.actor.ppo_mini_batch_size"]) == (
+            "1024",
+            "256",
+        )
+    if (
+        name == "grpo-per-gpu"
+    ):  # one of the example's 8 GPUs: its share of the global batch, all else as written
+        whole = keys_of(run_overrides("grpo", Path("M"), Path("D"), 3, 540, tmp_path / "run"))
+        assert (keys["data.train_batch_size"], keys["actor_rollout_ref.actor.ppo_mini_batch_size"]) == (
+            "128",
+            "32",
+        )
+        changed = {k for k in whole if whole[k] != keys.get(k)}
+        assert changed == {"data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"}
 
 
 def answer(text: str, truth: str, finished: bool = True) -> dict[str, object]:
