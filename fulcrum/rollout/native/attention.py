@@ -139,7 +139,7 @@ def paged_attention(
     fresh = meta.context_slots is None  # every sequence's queries are all of its keys
     if meta.prefill_kernel == "cudnn" and fresh and window is None and has_cudnn_varlen(q):
         return cudnn_varlen_causal_attention(q, k, v, meta.cu_seqlens_q, max(meta.q_lens), scale)
-    if meta.context_slots is not None:  # part of the context is already cached: read it all back
+    if not fresh:  # part of the context is already cached: read it all back
         k = k_cache.index_select(0, meta.context_slots)
         v = v_cache.index_select(0, meta.context_slots)
     if has_flash_varlen(q):  # a step's new tokens are the last of each sequence's keys
