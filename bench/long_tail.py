@@ -15,7 +15,10 @@ arithmetic questions (fulcrum.data.synthetic); every reward is 0: this measures 
 Micro-batches are cut by tokens (`use_dynamic_bsz`, `--micro-tokens` 32,768 a micro-batch in every pass):
 a fixed 32 sequences of up to 8k tokens would make a micro-batch of a quarter of a million tokens. The
 modes share `--deadline-s` (480): each run gets `trainer.wall_clock_budget_s` = what is left of it over the
-modes left, so the call ends in time whatever a step costs, and `--steps` is an upper bound.
+modes left, so the call ends in time whatever a step costs, and `--steps` is an upper bound. Where one
+call cannot hold two warm steps of each mode, `--modes sync` and then `--modes partial` run them in two
+calls on one machine (the same `--out`): each mode's figures are kept there (`sync.json`,
+`partial.json`), and the call that completes the pair prints and writes the comparison.
 
 Per mode, over the steps after the first (the first compiles, and under partial rollouts it also puts the
 warm-up batches in flight): the median step time, the response tokens trained per second
@@ -49,6 +52,7 @@ from train_step import GRPO_STEP, make_model, seed_command
 from fulcrum.data.synthetic import ArithmeticTask, make_rows, write_parquet
 from fulcrum.trainer.main_ppo import main as train
 
+MODES = ("sync", "partial")
 PARTIAL = [
     "trainer.use_v1=True",
     "trainer.v1.trainer_mode=colocate_async",
@@ -252,8 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--deadline-s", type=float, default=480.0, help="both runs end within this")
     parser.add_argument("--json", type=Path, help="write the summary here")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="the runs of this call, in order (sync, partial or both)"
+    )
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE trainer overrides for both runs")
     args = parser.parse_args(argv)
+    if set(args.modes.split(",")) - set(MODES) or not args.modes:
+        parser.error(f"--modes: a comma-separated list of {', '.join(MODES)}, got {args.modes!r}")
     if args.smoke:
         args.median, args.cap, args.steps = min(args.median, 12), min(args.cap, 32), min(args.steps, 3)
         torch.set_num_threads(1)
@@ -263,8 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = 64 if args.smoke else 64 * (args.steps + 4)  # every step's batch, the warm-up batches and spare
     data = write_data(args.out / "data", rows, args.median, args.sigma, args.cap, args.seed)
     model = make_model(args.out / "model", shape="qwen3-0.6b", tiny=args.smoke)
-    sync = run_mode(args, data, model, partial=False, budget_s=share_of_deadline(args, started, 2))
-    partial = run_mode(args, data, model, partial=True, budget_s=share_of_deadline(args, started, 1))
+    modes = args.modes.split(",")
+    for i, mode in enumerate(modes):
+        budget_s = share_of_deadline(args, started, len(modes) - i)
+        result = run_mode(args, data, model, partial=mode == "partial", budget_s=budget_s)
+        (args.out / f"{mode}.json").write_text(json.dumps(result, indent=2))
+    done = {mode: args.out / f"{mode}.json" for mode in MODES}
+    if not all(path.exists() for path in done.values()):
+        print(f"{', '.join(modes)} measured; the comparison once both modes are in {args.out}")
+        return 0
+    sync, partial = (json.loads(done[mode].read_text()) for mode in MODES)
     summary = {
         "budgets": {
             "distribution": "log-normal",

@@ -50,3 +50,20 @@ def test_the_runs_share_what_is_left_of_the_deadline() -> None:
     assert share_of_deadline(args, now, 2) == pytest.approx(240, abs=1)
     assert share_of_deadline(args, now - 300, 1) == pytest.approx(180, abs=1)  # the first run took 300 s
     assert share_of_deadline(args, now - 470, 1) == 60  # a minute at least: one step, then the run ends
+
+
+def test_the_modes_can_run_in_two_calls_over_one_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--modes sync` keeps its figures and compares nothing; `--modes partial` over the same folder then
+    writes the comparison of both, as one call running both would."""
+    out, summary_path = tmp_path / "out", tmp_path / "summary.json"
+    assert main(["--smoke", "--out", str(out), "--modes", "sync", "--json", str(summary_path)]) == 0
+    assert (out / "sync.json").exists() and not summary_path.exists()
+    assert "the comparison once both modes are in" in capsys.readouterr().out
+    assert main(["--smoke", "--out", str(out), "--modes", "partial", "--json", str(summary_path)]) == 0
+    summary = json.loads(summary_path.read_text())
+    assert summary["sync"] == json.loads((out / "sync.json").read_text())
+    assert summary["sync"]["carried_token_share"] == 0 and summary["partial"]["carried_token_share"] > 0
+    with pytest.raises(SystemExit):
+        main(["--smoke", "--out", str(out), "--modes", "async"])
