@@ -18,7 +18,15 @@ import functools
 
 import pytest
 import torch
-from arch_checks import EOS, GATED_DELTANET_SHAPE, arch_model, engine_config, prompts_of, require_model_type
+from arch_checks import (
+    EOS,
+    GATED_DELTANET_SHAPE,
+    arch_model,
+    check_bf16_gap_on_gpu,
+    engine_config,
+    prompts_of,
+    require_model_type,
+)
 from helpers import log_probs_of
 
 from fulcrum.models import gated_delta
@@ -303,3 +311,10 @@ def test_graphed_decode_equals_eager_decode_through_held_turns_and_a_sleep(
         dropped, captured = runs[eager].pop("dropped"), runs[eager].pop("captured")
         assert (dropped and captured) == graphed
     assert runs[False] == runs[True]
+
+
+@pytest.mark.parametrize(("arch", "shape"), [("qwen3_5_text", SHAPE), ("qwen3_next", NEXT_SHAPE)])
+def test_bf16_gap_on_gpu(arch: str, shape: dict) -> None:
+    """The hybrids' rollout-against-training gap in bf16 (fla's kernels in the engine and in HF's forward),
+    held to the dense families' bound and printed."""
+    check_bf16_gap_on_gpu(arch, shape)
