@@ -277,7 +277,7 @@ def check_bf16_gap_on_gpu(arch: str, shape: dict[str, Any]) -> None:
     HF's bf16 forward is (within 1.5x + 0.002), and mean |engine - HF bf16 forward| <= 0.02 or 1.5x HF
     bf16's own gap to float32, whichever is larger: two bf16 forwards whose rounding errors are of one
     size and independent differ by about √2 times that size (a mixture of experts' routing makes the
-    size larger than a dense model's). The gaps are printed (`pytest -s` reports them)."""
+    size larger than a dense model's). The gaps are printed (`pytest -rP` reports them, under xdist too)."""
     gaps = bf16_gaps(arch, shape, torch.device("cuda"))
     print(f"bf16 log-prob gaps, {arch}: " + ", ".join(f"{name} {gap:.4f}" for name, gap in gaps.items()))
     assert gaps["engine_vs_hf_bf16"] <= max(0.02, 1.5 * gaps["hf_bf16_vs_fp32"]), gaps
