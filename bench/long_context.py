@@ -220,7 +220,7 @@ def prefill_under(
     """The row's prefill timed again (`PREFILL_REPEATS` times) on the same engine with another prefill
     attention kernel (`EngineConfig.prefill_attention`); the prompts are dropped once prefilled. Its
     seconds, TFLOP/s, fraction of the peak and speed over the flash prefill timed before."""
-    engine.config.prefill_attention = kernel
+    own, engine.config.prefill_attention = engine.config.prefill_attention, kernel
     seconds: list[float] = []
     try:
         for repeat in range(PREFILL_REPEATS):
@@ -233,7 +233,7 @@ def prefill_under(
     except Exception as exc:  # a kernel this torch or card refuses: said, the row kept
         return {"failed": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
     finally:
-        engine.config.prefill_attention = "flash"
+        engine.config.prefill_attention = own
     median = statistics.median(seconds)
     peak = device_peak_flops(device)
     return {

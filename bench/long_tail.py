@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE trainer overrides for both runs")
     args = parser.parse_args(argv)
-    if set(args.modes.split(",")) - set(MODES) or not args.modes:
+    if set(args.modes.split(",")) - set(MODES):
         parser.error(f"--modes: a comma-separated list of {', '.join(MODES)}, got {args.modes!r}")
     if args.smoke:
         args.median, args.cap, args.steps = min(args.median, 12), min(args.cap, 32), min(args.steps, 3)

@@ -125,12 +125,13 @@ def verl_grpo_example_per_gpu(model: Path, data: Path) -> list[str]:
     mini-batch), the micro-batches per GPU already; every other key as written. One GPU does what each of
     the example's eight does a step, with the same 4 optimiser steps a step, but each of them averages the
     gradient over 32 prompts, not 256."""
-    keys = dict(o.split("=", 1) for o in verl_grpo_example(model, data))
+    example = verl_grpo_example(model, data)
+    keys = dict(o.split("=", 1) for o in example)
     share = {
         key: str(int(keys[key]) // VERL_EXAMPLE_GPUS)
         for key in ("data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size")
     }
-    return replace_keys(verl_grpo_example(model, data), share)
+    return replace_keys(example, share)
 
 
 COMMANDS = {

@@ -1,5 +1,6 @@
 """bench/tools/prefill_attention.py: the FLOPs it divides by, the prompts a prefill step holds, the K/V
-heads it repeats for the kernels that take no grouped heads, and its refusal without a CUDA device."""
+heads repeated for the kernels that take no grouped heads (fulcrum.models.packed_attention), and its
+refusal without a CUDA device."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "tools"))
-from prefill_attention import attention_flops, main, prompts_a_step, repeat_kv
+from prefill_attention import attention_flops, main, prompts_a_step
+
+from fulcrum.models.packed_attention import repeat_kv_heads
 
 
 def test_causal_attention_flops_are_half_of_two_square_products() -> None:
@@ -26,13 +29,13 @@ def test_a_step_of_16k_tokens_holds_two_8k_prompts_and_at_least_one() -> None:
 
 def test_each_kv_head_serves_the_query_heads_of_its_group() -> None:
     k = torch.randn(5, 2, 8)
-    repeated = repeat_kv(k, 6)
+    repeated = repeat_kv_heads(k, 6)
     assert repeated.shape == (5, 6, 8)
     for head in range(
         6
     ):  # query heads 0-2 read K/V head 0, heads 3-5 head 1, as the flash kernel groups them
         assert torch.equal(repeated[:, head], k[:, head // 3])
-    assert repeat_kv(k, 2) is k
+    assert repeat_kv_heads(k, 2) is k
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without CUDA gets")

@@ -42,6 +42,7 @@ from shapes import shape_of
 from fulcrum.models.packed_attention import (
     cudnn_varlen_causal_attention,
     has_flash_varlen,
+    repeat_kv_heads,
     varlen_causal_attention,
 )
 
@@ -63,33 +64,24 @@ def prompts_a_step(context: int, step_tokens: int = STEP_TOKENS) -> int:
     return max(1, step_tokens // context)
 
 
-def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """(N, Hkv, D) -> (N, heads, D): each K/V head repeated for the query heads of its group."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, c: int, scale: float):
-    return varlen_causal_attention(q, k, v, cu, c, scale)
-
-
-def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, c: int, scale: float):
-    return cudnn_varlen_causal_attention(q, k, v, cu, c, scale)
-
-
 def cudnn_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, c: int, scale: float):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     tokens, heads, dim = q.shape
 
     def batch(x: torch.Tensor) -> torch.Tensor:  # (P·c, H, D) -> (P, H, c, D), a view
-        return repeat_kv(x, heads).view(tokens // c, c, heads, dim).transpose(1, 2)
+        return repeat_kv_heads(x, heads).view(tokens // c, c, heads, dim).transpose(1, 2)
 
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), is_causal=True, scale=scale)
     return out.transpose(1, 2).reshape(tokens, heads, dim)
 
 
-BACKENDS: dict[str, Attend] = {"flash": flash, "cudnn": cudnn, "cudnn_dense": cudnn_dense}
+BACKENDS: dict[str, Attend] = {
+    "flash": varlen_causal_attention,
+    "cudnn": cudnn_varlen_causal_attention,
+    "cudnn_dense": cudnn_dense,
+}
 
 
 def step_inputs(

@@ -169,6 +169,12 @@ def has_cudnn_varlen(x: torch.Tensor) -> bool:
     )
 
 
+def repeat_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(N, Hkv, D) -> (N, heads, D): each K/V head repeated for the query heads of its group (query head h
+    reads K/V head h // (heads / Hkv), as the flash kernel groups them); `x` itself when already whole."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
 def cudnn_varlen_causal_attention(
     q: torch.Tensor,  # (N, Hq, D)
     k: torch.Tensor,  # (N, Hkv, D)
@@ -181,12 +187,8 @@ def cudnn_varlen_causal_attention(
     sequence's queries are all of its keys (a prefill with no cached context, no window).
 
     The call `torch.nn.attention.varlen` makes on its cuDNN path. That op takes no grouped-query heads,
-    so each K/V head is first repeated for the query heads of its group (query head h reads K/V head
-    h // (Hq / Hkv), as the flash kernel groups them)."""
-    heads = q.shape[1]
-    if k.shape[1] != heads:
-        group = heads // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    so each K/V head is first repeated for the query heads of its group (`repeat_kv_heads`)."""
+    k, v = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     assert _ATEN_CUDNN is not None
     out = _ATEN_CUDNN(
