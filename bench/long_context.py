@@ -51,9 +51,9 @@ bytes read per second, to show whether the split count the engine picks is the f
 And where a prefill's time goes: the row's first `PROFILED_PROMPTS` (16) prompts prefilled once more under
 the profiler (`prefill_split`: GPU busy and wall, busy per kernel category as bench/tools/decode_profile.py
 sorts them, the busiest kernels), and one prefill step's attention alone (`prefill_kernel`: the prompts a
-step of `--max-num-batched-tokens` holds, under aten's flash kernel, the engine's, and cuDNN's;
-bench/tools/prefill_attention.py) with its TFLOP/s; then the whole prefill again with cuDNN's kernel in the
-engine (`prefill_by_kernel`: `engine_kwargs.native.prefill_attention=cudnn`, `PREFILL_REPEATS` times, each
+step of `--max-num-batched-tokens` holds, under aten's flash kernel and SDPA's cuDNN backend, K/V heads
+repeated or grouped; bench/tools/prefill_attention.py) with its TFLOP/s; then the whole prefill again with
+cuDNN's kernel in the engine (`prefill_by_kernel`: `engine_kwargs.native.prefill_attention=cudnn`, `PREFILL_REPEATS` times, each
 generating the first token only), its fraction of the peak and its speed over the flash prefill.
 """
 

@@ -18,7 +18,11 @@ from fulcrum.models import precision
 from fulcrum.models.linear_logprob import linear_log_softmax
 from fulcrum.models.load import load_backbone, load_causal_lm
 from fulcrum.models.packed import enable_packed_attention, pack_micro_batch
-from fulcrum.models.packed_attention import right_padded_causal_attention
+from fulcrum.models.packed_attention import (
+    cudnn_bucket,
+    cudnn_causal_attention,
+    right_padded_causal_attention,
+)
 from fulcrum.models.precision import ComputeWeights
 from fulcrum.models.value_head import CriticModel
 from fulcrum.rollout.testing import random_causal_lm
@@ -352,6 +356,36 @@ def test_right_padded_attention_equals_one_sdpa_per_sequence() -> None:
     assert torch.allclose(outs[0], outs[1], atol=1e-6)
     for want, got in zip(grads_[0], grads_[1], strict=True):
         assert torch.allclose(want, got, atol=1e-5)
+
+
+@pytest.mark.parametrize("native_gqa", [False, True])
+def test_bucketed_dense_attention_equals_one_sdpa_per_sequence(native_gqa: bool) -> None:
+    """The cuDNN prefill's grouping, run under SDPA's math kernel on the CPU: prompts batched by padded
+    length (two equal consecutive ones read as a view, the others zero-padded copies, one alone in its
+    bucket) give each prompt's own causal attention, grouped-query heads repeated or handed over."""
+    from torch.nn.attention import SDPBackend
+
+    lengths = [70, 64, 64, 3, 130, 65]  # buckets 128, 64, 64, 64, 192, 128
+    assert [cudnn_bucket(n) for n in lengths] == [128, 64, 64, 64, 192, 128]
+    g = torch.Generator().manual_seed(0)
+    n = sum(lengths)
+    q, k, v = (torch.randn(n, h, 8, generator=g) for h in (6, 2, 2))
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    want = per_sequence_causal_attention(q, k, v, cu, 0.3)
+    got = cudnn_causal_attention(q, k, v, lengths, 0.3, native_gqa=native_gqa, backend=SDPBackend.MATH)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_cudnn_buckets_hold_each_length_within_a_sixteenth_of_an_octave() -> None:
+    """Every length runs at a bucket no shorter than itself and at most max(64, 2^(⌊log2 n⌋ − 4)) − 1
+    tokens longer (≤ 13 % more causal FLOPs from 1,024 tokens up), sixteen buckets an octave."""
+    for n in range(1, 40_000, 7):
+        bucket = cudnn_bucket(n)
+        assert n <= bucket < n + max(64, 2 ** (n.bit_length() - 5))
+        if n >= 1024:
+            assert (bucket / n) ** 2 - 1 <= 0.13
+    assert len({cudnn_bucket(n) for n in range(8193, 16385)}) == 16  # 8,704 … 16,384
+    assert cudnn_bucket(8192) == 8192 and cudnn_bucket(8193) == 8704
 
 
 def test_the_cpp_wrapper_only_where_it_compiles(monkeypatch: pytest.MonkeyPatch) -> None:

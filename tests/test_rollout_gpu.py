@@ -98,26 +98,28 @@ def test_bf16_logprob_gap_against_the_hf_forward_is_reported():
     assert gap["rollout/logprob_diff_mean"] < 0.05
 
 
+@pytest.mark.parametrize("native_gqa", [False, True])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(14, 2, 64), (16, 8, 128)])
-def test_cudnn_varlen_prefill_attention_equals_flash(heads: int, kv_heads: int, dim: int) -> None:
-    """cuDNN's varlen causal attention (K/V heads repeated for their groups) = aten's flash kernel on
-    packed sequences of mixed lengths, at Qwen2.5-0.5B's and Qwen3-0.6B's heads, in bf16."""
+def test_cudnn_prefill_attention_equals_flash(heads: int, kv_heads: int, dim: int, native_gqa: bool) -> None:
+    """The cuDNN prefill (dense batches by padded length) = aten's flash kernel on packed prompts of mixed
+    lengths (two equal consecutive ones batched as a view), at Qwen2.5-0.5B's and Qwen3-0.6B's heads, in
+    bf16, with K/V heads repeated for their groups and handed to cuDNN grouped."""
     from fulcrum.models.packed_attention import (
-        cudnn_varlen_causal_attention,
-        has_cudnn_varlen,
+        cudnn_causal_attention,
+        has_cudnn_attention,
         varlen_causal_attention,
     )
 
-    lengths = [1, 37, 300, 1024, 2048]
+    lengths = [1, 37, 300, 1024, 1024, 2048, 2100]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
     generator = torch.Generator(device=CUDA).manual_seed(0)
     n = sum(lengths)
     q = torch.randn(n, heads, dim, device=CUDA, generator=generator).bfloat16()
     k = torch.randn(n, kv_heads, dim, device=CUDA, generator=generator).bfloat16()
     v = torch.randn(n, kv_heads, dim, device=CUDA, generator=generator).bfloat16()
-    assert has_cudnn_varlen(q)
+    assert has_cudnn_attention(q)
     expected = varlen_causal_attention(q, k, v, cu, max(lengths), dim**-0.5)
-    got = cudnn_varlen_causal_attention(q, k, v, cu, max(lengths), dim**-0.5)
+    got = cudnn_causal_attention(q, k, v, lengths, dim**-0.5, native_gqa=native_gqa)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -127,13 +129,13 @@ def test_the_engine_prefills_fresh_prompts_through_cudnn_and_continued_chunks_th
     from fulcrum.rollout.native import attention
 
     calls = Counter()
-    real = attention.cudnn_varlen_causal_attention
+    real = attention.cudnn_causal_attention
 
     def counted(*args, **kwargs):
         calls["cudnn"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "cudnn_varlen_causal_attention", counted)
+    monkeypatch.setattr(attention, "cudnn_causal_attention", counted)
     model = random_causal_lm("qwen2", init_std=0.2).to(CUDA)
     prompts = prompts_of([9, 300, 700, 64])  # 700 > 512 tokens a step: its second chunk has a cached context
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

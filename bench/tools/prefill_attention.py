@@ -8,15 +8,16 @@ That call, alone, at each shape's heads and head dim, under:
 
 - `flash`: aten's FlashAttention-2 varlen forward, the engine's call (`varlen_causal_attention`); the
   kernel reads grouped K/V heads itself.
-- `cudnn`: aten's cuDNN varlen forward, the engine's call with `engine_kwargs.native.prefill_attention=cudnn`
-  (`cudnn_varlen_causal_attention`: `_cudnn_attention_forward` with cumulative lengths); it takes no
-  grouped heads, so K/V are repeated to the query heads first, and the repeat is timed with it.
-- `cudnn_dense`: SDPA under its cuDNN backend on the (prompts, heads, context, head dim) batch, the form
-  equal-length prompts allow, K/V repeated likewise.
+- `cudnn`: the engine's call with `engine_kwargs.native.prefill_attention=cudnn` (`cudnn_causal_attention`):
+  SDPA's cuDNN backend on the (prompts, heads, context, head dim) batch, K/V heads repeated to the query
+  heads first (the repeat timed with it).
+- `cudnn_gqa`: the same call handing cuDNN the grouped K/V heads (`native_gqa=True`), no repeat.
 
 Each: CUDA events, the median of `--repeats` after warm-up, µs, TFLOP/s (causal: QKᵀ and PV are
-2 · c² · q FLOPs each per prompt, q = heads · head dim, half of them under the mask) and the largest
-|difference| from `flash`'s output. A kernel this torch or card refuses is reported with its error.
+2 · c² · q FLOPs each per prompt, q = heads · head dim, half of them under the mask), the largest
+|difference| from `flash`'s output, and the first call's wall time (`first_us`: cuDNN builds its plan for a
+shape then, which is what the engine's few padded lengths bound). A kernel this torch or card refuses is
+reported with its error.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,9 +40,8 @@ from attention_sweep import time_call
 from shapes import shape_of
 
 from fulcrum.models.packed_attention import (
-    cudnn_varlen_causal_attention,
+    cudnn_causal_attention,
     has_flash_varlen,
-    repeat_kv_heads,
     varlen_causal_attention,
 )
 
@@ -64,24 +63,15 @@ def prompts_a_step(context: int, step_tokens: int = STEP_TOKENS) -> int:
     return max(1, step_tokens // context)
 
 
-def cudnn_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, c: int, scale: float):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    tokens, heads, dim = q.shape
-
-    def batch(x: torch.Tensor) -> torch.Tensor:  # (P·c, H, D) -> (P, H, c, D), a view
-        return repeat_kv_heads(x, heads).view(tokens // c, c, heads, dim).transpose(1, 2)
-
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), is_causal=True, scale=scale)
-    return out.transpose(1, 2).reshape(tokens, heads, dim)
+def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, c: int, scale: float):
+    return cudnn_causal_attention(q, k, v, torch.diff(cu).tolist(), scale)
 
 
-BACKENDS: dict[str, Attend] = {
-    "flash": varlen_causal_attention,
-    "cudnn": cudnn_varlen_causal_attention,
-    "cudnn_dense": cudnn_dense,
-}
+def cudnn_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, c: int, scale: float):
+    return cudnn_causal_attention(q, k, v, torch.diff(cu).tolist(), scale, native_gqa=True)
+
+
+BACKENDS: dict[str, Attend] = {"flash": varlen_causal_attention, "cudnn": cudnn, "cudnn_gqa": cudnn_gqa}
 
 
 def step_inputs(
@@ -124,12 +114,17 @@ def sweep(
         "us": {},
         "tflop_per_s": {},
         "max_abs_diff": {},
+        "first_us": {},
         "failed": {},
     }
     reference: torch.Tensor | None = None
     for name, attend in BACKENDS.items():  # flash first: the others are compared with its output
         try:
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
             result = attend(q, k, v, cu, context, scale).float()
+            torch.cuda.synchronize(device)
+            out["first_us"][name] = round((time.perf_counter() - start) * 1e6, 1)
             reference = result if name == "flash" else reference
             if reference is not None:
                 out["max_abs_diff"][name] = round(float((result - reference).abs().max()), 5)

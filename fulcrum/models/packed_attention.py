@@ -27,8 +27,6 @@ except ImportError:  # pragma: no cover - older torch: CUDA packing falls back t
     _VARLEN_PARAMS = frozenset()
 # aten's flash kernel with its own derivative (varlen when given cumulative sequence offsets).
 _ATEN_FLASH = getattr(torch.ops.aten, "_flash_attention_forward", None)
-# aten's cuDNN fused attention (varlen when given cumulative sequence offsets); the engine's prefill only.
-_ATEN_CUDNN = getattr(torch.ops.aten, "_cudnn_attention_forward", None)
 
 
 def packed_attention(
@@ -158,14 +156,14 @@ def varlen_causal_attention(
     return varlen_attn(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, **kwargs)
 
 
-def has_cudnn_varlen(x: torch.Tensor) -> bool:
-    """Whether `cudnn_varlen_causal_attention` can run on `x`: a CUDA tensor of a half-precision dtype,
-    with aten's cuDNN attention in this torch and cuDNN present."""
+def has_cudnn_attention(x: torch.Tensor) -> bool:
+    """Whether `cudnn_causal_attention` can run on `x`: a CUDA tensor of a half-precision dtype, with cuDNN
+    present and SDPA's cuDNN backend enabled."""
     return (
         x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
-        and _ATEN_CUDNN is not None
         and torch.backends.cudnn.is_available()
+        and torch.backends.cuda.cudnn_sdp_enabled()
     )
 
 
@@ -175,23 +173,70 @@ def repeat_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def cudnn_varlen_causal_attention(
+def cudnn_bucket(length: int) -> int:
+    """The length a prompt of `length` tokens runs at under `cudnn_causal_attention`: rounded up to a
+    multiple of max(64, 2^(⌊log2 length⌋ − 4)), sixteen lengths an octave.
+
+    cuDNN builds an execution plan for each shape it meets; prompts of every length would each cost one.
+    The padded tail adds at most (1 + 1/16)² − 1 ≈ 13 % to a prompt's causal attention FLOPs (64 tokens
+    on a prompt shorter than 1,024)."""
+    step = max(64, 1 << max(0, length.bit_length() - 5))
+    return -(-length // step) * step
+
+
+def cudnn_causal_attention(
     q: torch.Tensor,  # (N, Hq, D)
     k: torch.Tensor,  # (N, Hkv, D)
     v: torch.Tensor,  # (N, Hkv, D)
-    cu_seqlens: torch.Tensor,  # (S + 1,) int32
-    max_seqlen: int,
+    lengths: list[int],
     scale: float | None,
+    native_gqa: bool = False,
+    backend: object | None = None,
 ) -> torch.Tensor:
-    """cuDNN's fused attention in its varlen form, causal, forward only: (N, Hq, D), where each
-    sequence's queries are all of its keys (a prefill with no cached context, no window).
+    """Causal attention of packed sequences whose queries are all of their keys (a prefill with no cached
+    context, no window), under SDPA's cuDNN backend: (N, Hq, D).
 
-    The call `torch.nn.attention.varlen` makes on its cuDNN path. That op takes no grouped-query heads,
-    so each K/V head is first repeated for the query heads of its group (`repeat_kv_heads`)."""
-    k, v = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    assert _ATEN_CUDNN is not None
-    out = _ATEN_CUDNN(
-        q, k, v, None, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, False, 0.0, True, False, scale=scale
-    )
-    return out[0]
+    The sequences (`lengths`, in order, summing to N) are grouped by `cudnn_bucket` of their length, and
+    each group runs as one dense (P, Hq, L_b, D) batch, zero-padded at the end. Padding at the end changes
+    no real query's output: the causal mask keeps query i to keys 0..i. K/V heads are repeated for their
+    query groups (`repeat_kv_heads`) unless `native_gqa`, which hands cuDNN the grouped heads. `backend`
+    (an `SDPBackend`; cuDNN's by default) lets the CPU check the grouping under the math kernel.
+
+    Dense, not cuDNN's varlen (ragged) form, which aten also offers: on Hopper the ragged call measured
+    tens of times slower than the dense batch (BENCHMARKS.md, "Long contexts")."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads = q.shape[1]
+    if not native_gqa:
+        k, v = repeat_kv_heads(k, heads), repeat_kv_heads(v, heads)
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for start, n in zip(starts, lengths, strict=True):
+        groups.setdefault(cudnn_bucket(n), []).append((start, n))
+    out = torch.empty_like(q)
+    for padded, members in groups.items():
+        batches = [_padded_batch(x, members, padded) for x in (q, k, v)]  # (P, H, L_b, D) each
+        with sdpa_kernel(backend if backend is not None else SDPBackend.CUDNN_ATTENTION):
+            o = F.scaled_dot_product_attention(
+                *batches, is_causal=True, scale=scale, enable_gqa=batches[1].shape[1] != heads
+            )
+        o = o.transpose(1, 2)  # (P, L_b, H, D)
+        for j, (start, n) in enumerate(members):
+            out[start : start + n] = o[j, :n]
+    return out
+
+
+def _padded_batch(x: torch.Tensor, members: list[tuple[int, int]], padded: int) -> torch.Tensor:
+    """The (start, length) runs of x (N, H, D) as a (P, H, padded, D) batch: a view of x when the runs
+    are consecutive and already `padded` long, else a zero-padded copy."""
+    first = members[0][0]
+    if all(n == padded and s == first + j * padded for j, (s, n) in enumerate(members)):
+        return (
+            x[first : first + len(members) * padded].view(len(members), padded, *x.shape[1:]).transpose(1, 2)
+        )
+    batch = x.new_zeros(len(members), padded, *x.shape[1:])
+    for j, (start, n) in enumerate(members):
+        batch[j, :n] = x[start : start + n]
+    return batch.transpose(1, 2)

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from fulcrum.models.packed_attention import (
-    cudnn_varlen_causal_attention,
-    has_cudnn_varlen,
+    cudnn_causal_attention,
+    has_cudnn_attention,
     has_flash_varlen,
     varlen_causal_attention,
 )
@@ -137,8 +137,8 @@ def paged_attention(
             window,
         )
     fresh = meta.context_slots is None  # every sequence's queries are all of its keys
-    if meta.prefill_kernel == "cudnn" and fresh and window is None and has_cudnn_varlen(q):
-        return cudnn_varlen_causal_attention(q, k, v, meta.cu_seqlens_q, max(meta.q_lens), scale)
+    if meta.prefill_kernel == "cudnn" and fresh and window is None and has_cudnn_attention(q):
+        return cudnn_causal_attention(q, k, v, meta.q_lens, scale)
     if not fresh:  # part of the context is already cached: read it all back
         k = k_cache.index_select(0, meta.context_slots)
         v = v_cache.index_select(0, meta.context_slots)

@@ -63,8 +63,9 @@ class EngineConfig:
     # for tests), refused where Triton cannot run; False: torch ops everywhere (the reference path).
     triton_kernels: bool | None = native(None)
     # The prefill's attention kernel on CUDA: "flash" (aten's FlashAttention-2 varlen forward) or "cudnn"
-    # (aten's cuDNN fused attention, for a step whose prompts start at their first token; a step over a
-    # cached context, a sliding-window layer and the CPU keep flash / SDPA). bench/long_context.py times both.
+    # (SDPA's cuDNN backend on dense batches of prompts padded to a few lengths, for a step whose prompts
+    # start at their first token; a step over a cached context, a sliding-window layer and the CPU keep
+    # flash / SDPA). bench/long_context.py times both.
     prefill_attention: str = native("flash")
 
     def __post_init__(self) -> None:
