@@ -137,17 +137,21 @@ def test_the_engine_prefills_fresh_prompts_through_cudnn_and_continued_chunks_th
 
     monkeypatch.setattr(attention, "cudnn_causal_attention", counted)
     model = random_causal_lm("qwen2", init_std=0.2).to(CUDA)
-    prompts = prompts_of([9, 300, 700, 64])  # 700 > 512 tokens a step: its second chunk has a cached context
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    first = {}
-    for kernel in ("flash", "cudnn"):
-        config = EngineConfig(
-            max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024, prefill_attention=kernel
-        )
-        first[kernel] = NativeEngine(model, [EOS], 0, config, CUDA).generate(prompts, params)
-        if kernel == "flash":
-            assert calls["cudnn"] == 0
-    layers = model.config.num_hidden_layers
-    assert calls["cudnn"] > 0 and calls["cudnn"] % layers == 0
-    for ours, theirs in zip(first["cudnn"].logprobs, first["flash"].logprobs, strict=True):
-        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=5e-2, rtol=0)
+    # 700 > 512 tokens a step: its second chunk has a cached context; two prompts of 256 fill a step at
+    # one padded length (cuDNN reads them as one batch, a view of the step's Q/K/V)
+    for lengths in ([9, 300, 700, 64], [256, 256]):
+        prompts = prompts_of(lengths)
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        first = {}
+        calls.clear()
+        for kernel in ("flash", "cudnn"):
+            config = EngineConfig(
+                max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024, prefill_attention=kernel
+            )
+            first[kernel] = NativeEngine(model, [EOS], 0, config, CUDA).generate(prompts, params)
+            if kernel == "flash":
+                assert calls["cudnn"] == 0
+        layers = model.config.num_hidden_layers
+        assert calls["cudnn"] > 0 and calls["cudnn"] % layers == 0
+        for ours, theirs in zip(first["cudnn"].logprobs, first["flash"].logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=5e-2, rtol=0)

@@ -209,6 +209,7 @@ def cudnn_causal_attention(
     heads = q.shape[1]
     if not native_gqa:
         k, v = repeat_kv_heads(k, heads), repeat_kv_heads(v, heads)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the engine's q/k/v are views of one qkv row
     starts = [0]
     for n in lengths[:-1]:
         starts.append(starts[-1] + n)
@@ -229,8 +230,8 @@ def cudnn_causal_attention(
 
 
 def _padded_batch(x: torch.Tensor, members: list[tuple[int, int]], padded: int) -> torch.Tensor:
-    """The (start, length) runs of x (N, H, D) as a (P, H, padded, D) batch: a view of x when the runs
-    are consecutive and already `padded` long, else a zero-padded copy."""
+    """The (start, length) runs of a contiguous x (N, H, D) as a (P, H, padded, D) batch: a view of x
+    when the runs are consecutive and already `padded` long, else a zero-padded copy."""
     first = members[0][0]
     if all(n == padded and s == first + j * padded for j, (s, n) in enumerate(members)):
         return (
