@@ -379,6 +379,79 @@ def test_sampler_compiles_once_whatever_the_batch():
     assert [compiled_variants(k) for k in kernels] == before
 
 
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["w-norm", "one-plus-w-norm"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_rotation_norms_each_head_first_as_the_separate_norm_would(dtype, offset):
+    """rope_and_store_kv with a QKNorm: q and k (strided views of one qkv row) and the cached k are what
+    the per-head add_rms_norm (on each head's row) then the rotation give, Qwen3's w·x̂ and Gemma 3's
+    (1 + w)·x̂ alike; v reaches the cache untouched."""
+    from fulcrum.rollout.native import kernels
+
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim = 6, 16, 8, 128
+    qkv = (3 * torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEVICE)).to(dtype)
+    views = (
+        qkv[:, : heads * dim].view(tokens, heads, dim),
+        qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim),
+        qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim),
+    )
+    q, k, v = views
+    q_weight, k_weight = (torch.randn(dim, device=DEVICE).to(dtype) for _ in range(2))
+    positions = torch.tensor([0, 7, 3, 30, 12, 1], device=DEVICE)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
+    cos_sin = ops.rope_cos_sin(inv_freq, 64, 1.0)
+
+    def head_norm(x, weight):
+        rows = x.reshape(-1, dim).contiguous()
+        return kernels.add_rms_norm(rows, None, weight, 1e-6, offset).view(x.shape)
+
+    expected_q = ops.apply_rope(head_norm(q, q_weight), positions, cos_sin)
+    expected_k = ops.apply_rope(head_norm(k, k_weight), positions, cos_sin)
+    expected_v = v.clone()
+    cache = torch.zeros(1, 2, tokens, kv_heads, dim, device=DEVICE, dtype=dtype)
+    slots = torch.arange(tokens, device=DEVICE)
+    norm = kernels.QKNorm(q_weight, k_weight, 1e-6, offset)
+    kernels.rope_and_store_kv(q, k, v, positions, cos_sin, slots, cache, 0, norm)
+    torch.testing.assert_close(q, expected_q, **tol(dtype))
+    torch.testing.assert_close(k, expected_k, **tol(dtype))
+    torch.testing.assert_close(cache[0, 0], expected_k, **tol(dtype))
+    assert torch.equal(cache[0, 1], expected_v) and torch.equal(v, expected_v)
+    partial = ops.rope_cos_sin(inv_freq[: dim // 8], 64, 1.0)
+    with pytest.raises(AssertionError, match="whole-head rotation"):
+        kernels.rope_and_store_kv(q, k, v, positions, partial, slots, cache, 0, norm)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_an_engine_with_per_head_norms_on_its_triton_kernels_samples_the_torch_paths_tokens(arch):
+    """Qwen3 (w·x̂) and Gemma 3 ((1 + w)·x̂, sliding layers) norm their q and k heads inside the rotation's
+    kernel on the Triton path: greedy tokens and log-probs are the torch path's (separate norms), through
+    chunked prefill and decode."""
+    from arch_checks import arch_model
+    from test_arch_gemma3 import SHAPE as GEMMA3_SHAPE
+    from test_arch_qwen3 import SHAPE as QWEN3_SHAPE
+
+    from fulcrum.rollout import SamplingParams
+    from fulcrum.rollout.native import EngineConfig, NativeEngine
+
+    shape = {**{"qwen3": QWEN3_SHAPE, "gemma3_text": GEMMA3_SHAPE}[arch], "head_dim": 32}  # decode: 2^n
+    model = arch_model(arch, shape, seed=1, init_std=0.1).to(DEVICE)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,), generator=generator).tolist() for n in [1, 40, 7, 23]]
+    config = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=32, decode_steps=4,
+        dtype=torch.float32,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    reference = NativeEngine(model, [1], 0, dataclasses.replace(config, triton_kernels=False), DEVICE)
+    expected = reference.generate(prompts, params)
+    engine = NativeEngine(model, [1], 0, dataclasses.replace(config, triton_kernels=True), DEVICE)
+    assert engine.runner.use_triton and engine.runner.model.qk_norm
+    out = engine.generate(prompts, params)
+    assert out.token_ids == expected.token_ids
+    for ours, theirs in zip(out.logprobs, expected.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=1e-4, rtol=0)
+
+
 def test_the_engine_never_reads_a_kv_slot_before_writing_it():
     """On the Triton path the KV cache is not zero-filled at wake-up: whatever it holds, even NaN, the
     greedy tokens are those of the torch path (which zero-fills it) and the log-probs finite, through

@@ -10,7 +10,7 @@ FlashAttention does not take) uses SDPA.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,9 @@ from fulcrum.models.packed_attention import (
     varlen_causal_attention,
 )
 from fulcrum.rollout.native import ops
+
+if TYPE_CHECKING:
+    from fulcrum.rollout.native.kernels import QKNorm
 
 
 @dataclass
@@ -64,17 +67,20 @@ def rotate_and_store(
     layer: int,
     meta: AttentionMetadata,
     use_triton: bool,
+    qk_norm: QKNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (N, Hq, D) and k (N, Hkv, D) rotated (RoPE at `positions`), and the rotated k and v written at
     their slots (`meta.slot_mapping`) of layer `layer` of the cache, before `paged_attention` reads it.
     With Triton one kernel does both (`kernels.rope_and_store_kv`, into the cache tensor or the
-    IndirectCache); else the torch twins and two `index_copy_`."""
+    IndirectCache), and the heads' norm first when given one (`kernels.QKNorm`); else the torch twins and
+    two `index_copy_`."""
     if use_triton:
         from fulcrum.rollout.native import kernels
 
         cache = meta.indirect_cache if meta.indirect_cache is not None else kv_cache
-        kernels.rope_and_store_kv(q, k, v, positions, cos_sin, meta.slot_mapping, cache, layer)
+        kernels.rope_and_store_kv(q, k, v, positions, cos_sin, meta.slot_mapping, cache, layer, qk_norm)
         return q, k
+    assert qk_norm is None, "the heads' norm fused into the rotation is the Triton path's"
     q, k = ops.apply_rope(q, positions, cos_sin), ops.apply_rope(k, positions, cos_sin)
     kv_cache[layer, 0].index_copy_(0, meta.slot_mapping, k)
     kv_cache[layer, 1].index_copy_(0, meta.slot_mapping, v)

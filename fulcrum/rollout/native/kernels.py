@@ -7,6 +7,8 @@ Importing this module needs `triton`; `HAVE_TRITON` says whether it is there.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 try:
@@ -154,8 +156,10 @@ if HAVE_TRITON:
     def _rope_kernel(
         q_ptr, k_ptr, positions_ptr, cos_sin_ptr, stride_q_tok, stride_k_tok, num_q_heads, num_k_heads,
         v_ptr, stride_v_tok, slots_ptr, cache_ptr, cache_addr_ptr, k_offset, v_offset,
+        q_norm_ptr, k_norm_ptr, eps,
         HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
         HEADS_PAD: tl.constexpr, INDIRECT: tl.constexpr, CACHE_DTYPE: tl.constexpr,
+        QK_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
     ):  # fmt: skip
         # In place on q (N, Hq, D) and k (N, Hkv, D) rows that may be strided views of one qkv buffer:
         # the first 2 * HALF of each head's HEAD_DIM dims rotate (rotate-half over that width), the rest
@@ -163,6 +167,9 @@ if HAVE_TRITON:
         # each token's cache slot (K plane at k_offset, V plane at v_offset, elements from the cache's
         # start; the start read on the device when INDIRECT, as the paged kernel does): the K/V write
         # costs no kernel of its own (a decode step would otherwise launch two index_copy_ a layer).
+        # QK_NORM (whole-head rotation only): each head of q and k first RMS-normed over its HEAD_DIM dims
+        # with its weight (q_norm_ptr, k_norm_ptr), rounded as _add_rms_norm_kernel rounds, so the
+        # rotation reads what the separate norm would have stored, with no pass of its own.
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions_ptr + tok)
         half = tl.arange(0, HALF_PAD)
@@ -195,6 +202,19 @@ if HAVE_TRITON:
             first_ptr = base + in_row
             x1 = tl.load(first_ptr, mask=ok, other=0.0)
             x2 = tl.load(first_ptr + HALF, mask=ok, other=0.0)
+            if QK_NORM:
+                norm_ptr = q_norm_ptr if which == 0 else k_norm_ptr
+                w1 = tl.load(norm_ptr + half, mask=half < HALF, other=0.0)[None, :]
+                w2 = tl.load(norm_ptr + HALF + half, mask=half < HALF, other=0.0)[None, :]
+                a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+                squares = tl.sum(a1 * a1, 1) + tl.sum(a2 * a2, 1)
+                rstd = (1.0 / tl.sqrt(squares / HEAD_DIM + eps))[:, None]
+                if NORM_OFFSET == 0:
+                    x1 = w1 * (a1 * rstd).to(x1.dtype)
+                    x2 = w2 * (a2 * rstd).to(x2.dtype)
+                else:
+                    x1 = (a1 * rstd * (w1.to(tl.float32) + NORM_OFFSET)).to(x1.dtype)
+                    x2 = (a2 * rstd * (w2.to(tl.float32) + NORM_OFFSET)).to(x2.dtype)
             y1 = (x1.to(tl.float32) * cos - x2.to(tl.float32) * sin).to(x1.dtype)
             y2 = (x2.to(tl.float32) * cos + x1.to(tl.float32) * sin).to(x1.dtype)
             tl.store(first_ptr, y1, mask=ok)
@@ -212,6 +232,16 @@ if HAVE_TRITON:
         up = tl.load(gate_up_ptr + row * 2 * inter + inter + cols, mask=ok, other=0.0).to(tl.float32)
         out = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+class QKNorm(NamedTuple):
+    """Per-head RMSNorm of q and k for `rope_and_store_kv` to apply before it rotates: each (D,) weight,
+    the norm's eps and its weight offset (1 for (1 + w) norms)."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+    offset: float
 
 
 class IndirectCache:
@@ -416,15 +446,19 @@ def rope_and_store_kv(
     slots: torch.Tensor,
     cache: torch.Tensor | IndirectCache,
     layer: int,
+    qk_norm: QKNorm | None = None,
 ) -> None:
     """Triton twin of ops.apply_rope on q (N, Hq, D) and k (N, Hkv, D), in place (rows may be strided),
     and the rotated k and v (N, Hkv, D) written at `slots` (N,) of layer `layer` of `cache`: a (layers,
     2, slots, Hkv, D) tensor, or an IndirectCache. One kernel for the rotation and the cache's two
     index_copy_. A `cos_sin` table (P, R) narrower than D rotates the first R dims of each head and
-    passes the rest through (partial RoPE), as ops.apply_rope."""
+    passes the rest through (partial RoPE), as ops.apply_rope. With `qk_norm` each head of q and k is
+    first RMS-normed (Qwen3's and Gemma 3's per-head norms: what add_rms_norm would give each head's row),
+    in the same pass; whole-head rotation only."""
     tokens, num_q_heads, head_dim = q.shape
     half = cos_sin.shape[-1] // 2
     assert 2 * half <= head_dim and cos_sin.is_contiguous()
+    assert qk_norm is None or 2 * half == head_dim, "the fused head norm needs whole-head rotation"
     kv_heads = k.shape[1]
     for t in (q, k, v):
         assert t.stride(2) == 1 and t.stride(1) == head_dim
@@ -439,8 +473,10 @@ def rope_and_store_kv(
     _rope_kernel[(tokens,)](
         q, k, positions, cos_sin, q.stride(0), k.stride(0), num_q_heads, kv_heads,
         v, v.stride(0), slots, tensor, address, k_offset, v_offset,
+        *((qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps) if qk_norm is not None else (q, k, 0.0)),
         HALF=half, HALF_PAD=next_pow2(half), HEAD_DIM=head_dim, DIM_PAD=next_pow2(head_dim),
         HEADS_PAD=next_pow2(max(num_q_heads, kv_heads)), INDIRECT=indirect, CACHE_DTYPE=_TL_DTYPES[dtype],
+        QK_NORM=qk_norm is not None, NORM_OFFSET=float(qk_norm.offset) if qk_norm is not None else 0.0,
     )  # fmt: skip
 
 

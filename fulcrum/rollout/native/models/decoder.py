@@ -384,13 +384,18 @@ class DecoderLM:
             q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        cos_sin = self.cos_sin[self.rope_kind[i]]
+        fused_norm = None
         if self.qk_norm_over_heads:
             q, k = self._norm_over_heads(q, layer["q_norm"]), self._norm_over_heads(k, layer["k_norm"])
+        elif self.qk_norm and self.use_triton and cos_sin.shape[-1] == self.head_dim:
+            from fulcrum.rollout.native.kernels import QKNorm  # the rotation's kernel norms the heads
+
+            fused_norm = QKNorm(layer["q_norm"], layer["k_norm"], self.eps, self.norm_offset)
         elif self.qk_norm:
             q, k = self._head_norm(q, layer["q_norm"]), self._head_norm(k, layer["k_norm"])
-        cos_sin = self.cos_sin[self.rope_kind[i]]
         q, k = rotate_and_store(
-            q, k, v, positions, cos_sin, kv_cache, self.kv_index[i], meta, self.use_triton
+            q, k, v, positions, cos_sin, kv_cache, self.kv_index[i], meta, self.use_triton, fused_norm
         )
         attn = paged_attention(q, k, v, kv_cache, self.kv_index[i], meta, self.scale, self.windows[i])
         if gate is not None:
