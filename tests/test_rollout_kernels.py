@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -379,6 +380,20 @@ def test_sampler_compiles_once_whatever_the_batch():
     assert [compiled_variants(k) for k in kernels] == before
 
 
+def chunked_engine_case(vocab: int, num_kv_blocks: int) -> tuple[list[list[int]], Any]:
+    """Four random prompts (1 to 40 tokens below `vocab`) and a float32 engine configuration of 32 tokens
+    a step (the 40-token prompt prefills in two chunks) and `num_kv_blocks` blocks (few: preemption)."""
+    from fulcrum.rollout.native import EngineConfig
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in [1, 40, 7, 23]]
+    config = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=num_kv_blocks,
+        decode_steps=4, dtype=torch.float32,
+    )  # fmt: skip
+    return prompts, config
+
+
 @pytest.mark.parametrize("offset", [0.0, 1.0], ids=["w-norm", "one-plus-w-norm"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_rotation_norms_each_head_first_as_the_separate_norm_would(dtype, offset):
@@ -431,16 +446,11 @@ def test_an_engine_with_per_head_norms_on_its_triton_kernels_samples_the_torch_p
     from test_arch_qwen3 import SHAPE as QWEN3_SHAPE
 
     from fulcrum.rollout import SamplingParams
-    from fulcrum.rollout.native import EngineConfig, NativeEngine
+    from fulcrum.rollout.native import NativeEngine
 
     shape = {**{"qwen3": QWEN3_SHAPE, "gemma3_text": GEMMA3_SHAPE}[arch], "head_dim": 32}  # decode: 2^n
     model = arch_model(arch, shape, seed=1, init_std=0.1).to(DEVICE)
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 200, (n,), generator=generator).tolist() for n in [1, 40, 7, 23]]
-    config = EngineConfig(
-        max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=32, decode_steps=4,
-        dtype=torch.float32,
-    )  # fmt: skip
+    prompts, config = chunked_engine_case(vocab=200, num_kv_blocks=32)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     reference = NativeEngine(model, [1], 0, dataclasses.replace(config, triton_kernels=False), DEVICE)
     expected = reference.generate(prompts, params)
@@ -491,7 +501,7 @@ def test_a_hybrid_engine_on_its_triton_kernels_samples_the_torch_paths_tokens(ar
     from arch_checks import GATED_DELTANET_SHAPE, arch_model, require_model_type
 
     from fulcrum.rollout import SamplingParams
-    from fulcrum.rollout.native import EngineConfig, NativeEngine
+    from fulcrum.rollout.native import NativeEngine
 
     require_model_type(arch)
     shape = dict(GATED_DELTANET_SHAPE, num_hidden_layers=4)
@@ -500,12 +510,7 @@ def test_a_hybrid_engine_on_its_triton_kernels_samples_the_torch_paths_tokens(ar
         shape |= dict(shared_expert_intermediate_size=48)
     model = arch_model(arch, shape, seed=1, init_std=0.1).to(DEVICE)
     assert model.config.rope_parameters["partial_rotary_factor"] < 1
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in [1, 40, 7, 23]]
-    config = EngineConfig(
-        max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=10, decode_steps=4,
-        dtype=torch.float32,
-    )  # fmt: skip
+    prompts, config = chunked_engine_case(vocab=1000, num_kv_blocks=10)
     params = SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True)
     reference = NativeEngine(model, [1], 0, dataclasses.replace(config, triton_kernels=False), DEVICE)
     expected = reference.generate(prompts, params).token_ids
