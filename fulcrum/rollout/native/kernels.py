@@ -195,15 +195,16 @@ if HAVE_TRITON:
             if which == 0:
                 base = q_ptr + tok * stride_q_tok
                 count = num_q_heads
+                norm_ptr = q_norm_ptr
             else:
                 base = k_ptr + tok * stride_k_tok
                 count = num_k_heads
+                norm_ptr = k_norm_ptr
             ok = (heads < count)[:, None] & half_ok
             first_ptr = base + in_row
             x1 = tl.load(first_ptr, mask=ok, other=0.0)
             x2 = tl.load(first_ptr + HALF, mask=ok, other=0.0)
             if QK_NORM:
-                norm_ptr = q_norm_ptr if which == 0 else k_norm_ptr
                 w1 = tl.load(norm_ptr + half, mask=half < HALF, other=0.0)[None, :]
                 w2 = tl.load(norm_ptr + HALF + half, mask=half < HALF, other=0.0)[None, :]
                 a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
