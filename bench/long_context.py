@@ -53,8 +53,9 @@ the profiler (`prefill_split`: GPU busy and wall, busy per kernel category as be
 sorts them, the busiest kernels), and one prefill step's attention alone (`prefill_kernel`: the prompts a
 step of `--max-num-batched-tokens` holds, under aten's flash kernel and SDPA's cuDNN backend, K/V heads
 repeated or grouped; bench/tools/prefill_attention.py) with its TFLOP/s; then the whole prefill again with
-cuDNN's kernel in the engine (`prefill_by_kernel`: `engine_kwargs.native.prefill_attention=cudnn`, `PREFILL_REPEATS` times, each
-generating the first token only), its fraction of the peak and its speed over the flash prefill.
+cuDNN's kernel in the engine (`prefill_by_kernel`: `engine_kwargs.native.prefill_attention=cudnn`,
+`PREFILL_REPEATS` times, each generating the first token only), its fraction of the peak and its speed over
+the flash prefill.
 """
 
 from __future__ import annotations

@@ -401,6 +401,7 @@ def test_the_rotation_norms_each_head_first_as_the_separate_norm_would(dtype, of
     the per-head add_rms_norm (on each head's row) then the rotation give, Qwen3's w·x̂ and Gemma 3's
     (1 + w)·x̂ alike; v reaches the cache untouched."""
     from fulcrum.rollout.native import kernels
+    from fulcrum.rollout.native.attention import QKNorm
 
     torch.manual_seed(0)
     tokens, heads, kv_heads, dim = 6, 16, 8, 128
@@ -425,7 +426,7 @@ def test_the_rotation_norms_each_head_first_as_the_separate_norm_would(dtype, of
     expected_v = v.clone()
     cache = torch.zeros(1, 2, tokens, kv_heads, dim, device=DEVICE, dtype=dtype)
     slots = torch.arange(tokens, device=DEVICE)
-    norm = kernels.QKNorm(q_weight, k_weight, 1e-6, offset)
+    norm = QKNorm(q_weight, k_weight, 1e-6, offset)
     kernels.rope_and_store_kv(q, k, v, positions, cos_sin, slots, cache, 0, norm)
     torch.testing.assert_close(q, expected_q, **tol(dtype))
     torch.testing.assert_close(k, expected_k, **tol(dtype))

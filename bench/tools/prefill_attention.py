@@ -63,15 +63,20 @@ def prompts_a_step(context: int, step_tokens: int = STEP_TOKENS) -> int:
     return max(1, step_tokens // context)
 
 
-def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, c: int, scale: float):
-    return cudnn_causal_attention(q, k, v, torch.diff(cu).tolist(), scale)
+def cudnn_batches(native_gqa: bool) -> Attend:
+    """The engine's cuDNN prefill in the flash call's signature (the lengths read from `cu`)."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, c: int, scale: float):
+        return cudnn_causal_attention(q, k, v, torch.diff(cu).tolist(), scale, native_gqa=native_gqa)
+
+    return attend
 
 
-def cudnn_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, c: int, scale: float):
-    return cudnn_causal_attention(q, k, v, torch.diff(cu).tolist(), scale, native_gqa=True)
-
-
-BACKENDS: dict[str, Attend] = {"flash": varlen_causal_attention, "cudnn": cudnn, "cudnn_gqa": cudnn_gqa}
+BACKENDS: dict[str, Attend] = {
+    "flash": varlen_causal_attention,
+    "cudnn": cudnn_batches(native_gqa=False),
+    "cudnn_gqa": cudnn_batches(native_gqa=True),
+}
 
 
 def step_inputs(

@@ -10,6 +10,7 @@ metadata is transformers' SDPA, so a model switched to packed attention still ru
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -210,9 +211,7 @@ def cudnn_causal_attention(
     if not native_gqa:
         k, v = repeat_kv_heads(k, heads), repeat_kv_heads(v, heads)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the engine's q/k/v are views of one qkv row
-    starts = [0]
-    for n in lengths[:-1]:
-        starts.append(starts[-1] + n)
+    starts = [0, *itertools.accumulate(lengths[:-1])]
     groups: dict[int, list[tuple[int, int]]] = {}
     for start, n in zip(starts, lengths, strict=True):
         groups.setdefault(cudnn_bucket(n), []).append((start, n))

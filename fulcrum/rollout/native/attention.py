@@ -10,7 +10,7 @@ FlashAttention does not take) uses SDPA.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,8 +22,15 @@ from fulcrum.models.packed_attention import (
 )
 from fulcrum.rollout.native import ops
 
-if TYPE_CHECKING:
-    from fulcrum.rollout.native.kernels import QKNorm
+
+class QKNorm(NamedTuple):
+    """Per-head RMSNorm of q and k for the rotation (`rotate_and_store`) to apply before it rotates: each (D,) weight,
+    the norm's eps and its weight offset (1 for (1 + w) norms)."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+    offset: float
 
 
 @dataclass
@@ -72,7 +79,7 @@ def rotate_and_store(
     """q (N, Hq, D) and k (N, Hkv, D) rotated (RoPE at `positions`), and the rotated k and v written at
     their slots (`meta.slot_mapping`) of layer `layer` of the cache, before `paged_attention` reads it.
     With Triton one kernel does both (`kernels.rope_and_store_kv`, into the cache tensor or the
-    IndirectCache), and the heads' norm first when given one (`kernels.QKNorm`); else the torch twins and
+    IndirectCache), and the heads' norm first when given one (`QKNorm`); else the torch twins and
     two `index_copy_`."""
     if use_triton:
         from fulcrum.rollout.native import kernels

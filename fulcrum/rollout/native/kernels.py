@@ -7,9 +7,12 @@ Importing this module needs `triton`; `HAVE_TRITON` says whether it is there.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from fulcrum.rollout.native.attention import QKNorm
 
 try:
     import triton
@@ -233,16 +236,6 @@ if HAVE_TRITON:
         up = tl.load(gate_up_ptr + row * 2 * inter + inter + cols, mask=ok, other=0.0).to(tl.float32)
         out = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-class QKNorm(NamedTuple):
-    """Per-head RMSNorm of q and k for `rope_and_store_kv` to apply before it rotates: each (D,) weight,
-    the norm's eps and its weight offset (1 for (1 + w) norms)."""
-
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    eps: float
-    offset: float
 
 
 class IndirectCache:

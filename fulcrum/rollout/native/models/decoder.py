@@ -25,7 +25,7 @@ from fulcrum.models.gated_delta import use_fla
 from fulcrum.models.head_logits import head_logits
 from fulcrum.parallel.tensor_parallel import TensorParallel, shard_heads, shard_range
 from fulcrum.rollout.native import ops
-from fulcrum.rollout.native.attention import AttentionMetadata, paged_attention, rotate_and_store
+from fulcrum.rollout.native.attention import AttentionMetadata, QKNorm, paged_attention, rotate_and_store
 from fulcrum.rollout.native.models import moe
 from fulcrum.rollout.native.models.linear_attention import (
     LinearAttentionShape,
@@ -389,8 +389,6 @@ class DecoderLM:
         if self.qk_norm_over_heads:
             q, k = self._norm_over_heads(q, layer["q_norm"]), self._norm_over_heads(k, layer["k_norm"])
         elif self.qk_norm and self.use_triton and cos_sin.shape[-1] == self.head_dim:
-            from fulcrum.rollout.native.kernels import QKNorm  # the rotation's kernel norms the heads
-
             fused_norm = QKNorm(layer["q_norm"], layer["k_norm"], self.eps, self.norm_offset)
         elif self.qk_norm:
             q, k = self._head_norm(q, layer["q_norm"]), self._head_norm(k, layer["k_norm"])
