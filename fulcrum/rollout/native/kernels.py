@@ -7,12 +7,7 @@ Importing this module needs `triton`; `HAVE_TRITON` says whether it is there.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from fulcrum.rollout.native.attention import QKNorm
 
 try:
     import triton
@@ -440,15 +435,16 @@ def rope_and_store_kv(
     slots: torch.Tensor,
     cache: torch.Tensor | IndirectCache,
     layer: int,
-    qk_norm: QKNorm | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None,
 ) -> None:
     """Triton twin of ops.apply_rope on q (N, Hq, D) and k (N, Hkv, D), in place (rows may be strided),
     and the rotated k and v (N, Hkv, D) written at `slots` (N,) of layer `layer` of `cache`: a (layers,
     2, slots, Hkv, D) tensor, or an IndirectCache. One kernel for the rotation and the cache's two
     index_copy_. A `cos_sin` table (P, R) narrower than D rotates the first R dims of each head and
-    passes the rest through (partial RoPE), as ops.apply_rope. With `qk_norm` each head of q and k is
-    first RMS-normed (Qwen3's and Gemma 3's per-head norms: what add_rms_norm would give each head's row),
-    in the same pass; whole-head rotation only."""
+    passes the rest through (partial RoPE), as ops.apply_rope. With `qk_norm` (attention.QKNorm: the q and
+    k weights, eps, the weight offset) each head of q and k is first RMS-normed (Qwen3's and Gemma 3's
+    per-head norms: what add_rms_norm would give each head's row), in the same pass; whole-head rotation
+    only."""
     tokens, num_q_heads, head_dim = q.shape
     half = cos_sin.shape[-1] // 2
     assert 2 * half <= head_dim and cos_sin.is_contiguous()
@@ -467,10 +463,10 @@ def rope_and_store_kv(
     _rope_kernel[(tokens,)](
         q, k, positions, cos_sin, q.stride(0), k.stride(0), num_q_heads, kv_heads,
         v, v.stride(0), slots, tensor, address, k_offset, v_offset,
-        *((qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps) if qk_norm is not None else (q, k, 0.0)),
+        *(qk_norm[:3] if qk_norm is not None else (q, k, 0.0)),
         HALF=half, HALF_PAD=next_pow2(half), HEAD_DIM=head_dim, DIM_PAD=next_pow2(head_dim),
         HEADS_PAD=next_pow2(max(num_q_heads, kv_heads)), INDIRECT=indirect, CACHE_DTYPE=_TL_DTYPES[dtype],
-        QK_NORM=qk_norm is not None, NORM_OFFSET=float(qk_norm.offset) if qk_norm is not None else 0.0,
+        QK_NORM=qk_norm is not None, NORM_OFFSET=float(qk_norm[3]) if qk_norm is not None else 0.0,
     )  # fmt: skip
 
 
