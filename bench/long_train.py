@@ -36,6 +36,8 @@ pass is a third of it (2·N·T + 4·Σℓ²·d·H·L).
 
 Doctor's estimate: `fulcrum.tools.memory_estimate.estimate` for this configuration on this device, each
 phase less the native engine's bf16 weights (the bench runs no engine); its ratio to the measured peak.
+After the warm step and each phase, `pools_after`: the GiB reserved (and allocated within) in the allocator's
+default pool and in the graphs' private pool (`torch.cuda.memory_snapshot`), beside doctor's pool item.
 `--deadline-s` (390, from the plan on; the model is made before): no phase starts after it, and a phase's timed
 calls stop there.
 """
@@ -71,6 +73,7 @@ PHASES = {
     "update_actor": "actor update",
 }
 ENGINE_ITEM = "engine weights (bf16)"  # in every training phase of a native-rollout estimate; not held here
+POOL_ITEM = "CUDA graphs' memory pool"
 
 
 def batch_rows(args: argparse.Namespace, k_update: int, k_forward: int) -> int:
@@ -145,6 +148,21 @@ def peaks(gpu: bool) -> dict[str, float | None]:
     }
 
 
+def reserved_by_pool(gpu: bool) -> dict[str, float]:
+    """GiB reserved now, and allocated within it, in the allocator's default pool and in its private pools
+    (the micro-batches' CUDA graphs'), from `torch.cuda.memory_snapshot`'s segments: what doctor's pool item
+    is to be checked against (empty off CUDA)."""
+    out: dict[str, float] = {}
+    if not gpu:
+        return out
+    for segment in torch.cuda.memory_snapshot():
+        pool = "default" if tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0) else "graphs"
+        for kind, key in (("reserved", "total_size"), ("allocated", "allocated_size")):
+            name = f"{pool}_pool_{kind}_gib"
+            out[name] = out.get(name, 0.0) + segment[key] / GiB
+    return out
+
+
 def against(row: dict[str, Any], estimate_bytes: float) -> None:
     """The estimate beside a row's measured peaks, and its ratio to each."""
     row["estimate_gib"] = estimate_bytes / GiB
@@ -170,7 +188,12 @@ def measure_phase(
             break
         times.append(timed_call(fn))
     print(f"  timed calls {', '.join(f'{t:.3f}' for t in times)} s", flush=True)
-    return {"seconds": statistics.median(times), "calls": [round(t, 4) for t in times], **peaks(gpu)}
+    return {
+        "seconds": statistics.median(times),
+        "calls": [round(t, 4) for t in times],
+        **peaks(gpu),
+        "pools_after": reserved_by_pool(gpu),
+    }
 
 
 def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -185,7 +208,9 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dic
     k_update, k_forward = largest_fitting(args, device_bytes)
     cfg = load(args, k_update, k_forward)
     args.rows = batch_rows(args, k_update, k_forward)
-    totals = phase_totals(doctor_estimate(cfg, device_bytes, args.rows))
+    est = doctor_estimate(cfg, device_bytes, args.rows)
+    totals = phase_totals(est)
+    pool_item = est.phases[0].items.get(POOL_ITEM, 0.0)  # resident: the same in every phase
     print(f"micro-batches: update {k_update} sequences, forwards {k_forward}; {args.rows} rows", flush=True)
     summary: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if gpu else "cpu",
@@ -194,6 +219,7 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dic
         "micro_batch_sequences": {"update": k_update, "forwards": k_forward},
         "keys": config_keys(args, k_update, k_forward),
         "estimate_gib": {name: total / GiB for name, total in totals.items()},
+        "estimate_pool_gib": pool_item / GiB,
         "phases": {},
     }
     save(summary)
@@ -225,7 +251,11 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dic
         summary["warm_step"] = {"error": f"out of memory: {str(err).splitlines()[0]}", **peaks(gpu)}
         save(summary)
         return summary
-    summary["warm_step"] = {"seconds": round(time.perf_counter() - tick, 1), **peaks(gpu)}
+    summary["warm_step"] = {
+        "seconds": round(time.perf_counter() - tick, 1),
+        **peaks(gpu),
+        "pools_after": reserved_by_pool(gpu),
+    }
     against(summary["warm_step"], max(totals.values()))
     save(summary)
     flops = estimate_train_flops(actor.model.config, lengths)

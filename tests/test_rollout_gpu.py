@@ -123,6 +123,25 @@ def test_cudnn_prefill_attention_equals_flash(heads: int, kv_heads: int, dim: in
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(14, 2, 64), (16, 8, 128)])
+def test_flash_reads_the_views_of_one_qkv_row_as_their_copies(heads: int, kv_heads: int, dim: int) -> None:
+    """`strided_rows`: aten's flash kernel given q, k and v as views of one (N, (Hq + 2·Hkv)·D) row, as the
+    engine holds them, returns exactly what it returns for their contiguous copies, at Qwen2.5-0.5B's and
+    Qwen3-0.6B's heads, in bf16, on mixed lengths."""
+    from fulcrum.models.packed_attention import varlen_causal_attention
+
+    lengths = [1, 37, 300, 1024, 2100]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    qkv = torch.randn(sum(lengths), (heads + 2 * kv_heads) * dim, device=CUDA, generator=generator).bfloat16()
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    expected = varlen_causal_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu, 2100, dim**-0.5)
+    got = varlen_causal_attention(q, k, v, cu, 2100, dim**-0.5, strided_rows=True)
+    assert torch.equal(got, expected)
+
+
 def test_the_engine_prefills_fresh_prompts_through_cudnn_and_continued_chunks_through_flash(monkeypatch):
     """prefill_attention=cudnn: a step of fresh prompts runs cuDNN's kernel, a chunk over a cached
     context flash's, and the first tokens' bf16 log-probs stay within the kernels' rounding of flash's."""

@@ -127,9 +127,15 @@ def varlen_causal_attention(
     *,
     cu_seqlens_k: torch.Tensor | None = None,  # (S + 1,) int32; None: the queries' own
     max_seqlen_k: int | None = None,
+    strided_rows: bool = False,
 ) -> torch.Tensor:
     """Flash varlen attention, causal (with `window`, over the window latest keys), grouped-query heads
     handled by the kernel: (N, Hq, D).
+
+    `strided_rows`: q, k and v go to aten's flash kernel as they are wherever their last dimension is
+    contiguous, since the kernel reads tokens and heads at any stride (the rollout engine's views of one
+    QKV row: three copies a layer saved, 6 % of an 8k prefill); otherwise, and always on `varlen_attn`,
+    each is made contiguous first, as the training passes' backward takes them.
 
     Sequence s's queries may be the last of its keys (`cu_seqlens_k` longer than `cu_seqlens`: a
     prefill over a cached context); causal then aligns them to the end of the keys, as flash-attn does.
@@ -138,7 +144,10 @@ def varlen_causal_attention(
     call, which at 24 layers × (forward, recomputation, backward) bounded small micro-batches, and
     the rollout engine's prefill (24 layers a step) too.
     """
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if strided_rows and _ATEN_FLASH is not None:
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    else:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     max_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
     left = -1 if window is None else window - 1  # keys i - left .. i

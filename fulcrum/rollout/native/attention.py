@@ -151,7 +151,7 @@ def paged_attention(
         )
     fresh = meta.context_slots is None  # every sequence's queries are all of its keys
     if meta.prefill_kernel == "cudnn" and fresh and window is None and has_cudnn_attention(q):
-        return cudnn_causal_attention(q, k, v, meta.q_lens, scale)
+        return cudnn_causal_attention(q, k, v, meta.q_lens, scale, native_gqa=True)
     if not fresh:  # part of the context is already cached: read it all back
         k = k_cache.index_select(0, meta.context_slots)
         v = v_cache.index_select(0, meta.context_slots)
@@ -166,5 +166,6 @@ def paged_attention(
             window,
             cu_seqlens_k=meta.cu_seqlens_k,
             max_seqlen_k=max(meta.k_lens),
+            strided_rows=True,
         )
     return ops.prefill_attention_sdpa(q, k, v, meta.q_lens, meta.k_lens, scale, window)
