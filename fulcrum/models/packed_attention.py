@@ -134,7 +134,7 @@ def varlen_causal_attention(
 
     `strided_rows`: q, k and v go to aten's flash kernel as they are wherever their last dimension is
     contiguous, since the kernel reads tokens and heads at any stride (the rollout engine's views of one
-    QKV row: three copies a layer saved, 6 % of an 8k prefill); otherwise, and always on `varlen_attn`,
+    QKV row: three copies a layer saved); otherwise, and always on `varlen_attn`,
     each is made contiguous first, as the training passes' backward takes them.
 
     Sequence s's queries may be the last of its keys (`cu_seqlens_k` longer than `cu_seqlens`: a
