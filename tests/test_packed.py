@@ -374,6 +374,16 @@ def test_bucketed_dense_attention_equals_one_sdpa_per_sequence(native_gqa: bool)
     want = per_sequence_causal_attention(q, k, v, cu, 0.3)
     got = cudnn_causal_attention(q, k, v, lengths, 0.3, native_gqa=native_gqa, backend=SDPBackend.MATH)
     assert torch.allclose(got, want, atol=1e-6)
+    # the same from views of one QKV row, as the engine holds them (`strided_rows`)
+    q, k, v = (
+        x.view(n, -1, 8)
+        for x in torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1).split([48, 16, 16], 1)
+    )
+    assert not q.is_contiguous()
+    views = cudnn_causal_attention(
+        q, k, v, lengths, 0.3, native_gqa=native_gqa, backend=SDPBackend.MATH, strided_rows=True
+    )
+    assert torch.allclose(views, want, atol=1e-6)
 
 
 def test_cudnn_buckets_hold_each_length_within_a_sixteenth_of_an_octave() -> None:

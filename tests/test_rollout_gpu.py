@@ -142,6 +142,23 @@ def test_flash_reads_the_views_of_one_qkv_row_as_their_copies(heads: int, kv_hea
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(14, 2, 64), (16, 8, 128)])
+def test_cudnn_reads_the_views_of_one_qkv_row_as_flash_reads_their_copies(heads, kv_heads, dim) -> None:
+    """`strided_rows` on the cuDNN prefill: the views of one QKV row, grouped heads handed over, two equal
+    consecutive prompts batched as a view with the row's stride, give flash's result on the copies."""
+    from fulcrum.models.packed_attention import cudnn_causal_attention, varlen_causal_attention
+
+    lengths = [37, 1024, 1024, 2100]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    qkv = torch.randn(sum(lengths), (heads + 2 * kv_heads) * dim, device=CUDA, generator=generator).bfloat16()
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
+    expected = varlen_causal_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu, 2100, dim**-0.5)
+    got = cudnn_causal_attention(q, k, v, lengths, dim**-0.5, native_gqa=True, strided_rows=True)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_the_engine_prefills_fresh_prompts_through_cudnn_and_continued_chunks_through_flash(monkeypatch):
     """prefill_attention=cudnn: a step of fresh prompts runs cuDNN's kernel, a chunk over a cached
     context flash's, and the first tokens' bf16 log-probs stay within the kernels' rounding of flash's."""

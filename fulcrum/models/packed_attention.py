@@ -202,6 +202,7 @@ def cudnn_causal_attention(
     scale: float | None,
     native_gqa: bool = False,
     backend: object | None = None,
+    strided_rows: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed sequences whose queries are all of their keys (a prefill with no cached
     context, no window), under SDPA's cuDNN backend: (N, Hq, D).
@@ -211,6 +212,9 @@ def cudnn_causal_attention(
     no real query's output: the causal mask keeps query i to keys 0..i. K/V heads are repeated for their
     query groups (`repeat_kv_heads`) unless `native_gqa`, which hands cuDNN the grouped heads. `backend`
     (an `SDPBackend`; cuDNN's by default) lets the CPU check the grouping under the math kernel.
+    `strided_rows`: q, k and v are read as they are (the engine's views of one QKV row, each with its last
+    dimension contiguous): a batch of consecutive prompts already at their padded length is then a view
+    with the row's stride, no copy; else each is made contiguous first.
 
     Dense, not cuDNN's varlen (ragged) form, which aten also offers: on Hopper the ragged call measured
     tens of times slower than the dense batch (BENCHMARKS.md, "Long contexts")."""
@@ -219,7 +223,8 @@ def cudnn_causal_attention(
     heads = q.shape[1]
     if not native_gqa:
         k, v = repeat_kv_heads(k, heads), repeat_kv_heads(v, heads)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the engine's q/k/v are views of one qkv row
+    if not strided_rows or any(x.stride(-1) != 1 for x in (q, k, v)):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     starts = [0, *itertools.accumulate(lengths[:-1])]
     groups: dict[int, list[tuple[int, int]]] = {}
     for start, n in zip(starts, lengths, strict=True):
@@ -238,8 +243,8 @@ def cudnn_causal_attention(
 
 
 def _padded_batch(x: torch.Tensor, members: list[tuple[int, int]], padded: int) -> torch.Tensor:
-    """The (start, length) runs of a contiguous x (N, H, D) as a (P, H, padded, D) batch: a view of x
-    when the runs are consecutive and already `padded` long, else a zero-padded copy."""
+    """The (start, length) runs of x (N, H, D), its last dimension contiguous, as a (P, H, padded, D) batch:
+    a view of x when the runs are consecutive and already `padded` long, else a zero-padded copy."""
     first = members[0][0]
     if all(n == padded and s == first + j * padded for j, (s, n) in enumerate(members)):
         return (

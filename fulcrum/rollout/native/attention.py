@@ -151,7 +151,7 @@ def paged_attention(
         )
     fresh = meta.context_slots is None  # every sequence's queries are all of its keys
     if meta.prefill_kernel == "cudnn" and fresh and window is None and has_cudnn_attention(q):
-        return cudnn_causal_attention(q, k, v, meta.q_lens, scale, native_gqa=True)
+        return cudnn_causal_attention(q, k, v, meta.q_lens, scale, native_gqa=True, strided_rows=True)
     if not fresh:  # part of the context is already cached: read it all back
         k = k_cache.index_select(0, meta.context_slots)
         v = v_cache.index_select(0, meta.context_slots)
