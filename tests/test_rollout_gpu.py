@@ -143,7 +143,9 @@ def test_flash_reads_the_views_of_one_qkv_row_as_their_copies(heads: int, kv_hea
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(14, 2, 64), (16, 8, 128)])
-def test_cudnn_reads_the_views_of_one_qkv_row_as_flash_reads_their_copies(heads, kv_heads, dim) -> None:
+def test_cudnn_reads_the_views_of_one_qkv_row_as_flash_reads_their_copies(
+    heads: int, kv_heads: int, dim: int
+) -> None:
     """`strided_rows` on the cuDNN prefill: the views of one QKV row, grouped heads handed over, two equal
     consecutive prompts batched as a view with the row's stride, give flash's result on the copies."""
     from fulcrum.models.packed_attention import cudnn_causal_attention, varlen_causal_attention
