@@ -12,8 +12,8 @@ import torch
 from test_cuda_graphs import rl_batch
 from test_workers_update import cfg_for
 
-from fulcrum.config.sections import actor_section, critic_section
-from fulcrum.workers.actor import ActorWorker
+from fulcrum.config.sections import actor_section, critic_section, reference_section
+from fulcrum.workers.actor import ActorWorker, ReferenceWorker
 from fulcrum.workers.critic import CriticWorker
 from fulcrum.workers.update import global_agg_kwargs
 
@@ -123,3 +123,33 @@ def test_old_log_probs_and_values_from_graphs_follow_the_eager_ones(tiny_dir: st
         assert (
             float(difference.mean()) < 0.02 and float(difference.max()) < 0.2
         )  # bf16 products of other shapes
+
+
+def graphs_pool_reserved() -> int:
+    """Bytes reserved in the allocator's private pools (the graphs')."""
+    segments = torch.cuda.memory_snapshot()
+    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
+
+
+def test_a_second_models_captures_reuse_the_pool_the_first_one_made(tiny_dir: str) -> None:
+    """Every model's graphs are captured on one stream (`capture_stream`), so the reference's captures reuse
+    the pool segments the actor's captures freed: the same forward on the same batch grows the pool by much
+    less than its own work (on a stream of its own it would double it)."""
+    forwards = (
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+    )
+    cfg = cfg_for(tiny_dir, *SETTINGS, "actor_rollout_ref.actor.cuda_graphs=True", *forwards)
+    batch = rl_batch(b=16, p=256, r=1024)
+    actor = ActorWorker(actor_section(cfg), CUDA, total_training_steps=1)
+    ref = ReferenceWorker(reference_section(cfg), CUDA)
+    before = graphs_pool_reserved()
+    actor.compute_log_prob(batch)
+    first = graphs_pool_reserved() - before
+    ref.compute_ref_log_prob(batch)
+    both = graphs_pool_reserved() - before
+    for worker in (actor, ref):
+        assert worker.forwards.graphs is not None and worker.forwards.graphs.failed is None
+        assert worker.forwards.graphs.graphs  # each captured its micro-batch
+    assert first > 0
+    assert both < 1.5 * first, (first, both)

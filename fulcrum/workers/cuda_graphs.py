@@ -18,7 +18,8 @@ The first micro-batch of a bucket runs eagerly on the capture stream (its result
 step is captured; later micro-batches of the bucket replay it. A micro-batch whose bucket has no graph
 replays a captured larger bucket instead when that costs at most `NEAR_SHARE` more work (`extra_work`):
 micro-batches cut to a token budget spread over many buckets, and captures would go on for many steps.
-All graphs of the process share one memory pool (they run one at a time). A step that cannot be captured
+All graphs of a device share one memory pool (they run one at a time), captured on one stream (`capture_stream`:
+the allocator reuses a segment only on its own stream). A step that cannot be captured
 turns graphs off for that model with a warning, and it goes on eagerly.
 """
 
@@ -186,6 +187,20 @@ def shared_pool(owner: CudaGraphs) -> object:
     return handle
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One capture stream per device, for every model's captures and their eager first runs. The caching
+    allocator hands a segment only to allocations on the stream it was made for: captures on a stream of
+    each model's would grow the shared pool by each model's work (the pool the sum of the models' largest
+    micro-batches, not the largest), and each eager run's cached blocks would serve its own model only."""
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
 def capture_graph(
     fn: Callable[[], tuple[torch.Tensor, ...]], pool: object, stream: torch.cuda.Stream
 ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
@@ -245,7 +260,6 @@ class CudaGraphs:
         self.counts: dict[str, torch.Tensor] = {}  # the losses' mini-batch counts, as 0-d device tensors
         self.replays = 0
         self._filled: dict[str, float] = {}
-        self._stream: torch.cuda.Stream | None = None
 
     def __call__(
         self,
@@ -319,9 +333,7 @@ class CudaGraphs:
         static = padded.packed.to(device)
         rows = {k: host_to_device(v, device) for k, v in padded.rows.items()}
         inputs = MicroInputs(rows, padded.agg, static, static)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        stream, current = self._stream, torch.cuda.current_stream(device)
+        stream, current = capture_stream(device), torch.cuda.current_stream(device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):  # this micro-batch, eagerly, on the stream the capture uses
             outs, layout = Outputs.of(body(inputs))
