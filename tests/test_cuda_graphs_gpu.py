@@ -4,6 +4,7 @@ compute: the padding changes the products' shapes, so not bit for bit)."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -139,6 +140,8 @@ def test_a_second_models_captures_reuse_the_pool_the_first_one_made(tiny_dir: st
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
     )
+    gc.collect()  # earlier tests' graphs gone, their pool freed: these captures start a pool of their own
+    torch.cuda.empty_cache()
     cfg = cfg_for(tiny_dir, *SETTINGS, "actor_rollout_ref.actor.cuda_graphs=True", *forwards)
     batch = rl_batch(b=16, p=256, r=1024)
     actor = ActorWorker(actor_section(cfg), CUDA, total_training_steps=1)
