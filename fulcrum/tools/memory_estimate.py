@@ -31,6 +31,12 @@ forward; in the backward that block, its bf16 gradient and the head's fp32 weigh
 accumulator (4·V·h). Recomputing one checkpointed layer in the backward is not counted: it stays
 within the estimate's error (below).
 
+With CUDA graphs of the micro-batches (`graphs_refused`) a replayed micro-batch's work lives in the graphs'
+memory pool, which stays reserved from the first capture on and which every model's graphs share (captured
+on one stream, `fulcrum.workers.cuda_graphs.capture_stream`): the pool is resident in every phase, as large
+as the largest graphed micro-batch's work (an update's, with its bf16 gradients, or a forward's), and a
+graphed phase adds no work of its own beside it.
+
 The model's shape and parameter count come from its family's spec (`fulcrum.models.arch`).
 Shapes: P parameters, h hidden, L layers, H / K query / KV heads of dim d (q = H·d, kv = K·d), I
 intermediate, V vocab; a micro-batch of m rows of at most T = m × (prompt + response) tokens (a packed
@@ -252,52 +258,65 @@ def adamw_item(role: str, params: ModelParams) -> str:
     return f"{role} LoRA adapters' AdamW state (fp32)" if params.lora else f"{role} AdamW state (fp32)"
 
 
-def update_phase(
-    role: str, n_params: int, base: dict[str, float], shape: ModelShape, sizes: Sizes, graphed: bool = False
-) -> Phase:
-    """`role`'s ("actor" or "critic") update phase: `base` (what stays resident, name -> bytes), then
-    the fp32 gradients of its `n_params` trained parameters (4 B each), their bf16 compute weights and
-    bf16 gradients (2 + 2 B each) and the activations of its largest training micro-batch (sizes.update_rows[role] x
-    sizes.seq_len tokens). `graphed`: the compute weights and a buffer of their gradients are in `base`
-    already (and the bf16 gradients autograd makes are in the graphs' pool)."""
+def update_work_items(role: str, shape: ModelShape, sizes: Sizes, head_bytes: float) -> dict[str, float]:
+    """One training micro-batch's work (name -> bytes) for `role` ("actor" or "critic"): the activations of
+    sizes.update_rows[role] x sizes.seq_len tokens and, for the actor, the LM head's blocks (`head_bytes`,
+    `update_logits_bytes`)."""
     rows, checkpointing = sizes.update_rows[role], sizes.checkpointing[role]
+    items = {
+        f"activations, micro-batch of {rows} x {sizes.seq_len} tokens "
+        f"(checkpointing {'on' if checkpointing else 'off'})": update_activation_bytes(
+            shape, rows, sizes.seq_len, checkpointing
+        )
+    }
+    if head_bytes:
+        items["LM head on the response tokens"] = head_bytes
+    return items
+
+
+def forward_work_items(shape: ModelShape, rows: int, sizes: Sizes, lm_head: bool) -> dict[str, float]:
+    """One no-grad forward micro-batch's work (name -> bytes) of `rows` x sizes.seq_len tokens: the residual
+    stream (2h a token) and the larger of one layer's working set (`forward_working_bytes`) and, with the
+    LM head, one bf16 block of logits."""
+    tokens = rows * sizes.seq_len
+    items = {f"hidden states, micro-batch of {rows} x {sizes.seq_len} tokens": 2.0 * shape.hidden * tokens}
+    working = forward_working_bytes(shape) * tokens
+    logits = forward_logits_bytes(shape, rows, sizes.response_len) if lm_head else 0.0
+    if logits > working:
+        items["one block of logits (bf16)"] = logits
+    else:
+        items["one layer's working set"] = working
+    return items
+
+
+def update_phase(
+    role: str, n_params: int, base: dict[str, float], work: dict[str, float], graphed: bool = False
+) -> Phase:
+    """`role`'s ("actor" or "critic") update phase: `base` (what stays resident, name -> bytes), the fp32
+    gradients of its `n_params` trained parameters (4 B each), and unless `graphed` their bf16 compute
+    weights and bf16 gradients (2 + 2 B each) and its micro-batch's `work` (`update_work_items`). Graphed,
+    those are in `base` already: the compute weights and a buffer of their gradients kept resident, the
+    work in the graphs' pool."""
     phase = Phase(f"{role} update", dict(base))
     phase.items[f"{role} gradients (fp32)"] = 4 * n_params
     if not graphed:
         phase.items["bf16 compute weights"] = 2 * n_params
         phase.items["gradients of the bf16 compute weights"] = 2 * n_params
-    phase.items[
-        f"activations, micro-batch of {rows} x {sizes.seq_len} tokens "
-        f"(checkpointing {'on' if checkpointing else 'off'})"
-    ] = update_activation_bytes(shape, rows, sizes.seq_len, checkpointing)
+        phase.items.update(work)
     return phase
 
 
 def forward_phase(
-    name: str,
-    n_params: int,
-    rows: int,
-    base: dict[str, float],
-    shape: ModelShape,
-    sizes: Sizes,
-    lm_head: bool,
-    graphed: bool = False,
+    name: str, n_params: int, base: dict[str, float], work: dict[str, float], graphed: bool = False
 ) -> Phase:
-    """A no-grad forward (old log-probs, values) over micro-batches of `rows` x sizes.seq_len tokens:
-    `base`, the bf16 compute weights of the `n_params` trained parameters (2 B each; in `base` already
-    when `graphed`), the residual stream (2h a token) and the larger of
-    one layer's working set (`forward_working_bytes`) and, with the LM head, one bf16 block of logits."""
-    tokens = rows * sizes.seq_len
+    """A no-grad forward (old log-probs, reference log-probs, values): `base`, and unless `graphed` the bf16
+    compute weights of its `n_params` parameters (2 B each) and its micro-batch's `work`
+    (`forward_work_items`); graphed, both are in `base` (the weights kept resident, the work in the
+    graphs' pool)."""
     phase = Phase(name, dict(base))
     if not graphed:
         phase.items["bf16 compute weights"] = 2 * n_params
-    phase.items[f"hidden states, micro-batch of {rows} x {sizes.seq_len} tokens"] = 2 * shape.hidden * tokens
-    working = forward_working_bytes(shape) * tokens
-    logits = forward_logits_bytes(shape, rows, sizes.response_len) if lm_head else 0.0
-    if logits > working:
-        phase.items["one block of logits (bf16)"] = logits
-    else:
-        phase.items["one layer's working set"] = working
+        phase.items.update(work)
     return phase
 
 
@@ -335,18 +354,32 @@ def estimate(
     if uses_reference and not actor.lora:  # a LoRA actor's reference is its base, adapters off
         refused["reference"] = graphs_refused(cfg, "reference", device_bytes, 2 * p_actor, linear=linear)
     graphed = {role: role in refused and refused[role] is None for role in ("actor", "critic", "reference")}
+    head = update_logits_bytes(
+        shape, sizes.update_rows["actor"], sizes.response_len, sizes.with_entropy, not actor.lora
+    )
+    update_work = {"actor": update_work_items("actor", shape, sizes, head)}
+    if uses_critic:
+        update_work["critic"] = update_work_items("critic", shape, sizes, 0.0)
+    # The no-grad passes: (phase, parameters, the role whose graphs replay it, its micro-batch's work).
+    forwards: list[tuple[str, int, str, dict[str, float]]] = []
+    if not update_can_give_old_log_probs(cfg):  # else the on-policy update gives them: no such pass
+        work = forward_work_items(shape, sizes.forward_rows["actor"], sizes, True)
+        forwards.append(("old log-prob forward", actor.trained, "actor", work))
+    if uses_reference:  # its own model, or a LoRA actor's forwards with the adapters off
+        n_ref, ref_role = (actor.trained, "actor") if actor.lora else (p_actor, "reference")
+        work = forward_work_items(shape, sizes.forward_rows["reference"], sizes, True)
+        forwards.append(("reference log-prob forward", n_ref, ref_role, work))
+    if uses_critic:
+        work = forward_work_items(shape, sizes.forward_rows["critic"], sizes, False)
+        forwards.append(("values forward", critic.trained, "critic", work))
     pool = 0.0
     for role, params in (("actor", actor), ("critic", critic)):
         if graphed[role]:
             resident[f"{role} compute weights and gradients kept for CUDA graphs (bf16)"] = 4 * params.trained
-            work = 2 * params.trained + update_activation_bytes(
-                shape, sizes.update_rows[role], sizes.seq_len, sizes.checkpointing[role]
-            )
-            if role == "actor":
-                work += update_logits_bytes(
-                    shape, sizes.update_rows[role], sizes.response_len, sizes.with_entropy, True
-                )
-            pool = max(pool, work)
+            pool = max(pool, 2 * params.trained + sum(update_work[role].values()))
+    for _, _, role, work in forwards:
+        if graphed[role]:
+            pool = max(pool, sum(work.values()))
     if graphed["reference"]:
         resident["reference compute weights kept for CUDA graphs"] = 2 * p_actor
     if pool:
@@ -400,30 +433,13 @@ def estimate(
     parked = bool(cfg.trainer.park_optimizer_state) and uses_critic and world_size(cfg) == 1
     actor_base = without(base, adamw_item("critic", critic)) if parked else base
     critic_base = without(base, adamw_item("actor", actor)) if parked else base
-    actor_update = update_phase("actor", actor.trained, actor_base, shape, sizes, graphed["actor"])
-    actor_update.items["LM head on the response tokens"] = update_logits_bytes(
-        shape, sizes.update_rows["actor"], sizes.response_len, sizes.with_entropy, not actor.lora
-    )
-    phases.append(actor_update)
-    if uses_critic:
-        phases.append(update_phase("critic", critic.trained, critic_base, shape, sizes, graphed["critic"]))
-    actor_rows, critic_rows = sizes.forward_rows["actor"], sizes.forward_rows["critic"]
-    if not update_can_give_old_log_probs(cfg):  # else the on-policy update gives them: no such pass
-        phases.append(
-            forward_phase(
-                "old log-prob forward", actor.trained, actor_rows, base, shape, sizes, True, graphed["actor"]
-            )
-        )
-    if uses_reference:  # its own model, or a LoRA actor's forwards with the adapters off
-        n_ref, ref_role = (actor.trained, "actor") if actor.lora else (p_actor, "reference")
-        name, rows = "reference log-prob forward", sizes.forward_rows["reference"]
-        phases.append(forward_phase(name, n_ref, rows, base, shape, sizes, True, graphed[ref_role]))
+    phases.append(update_phase("actor", actor.trained, actor_base, update_work["actor"], graphed["actor"]))
     if uses_critic:
         phases.append(
-            forward_phase(
-                "values forward", critic.trained, critic_rows, base, shape, sizes, False, graphed["critic"]
-            )
+            update_phase("critic", critic.trained, critic_base, update_work["critic"], graphed["critic"])
         )
+    for name, n_params, role, work in forwards:
+        phases.append(forward_phase(name, n_params, base, work, graphed[role]))
     return Estimate(device_bytes, device_known, phases, kv, kv_tokens, refused)
 
 
