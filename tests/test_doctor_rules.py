@@ -193,10 +193,10 @@ def test_the_estimate_keeps_what_the_micro_batches_graphs_keep(files: Path) -> N
     critic's key follows) each model's bf16 compute weights and a bf16 buffer of their gradients (4 B a
     parameter) stay resident and the graphs' pool holds the largest micro-batch's work: every phase holds
     them, and a graphed phase counts neither its compute weights nor its micro-batch's work again."""
-    from fulcrum.tools import memory_estimate
+    from fulcrum.tools import graphs_estimate
     from fulcrum.workers.cuda_graphs import MAX_RESIDENT_SHARE
 
-    assert memory_estimate.GRAPHS_RESIDENT_SHARE == MAX_RESIDENT_SHARE
+    assert graphs_estimate.GRAPHS_RESIDENT_SHARE == MAX_RESIDENT_SHARE
     phases = {}
     for graphs in (False, True):
         est = seed_estimate(files, f"actor_rollout_ref.actor.cuda_graphs={graphs}")

@@ -56,11 +56,11 @@ from pathlib import Path
 from typing import Any
 
 from fulcrum.config import world_size
-from fulcrum.config.keys import get_path
 from fulcrum.models.arch import ModelShape, model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token, param_count, recurrent_state_bytes
 from fulcrum.rollout.native.config import engine_config_from
 from fulcrum.rollout.native.memory import engine_workspace_bytes, kv_cache_budget
+from fulcrum.tools.graphs_estimate import graphs_refused
 from fulcrum.tools.lora_params import ModelParams, model_params
 from fulcrum.trainer.old_log_probs import update_can_give_old_log_probs
 
@@ -78,10 +78,6 @@ ATTENTION_OUTPUTS_KEPT = True
 # With trainer.park_optimizer_state one process with a critic parks each model's AdamW state in host
 # memory during the other's update (fulcrum.workers.state_parking). The forward phases count both states
 # resident, as after a checkpoint (which brings parked state back).
-# With a role's cuda_graphs key one process replays each packed model's micro-batches as CUDA graphs
-# (fulcrum.workers.cuda_graphs), which keeps its bf16 compute weights and a bf16 gradient buffer
-# resident, and holds the graphs' memory pool (the largest captured micro-batch's work).
-GRAPHS_RESIDENT_SHARE = 0.05  # fulcrum.workers.cuda_graphs.MAX_RESIDENT_SHARE (a test keeps them equal)
 
 
 def read_model_shape(path: str | None) -> ModelShape | None:
@@ -441,39 +437,6 @@ def estimate(
     for name, n_params, role, work in forwards:
         phases.append(forward_phase(name, n_params, base, work, graphed[role]))
     return Estimate(device_bytes, device_known, phases, kv, kv_tokens, refused)
-
-
-# Each role's keys: its cuda_graphs switch, its packing switch, its sequence-parallel size.
-GRAPH_ROLE_KEYS = {
-    "actor": ("actor_rollout_ref.actor", "actor_rollout_ref.model", "actor_rollout_ref.actor"),
-    "reference": ("actor_rollout_ref.ref", "actor_rollout_ref.model", "actor_rollout_ref.ref"),
-    "critic": ("critic", "critic.model", "critic"),
-}
-
-
-def graphs_refused(
-    cfg: Any, role: str, device_bytes: float, kept: float, lora: bool = False, linear: bool = False
-) -> str | None:
-    """Why `role`'s micro-batches would run eagerly, or None when they replay as CUDA graphs keeping `kept`
-    bytes resident (fulcrum.workers.cuda_graphs.graphs_refused's rule, read from the keys): its
-    `cuda_graphs` key on, one process, packed, no sequence parallelism, no `linear`-attention layers, no
-    LoRA, `kept` within `GRAPHS_RESIDENT_SHARE` of the device (a CUDA device, as the whole estimate)."""
-    switch, model, sp = (get_path(cfg, path) for path in GRAPH_ROLE_KEYS[role])
-    if not switch.cuda_graphs:
-        return f"{GRAPH_ROLE_KEYS[role][0]}.cuda_graphs=false"
-    if world_size(cfg) > 1:
-        return "several processes"
-    if not model.use_remove_padding:
-        return f"padded micro-batches ({GRAPH_ROLE_KEYS[role][1]}.use_remove_padding=false)"
-    if int(sp.ulysses_sequence_parallel_size or 1) > 1:
-        return "sequence parallelism"
-    if linear:
-        return "linear-attention layers"
-    if lora:
-        return "LoRA adapters"
-    if kept > GRAPHS_RESIDENT_SHARE * device_bytes:
-        return f"it would keep {kept / GiB:.1f} GiB resident, over {GRAPHS_RESIDENT_SHARE:.0%} of the device"
-    return None
 
 
 def usable_cache_bytes(rollout: Any, shape: ModelShape, seq_len: int) -> float:
