@@ -52,10 +52,11 @@ And where a prefill's time goes: the row's first `PROFILED_PROMPTS` (16) prompts
 the profiler (`prefill_split`: GPU busy and wall, busy per kernel category as bench/tools/decode_profile.py
 sorts them, the busiest kernels), and one prefill step's attention alone (`prefill_kernel`: the prompts a
 step of `--max-num-batched-tokens` holds, under aten's flash kernel and SDPA's cuDNN backend, K/V heads
-repeated or grouped; bench/tools/prefill_attention.py) with its TFLOP/s; then the whole prefill again with
-cuDNN's kernel in the engine (`prefill_by_kernel`: `engine_kwargs.native.prefill_attention=cudnn`,
-`PREFILL_REPEATS` times, each generating the first token only), its fraction of the peak and its speed over
-the flash prefill.
+repeated or grouped, and FlashAttention-4's where the fa4 extra is installed; bench/tools/prefill_attention.py)
+with its TFLOP/s; then the whole prefill again with each other kernel in the engine (`prefill_by_kernel`:
+`engine_kwargs.native.prefill_attention=cudnn`, then `=fa4`, `PREFILL_REPEATS` times, each generating the
+first token only), its fraction of the peak and its speed over the flash prefill (a kernel that cannot run
+is reported with its error).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ CONTEXTS = (8192, 16384, 2048)
 # HBM bandwidth (bytes/s) by device name, the more specific names first.
 HBM_BANDWIDTH = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12))
 SWEEP_SPLITS = (1, 2, 4, 8, 16)
-OTHER_PREFILL_KERNELS = ("cudnn",)  # timed beside the engine's default (flash) on CUDA
+OTHER_PREFILL_KERNELS = ("cudnn", "fa4")  # timed beside the engine's default (flash) on CUDA
 PREFILL_REPEATS = 2  # prefill_under's timed prefills
 PROFILED_PROMPTS = 16  # prefill_split's prompts: steps enough for the split, a trace that loads fast
 
@@ -381,21 +382,26 @@ def table(rows: list[dict[str, Any]]) -> str:
 
     lines = [
         "| shape | context | sequences | decode tok/s | decode ms/step | of memory roofline | prefill tok/s "
-        "| prefill TFLOP/s | of bf16 peak | splits chosen / fastest | prefill, cuDNN over flash |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| prefill TFLOP/s | of bf16 peak | splits chosen / fastest | prefill, cuDNN over flash "
+        "| prefill, FA4 over flash |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['shape']} | {r['context']} | {r['skipped']} ||||||||")
+            lines.append(f"| {r['shape']} | {r['context']} | {r['skipped']} |||||||||")
             continue
         kernel = r.get("decode_kernel")
         splits = f"{kernel['chosen_splits']} / {kernel['best_splits']}" if kernel else "n/a"
-        other = r.get("prefill_by_kernel", {}).get("cudnn", {})
-        cudnn = f"{other['over_flash']}x" if "over_flash" in other else other.get("failed", "n/a")[:40]
+        over = []
+        for name in OTHER_PREFILL_KERNELS:
+            other = r.get("prefill_by_kernel", {}).get(name, {})
+            over.append(
+                f"{other['over_flash']}x" if "over_flash" in other else other.get("failed", "n/a")[:40]
+            )
         lines.append(
             f"| {r['shape']} | {r['context']} | {r['sequences']} | {r['decode_tok_per_s']:,} | "
             f"{r['decode_step_ms']} | {pct(r['decode_roofline_fraction'])} | {r['prefill_tok_per_s']:,} | "
-            f"{r['prefill_tflop_per_s']} | {pct(r['prefill_peak_fraction'])} | {splits} | {cudnn} |"
+            f"{r['prefill_tflop_per_s']} | {pct(r['prefill_peak_fraction'])} | {splits} | {' | '.join(over)} |"
         )
     return "\n".join(lines)
 

@@ -193,3 +193,56 @@ def test_the_engine_prefills_fresh_prompts_through_cudnn_and_continued_chunks_th
         assert calls["cudnn"] > 0 and calls["cudnn"] % layers == 0
         for ours, theirs in zip(first["cudnn"].logprobs, first["flash"].logprobs, strict=True):
             torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=5e-2, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(14, 2, 64), (16, 8, 128)])
+def test_fa4_prefill_attention_equals_flash(heads: int, kv_heads: int, dim: int, window: int | None) -> None:
+    """FlashAttention-4's varlen forward (the fa4 extra) = aten's flash kernel at Qwen2.5-0.5B's and
+    Qwen3-0.6B's heads in bf16: prompts of mixed lengths read as views of one QKV row, each sequence's
+    queries the last of its keys (a chunk over a cached context), with and without a sliding window."""
+    pytest.importorskip("flash_attn.cute", reason="needs the fa4 extra")
+    from fulcrum.models.packed_attention import fa4_varlen_causal_attention, varlen_causal_attention
+
+    q_lens, k_lens = [1, 37, 300, 1024, 2100], [1, 37, 812, 1024, 2400]  # the third and last: cached context
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(sum(q_lens), width, device=CUDA, generator=generator).bfloat16()
+    q = qkv[:, : heads * dim].view(-1, heads, dim)
+    k = torch.randn(sum(k_lens), kv_heads, dim, device=CUDA, generator=generator).bfloat16()
+    v = torch.randn(sum(k_lens), kv_heads, dim, device=CUDA, generator=generator).bfloat16()
+    kwargs = {"cu_seqlens_k": cu_k, "max_seqlen_k": max(k_lens)}
+    expected = varlen_causal_attention(q.contiguous(), k, v, cu_q, max(q_lens), dim**-0.5, window, **kwargs)
+    got = fa4_varlen_causal_attention(q, k, v, cu_q, max(q_lens), dim**-0.5, window, **kwargs)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_engine_prefills_every_step_through_fa4(monkeypatch):
+    """prefill_attention=fa4: fresh prompts and a chunk over a cached context both run FlashAttention-4,
+    and the first tokens' bf16 log-probs stay within the kernels' rounding of flash's."""
+    pytest.importorskip("flash_attn.cute", reason="needs the fa4 extra")
+    from fulcrum.rollout.native import attention
+
+    calls = Counter()
+    real = attention.fa4_varlen_causal_attention
+
+    def counted(*args, **kwargs):
+        calls["fa4"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "fa4_varlen_causal_attention", counted)
+    model = random_causal_lm("qwen2", init_std=0.2).to(CUDA)
+    prompts = prompts_of([9, 300, 700, 64])  # 700 > 512 tokens a step: a second chunk over a cached context
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    first = {}
+    for kernel in ("flash", "fa4"):
+        config = EngineConfig(
+            max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024, prefill_attention=kernel
+        )
+        first[kernel] = NativeEngine(model, [EOS], 0, config, CUDA).generate(prompts, params)
+    layers = model.config.num_hidden_layers
+    assert calls["fa4"] >= 3 * layers and calls["fa4"] % layers == 0  # three prefill steps at least
+    for ours, theirs in zip(first["fa4"].logprobs, first["flash"].logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=5e-2, rtol=0)

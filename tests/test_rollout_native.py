@@ -275,32 +275,48 @@ def test_engine_config_reads_verl_keys_and_our_engine_kwargs():
 
 
 def test_the_prefill_attention_key_is_read_and_a_wrong_value_named() -> None:
-    """engine_kwargs.native.prefill_attention: flash by default, cudnn when asked, anything else refused
-    naming the key and the values it takes."""
+    """engine_kwargs.native.prefill_attention: flash by default, cudnn or fa4 when asked, anything else
+    refused naming the key and the values it takes."""
     from fulcrum.config import load_config
     from fulcrum.rollout.native.config import engine_config_from
 
     key = "+actor_rollout_ref.rollout.engine_kwargs.native.prefill_attention"
     assert engine_config_from(load_config([]).actor_rollout_ref.rollout, 4096).prefill_attention == "flash"
-    rollout = load_config([f"{key}=cudnn"]).actor_rollout_ref.rollout
-    assert engine_config_from(rollout, 4096).prefill_attention == "cudnn"
+    for kernel in ("cudnn", "fa4"):
+        rollout = load_config([f"{key}={kernel}"]).actor_rollout_ref.rollout
+        assert engine_config_from(rollout, 4096).prefill_attention == kernel
     with pytest.raises(
-        ValueError, match=r"native\.prefill_attention: expected one of flash, cudnn, got 'fa3'"
+        ValueError, match=r"native\.prefill_attention: expected one of flash, cudnn, fa4, got 'fa3'"
     ):
         engine_config_from(load_config([f"{key}=fa3"]).actor_rollout_ref.rollout, 4096)
 
 
+def test_fa4_prefill_says_why_it_cannot_run() -> None:
+    """FlashAttention-4 needs CUDA, the fa4 extra and a Hopper or Blackwell card: each reason names what is
+    missing (this machine has no flash-attn-4 installed, and the CPU is checked first)."""
+    import importlib.util
+
+    from fulcrum.models.packed_attention import fa4_unavailable_reason
+
+    assert "runs on CUDA, not cpu" in fa4_unavailable_reason(torch.device("cpu"))
+    if importlib.util.find_spec("flash_attn") is None:
+        reason = fa4_unavailable_reason(torch.device("cuda"))
+        assert reason is not None and "pip install 'fulcrum[fa4]'" in reason
+
+
 def test_cudnn_prefill_on_the_cpu_generates_as_flash_does() -> None:
-    """The CPU has no cuDNN attention: the key leaves its SDPA prefill as it is, token for token."""
+    """The CPU has neither cuDNN attention nor FlashAttention-4: the key leaves its SDPA prefill as it is,
+    token for token."""
     model = random_causal_lm("qwen2", init_std=0.2)
     prompts = [[5, 9, 13, 2, 7], [3] * 40, [11, 4]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outputs = {}
-    for kernel in ("flash", "cudnn"):
+    for kernel in ("flash", "cudnn", "fa4"):
         config = EngineConfig(max_num_seqs=4, max_model_len=64, num_kv_blocks=32, prefill_attention=kernel)
         outputs[kernel] = NativeEngine(model, [1], 0, config, CPU).generate(prompts, params)
-    assert outputs["cudnn"].token_ids == outputs["flash"].token_ids
-    assert outputs["cudnn"].logprobs == outputs["flash"].logprobs
+    for kernel in ("cudnn", "fa4"):
+        assert outputs[kernel].token_ids == outputs["flash"].token_ids
+        assert outputs[kernel].logprobs == outputs["flash"].logprobs
 
 
 def test_the_triton_kernels_key_picks_the_engine_kernels(monkeypatch: pytest.MonkeyPatch):

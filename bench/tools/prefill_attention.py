@@ -12,6 +12,9 @@ That call, alone, at each shape's heads and head dim, under:
   SDPA's cuDNN backend on the (prompts, heads, context, head dim) batch, K/V heads repeated to the query
   heads first (the repeat timed with it).
 - `cudnn_gqa`: the same call handing cuDNN the grouped K/V heads (`native_gqa=True`), no repeat.
+- `fa4`: FlashAttention-4's varlen forward (`fa4_varlen_causal_attention`, the fa4 extra; Hopper or
+  Blackwell), the engine's call with `engine_kwargs.native.prefill_attention=fa4`; its first call compiles
+  the kernel (CUTLASS's DSL, at run time).
 
 Each: CUDA events, the median of `--repeats` after warm-up, µs, TFLOP/s (causal: QKᵀ and PV are
 2 · c² · q FLOPs each per prompt, q = heads · head dim, half of them under the mask), the largest
@@ -41,6 +44,7 @@ from shapes import shape_of
 
 from fulcrum.models.packed_attention import (
     cudnn_causal_attention,
+    fa4_varlen_causal_attention,
     has_flash_varlen,
     varlen_causal_attention,
 )
@@ -76,6 +80,7 @@ BACKENDS: dict[str, Attend] = {
     "flash": varlen_causal_attention,
     "cudnn": cudnn_batches(native_gqa=False),
     "cudnn_gqa": cudnn_batches(native_gqa=True),
+    "fa4": fa4_varlen_causal_attention,
 }
 
 

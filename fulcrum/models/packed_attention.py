@@ -9,6 +9,7 @@ metadata is transformers' SDPA, so a model switched to packed attention still ru
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import itertools
 
@@ -164,6 +165,52 @@ def varlen_causal_attention(
     if "enable_gqa" in _VARLEN_PARAMS:
         kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
     return varlen_attn(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, **kwargs)
+
+
+def fa4_unavailable_reason(device: torch.device) -> str | None:
+    """Why FlashAttention-4 (`fa4_varlen_causal_attention`) cannot run on `device`, or None: it needs the
+    `fa4` extra (the flash-attn-4 package) and a Hopper or Blackwell card (compute capability 9 or 10)."""
+    if device.type != "cuda":
+        return f"FlashAttention-4 runs on CUDA, not {device.type}"
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        return "FlashAttention-4 is not installed (pip install 'fulcrum[fa4]')"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        return f"FlashAttention-4 runs on Hopper or Blackwell (compute capability 9.x or 10.x), not {major}.{minor}"
+    return None
+
+
+def fa4_varlen_causal_attention(
+    q: torch.Tensor,  # (N, Hq, D)
+    k: torch.Tensor,  # (M, Hkv, D)
+    v: torch.Tensor,  # (M, Hkv, D)
+    cu_seqlens: torch.Tensor,  # (S + 1,) int32
+    max_seqlen: int,
+    scale: float | None,
+    window: int | None = None,
+    *,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
+    """`varlen_causal_attention`'s forward under FlashAttention-4's varlen kernel (no gradient): (N, Hq, D).
+    Grouped-query heads are the kernel's; causal aligns a sequence's queries to the end of its keys (a
+    prefill over a cached context); `window` keeps the window latest keys. q, k and v go as they are (the
+    kernel takes rows at any 16-byte-aligned stride, as the engine's views of one QKV row are)."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    out, _ = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens if cu_seqlens_k is None else cu_seqlens_k,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen if max_seqlen_k is None else max_seqlen_k,
+        softmax_scale=scale,
+        causal=True,
+        window_size=(None, None) if window is None else (window - 1, 0),
+    )
+    return out
 
 
 def has_cudnn_attention(x: torch.Tensor) -> bool:

@@ -3,8 +3,8 @@
 
 The CUDA path uses aten's flash kernel in its varlen form for prefill (the training passes' call,
 `fulcrum.models.packed_attention.varlen_causal_attention`), or cuDNN's for a step of fresh prompts with
-`prefill_attention="cudnn"`, and the Triton paged kernel for decode; the CPU path (and any dtype
-FlashAttention does not take) uses SDPA.
+`prefill_attention="cudnn"`, or FlashAttention-4's for every prefill step with `prefill_attention="fa4"`,
+and the Triton paged kernel for decode; the CPU path (and any dtype FlashAttention does not take) uses SDPA.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from fulcrum.models.packed_attention import (
     cudnn_causal_attention,
+    fa4_varlen_causal_attention,
     has_cudnn_attention,
     has_flash_varlen,
     varlen_causal_attention,
@@ -155,6 +156,20 @@ def paged_attention(
     if not fresh:  # part of the context is already cached: read it all back
         k = k_cache.index_select(0, meta.context_slots)
         v = v_cache.index_select(0, meta.context_slots)
+    if (
+        meta.prefill_kernel == "fa4" and q.is_cuda
+    ):  # the engine checked it runs here (`fa4_unavailable_reason`)
+        return fa4_varlen_causal_attention(
+            q,
+            k,
+            v,
+            meta.cu_seqlens_q,
+            max(meta.q_lens),
+            scale,
+            window,
+            cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_k=max(meta.k_lens),
+        )
     if has_flash_varlen(q):  # a step's new tokens are the last of each sequence's keys
         return varlen_causal_attention(
             q,

@@ -18,7 +18,7 @@ from fulcrum.rollout.native.block_manager import blocks_for
 _DTYPES = dict(bfloat16=torch.bfloat16, bf16=torch.bfloat16, float16=torch.float16, fp16=torch.float16)
 _DTYPES |= dict(float32=torch.float32, fp32=torch.float32)
 SCHEMA = RolloutConfig()  # the defaults of verl's keys, for benchmarks and tests that build EngineConfig
-PREFILL_ATTENTION = ("flash", "cudnn")  # engine_kwargs.native.prefill_attention's values
+PREFILL_ATTENTION = ("flash", "cudnn", "fa4")  # engine_kwargs.native.prefill_attention's values
 
 
 def native(default: Any) -> Any:
@@ -62,10 +62,11 @@ class EngineConfig:
     # None: on CUDA, off on the CPU; True: also on the CPU under Triton's interpreter (TRITON_INTERPRET=1,
     # for tests), refused where Triton cannot run; False: torch ops everywhere (the reference path).
     triton_kernels: bool | None = native(None)
-    # The prefill's attention kernel on CUDA: "flash" (aten's FlashAttention-2 varlen forward) or "cudnn"
+    # The prefill's attention kernel on CUDA: "flash" (aten's FlashAttention-2 varlen forward), "cudnn"
     # (SDPA's cuDNN backend on dense batches of prompts padded to a few lengths, for a step whose prompts
     # start at their first token; a step over a cached context, a sliding-window layer and the CPU keep
-    # flash / SDPA). bench/long_context.py times both.
+    # flash / SDPA) or "fa4" (FlashAttention-4's varlen forward for every prefill step, the `fa4` extra, a
+    # Hopper or Blackwell card; the CPU keeps SDPA). bench/long_context.py times each.
     prefill_attention: str = native("flash")
 
     def __post_init__(self) -> None:

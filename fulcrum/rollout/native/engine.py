@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from fulcrum.models.arch import spec_for, unsupported_reason
+from fulcrum.models.packed_attention import fa4_unavailable_reason
 from fulcrum.parallel.tensor_parallel import TensorParallel
 from fulcrum.rollout.base import RolloutOutput, SamplingParams, SequenceOutput
 from fulcrum.rollout.native.block_manager import BlockManager
@@ -124,6 +125,12 @@ class NativeEngine:
             raise ValueError(f"native engine: it does not run {reason}; use rollout.name=hf")
         spec = spec_for(hf_model.config)
         assert spec is not None  # unsupported_reason names an unknown model_type
+        if config.prefill_attention == "fa4" and self.device.type == "cuda":
+            why = fa4_unavailable_reason(self.device)
+            if why is not None:
+                raise ValueError(
+                    f"actor_rollout_ref.rollout.engine_kwargs.native.prefill_attention=fa4: {why}"
+                )
         dtype = config.dtype if self.device.type == "cuda" else next(hf_model.parameters()).dtype
         rotaries = rotaries_of(hf_model)
         self.model = DecoderLM(spec, hf_model.config, rotaries, dtype, self.device, self.tp)
