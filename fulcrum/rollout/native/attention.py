@@ -156,9 +156,9 @@ def paged_attention(
     if not fresh:  # part of the context is already cached: read it all back
         k = k_cache.index_select(0, meta.context_slots)
         v = v_cache.index_select(0, meta.context_slots)
-    if (
-        meta.prefill_kernel == "fa4" and q.is_cuda
-    ):  # the engine checked it runs here (`fa4_unavailable_reason`)
+    # fa4: where the engine starts it checks that FlashAttention-4 runs on this device (`fa4_unavailable_reason`);
+    # a float32 engine keeps flash / SDPA, as FlashAttention takes half precision only
+    if meta.prefill_kernel == "fa4" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         return fa4_varlen_causal_attention(
             q,
             k,
