@@ -161,19 +161,26 @@ def test_cudnn_reads_the_views_of_one_qkv_row_as_flash_reads_their_copies(
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
+def counted_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> Counter:
+    """The engine's attention module's `name` wrapped to count its calls, by the `kernel` keyword when
+    given one (else under `name`)."""
+    from fulcrum.rollout.native import attention
+
+    calls: Counter = Counter()
+    real = getattr(attention, name)
+
+    def counted(*args, **kwargs):
+        calls[kwargs.get("kernel", name)] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, name, counted)
+    return calls
+
+
 def test_the_engine_prefills_fresh_prompts_through_cudnn_and_continued_chunks_through_flash(monkeypatch):
     """prefill_attention=cudnn: a step of fresh prompts runs cuDNN's kernel, a chunk over a cached
     context flash's, and the first tokens' bf16 log-probs stay within the kernels' rounding of flash's."""
-    from fulcrum.rollout.native import attention
-
-    calls = Counter()
-    real = attention.cudnn_causal_attention
-
-    def counted(*args, **kwargs):
-        calls["cudnn"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "cudnn_causal_attention", counted)
+    calls = counted_calls(monkeypatch, "cudnn_causal_attention")
     model = random_causal_lm("qwen2", init_std=0.2).to(CUDA)
     # 700 > 512 tokens a step: its second chunk has a cached context; two prompts of 256 fill a step at
     # one padded length (cuDNN reads them as one batch, a view of the step's Q/K/V)
@@ -188,9 +195,9 @@ def test_the_engine_prefills_fresh_prompts_through_cudnn_and_continued_chunks_th
             )
             first[kernel] = NativeEngine(model, [EOS], 0, config, CUDA).generate(prompts, params)
             if kernel == "flash":
-                assert calls["cudnn"] == 0
+                assert calls["cudnn_causal_attention"] == 0
         layers = model.config.num_hidden_layers
-        assert calls["cudnn"] > 0 and calls["cudnn"] % layers == 0
+        assert calls["cudnn_causal_attention"] > 0 and calls["cudnn_causal_attention"] % layers == 0
         for ours, theirs in zip(first["cudnn"].logprobs, first["flash"].logprobs, strict=True):
             torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=5e-2, rtol=0)
 
@@ -202,7 +209,7 @@ def test_fa4_prefill_attention_equals_flash(heads: int, kv_heads: int, dim: int,
     Qwen3-0.6B's heads in bf16: prompts of mixed lengths read as views of one QKV row, each sequence's
     queries the last of its keys (a chunk over a cached context), with and without a sliding window."""
     pytest.importorskip("flash_attn.cute", reason="needs the fa4 extra")
-    from fulcrum.models.packed_attention import fa4_varlen_causal_attention, varlen_causal_attention
+    from fulcrum.models.packed_attention import varlen_causal_attention
 
     q_lens, k_lens = [1, 37, 300, 1024, 2100], [1, 37, 812, 1024, 2400]  # the third and last: cached context
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
@@ -215,7 +222,7 @@ def test_fa4_prefill_attention_equals_flash(heads: int, kv_heads: int, dim: int,
     v = torch.randn(sum(k_lens), kv_heads, dim, device=CUDA, generator=generator).bfloat16()
     kwargs = {"cu_seqlens_k": cu_k, "max_seqlen_k": max(k_lens)}
     expected = varlen_causal_attention(q.contiguous(), k, v, cu_q, max(q_lens), dim**-0.5, window, **kwargs)
-    got = fa4_varlen_causal_attention(q, k, v, cu_q, max(q_lens), dim**-0.5, window, **kwargs)
+    got = varlen_causal_attention(q, k, v, cu_q, max(q_lens), dim**-0.5, window, kernel="fa4", **kwargs)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -223,16 +230,7 @@ def test_the_engine_prefills_every_step_through_fa4(monkeypatch):
     """prefill_attention=fa4: fresh prompts and a chunk over a cached context both run FlashAttention-4,
     and the first tokens' bf16 log-probs stay within the kernels' rounding of flash's."""
     pytest.importorskip("flash_attn.cute", reason="needs the fa4 extra")
-    from fulcrum.rollout.native import attention
-
-    calls = Counter()
-    real = attention.fa4_varlen_causal_attention
-
-    def counted(*args, **kwargs):
-        calls["fa4"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "fa4_varlen_causal_attention", counted)
+    calls = counted_calls(monkeypatch, "varlen_causal_attention")
     model = random_causal_lm("qwen2", init_std=0.2).to(CUDA)
     prompts = prompts_of([9, 300, 700, 64])  # 700 > 512 tokens a step: a second chunk over a cached context
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -243,6 +241,8 @@ def test_the_engine_prefills_every_step_through_fa4(monkeypatch):
         )
         first[kernel] = NativeEngine(model, [EOS], 0, config, CUDA).generate(prompts, params)
     layers = model.config.num_hidden_layers
-    assert calls["fa4"] >= 3 * layers and calls["fa4"] % layers == 0  # three prefill steps at least
+    fa4_calls = calls["fa4"]
+    assert fa4_calls >= 3 * layers and fa4_calls % layers == 0  # three prefill steps at least
+    assert calls["flash"] >= 3 * layers  # the flash engine's
     for ours, theirs in zip(first["fa4"].logprobs, first["flash"].logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=5e-2, rtol=0)

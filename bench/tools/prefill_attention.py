@@ -12,7 +12,7 @@ That call, alone, at each shape's heads and head dim, under:
   SDPA's cuDNN backend on the (prompts, heads, context, head dim) batch, K/V heads repeated to the query
   heads first (the repeat timed with it).
 - `cudnn_gqa`: the same call handing cuDNN the grouped K/V heads (`native_gqa=True`), no repeat.
-- `fa4`: FlashAttention-4's varlen forward (`fa4_varlen_causal_attention`, the fa4 extra; Hopper or
+- `fa4`: FlashAttention-4's varlen forward (`varlen_causal_attention(kernel="fa4")`, the fa4 extra; Hopper or
   Blackwell), the engine's call with `engine_kwargs.native.prefill_attention=fa4`; its first call compiles
   the kernel (CUTLASS's DSL, at run time).
 
@@ -44,7 +44,6 @@ from shapes import shape_of
 
 from fulcrum.models.packed_attention import (
     cudnn_causal_attention,
-    fa4_varlen_causal_attention,
     has_flash_varlen,
     varlen_causal_attention,
 )
@@ -67,6 +66,13 @@ def prompts_a_step(context: int, step_tokens: int = STEP_TOKENS) -> int:
     return max(1, step_tokens // context)
 
 
+def fa4(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, c: int, scale: float
+) -> torch.Tensor:
+    """The engine's call with `prefill_attention=fa4`, in the flash call's signature."""
+    return varlen_causal_attention(q, k, v, cu, c, scale, kernel="fa4")
+
+
 def cudnn_batches(native_gqa: bool) -> Attend:
     """The engine's cuDNN prefill in the flash call's signature (the lengths read from `cu`)."""
 
@@ -80,7 +86,7 @@ BACKENDS: dict[str, Attend] = {
     "flash": varlen_causal_attention,
     "cudnn": cudnn_batches(native_gqa=False),
     "cudnn_gqa": cudnn_batches(native_gqa=True),
-    "fa4": fa4_varlen_causal_attention,
+    "fa4": fa4,
 }
 
 

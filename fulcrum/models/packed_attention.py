@@ -129,9 +129,14 @@ def varlen_causal_attention(
     cu_seqlens_k: torch.Tensor | None = None,  # (S + 1,) int32; None: the queries' own
     max_seqlen_k: int | None = None,
     strided_rows: bool = False,
+    kernel: str = "flash",
 ) -> torch.Tensor:
     """Flash varlen attention, causal (with `window`, over the window latest keys), grouped-query heads
     handled by the kernel: (N, Hq, D).
+
+    `kernel`: "flash", aten's FlashAttention-2 kernel (with its derivative), or "fa4", FlashAttention-4's
+    varlen forward (the `fa4` extra, Hopper or Blackwell, no gradient: the rollout engine's prefill), which
+    takes q, k and v as they are (rows at any 16-byte-aligned stride).
 
     `strided_rows`: q, k and v go to aten's flash kernel as they are wherever their last dimension is
     contiguous, since the kernel reads tokens and heads at any stride (the rollout engine's views of one
@@ -145,12 +150,28 @@ def varlen_causal_attention(
     call, which at 24 layers × (forward, recomputation, backward) bounded small micro-batches, and
     the rollout engine's prefill (24 layers a step) too.
     """
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    max_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
+    if kernel == "fa4":
+        from flash_attn.cute import flash_attn_varlen_func
+
+        window_size = (None, None) if window is None else (window - 1, 0)
+        return flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_k=max_k,
+            softmax_scale=scale,
+            causal=True,
+            window_size=window_size,
+        )[0]
     if strided_rows and _ATEN_FLASH is not None:
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     else:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
-    max_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
     left = -1 if window is None else window - 1  # keys i - left .. i
     if _ATEN_FLASH is not None:
         sliding = {} if window is None else {"window_size_left": left, "window_size_right": 0}
@@ -168,7 +189,7 @@ def varlen_causal_attention(
 
 
 def fa4_unavailable_reason(device: torch.device) -> str | None:
-    """Why FlashAttention-4 (`fa4_varlen_causal_attention`) cannot run on `device`, or None: it needs the
+    """Why FlashAttention-4 (`varlen_causal_attention(kernel="fa4")`) cannot run on `device`, or None: it needs the
     `fa4` extra (the flash-attn-4 package) and a Hopper or Blackwell card (compute capability 9 or 10)."""
     if device.type != "cuda":
         return f"FlashAttention-4 runs on CUDA, not {device.type}"
@@ -178,39 +199,6 @@ def fa4_unavailable_reason(device: torch.device) -> str | None:
     if major not in (9, 10):
         return f"FlashAttention-4 runs on Hopper or Blackwell (compute capability 9.x or 10.x), not {major}.{minor}"
     return None
-
-
-def fa4_varlen_causal_attention(
-    q: torch.Tensor,  # (N, Hq, D)
-    k: torch.Tensor,  # (M, Hkv, D)
-    v: torch.Tensor,  # (M, Hkv, D)
-    cu_seqlens: torch.Tensor,  # (S + 1,) int32
-    max_seqlen: int,
-    scale: float | None,
-    window: int | None = None,
-    *,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_k: int | None = None,
-) -> torch.Tensor:
-    """`varlen_causal_attention`'s forward under FlashAttention-4's varlen kernel (no gradient): (N, Hq, D).
-    Grouped-query heads are the kernel's; causal aligns a sequence's queries to the end of its keys (a
-    prefill over a cached context); `window` keeps the window latest keys. q, k and v go as they are (the
-    kernel takes rows at any 16-byte-aligned stride, as the engine's views of one QKV row are)."""
-    from flash_attn.cute import flash_attn_varlen_func
-
-    out, _ = flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_k=cu_seqlens if cu_seqlens_k is None else cu_seqlens_k,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen if max_seqlen_k is None else max_seqlen_k,
-        softmax_scale=scale,
-        causal=True,
-        window_size=(None, None) if window is None else (window - 1, 0),
-    )
-    return out
 
 
 def has_cudnn_attention(x: torch.Tensor) -> bool:

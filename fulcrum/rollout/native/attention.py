@@ -16,7 +16,6 @@ import torch
 
 from fulcrum.models.packed_attention import (
     cudnn_causal_attention,
-    fa4_varlen_causal_attention,
     has_cudnn_attention,
     has_flash_varlen,
     varlen_causal_attention,
@@ -156,20 +155,6 @@ def paged_attention(
     if not fresh:  # part of the context is already cached: read it all back
         k = k_cache.index_select(0, meta.context_slots)
         v = v_cache.index_select(0, meta.context_slots)
-    # fa4: where the engine starts it checks that FlashAttention-4 runs on this device (`fa4_unavailable_reason`);
-    # a float32 engine keeps flash / SDPA, as FlashAttention takes half precision only
-    if meta.prefill_kernel == "fa4" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        return fa4_varlen_causal_attention(
-            q,
-            k,
-            v,
-            meta.cu_seqlens_q,
-            max(meta.q_lens),
-            scale,
-            window,
-            cu_seqlens_k=meta.cu_seqlens_k,
-            max_seqlen_k=max(meta.k_lens),
-        )
     if has_flash_varlen(q):  # a step's new tokens are the last of each sequence's keys
         return varlen_causal_attention(
             q,
@@ -182,5 +167,7 @@ def paged_attention(
             cu_seqlens_k=meta.cu_seqlens_k,
             max_seqlen_k=max(meta.k_lens),
             strided_rows=True,
+            # fa4: the engine checked where it started that FlashAttention-4 runs here (`fa4_unavailable_reason`)
+            kernel="fa4" if meta.prefill_kernel == "fa4" else "flash",
         )
     return ops.prefill_attention_sdpa(q, k, v, meta.q_lens, meta.k_lens, scale, window)
