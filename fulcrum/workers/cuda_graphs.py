@@ -174,21 +174,15 @@ class Captured:
 _POOLS: dict[torch.device, tuple[object, weakref.WeakSet[CudaGraphs]]] = {}
 
 
-def card(device: torch.device) -> torch.device:
-    """`device` with its index ("cuda" is the current card): the key of the card's one pool and stream,
-    whichever way each model names it."""
-    return device if device.index is not None else torch.device(device.type, torch.cuda.current_device())
-
-
 def shared_pool(owner: CudaGraphs) -> object:
     """One graph memory pool per device, shared by the models' graphs (they never run one beside another),
     while one of them holds a graph. Once every graph of a pool is gone (its models' graphs dropped, or
     its first capture failed), torch frees the pool at its next cache flush and refuses captures into
     it (an allocator assertion): the next capture takes a new pool."""
-    handle, owners = _POOLS.get(card(owner.device), (None, weakref.WeakSet()))
+    handle, owners = _POOLS.get(owner.device, (None, weakref.WeakSet()))
     if handle is None or not any(o.graphs for o in owners):
         handle, owners = torch.cuda.graph_pool_handle(), weakref.WeakSet()
-        _POOLS[card(owner.device)] = (handle, owners)
+        _POOLS[owner.device] = (handle, owners)
     owners.add(owner)
     return handle
 
@@ -201,9 +195,9 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     allocator hands a segment only to allocations on the stream it was made for: captures on a stream of
     each model's would grow the shared pool by each model's work (the pool the sum of the models' largest
     micro-batches, not the largest), and each eager run's cached blocks would serve its own model only."""
-    stream = _CAPTURE_STREAMS.get(card(device))
+    stream = _CAPTURE_STREAMS.get(device)
     if stream is None:
-        stream = _CAPTURE_STREAMS[card(device)] = torch.cuda.Stream(device)
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
     return stream
 
 
