@@ -64,7 +64,7 @@ from train_step import make_model
 from fulcrum.config import sections, uses_critic, uses_reference
 from fulcrum.models.arch import model_shape
 from fulcrum.tools.memory_estimate import Estimate, estimate, read_model_shape
-from fulcrum.trainer.metrics import device_peak_flops, estimate_train_flops
+from fulcrum.trainer.metrics import device_peak_flops, estimate_train_flops, reserved_by_pool
 
 # The estimate's phase for each measured one.
 PHASES = {
@@ -148,21 +148,6 @@ def peaks(gpu: bool) -> dict[str, float | None]:
     }
 
 
-def reserved_by_pool(gpu: bool) -> dict[str, float]:
-    """GiB reserved now, and allocated within it, in the allocator's default pool and in its private pools
-    (the micro-batches' CUDA graphs'), from `torch.cuda.memory_snapshot`'s segments: what doctor's pool item
-    is to be checked against (empty off CUDA)."""
-    out: dict[str, float] = {}
-    if not gpu:
-        return out
-    for segment in torch.cuda.memory_snapshot():
-        pool = "default" if tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0) else "graphs"
-        for kind, key in (("reserved", "total_size"), ("allocated", "allocated_size")):
-            name = f"{pool}_pool_{kind}_gib"
-            out[name] = out.get(name, 0.0) + segment[key] / GiB
-    return out
-
-
 def against(row: dict[str, Any], estimate_bytes: float) -> None:
     """The estimate beside a row's measured peaks, and its ratio to each."""
     row["estimate_gib"] = estimate_bytes / GiB
@@ -192,7 +177,7 @@ def measure_phase(
         "seconds": statistics.median(times),
         "calls": [round(t, 4) for t in times],
         **peaks(gpu),
-        "pools_after": reserved_by_pool(gpu),
+        "pools_after": reserved_by_pool(torch.device(args.device)) if gpu else {},
     }
 
 
@@ -254,7 +239,7 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dic
     summary["warm_step"] = {
         "seconds": round(time.perf_counter() - tick, 1),
         **peaks(gpu),
-        "pools_after": reserved_by_pool(gpu),
+        "pools_after": reserved_by_pool(device) if gpu else {},
     }
     against(summary["warm_step"], max(totals.values()))
     save(summary)
