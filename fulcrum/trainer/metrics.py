@@ -300,8 +300,8 @@ def reserved_by_pool(device: torch.device) -> dict[str, float]:
         if segment.get("device", index) != index:
             continue
         pool = "default" if tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0) else "graphs"
-        out[f"{pool}_pool_reserved_gib"] += segment["total_size"] / GiB
-        out[f"{pool}_pool_allocated_gib"] += segment["allocated_size"] / GiB
+        out[f"{pool}_pool_reserved_gib"] += segment.get("total_size", 0) / GiB
+        out[f"{pool}_pool_allocated_gib"] += segment.get("allocated_size", 0) / GiB
     return out
 
 
