@@ -36,8 +36,8 @@ pass is a third of it (2·N·T + 4·Σℓ²·d·H·L).
 
 Doctor's estimate: `fulcrum.tools.memory_estimate.estimate` for this configuration on this device, each
 phase less the native engine's bf16 weights (the bench runs no engine); its ratio to the measured peak.
-After the warm step and each phase, `pools_after`: the GiB reserved (and allocated within) in the allocator's
-default pool and in the graphs' private pool (`torch.cuda.memory_snapshot`), beside doctor's pool item.
+After the warm step and each phase, `pools_after`: the GiB reserved in all and in the graphs' shared pool,
+beside doctor's pool item (`estimate_pool_gib`).
 `--deadline-s` (390, from the plan on; the model is made before): no phase starts after it, and a phase's timed
 calls stop there.
 """
@@ -64,7 +64,8 @@ from train_step import make_model
 from fulcrum.config import sections, uses_critic, uses_reference
 from fulcrum.models.arch import model_shape
 from fulcrum.tools.memory_estimate import Estimate, estimate, read_model_shape
-from fulcrum.trainer.metrics import device_peak_flops, estimate_train_flops, reserved_by_pool
+from fulcrum.trainer.metrics import device_peak_flops, estimate_train_flops
+from fulcrum.workers.cuda_graphs import pool_reserved_bytes
 
 # The estimate's phase for each measured one.
 PHASES = {
@@ -148,6 +149,17 @@ def peaks(gpu: bool) -> dict[str, float | None]:
     }
 
 
+def pools_now(gpu: bool) -> dict[str, float]:
+    """GiB reserved now in all, and in the graphs' shared pool (`cuda_graphs.pool_reserved_bytes`): what
+    doctor's pool item is checked against (empty off CUDA)."""
+    if not gpu:
+        return {}
+    return {
+        "reserved_gib": torch.cuda.memory_reserved() / GiB,
+        "graphs_pool_gib": pool_reserved_bytes() / GiB,
+    }
+
+
 def against(row: dict[str, Any], estimate_bytes: float) -> None:
     """The estimate beside a row's measured peaks, and its ratio to each."""
     row["estimate_gib"] = estimate_bytes / GiB
@@ -177,7 +189,7 @@ def measure_phase(
         "seconds": statistics.median(times),
         "calls": [round(t, 4) for t in times],
         **peaks(gpu),
-        "pools_after": reserved_by_pool(torch.device(args.device)) if gpu else {},
+        "pools_after": pools_now(gpu),
     }
 
 
@@ -239,7 +251,7 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dic
     summary["warm_step"] = {
         "seconds": round(time.perf_counter() - tick, 1),
         **peaks(gpu),
-        "pools_after": reserved_by_pool(device) if gpu else {},
+        "pools_after": pools_now(gpu),
     }
     against(summary["warm_step"], max(totals.values()))
     save(summary)

@@ -391,3 +391,27 @@ def test_the_start_says_why_a_model_runs_its_micro_batches_eagerly() -> None:
     )
     assert refused(enabled=False) == "its cuda_graphs key is false"
     assert graphs_line({"actor": forwards(device=CPU)}) is None  # a CPU run says nothing
+
+
+def test_the_pool_is_read_after_a_step_that_captured_and_kept_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """perf/cuda_graph_pool_reserved_gb: the allocator is asked only after a step that captured (only a capture
+    grows the pool); the steps between log the last figure."""
+    from fulcrum.workers import cuda_graphs
+
+    reads = []
+
+    def reserved() -> int:
+        reads.append(1)
+        return 3 * 2**30
+
+    monkeypatch.setattr(cuda_graphs, "pool_reserved_bytes", reserved)
+    monkeypatch.setattr(cuda_graphs, "TALLY", cuda_graphs.CaptureTally())
+    assert cuda_graphs.capture_metrics() == {}  # no graph yet
+    cuda_graphs.TALLY.graphs, cuda_graphs.TALLY.seconds, cuda_graphs.TALLY.built = 2, 0.5, True
+    first = cuda_graphs.capture_metrics()
+    assert first["perf/cuda_graph_pool_reserved_gb"] == 3.0 and first["perf/graph_captures"] == 2.0
+    second = cuda_graphs.capture_metrics()
+    assert second["perf/cuda_graph_pool_reserved_gb"] == 3.0 and second["perf/graph_captures"] == 0.0
+    assert len(reads) == 1

@@ -14,7 +14,7 @@ from test_cuda_graphs import rl_batch
 from test_workers_update import cfg_for
 
 from fulcrum.config.sections import actor_section, critic_section, reference_section
-from fulcrum.trainer.metrics import reserved_by_pool
+from fulcrum.workers import cuda_graphs
 from fulcrum.workers.actor import ActorWorker, ReferenceWorker
 from fulcrum.workers.critic import CriticWorker
 from fulcrum.workers.update import global_agg_kwargs
@@ -127,9 +127,9 @@ def test_old_log_probs_and_values_from_graphs_follow_the_eager_ones(tiny_dir: st
         )  # bf16 products of other shapes
 
 
-def graphs_pool_reserved() -> float:
-    """GiB reserved in the allocator's private pools (the graphs')."""
-    return reserved_by_pool(CUDA)["graphs_pool_reserved_gib"]
+def graphs_pool_reserved() -> int:
+    """Bytes the graphs' shared pool reserves."""
+    return cuda_graphs.pool_reserved_bytes()
 
 
 def test_a_second_models_captures_reuse_the_pool_the_first_one_made(tiny_dir: str) -> None:

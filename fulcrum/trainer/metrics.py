@@ -288,26 +288,8 @@ def compute_mfu(
     return flops / (update_seconds * n_devices * peak)
 
 
-def reserved_by_pool(device: torch.device) -> dict[str, float]:
-    """GiB the caching allocator holds on `device` now, reserved and allocated within, in its default pool
-    and in its private pools (the CUDA graphs': the micro-batches' and the engine's decode graphs'), from
-    `torch.cuda.memory_snapshot`'s segments: {"default"|"graphs"}_pool_{reserved|allocated}_gib."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    out = {
-        f"{pool}_pool_{kind}_gib": 0.0 for pool in ("default", "graphs") for kind in ("reserved", "allocated")
-    }
-    for segment in torch.cuda.memory_snapshot():
-        if segment.get("device", index) != index:
-            continue
-        pool = "default" if tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0) else "graphs"
-        out[f"{pool}_pool_reserved_gib"] += segment.get("total_size", 0) / GiB
-        out[f"{pool}_pool_allocated_gib"] += segment.get("allocated_size", 0) / GiB
-    return out
-
-
 def memory_metrics(device: torch.device, peaks: dict[str, float] | None = None) -> dict[str, float]:
-    """Peak CUDA memory (0 on the CPU), what the CUDA graphs' pools reserve at the step's end
-    (`reserved_by_pool`), the machine's used RAM, and this process's peak resident memory.
+    """Peak CUDA memory (0 on the CPU), the machine's used RAM, and this process's peak resident memory.
 
     `peaks` (from `timer`, whose phases reset the CUDA peak counters) are folded in, so the peak
     covers every phase of the step.
@@ -320,7 +302,6 @@ def memory_metrics(device: torch.device, peaks: dict[str, float] | None = None) 
         out["perf/max_memory_reserved_gb"] = max(
             torch.cuda.max_memory_reserved(device) / GiB, peaks.get("_reserved", 0.0)
         )
-        out["perf/cuda_graph_pools_reserved_gb"] = reserved_by_pool(device)["graphs_pool_reserved_gib"]
     out["perf/cpu_memory_used_gb"] = _system_memory_used_gb()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     out["perf/cpu_memory_peak_rss_gb"] = peak_rss / (GiB if sys.platform == "darwin" else 1024**2)

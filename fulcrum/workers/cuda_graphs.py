@@ -229,18 +229,38 @@ class CaptureTally:
     seconds: float = 0.0
     # A graph was captured: the metrics are logged from then on (0 once every bucket has one).
     built: bool = False
+    pool_gib: float = 0.0  # what the shared pools reserved after the last step that captured
 
 
 TALLY = CaptureTally()
 
 
+def pool_reserved_bytes() -> int:
+    """Bytes the graphs' shared pools (one a device, `shared_pool`) reserve now, from the allocator's
+    snapshot of each pool that a live graph holds."""
+    return sum(
+        segment.get("total_size", 0)
+        for handle, owners in _POOLS.values()
+        if any(o.graphs for o in owners)
+        for segment in torch.cuda.memory_snapshot(mempool_id=handle)
+    )
+
+
 def capture_metrics() -> dict[str, float]:
     """perf/graph_captures and perf/graph_capture_s: graphs captured since the last step's metrics and the
     seconds their captures took (each bucket's first micro-batch runs eagerly besides, counted in its
-    phase as any micro-batch). Captures are the early steps' cost; nothing when no model has graphs."""
+    phase as any micro-batch); perf/cuda_graph_pool_reserved_gb: what the shared pools reserve (memory
+    `perf/max_memory_allocated_gb` does not show), read again only after a step that captured, as only a
+    capture grows a pool. Captures are the early steps' cost; nothing when no model has graphs."""
     if not TALLY.built:
         return {}
-    out = {"perf/graph_captures": float(TALLY.graphs), "perf/graph_capture_s": TALLY.seconds}
+    if TALLY.graphs:
+        TALLY.pool_gib = pool_reserved_bytes() / 2**30
+    out = {
+        "perf/graph_captures": float(TALLY.graphs),
+        "perf/graph_capture_s": TALLY.seconds,
+        "perf/cuda_graph_pool_reserved_gb": TALLY.pool_gib,
+    }
     TALLY.graphs, TALLY.seconds = 0, 0.0
     return out
 
