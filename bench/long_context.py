@@ -226,20 +226,16 @@ def prefill_under(
     own, engine.config.prefill_attention = engine.config.prefill_attention, kernel
     seconds: list[float] = []
     try:
-        # one untimed step first: the kernel's one-time work (FlashAttention-4 compiles its kernel, cuDNN
-        # builds a plan for the step's shape) is not the prefill's
-        warm = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True, seed=PREFILL_REPEATS)
-        engine.seed_requests(warm)
-        for prompt in prompts[:2]:
-            engine.add_request(prompt, warm)
-        prefill(engine)
-        drain(engine)
-        for repeat in range(PREFILL_REPEATS):
+        # round 0, two prompts, untimed: the kernel's one-time work (FlashAttention-4 compiles its kernel,
+        # cuDNN builds a plan for the step's shape) is not the prefill's
+        for repeat in range(PREFILL_REPEATS + 1):
             params = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True, seed=repeat)
             engine.seed_requests(params)
-            for prompt in prompts:
+            for prompt in prompts if repeat else prompts[:2]:
                 engine.add_request(prompt, params)
-            seconds.append(timed(lambda: prefill(engine), device))
+            took = timed(lambda: prefill(engine), device)
+            if repeat:
+                seconds.append(took)
             drain(engine)
     except Exception as exc:  # a kernel this torch or card refuses: said, the row kept
         return {"failed": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
