@@ -98,6 +98,21 @@ def test_bf16_logprob_gap_against_the_hf_forward_is_reported():
     assert gap["rollout/logprob_diff_mean"] < 0.05
 
 
+def cumulative(lengths: list[int]) -> torch.Tensor:
+    """Packed sequences' cumulative lengths (S + 1,), int32 on the GPU."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+
+
+def qkv_row_views(
+    tokens: int, heads: int, kv_heads: int, dim: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random bf16 q (tokens, heads, dim), k and v (tokens, kv_heads, dim) as views of one QKV row, the way
+    the engine holds them after its fused projection (strided, each last dimension contiguous)."""
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=CUDA, generator=generator).bfloat16()
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    return q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
+
+
 @pytest.mark.parametrize("native_gqa", [False, True])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(14, 2, 64), (16, 8, 128)])
 def test_cudnn_prefill_attention_equals_flash(heads: int, kv_heads: int, dim: int, native_gqa: bool) -> None:
@@ -111,7 +126,7 @@ def test_cudnn_prefill_attention_equals_flash(heads: int, kv_heads: int, dim: in
     )
 
     lengths = [1, 37, 300, 1024, 1024, 2048, 2100]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+    cu = cumulative(lengths)
     generator = torch.Generator(device=CUDA).manual_seed(0)
     n = sum(lengths)
     q = torch.randn(n, heads, dim, device=CUDA, generator=generator).bfloat16()
@@ -131,11 +146,9 @@ def test_flash_reads_the_views_of_one_qkv_row_as_their_copies(heads: int, kv_hea
     from fulcrum.models.packed_attention import varlen_causal_attention
 
     lengths = [1, 37, 300, 1024, 2100]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+    cu = cumulative(lengths)
     generator = torch.Generator(device=CUDA).manual_seed(0)
-    qkv = torch.randn(sum(lengths), (heads + 2 * kv_heads) * dim, device=CUDA, generator=generator).bfloat16()
-    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-    q, k, v = q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
+    q, k, v = qkv_row_views(sum(lengths), heads, kv_heads, dim, generator)
     assert not q.is_contiguous() and not k.is_contiguous()
     expected = varlen_causal_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu, 2100, dim**-0.5)
     got = varlen_causal_attention(q, k, v, cu, 2100, dim**-0.5, strided_rows=True)
@@ -151,11 +164,9 @@ def test_cudnn_reads_the_views_of_one_qkv_row_as_flash_reads_their_copies(
     from fulcrum.models.packed_attention import cudnn_causal_attention, varlen_causal_attention
 
     lengths = [37, 1024, 1024, 2100]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+    cu = cumulative(lengths)
     generator = torch.Generator(device=CUDA).manual_seed(0)
-    qkv = torch.randn(sum(lengths), (heads + 2 * kv_heads) * dim, device=CUDA, generator=generator).bfloat16()
-    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-    q, k, v = q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
+    q, k, v = qkv_row_views(sum(lengths), heads, kv_heads, dim, generator)
     expected = varlen_causal_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu, 2100, dim**-0.5)
     got = cudnn_causal_attention(q, k, v, lengths, dim**-0.5, native_gqa=True, strided_rows=True)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
@@ -212,12 +223,9 @@ def test_fa4_prefill_attention_equals_flash(heads: int, kv_heads: int, dim: int,
     from fulcrum.models.packed_attention import varlen_causal_attention
 
     q_lens, k_lens = [1, 37, 300, 1024, 2100], [1, 37, 812, 1024, 2400]  # the third and last: cached context
-    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
-    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+    cu_q, cu_k = cumulative(q_lens), cumulative(k_lens)
     generator = torch.Generator(device=CUDA).manual_seed(0)
-    width = (heads + 2 * kv_heads) * dim
-    qkv = torch.randn(sum(q_lens), width, device=CUDA, generator=generator).bfloat16()
-    q = qkv[:, : heads * dim].view(-1, heads, dim)
+    q = qkv_row_views(sum(q_lens), heads, kv_heads, dim, generator)[0]
     k = torch.randn(sum(k_lens), kv_heads, dim, device=CUDA, generator=generator).bfloat16()
     v = torch.randn(sum(k_lens), kv_heads, dim, device=CUDA, generator=generator).bfloat16()
     kwargs = {"cu_seqlens_k": cu_k, "max_seqlen_k": max(k_lens)}
