@@ -27,7 +27,19 @@ the share of trained tokens carried from an earlier step (`training/off_policy/c
 and the GPU's utilisation over the last step, polled every 50 ms in a thread (NVML through
 `torch.cuda.utilization`, else nvidia-smi): its mean and the share of samples below 50 % (the idle
 tail). The table's last column divides partial by synchronous (for the step rate: synchronous step time
-over partial step time).
+over partial step time). Beside them, the engine's own figures (`rollout/*`, docs/metrics.md): the tokens
+it sampled per second of generation (under partial rollouts these include the tokens of groups carried
+on), the tokens it prefilled (carried samples are prefilled again after `free_cache_engine` released
+their K/V) and its preemptions.
+
+The rollout's KV-read floor: a decode step reads the K/V of every sequence in flight, so a response of
+b tokens after a prompt of P reads kv · (P·b + b(b+1)/2) bytes over its decode steps, whatever the
+batching: a step of G groups of n samples needs at least G · n · E[P·b + b(b+1)/2] · kv / HBM bandwidth
+seconds (E over the data's budgets). Where that floor is most of the synchronous step's generation, the
+tail costs what its tokens cost, and carrying it over cannot shorten a step much; where generation is
+far above it (a small K/V a token: Qwen2.5-0.5B's 12 KiB against Qwen3-0.6B's 112 KiB), the tail runs
+at a batch too small to use the card and partial rollouts have time to take back. `--shape` picks the
+model (bench/shapes.py).
 """
 
 from __future__ import annotations
@@ -45,11 +57,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from long_context import hbm_bandwidth
+from shapes import shape_of
 from train_step import GRPO_STEP, make_model, seed_command
 
 from fulcrum.data.synthetic import ArithmeticTask, make_rows, write_parquet
+from fulcrum.models.arch import model_shape
+from fulcrum.models.arch.spec import kv_bytes_per_token
 from fulcrum.trainer.main_ppo import main as train
 
 MODES = ("sync", "partial")
@@ -65,6 +82,16 @@ def lognormal_budgets(count: int, median: float, sigma: float, cap: int, seed: i
     numpy's PCG64 seeded with `seed` (log b is normal with mean ln(median) and sd `sigma`, cut at `cap`)."""
     z = np.random.default_rng(seed).standard_normal(count)
     return [min(cap, max(1, round(median * math.exp(sigma * float(v))))) for v in z]
+
+
+def kv_read_floor_s(
+    budgets: list[int], prompt_tokens: float, samples: int, groups: int, kv_bytes: int, bandwidth: float
+) -> float:
+    """The K/V bytes a step's decoding must read at least, over the HBM bandwidth (s): `groups` x `samples`
+    x E_b[P·b + b(b+1)/2] x kv / bandwidth, with E over `budgets` and P = `prompt_tokens` (module
+    docstring)."""
+    per_response = statistics.mean(prompt_tokens * b + b * (b + 1) / 2 for b in budgets)
+    return groups * samples * per_response * kv_bytes / bandwidth
 
 
 def write_data(out: Path, rows: int, median: float, sigma: float, cap: int, seed: int) -> Path:
@@ -147,6 +174,7 @@ def step_figures(rows: list[dict[str, Any]], responses_per_step: int) -> dict[st
     warm = rows[1:] or rows
     step_s = statistics.median(r["timing_s/step"] for r in warm)
     tokens = statistics.median(r["response_length/mean"] * responses_per_step for r in warm)
+    engine = [r for r in warm if r.get("rollout/generate_s")]
     return {
         "step_s": step_s,
         "tok_per_s": tokens / step_s,
@@ -154,6 +182,15 @@ def step_figures(rows: list[dict[str, Any]], responses_per_step: int) -> dict[st
             r.get("training/off_policy/carried_token_share", 0.0) for r in warm
         ),
         "response_length_mean": statistics.mean(r["response_length/mean"] for r in warm),
+        "prompt_length_mean": statistics.mean(r["prompt_length/mean"] for r in warm),
+        "gen_s": statistics.median(r["timing_s/gen"] for r in warm),
+        "generated_tok_per_s": statistics.median(
+            r["rollout/generated_tokens"] / r["rollout/generate_s"] for r in engine
+        )
+        if engine
+        else None,
+        "prefill_tokens": statistics.median(r.get("rollout/prefill_tokens", 0.0) for r in warm),
+        "preemptions": sum(r.get("rollout/preemptions", 0.0) for r in warm),
     }
 
 
@@ -192,7 +229,7 @@ def run_mode(
     """One training run of at most `budget_s` seconds; its step figures and the GPU's utilisation over its
     last step."""
     name = "partial" if partial else "sync"
-    run = args.out / f"run_{name}"
+    run = args.out / args.shape / f"run_{name}"
     keys = [*overrides(args, data, model, run, budget_s), *(PARTIAL if partial else []), *args.overrides]
     with UtilisationPoller() as poller:
         if train(keys) != 0:
@@ -200,10 +237,10 @@ def run_mode(
         end = time.perf_counter() - poller.start
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "training/global_step" in r]
-    responses = int(_key(keys, "data.train_batch_size")) * int(_key(keys, "actor_rollout_ref.rollout.n"))
-    figures = step_figures(steps, responses)
+    groups, samples = int(_key(keys, "data.train_batch_size")), int(_key(keys, "actor_rollout_ref.rollout.n"))
+    figures = step_figures(steps, groups * samples)
     figures.update(utilisation_figures(poller.window(end - steps[-1]["timing_s/step"], end)))
-    return {"mode": name, "steps": len(steps), **figures}
+    return {"mode": name, "steps": len(steps), "groups": groups, "samples": samples, **figures}
 
 
 def share_of_deadline(args: argparse.Namespace, started: float, runs_left: int) -> float:
@@ -217,11 +254,14 @@ def _key(keys: list[str], name: str) -> str:
     return [k.split("=", 1)[1] for k in keys if k.startswith(f"{name}=")][-1]
 
 
-def table(sync: dict[str, Any], partial: dict[str, Any]) -> str:
-    """A markdown table of both modes and partial / sync."""
+def table(sync: dict[str, Any], partial: dict[str, Any], floor_s: float | None) -> str:
+    """A markdown table of both modes and partial / sync; `floor_s`: the KV-read floor of a step."""
 
     def cell(value: Any, fmt: str) -> str:
         return "n/a" if value is None else format(value, fmt)
+
+    def ratio(key: str) -> str:
+        return "n/a" if sync[key] is None or partial[key] is None else f"{partial[key] / sync[key]:.3f}"
 
     lines = [
         "| figure | sync | partial | partial / sync |",
@@ -234,6 +274,13 @@ def table(sync: dict[str, Any], partial: dict[str, Any]) -> str:
         f"{partial['tok_per_s'] / sync['tok_per_s']:.3f} |",
         f"| mean response length | {sync['response_length_mean']:.0f} | {partial['response_length_mean']:.0f} | |",
         f"| carried-token share | {sync['carried_token_share']:.3f} | {partial['carried_token_share']:.3f} | |",
+        f"| generation per step (s) | {sync['gen_s']:.1f} | {partial['gen_s']:.1f} | "
+        f"{partial['gen_s'] / sync['gen_s']:.3f} |",
+        f"| engine's sampled tok/s while generating | {cell(sync['generated_tok_per_s'], '.0f')} | "
+        f"{cell(partial['generated_tok_per_s'], '.0f')} | {ratio('generated_tok_per_s')} |",
+        f"| tokens prefilled per step | {sync['prefill_tokens']:.0f} | {partial['prefill_tokens']:.0f} | |",
+        f"| preemptions over the warm steps | {sync['preemptions']:.0f} | {partial['preemptions']:.0f} | |",
+        f"| the rollout's KV-read floor per step (s) | {cell(floor_s, '.1f')} | {cell(floor_s, '.1f')} | |",
         f"| GPU util over the last step (%) | {cell(sync['gpu_util_mean'], '.1f')} | "
         f"{cell(partial['gpu_util_mean'], '.1f')} | |",
         f"| share of util samples < 50 % | {cell(sync['gpu_util_idle_share'], '.3f')} | "
@@ -251,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap", type=int, default=8192, help="largest budget = data.max_response_length")
     parser.add_argument("--seed", type=int, default=0, help="seed of the budgets and the questions")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, median 12, cap 32, 4 x 2")
+    parser.add_argument("--shape", default="qwen3-0.6b", help="the model's shape (bench/shapes.py)")
     parser.add_argument(
         "--micro-tokens", type=int, default=32768, help="tokens a micro-batch (use_dynamic_bsz), every pass"
     )
@@ -271,18 +319,34 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be at least 2: the first step is left out of the figures")
     rows = 64 if args.smoke else 64 * (args.steps + 4)  # every step's batch, the warm-up batches and spare
     data = write_data(args.out / "data", rows, args.median, args.sigma, args.cap, args.seed)
-    model = make_model(args.out / "model", shape="qwen3-0.6b", tiny=args.smoke)
+    shape_of(args.shape)  # an unknown name stops here, before any model is written
+    model = make_model(args.out / f"model-{args.shape}", shape=args.shape, tiny=args.smoke)
     modes = args.modes.split(",")
     for i, mode in enumerate(modes):
         budget_s = share_of_deadline(args, started, len(modes) - i)
         result = run_mode(args, data, model, partial=mode == "partial", budget_s=budget_s)
-        (args.out / f"{mode}.json").write_text(json.dumps(result, indent=2))
-    done = {mode: args.out / f"{mode}.json" for mode in MODES}
+        (args.out / args.shape / f"{mode}.json").write_text(json.dumps(result, indent=2))
+    done = {mode: args.out / args.shape / f"{mode}.json" for mode in MODES}
     if not all(path.exists() for path in done.values()):
         print(f"{', '.join(modes)} measured; the comparison once both modes are in {args.out}")
         return 0
     sync, partial = (json.loads(done[mode].read_text()) for mode in MODES)
+    bandwidth = hbm_bandwidth(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    floor_s = (
+        kv_read_floor_s(
+            lognormal_budgets(rows, args.median, args.sigma, args.cap, args.seed),
+            sync["prompt_length_mean"],
+            sync["samples"],
+            sync["groups"],
+            kv_bytes_per_token(model_shape(AutoConfig.from_pretrained(model))),
+            bandwidth,
+        )
+        if bandwidth
+        else None
+    )
     summary = {
+        "shape": args.shape,
+        "kv_read_floor_s": floor_s,
         "budgets": {
             "distribution": "log-normal",
             "median": args.median,
@@ -294,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_rate_ratio": sync["step_s"] / partial["step_s"],
         "tok_per_s_ratio": partial["tok_per_s"] / sync["tok_per_s"],
     }
-    print(table(sync, partial))
+    print(table(sync, partial, floor_s))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
     return 0

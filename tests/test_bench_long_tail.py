@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from long_tail import lognormal_budgets, main, share_of_deadline
+from long_tail import kv_read_floor_s, lognormal_budgets, main, share_of_deadline
 
 
 def test_budgets_are_log_normal_around_the_median_and_cut_at_the_cap() -> None:
@@ -40,8 +40,21 @@ def test_the_smoke_run_compares_both_modes(tmp_path: Path, capsys: pytest.Captur
     assert sync["step_s"] > 0 and partial["tok_per_s"] > 0
     assert summary["step_rate_ratio"] == pytest.approx(sync["step_s"] / partial["step_s"])
     assert sync["gpu_util_mean"] is None  # no GPU here: said, not invented
+    assert summary["kv_read_floor_s"] is None  # no card, no bandwidth: no floor
+    # the engine's figures: under partial rollouts it samples at least what is trained
+    assert sync["generated_tok_per_s"] > 0 and partial["generated_tok_per_s"] > 0
+    assert sync["prefill_tokens"] > 0 and sync["preemptions"] >= 0
     out = capsys.readouterr().out
     assert "| step rate (steps/s) |" in out and "| carried-token share |" in out
+    assert "| engine's sampled tok/s while generating |" in out
+
+
+def test_the_kv_read_floor_is_the_k_v_each_response_reads_over_its_decode_steps() -> None:
+    # a response of b tokens after P reads P + 1, P + 2, ..., P + b tokens' K/V: P·b + b(b+1)/2
+    assert kv_read_floor_s([3], 10, samples=1, groups=1, kv_bytes=1, bandwidth=1) == 10 * 3 + 6
+    # the mean over the budgets, times the step's responses, bytes over bandwidth
+    floor = kv_read_floor_s([1, 3], 0, samples=8, groups=64, kv_bytes=114_688, bandwidth=3.35e12)
+    assert floor == pytest.approx(64 * 8 * (1 + 6) / 2 * 114_688 / 3.35e12)
 
 
 def test_the_runs_share_what_is_left_of_the_deadline() -> None:
@@ -59,11 +72,14 @@ def test_the_modes_can_run_in_two_calls_over_one_folder(
     writes the comparison of both, as one call running both would."""
     out, summary_path = tmp_path / "out", tmp_path / "summary.json"
     assert main(["--smoke", "--out", str(out), "--modes", "sync", "--json", str(summary_path)]) == 0
-    assert (out / "sync.json").exists() and not summary_path.exists()
+    assert (out / "qwen3-0.6b/sync.json").exists() and not summary_path.exists()
     assert "the comparison once both modes are in" in capsys.readouterr().out
     assert main(["--smoke", "--out", str(out), "--modes", "partial", "--json", str(summary_path)]) == 0
     summary = json.loads(summary_path.read_text())
-    assert summary["sync"] == json.loads((out / "sync.json").read_text())
+    assert summary["sync"] == json.loads((out / "qwen3-0.6b/sync.json").read_text())
     assert summary["sync"]["carried_token_share"] == 0 and summary["partial"]["carried_token_share"] > 0
     with pytest.raises(SystemExit):
         main(["--smoke", "--out", str(out), "--modes", "async"])
+    # another shape keeps its own figures: its first mode compares nothing
+    assert main(["--smoke", "--out", str(out), "--shape", "qwen2.5-0.5b", "--modes", "sync"]) == 0
+    assert (out / "qwen2.5-0.5b/sync.json").exists() and not (out / "qwen2.5-0.5b/partial.json").exists()

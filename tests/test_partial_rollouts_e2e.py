@@ -59,6 +59,11 @@ def test_carried_groups_are_trained_later_within_the_bound(assets: Path, tmp_pat
     assert max(r["training/off_policy/carried_token_share"] for r in steps) > 0
     assert max(r["response_length/max"] for r in steps) == 8  # the long answers are trained too
     assert all(r[f"{WORST}/max"] <= 3 for r in steps)  # at most 4 versions spanned
+    # the engine's work each step, as a synchronous step reports it (none in a step whose groups were all
+    # complete already), counting the tokens of the groups in flight where they were sampled
+    assert all((r["rollout/decode_steps"] > 0) == (r["rollout/generated_tokens"] > 0) for r in steps)
+    trained = sum(r["response_length/mean"] * 2 * 2 for r in steps)  # 2 prompts x n=2 a step
+    assert sum(r["rollout/generated_tokens"] for r in steps) >= trained
 
 
 @pytest.mark.parametrize("strategy", ["drop", "wait"])

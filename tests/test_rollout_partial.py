@@ -68,6 +68,23 @@ def test_a_continuation_equals_a_one_shot_generation_under_unchanged_weights(mod
     assert engine.counters["held"] == 0
 
 
+def test_each_call_reports_the_tokens_it_sampled_and_the_engine_work_it_took(model):
+    engine = engine_for(model)
+    partial, groups = first_call(engine)
+    first = partial.figures
+    in_flight = sum(len(s.token_ids) for g in partial.carried for s in g.samples)
+    returned = sum(len(s.token_ids) for g in groups for s in g.samples)
+    assert (
+        first["generated_tokens"] == returned + in_flight
+    )  # the carried samples' tokens count where sampled
+    assert first["held"] == engine.counters["held"] > 0
+    assert first["decode_steps"] > 0 and first["prefill_tokens"] >= sum(map(len, prompts()))
+    groups += partial.generate([], [], GREEDY, enough=6, version=1)
+    total = sum(len(s.token_ids) for g in groups for s in g.samples)
+    assert first["generated_tokens"] + partial.figures["generated_tokens"] == total == 2 * sum(BUDGETS)
+    assert partial.figures["held"] == 0
+
+
 def test_carried_tokens_keep_the_log_probs_and_version_they_were_sampled_with(model):
     engine = engine_for(model)
     partial, _ = first_call(engine)

@@ -18,6 +18,7 @@ staleness of the older part; the old tokens keep the log-probs they were sampled
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -31,6 +32,9 @@ class SuspendableEngine(RequestEngine, Protocol):
 
     def seed_requests(self, params: SamplingParams) -> None: ...
 
+    @property
+    def counters(self) -> dict[str, float]: ...
+
 
 @dataclass
 class Sample:
@@ -41,12 +45,15 @@ class Sample:
     versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None  # None while it is unfinished
 
-    def take(self, out: SequenceOutput, version: int) -> None:
-        """The engine's turn `out` (the whole response so far): the new tokens are tagged `version`."""
-        self.versions += [version] * (len(out.token_ids) - len(self.token_ids))
+    def take(self, out: SequenceOutput, version: int) -> int:
+        """The engine's turn `out` (the whole response so far): the new tokens are tagged `version`.
+        Returns how many tokens are new."""
+        new = len(out.token_ids) - len(self.token_ids)
+        self.versions += [version] * new
         self.token_ids = list(out.token_ids)
         self.logprobs = list(out.logprobs)
         self.finish_reason = None if out.finish_reason == "abort" else out.finish_reason
+        return new
 
 
 @dataclass
@@ -72,13 +79,29 @@ class Group:
         return sorted({v for s in self.samples for v in s.versions})
 
 
+ENGINE_FIGURES = (
+    "prefill_s",
+    "decode_s",
+    "prefill_steps",
+    "prefill_tokens",
+    "decode_steps",
+    "preemptions",
+    "evictions",
+)
+
+
 class PartialRollout:
     """Groups across calls over one engine (see the module docstring); `carried`: the groups handed
-    to no caller yet (unfinished, or complete beyond a call's `enough`)."""
+    to no caller yet (unfinished, or complete beyond a call's `enough`); `figures`: the last call's
+    engine work (the engine's counters over the call, under the names a whole generate reports them,
+    `generated_tokens`: response tokens sampled in the call, for groups returned or carried,
+    `generate_s`, and `held`: samples held at its end)."""
 
     def __init__(self, engine: SuspendableEngine) -> None:
         self.engine = engine
         self.carried: list[Group] = []
+        self.figures: dict[str, float] = {}
+        self.generated = 0
 
     def generate(
         self,
@@ -96,6 +119,8 @@ class PartialRollout:
         generate to the end before suspending."""
         if len(keys) != len(prompts) or (max_tokens is not None and len(max_tokens) != len(prompts)):
             raise ValueError("partial rollout: one key (and one max_tokens, if given) per prompt")
+        start, before = time.perf_counter(), self.engine.counters
+        self.generated = 0
         budgets = max_tokens or [params.max_tokens] * len(prompts)
         new = [
             Group(key, list(prompt), budget, [Sample() for _ in range(params.n)])
@@ -131,21 +156,29 @@ class PartialRollout:
             ready += self._take(finished, owner, version)
             for out in held:
                 group, index = owner[out.seq_id]
-                group.samples[index].take(out, version)
+                self.generated += group.samples[index].take(out, version)
                 group.held[out.seq_id] = index
             for request_id in dropped:
                 owner[request_id][0].started = False
         done = {id(g) for g in ready[:enough]}
         self.carried = [g for g in groups if id(g) not in done]
+        after = self.engine.counters
+        self.figures = {
+            **{key: float(after[key] - before[key]) for key in ENGINE_FIGURES},
+            "generated_tokens": float(self.generated),
+            "generate_s": time.perf_counter() - start,
+            "held": float(after["held"]),
+        }
         return ready[:enough]
 
-    @staticmethod
-    def _take(outs: list[SequenceOutput], owner: dict[int, tuple[Group, int]], version: int) -> list[Group]:
+    def _take(
+        self, outs: list[SequenceOutput], owner: dict[int, tuple[Group, int]], version: int
+    ) -> list[Group]:
         """Finished turns into their samples; the groups they complete."""
         completed = []
         for out in outs:
             group, index = owner.pop(out.seq_id)
-            group.samples[index].take(out, version)
+            self.generated += group.samples[index].take(out, version)
             if group.complete:
                 completed.append(group)
         return completed

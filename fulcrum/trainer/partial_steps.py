@@ -135,6 +135,7 @@ class PartialSteps:
             f"s{step}",
         )
         metrics = off_policy_metrics(groups, step)
+        metrics.update({f"rollout/{key}": value for key, value in self.partial.figures.items()})
         metrics["training/off_policy/dropped_groups"] = float(dropped)
         metrics["training/off_policy/in_flight_groups"] = float(self.carried)
         return batch, metrics

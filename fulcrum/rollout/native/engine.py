@@ -365,6 +365,7 @@ class NativeEngine:
         self.stats.update({key: after[key] - before[key] for key in (*COUNTERS, "preemptions")})
         self.stats.update(
             generate_s=time.perf_counter() - start,
+            generated_tokens=sum(len(out.token_ids) for out in finished),
             peak_kv_gib=self.scheduler.peak_blocks * self.runner.bytes_per_block() / 2**30,
             graph_capture_s=self.runner.graph_capture_s - captured_before,  # this call's (re)captures
         )
