@@ -151,12 +151,13 @@ def peaks(gpu: bool) -> dict[str, float | None]:
 
 def pools_now(gpu: bool) -> dict[str, float]:
     """GiB reserved now in all, and in the graphs' shared pool (`cuda_graphs.pool_reserved_bytes`): what
-    doctor's pool item is checked against (empty off CUDA)."""
+    doctor's pool item is checked against, and what of the pool live tensors hold (empty off CUDA)."""
     if not gpu:
         return {}
     return {
         "reserved_gib": torch.cuda.memory_reserved() / GiB,
         "graphs_pool_gib": pool_reserved_bytes() / GiB,
+        "graphs_pool_allocated_gib": pool_reserved_bytes("allocated_size") / GiB,
     }
 
 

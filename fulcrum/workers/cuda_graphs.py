@@ -235,11 +235,12 @@ class CaptureTally:
 TALLY = CaptureTally()
 
 
-def pool_reserved_bytes() -> int:
+def pool_reserved_bytes(field: str = "total_size") -> int:
     """Bytes the graphs' shared pools (one a device, `shared_pool`) reserve now, from the allocator's
-    snapshot of each pool that a live graph holds."""
+    snapshot of each pool that a live graph holds; `field="allocated_size"`: the bytes of the tensors
+    alive in them (the graphs' outputs and static inputs; the rest is the captured passes' work)."""
     return sum(
-        segment.get("total_size", 0)
+        segment.get(field, 0)
         for handle, owners in _POOLS.values()
         if any(o.graphs for o in owners)
         for segment in torch.cuda.memory_snapshot(mempool_id=handle)
@@ -375,12 +376,15 @@ class CudaGraphs:
         self.graphs[key] = Captured(graph, inputs, static, layout)
         took = time.perf_counter() - started
         TALLY.graphs, TALLY.seconds, TALLY.built = TALLY.graphs + 1, TALLY.seconds + took, True
-        logger.info(
-            "captured a micro-batch of %s (%s) in %.2f s (%d graphs, %d replays so far)",
-            key[0],
-            "update" if key[2][3] else "forward",
-            took,
-            len(self.graphs),
-            self.replays,
-        )
+        if logger.isEnabledFor(logging.INFO):  # the pool after each capture: which micro-batch grew it
+            logger.info(
+                "captured a micro-batch of %s (%s) in %.2f s (%d graphs, %d replays so far; the graphs' pool "
+                "%.2f GiB)",
+                key[0],
+                "update" if key[2][3] else "forward",
+                took,
+                len(self.graphs),
+                self.replays,
+                pool_reserved_bytes() / 2**30,
+            )
         return out
