@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import statistics
 import sys
 import time
@@ -331,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE configuration overrides")
     args = parser.parse_args(argv)
+    captures = logging.getLogger("fulcrum.workers.cuda_graphs")  # a line a capture, with the pool after it
+    captures.setLevel(logging.INFO)
+    if not captures.handlers:
+        captures.addHandler(logging.StreamHandler(sys.stdout))
     if args.smoke:
         args.device, args.response, args.max_seqs, args.repeat, args.warmup_s = "cpu", 64, 2, 2, 0.0
         torch.set_num_threads(1)
