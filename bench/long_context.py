@@ -38,7 +38,7 @@ Prefill of N prompts of c tokens, dense bf16 FLOPs:
                      head (V · h) on each prompt's last token only, and causal attention: QKᵀ and PV
                      are 2 · c² · q each (q = heads · head_dim), half of them under the causal mask
     fraction       = FLOPs / prefill seconds / peak (H100 and H200 989 TFLOP/s dense bf16,
-                     `fulcrum.trainer.metrics.PEAK_BF16_FLOPS`)
+                     `fulcrum.device_facts.PEAK_BF16_FLOPS`)
 
 The prefill seconds include the host's scheduling between steps and the first token's sampling.
 
@@ -84,26 +84,19 @@ from prefill_attention import sweep as prefill_attention_sweep
 from rollout import add_launch_options, random_prompts, set_launches, timed
 from shapes import shape_of
 
+from fulcrum.device_facts import device_peak_flops, hbm_bandwidth
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token, matmul_param_count
 from fulcrum.rollout import SamplingParams
 from fulcrum.rollout.native import EngineConfig, NativeEngine, kernels
 from fulcrum.rollout.testing import random_causal_lm
-from fulcrum.trainer.metrics import device_peak_flops
 
 SHAPES = ("qwen3-0.6b", "qwen2.5-0.5b")
 CONTEXTS = (8192, 16384, 2048)
-# HBM bandwidth (bytes/s) by device name, the more specific names first.
-HBM_BANDWIDTH = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12))
 SWEEP_SPLITS = (1, 2, 4, 8, 16)
 OTHER_PREFILL_KERNELS = ("cudnn", "fa4")  # timed beside the engine's default (flash) on CUDA
 PREFILL_REPEATS = 2  # prefill_under's timed prefills
 PROFILED_PROMPTS = 16  # prefill_split's prompts: steps enough for the split, a trace that loads fast
-
-
-def hbm_bandwidth(name: str) -> float | None:
-    """The card's HBM bandwidth (bytes/s) from its name; None for an unknown card (no fraction then)."""
-    return next((bw for key, bw in HBM_BANDWIDTH if key in name), None)
 
 
 @dataclass(frozen=True)

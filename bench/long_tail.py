@@ -30,7 +30,8 @@ tail). The table's last column divides partial by synchronous (for the step rate
 over partial step time). Beside them, the engine's own figures (`rollout/*`, docs/metrics.md): the tokens
 it sampled per second of generation (under partial rollouts these include the tokens of groups carried
 on), the tokens it prefilled (carried samples are prefilled again after `free_cache_engine` released
-their K/V) and its preemptions.
+their K/V), its preemptions, and its decode's memory floor over the decode's time
+(`rollout/decode_roofline_share`: 1 would be the card's bandwidth).
 
 The rollout's KV-read floor: a decode step reads the K/V of every sequence in flight, so a response of
 b tokens after a prompt of P reads kv · (P·b + b(b+1)/2) bytes over its decode steps, whatever the
@@ -60,11 +61,11 @@ import torch
 from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from long_context import hbm_bandwidth
 from shapes import shape_of
 from train_step import GRPO_STEP, make_model, seed_command
 
 from fulcrum.data.synthetic import ArithmeticTask, make_rows, write_parquet
+from fulcrum.device_facts import hbm_bandwidth
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token
 from fulcrum.trainer.main_ppo import main as train
@@ -175,6 +176,7 @@ def step_figures(rows: list[dict[str, Any]], responses_per_step: int) -> dict[st
     step_s = statistics.median(r["timing_s/step"] for r in warm)
     tokens = statistics.median(r["response_length/mean"] * responses_per_step for r in warm)
     engine = [r for r in warm if r.get("rollout/generate_s")]
+    shares = [r["rollout/decode_roofline_share"] for r in warm if "rollout/decode_roofline_share" in r]
     return {
         "step_s": step_s,
         "tok_per_s": tokens / step_s,
@@ -189,6 +191,7 @@ def step_figures(rows: list[dict[str, Any]], responses_per_step: int) -> dict[st
         )
         if engine
         else None,
+        "decode_roofline_share": statistics.median(shares) if shares else None,
         "prefill_tokens": statistics.median(r.get("rollout/prefill_tokens", 0.0) for r in warm),
         "preemptions": sum(r.get("rollout/preemptions", 0.0) for r in warm),
     }
@@ -278,6 +281,8 @@ def table(sync: dict[str, Any], partial: dict[str, Any], floor_s: float | None) 
         f"{partial['gen_s'] / sync['gen_s']:.3f} |",
         f"| engine's sampled tok/s while generating | {cell(sync['generated_tok_per_s'], '.0f')} | "
         f"{cell(partial['generated_tok_per_s'], '.0f')} | {ratio('generated_tok_per_s')} |",
+        f"| decode's memory floor over its time | {cell(sync['decode_roofline_share'], '.2f')} | "
+        f"{cell(partial['decode_roofline_share'], '.2f')} | |",
         f"| tokens prefilled per step | {sync['prefill_tokens']:.0f} | {partial['prefill_tokens']:.0f} | |",
         f"| preemptions over the warm steps | {sync['preemptions']:.0f} | {partial['preemptions']:.0f} | |",
         f"| the rollout's KV-read floor per step (s) | {cell(floor_s, '.1f')} | {cell(floor_s, '.1f')} | |",

@@ -31,7 +31,7 @@ both the pool and a phase's own activations, i.e. that step: the warm step is co
 largest phase, each warm phase with its own (allocated beside reserved).
 
 MFU: the trainer's `estimate_train_flops` (6·N·T + 12·Σℓ²·d·H·L, verl's) over the update's seconds and the
-card's dense bf16 peak (`fulcrum.trainer.metrics.device_peak_flops`: H100 and H200 989 TFLOP/s); a forward
+card's dense bf16 peak (`fulcrum.device_facts.device_peak_flops`: H100 and H200 989 TFLOP/s); a forward
 pass is a third of it (2·N·T + 4·Σℓ²·d·H·L).
 
 Doctor's estimate: `fulcrum.tools.memory_estimate.estimate` for this configuration on this device, each
@@ -63,9 +63,10 @@ from passes import GiB, seed_sizes_config, synthetic_batch, timed_call, warm_up
 from train_step import make_model
 
 from fulcrum.config import sections, uses_critic, uses_reference
+from fulcrum.device_facts import device_peak_flops
 from fulcrum.models.arch import model_shape
 from fulcrum.tools.memory_estimate import Estimate, estimate, read_model_shape
-from fulcrum.trainer.metrics import device_peak_flops, estimate_train_flops
+from fulcrum.trainer.metrics import estimate_train_flops
 from fulcrum.workers.cuda_graphs import pool_reserved_bytes
 
 # The estimate's phase for each measured one.

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from fulcrum.rollout.base import FinishReason, RequestEngine, SamplingParams, SequenceOutput
+from fulcrum.rollout.native.pipeline import COUNTERS, with_roofline_share
 
 
 class SuspendableEngine(RequestEngine, Protocol):
@@ -79,15 +80,7 @@ class Group:
         return sorted({v for s in self.samples for v in s.versions})
 
 
-ENGINE_FIGURES = (
-    "prefill_s",
-    "decode_s",
-    "prefill_steps",
-    "prefill_tokens",
-    "decode_steps",
-    "preemptions",
-    "evictions",
-)
+ENGINE_FIGURES = (*COUNTERS, "decode_floor_s", "preemptions", "evictions")
 
 
 class PartialRollout:
@@ -163,12 +156,14 @@ class PartialRollout:
         done = {id(g) for g in ready[:enough]}
         self.carried = [g for g in groups if id(g) not in done]
         after = self.engine.counters
-        self.figures = {
-            **{key: float(after[key] - before[key]) for key in ENGINE_FIGURES},
-            "generated_tokens": float(self.generated),
-            "generate_s": time.perf_counter() - start,
-            "held": float(after["held"]),
-        }
+        self.figures = with_roofline_share(
+            {
+                **{key: float(after[key] - before[key]) for key in ENGINE_FIGURES if key in after},
+                "generated_tokens": float(self.generated),
+                "generate_s": time.perf_counter() - start,
+                "held": float(after["held"]),
+            }
+        )
         return ready[:enough]
 
     def _take(

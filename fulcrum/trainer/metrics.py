@@ -27,27 +27,13 @@ from typing import Any
 import torch
 
 from fulcrum.batch import Batch, response_lengths
+from fulcrum.device_facts import device_peak_flops
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import matmul_param_count, train_flops
 from fulcrum.trainer.dynamic_sampling import rows_with_signal
 from fulcrum.workers.cuda_graphs import capture_metrics
 
 GiB = 1024**3
-
-# Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, as verl's `get_device_flops`.
-PEAK_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "H800": 989e12,
-    "H20": 148e12,
-    "A100": 312e12,
-    "A800": 312e12,
-    "L40": 181e12,
-    "A10": 125e12,
-    "4090": 165e12,
-    "3090": 71e12,
-    "B200": 2250e12,
-}
 
 
 # The attribute under which `timer` records, on an error escaping it, the innermost phase it escaped from.
@@ -249,17 +235,6 @@ def estimate_train_flops(config: Any, seq_lengths: list[int], lm_head: bool = Tr
     """FLOPs of one forward + backward over sequences of these lengths: 6·N·Σℓ + 12·Σℓ²·head_dim·heads·layers
     (`fulcrum.models.arch.spec.train_flops` over the family's shape); recomputation is not counted (as verl)."""
     return train_flops(model_shape(config), seq_lengths, lm_head)
-
-
-def device_peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak FLOP/s of a CUDA device by name; None for the CPU or an unknown device."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_BF16_FLOPS.items():
-        if key in name:
-            return flops
-    return None
 
 
 def compute_mfu(

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fulcrum.device_facts import device_hbm_bandwidth
 from fulcrum.models.arch import spec_for, unsupported_reason
 from fulcrum.models.packed_attention import fa4_unavailable_reason
 from fulcrum.parallel.tensor_parallel import TensorParallel
@@ -48,7 +49,7 @@ from fulcrum.rollout.native.launcher import Launcher
 from fulcrum.rollout.native.memory import prefill_context_tokens
 from fulcrum.rollout.native.model_runner import ModelRunner
 from fulcrum.rollout.native.models.decoder import DecoderLM, Rotary
-from fulcrum.rollout.native.pipeline import COUNTERS, Pipeline
+from fulcrum.rollout.native.pipeline import COUNTERS, Pipeline, with_roofline_share
 from fulcrum.rollout.native.sampler import DeviceSampler
 from fulcrum.rollout.native.scheduler import Scheduler
 from fulcrum.rollout.native.sequence import Sequence
@@ -145,6 +146,13 @@ class NativeEngine:
         )
         self.scheduler = Scheduler(config, blocks, context_budget)
         self.pipeline = Pipeline(self.scheduler, self.launcher, config)
+        # The memory roofline of decoding (`counters["decode_floor_s"]`): each step reads every weight and
+        # the K/V of every token its sequences attend over, at the card's bandwidth (None: unknown card).
+        self.bandwidth = device_hbm_bandwidth(self.device)
+        # a step reads every weight but an untied embedding, of which it looks up a row a sequence
+        read = [t for t in self.model.weight_tensors() if self.model.tied or t is not self.model.embed]
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in read)
+        self.kv_bytes_per_token = self.runner.bytes_per_block() // config.block_size
         self.sampler: DeviceSampler | None = None
         self.next_id = 0
         # One stop set per (stop ids, ignore_eos), shared by the sequences that use it: a batch of
@@ -301,11 +309,22 @@ class NativeEngine:
 
     @property
     def counters(self) -> dict[str, float]:
-        """Totals since the engine was built: prefill/decode seconds and steps, prefilled tokens,
-        preemptions, evictions of held sequences, blocks in use."""
-        scheduler = self.scheduler
+        """Totals since the engine was built: prefill/decode seconds and steps, prefilled tokens, tokens
+        whose K/V the decode read, preemptions, evictions of held sequences, blocks in use; on a card of
+        known bandwidth `decode_floor_s`, the decode's memory floor: (decode steps · weight bytes +
+        K/V tokens read · K/V bytes a token) / bandwidth (the weights and the attention layers' K/V; the
+        linear-attention layers' states and the sampler's passes are left out)."""
+        scheduler, pipeline = self.scheduler, self.pipeline.counters
+        floor = {}
+        if self.bandwidth:
+            read = (
+                pipeline["decode_steps"] * self.weight_bytes
+                + pipeline["kv_token_reads"] * self.kv_bytes_per_token
+            )
+            floor["decode_floor_s"] = read / self.bandwidth
         return {
-            **self.pipeline.counters,
+            **pipeline,
+            **floor,
             "preemptions": scheduler.num_preemptions,
             "evictions": scheduler.num_evictions,
             "held": len(scheduler.held),
@@ -362,7 +381,15 @@ class NativeEngine:
         finished.sort(key=lambda out: out.seq_id)
         assert [out.seq_id - first for out in finished] == list(range(len(prompts) * params.n))
         after = self.counters
-        self.stats.update({key: after[key] - before[key] for key in (*COUNTERS, "preemptions")})
+        self.stats.update(
+            with_roofline_share(
+                {
+                    key: after[key] - before[key]
+                    for key in (*COUNTERS, "decode_floor_s", "preemptions")
+                    if key in after
+                }
+            )
+        )
         self.stats.update(
             generate_s=time.perf_counter() - start,
             generated_tokens=sum(len(out.token_ids) for out in finished),

@@ -21,7 +21,23 @@ from fulcrum.rollout.native.launcher import Launched, Launcher
 from fulcrum.rollout.native.sampler import DeviceSampler
 from fulcrum.rollout.native.scheduler import DecodeWork, PrefillWork, Scheduler, Work
 
-COUNTERS = ("prefill_s", "decode_s", "prefill_steps", "prefill_tokens", "decode_steps")
+COUNTERS = ("prefill_s", "decode_s", "prefill_steps", "prefill_tokens", "decode_steps", "kv_token_reads")
+
+
+def window_kv_token_reads(contexts: list[int], steps: int) -> int:
+    """Tokens whose K/V a decode window's attention reads: a sequence of c tokens when the window starts
+    feeds its last token at step 1 (writing that token's K/V) and attends over all c; step j (1..steps)
+    over c + j - 1; so Σ_seqs (steps · c + steps(steps-1)/2)."""
+    return steps * sum(contexts) + len(contexts) * steps * (steps - 1) // 2
+
+
+def with_roofline_share(figures: dict[str, float]) -> dict[str, float]:
+    """The engine's `figures` and, where they have a memory floor (`decode_floor_s`, a known card),
+    `decode_roofline_share`: that floor over the decode's seconds (1.0 would be the card's bandwidth)."""
+    floor, seconds = figures.get("decode_floor_s"), figures.get("decode_s")
+    if not floor or not seconds:
+        return figures
+    return {**figures, "decode_roofline_share": floor / seconds}
 
 
 class Pipeline:
@@ -53,6 +69,9 @@ class Pipeline:
 
     def _run(self, work: Work, sampler: DeviceSampler) -> Launched:
         launched = self.launcher.run(work, sampler, self.slot)
+        if isinstance(work, DecodeWork):  # the host's lengths lag the device by the unread steps
+            contexts = [seq.num_tokens + work.unread for seq in work.seqs]
+            self.counters["kv_token_reads"] += window_kv_token_reads(contexts, work.steps)
         if isinstance(work, PrefillWork):
             # Its prompts run (with their forks) from now on, so the round after it can be scheduled
             # before its first tokens are read; the forks' copies queue behind its forward.
