@@ -23,6 +23,9 @@ from fulcrum.config.schema import (
     RolloutConfig,
 )
 from fulcrum.config.validate import sp_roles
+from fulcrum.device_facts import hbm_bandwidth
+from fulcrum.models.arch.spec import kv_bytes_per_token, matmul_param_count
+from fulcrum.rollout.native.pipeline import decode_floor_s
 from fulcrum.tools.memory_estimate import (
     DEFAULT_DEVICE_GIB,
     Estimate,
@@ -368,11 +371,50 @@ def check_kv_preemption(ctx: DoctorContext) -> list[Finding]:
     ]
 
 
+def device_bandwidth(ctx: DoctorContext) -> tuple[float | None, bool]:
+    """(bytes/s, known): the visible CUDA device's HBM bandwidth (None for a card fulcrum does not know),
+    else an assumed H200's, as `device_memory` assumes its memory."""
+    import torch
+
+    if ctx.device == "cuda" and ctx.n_visible > 0 and torch.cuda.is_available():
+        return hbm_bandwidth(torch.cuda.get_device_name(0)), True
+    return hbm_bandwidth("H200"), False
+
+
+def decode_floor_line(ctx: DoctorContext) -> str | None:
+    """The native engine's memory floor for a step's decoding at the longest prompts and responses
+    (`decode_floor_s`: bf16 weights read a decode step, the LM head once and the embedding not, and each
+    context's K/V), or None without a model shape, another rollout or an unknown card."""
+    cfg = ctx.cfg
+    rollout = cfg.actor_rollout_ref.rollout
+    shape = read_model_shape(cfg.actor_rollout_ref.model.path) if rollout.name == "native" else None
+    bandwidth, known = device_bandwidth(ctx)
+    if shape is None or bandwidth is None:
+        return None
+    responses = cfg.data.train_batch_size * rollout.n // max(world_size(cfg), 1)
+    response_len = rollout.response_length or cfg.data.max_response_length
+    floor = decode_floor_s(
+        responses,
+        cfg.data.max_prompt_length,
+        response_len,
+        2 * matmul_param_count(shape, lm_head=False),
+        kv_bytes_per_token(shape),
+        bandwidth,
+    )
+    card = f"{bandwidth / 1e12:.2f} TB/s" + ("" if known else " (assumed: an H200)")
+    return (
+        f"decode floor: a step's {responses} responses at their longest take at least {floor:.3g} s at {card} "
+        f"(each decode step reads every weight and each context's K/V, {kv_bytes_per_token(shape):,} B a "
+        'token; docs/levers.md, "Long responses")'
+    )
+
+
 def memory_lines(ctx: DoctorContext) -> list[str]:
     est = memory_estimate(ctx)
     if est is None:
         return [f"memory estimate: no model config.json to read ({ModelConfig.key('path')})"]
-    return format_estimate(est)
+    floor = decode_floor_line(ctx)
+    return format_estimate(est) + ([f"  {floor}"] if floor else [])
 
 
 LEVER_CHECKS: list[Callable[[Any], list[Finding]]] = [

@@ -31,6 +31,18 @@ def window_kv_token_reads(contexts: list[int], steps: int) -> int:
     return steps * sum(contexts) + len(contexts) * steps * (steps - 1) // 2
 
 
+def decode_floor_s(
+    responses: int, prompt_len: int, response_len: int, weight_bytes: float, kv_bytes: float, bandwidth: float
+) -> float:
+    """The memory floor of decoding `responses` sequences of `response_len` tokens after `prompt_len` each
+    (seconds): the first token comes from the prefill, then R - 1 decode steps, each reading the weights
+    once and the K/V of every context: ((R-1) · W + window_kv_token_reads([P+1] x responses, R-1) · kv)
+    / bandwidth, whatever the batching."""
+    steps = max(response_len - 1, 0)
+    reads = window_kv_token_reads([prompt_len + 1] * responses, steps)
+    return (steps * weight_bytes + reads * kv_bytes) / bandwidth
+
+
 def with_roofline_share(figures: dict[str, float]) -> dict[str, float]:
     """The engine's `figures` and, where they have a memory floor (`decode_floor_s`, a known card),
     `decode_roofline_share`: that floor over the decode's seconds (1.0 would be the card's bandwidth)."""
