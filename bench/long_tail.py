@@ -34,9 +34,10 @@ their K/V), its preemptions, and its decode's memory floor over the decode's tim
 (`rollout/decode_roofline_share`: 1 would be the card's bandwidth).
 
 The rollout's KV-read floor: a decode step reads the K/V of every sequence in flight, so a response of
-b tokens after a prompt of P reads kv · (P·b + b(b+1)/2) bytes over its decode steps, whatever the
-batching: a step of G groups of n samples needs at least G · n · E[P·b + b(b+1)/2] · kv / HBM bandwidth
-seconds (E over the data's budgets). Where that floor is most of the synchronous step's generation, the
+b tokens after a prompt of P (its first token from the prefill) reads kv · ((b-1)·P + b(b-1)/2) bytes over
+its decode steps, whatever the batching: a step of G groups of n samples needs at least
+G · n · E[(b-1)·P + b(b-1)/2] · kv / HBM bandwidth seconds (E over the data's budgets;
+`fulcrum.rollout.native.pipeline.decode_floor_s`). Where that floor is most of the synchronous step's generation, the
 tail costs what its tokens cost, and carrying it over cannot shorten a step much; where generation is
 far above it (a small K/V a token: Qwen2.5-0.5B's 12 KiB against Qwen3-0.6B's 112 KiB), the tail runs
 at a batch too small to use the card and partial rollouts have time to take back. `--shape` picks the
@@ -68,6 +69,7 @@ from fulcrum.data.synthetic import ArithmeticTask, make_rows, write_parquet
 from fulcrum.device_facts import hbm_bandwidth
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token
+from fulcrum.rollout.native.pipeline import decode_floor_s
 from fulcrum.trainer.main_ppo import main as train
 
 MODES = ("sync", "partial")
@@ -89,10 +91,11 @@ def kv_read_floor_s(
     budgets: list[int], prompt_tokens: float, samples: int, groups: int, kv_bytes: int, bandwidth: float
 ) -> float:
     """The K/V bytes a step's decoding must read at least, over the HBM bandwidth (s): `groups` x `samples`
-    x E_b[P·b + b(b+1)/2] x kv / bandwidth, with E over `budgets` and P = `prompt_tokens` (module
-    docstring)."""
-    per_response = statistics.mean(prompt_tokens * b + b * (b + 1) / 2 for b in budgets)
-    return groups * samples * per_response * kv_bytes / bandwidth
+    responses, each the mean over `budgets` of one response's K/V reads after `prompt_tokens` (rounded)
+    (`decode_floor_s` without the weights, which a step reads once a decode step, not once a response)."""
+    prompt = round(prompt_tokens)
+    per_response = statistics.mean(decode_floor_s(1, prompt, b, 0.0, kv_bytes, bandwidth) for b in budgets)
+    return groups * samples * per_response
 
 
 def write_data(out: Path, rows: int, median: float, sigma: float, cap: int, seed: int) -> Path:

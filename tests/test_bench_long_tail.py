@@ -50,11 +50,11 @@ def test_the_smoke_run_compares_both_modes(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_the_kv_read_floor_is_the_k_v_each_response_reads_over_its_decode_steps() -> None:
-    # a response of b tokens after P reads P + 1, P + 2, ..., P + b tokens' K/V: P·b + b(b+1)/2
-    assert kv_read_floor_s([3], 10, samples=1, groups=1, kv_bytes=1, bandwidth=1) == 10 * 3 + 6
+    # a response of b tokens after P: the first from the prefill, then decode steps over P + 1 ... P + b - 1
+    assert kv_read_floor_s([3], 10, samples=1, groups=1, kv_bytes=1, bandwidth=1) == 11 + 12
     # the mean over the budgets, times the step's responses, bytes over bandwidth
     floor = kv_read_floor_s([1, 3], 0, samples=8, groups=64, kv_bytes=114_688, bandwidth=3.35e12)
-    assert floor == pytest.approx(64 * 8 * (1 + 6) / 2 * 114_688 / 3.35e12)
+    assert floor == pytest.approx(64 * 8 * (0 + 1 + 2) / 2 * 114_688 / 3.35e12)
 
 
 def test_the_runs_share_what_is_left_of_the_deadline() -> None:

@@ -383,8 +383,9 @@ def device_bandwidth(ctx: DoctorContext) -> tuple[float | None, bool]:
 
 def decode_floor_line(ctx: DoctorContext) -> str | None:
     """The native engine's memory floor for a step's decoding at the longest prompts and responses
-    (`decode_floor_s`: bf16 weights read a decode step, the LM head once and the embedding not, and each
-    context's K/V), or None without a model shape, another rollout or an unknown card."""
+    (`decode_floor_s`: bf16 weights read a decode step, the LM head once and the embedding not, of a
+    mixture of experts only the experts a token runs, and each context's K/V), or None without a model
+    shape, another rollout or an unknown card."""
     cfg = ctx.cfg
     rollout = cfg.actor_rollout_ref.rollout
     shape = read_model_shape(cfg.actor_rollout_ref.model.path) if rollout.name == "native" else None
