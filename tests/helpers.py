@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,29 @@ from fulcrum.data.synthetic import write_splits
 from fulcrum.models.tiny import build_tiny_model
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
+
+# Qwen2.5-0.5B's shape (the keys doctor's rules and estimate read).
+QWEN25_05B = {
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 32768,
+}
+
+
+def model_folder_of_shape(tiny_model: Path, out: Path, fields: dict[str, Any]) -> Path:
+    """A copy of the tiny model folder at `out` whose config.json says `fields` (a shape for doctor, which
+    reads the config and loads no weights)."""
+    shutil.copytree(tiny_model, out)
+    config_file = out / "config.json"
+    config = {k: v for k, v in json.loads(config_file.read_text()).items() if k != "layer_types"}  # per layer
+    config_file.write_text(json.dumps({**config, **fields}))
+    return out
 
 
 def make_assets(root: Path, num_train: int = 8, num_test: int = 2) -> Path:

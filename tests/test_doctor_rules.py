@@ -4,34 +4,19 @@ out-of-memory on a card too small."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from helpers import GSM8K_ROW as ROW
-from helpers import seed_command
+from helpers import QWEN25_05B, model_folder_of_shape, seed_command
 
 from fulcrum.config import load_config
 from fulcrum.models.arch import model_shape
 from fulcrum.rollout.native.memory import kv_cache_budget
 from fulcrum.tools import doctor, doctor_rules
 from fulcrum.tools.memory_estimate import estimate, param_count
-
-# Qwen2.5-0.5B's shape (the keys the rules and the estimate read).
-QWEN25_05B = {
-    "model_type": "qwen2",
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "tie_word_embeddings": True,
-    "max_position_embeddings": 32768,
-}
 
 
 @pytest.fixture
@@ -40,10 +25,7 @@ def files(tmp_path: Path, tiny_model: Path) -> Path:
     says Qwen2.5-0.5B (doctor reads the shape; it loads no weights)."""
     for name, rows in (("train.parquet", 7473), ("test.parquet", 1319)):
         pq.write_table(pa.Table.from_pylist([ROW] * rows), tmp_path / name)
-    shutil.copytree(tiny_model, tmp_path / "model")
-    config_file = tmp_path / "model" / "config.json"
-    config = {k: v for k, v in json.loads(config_file.read_text()).items() if k != "layer_types"}  # per layer
-    config_file.write_text(json.dumps({**config, **QWEN25_05B}))
+    model_folder_of_shape(tiny_model, tmp_path / "model", QWEN25_05B)
     return tmp_path
 
 

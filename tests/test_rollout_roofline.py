@@ -5,13 +5,11 @@ length."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import seed_command
+from helpers import QWEN25_05B, model_folder_of_shape, seed_command
 
 from fulcrum.device_facts import hbm_bandwidth
 from fulcrum.rollout import SamplingParams
@@ -101,28 +99,12 @@ def test_the_floor_of_full_length_responses_counts_every_decode_step() -> None:
     assert decode_floor_s(2, 10, 4, weight_bytes=0, kv_bytes=2, bandwidth=4) == 2 * 36 * 2 / 4
 
 
-QWEN25_05B = {
-    "model_type": "qwen2",
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "tie_word_embeddings": True,
-    "max_position_embeddings": 32768,
-}
-
-
 def test_doctor_says_the_seed_commands_decode_floor(tmp_path: Path, tiny_model: Path, capsys) -> None:
     """The seed command on Qwen2.5-0.5B's shape, no card visible (an H200's 4.8 TB/s assumed): 512
     responses of 256 tokens after 512 read the bf16 weights 255 times (attention 896 x 2,048 and MLP
     3 x 896 x 4,864 in each of 24 layers, the tied head 151,936 x 896: 987.9 MB) and 512 x Σ_{j=1..255}
     (512 + j) tokens' K/V of 24 x 2 x 2 x 64 x 2 = 12,288 B."""
-    shutil.copytree(tiny_model, tmp_path / "model")
-    config_file = tmp_path / "model" / "config.json"
-    config = {k: v for k, v in json.loads(config_file.read_text()).items() if k != "layer_types"}
-    config_file.write_text(json.dumps({**config, **QWEN25_05B}))
+    model_folder_of_shape(tiny_model, tmp_path / "model", QWEN25_05B)
     weights = 2 * ((896 * 2048 + 3 * 896 * 4864) * 24 + 151936 * 896)
     reads = 512 * sum(512 + j for j in range(1, 256))
     floor = (255 * weights + reads * 12_288) / 4.8e12
