@@ -1,15 +1,11 @@
 """The native engine's memory roofline of decoding: the K/V tokens each decode step attends over,
 counted as the windows are launched, and `decode_floor_s` / `decode_roofline_share` on a card whose
-bandwidth is known (a CPU engine here, with a bandwidth set by hand); doctor's floor of a step at full
-length."""
+bandwidth is known (a CPU engine here, with a bandwidth set by hand)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from helpers import QWEN25_05B, model_folder_of_shape, seed_command
 
 from fulcrum.device_facts import hbm_bandwidth
 from fulcrum.rollout import SamplingParams
@@ -17,7 +13,6 @@ from fulcrum.rollout.native import EngineConfig, NativeEngine
 from fulcrum.rollout.native.pipeline import decode_floor_s, window_kv_token_reads, with_roofline_share
 from fulcrum.rollout.partial import PartialRollout
 from fulcrum.rollout.testing import random_causal_lm
-from fulcrum.tools import doctor
 
 CPU = torch.device("cpu")
 EOS = 1
@@ -97,21 +92,3 @@ def test_the_floor_of_full_length_responses_counts_every_decode_step() -> None:
     # one response of 4 tokens after 10: the first from the prefill, then steps over 11, 12 and 13 tokens
     assert decode_floor_s(1, 10, 4, weight_bytes=100, kv_bytes=1, bandwidth=1) == 3 * 100 + 11 + 12 + 13
     assert decode_floor_s(2, 10, 4, weight_bytes=0, kv_bytes=2, bandwidth=4) == 2 * 36 * 2 / 4
-
-
-def test_doctor_says_the_seed_commands_decode_floor(tmp_path: Path, tiny_model: Path, capsys) -> None:
-    """The seed command on Qwen2.5-0.5B's shape, no card visible (an H200's 4.8 TB/s assumed): 512
-    responses of 256 tokens after 512 read the bf16 weights 255 times (attention 896 x 2,048 and MLP
-    3 x 896 x 4,864 in each of 24 layers, the tied head 151,936 x 896: 987.9 MB) and 512 x Σ_{j=1..255}
-    (512 + j) tokens' K/V of 24 x 2 x 2 x 64 x 2 = 12,288 B."""
-    model_folder_of_shape(tiny_model, tmp_path / "model", QWEN25_05B)
-    weights = 2 * ((896 * 2048 + 3 * 896 * 4864) * 24 + 151936 * 896)
-    reads = 512 * sum(512 + j for j in range(1, 256))
-    floor = (255 * weights + reads * 12_288) / 4.8e12
-    assert doctor.main([*seed_command(tmp_path), "trainer.device=cpu"]) in (0, 1)
-    out = capsys.readouterr().out
-    assert (
-        f"decode floor: a step's 512 responses at their longest take at least {floor:.3g} s at 4.80 TB/s"
-        in out
-    )
-    assert "(assumed: an H200)" in out and "12,288 B a token" in out

@@ -331,6 +331,16 @@ def kv_tokens_needed(prompts: int, n: int, max_num_seqs: int, prompt_len: int, r
     return math.ceil(sequences / n) * prompt_len + sequences * response_len
 
 
+def sequences_that_fit(kv_tokens: int, n: int, prompt_len: int, response_len: int) -> int:
+    """The most sequences at once whose longest the cache holds: the largest s with
+    `kv_tokens_needed` (⌈s / n⌉ · prompt_len + s · response_len) <= kv_tokens (0 when not even one)."""
+    s = kv_tokens // (response_len + prompt_len / n) if response_len + prompt_len else 0
+    s = int(s) + 1
+    while s > 0 and math.ceil(s / n) * prompt_len + s * response_len > kv_tokens:
+        s -= 1
+    return s
+
+
 def check_kv_preemption(ctx: DoctorContext) -> list[Finding]:
     """The native engine's KV cache below what a step's sequences need at their longest: it preempts."""
     rollout = ctx.cfg.actor_rollout_ref.rollout
@@ -338,12 +348,9 @@ def check_kv_preemption(ctx: DoctorContext) -> list[Finding]:
     if est is None or est.kv_tokens <= 0:  # no cache at all is check_memory's error
         return []
     prompts = ctx.cfg.data.train_batch_size // max(world_size(ctx.cfg), 1)
+    response_len = rollout.response_length or ctx.cfg.data.max_response_length
     needed = kv_tokens_needed(
-        prompts,
-        rollout.n,
-        rollout.max_num_seqs,
-        ctx.cfg.data.max_prompt_length,
-        rollout.response_length or ctx.cfg.data.max_response_length,
+        prompts, rollout.n, rollout.max_num_seqs, ctx.cfg.data.max_prompt_length, response_len
     )
     if needed <= est.kv_tokens:
         return []
@@ -352,6 +359,17 @@ def check_kv_preemption(ctx: DoctorContext) -> list[Finding]:
         + (needed - est.kv_tokens) * est.kv_cache_bytes / est.kv_tokens / est.device_bytes
     )
     key = rollout.key("gpu_memory_utilization")
+    generation = next(p for p in est.phases if p.name == "generation")
+    most = rollout.gpu_memory_utilization + (est.device_bytes - generation.total) / est.device_bytes
+    if share <= min(most, 1.0):
+        fix = f"{key}={math.ceil(share * 100) / 100:.2f} or more, or a smaller max_num_seqs (fewer sequences at once)"
+    else:  # no share of this device holds them: only fewer sequences at once rule preemption out
+        fits = sequences_that_fit(est.kv_tokens, rollout.n, ctx.cfg.data.max_prompt_length, response_len)
+        fix = (
+            f"{rollout.key('max_num_seqs')}={fits} rules it out (that many sequences at their longest fit; "
+            f"{key} would need {share:.2f} of the device), at the cost of decoding fewer at once: where few "
+            "responses reach the longest together, keep the batch and watch rollout/preemptions"
+        )
     return [
         Finding(
             (
@@ -365,8 +383,7 @@ def check_kv_preemption(ctx: DoctorContext) -> list[Finding]:
             "warning",
             why="a preempted sequence's prefill and decode are done again, so generation slows as the cache "
             "falls short (docs/levers.md)",
-            fix=f"{key}={math.ceil(share * 100) / 100:.2f} or more, "
-            "or a smaller max_num_seqs (fewer sequences at once)",
+            fix=fix,
         )
     ]
 
