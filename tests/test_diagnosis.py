@@ -298,3 +298,42 @@ def test_a_saturated_host_is_not_flagged_when_the_training_micro_batches_replay_
     for row in rows:
         row["perf/graph_captures"] = 0.0  # the run's micro-batches replay captured graphs
     assert "host_loaded" not in rules(rows)
+
+
+def long_tailed_rows(share: float, partial: bool = False) -> list[dict[str, Any]]:
+    """Steps whose generation is 70 % of the step, responses up to 4x their mean, the decode at `share` of
+    its memory floor; `partial`: under partial rollouts."""
+    rows = healthy_rows()
+    for row in rows:
+        row["timing_s/gen"], row["timing_s/update_actor"], row["timing_s/update_critic"] = 7.0, 2.0, 1.0
+        row["response_length/mean"], row["response_length/max"] = 2000.0, 8000.0
+        row["rollout/decode_roofline_share"] = share
+        if partial:
+            row["training/off_policy/carried_token_share"] = 0.45
+    return rows
+
+
+def test_a_long_tail_at_a_small_batch_points_to_partial_rollouts() -> None:
+    findings = [f for f in diagnose(long_tailed_rows(0.2)) if f.rule == "long_tail"]
+    assert findings and findings[0].severity == "info"
+    assert "20% of its memory floor" in findings[0].message and "4.0x the mean" in findings[0].message
+    assert "up to 71% of the generation" in findings[0].message  # 1 - 0.2 / 0.7
+    assert "trainer.v1.trainer_mode=colocate_async" in findings[0].fix
+    # the synchronous steps measured at Qwen3-0.6B's shape: the decode at ~0.7 of its floor, no tail to take back
+    assert "long_tail" not in rules(long_tailed_rows(0.69))
+    rows = long_tailed_rows(0.2)
+    for row in rows:
+        row["response_length/max"] = 2500.0  # lengths alike: no tail
+    assert "long_tail" not in rules(rows)
+    rows = long_tailed_rows(0.2)
+    for row in rows:
+        row["timing_s/gen"], row["timing_s/update_actor"] = 2.0, 7.0  # training bounds the step
+    assert "long_tail" not in rules(rows)
+    assert "long_tail" not in rules(healthy_rows())  # no roofline logged (an unknown card, the CPU)
+
+
+def test_partial_rollouts_whose_decode_sits_at_its_floor_are_told_they_take_little_back() -> None:
+    findings = [f for f in diagnose(long_tailed_rows(0.6, partial=True)) if f.rule == "long_tail"]
+    assert findings and "60% of its memory floor" in findings[0].message
+    assert "trainer.use_v1=False" in findings[0].fix and "bench/long_tail.py" in findings[0].fix
+    assert "long_tail" not in rules(long_tailed_rows(0.3, partial=True))

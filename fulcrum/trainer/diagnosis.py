@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from fulcrum.config.finding import Finding
-from fulcrum.trainer.diagnosis_resources import bottleneck, host_loaded, memory_creep
+from fulcrum.trainer.diagnosis_resources import bottleneck, host_loaded, long_tail, memory_creep
 from fulcrum.trainer.metric_rows import Row, as_float, finite_series, series, step_of, training_rows
 
 NON_FINITE_KEYS = (
@@ -349,6 +349,7 @@ RULES: list[Callable[[Sequence[Row]], list[Finding]]] = [
     length_limit,
     memory_creep,
     host_loaded,
+    long_tail,
     groups_without_signal,
 ]
 

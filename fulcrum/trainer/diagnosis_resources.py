@@ -1,5 +1,5 @@
 """The diagnosis rules about where a step's time and memory go: which phase bounds the step, memory that
-grows every step, a host whose CPUs are saturated. Pure functions over metrics rows (`fulcrum.trainer.
+grows every step, a host whose CPUs are saturated, a long tail the decode spends at a small batch. Pure functions over metrics rows (`fulcrum.trainer.
 metric_rows`); `fulcrum.trainer.diagnosis` runs them with the rules about learning.
 """
 
@@ -40,6 +40,13 @@ HOST_LOAD_LIMIT = 1.0
 HOST_LOAD_STEPS = 3
 # The phases that launch their kernels one by one from the host (generation replays CUDA graphs).
 HOST_BOUND_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_actor", "reward")
+# The decode's memory floor over its time (rollout/decode_roofline_share) that the engine's kernels reach
+# at long contexts with full batches (0.70-0.77 of an H100's roofline, BENCHMARKS.md "Long contexts"), and
+# the share below which most of the decode's time is not the weights' and K/V's reads.
+DECODE_REACHABLE_SHARE = 0.7
+DECODE_TAIL_SHARE = 0.35
+DECODE_FLOOR_BOUND = 0.5  # under partial rollouts: at least half the decode's time is its floor
+TAIL_STEPS = 3  # warm steps the long-tail rule reads (medians)
 
 
 def phase_shares(rows: Sequence[Row]) -> dict[str, float]:
@@ -137,5 +144,66 @@ def host_loaded(rows: Sequence[Row]) -> list[Finding]:
             "launch more work: larger micro-batch sizes or use_dynamic_bsz=True (`fulcrum tune` measures them)",
             rule="host_loaded",
             step=points[-1][0],
+        )
+    ]
+
+
+def long_tail(rows: Sequence[Row]) -> list[Finding]:
+    """Whether carrying the tail over (partial rollouts) can shorten the steps, from the decode's memory
+    roofline (`rollout/decode_roofline_share`, logged on a card of known bandwidth), medians of the last
+    TAIL_STEPS steps after the first.
+
+    Synchronous steps: generation at least half the step, the longest response at least twice the mean, and
+    the decode at most DECODE_TAIL_SHARE of its floor: most of its time is steps that read little (the tail at
+    a few sequences), and partial rollouts can take back up to 1 - share / DECODE_REACHABLE_SHARE of it.
+    Under partial rollouts (`training/off_policy/carried_token_share` logged): the decode at
+    DECODE_FLOOR_BOUND or more of its floor spends most of its time reading what its tokens need, so a tail
+    at a small batch is not where the time goes and partial rollouts mostly add their costs (Qwen3-0.6B's
+    shape with ~2k-token answers: 0.83x the synchronous step rate, BENCHMARKS.md)."""
+    train = training_rows(rows)[1:]
+    recent = [r for r in train if as_float(r.get("rollout/decode_roofline_share")) is not None][-TAIL_STEPS:]
+    if len(recent) < TAIL_STEPS:
+        return []
+    share = statistics.median(as_float(r["rollout/decode_roofline_share"]) or 0.0 for r in recent)
+    step = step_of(recent[-1], len(train))
+    if any("training/off_policy/carried_token_share" in r for r in recent):
+        if share < DECODE_FLOOR_BOUND:
+            return []
+        return [
+            Finding(
+                (),
+                f"under partial rollouts the decode runs at {share:.0%} of its memory floor "
+                "(rollout/decode_roofline_share): most of its time is reading the weights and K/V its tokens need, "
+                "so the tail costs what its tokens cost and carrying it over saves little beside its own costs "
+                "(the carried samples prefilled again, the old-log-prob pass, off-policy tokens)",
+                "info",
+                fix="compare a synchronous step (trainer.use_v1=False; bench/long_tail.py runs both); a smaller K/V "
+                "a token (fewer KV heads) or shorter responses shorten the floor itself",
+                rule="long_tail",
+                step=step,
+            )
+        ]
+    gen = statistics.median(
+        (as_float(r.get("timing_s/gen")) or 0.0) / (as_float(r["timing_s/step"]) or 1.0) for r in recent
+    )
+    spread = statistics.median(
+        (as_float(r.get("response_length/max")) or 0.0)
+        / max(as_float(r.get("response_length/mean")) or 0.0, 1.0)
+        for r in recent
+    )
+    if gen < 0.5 or spread < 2.0 or share > DECODE_TAIL_SHARE:
+        return []
+    return [
+        Finding(
+            (),
+            f"generation is {gen:.0%} of the step and its decode runs at {share:.0%} of its memory floor "
+            f"(rollout/decode_roofline_share) while the longest response is {spread:.1f}x the mean: the tail "
+            "decodes a few sequences at a time; carrying it over to the next step could take back up to "
+            f"{1 - share / DECODE_REACHABLE_SHARE:.0%} of the generation",
+            "info",
+            fix="partial rollouts: trainer.use_v1=True trainer.v1.trainer_mode=colocate_async with "
+            'algorithm.rollout_correction.rollout_is=token (docs/levers.md, "Long responses")',
+            rule="long_tail",
+            step=step,
         )
     ]
