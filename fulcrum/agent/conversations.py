@@ -6,8 +6,8 @@ real waiting: see fulcrum.rollout.driver), runs every prompt's `n` conversations
 `AsyncRollout`, and returns them prompt-major (sample j of prompt i at i * n + j), as `generate` orders
 its samples. Like `generate`, it leaves nothing in flight (an error aborts what was running) and frees
 the KV cache at the end under `rollout.free_cache_engine`. The engine's figures for the rollout
-(prefill and decode time, prefilled tokens, preemptions, evictions of held conversations) are left in
-its `metrics()`, as `generate` leaves its own.
+(prefill and decode time, prefilled tokens, preemptions, evictions of held conversations, the decode's
+memory floor) are left in its `metrics()`, as `generate` leaves its own.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from typing import TYPE_CHECKING
 from fulcrum.agent.loop import Conversation, ConversationRequest, ToolAgentLoop
 from fulcrum.rollout.base import SamplingParams
 from fulcrum.rollout.driver import AsyncRollout
+from fulcrum.rollout.native.pipeline import figures_between
 
 if TYPE_CHECKING:
     from fulcrum.rollout.native import NativeEngine
-
-ENGINE_FIGURES = ("prefill_s", "decode_s", "prefill_steps", "prefill_tokens", "decode_steps")
 
 
 async def _all(
@@ -54,8 +53,6 @@ def run_conversations(
     if engine.config.free_cache_engine:
         engine.sleep()
     after = engine.counters
-    engine.stats.update(
-        {key: after[key] - before[key] for key in (*ENGINE_FIGURES, "preemptions", "evictions")}
-    )
+    engine.stats.update(figures_between(before, after))
     engine.stats["generate_s"] = time.perf_counter() - start
     return conversations

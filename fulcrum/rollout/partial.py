@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from fulcrum.rollout.base import FinishReason, RequestEngine, SamplingParams, SequenceOutput
-from fulcrum.rollout.native.pipeline import COUNTERS, with_roofline_share
+from fulcrum.rollout.native.pipeline import figures_between
 
 
 class SuspendableEngine(RequestEngine, Protocol):
@@ -78,9 +78,6 @@ class Group:
     def versions(self) -> list[int]:
         """Every policy version that sampled a token of the group (sorted, distinct)."""
         return sorted({v for s in self.samples for v in s.versions})
-
-
-ENGINE_FIGURES = (*COUNTERS, "decode_floor_s", "preemptions", "evictions")
 
 
 class PartialRollout:
@@ -156,14 +153,12 @@ class PartialRollout:
         done = {id(g) for g in ready[:enough]}
         self.carried = [g for g in groups if id(g) not in done]
         after = self.engine.counters
-        self.figures = with_roofline_share(
-            {
-                **{key: float(after[key] - before[key]) for key in ENGINE_FIGURES if key in after},
-                "generated_tokens": float(self.generated),
-                "generate_s": time.perf_counter() - start,
-                "held": float(after["held"]),
-            }
-        )
+        self.figures = {
+            **figures_between(before, after),
+            "generated_tokens": float(self.generated),
+            "generate_s": time.perf_counter() - start,
+            "held": float(after["held"]),
+        }
         return ready[:enough]
 
     def _take(

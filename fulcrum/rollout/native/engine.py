@@ -49,7 +49,7 @@ from fulcrum.rollout.native.launcher import Launcher
 from fulcrum.rollout.native.memory import prefill_context_tokens
 from fulcrum.rollout.native.model_runner import ModelRunner
 from fulcrum.rollout.native.models.decoder import DecoderLM, Rotary
-from fulcrum.rollout.native.pipeline import COUNTERS, Pipeline, with_roofline_share
+from fulcrum.rollout.native.pipeline import Pipeline, figures_between
 from fulcrum.rollout.native.sampler import DeviceSampler
 from fulcrum.rollout.native.scheduler import Scheduler
 from fulcrum.rollout.native.sequence import Sequence
@@ -381,15 +381,7 @@ class NativeEngine:
         finished.sort(key=lambda out: out.seq_id)
         assert [out.seq_id - first for out in finished] == list(range(len(prompts) * params.n))
         after = self.counters
-        self.stats.update(
-            with_roofline_share(
-                {
-                    key: after[key] - before[key]
-                    for key in (*COUNTERS, "decode_floor_s", "preemptions")
-                    if key in after
-                }
-            )
-        )
+        self.stats.update(figures_between(before, after))
         self.stats.update(
             generate_s=time.perf_counter() - start,
             generated_tokens=sum(len(out.token_ids) for out in finished),

@@ -43,6 +43,18 @@ def decode_floor_s(
     return (steps * weight_bytes + reads * kv_bytes) / bandwidth
 
 
+# The engine's running totals (`NativeEngine.counters`) whose differences over a call are its figures.
+ENGINE_FIGURES = (*COUNTERS, "decode_floor_s", "preemptions", "evictions")
+
+
+def figures_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The engine's work between two readings of its counters (`ENGINE_FIGURES` that both have), with the
+    decode's roofline share (`with_roofline_share`)."""
+    return with_roofline_share(
+        {key: float(after[key] - before[key]) for key in ENGINE_FIGURES if key in after and key in before}
+    )
+
+
 def with_roofline_share(figures: dict[str, float]) -> dict[str, float]:
     """The engine's `figures` and, where they have a memory floor (`decode_floor_s`, a known card),
     `decode_roofline_share`: that floor over the decode's seconds (1.0 would be the card's bandwidth)."""
