@@ -393,11 +393,11 @@ def test_the_start_says_why_a_model_runs_its_micro_batches_eagerly() -> None:
     assert graphs_line({"actor": forwards(device=CPU)}) is None  # a CPU run says nothing
 
 
-def test_the_pool_is_read_after_a_step_that_captured_and_kept_otherwise(
+def test_the_pool_is_read_at_each_capture_and_kept_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """perf/cuda_graph_pool_reserved_gb: the allocator is asked only after a step that captured (only a capture
-    grows the pool); the steps between log the last figure."""
+    """perf/cuda_graph_pool_reserved_gb: the allocator is asked once a capture (only a capture grows the
+    pool), never by a step's metrics; the steps between log the last figure."""
     from fulcrum.workers import cuda_graphs
 
     reads = []
@@ -409,9 +409,11 @@ def test_the_pool_is_read_after_a_step_that_captured_and_kept_otherwise(
     monkeypatch.setattr(cuda_graphs, "pool_reserved_bytes", reserved)
     monkeypatch.setattr(cuda_graphs, "TALLY", cuda_graphs.CaptureTally())
     assert cuda_graphs.capture_metrics() == {}  # no graph yet
-    cuda_graphs.TALLY.graphs, cuda_graphs.TALLY.seconds, cuda_graphs.TALLY.built = 2, 0.5, True
+    cuda_graphs.note_capture(0.25)
+    cuda_graphs.note_capture(0.25)  # two captures in one step
     first = cuda_graphs.capture_metrics()
     assert first["perf/cuda_graph_pool_reserved_gb"] == 3.0 and first["perf/graph_captures"] == 2.0
+    assert first["perf/graph_capture_s"] == 0.5
     second = cuda_graphs.capture_metrics()
     assert second["perf/cuda_graph_pool_reserved_gb"] == 3.0 and second["perf/graph_captures"] == 0.0
-    assert len(reads) == 1
+    assert len(reads) == 2  # one a capture, none for the steps' metrics

@@ -46,15 +46,12 @@ class Sample:
     versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None  # None while it is unfinished
 
-    def take(self, out: SequenceOutput, version: int) -> int:
-        """The engine's turn `out` (the whole response so far): the new tokens are tagged `version`.
-        Returns how many tokens are new."""
-        new = len(out.token_ids) - len(self.token_ids)
-        self.versions += [version] * new
+    def take(self, out: SequenceOutput, version: int) -> None:
+        """The engine's turn `out` (the whole response so far): the new tokens are tagged `version`."""
+        self.versions += [version] * (len(out.token_ids) - len(self.token_ids))
         self.token_ids = list(out.token_ids)
         self.logprobs = list(out.logprobs)
         self.finish_reason = None if out.finish_reason == "abort" else out.finish_reason
-        return new
 
 
 @dataclass
@@ -83,15 +80,14 @@ class Group:
 class PartialRollout:
     """Groups across calls over one engine (see the module docstring); `carried`: the groups handed
     to no caller yet (unfinished, or complete beyond a call's `enough`); `figures`: the last call's
-    engine work (the engine's counters over the call, under the names a whole generate reports them,
-    `generated_tokens`: response tokens sampled in the call, for groups returned or carried,
-    `generate_s`, and `held`: samples held at its end)."""
+    engine work (the engine's counters over the call, under the names a whole generate reports them:
+    `generated_tokens` counts the tokens sampled in the call for groups returned or carried), its
+    `generate_s`, and `held`, the samples held at its end."""
 
     def __init__(self, engine: SuspendableEngine) -> None:
         self.engine = engine
         self.carried: list[Group] = []
         self.figures: dict[str, float] = {}
-        self.generated = 0
 
     def generate(
         self,
@@ -110,7 +106,6 @@ class PartialRollout:
         if len(keys) != len(prompts) or (max_tokens is not None and len(max_tokens) != len(prompts)):
             raise ValueError("partial rollout: one key (and one max_tokens, if given) per prompt")
         start, before = time.perf_counter(), self.engine.counters
-        self.generated = 0
         budgets = max_tokens or [params.max_tokens] * len(prompts)
         new = [
             Group(key, list(prompt), budget, [Sample() for _ in range(params.n)])
@@ -146,7 +141,7 @@ class PartialRollout:
             ready += self._take(finished, owner, version)
             for out in held:
                 group, index = owner[out.seq_id]
-                self.generated += group.samples[index].take(out, version)
+                group.samples[index].take(out, version)
                 group.held[out.seq_id] = index
             for request_id in dropped:
                 owner[request_id][0].started = False
@@ -155,20 +150,18 @@ class PartialRollout:
         after = self.engine.counters
         self.figures = {
             **figures_between(before, after),
-            "generated_tokens": float(self.generated),
             "generate_s": time.perf_counter() - start,
             "held": float(after["held"]),
         }
         return ready[:enough]
 
-    def _take(
-        self, outs: list[SequenceOutput], owner: dict[int, tuple[Group, int]], version: int
-    ) -> list[Group]:
+    @staticmethod
+    def _take(outs: list[SequenceOutput], owner: dict[int, tuple[Group, int]], version: int) -> list[Group]:
         """Finished turns into their samples; the groups they complete."""
         completed = []
         for out in outs:
             group, index = owner.pop(out.seq_id)
-            self.generated += group.samples[index].take(out, version)
+            group.samples[index].take(out, version)
             if group.complete:
                 completed.append(group)
         return completed

@@ -23,7 +23,7 @@ from fulcrum.config.schema import (
     RolloutConfig,
 )
 from fulcrum.config.validate import sp_roles
-from fulcrum.device_facts import hbm_bandwidth
+from fulcrum.device_facts import device_hbm_bandwidth, hbm_bandwidth
 from fulcrum.models.arch.spec import kv_bytes_per_token, matmul_param_count
 from fulcrum.rollout.native.pipeline import decode_floor_s
 from fulcrum.tools.memory_estimate import (
@@ -334,9 +334,8 @@ def kv_tokens_needed(prompts: int, n: int, max_num_seqs: int, prompt_len: int, r
 def sequences_that_fit(kv_tokens: int, n: int, prompt_len: int, response_len: int) -> int:
     """The most sequences at once whose longest the cache holds: the largest s with
     `kv_tokens_needed` (⌈s / n⌉ · prompt_len + s · response_len) <= kv_tokens (0 when not even one)."""
-    s = kv_tokens // (response_len + prompt_len / n) if response_len + prompt_len else 0
-    s = int(s) + 1
-    while s > 0 and math.ceil(s / n) * prompt_len + s * response_len > kv_tokens:
+    s = int(kv_tokens // (response_len + prompt_len / n)) + 1  # an estimate from above, then down to it
+    while s > 0 and kv_tokens_needed(s, n, s, prompt_len, response_len) > kv_tokens:
         s -= 1
     return s
 
@@ -394,7 +393,7 @@ def device_bandwidth(ctx: DoctorContext) -> tuple[float | None, bool]:
     import torch
 
     if ctx.device == "cuda" and ctx.n_visible > 0 and torch.cuda.is_available():
-        return hbm_bandwidth(torch.cuda.get_device_name(0)), True
+        return device_hbm_bandwidth(torch.device("cuda", 0)), True
     return hbm_bandwidth("H200"), False
 
 
@@ -411,19 +410,14 @@ def decode_floor_line(ctx: DoctorContext) -> str | None:
         return None
     responses = cfg.data.train_batch_size * rollout.n // max(world_size(cfg), 1)
     response_len = rollout.response_length or cfg.data.max_response_length
-    floor = decode_floor_s(
-        responses,
-        cfg.data.max_prompt_length,
-        response_len,
-        2 * matmul_param_count(shape, lm_head=False),
-        kv_bytes_per_token(shape),
-        bandwidth,
-    )
+    kv = kv_bytes_per_token(shape)
+    weights = 2 * matmul_param_count(shape, lm_head=False)
+    floor = decode_floor_s(responses, cfg.data.max_prompt_length, response_len, weights, kv, bandwidth)
     card = f"{bandwidth / 1e12:.2f} TB/s" + ("" if known else " (assumed: an H200)")
     return (
         f"decode floor: a step's {responses} responses at their longest take at least {floor:.3g} s at {card} "
-        f"(each decode step reads every weight and each context's K/V, {kv_bytes_per_token(shape):,} B a "
-        'token; docs/levers.md, "Long responses")'
+        f"(each decode step reads every weight and each context's K/V, {kv:,} B a token; docs/levers.md, \"Long "
+        'responses")'
     )
 
 

@@ -28,8 +28,10 @@ token, `fulcrum.models.packed.SAVE_ATTENTION_OUTPUTS`); without, every layer's t
 (`layer_activation_bytes`, L·2(6h + q + 2kv + 3I) per token). The LM head runs chunk by chunk
 (`fulcrum.models.linear_logprob`, compiled on CUDA): one bf16 (chunk, V) block of logits in a no-grad
 forward; in the backward that block, its bf16 gradient and the head's fp32 weight-gradient
-accumulator (4·V·h). Recomputing one checkpointed layer in the backward is not counted: it stays
-within the estimate's error (below).
+accumulator (4·V·h). Recomputing one checkpointed layer in the backward is not counted: at the seed
+command's micro-batches it stays within the estimate's error (below); it grows with the micro-batch's
+tokens, and at 16k-token sequences it is part of what the estimate misses (BENCHMARKS.md, "Training at
+16k tokens a sequence").
 
 With CUDA graphs of the micro-batches (`graphs_refused`) a replayed micro-batch's work lives in the graphs'
 memory pool, which stays reserved from the first capture on and which every model's graphs share (captured

@@ -229,7 +229,7 @@ class CaptureTally:
     seconds: float = 0.0
     # A graph was captured: the metrics are logged from then on (0 once every bucket has one).
     built: bool = False
-    pool_gib: float = 0.0  # what the shared pools reserved after the last step that captured
+    pool_gib: float = 0.0  # what the shared pools reserved after the last capture
 
 
 TALLY = CaptureTally()
@@ -247,6 +247,13 @@ def pool_reserved_bytes(field: str = "total_size") -> int:
     )
 
 
+def note_capture(seconds: float) -> None:
+    """A graph was captured in `seconds`: counted for `capture_metrics`, and the shared pools read once
+    (only a capture grows them)."""
+    TALLY.graphs, TALLY.seconds, TALLY.built = TALLY.graphs + 1, TALLY.seconds + seconds, True
+    TALLY.pool_gib = pool_reserved_bytes() / 2**30
+
+
 def capture_metrics() -> dict[str, float]:
     """perf/graph_captures and perf/graph_capture_s: graphs captured since the last step's metrics and the
     seconds their captures took (each bucket's first micro-batch runs eagerly besides, counted in its
@@ -255,8 +262,6 @@ def capture_metrics() -> dict[str, float]:
     capture grows a pool. Captures are the early steps' cost; nothing when no model has graphs."""
     if not TALLY.built:
         return {}
-    if TALLY.graphs:
-        TALLY.pool_gib = pool_reserved_bytes() / 2**30
     out = {
         "perf/graph_captures": float(TALLY.graphs),
         "perf/graph_capture_s": TALLY.seconds,
@@ -375,16 +380,15 @@ class CudaGraphs:
             return out
         self.graphs[key] = Captured(graph, inputs, static, layout)
         took = time.perf_counter() - started
-        TALLY.graphs, TALLY.seconds, TALLY.built = TALLY.graphs + 1, TALLY.seconds + took, True
-        if logger.isEnabledFor(logging.INFO):  # the pool after each capture: which micro-batch grew it
-            logger.info(
-                "captured a micro-batch of %s (%s) in %.2f s (%d graphs, %d replays so far; the graphs' pool "
-                "%.2f GiB)",
-                key[0],
-                "update" if key[2][3] else "forward",
-                took,
-                len(self.graphs),
-                self.replays,
-                pool_reserved_bytes() / 2**30,
-            )
+        note_capture(took)
+        logger.info(
+            "captured a micro-batch of %s (%s) in %.2f s (%d graphs, %d replays so far; the graphs' pool "
+            "%.2f GiB)",
+            key[0],
+            "update" if key[2][3] else "forward",
+            took,
+            len(self.graphs),
+            self.replays,
+            TALLY.pool_gib,
+        )
         return out

@@ -310,10 +310,10 @@ class NativeEngine:
     @property
     def counters(self) -> dict[str, float]:
         """Totals since the engine was built: prefill/decode seconds and steps, prefilled tokens, tokens
-        whose K/V the decode read, preemptions, evictions of held sequences, blocks in use; on a card of
-        known bandwidth `decode_floor_s`, the decode's memory floor: (decode steps · weight bytes +
-        K/V tokens read · K/V bytes a token) / bandwidth (the weights and the attention layers' K/V; the
-        linear-attention layers' states and the sampler's passes are left out)."""
+        whose K/V the decode read, tokens sampled (`generated_tokens`), preemptions, evictions of held
+        sequences, blocks in use; on a card of known bandwidth `decode_floor_s`, the decode's memory floor:
+        (decode steps · weight bytes + K/V tokens read · K/V bytes a token) / bandwidth (the weights and the
+        attention layers' K/V; the linear-attention layers' states and the sampler's passes are left out)."""
         scheduler, pipeline = self.scheduler, self.pipeline.counters
         floor = {}
         if self.bandwidth:
@@ -325,6 +325,7 @@ class NativeEngine:
         return {
             **pipeline,
             **floor,
+            "generated_tokens": scheduler.num_sampled,
             "preemptions": scheduler.num_preemptions,
             "evictions": scheduler.num_evictions,
             "held": len(scheduler.held),
@@ -384,7 +385,6 @@ class NativeEngine:
         self.stats.update(figures_between(before, after))
         self.stats.update(
             generate_s=time.perf_counter() - start,
-            generated_tokens=sum(len(out.token_ids) for out in finished),
             peak_kv_gib=self.scheduler.peak_blocks * self.runner.bytes_per_block() / 2**30,
             graph_capture_s=self.runner.graph_capture_s - captured_before,  # this call's (re)captures
         )

@@ -44,7 +44,7 @@ def decode_floor_s(
 
 
 # The engine's running totals (`NativeEngine.counters`) whose differences over a call are its figures.
-ENGINE_FIGURES = (*COUNTERS, "decode_floor_s", "preemptions", "evictions")
+ENGINE_FIGURES = (*COUNTERS, "decode_floor_s", "generated_tokens", "preemptions", "evictions")
 
 
 def figures_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

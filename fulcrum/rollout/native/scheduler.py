@@ -71,6 +71,7 @@ class Scheduler:
         # Finished sequences kept for a next turn, by id, oldest first (the eviction order).
         self.held: dict[int, Sequence] = {}
         self.num_preemptions = 0
+        self.num_sampled = 0  # tokens appended to sequences (a window's surplus past a stop not counted)
         self.num_evictions = 0  # held sequences whose blocks were taken back under memory pressure
         self.peak_blocks = 0  # most blocks in use at once (the KV memory a generate really needed)
 
@@ -389,6 +390,7 @@ class Scheduler:
             taken, reason = taken[:end], "stop"
         seq.token_ids += taken
         seq.logprobs += logprobs[: len(taken)]
+        self.num_sampled += len(taken)
         seq.num_computed = seq.num_tokens - 1  # the last token's K/V are written by the next step
         if reason is None:
             return
