@@ -49,3 +49,36 @@ def test_the_smoke_run_measures_every_phase(tmp_path: Path, capsys: pytest.Captu
     assert summary["warm_step"]["estimate_gib"] == max(p["estimate_gib"] for p in summary["phases"].values())
     out = capsys.readouterr().out
     assert "| update_actor |" in out and "| warm step (compiles, captures) |" in out
+
+
+# BENCHMARKS.md, "Training at 16k tokens a sequence" (one H100 80GB HBM3, 2026-12-07): Qwen3-0.6B's shape,
+# micro-batches of 8 sequences of 16,384 tokens in every pass, each phase's peak reserved GiB (the graphs'
+# pool 31.52 of them) and the device's total as torch reported it.
+MEASURED_16K_RESERVED_GIB = {"old_log_prob": 44.56, "ref_log_prob": 44.56, "update_actor": 46.78}
+H100_GIB = 79.19
+
+
+def test_doctor_within_ten_percent_of_the_measured_peaks_at_16k_tokens(tmp_path: Path) -> None:
+    """The issue's bar for training at 16k tokens a sequence: each phase's estimate within 10 % of its
+    measured peak. At that length the graphs' pool is most of the gap: it holds the forwards' work beside
+    the update's, and the update's attention backward grows with the micro-batch's tokens."""
+    from shapes import shape_of
+
+    model = make_model(tmp_path / "model", shape="qwen3-0.6b", tiny=True)
+    config = json.loads((model / "config.json").read_text())
+    config.update(shape_of("qwen3-0.6b")[1])  # the full shape: doctor reads only config.json
+    (model / "config.json").write_text(json.dumps(config))
+    args = argparse.Namespace(
+        model=model,
+        prompt_width=300,
+        response=16084,
+        rows=16,
+        smoke=False,
+        overrides=[],
+        max_seqs=8,
+        fill=0.8,
+    )
+    assert largest_fitting(args, H100_GIB * GiB) == (8, 8)  # the micro-batches the measurement ran
+    totals = phase_totals(doctor_estimate(load(args, 8, 8), H100_GIB * GiB, 16))
+    for phase, measured in MEASURED_16K_RESERVED_GIB.items():
+        assert abs(totals[phase] / GiB - measured) / measured < 0.10, (phase, totals[phase] / GiB, measured)

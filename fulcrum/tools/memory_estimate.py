@@ -28,16 +28,17 @@ token, `fulcrum.models.packed.SAVE_ATTENTION_OUTPUTS`); without, every layer's t
 (`layer_activation_bytes`, L·2(6h + q + 2kv + 3I) per token). The LM head runs chunk by chunk
 (`fulcrum.models.linear_logprob`, compiled on CUDA): one bf16 (chunk, V) block of logits in a no-grad
 forward; in the backward that block, its bf16 gradient and the head's fp32 weight-gradient
-accumulator (4·V·h). Recomputing one checkpointed layer in the backward is not counted: at the seed
-command's micro-batches it stays within the estimate's error (below); it grows with the micro-batch's
-tokens, and at 16k-token sequences it is part of what the estimate misses (BENCHMARKS.md, "Training at
-16k tokens a sequence").
+accumulator (4·V·h). With checkpointing the attention kernel's backward holds a workspace that grows with
+the micro-batch's tokens (`attention_backward_bytes`, 12q + 4kv + 4H a token with grouped heads); the
+head's blocks are gone by then, so the update counts the larger of the two.
 
 With CUDA graphs of the micro-batches (`graphs_refused`) a replayed micro-batch's work lives in the graphs'
 memory pool, which stays reserved from the first capture on and which every model's graphs share (captured
-on one stream, `fulcrum.workers.cuda_graphs.capture_stream`): the pool is resident in every phase, as large
-as the largest graphed micro-batch's work (an update's, with its bf16 gradients, or a forward's), and a
-graphed phase adds no work of its own beside it.
+on one stream, `fulcrum.workers.cuda_graphs.capture_stream`): the pool is resident in every phase, and a
+graphed phase adds no work of its own beside it. The pool holds the largest graphed forward's work and,
+beside it, the largest graphed update's (with its bf16 gradients): a step's no-grad forwards are captured
+first, and the update's capture did not reuse what they had freed (measured at 16k-token sequences: the pool
+3.76 GiB after the forwards' captures, 30.51 after the update's, whose eager run had held 25.98).
 
 The model's shape and parameter count come from its family's spec (`fulcrum.models.arch`).
 Shapes: P parameters, h hidden, L layers, H / K query / KV heads of dim d (q = H·d, kv = K·d), I
@@ -217,6 +218,22 @@ def update_activation_bytes(shape: ModelShape, rows: int, seq_len: int, checkpoi
     return shape.layers * layer_activation_bytes(shape) * tokens
 
 
+def attention_backward_bytes(shape: ModelShape, tokens: int) -> float:
+    """What a layer's attention backward allocates for a micro-batch of `tokens` (T), FlashAttention-2's
+    (aten's `_flash_attention_backward`): the incoming gradient of its output (2q), a float32 accumulator of
+    dq (4q), dq itself (2q), dk and dv at every query head before the grouped heads are summed (2 · 2q, only
+    when K < H), dk and dv (2 · 2kv) and float32 row statistics (4H): (12q + 4kv + 4H) · T bytes with
+    grouped heads. Checkpointing recomputes the layers inside the compiled region, which frees each
+    recomputed tensor as soon as its gradient is taken; this workspace is the largest that lives at once,
+    and the LM head's blocks (`update_logits_bytes`) are freed before it, so the update holds the larger of
+    the two. Measured at 16k-token sequences (Qwen3-0.6B's shape, 131k tokens a micro-batch): the update's
+    capture took 26.75 GiB against 22.3 for its checkpoints and bf16 gradients (BENCHMARKS.md, "Training at
+    16k tokens a sequence"); this item is 3.5 GiB of the 4.4 between them."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    expanded = 4 * q if shape.kv_heads < shape.heads else 0
+    return float((8 * q + expanded + 4 * kv + 4 * shape.heads) * tokens)
+
+
 def logits_block_elements(shape: ModelShape, rows: int, response_len: int) -> int:
     """Elements of the largest (chunk, V) block of logits: min(rows · R · V, LOGIT_CHUNK_ELEMENTS)."""
     return min(rows * response_len * shape.vocab, LOGIT_CHUNK_ELEMENTS)
@@ -267,7 +284,10 @@ def update_work_items(role: str, shape: ModelShape, sizes: Sizes, head_bytes: fl
             shape, rows, sizes.seq_len, checkpointing
         )
     }
-    if head_bytes:
+    attention = attention_backward_bytes(shape, rows * sizes.seq_len) if checkpointing else 0.0
+    if attention > head_bytes:
+        items["the attention kernel's backward"] = attention
+    elif head_bytes:
         items["LM head on the response tokens"] = head_bytes
     return items
 
@@ -342,7 +362,7 @@ def estimate(
     resident["CUDA context and workspaces"] = CUDA_CONTEXT_BYTES
 
     # CUDA graphs of the micro-batches (`graphs_refused`): each graphed model's compute weights and gradient
-    # buffer, the reference's compute weights, and the graphs' pool (the largest update micro-batch's work).
+    # buffer, the reference's compute weights, and the graphs' pool (the largest forward's and update's work).
     linear = shape.linear_layers > 0
     refused = {"actor": graphs_refused(cfg, "actor", device_bytes, 4 * actor.trained, actor.lora, linear)}
     if uses_critic:
@@ -370,14 +390,15 @@ def estimate(
     if uses_critic:
         work = forward_work_items(shape, sizes.forward_rows["critic"], sizes, False)
         forwards.append(("values forward", critic.trained, "critic", work))
-    pool = 0.0
+    update_pool = forward_pool = 0.0
     for role, params in (("actor", actor), ("critic", critic)):
         if graphed[role]:
             resident[f"{role} compute weights and gradients kept for CUDA graphs (bf16)"] = 4 * params.trained
-            pool = max(pool, 2 * params.trained + sum(update_work[role].values()))
+            update_pool = max(update_pool, 2 * params.trained + sum(update_work[role].values()))
     for _, _, role, work in forwards:
         if graphed[role]:
-            pool = max(pool, sum(work.values()))
+            forward_pool = max(forward_pool, sum(work.values()))
+    pool = forward_pool + update_pool
     if graphed["reference"]:
         resident["reference compute weights kept for CUDA graphs"] = 2 * p_actor
     if pool:
