@@ -3,6 +3,13 @@
 
     python bench/long_tail.py --out .bench/long_tail --steps 6 --json long_tail.json
     python bench/long_tail.py --smoke --out /tmp/long_tail     # the CPU path, tiny model, < 2 minutes
+    python bench/long_tail.py --out DIR --modes partial-kept  # a third mode into DIR's comparison
+
+The modes (`MODE_KEYS`): `sync`; `partial`, with verl's decoupled loss (token-level importance weights
+against an old-log-prob pass) and the KV cache released for training, so the held samples are prefilled
+again each step; `partial-kept`, what partial rollouts cost at least on one GPU: bypass mode (the engine's
+log-probs are the old ones, no old-log-prob pass) and `rollout.free_cache_engine=False`, so the held
+samples keep their K/V through training and nothing is prefilled again.
 
 Lengths: every prompt row carries its own response budget (`extra_info.max_response_length`, see
 fulcrum.data.budgets) drawn from a log-normal distribution, median `--median` (1,536) tokens, log-space
@@ -16,9 +23,10 @@ Micro-batches are cut by tokens (`use_dynamic_bsz`, `--micro-tokens` 32,768 a mi
 a fixed 32 sequences of up to 8k tokens would make a micro-batch of a quarter of a million tokens. The
 modes share `--deadline-s` (480): each run gets `trainer.wall_clock_budget_s` = what is left of it over the
 modes left, so the call ends in time whatever a step costs, and `--steps` is an upper bound. Where one
-call cannot hold two warm steps of each mode, `--modes sync` and then `--modes partial` run them in two
-calls on one machine (the same `--out`): each mode's figures are kept there (`sync.json`,
-`partial.json`), and the call that completes the pair prints and writes the comparison.
+call cannot hold two warm steps of each mode, `--modes sync` and then `--modes partial` run them in calls
+one after another on one machine (the same `--out`): each mode's figures are kept there (`sync.json`,
+`partial.json`, `partial-kept.json`), and every call that finds sync and another mode there prints and
+writes the comparison of all it finds.
 
 Per mode, over the steps after the first (the first compiles, and under partial rollouts it also puts the
 warm-up batches in flight): the median step time, the response tokens trained per second
@@ -26,8 +34,9 @@ warm-up batches in flight): the median step time, the response tokens trained pe
 the share of trained tokens carried from an earlier step (`training/off_policy/carried_token_share`),
 and the GPU's utilisation over the last step, polled every 50 ms in a thread (NVML through
 `torch.cuda.utilization`, else nvidia-smi): its mean and the share of samples below 50 % (the idle
-tail). The table's last column divides partial by synchronous (for the step rate: synchronous step time
-over partial step time). Beside them, the engine's own figures (`rollout/*`, docs/metrics.md): the tokens
+tail). The table's last columns divide each partial mode by sync; its first row, trained response tokens a
+second, is the comparison of equal work: the first partial steps train the groups that complete first,
+shorter ones while the carried groups build up, so their step rate alone flatters them. Beside them, the engine's own figures (`rollout/*`, docs/metrics.md): the tokens
 it sampled per second of generation (under partial rollouts these include the tokens of groups carried
 on), the tokens it prefilled (carried samples are prefilled again after `free_cache_engine` released
 their K/V), its preemptions, and its decode's memory floor over the decode's time
@@ -72,12 +81,22 @@ from fulcrum.models.arch.spec import kv_bytes_per_token
 from fulcrum.rollout.native.pipeline import decode_floor_s
 from fulcrum.trainer.main_ppo import main as train
 
-MODES = ("sync", "partial")
-PARTIAL = [
-    "trainer.use_v1=True",
-    "trainer.v1.trainer_mode=colocate_async",
-    "algorithm.rollout_correction.rollout_is=token",  # the older tokens weighed by the policy that sampled them
-]
+V1_COLOCATE_ASYNC = ["trainer.use_v1=True", "trainer.v1.trainer_mode=colocate_async"]
+# Each mode's keys over the common ones. `partial`: the decoupled loss (an old-log-prob pass, the older
+# tokens weighed by the policy that sampled them) and the KV cache released for training, as verl's
+# defaults; `partial-kept`: what partial rollouts cost at least on one GPU, no old-log-prob pass (bypass
+# mode: the engine's log-probs are the old ones) and the held samples' K/V kept through training, so none is
+# prefilled again (the cache then stays beside the training passes: doctor counts it).
+MODE_KEYS: dict[str, list[str]] = {
+    "sync": [],
+    "partial": [*V1_COLOCATE_ASYNC, "algorithm.rollout_correction.rollout_is=token"],
+    "partial-kept": [
+        *V1_COLOCATE_ASYNC,
+        "algorithm.rollout_correction.bypass_mode=True",
+        "actor_rollout_ref.rollout.free_cache_engine=False",
+    ],
+}
+MODES = tuple(MODE_KEYS)
 
 
 def lognormal_budgets(count: int, median: float, sigma: float, cap: int, seed: int) -> list[int]:
@@ -229,14 +248,11 @@ def overrides(args: argparse.Namespace, data: Path, model: Path, run: Path, budg
     return keys
 
 
-def run_mode(
-    args: argparse.Namespace, data: Path, model: Path, partial: bool, budget_s: float
-) -> dict[str, Any]:
-    """One training run of at most `budget_s` seconds; its step figures and the GPU's utilisation over its
-    last step."""
-    name = "partial" if partial else "sync"
+def run_mode(args: argparse.Namespace, data: Path, model: Path, name: str, budget_s: float) -> dict[str, Any]:
+    """One training run of mode `name` (MODE_KEYS) of at most `budget_s` seconds; its step figures and the
+    GPU's utilisation over its last step."""
     run = args.out / args.shape / f"run_{name}"
-    keys = [*overrides(args, data, model, run, budget_s), *(PARTIAL if partial else []), *args.overrides]
+    keys = [*overrides(args, data, model, run, budget_s), *MODE_KEYS[name], *args.overrides]
     with UtilisationPoller() as poller:
         if train(keys) != 0:
             raise SystemExit(f"the {name} run failed (keys: {' '.join(keys)})")
@@ -260,41 +276,43 @@ def _key(keys: list[str], name: str) -> str:
     return [k.split("=", 1)[1] for k in keys if k.startswith(f"{name}=")][-1]
 
 
-def table(sync: dict[str, Any], partial: dict[str, Any], floor_s: float | None) -> str:
-    """A markdown table of both modes and partial / sync; `floor_s`: the KV-read floor of a step."""
+def table(runs: dict[str, dict[str, Any]], floor_s: float | None) -> str:
+    """A markdown table of the modes in `runs` (sync among them) and each other mode over sync; `floor_s`:
+    the KV-read floor of a step. The first row compares like with like: trained response tokens a second (a
+    partial step trains the groups that complete first, shorter ones while the carried groups build up, so
+    its step rate alone flatters it)."""
+    others = [m for m in runs if m != "sync"]
+    cols = {m: {**r, "step_rate": 1 / r["step_s"], "floor": floor_s} for m, r in runs.items()}
 
     def cell(value: Any, fmt: str) -> str:
         return "n/a" if value is None else format(value, fmt)
 
-    def ratio(key: str) -> str:
-        return "n/a" if sync[key] is None or partial[key] is None else f"{partial[key] / sync[key]:.3f}"
+    def row(label: str, key: str, fmt: str, ratio: bool = True) -> str:
+        cells = [cell(cols[m][key], fmt) for m in cols]
+        for m in others:
+            a, b = cols[m][key], cols["sync"][key]
+            cells.append("" if not ratio else "n/a" if a is None or not b else f"{a / b:.3f}")
+        return f"| {label} | " + " | ".join(cells) + " |"
 
-    lines = [
-        "| figure | sync | partial | partial / sync |",
-        "|---|---:|---:|---:|",
-        f"| step time (s) | {sync['step_s']:.3f} | {partial['step_s']:.3f} | "
-        f"{partial['step_s'] / sync['step_s']:.3f} |",
-        f"| step rate (steps/s) | {1 / sync['step_s']:.4f} | {1 / partial['step_s']:.4f} | "
-        f"{sync['step_s'] / partial['step_s']:.3f} |",
-        f"| trained response tok/s | {sync['tok_per_s']:.0f} | {partial['tok_per_s']:.0f} | "
-        f"{partial['tok_per_s'] / sync['tok_per_s']:.3f} |",
-        f"| mean response length | {sync['response_length_mean']:.0f} | {partial['response_length_mean']:.0f} | |",
-        f"| carried-token share | {sync['carried_token_share']:.3f} | {partial['carried_token_share']:.3f} | |",
-        f"| generation per step (s) | {sync['gen_s']:.1f} | {partial['gen_s']:.1f} | "
-        f"{partial['gen_s'] / sync['gen_s']:.3f} |",
-        f"| engine's sampled tok/s while generating | {cell(sync['generated_tok_per_s'], '.0f')} | "
-        f"{cell(partial['generated_tok_per_s'], '.0f')} | {ratio('generated_tok_per_s')} |",
-        f"| decode's memory floor over its time | {cell(sync['decode_roofline_share'], '.2f')} | "
-        f"{cell(partial['decode_roofline_share'], '.2f')} | |",
-        f"| tokens prefilled per step | {sync['prefill_tokens']:.0f} | {partial['prefill_tokens']:.0f} | |",
-        f"| preemptions over the warm steps | {sync['preemptions']:.0f} | {partial['preemptions']:.0f} | |",
-        f"| the rollout's KV-read floor per step (s) | {cell(floor_s, '.1f')} | {cell(floor_s, '.1f')} | |",
-        f"| GPU util over the last step (%) | {cell(sync['gpu_util_mean'], '.1f')} | "
-        f"{cell(partial['gpu_util_mean'], '.1f')} | |",
-        f"| share of util samples < 50 % | {cell(sync['gpu_util_idle_share'], '.3f')} | "
-        f"{cell(partial['gpu_util_idle_share'], '.3f')} | |",
-    ]
-    return "\n".join(lines)
+    return "\n".join(
+        [
+            "| figure | " + " | ".join(cols) + " | " + " | ".join(f"{m} / sync" for m in others) + " |",
+            "|---|" + "---:|" * (len(cols) + len(others)),
+            row("**trained response tok/s**", "tok_per_s", ".0f"),
+            row("step time (s)", "step_s", ".3f"),
+            row("step rate (steps/s)", "step_rate", ".4f"),
+            row("mean response length", "response_length_mean", ".0f", ratio=False),
+            row("carried-token share", "carried_token_share", ".3f", ratio=False),
+            row("generation per step (s)", "gen_s", ".1f"),
+            row("engine's sampled tok/s while generating", "generated_tok_per_s", ".0f"),
+            row("decode's memory floor over its time", "decode_roofline_share", ".2f", ratio=False),
+            row("tokens prefilled per step", "prefill_tokens", ".0f", ratio=False),
+            row("preemptions over the warm steps", "preemptions", ".0f", ratio=False),
+            row("the rollout's KV-read floor per step (s)", "floor", ".1f", ratio=False),
+            row("GPU util over the last step (%)", "gpu_util_mean", ".1f", ratio=False),
+            row("share of util samples < 50 %", "gpu_util_idle_share", ".3f", ratio=False),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-s", type=float, default=480.0, help="both runs end within this")
     parser.add_argument("--json", type=Path, help="write the summary here")
     parser.add_argument(
-        "--modes", default=",".join(MODES), help="the runs of this call, in order (sync, partial or both)"
+        "--modes",
+        default="sync,partial",
+        help=f"the runs of this call, in order, comma-separated ({', '.join(MODES)})",
     )
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE trainer overrides for both runs")
     args = parser.parse_args(argv)
@@ -332,13 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     for i, mode in enumerate(modes):
         budget_s = share_of_deadline(args, started, len(modes) - i)
-        result = run_mode(args, data, model, partial=mode == "partial", budget_s=budget_s)
+        result = run_mode(args, data, model, mode, budget_s=budget_s)
         (args.out / args.shape / f"{mode}.json").write_text(json.dumps(result, indent=2))
     done = {mode: args.out / args.shape / f"{mode}.json" for mode in MODES}
-    if not all(path.exists() for path in done.values()):
-        print(f"{', '.join(modes)} measured; the comparison once both modes are in {args.out}")
+    runs = {mode: json.loads(path.read_text()) for mode, path in done.items() if path.exists()}
+    if "sync" not in runs or len(runs) < 2:
+        print(f"{', '.join(modes)} measured; the comparison once sync and a partial mode are in {args.out}")
         return 0
-    sync, partial = (json.loads(done[mode].read_text()) for mode in MODES)
+    sync = runs["sync"]
     bandwidth = hbm_bandwidth(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     floor_s = (
         kv_read_floor_s(
@@ -361,12 +382,17 @@ def main(argv: list[str] | None = None) -> int:
             "sigma": args.sigma,
             "cap": args.cap,
         },
-        "sync": sync,
-        "partial": partial,
-        "step_rate_ratio": sync["step_s"] / partial["step_s"],
-        "tok_per_s_ratio": partial["tok_per_s"] / sync["tok_per_s"],
+        **runs,
+        "over_sync": {
+            mode: {
+                "tok_per_s_ratio": run["tok_per_s"] / sync["tok_per_s"],
+                "step_rate_ratio": sync["step_s"] / run["step_s"],
+            }
+            for mode, run in runs.items()
+            if mode != "sync"
+        },
     }
-    print(table(sync, partial, floor_s))
+    print(table(runs, floor_s))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
     return 0

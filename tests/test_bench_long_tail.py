@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from long_tail import kv_read_floor_s, lognormal_budgets, main, share_of_deadline
@@ -38,7 +39,9 @@ def test_the_smoke_run_compares_both_modes(tmp_path: Path, capsys: pytest.Captur
     assert sync["steps"] == partial["steps"] == 3
     assert sync["carried_token_share"] == 0 and partial["carried_token_share"] > 0
     assert sync["step_s"] > 0 and partial["tok_per_s"] > 0
-    assert summary["step_rate_ratio"] == pytest.approx(sync["step_s"] / partial["step_s"])
+    over = summary["over_sync"]["partial"]
+    assert over["step_rate_ratio"] == pytest.approx(sync["step_s"] / partial["step_s"])
+    assert over["tok_per_s_ratio"] == pytest.approx(partial["tok_per_s"] / sync["tok_per_s"])
     assert sync["gpu_util_mean"] is None  # no GPU here: said, not invented
     assert summary["kv_read_floor_s"] is None  # no card, no bandwidth: no floor
     # the engine's figures: under partial rollouts it samples at least what is trained
@@ -46,6 +49,8 @@ def test_the_smoke_run_compares_both_modes(tmp_path: Path, capsys: pytest.Captur
     assert sync["prefill_tokens"] > 0 and sync["preemptions"] >= 0
     out = capsys.readouterr().out
     assert "| step rate (steps/s) |" in out and "| carried-token share |" in out
+    assert "| figure | sync | partial | partial / sync |" in out
+    assert "| **trained response tok/s** |" in out.split("|---|")[1].splitlines()[1]  # the first row
     assert "| engine's sampled tok/s while generating |" in out
 
 
@@ -73,7 +78,7 @@ def test_the_modes_can_run_in_two_calls_over_one_folder(
     out, summary_path = tmp_path / "out", tmp_path / "summary.json"
     assert main(["--smoke", "--out", str(out), "--modes", "sync", "--json", str(summary_path)]) == 0
     assert (out / "qwen3-0.6b/sync.json").exists() and not summary_path.exists()
-    assert "the comparison once both modes are in" in capsys.readouterr().out
+    assert "the comparison once sync and a partial mode are in" in capsys.readouterr().out
     assert main(["--smoke", "--out", str(out), "--modes", "partial", "--json", str(summary_path)]) == 0
     summary = json.loads(summary_path.read_text())
     assert summary["sync"] == json.loads((out / "qwen3-0.6b/sync.json").read_text())
@@ -83,3 +88,27 @@ def test_the_modes_can_run_in_two_calls_over_one_folder(
     # another shape keeps its own figures: its first mode compares nothing
     assert main(["--smoke", "--out", str(out), "--shape", "qwen2.5-0.5b", "--modes", "sync"]) == 0
     assert (out / "qwen2.5-0.5b/sync.json").exists() and not (out / "qwen2.5-0.5b/partial.json").exists()
+
+
+def test_partial_kept_skips_the_old_log_prob_pass_and_keeps_the_held_k_v(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--modes sync,partial-kept`: its column beside sync's, a run with no old-log-prob pass (bypass mode)
+    and the KV cache kept through training (`free_cache_engine=False`: the held samples are not prefilled
+    again)."""
+    out, summary_path = tmp_path / "out", tmp_path / "summary.json"
+    assert (
+        main(["--smoke", "--out", str(out), "--modes", "sync,partial-kept", "--json", str(summary_path)]) == 0
+    )
+    summary = json.loads(summary_path.read_text())
+    assert set(summary["over_sync"]) == {"partial-kept"} and "partial" not in summary
+    kept = summary["partial-kept"]
+    assert kept["carried_token_share"] > 0
+    run = out / "qwen3-0.6b/run_partial-kept"
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "training/global_step" in r]
+    assert steps and all("timing_s/old_log_prob" not in r for r in steps)  # bypass mode: no such pass
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert config["actor_rollout_ref"]["rollout"]["free_cache_engine"] is False
+    assert config["algorithm"]["rollout_correction"]["bypass_mode"] is True
+    assert "| figure | sync | partial-kept | partial-kept / sync |" in capsys.readouterr().out
