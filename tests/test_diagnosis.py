@@ -337,3 +337,33 @@ def test_partial_rollouts_whose_decode_sits_at_its_floor_are_told_they_take_litt
     assert findings and "60% of its memory floor" in findings[0].message
     assert "trainer.use_v1=False" in findings[0].fix and "bench/long_tail.py" in findings[0].fix
     assert "long_tail" not in rules(long_tailed_rows(0.3, partial=True))
+
+
+def partial_rows(prefill_s: float, old_log_prob_s: float) -> list[dict[str, Any]]:
+    """Steps of 30 s under partial rollouts with the engine's prefill and the old-log-prob pass as given."""
+    rows = long_tailed_rows(0.57, partial=True)
+    for row in rows:
+        row["timing_s/step"] = 30.0
+        row["rollout/prefill_s"], row["rollout/prefill_tokens"] = prefill_s, 1_068_729.0
+        row["timing_s/old_log_prob"] = old_log_prob_s
+    return rows
+
+
+def test_partial_rollouts_are_told_what_their_own_costs_take_and_which_keys_remove_them() -> None:
+    """As measured at Qwen2.5-0.5B's shape (BENCHMARKS.md): the held samples prefilled again, 2.2 s a step,
+    and the old-log-prob pass, 3.0 s, of 30 s: each part gets its key."""
+    findings = [f for f in diagnose(partial_rows(2.2, 3.0)) if f.rule == "partial_rollout_costs"]
+    assert findings and findings[0].severity == "info"
+    assert "17% of the step (30.0 s)" in findings[0].message  # (2.2 + 3.0) / 30
+    assert (
+        "prefill 2.2 s (1,068,729 tokens)" in findings[0].message
+        and "old-log-prob pass 3.0 s" in findings[0].message
+    )
+    assert "free_cache_engine=False" in findings[0].fix and "bypass_mode=True" in findings[0].fix
+    only_prefill = [f for f in diagnose(partial_rows(3.5, 0.0)) if f.rule == "partial_rollout_costs"]
+    assert only_prefill and "bypass_mode" not in only_prefill[0].fix  # bypass mode already: no pass
+    assert "partial_rollout_costs" not in rules(partial_rows(0.3, 0.0))  # the cache kept, bypass on
+    rows = partial_rows(2.2, 3.0)
+    for row in rows:
+        del row["training/off_policy/carried_token_share"]  # synchronous steps: not this rule's
+    assert "partial_rollout_costs" not in rules(rows)

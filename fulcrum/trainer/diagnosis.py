@@ -14,7 +14,13 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from fulcrum.config.finding import Finding
-from fulcrum.trainer.diagnosis_resources import bottleneck, host_loaded, long_tail, memory_creep
+from fulcrum.trainer.diagnosis_resources import (
+    bottleneck,
+    host_loaded,
+    long_tail,
+    memory_creep,
+    partial_rollout_costs,
+)
 from fulcrum.trainer.metric_rows import Row, as_float, finite_series, series, step_of, training_rows
 
 NON_FINITE_KEYS = (
@@ -350,6 +356,7 @@ RULES: list[Callable[[Sequence[Row]], list[Finding]]] = [
     memory_creep,
     host_loaded,
     long_tail,
+    partial_rollout_costs,
     groups_without_signal,
 ]
 

@@ -48,6 +48,11 @@ DECODE_REACHABLE_SHARE = 0.7
 DECODE_TAIL_SHARE = 0.35
 DECODE_FLOOR_BOUND = 0.5  # under partial rollouts: at least half the decode's time is its floor
 TAIL_STEPS = 3  # warm steps the long-tail rule reads (medians)
+# Under partial rollouts: the share of a step their own costs (the held samples prefilled again, the
+# decoupled loss's old-log-prob pass) may take before the rule names the keys that remove them; at
+# Qwen2.5-0.5B's shape they took 18-20 % and partial rollouts broke even (BENCHMARKS.md).
+PARTIAL_COST_SHARE = 0.1
+PARTIAL_PART_SHARE = 0.03  # a part below this share of the step is not worth its key
 
 
 def phase_shares(rows: Sequence[Row]) -> dict[str, float]:
@@ -206,5 +211,56 @@ def long_tail(rows: Sequence[Row]) -> list[Finding]:
             'algorithm.rollout_correction.rollout_is=token (docs/levers.md, "Long responses")',
             rule="long_tail",
             step=step,
+        )
+    ]
+
+
+def partial_rollout_costs(rows: Sequence[Row]) -> list[Finding]:
+    """Under partial rollouts (`training/off_policy/carried_token_share` logged), what they cost a step by
+    themselves, medians of the last TAIL_STEPS steps after the first: the engine's prefill
+    (`rollout/prefill_s`: with `rollout.free_cache_engine` the held samples lose their K/V to training and
+    are prefilled again; new prompts are a small part of it) and the old-log-prob pass the decoupled loss
+    needs (`timing_s/old_log_prob`). At PARTIAL_COST_SHARE of the step or more, the keys that remove each
+    part of at least PARTIAL_PART_SHARE."""
+    train = training_rows(rows)[1:]
+    recent = [r for r in train if "training/off_policy/carried_token_share" in r][-TAIL_STEPS:]
+    if len(recent) < TAIL_STEPS:
+        return []
+
+    def median(key: str) -> float:
+        return statistics.median(as_float(r.get(key)) or 0.0 for r in recent)
+
+    step_s, prefill_s, old_s = (
+        median("timing_s/step"),
+        median("rollout/prefill_s"),
+        median("timing_s/old_log_prob"),
+    )
+    if step_s <= 0 or (prefill_s + old_s) / step_s < PARTIAL_COST_SHARE:
+        return []
+    parts, fixes = [], []
+    if prefill_s / step_s >= PARTIAL_PART_SHARE:
+        parts.append(
+            f"the engine's prefill {prefill_s:.1f} s ({median('rollout/prefill_tokens'):,.0f} tokens)"
+        )
+        fixes.append(
+            "actor_rollout_ref.rollout.free_cache_engine=False keeps the held samples' K/V through training, "
+            "where doctor's estimate fits the cache beside the training passes"
+        )
+    if old_s / step_s >= PARTIAL_PART_SHARE:
+        parts.append(f"the old-log-prob pass {old_s:.1f} s")
+        fixes.append(
+            "algorithm.rollout_correction.bypass_mode=True drops the pass (the ratio is then taken against the "
+            "rollout's own log-probs, clipped)"
+        )
+    return [
+        Finding(
+            (),
+            f"partial rollouts spend {(prefill_s + old_s) / step_s:.0%} of the step ({step_s:.1f} s) on their own "
+            f"costs: {' and '.join(parts)}",
+            "info",
+            fix="; ".join(fixes)
+            + ' (bench/long_tail.py --modes partial-kept measures both; docs/levers.md, "Long responses")',
+            rule="partial_rollout_costs",
+            step=step_of(recent[-1], len(train)),
         )
     ]
