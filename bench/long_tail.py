@@ -30,17 +30,17 @@ writes the comparison of all it finds.
 
 Per mode, over the steps after the first (the first compiles, and under partial rollouts it also puts the
 warm-up batches in flight): the median step time, the response tokens trained per second
-(response_length/mean x 512 / step time; in a steady state what is generated is trained or dropped),
-the share of trained tokens carried from an earlier step (`training/off_policy/carried_token_share`),
-and the GPU's utilisation over the last step, polled every 50 ms in a thread (NVML through
-`torch.cuda.utilization`, else nvidia-smi): its mean and the share of samples below 50 % (the idle
-tail). The table's last columns divide each partial mode by sync; its first row, trained response tokens a
-second, is the comparison of equal work: the first partial steps train the groups that complete first,
-shorter ones while the carried groups build up, so their step rate alone flatters them. Beside them, the engine's own figures (`rollout/*`, docs/metrics.md): the tokens
-it sampled per second of generation (under partial rollouts these include the tokens of groups carried
-on), the tokens it prefilled (carried samples are prefilled again after `free_cache_engine` released
-their K/V), its preemptions, and its decode's memory floor over the decode's time
-(`rollout/decode_roofline_share`: 1 would be the card's bandwidth).
+(response_length/mean x 512 / step time; in a steady state what is generated is trained or dropped), the
+share of trained tokens carried from an earlier step (`training/off_policy/carried_token_share`), and the
+GPU's utilisation over the last step, polled every 50 ms in a thread (NVML through `torch.cuda.utilization`,
+else nvidia-smi): its mean and the share of samples below 50 % (the idle tail). The table's last columns
+divide each partial mode by sync; its first row, trained response tokens a second, is the comparison of
+equal work: the first partial steps train the groups that complete first, shorter ones while the carried
+groups build up, so their step rate alone flatters them. Beside them, the engine's own figures (`rollout/*`,
+docs/metrics.md): the tokens it sampled per second of generation (under partial rollouts these include the
+tokens of groups carried on), the tokens it prefilled (carried samples are prefilled again after
+`free_cache_engine` released their K/V), its preemptions, and its decode's memory floor over the decode's
+time (`rollout/decode_roofline_share`: 1 would be the card's bandwidth).
 
 The rollout's KV-read floor: a decode step reads the K/V of every sequence in flight, so a response of
 b tokens after a prompt of P (its first token from the prefill) reads kv · ((b-1)·P + b(b-1)/2) bytes over

@@ -13,7 +13,8 @@ model's. `estimate()` returns every phase, itemised:
                     + T·2h (the residual stream) + max(T·2(h + 3I), one bf16 logits block)
                     (old log-probs, the reference's log-probs at its own micro-batch, values)
     update        = resident + engine weights + fp32 gradients (4P) + bf16 compute weights (2P)
-                    + their bf16 gradients (2P) + activations + (actor) the LM head's blocks
+                    + their bf16 gradients (2P) + activations
+                    + max((actor) the LM head's blocks, (checkpointing) the attention backward's workspace)
                     - the other model's AdamW state (one process with a critic, with
                       trainer.park_optimizer_state: it waits in host memory meanwhile)
 
