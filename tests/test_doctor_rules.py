@@ -495,3 +495,14 @@ def test_the_estimate_counts_a_hybrid_models_recurrent_states(files: Path) -> No
     # its micro-batches run eagerly, as the trainer runs them: nothing kept for graphs
     assert est.graphs == {"actor": "linear-attention layers", "critic": "linear-attention layers"}
     assert not any("CUDA graphs" in name for name in est.phases[0].items)
+
+
+def test_bypass_mode_has_no_old_log_prob_forward_in_the_estimate(files: Path, capsys) -> None:
+    """Rollout correction's bypass mode takes the engine's log-probs as the old ones (the trainer runs no
+    old-log-prob pass): doctor's estimate has no such phase, and its summary says where they come from."""
+    names = {p.name for p in seed_estimate(files).phases}
+    assert "old log-prob forward" in names
+    bypass = "algorithm.rollout_correction.bypass_mode=True"
+    assert "old log-prob forward" not in {p.name for p in seed_estimate(files, bypass).phases}
+    code, out = run([*seed_command(files), bypass, "--device-memory-gib", "140"], capsys)
+    assert code == 0 and "old log-probs from the rollout (bypass mode: no old-log-prob pass)" in out

@@ -51,7 +51,7 @@ from fulcrum.models.folder import (
 from fulcrum.models.lora import adapter_folder_problems
 from fulcrum.tools.doctor_model import MODEL_CHECKS
 from fulcrum.tools.doctor_rules import LEVER_CHECKS, memory_lines
-from fulcrum.trainer.old_log_probs import update_can_give_old_log_probs
+from fulcrum.trainer.old_log_probs import old_log_prob_pass_runs, update_can_give_old_log_probs
 
 USAGE = """usage: fulcrum doctor [--config FILE] [--device-memory-gib GIB] [KEY=VALUE ...]
        fulcrum doctor --keys        list every configuration key with its default and meaning
@@ -306,6 +306,8 @@ def old_log_prob_summary(cfg: FulcrumConfig) -> str:
     """Where the old log-probs come from: their own pass (its micro-batch), or the on-policy update."""
     if update_can_give_old_log_probs(cfg):
         return "old log-probs from the update (one epoch, one mini-batch: no old-log-prob pass)"
+    if not old_log_prob_pass_runs(cfg):
+        return "old log-probs from the rollout (bypass mode: no old-log-prob pass)"
     return f"log-prob micro-batch {cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu}"
 
 

@@ -66,7 +66,7 @@ from fulcrum.rollout.native.config import engine_config_from
 from fulcrum.rollout.native.memory import engine_workspace_bytes, kv_cache_budget
 from fulcrum.tools.graphs_estimate import graphs_refused
 from fulcrum.tools.lora_params import ModelParams, model_params
-from fulcrum.trainer.old_log_probs import update_can_give_old_log_probs
+from fulcrum.trainer.old_log_probs import old_log_prob_pass_runs, update_can_give_old_log_probs
 
 GiB = 1024**3
 # The device assumed when none is visible and none is named (`fulcrum doctor --device-memory-gib`): an
@@ -381,7 +381,7 @@ def estimate(
         update_work["critic"] = update_work_items("critic", shape, sizes, 0.0)
     # The no-grad passes: (phase, parameters, the role whose graphs replay it, its micro-batch's work).
     forwards: list[tuple[str, int, str, dict[str, float]]] = []
-    if not update_can_give_old_log_probs(cfg):  # else the on-policy update gives them: no such pass
+    if old_log_prob_pass_runs(cfg):  # not when the update gives them, nor under bypass mode
         work = forward_work_items(shape, sizes.forward_rows["actor"], sizes, True)
         forwards.append(("old log-prob forward", actor.trained, "actor", work))
     if uses_reference:  # its own model, or a LoRA actor's forwards with the adapters off

@@ -52,6 +52,12 @@ def update_can_give_old_log_probs(cfg: Any) -> bool:
     )
 
 
+def old_log_prob_pass_runs(cfg: Any) -> bool:
+    """A step runs the old-log-prob forward: the update cannot give the old log-probs, and rollout
+    correction's bypass mode does not take the engine's in their place."""
+    return not update_can_give_old_log_probs(cfg) and not cfg.algorithm.rollout_correction.bypass_mode
+
+
 def update_gives_old_log_probs(cfg: Any, global_step: int) -> bool:
     """The old-log-prob pass is left out this step: the settings allow it and the actor updates now. (A
     step's batch never outgrows train_batch_size × n, so the update takes one optimiser step; the actor
