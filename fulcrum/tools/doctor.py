@@ -303,7 +303,8 @@ def keys_without_effect(cfg: FulcrumConfig) -> list[str]:
 
 
 def old_log_prob_summary(cfg: FulcrumConfig) -> str:
-    """Where the old log-probs come from: their own pass (its micro-batch), or the on-policy update."""
+    """Where the old log-probs come from: their own pass (its micro-batch), the on-policy update, or the
+    rollout under bypass mode."""
     if update_can_give_old_log_probs(cfg):
         return "old log-probs from the update (one epoch, one mini-batch: no old-log-prob pass)"
     if not old_log_prob_pass_runs(cfg):
