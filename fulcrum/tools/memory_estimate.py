@@ -276,8 +276,9 @@ def adamw_item(role: str, params: ModelParams) -> str:
 
 def update_work_items(role: str, shape: ModelShape, sizes: Sizes, head_bytes: float) -> dict[str, float]:
     """One training micro-batch's work (name -> bytes) for `role` ("actor" or "critic"): the activations of
-    sizes.update_rows[role] x sizes.seq_len tokens and, for the actor, the LM head's blocks (`head_bytes`,
-    `update_logits_bytes`)."""
+    sizes.update_rows[role] x sizes.seq_len tokens and the larger of the actor's LM head blocks (`head_bytes`,
+    `update_logits_bytes`; 0 for the critic) and, with checkpointing, the attention backward's workspace
+    (`attention_backward_bytes`), which do not live at once."""
     rows, checkpointing = sizes.update_rows[role], sizes.checkpointing[role]
     items = {
         f"activations, micro-batch of {rows} x {sizes.seq_len} tokens "
