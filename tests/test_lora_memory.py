@@ -25,7 +25,7 @@ from fulcrum.models import precision
 from fulcrum.models.arch import model_shape
 from fulcrum.models.lora import Adapters, LoraSettings
 from fulcrum.models.precision import optimizer_state_bytes, parameter_bytes
-from fulcrum.tools import doctor
+from fulcrum.tools import doctor, lora_params
 from fulcrum.tools.lora_params import adapter_param_count
 from fulcrum.workers.actor import ActorWorker, reference_worker
 from fulcrum.workers.critic import CriticWorker
@@ -186,9 +186,9 @@ HYBRID_AND_EXPERT_SHAPES = {
 def test_adapter_count_of_hybrid_and_expert_layers_equals_peft(arch: str, targets, exclude) -> None:
     """What LoRA wraps on Qwen3.5 (Gated DeltaNet's in_proj_qkv/z/b/a and out_proj, an output-gated
     q_proj twice as wide), Qwen3-Next (its fused in_proj_qkvz and in_proj_ba, the shared expert's gate)
-    and Qwen3-MoE, whose routers and fused experts peft adapts as parameters (and the target names of
-    the experts' projections no Linear of a dense layer or a shared expert): the estimate's count is
-    the trainable parameter count of the model `Adapters` makes."""
+    and Qwen3-MoE, whose routers and fused experts peft adapts as parameters (and, from peft 0.22, the
+    Linears of a dense layer or a shared expert of the experts' projection names too): the estimate's
+    count is the trainable parameter count of the model `Adapters` makes with the installed peft."""
     require_model_type(arch)
     model = arch_model(arch, HYBRID_AND_EXPERT_SHAPES[arch])
     as_key = tuple(targets) if isinstance(targets, list) else targets
@@ -197,3 +197,16 @@ def test_adapter_count_of_hybrid_and_expert_layers_equals_peft(arch: str, target
     trained = sum(p.numel() for p in adapters.parameters())
     assert trained > 0
     assert adapter_param_count(model_shape(model.config), 4, targets, exclude) == trained
+
+
+@pytest.mark.parametrize("version, linears_too", [("0.21.2", False), ("0.22.0", True), ("1.0.0rc1", True)])
+def test_the_expert_name_rule_follows_the_installed_peft(
+    monkeypatch: pytest.MonkeyPatch, version: str, linears_too: bool
+) -> None:
+    """A dense layer's MLP in a mixture of experts: adapted from peft 0.22 on, not under 0.21, and the
+    count says so (Qwen3-MoE's shape above, all-linear, rank 4: layer 1's dense MLP is 3 x 4 x (64 + 128))."""
+    monkeypatch.setattr(lora_params.importlib.metadata, "version", lambda name: version)
+    assert lora_params.peft_adapts_linears_of_expert_names() is linears_too
+    shape = model_shape(arch_model("qwen3_moe", HYBRID_AND_EXPERT_SHAPES["qwen3_moe"]).config)
+    dense_mlp = 3 * 4 * (64 + 128)
+    assert adapter_param_count(shape, 4, "all-linear") == 17_184 + (dense_mlp if linears_too else 0)

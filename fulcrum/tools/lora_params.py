@@ -5,7 +5,7 @@ model (verl's `lora_rank` > 0, or a `lora_adapter_path`) trains only its adapter
 adapted Linear (`fulcrum.models.lora`), and holds its base once, frozen, in the compute dtype; the
 critic's value head trains whole either way.
 
-The adapted weights are found as peft (0.21, over transformers 5's models) finds them, on the module
+The adapted weights are found as peft (0.21 and 0.22, over transformers 5's models) finds them, on the module
 paths of the family's decoder (`model.layers.{i}.self_attn.q_proj`, `...linear_attn.in_proj_qkv`, ...):
 "all-linear" is every Linear but the LM head, a list matches module names (or path suffixes), a string
 is a regular expression over the whole path, and `exclude_modules` takes Linears out the same way. A
@@ -16,12 +16,14 @@ Qwen2-MoE layout) keeps its experts as fused 3-D parameters and its router as a 
 adapts as parameters: it reads the target names `gate`, `gate_proj`, `up_proj` and `down_proj` (a string
 first resolved to the names of what it matches) as the router's `gate.weight` (r·(h + E)) and the
 experts' `gate_up_proj` (2r·E·(h + 2I), its rank doubled for the two fused projections) and `down_proj`
-(r·E·(I + h)), so no Linear of those names is adapted there (a dense layer's MLP, Qwen3-Next's shared
-expert); the shared expert's gate (a Linear h → 1) is. No torch here: `fulcrum doctor` runs without it.
+(r·E·(I + h)). peft 0.22 also adapts the Linears of those names (a dense layer's MLP, Qwen3-Next's shared
+expert), which 0.21 left without adapters (`peft_adapts_linears_of_expert_names`); the shared expert's gate
+(a Linear h → 1) is adapted by both. No torch here: `fulcrum doctor` runs without it.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -140,6 +142,18 @@ def _matches(path: str, names: str | list[str] | set[str] | None, default: bool)
     return any(path == n or path.endswith("." + n) for n in names)
 
 
+def peft_adapts_linears_of_expert_names() -> bool:
+    """Whether the installed peft adapts a Linear named like an expert projection (a dense layer's MLP,
+    a shared expert) beside the experts' parameters: from 0.22 it does, 0.21 took those names for the
+    parameters alone. Read from the package's metadata (no import: doctor runs without torch); the newer
+    rule when peft is not installed."""
+    try:
+        found = re.findall(r"\d+", importlib.metadata.version("peft"))[:2]
+    except importlib.metadata.PackageNotFoundError:
+        return True
+    return tuple(int(part) for part in found) >= (0, 22)
+
+
 def _expert_targets(
     targets: str | list[str] | None, linears: list[Weight], params: list[Weight]
 ) -> tuple[set[str], set[str], int]:
@@ -161,11 +175,12 @@ def _expert_targets(
     else:
         names = set(targets)
     modules, adapted, fused = set(), set(), set()
+    linears_too = peft_adapts_linears_of_expert_names()
     for name in names:
         old = next((o for o in MOE_TARGETS if name == o or name.endswith("." + o)), None)
-        if old is None:
+        if old is None or linears_too:
             modules.add(name)
-        else:
+        if old is not None:
             adapted.add(MOE_TARGETS[old])
             fused |= {old} & set(FUSED_EXPERTS)
     return modules, adapted, len(fused) if len(fused) == len(FUSED_EXPERTS) else 1
