@@ -18,8 +18,9 @@ generation and step time and the trained tokens a second over the steps after th
 
 What it says (H100 constants): at Qwen3-0.6B's shape (112 KiB of K/V a token, ~44 GiB of cache beside the
 training passes) the decode is bound by the K/V reads of the bulk and the cache's capacity, and partial
-rollouts gain at most ~1.2x for any of the long-tailed budgets tried; at Qwen2.5-0.5B's (12 KiB a token) the
-tail runs at the step floor with a few sequences and partial rollouts gain 1.3-2x.
+rollouts gain at most 1.13x the trained tokens a second for medians of 256-1,536 tokens and sigma 0.8-1.5
+(1.23x on an H200 with an 80 GiB cache); at Qwen2.5-0.5B's (12 KiB a token) the tail runs at the step floor
+with a few sequences and they gain 1.4x for the bench's budgets.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from transformers import AutoConfig
+
+from fulcrum.models.arch import model_shape
+from fulcrum.models.arch.spec import kv_bytes_per_token, matmul_param_count
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: long_tail and shapes by name
 
@@ -155,18 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-capacity-gib", type=float, default=44.0)
     parser.add_argument("--train-us-per-token", type=float, default=12.0)
     args = parser.parse_args(argv)
-    _, fields = shape_of(args.shape)
-    layers, heads, kv_heads = (
-        fields["num_hidden_layers"],
-        fields["num_attention_heads"],
-        fields["num_key_value_heads"],
-    )
-    head_dim = fields.get("head_dim") or fields["hidden_size"] // heads
-    kv_bytes = layers * 2 * kv_heads * head_dim * 2
-    vocab, hidden, inter = fields["vocab_size"], fields["hidden_size"], fields["intermediate_size"]
-    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
-    cost = DecodeCost(2.0 * (layers * per_layer + vocab * hidden), kv_bytes, args.bandwidth, args.share,
-                      args.step_floor_ms / 1e3)  # fmt: skip
+    model_type, fields = shape_of(args.shape)
+    shape = model_shape(AutoConfig.for_model(model_type, **fields))
+    kv_bytes = kv_bytes_per_token(shape)
+    weight_bytes = 2.0 * matmul_param_count(shape, lm_head=False)  # bf16; a tied head read once a step
+    cost = DecodeCost(weight_bytes, kv_bytes, args.bandwidth, args.share, args.step_floor_ms / 1e3)
     budgets = lognormal_budgets(args.groups * (args.steps + 2), args.median, args.sigma, args.cap, args.seed)
     capacity = args.kv_capacity_gib * GIB / kv_bytes
     common = (budgets, args.groups, args.samples, args.prompt, args.warmup_batches, capacity, cost,
