@@ -319,7 +319,11 @@ def test_a_long_tail_at_a_small_batch_points_to_partial_rollouts() -> None:
     assert "20% of its memory floor" in findings[0].message and "4.0x the mean" in findings[0].message
     assert "up to 71% of the generation" in findings[0].message  # 1 - 0.2 / 0.7
     assert "trainer.v1.trainer_mode=colocate_async" in findings[0].fix
-    # the synchronous steps measured at Qwen3-0.6B's shape: the decode at ~0.7 of its floor, no tail to take back
+    assert "free_cache_engine=False" in findings[0].fix and "bypass_mode=True" in findings[0].fix
+    # the synchronous steps measured at Qwen2.5-0.5B's shape: the decode at 0.46 of its floor, and partial
+    # rollouts keeping their K/V ran 1.27x their trained tokens a second
+    assert "long_tail" in rules(long_tailed_rows(0.46))
+    # Qwen3-0.6B's shape: the decode at ~0.7 of its floor, no tail to take back
     assert "long_tail" not in rules(long_tailed_rows(0.69))
     rows = long_tailed_rows(0.2)
     for row in rows:
@@ -332,11 +336,11 @@ def test_a_long_tail_at_a_small_batch_points_to_partial_rollouts() -> None:
     assert "long_tail" not in rules(healthy_rows())  # no roofline logged (an unknown card, the CPU)
 
 
-def test_partial_rollouts_whose_decode_sits_at_its_floor_are_told_they_take_little_back() -> None:
-    findings = [f for f in diagnose(long_tailed_rows(0.6, partial=True)) if f.rule == "long_tail"]
-    assert findings and "60% of its memory floor" in findings[0].message
-    assert "trainer.use_v1=False" in findings[0].fix and "bench/long_tail.py" in findings[0].fix
-    assert "long_tail" not in rules(long_tailed_rows(0.3, partial=True))
+def test_the_long_tail_rule_is_silent_under_partial_rollouts() -> None:
+    """Their decode's share is what they made of the tail: 0.52-0.61 in the run that was 1.27x its
+    synchronous steps; it cannot say whether synchronous steps would be slower."""
+    for share in (0.3, 0.6, 0.75):
+        assert "long_tail" not in rules(long_tailed_rows(share, partial=True))
 
 
 def partial_rows(prefill_s: float, old_log_prob_s: float) -> list[dict[str, Any]]:

@@ -45,8 +45,11 @@ HOST_BOUND_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_a
 # at long contexts with full batches (0.70-0.77 of an H100's roofline, BENCHMARKS.md "Long contexts"), and
 # the share below which most of the decode's time is not the weights' and K/V's reads.
 DECODE_REACHABLE_SHARE = 0.7
-DECODE_TAIL_SHARE = 0.35
-DECODE_FLOOR_BOUND = 0.5  # under partial rollouts: at least half the decode's time is its floor
+# Synchronous steps whose decode runs at this share of its floor or less have a tail to take back: at
+# Qwen2.5-0.5B's shape the decode read 0.46 and partial rollouts that keep their K/V gave 1.27x the trained
+# tokens a second; at Qwen3-0.6B's it holds ~0.7 at long contexts (a bulk bound by its K/V reads) and partial
+# rollouts gave 0.83x (BENCHMARKS.md).
+DECODE_TAIL_SHARE = 0.55
 TAIL_STEPS = 3  # warm steps the long-tail rule reads (medians)
 # Under partial rollouts: the share of a step their own costs (the held samples prefilled again, the
 # decoupled loss's old-log-prob pass) may take before the rule names the keys that remove them; at
@@ -155,40 +158,20 @@ def host_loaded(rows: Sequence[Row]) -> list[Finding]:
 
 
 def long_tail(rows: Sequence[Row]) -> list[Finding]:
-    """Whether carrying the tail over (partial rollouts) can shorten the steps, from the decode's memory
-    roofline (`rollout/decode_roofline_share`, logged on a card of known bandwidth), medians of the last
-    TAIL_STEPS steps after the first.
-
-    Synchronous steps: generation at least half the step, the longest response at least twice the mean, and
-    the decode at most DECODE_TAIL_SHARE of its floor: most of its time is steps that read little (the tail at
-    a few sequences), and partial rollouts can take back up to 1 - share / DECODE_REACHABLE_SHARE of it.
-    Under partial rollouts (`training/off_policy/carried_token_share` logged): the decode at
-    DECODE_FLOOR_BOUND or more of its floor spends most of its time reading what its tokens need, so a tail
-    at a small batch is not where the time goes and partial rollouts mostly add their costs (Qwen3-0.6B's
-    shape with ~2k-token answers: 0.83x the synchronous step rate, BENCHMARKS.md)."""
+    """Whether carrying the tail over (partial rollouts) can shorten synchronous steps, from the decode's
+    memory roofline (`rollout/decode_roofline_share`, logged on a card of known bandwidth), medians of the
+    last TAIL_STEPS steps after the first: generation at least half the step, the longest response at least
+    twice the mean, and the decode at most DECODE_TAIL_SHARE of its floor: much of its time is steps that
+    read little (the tail at a few sequences), and partial rollouts can take back up to
+    1 - share / DECODE_REACHABLE_SHARE of it. Silent under partial rollouts
+    (`training/off_policy/carried_token_share` logged): their decode's share is what they made of the tail,
+    and says nothing of what a synchronous step would take (0.52-0.61 in a run 1.27x faster than its
+    synchronous steps; `partial_rollout_costs` reads what they add)."""
     train = training_rows(rows)[1:]
     recent = [r for r in train if as_float(r.get("rollout/decode_roofline_share")) is not None][-TAIL_STEPS:]
-    if len(recent) < TAIL_STEPS:
+    if len(recent) < TAIL_STEPS or any("training/off_policy/carried_token_share" in r for r in recent):
         return []
     share = statistics.median(as_float(r["rollout/decode_roofline_share"]) or 0.0 for r in recent)
-    step = step_of(recent[-1], len(train))
-    if any("training/off_policy/carried_token_share" in r for r in recent):
-        if share < DECODE_FLOOR_BOUND:
-            return []
-        return [
-            Finding(
-                (),
-                f"under partial rollouts the decode runs at {share:.0%} of its memory floor "
-                "(rollout/decode_roofline_share): most of its time is reading the weights and K/V its tokens need, "
-                "so the tail costs what its tokens cost and carrying it over saves little beside its own costs "
-                "(the carried samples prefilled again, the old-log-prob pass, off-policy tokens)",
-                "info",
-                fix="compare a synchronous step (trainer.use_v1=False; bench/long_tail.py runs both); a smaller K/V "
-                "a token (fewer KV heads) or shorter responses shorten the floor itself",
-                rule="long_tail",
-                step=step,
-            )
-        ]
     gen = statistics.median(
         (as_float(r.get("timing_s/gen")) or 0.0) / (as_float(r["timing_s/step"]) or 1.0) for r in recent
     )
@@ -207,10 +190,13 @@ def long_tail(rows: Sequence[Row]) -> list[Finding]:
             "decodes a few sequences at a time; carrying it over to the next step could take back up to "
             f"{1 - share / DECODE_REACHABLE_SHARE:.0%} of the generation",
             "info",
-            fix="partial rollouts: trainer.use_v1=True trainer.v1.trainer_mode=colocate_async with "
-            'algorithm.rollout_correction.rollout_is=token (docs/levers.md, "Long responses")',
+            fix="partial rollouts: trainer.use_v1=True trainer.v1.trainer_mode=colocate_async, keeping the held "
+            "samples' K/V through training (actor_rollout_ref.rollout.free_cache_engine=False, where doctor's "
+            "estimate fits the cache) and taking the engine's log-probs as the old ones "
+            "(algorithm.rollout_correction.bypass_mode=True; rollout_is=token for the decoupled loss costs an "
+            'old-log-prob pass) (docs/levers.md, "Long responses")',
             rule="long_tail",
-            step=step,
+            step=step_of(recent[-1], len(train)),
         )
     ]
 
