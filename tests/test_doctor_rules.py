@@ -506,3 +506,32 @@ def test_bypass_mode_has_no_old_log_prob_forward_in_the_estimate(files: Path, ca
     assert "old log-prob forward" not in {p.name for p in seed_estimate(files, bypass).phases}
     code, out = run([*seed_command(files), bypass, "--device-memory-gib", "140"], capsys)
     assert code == 0 and "old log-probs from the rollout (bypass mode: no old-log-prob pass)" in out
+
+
+def test_partial_rollouts_that_release_the_cache_are_told_where_keeping_it_fits(files: Path, capsys) -> None:
+    """Under colocate_async with verl's free_cache_engine=True the held samples are prefilled again every
+    step: doctor names free_cache_engine=False where the estimate with the cache kept fits the device,
+    and says nothing once it is kept, on synchronous steps, or where the kept cache would not fit."""
+    partial = ["trainer.use_v1=True", "trainer.v1.trainer_mode=colocate_async"]
+    out = run([*seed_command(files), *partial, "--device-memory-gib", "140"], capsys)[1]
+    assert "warning: actor_rollout_ref.rollout.free_cache_engine=True under partial rollouts" in out
+    assert "actor_rollout_ref.rollout.free_cache_engine=False" in out and "of 140.0 GiB" in out
+    kept = "actor_rollout_ref.rollout.free_cache_engine=False"
+    assert (
+        "under partial rollouts"
+        not in run([*seed_command(files), *partial, kept, "--device-memory-gib", "140"], capsys)[1]
+    )
+    assert (
+        "under partial rollouts" not in run([*seed_command(files), "--device-memory-gib", "140"], capsys)[1]
+    )
+    # the engine's cache beside an update of large micro-batches without checkpointing would not fit
+    heavy = [
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+        "actor_rollout_ref.actor.cuda_graphs=False",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        "--device-memory-gib",
+        "60",
+    ]
+    code, out = run([*seed_command(files), *partial, *heavy], capsys)
+    assert code == 0 and "free_cache_engine=True under partial rollouts" not in out, out

@@ -8,6 +8,7 @@ concern; doctor.py runs LEVER_CHECKS after its own.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Callable
@@ -273,8 +274,9 @@ def device_memory(ctx: DoctorContext) -> tuple[float, bool]:
     return DEFAULT_DEVICE_GIB * GiB, False
 
 
-def memory_estimate(ctx: DoctorContext) -> Estimate | None:
-    cfg = ctx.cfg
+def memory_estimate(ctx: DoctorContext, cfg: FulcrumConfig | None = None) -> Estimate | None:
+    """The memory estimate of `cfg` (the context's configuration by default) on the context's device."""
+    cfg = cfg or ctx.cfg
     shape: ModelShape | None = read_model_shape(cfg.actor_rollout_ref.model.path)
     if shape is None:
         return None
@@ -321,6 +323,36 @@ def check_memory(ctx: DoctorContext) -> list[Finding]:
             )
         )
     return findings
+
+
+def check_partial_rollout_cache(ctx: DoctorContext) -> list[Finding]:
+    """Partial rollouts that release the KV cache for training (`free_cache_engine=True`, verl's default):
+    the held samples lose their K/V and are prefilled again the next step. Named where the estimate with
+    the cache kept through training still fits the device."""
+    cfg = ctx.cfg
+    rollout = cfg.actor_rollout_ref.rollout
+    partial = cfg.trainer.use_v1 and cfg.trainer.v1.trainer_mode == "colocate_async"
+    if not partial or rollout.name != "native" or not rollout.free_cache_engine:
+        return []
+    kept = copy.deepcopy(cfg)
+    kept.actor_rollout_ref.rollout.free_cache_engine = False
+    est = memory_estimate(ctx, kept)
+    if est is None or est.peak.total > est.device_bytes:
+        return []
+    key = rollout.key("free_cache_engine")
+    return [
+        Finding(
+            (key,),
+            f"{key}=True under partial rollouts: the held samples' K/V are released for training and "
+            "prefilled again the next step; with the cache kept the estimate's peak is "
+            f"{est.peak.total / GiB:.1f} GiB ({est.peak.name}) of {est.device_bytes / GiB:.1f} GiB",
+            "warning",
+            why="at Qwen2.5-0.5B's shape the held samples took 0.8-1.3 M tokens of prefill a step (1.5-2.9 s) and "
+            "partial rollouts broke even; kept, with bypass mode, they ran 1.26-1.28x the trained tokens a second "
+            '(docs/levers.md, "Long responses")',
+            fix=f"{key}=False; algorithm.rollout_correction.bypass_mode=True also leaves out the old-log-prob pass",
+        )
+    ]
 
 
 def kv_tokens_needed(prompts: int, n: int, max_num_seqs: int, prompt_len: int, response_len: int) -> int:
@@ -440,4 +472,5 @@ LEVER_CHECKS: list[Callable[[Any], list[Finding]]] = [
     check_rollout_waves,
     check_memory,
     check_kv_preemption,
+    check_partial_rollout_cache,
 ]
