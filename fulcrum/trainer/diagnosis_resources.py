@@ -42,8 +42,7 @@ HOST_LOAD_STEPS = 3
 # The phases that launch their kernels one by one from the host (generation replays CUDA graphs).
 HOST_BOUND_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_actor", "reward")
 # The decode's memory floor over its time (rollout/decode_roofline_share) that the engine's kernels reach
-# at long contexts with full batches (0.70-0.77 of an H100's roofline, BENCHMARKS.md "Long contexts"), and
-# the share below which most of the decode's time is not the weights' and K/V's reads.
+# at long contexts with full batches (0.70-0.77 of an H100's roofline, BENCHMARKS.md "Long contexts").
 DECODE_REACHABLE_SHARE = 0.7
 # Synchronous steps whose decode runs at this share of its floor or less have a tail to take back: at
 # Qwen2.5-0.5B's shape the decode read 0.46 and partial rollouts that keep their K/V gave 1.27x the trained
