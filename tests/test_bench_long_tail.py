@@ -42,6 +42,9 @@ def test_the_smoke_run_compares_both_modes(tmp_path: Path, capsys: pytest.Captur
     over = summary["over_sync"]["partial"]
     assert over["step_rate_ratio"] == pytest.approx(sync["step_s"] / partial["step_s"])
     assert over["tok_per_s_ratio"] == pytest.approx(partial["tok_per_s"] / sync["tok_per_s"])
+    assert over["tok_per_s_total_ratio"] == pytest.approx(
+        partial["tok_per_s_total"] / sync["tok_per_s_total"]
+    )
     assert sync["gpu_util_mean"] is None  # no GPU here: said, not invented
     assert summary["kv_read_floor_s"] is None  # no card, no bandwidth: no floor
     # the engine's figures: under partial rollouts it samples at least what is trained
@@ -52,6 +55,7 @@ def test_the_smoke_run_compares_both_modes(tmp_path: Path, capsys: pytest.Captur
     assert "| figure | sync | partial | partial / sync |" in out
     assert "| **trained response tok/s** |" in out.split("|---|")[1].splitlines()[1]  # the first row
     assert "| engine's sampled tok/s while generating |" in out
+    assert "| the same, all tokens over all the time |" in out
 
 
 def test_the_kv_read_floor_is_the_k_v_each_response_reads_over_its_decode_steps() -> None:
