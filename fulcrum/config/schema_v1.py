@@ -6,7 +6,7 @@ Same conventions as fulcrum.config.schema."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from fulcrum.config.domains import AT_LEAST_0, AT_LEAST_1
 from fulcrum.config.keys import opt, sub
@@ -45,3 +45,8 @@ class V1Config:
     )
     colocate_async: ColocateAsyncConfig = sub(ColocateAsyncConfig, "colocated partial rollouts")
     sampler: V1SamplerConfig = sub(V1SamplerConfig, "staleness bound of carried groups")
+
+
+def partial_rollouts_on(trainer: Any) -> bool:
+    """The trainer section runs partial rollouts: `use_v1` with `v1.trainer_mode=colocate_async`."""
+    return bool(trainer.use_v1) and trainer.v1.trainer_mode == "colocate_async"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fulcrum.config.finding import Finding
 from fulcrum.config.schema import FulcrumConfig
+from fulcrum.config.schema_v1 import partial_rollouts_on
 
 BUILT_IN_REWARD_MANAGERS = ("naive", "dapo", "batch", "prime")
 
@@ -156,11 +157,7 @@ def recipe_notes(cfg: FulcrumConfig) -> list[Finding]:
             )
         )
     trainer = cfg.trainer
-    if (
-        trainer.use_v1
-        and trainer.v1.trainer_mode == "colocate_async"
-        and not (rc.rollout_is or rc.rollout_rs or rc.bypass_mode)
-    ):
+    if partial_rollouts_on(trainer) and not (rc.rollout_is or rc.rollout_rs or rc.bypass_mode):
         notes.append(
             Finding(
                 (trainer.key("v1.trainer_mode"), algo.key("rollout_correction")),

@@ -23,6 +23,7 @@ from fulcrum.config.schema import (
     RewardModelConfig,
     RolloutConfig,
 )
+from fulcrum.config.schema_v1 import partial_rollouts_on
 from fulcrum.config.validate import sp_roles
 from fulcrum.device_facts import device_hbm_bandwidth, hbm_bandwidth
 from fulcrum.models.arch.spec import kv_bytes_per_token, matmul_param_count
@@ -331,8 +332,7 @@ def check_partial_rollout_cache(ctx: DoctorContext) -> list[Finding]:
     the cache kept through training still fits the device."""
     cfg = ctx.cfg
     rollout = cfg.actor_rollout_ref.rollout
-    partial = cfg.trainer.use_v1 and cfg.trainer.v1.trainer_mode == "colocate_async"
-    if not partial or rollout.name != "native" or not rollout.free_cache_engine:
+    if not partial_rollouts_on(cfg.trainer) or rollout.name != "native" or not rollout.free_cache_engine:
         return []
     kept = copy.deepcopy(cfg)
     kept.actor_rollout_ref.rollout.free_cache_engine = False

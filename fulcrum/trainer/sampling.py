@@ -27,6 +27,7 @@ from fulcrum.agent.loop import Conversation, ConversationRequest, LoopLimits, To
 from fulcrum.agent.metrics import conversation_metrics, spread
 from fulcrum.batch import Batch, assemble_batch, response_lengths
 from fulcrum.config import FulcrumConfig
+from fulcrum.config.schema_v1 import partial_rollouts_on
 from fulcrum.data.budgets import response_budget
 from fulcrum.models.reward_model import RewardModel
 from fulcrum.reward.scoring import RewardResult, score_batch, token_level_scores
@@ -130,10 +131,9 @@ class Sampler:
             if tools is not None
             else None
         )
-        v1 = cfg.trainer.v1
         self.partial_steps = (
             PartialSteps(cfg, rollout, self.pad_id)  # type: ignore[arg-type]  # native: validated
-            if cfg.trainer.use_v1 and v1.trainer_mode == "colocate_async"
+            if partial_rollouts_on(cfg.trainer)
             else None
         )
 
