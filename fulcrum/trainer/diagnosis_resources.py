@@ -156,6 +156,11 @@ def host_loaded(rows: Sequence[Row]) -> list[Finding]:
     ]
 
 
+def is_partial_step(row: Row) -> bool:
+    """A step under partial rollouts: it logs the share of its trained tokens carried from earlier steps."""
+    return "training/off_policy/carried_token_share" in row
+
+
 def long_tail(rows: Sequence[Row]) -> list[Finding]:
     """Whether carrying the tail over (partial rollouts) can shorten synchronous steps, from the decode's
     memory roofline (`rollout/decode_roofline_share`, logged on a card of known bandwidth), medians of the
@@ -168,7 +173,7 @@ def long_tail(rows: Sequence[Row]) -> list[Finding]:
     synchronous steps; `partial_rollout_costs` reads what they add)."""
     train = training_rows(rows)[1:]
     recent = [r for r in train if as_float(r.get("rollout/decode_roofline_share")) is not None][-TAIL_STEPS:]
-    if len(recent) < TAIL_STEPS or any("training/off_policy/carried_token_share" in r for r in recent):
+    if len(recent) < TAIL_STEPS or any(map(is_partial_step, recent)):
         return []
     share = statistics.median(as_float(r["rollout/decode_roofline_share"]) or 0.0 for r in recent)
     gen = statistics.median(
@@ -208,7 +213,7 @@ def partial_rollout_costs(rows: Sequence[Row]) -> list[Finding]:
     needs (`timing_s/old_log_prob`). At PARTIAL_COST_SHARE of the step or more, the keys that remove each
     part of at least PARTIAL_PART_SHARE."""
     train = training_rows(rows)[1:]
-    recent = [r for r in train if "training/off_policy/carried_token_share" in r][-TAIL_STEPS:]
+    recent = [r for r in train if is_partial_step(r)][-TAIL_STEPS:]
     if len(recent) < TAIL_STEPS:
         return []
 
