@@ -292,9 +292,9 @@ def table(runs: dict[str, dict[str, Any]], floor_s: float | None) -> str:
         return "n/a" if value is None else format(value, fmt)
 
     def row(label: str, key: str, fmt: str, ratio: bool = True) -> str:
-        cells = [cell(cols[m][key], fmt) for m in cols]
+        cells = [cell(cols[m].get(key), fmt) for m in cols]  # a mode file written before a figure existed
         for m in others:
-            a, b = cols[m][key], cols["sync"][key]
+            a, b = cols[m].get(key), cols["sync"].get(key)
             cells.append("" if not ratio else "n/a" if a is None or not b else f"{a / b:.3f}")
         return f"| {label} | " + " | ".join(cells) + " |"
 
@@ -391,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
         "over_sync": {
             mode: {
                 "tok_per_s_ratio": run["tok_per_s"] / sync["tok_per_s"],
-                "tok_per_s_total_ratio": run["tok_per_s_total"] / sync["tok_per_s_total"],
+                "tok_per_s_total_ratio": run["tok_per_s_total"] / sync["tok_per_s_total"]
+                if "tok_per_s_total" in run and "tok_per_s_total" in sync
+                else None,
                 "step_rate_ratio": sync["step_s"] / run["step_s"],
             }
             for mode, run in runs.items()
