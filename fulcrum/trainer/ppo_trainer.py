@@ -292,7 +292,7 @@ class PPOTrainer:
                 if (
                     not is_last
                     and self.wall_clock.budget_s is not None
-                    and on_main(self.wall_clock.next_step_is_last)
+                    and on_main(lambda: self.wall_clock.next_step_is_last(**self._work_due(is_last=False)))
                 ):
                     is_last = True
                     print(self.wall_clock.last_step_line(self.global_step), flush=True)
@@ -335,6 +335,19 @@ class PPOTrainer:
             self._prompt_stream = None
             gc.unfreeze()
         return last
+
+    def _work_due(self, is_last: bool) -> dict[str, bool]:
+        """Whether this step validates and saves: every `trainer.test_freq` / `trainer.save_freq` steps and
+        on the last step (as verl); the save's other reasons (Ctrl-C) and vetoes (NaN stop) are the step's."""
+        cfg = self.cfg.trainer
+        return {
+            "validates": self.val_dataset is not None
+            and cfg.test_freq > 0
+            and (is_last or self.global_step % cfg.test_freq == 0),
+            "saves": self.checkpoints is not None
+            and cfg.save_freq > 0
+            and (is_last or self.global_step % cfg.save_freq == 0),
+        }
 
     def _data_position(self) -> tuple[dict[str, Any], int]:
         """Where the data stands between steps (the loader's state, the epoch): a dropped step goes back here."""
@@ -457,22 +470,12 @@ class PPOTrainer:
             metrics.update(self.nan_guard.observe(self.global_step, metrics))
             # 7. validation and checkpoint when due (last step always, as verl; also on Ctrl-C)
             trainer_cfg = cfg.trainer
-            if (
-                self.val_dataset is not None
-                and trainer_cfg.test_freq > 0
-                and (is_last or self.global_step % trainer_cfg.test_freq == 0)
-            ):
+            due = self._work_due(is_last)
+            if due["validates"]:
                 with M.timer("testing", timing):
                     metrics.update(self.sampler.validate(self.val_dataset, self.global_step))
             interrupted = self.interrupt_requested()
-            if (
-                self.checkpoints is not None
-                and not self.nan_guard.exceeded
-                and (
-                    (trainer_cfg.save_freq > 0 and (is_last or self.global_step % trainer_cfg.save_freq == 0))
-                    or interrupted
-                )
-            ):
+            if self.checkpoints is not None and not self.nan_guard.exceeded and (due["saves"] or interrupted):
                 with M.timer(
                     "save_checkpoint", timing
                 ):  # the stall: snapshot, and any wait for the last write
