@@ -50,6 +50,22 @@ def test_the_run_end_counts_the_last_write_and_the_write_before_it() -> None:
     assert end == pytest.approx((100 + 4 + 2 + 1) + 20 + 1 + 20)
 
 
+def test_a_write_in_flight_counts_at_least_the_time_it_has_taken() -> None:
+    """Before any write has ended its time is unknown: the one in flight has taken at least as long as it has
+    been running, and the last write is counted that long."""
+    clock = WallClockBudget(100.0, started=0.0)
+    clock.observe_step({"timing_s/step": 6.0, "timing_s/save_checkpoint": 1.0}, now=50.0)
+    assert clock.write_started == 50.0 and clock.write_s == 0.0
+    clock.observe_step({"timing_s/step": 5.0}, now=55.0)
+    clock.observe_step({"timing_s/step": 5.0}, now=60.0)
+    # at 60 s the write has run 10 s: another step (5) and a last one (5, its save 1 after that write) end at
+    # 60 + 5 + 5 + 1 + 10 = 81; at 80 s (30 s of writing) they would end at 80 + 5 + 5 + 1 + 30 = 121
+    assert not clock.next_step_is_last(now=60.0)
+    assert clock.next_step_is_last(now=80.0)
+    clock.observe_step({"timing_s/step": 5.0, "perf/checkpoint_write_s": 12.0}, now=85.0)
+    assert (clock.write_s, clock.write_started) == (12.0, None)  # reported: known, none in flight
+
+
 def simulate_budgeted_run(budget: float, *, first_step: float = 70.0) -> float:
     """A run like the seed's PPO command on one H100 (`bench/seed_real.py run ppo`): steps of 3.9 s, a
     validation of 1.8 s every 10 steps, a save every 10 steps that stalls 1.9 s and writes 21 s beside the

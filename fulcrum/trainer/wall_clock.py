@@ -12,8 +12,8 @@ in flight is expected to end (`run_end_if_another_step`),
 
     the coming step is the last  ⇔  run_end_if_another_step(e, ...) > budget_s
 
-(the coming step as a periodic one, then one more that would end the run). The first write's `w` is known
-once it ends; until then a save counts its stall alone. A run whose first step (compilation, graph
+(the coming step as a periodic one, then one more that would end the run). A write's `w` is known once
+it ends; while one is in flight, `w` is at least the time it has taken so far (the first write's only bound). A run whose first step (compilation, graph
 captures) already overruns stops after it: a budget shorter than a step is not met, only approached.
 Every rank takes rank 0's decision, so that no rank waits in a step the others skipped.
 """
@@ -96,15 +96,19 @@ class WallClockBudget:
         whether it would validate or save as a periodic step."""
         if self.budget_s is None:
             return False
-        write_ends = None
-        if self.write_started is not None and self.write_s > 0:
-            write_ends = self.write_started + self.write_s
+        elapsed = self.elapsed(now)
+        write_s, write_ends = self.write_s, None
+        if self.write_started is not None:
+            # Unreported at the last step's end, the write in flight has taken at least this long.
+            write_s = max(write_s, elapsed - self.write_started)
+            if write_s > 0:
+                write_ends = self.write_started + write_s
         end = run_end_if_another_step(
-            self.elapsed(now),
+            elapsed,
             self.step_s,
             self.val_s,
             self.save_s,
-            self.write_s,
+            write_s,
             write_ends,
             coming_validates=validates,
             coming_saves=saves,
