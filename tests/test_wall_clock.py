@@ -66,6 +66,14 @@ def test_a_write_in_flight_counts_at_least_the_time_it_has_taken() -> None:
     assert (clock.write_s, clock.write_started) == (12.0, None)  # reported: known, none in flight
 
 
+def test_saves_in_the_step_count_their_stall_and_no_write_beside_it() -> None:
+    clock = WallClockBudget(100.0, background_writes=False, started=0.0)
+    clock.observe_step({"timing_s/step": 30.0, "timing_s/save_checkpoint": 20.0}, now=40.0)
+    assert (clock.save_s, clock.write_started) == (20.0, None)
+    assert not clock.next_step_is_last(now=55.0)  # 55 + 10 + (10 + 20) = 95: nothing runs on after the step
+    assert clock.next_step_is_last(now=61.0)
+
+
 def simulate_budgeted_run(budget: float, *, first_step: float = 70.0) -> float:
     """A run like the seed's PPO command on one H100 (`bench/seed_real.py run ppo`): steps of 3.9 s, a
     validation of 1.8 s every 10 steps, a save every 10 steps that stalls 1.9 s and writes 21 s beside the

@@ -78,7 +78,9 @@ class PPOTrainer:
         self, cfg: FulcrumConfig, device: torch.device, n_devices: int = 1, dist: DistInfo | None = None
     ) -> None:
         self.cfg = cfg
-        self.wall_clock = WallClockBudget(cfg.trainer.wall_clock_budget_s)  # counted from here
+        self.wall_clock = WallClockBudget(  # counted from here
+            cfg.trainer.wall_clock_budget_s, background_writes=cfg.trainer.save_in_background
+        )
         self.device = device
         self.n_devices = n_devices
         # Under torchrun: this rank's place. Rank 0 alone writes the run directory's shared files.

@@ -13,9 +13,11 @@ in flight is expected to end (`run_end_if_another_step`),
     the coming step is the last  ⇔  run_end_if_another_step(e, ...) > budget_s
 
 (the coming step as a periodic one, then one more that would end the run). A write's `w` is known once
-it ends; while one is in flight, `w` is at least the time it has taken so far (the first write's only bound). A run whose first step (compilation, graph
-captures) already overruns stops after it: a budget shorter than a step is not met, only approached.
-Every rank takes rank 0's decision, so that no rank waits in a step the others skipped.
+it ends; while one is in flight, `w` is at least the time it has taken so far (the first write's only
+bound). Saves in the step (`save_in_background=False`) have no write beside it: their stall is all of it.
+A run whose first step (compilation, graph captures) already overruns stops after it: a budget shorter
+than a step is not met, only approached. Every rank takes rank 0's decision, so that no rank waits in a
+step the others skipped.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def run_end_if_another_step(
 @dataclass
 class WallClockBudget:
     budget_s: float | None
+    background_writes: bool = True  # trainer.save_in_background
     started: float = field(default_factory=time.monotonic)
     val_s: float = 0.0
     save_s: float = 0.0  # the last save's stall, without its wait for the write before it
@@ -83,7 +86,8 @@ class WallClockBudget:
             self.write_s, self.write_started = written, None
         if saving:
             self.save_s = max(0.0, saving - metrics.get("perf/checkpoint_wait_s", 0.0))
-            self.write_started = self.elapsed(now)  # a save is the step's last work
+            if self.background_writes:
+                self.write_started = self.elapsed(now)  # a save is the step's last work
         self.recent_steps.append(max(0.0, metrics.get("timing_s/step", 0.0) - testing - saving))
 
     def elapsed(self, now: float | None = None) -> float:
