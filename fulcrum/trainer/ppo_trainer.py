@@ -78,9 +78,8 @@ class PPOTrainer:
         self, cfg: FulcrumConfig, device: torch.device, n_devices: int = 1, dist: DistInfo | None = None
     ) -> None:
         self.cfg = cfg
-        self.wall_clock = WallClockBudget(  # counted from here
-            cfg.trainer.wall_clock_budget_s, background_writes=cfg.trainer.save_in_background
-        )
+        # trainer.wall_clock_budget_s counts from here
+        self.wall_clock = WallClockBudget(cfg.trainer.wall_clock_budget_s, cfg.trainer.save_in_background)
         self.device = device
         self.n_devices = n_devices
         # Under torchrun: this rank's place. Rank 0 alone writes the run directory's shared files.
@@ -341,14 +340,12 @@ class PPOTrainer:
     def _work_due(self, is_last: bool) -> dict[str, bool]:
         """Whether this step validates and saves: every `trainer.test_freq` / `trainer.save_freq` steps and
         on the last step (as verl); the save's other reasons (Ctrl-C) and vetoes (NaN stop) are the step's."""
-        cfg = self.cfg.trainer
+        cfg, step = self.cfg.trainer, self.global_step
+        validates = cfg.test_freq > 0 and (is_last or step % cfg.test_freq == 0)
+        saves = cfg.save_freq > 0 and (is_last or step % cfg.save_freq == 0)
         return {
-            "validates": self.val_dataset is not None
-            and cfg.test_freq > 0
-            and (is_last or self.global_step % cfg.test_freq == 0),
-            "saves": self.checkpoints is not None
-            and cfg.save_freq > 0
-            and (is_last or self.global_step % cfg.save_freq == 0),
+            "validates": validates and self.val_dataset is not None,
+            "saves": saves and self.checkpoints is not None,
         }
 
     def _data_position(self) -> tuple[dict[str, Any], int]:
@@ -478,9 +475,8 @@ class PPOTrainer:
                     metrics.update(self.sampler.validate(self.val_dataset, self.global_step))
             interrupted = self.interrupt_requested()
             if self.checkpoints is not None and not self.nan_guard.exceeded and (due["saves"] or interrupted):
-                with M.timer(
-                    "save_checkpoint", timing
-                ):  # the stall: snapshot, and any wait for the last write
+                # timed: the stall (the host snapshot, and any wait for the write before)
+                with M.timer("save_checkpoint", timing):
                     self.save_checkpoint()
             elif self.checkpoints is not None and trainer_cfg.save_freq > 0 and not self.dist.distributed:
                 self.checkpoints.prepare_host_buffers(self.roles())  # once: the first save's memory, mapped
