@@ -121,6 +121,60 @@ def test_fused_norms_rope_and_swiglu_match_torch(dtype):
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), ops.silu_and_mul(gate_up), **tol(dtype))
 
 
+MLP_LAUNCHES = [
+    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 8},
+]
+
+
+@pytest.mark.parametrize("launch", MLP_LAUNCHES, ids=["16x16-group-2", "32x16-group-8"])
+@pytest.mark.parametrize(("rows", "hidden", "inter"), [(37, 40, 48), (5, 96, 300), (70, 64, 64)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_fused_gate_up_silu_is_the_product_then_silu_and_mul(dtype, rows, hidden, inter, launch):
+    """mlp_kernels.gate_up_silu = ops.silu_and_mul(x · gate_upᵀ): tiles cut at the edges of every dimension
+    (rows, the hidden size, the intermediate size), groups of row tiles wider than the rows."""
+    from fulcrum.rollout.native.mlp_kernels import gate_up_silu
+
+    torch.manual_seed(0)
+    x = torch.randn(rows, hidden, device=DEVICE, dtype=dtype)
+    gate_up = (torch.randn(2 * inter, hidden, device=DEVICE) / hidden**0.5).to(dtype)
+    expected = ops.silu_and_mul(torch.nn.functional.linear(x, gate_up))
+    torch.testing.assert_close(gate_up_silu(x, gate_up, launch), expected, **tol(dtype))
+    if ON_CUDA:  # the default launch (MLP_LAUNCH) compiles and agrees too
+        torch.testing.assert_close(gate_up_silu(x, gate_up), expected, **tol(dtype))
+
+
+def test_an_engine_with_the_fused_prefill_mlp_samples_the_matmul_paths_tokens(monkeypatch):
+    """prefill_mlp=fused: prefill steps (chunked, over a cached context) run the fused kernel, decode steps
+    the product and SiLU·mul; greedy tokens and log-probs are the matmul engine's."""
+    from fulcrum.rollout import SamplingParams
+    from fulcrum.rollout.native import NativeEngine, mlp_kernels
+    from fulcrum.rollout.testing import random_causal_lm
+
+    calls = {"fused": 0}
+    real = mlp_kernels.gate_up_silu
+
+    def counted(*args, **kwargs):
+        calls["fused"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mlp_kernels, "gate_up_silu", counted)
+    model = random_causal_lm("qwen2", init_std=0.1).to(DEVICE)
+    prompts, config = chunked_engine_case(vocab=model.config.vocab_size, num_kv_blocks=32)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    config = dataclasses.replace(config, triton_kernels=True)
+    expected = NativeEngine(model, [1], 0, config, DEVICE).generate(prompts, params)
+    assert calls["fused"] == 0
+    out = NativeEngine(model, [1], 0, dataclasses.replace(config, prefill_mlp="fused"), DEVICE).generate(
+        prompts, params
+    )
+    layers = model.config.num_hidden_layers
+    assert calls["fused"] >= 2 * layers and calls["fused"] % layers == 0  # prefill steps only
+    assert out.token_ids == expected.token_ids
+    for ours, theirs in zip(out.logprobs, expected.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("rotary", [64, 16, 24], ids=["whole-heads", "partial-16-of-64", "partial-24-of-64"])
 @pytest.mark.parametrize("indirect", [False, True], ids=["cache-tensor", "indirect-cache"])
 def test_rope_and_store_kv_rotates_and_writes_the_cache_like_rope_then_index_copy(indirect, rotary):

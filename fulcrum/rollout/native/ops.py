@@ -6,8 +6,13 @@ Shapes: N tokens, H heads (Hq query, Hkv key/value), D head dim, B sequences.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from fulcrum.parallel.tensor_parallel import TensorParallel
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
@@ -22,6 +27,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     if offset:
         return (normed * (offset + weight.float())).to(x.dtype)
     return weight * normed.to(x.dtype)
+
+
+def rms_norm_over_heads(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, tp: TensorParallel
+) -> torch.Tensor:
+    """OLMo's QK-norm: x (N, H, D) -> (N, H, D), normed over all H·D values of a token together,
+    w · x / sqrt(mean(x²) + eps) with the product in fp32 (as Hugging Face's Olmo3RMSNorm).
+
+    Under tensor parallelism (`tp`) the squares are summed over the ranks, each holding an equal share
+    of the heads (a replicated K/V head counts once on each of its ranks, which leaves the mean as it
+    is), so the mean is over the model's heads."""
+    flat = x.reshape(x.shape[0], -1).float()  # (N, H·D)
+    if tp.size == 1:
+        mean = flat.pow(2).mean(-1, keepdim=True)
+    else:
+        mean = tp.all_reduce(flat.pow(2).sum(-1, keepdim=True)) / (flat.shape[-1] * tp.size)
+    return (weight * (flat * torch.rsqrt(mean + eps))).to(x.dtype).view(x.shape)
 
 
 def add_rms_norm(

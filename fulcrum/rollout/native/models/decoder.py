@@ -350,20 +350,6 @@ class DecoderLM:
             return self._norm(rows, None, weight)[0].view(x.shape)
         return ops.rms_norm(x, weight, self.eps, self.norm_offset)
 
-    def _norm_over_heads(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """OLMo's QK-norm: x (N, H, D) -> (N, H, D), normed over all H·D values of a token together,
-        w · x / sqrt(mean(x²) + eps) with the product in fp32 (as Hugging Face's Olmo3RMSNorm).
-
-        Under tensor parallelism the squares are summed over the ranks, each holding an equal share
-        of the heads (a replicated K/V head counts once on each of its ranks, which leaves the mean
-        as it is), so the mean is over the model's heads."""
-        flat = x.reshape(x.shape[0], -1).float()  # (N, H·D)
-        if self.tp.size == 1:
-            mean = flat.pow(2).mean(-1, keepdim=True)
-        else:
-            mean = self.tp.all_reduce(flat.pow(2).sum(-1, keepdim=True)) / (flat.shape[-1] * self.tp.size)
-        return (weight * (flat * torch.rsqrt(mean + self.eps))).to(x.dtype).view(x.shape)
-
     def _attention(
         self,
         i: int,
@@ -387,7 +373,8 @@ class DecoderLM:
         cos_sin = self.cos_sin[self.rope_kind[i]]
         fused_norm = None
         if self.qk_norm_over_heads:
-            q, k = self._norm_over_heads(q, layer["q_norm"]), self._norm_over_heads(k, layer["k_norm"])
+            q = ops.rms_norm_over_heads(q, layer["q_norm"], self.eps, self.tp)
+            k = ops.rms_norm_over_heads(k, layer["k_norm"], self.eps, self.tp)
         elif self.qk_norm and self.use_triton and cos_sin.shape[-1] == self.head_dim:
             fused_norm = QKNorm(layer["q_norm"], layer["k_norm"], self.eps, self.norm_offset)
         elif self.qk_norm:
@@ -414,8 +401,9 @@ class DecoderLM:
             return kernels.silu_and_mul(gate_up)
         return ops.silu_and_mul(gate_up)
 
-    def _mlp(self, layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """The dense or expert MLP of the normed input x (N, hidden) -> (N, hidden), summed over ranks."""
+    def _mlp(self, layer: dict[str, torch.Tensor], x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """The dense or expert MLP of the normed input x (N, hidden) -> (N, hidden), summed over ranks;
+        `fused`: a dense SwiGLU's gate / up product and SiLU·mul in one kernel (EngineConfig.prefill_mlp)."""
         if "router" in layer:
             weights, experts = moe.route(F.linear(x, layer["router"]), self.top_k, self.norm_topk)
             out = moe.experts_forward(
@@ -430,6 +418,10 @@ class DecoderLM:
                     self._act_and_mul,
                 )
             return self.tp.all_reduce(out)
+        if fused and self.act_and_mul is None:
+            from fulcrum.rollout.native import mlp_kernels
+
+            return self.tp.all_reduce(F.linear(mlp_kernels.gate_up_silu(x, layer["gate_up"]), layer["down"]))
         return self.tp.all_reduce(F.linear(self._act_and_mul(F.linear(x, layer["gate_up"])), layer["down"]))
 
     def forward(
@@ -465,7 +457,7 @@ class DecoderLM:
             if "attn_out_norm" in layer:  # Gemma: the output is normed before the residual sum
                 hidden = self._norm(hidden, None, layer["attn_out_norm"])[0]
             x, residual = self._norm(hidden, residual, layer["post_norm"])
-            hidden = self._mlp(layer, x)
+            hidden = self._mlp(layer, x, meta.fused_mlp)
             if "mlp_out_norm" in layer:
                 hidden = self._norm(hidden, None, layer["mlp_out_norm"])[0]
         out, _ = self._norm(hidden, residual, self.final_norm)
