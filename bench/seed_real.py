@@ -33,6 +33,7 @@ import argparse
 import json
 import lzma
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -259,22 +260,45 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     log = args.work / f"{run_dir.name}.log"
     with open(log, "w") as f:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "fulcrum.cli", "train", *overrides],
             stdout=f,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
         )
+        exit_code = wait_or_stop(proc, args.hard_limit_s)
     wall = time.monotonic() - started
-    print(f"{run_dir.name}: exit {proc.returncode}, {wall:.1f} s from launch", flush=True)
+    print(f"{run_dir.name}: exit {exit_code}, {wall:.1f} s from launch", flush=True)
     summary = summarise_run(run_dir) if (run_dir / "metrics.jsonl").exists() else {"run": run_dir.name}
-    summary.update(command=overrides, wall_s_from_launch=wall, exit_code=proc.returncode)
+    summary.update(command=overrides, wall_s_from_launch=wall, exit_code=exit_code)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if "validations" in summary:
         print(markdown(summary), flush=True)
     if args.out is not None:
         pack(run_dir, log, args.out)
-    return proc.returncode
+    return exit_code
+
+
+STOP_GRACE_S = 3.0  # after each stop signal: a device call's timeout leaves ~10 s to pack what was done
+
+
+def wait_or_stop(proc: subprocess.Popen, limit_s: float | None) -> int:
+    """The run's exit code. Past `limit_s` seconds, or when this script is interrupted (the SIGINT of a
+    device call's `timeout`), the run is stopped, so that what it did is still summarised and packed: a
+    first SIGINT (it finishes its step and saves), a second after STOP_GRACE_S (it stops at once, a
+    checkpoint write cancelled), then SIGKILL."""
+    try:
+        return proc.wait(timeout=limit_s)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        for sig in (signal.SIGINT, signal.SIGINT, signal.SIGKILL):
+            if proc.poll() is not None:
+                break
+            proc.send_signal(sig)
+            try:
+                return proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                continue
+        return proc.wait()
 
 
 def pack(run_dir: Path, log: Path, out: Path) -> None:
@@ -368,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="keys replaced or added (tune's picks)"
     )
     r.add_argument("--label", help="the run folder's name instead of NAME (e.g. tuned)")
+    r.add_argument(
+        "--hard-limit-s",
+        type=float,
+        help="stop the run this many seconds after its launch if it has not ended (then summarise it)",
+    )
     s = sub.add_parser("summarise")
     s.add_argument("runs", type=Path, nargs="+")
     c = sub.add_parser("commands")

@@ -5,13 +5,15 @@ format and by truncation, against the step and the seconds since the trainer sta
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from seed_real import run_overrides, summarise_run
+from seed_real import run_overrides, summarise_run, wait_or_stop
 
 
 def keys_of(overrides: list[str]) -> dict[str, str]:
@@ -85,3 +87,43 @@ def test_validations_are_scored_against_steps_and_seconds(tmp_path: Path) -> Non
     assert (base["elapsed_s"], final["elapsed_s"]) == (18.0, 68.0)
     assert summary["time_to_90pct_of_best_s"] == 68.0 and summary["steps_to_90pct_of_best"] == 10
     assert summary["warm_step_s"] == 4.0  # steps after the third, without a validation
+
+
+GRACEFUL = """
+import signal, sys, time
+def stop(*_):
+    open(sys.argv[1], "w").write("saved")
+    sys.exit(130)
+signal.signal(signal.SIGINT, stop)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_run_past_its_hard_limit_is_stopped_by_the_signal_it_saves_on(tmp_path: Path) -> None:
+    """`--hard-limit-s`: a run still going is sent SIGINT (the trainer finishes its step, saves and exits),
+    and the bench goes on to summarise it, seconds later, with the run's own exit code."""
+    marker = tmp_path / "saved"
+    proc = subprocess.Popen([sys.executable, "-c", GRACEFUL, str(marker)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    started = time.monotonic()
+    assert wait_or_stop(proc, 0.5) == 130
+    assert time.monotonic() - started < 5 and marker.read_text() == "saved"
+
+
+def test_a_run_deaf_to_sigint_is_killed_after_two_graces(tmp_path: Path) -> None:
+    deaf = GRACEFUL.replace(
+        "signal.signal(signal.SIGINT, stop)", "signal.signal(signal.SIGINT, signal.SIG_IGN)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", deaf, str(tmp_path / "saved")], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    started = time.monotonic()
+    assert wait_or_stop(proc, 0.2) == -9  # SIGKILL
+    assert time.monotonic() - started < 10
+
+
+def test_a_run_that_ends_in_time_keeps_its_exit_code() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    assert wait_or_stop(proc, 30) == 3
