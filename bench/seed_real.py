@@ -17,7 +17,9 @@ keys added: validation on all 1,319 test problems before the first step too (`va
 every `test_freq` steps as written), `trainer.wall_clock_budget_s` (the run ends, last validation and
 checkpoint included, within the budget of its start), the seed, the run and generations folders, and one
 checkpoint kept of each role (`max_*_ckpt_to_keep=1`: the device's disk holds two 12 GB checkpoints, not
-ten). `total_training_steps` is left to the epochs: the budget ends the run.
+ten). `total_training_steps` is left to the epochs: the budget ends the run. `--hard-limit-s S` stops a run
+still going S seconds after its launch (and a SIGINT to this script, a device call's `timeout`, does the
+same), and what it did is summarised and packed all the same.
 
 Every validation's generations are scored again here from `trainer.validation_data_dir`:
 strict (`#### N`, the training reward), flexible (the last number), format (a `#### N` present),
