@@ -6,11 +6,11 @@
 The engine's MLP computes act = silu(x · W_gateᵀ) · (x · W_upᵀ) from one (2I, H) weight: by default
 `F.linear` (cuBLAS) writes the (N, 2I) product and `kernels.silu_and_mul` reads it back; with
 `engine_kwargs.native.prefill_mlp=fused`, `mlp_kernels.gate_up_silu` does both in one Triton kernel. For
-Qwen2.5-0.5B's (H 896, I 4,864) and Qwen3-0.6B's (H 1,024, I 3,072) shapes and N = 512 (a decode batch),
-4,096 and 16,384 tokens (prefill steps), in bf16, this times the product alone, SiLU·mul alone, the two
-together (the engine's path) and the fused kernel under each launch of the grid below (CUDA events, median
-of 50 calls after 5), each launch's output checked against the path's first (the two differ only by the
-products' summation order). It prints one line per launch, per case the path's split, the best launch
+Qwen2.5-0.5B's (H 896, I 4,864) and Qwen3-0.6B's (H 1,024, I 3,072) shapes and N = 16, 64 (a decode
+tail), 512 (a full decode batch), 4,096 and 16,384 tokens (prefill steps), in bf16, this times the product
+alone, SiLU·mul alone, the two together (the engine's path) and the fused kernel under each launch of the
+grid below (CUDA events, median of 50 calls after 5), each launch's output checked against the path's
+first (the two differ only by the products' summation order). It prints one line per launch, per case the path's split, the best launch
 with its speed over the path and its TFLOP/s (2 · N · H · 2I over its time), and `best_common`: the launch
 whose worst speed over the default launch (`mlp_kernels.MLP_LAUNCH`) is largest across the prefill cases.
 """
@@ -32,13 +32,14 @@ from fulcrum.rollout.native import kernels, mlp_kernels
 
 # (name, hidden, intermediate) and the token counts of a case
 SHAPES = [("qwen2.5-0.5b", 896, 4864), ("qwen3-0.6b", 1024, 3072)]
-TOKENS = (512, 4096, 16384)
+TOKENS = (16, 64, 512, 4096, 16384)
 PREFILL_TOKENS = 4096  # cases from here on choose best_common: the key applies to prefill steps
 SMALL_SHAPES = [("small", 40, 48)]
 SMALL_TOKENS = (37,)
-# The launches swept: 64 or 128 rows and columns of act a program, 64 or 128 of the hidden size a step,
-# 4 or 8 warps, 3 or 4 stages; GROUP_M 8 (the tile order only moves L2 hits).
-BLOCKS_M = (64, 128)
+# The launches swept: 16, 64 or 128 rows (16 for decode batches alone, 128 for batches past 64) and 64 or
+# 128 columns of act a program, 64 or 128 of the hidden size a step, 4 or 8 warps, 3 or 4 stages; GROUP_M 8
+# (the tile order only moves L2 hits).
+BLOCKS_M = (16, 64, 128)
 BLOCKS_N = (64, 128)
 BLOCKS_K = (64, 128)
 WARPS = (4, 8)
@@ -69,6 +70,8 @@ def sweep_case(name: str, hidden: int, inter: int, tokens: int, device: torch.de
         grid = [(16, 16, 16, 4, 1), (32, 16, 32, 4, 1)]
     rows = []
     for block_m, block_n, block_k, warps, stages in grid:
+        if not small and (block_m > max(64, tokens) or (block_m == 16 and tokens > 512)):
+            continue
         launch = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8}
         launch |= {"num_warps": warps, "num_stages": stages}
         try:
