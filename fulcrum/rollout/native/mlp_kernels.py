@@ -33,6 +33,7 @@ if HAVE_TRITON:
     def _gate_up_silu_kernel(
         x_ptr, w_ptr, out_ptr, rows, inter, hidden, stride_x, stride_w, stride_out,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         # Programs in groups of GROUP_M row tiles by every column tile (the grouped order of Triton's
         # matmul tutorial), so consecutive programs share weight tiles in L2.
@@ -58,8 +59,10 @@ if HAVE_TRITON:
             k_ok = offs_k < hidden - k
             a = tl.load(x_tile, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b_ok = k_ok[:, None] & n_ok[None, :]
-            acc_gate = tl.dot(a, tl.load(gate_tile, mask=b_ok, other=0.0), acc_gate)
-            acc_up = tl.dot(a, tl.load(up_tile, mask=b_ok, other=0.0), acc_up)
+            acc_gate = tl.dot(
+                a, tl.load(gate_tile, mask=b_ok, other=0.0), acc_gate, input_precision=PRECISION
+            )
+            acc_up = tl.dot(a, tl.load(up_tile, mask=b_ok, other=0.0), acc_up, input_precision=PRECISION)
             x_tile += BLOCK_K
             gate_tile += BLOCK_K
             up_tile += BLOCK_K
@@ -87,7 +90,10 @@ def gate_up_silu(
     out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     config = {**MLP_LAUNCH, **(launch or {})}
     grid = (triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(inter, config["BLOCK_N"]),)
+    # float32 products in full precision, as F.linear's (tl.dot would take TF32 on Ampere and later)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     _gate_up_silu_kernel[grid](
-        x, gate_up, out, rows, inter, hidden, x.stride(0), gate_up.stride(0), out.stride(0), **config
-    )
+        x, gate_up, out, rows, inter, hidden, x.stride(0), gate_up.stride(0), out.stride(0),
+        PRECISION=precision, **config,
+    )  # fmt: skip
     return out
