@@ -144,6 +144,26 @@ def test_the_fused_gate_up_silu_is_the_product_then_silu_and_mul(dtype, rows, hi
         torch.testing.assert_close(gate_up_silu(x, gate_up), expected, **tol(dtype))
 
 
+def test_a_fused_mlp_launch_too_big_for_the_card_names_the_key(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    from fulcrum.rollout.native import mlp_kernels
+
+    class TooBig:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise OutOfResources(262144, 232448, "shared memory")
+
+            return launch
+
+    monkeypatch.setattr(mlp_kernels, "_gate_up_silu_kernel", TooBig())
+    x, gate_up = torch.zeros(4, 16, device=DEVICE), torch.zeros(32, 16, device=DEVICE)
+    with pytest.raises(
+        RuntimeError, match=r"native\.prefill_mlp=fused: the kernel's launch .* set prefill_mlp=matmul"
+    ):
+        mlp_kernels.gate_up_silu(x, gate_up)
+
+
 def test_an_engine_with_the_fused_prefill_mlp_samples_the_matmul_paths_tokens(monkeypatch):
     """prefill_mlp=fused: prefill steps (chunked, over a cached context) run the fused kernel, decode steps
     the product and SiLU·mul; greedy tokens and log-probs are the matmul engine's."""

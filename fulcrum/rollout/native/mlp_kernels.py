@@ -28,6 +28,7 @@ MLP_LAUNCH: dict[str, int] = {
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 
     @triton.jit
     def _gate_up_silu_kernel(
@@ -92,8 +93,15 @@ def gate_up_silu(
     grid = (triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(inter, config["BLOCK_N"]),)
     # float32 products in full precision, as F.linear's (tl.dot would take TF32 on Ampere and later)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    _gate_up_silu_kernel[grid](
-        x, gate_up, out, rows, inter, hidden, x.stride(0), gate_up.stride(0), out.stride(0),
-        PRECISION=precision, **config,
-    )  # fmt: skip
+    try:
+        _gate_up_silu_kernel[grid](
+            x, gate_up, out, rows, inter, hidden, x.stride(0), gate_up.stride(0), out.stride(0),
+            PRECISION=precision, **config,
+        )  # fmt: skip
+    except OutOfResources as exc:  # at its first call, where the launch needs more than this card has
+        raise RuntimeError(
+            f"actor_rollout_ref.rollout.engine_kwargs.native.prefill_mlp=fused: the kernel's launch {config} "
+            f"does not fit this GPU ({exc}); set prefill_mlp=matmul, or pick a launch with "
+            "bench/tools/mlp_sweep.py"
+        ) from exc
     return out
