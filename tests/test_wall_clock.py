@@ -89,19 +89,16 @@ def simulate_budgeted_run(budget: float, *, first_step: float = 70.0) -> float:
         started = now
         now += first_step if step == 1 else step_s
         metrics = {}
-        if periodic or is_last:
+        if periodic or is_last:  # validate, then save: wait out the write before, stall, write beside
             now += val_s
-            metrics["timing_s/testing"] = val_s
             wait = max(0.0, write_ends - now)
-            if wait == 0.0 and write_ends > 0.0:
-                metrics["perf/checkpoint_write_s"] = write_s  # reported once the write has ended
-                write_ends = 0.0
             now += wait + stall_s
-            write_ends = now + write_s
-            metrics |= {"timing_s/save_checkpoint": wait + stall_s, "perf/checkpoint_wait_s": wait}
-            if wait:
+            if write_ends:  # the write before has ended: reported with this step
                 metrics["perf/checkpoint_write_s"] = write_s
-        elif write_ends and now >= write_ends:
+            write_ends = now + write_s
+            metrics |= {"timing_s/testing": val_s, "timing_s/save_checkpoint": wait + stall_s}
+            metrics["perf/checkpoint_wait_s"] = wait
+        elif write_ends and now >= write_ends:  # reported on the first step after it ended
             metrics["perf/checkpoint_write_s"] = write_s
             write_ends = 0.0
         metrics["timing_s/step"] = now - started
