@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -82,6 +84,27 @@ def time_call(fn, repeats: int = 50, warmup: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def checked_us(
+    label: str, run: Callable[[], Any], check: Callable[[Any], Any], timer: Callable[..., float] = time_call
+) -> tuple[float, Any] | None:
+    """(µs of `run()` by `timer`, what `check` returned) once `check(run())` passes; None, the reason
+    printed after `label`, for a launch Triton cannot build (shared memory, registers) or whose output
+    `check` refuses."""
+    try:
+        checked = check(run())
+        return timer(run), checked
+    except Exception as exc:
+        print(f"{label}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}", flush=True)
+        return None
+
+
+def report_common(results: list[dict], common: dict | None, key: str, json_path: Path | None) -> None:
+    """Print the common launch; write `{key: results, "best_common": common}` to `json_path` if given."""
+    print(json.dumps({"best_common": common}), flush=True)
+    if json_path:
+        json_path.write_text(json.dumps({key: results, "best_common": common}, indent=1))
+
+
 def sweep_args(doc: str, argv: list[str] | None) -> argparse.Namespace:
     """A kernel sweep's command line: `--json PATH` and `--small` (a tiny case, untimed, under
     TRITON_INTERPRET=1: the script's path without a GPU)."""
@@ -138,13 +161,14 @@ def main() -> None:
         rows = []
         for tile, warps, stages, splits in itertools.product((32, 64, 128), (1, 2, 4), (2, 3, 4), (1, 2)):
             launch = {"TILE": tile, "SPLITS": splits, "num_warps": warps, "num_stages": stages}
-            try:
-                got = run(launch)
-                torch.testing.assert_close(got, reference, atol=2e-2, rtol=2e-2)
-                us = time_call(lambda launch=launch: run(launch))
-            except Exception as exc:  # a configuration Triton cannot build (shared memory, registers)
-                print(f"{name} {launch}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}", flush=True)
+            timed = checked_us(
+                f"{name} {launch}",
+                lambda launch=launch: run(launch),
+                lambda got, ref=reference: torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2),
+            )
+            if timed is None:
                 continue
+            us = timed[0]
             rows.append({"shape": name, **launch, "us": round(us, 2), "tb_s": round(kv_bytes / us / 1e6, 3)})
             print(json.dumps(rows[-1]), flush=True)
         best = min(rows, key=lambda r: r["us"])
@@ -159,9 +183,7 @@ def main() -> None:
         print(json.dumps(summary), flush=True)
         results.append({"summary": summary, "rows": rows})
     common = best_common(results, ("TILE", "SPLITS", "num_warps", "num_stages"))
-    print(json.dumps({"best_common": common}), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"shapes": results, "best_common": common}, indent=1))
+    report_common(results, common, "shapes", args.json)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_sweep import best_common, sweep_args, time_call  # CUDA events, the median after warm-up
+from attention_sweep import best_common, checked_us, report_common, sweep_args, time_call
 
 from fulcrum.rollout.native import kernels, mlp_kernels
 
@@ -63,14 +63,15 @@ def sweep_case(name: str, hidden: int, inter: int, tokens: int, device: torch.de
         "silu_and_mul_us": timer(lambda: silu_and_mul(product)),
         "path_us": timer(lambda: silu_and_mul(F.linear(x, weight))),
     }
-    try:  # the default launch (MLP_LAUNCH) may not build on a card with fewer registers or less shared memory
-        default_us: float | None = timer(lambda: mlp_kernels.gate_up_silu(x, weight))
-    except Exception as exc:
-        print(
-            f"{name} {tokens} default launch: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}",
-            flush=True,
-        )
-        default_us = None
+
+    def check(got: torch.Tensor) -> None:  # the products' summation order apart, the path's output
+        torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+    # the default launch (MLP_LAUNCH) may not build on a card with fewer registers or less shared memory
+    default = checked_us(
+        f"{name} {tokens} default launch", lambda: mlp_kernels.gate_up_silu(x, weight), check, timer
+    )
+    default_us = None if default is None else default[0]
     flops = 2 * tokens * hidden * 2 * inter
     grid = itertools.product(BLOCKS_M, BLOCKS_N, BLOCKS_K, WARPS, STAGES)
     if small:  # the path only: two launches on the interpreter
@@ -81,16 +82,15 @@ def sweep_case(name: str, hidden: int, inter: int, tokens: int, device: torch.de
             continue
         launch = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8}
         launch |= {"num_warps": warps, "num_stages": stages}
-        try:
-            got = mlp_kernels.gate_up_silu(x, weight, launch)
-            torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
-            us = timer(lambda launch=launch: mlp_kernels.gate_up_silu(x, weight, launch))
-        except Exception as exc:  # a launch Triton cannot build (shared memory, registers), or a wrong one
-            print(
-                f"{name} {tokens} {launch}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}",
-                flush=True,
-            )
+        timed = checked_us(
+            f"{name} {tokens} {launch}",
+            lambda launch=launch: mlp_kernels.gate_up_silu(x, weight, launch),
+            check,
+            timer,
+        )
+        if timed is None:
             continue
+        us = timed[0]
         row = {"shape": name, "tokens": tokens, **launch, "us": round(us, 2)}
         row["tflop_per_s"] = round(flops / us / 1e6, 1) if us else None
         rows.append(row)
@@ -122,9 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     prefill = [r for r in results if r["summary"]["tokens"] >= PREFILL_TOKENS and r["summary"]["default_us"]]
     common = None if args.small else best_common(prefill, LAUNCH_KEYS)
-    print(json.dumps({"best_common": common}), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"cases": results, "best_common": common}, indent=1))
+    report_common(results, common, "cases", args.json)
 
 
 if __name__ == "__main__":

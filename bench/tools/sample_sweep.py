@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_sweep import best_common, sweep_args, time_call  # CUDA events, the median after warm-up
+from attention_sweep import best_common, checked_us, report_common, sweep_args, time_call
 
 from fulcrum.rollout.native import sample_kernels
 
@@ -65,20 +65,24 @@ def sweep_shape(name: str, rows: int, vocab: int, device: torch.device, small: b
     grid = itertools.product(BLOCKS, PROGRAMS_PER_SM, GROUPS, WARPS, STAGES)
     if small:  # the path only: a few launches on the interpreter
         grid = [(512, 4, 1, 4, 1), (1024, 2, 4, 2, 2)]
+
+    def check(sampled: tuple[torch.Tensor, torch.Tensor]) -> int:
+        """The rows that sampled another token than the default launch (few: a sum's order), the others'
+        log-probs equal up to that order."""
+        tokens, logprobs = sampled
+        same = tokens == ref_tokens
+        moved = int((~same).sum())
+        assert moved <= rows * vocab * 2**-22, f"{moved} of {rows} rows sampled another token"
+        torch.testing.assert_close(logprobs[same], ref_logprobs[same], atol=1e-4, rtol=1e-4)
+        return moved
+
     for block, per_sm, group, warps, stages in grid:
         kernel = {"GROUP": group, "num_warps": warps, "num_stages": stages}
         launch = {"block": block, "programs_per_sm": per_sm, "launch": kernel}
-        try:
-            tokens, logprobs = run(**launch)
-            same = tokens == ref_tokens
-            moved = int((~same).sum())
-            assert moved <= rows * vocab * 2**-22, f"{moved} of {rows} rows sampled another token"
-            # the unmoved rows' log-probs: equal up to the sums' order
-            torch.testing.assert_close(logprobs[same], ref_logprobs[same], atol=1e-4, rtol=1e-4)
-            us = timer(lambda launch=launch: run(**launch))
-        except Exception as exc:  # a configuration Triton cannot build (shared memory, registers)
-            print(f"{name} {launch}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}", flush=True)
+        timed = checked_us(f"{name} {launch}", lambda launch=launch: run(**launch), check, timer)
+        if timed is None:
             continue
+        us, moved = timed
         row = {"shape": name, "BLOCK": block, "programs_per_sm": per_sm, **kernel, "moved": moved}
         row |= {"us": round(us, 2), "logits_per_ns": round(rows * vocab / us / 1e3, 2) if us else None}
         results.append(row)
@@ -105,9 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     shapes = SMALL_SHAPES if args.small else SHAPES
     results = [sweep_shape(*shape, device, args.small) for shape in shapes]
     common = None if args.small else best_common(results, LAUNCH_KEYS)
-    print(json.dumps({"best_common": common}), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"shapes": results, "best_common": common}, indent=1))
+    report_common(results, common, "shapes", args.json)
 
 
 if __name__ == "__main__":
