@@ -54,10 +54,9 @@ sorts them, the busiest kernels), and one prefill step's attention alone (`prefi
 step of `--max-num-batched-tokens` holds, under aten's flash kernel and SDPA's cuDNN backend, K/V heads
 repeated or grouped, and FlashAttention-4's where the fa4 extra is installed; bench/tools/prefill_attention.py)
 with its TFLOP/s; then the whole prefill again with each other kernel in the engine (`prefill_by_kernel`:
-`engine_kwargs.native.prefill_attention=cudnn`, then `=fa4`, then flash and FA4 with
-`engine_kwargs.native.prefill_mlp=fused`, `PREFILL_REPEATS` times, each generating the first token only), its
-fraction of the peak and its speed over the flash prefill (a kernel that cannot run is reported with its
-error; on the CPU the torch path runs under every key: the mechanics only).
+`engine_kwargs.native.prefill_attention=cudnn`, then `=fa4`, `PREFILL_REPEATS` times, each generating the
+first token only), its fraction of the peak and its speed over the flash prefill (a kernel that cannot run
+is reported with its error).
 """
 
 from __future__ import annotations
@@ -95,9 +94,7 @@ from fulcrum.rollout.testing import random_causal_lm
 SHAPES = ("qwen3-0.6b", "qwen2.5-0.5b")
 CONTEXTS = (8192, 16384, 2048)
 SWEEP_SPLITS = (1, 2, 4, 8, 16)
-# Timed beside the engine's default (flash attention, cuBLAS MLP) on CUDA: `prefill_attention`, and with
-# "+fused_mlp" `prefill_mlp=fused` too (mlp_kernels.gate_up_silu).
-OTHER_PREFILL_KERNELS = ("cudnn", "fa4", "flash+fused_mlp", "fa4+fused_mlp")
+OTHER_PREFILL_KERNELS = ("cudnn", "fa4")  # timed beside the engine's default (flash) on CUDA
 PREFILL_REPEATS = 2  # prefill_under's timed prefills
 PROFILED_PROMPTS = 16  # prefill_split's prompts: steps enough for the split, a trace that loads fast
 
@@ -216,13 +213,10 @@ def prefill_under(
     device: torch.device,
 ) -> dict[str, Any]:
     """The row's prefill timed again (`PREFILL_REPEATS` times, after one untimed step of two prompts) on the
-    same engine with another prefill attention kernel (`EngineConfig.prefill_attention`), "+fused_mlp" with
-    the fused MLP kernel too (`EngineConfig.prefill_mlp`); the prompts are
+    same engine with another prefill attention kernel (`EngineConfig.prefill_attention`); the prompts are
     dropped once prefilled. Its seconds, TFLOP/s, fraction of the peak and speed over the flash prefill
     timed before."""
-    attention, _, mlp = kernel.partition("+")
-    own = (engine.config.prefill_attention, engine.config.prefill_mlp)
-    engine.config.prefill_attention, engine.config.prefill_mlp = attention, "fused" if mlp else "matmul"
+    own, engine.config.prefill_attention = engine.config.prefill_attention, kernel
     seconds: list[float] = []
     try:
         # round 0, two prompts, untimed: the kernel's one-time work (FlashAttention-4 compiles its kernel,
@@ -239,7 +233,7 @@ def prefill_under(
     except Exception as exc:  # a kernel this torch or card refuses: said, the row kept
         return {"failed": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
     finally:
-        engine.config.prefill_attention, engine.config.prefill_mlp = own
+        engine.config.prefill_attention = own
     median = statistics.median(seconds)
     peak = device_peak_flops(device)
     return {
@@ -387,12 +381,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| shape | context | sequences | decode tok/s | decode ms/step | of memory roofline | prefill tok/s "
         "| prefill TFLOP/s | of bf16 peak | splits chosen / fastest | prefill, cuDNN over flash "
-        "| prefill, FA4 over flash | flash + fused MLP over flash | FA4 + fused MLP over flash |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        "| prefill, FA4 over flash |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['shape']} | {r['context']} | {r['skipped']} |||||||||||")
+            lines.append(f"| {r['shape']} | {r['context']} | {r['skipped']} |||||||||")
             continue
         kernel = r.get("decode_kernel")
         splits = f"{kernel['chosen_splits']} / {kernel['best_splits']}" if kernel else "n/a"

@@ -78,9 +78,6 @@ def test_the_smoke_run_measures_every_row(tmp_path: Path, capsys: pytest.Capture
         # The prefill timed again under the cuDNN key (SDPA here, as the CPU has no cuDNN attention).
         cudnn = row["prefill_by_kernel"]["cudnn"]
         assert len(cudnn["prefill_s"]) == 2 and cudnn["over_flash"] > 0 and cudnn["peak_fraction"] is None
-        # and under the fused MLP's key with each attention kernel (the torch path here)
-        assert {"flash+fused_mlp", "fa4+fused_mlp"} <= set(row["prefill_by_kernel"])
-        assert len(row["prefill_by_kernel"]["flash+fused_mlp"]["prefill_s"]) == 2
     assert rows[0]["decode_bytes_per_step"] > rows[2]["decode_bytes_per_step"]  # longer context, more K/V
     out = capsys.readouterr().out
     assert "| qwen3-0.6b | 96 | 3 |" in out

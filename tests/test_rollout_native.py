@@ -291,23 +291,6 @@ def test_the_prefill_attention_key_is_read_and_a_wrong_value_named() -> None:
         engine_config_from(load_config([f"{key}=fa3"]).actor_rollout_ref.rollout, 4096)
 
 
-def test_the_prefill_mlp_key_is_read_and_a_wrong_value_named() -> None:
-    """engine_kwargs.native.prefill_mlp: matmul by default, fused when asked, anything else refused naming
-    the key and the values it takes; on the CPU (torch ops) a fused engine generates the matmul engine's
-    tokens (the kernel is the Triton path's alone)."""
-    from fulcrum.config import load_config
-    from fulcrum.rollout.native.config import engine_config_from
-
-    key = "+actor_rollout_ref.rollout.engine_kwargs.native.prefill_mlp"
-    assert engine_config_from(load_config([]).actor_rollout_ref.rollout, 4096).prefill_mlp == "matmul"
-    assert (
-        engine_config_from(load_config([f"{key}=fused"]).actor_rollout_ref.rollout, 4096).prefill_mlp
-        == "fused"
-    )
-    with pytest.raises(ValueError, match=r"native\.prefill_mlp: expected one of matmul, fused, got 'cublas'"):
-        engine_config_from(load_config([f"{key}=cublas"]).actor_rollout_ref.rollout, 4096)
-
-
 def test_fa4_prefill_says_why_it_cannot_run() -> None:
     """FlashAttention-4 needs CUDA, the fa4 extra and a Hopper or Blackwell card: each reason names what is
     missing (this machine has no flash-attn-4 installed, and the CPU is checked first)."""

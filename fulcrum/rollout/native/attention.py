@@ -47,9 +47,6 @@ class AttentionMetadata:
     k_lens: list[int] | None = None
     context_slots: torch.Tensor | None = None  # (sum k_lens,) slots of the whole context, when any is cached
     prefill_kernel: str = "flash"  # EngineConfig.prefill_attention
-    fused_mlp: bool = (
-        False  # EngineConfig.prefill_mlp == "fused" on the Triton path (mlp_kernels.gate_up_silu)
-    )
     # decode
     block_tables: torch.Tensor | None = None  # (B, max_blocks) int32
     context_lens: torch.Tensor | None = None  # (B,) int32, the current token included

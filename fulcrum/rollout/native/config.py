@@ -19,7 +19,6 @@ _DTYPES = dict(bfloat16=torch.bfloat16, bf16=torch.bfloat16, float16=torch.float
 _DTYPES |= dict(float32=torch.float32, fp32=torch.float32)
 SCHEMA = RolloutConfig()  # the defaults of verl's keys, for benchmarks and tests that build EngineConfig
 PREFILL_ATTENTION = ("flash", "cudnn", "fa4")  # engine_kwargs.native.prefill_attention's values
-PREFILL_MLP = ("matmul", "fused")  # engine_kwargs.native.prefill_mlp's values
 
 
 def native(default: Any) -> Any:
@@ -69,11 +68,6 @@ class EngineConfig:
     # flash / SDPA) or "fa4" (FlashAttention-4's varlen forward for every prefill step, the `fa4` extra, a
     # Hopper or Blackwell card; the CPU keeps SDPA). bench/long_context.py times each.
     prefill_attention: str = native("flash")
-    # The prefill's dense SwiGLU MLPs on the Triton path: "matmul" (cuBLAS's product of the gate and up
-    # projections, then the SiLU·mul kernel) or "fused" (both in one Triton kernel that never writes the
-    # (tokens, 2 · intermediate) product: `mlp_kernels.gate_up_silu`). Decode steps, GELU MLPs, experts and
-    # the torch path keep "matmul". bench/tools/mlp_sweep.py and bench/long_context.py time both.
-    prefill_mlp: str = native("matmul")
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1, f"rollout.max_num_seqs must be >= 1, got {self.max_num_seqs}"
@@ -89,11 +83,6 @@ class EngineConfig:
             raise ValueError(
                 "actor_rollout_ref.rollout.engine_kwargs.native.prefill_attention: expected one of "
                 f"{', '.join(PREFILL_ATTENTION)}, got {self.prefill_attention!r}"
-            )
-        if self.prefill_mlp not in PREFILL_MLP:
-            raise ValueError(
-                "actor_rollout_ref.rollout.engine_kwargs.native.prefill_mlp: expected one of "
-                f"{', '.join(PREFILL_MLP)}, got {self.prefill_mlp!r}"
             )
         if self.triton_kernels not in (None, True, False):
             raise ValueError(

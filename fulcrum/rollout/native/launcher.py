@@ -191,7 +191,6 @@ class Launcher:
             k_lens=k_lens,
             context_slots=context_slots,
             prefill_kernel=self.config.prefill_attention,
-            fused_mlp=self.config.prefill_mlp == "fused" and self.runner.use_triton,
         )
         if self.runner.states is not None:
             meta.state_slots = host_to_device(torch.tensor([s.state_slot for s in work.seqs]), dev)

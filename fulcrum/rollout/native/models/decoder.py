@@ -401,9 +401,8 @@ class DecoderLM:
             return kernels.silu_and_mul(gate_up)
         return ops.silu_and_mul(gate_up)
 
-    def _mlp(self, layer: dict[str, torch.Tensor], x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """The dense or expert MLP of the normed input x (N, hidden) -> (N, hidden), summed over ranks;
-        `fused`: a dense SwiGLU's gate / up product and SiLU·mul in one kernel (EngineConfig.prefill_mlp)."""
+    def _mlp(self, layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The dense or expert MLP of the normed input x (N, hidden) -> (N, hidden), summed over ranks."""
         if "router" in layer:
             weights, experts = moe.route(F.linear(x, layer["router"]), self.top_k, self.norm_topk)
             out = moe.experts_forward(
@@ -418,10 +417,6 @@ class DecoderLM:
                     self._act_and_mul,
                 )
             return self.tp.all_reduce(out)
-        if fused and self.act_and_mul is None:
-            from fulcrum.rollout.native import mlp_kernels
-
-            return self.tp.all_reduce(F.linear(mlp_kernels.gate_up_silu(x, layer["gate_up"]), layer["down"]))
         return self.tp.all_reduce(F.linear(self._act_and_mul(F.linear(x, layer["gate_up"])), layer["down"]))
 
     def forward(
@@ -457,7 +452,7 @@ class DecoderLM:
             if "attn_out_norm" in layer:  # Gemma: the output is normed before the residual sum
                 hidden = self._norm(hidden, None, layer["attn_out_norm"])[0]
             x, residual = self._norm(hidden, residual, layer["post_norm"])
-            hidden = self._mlp(layer, x, meta.fused_mlp)
+            hidden = self._mlp(layer, x)
             if "mlp_out_norm" in layer:
                 hidden = self._norm(hidden, None, layer["mlp_out_norm"])[0]
         out, _ = self._norm(hidden, residual, self.final_norm)
