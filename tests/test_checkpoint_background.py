@@ -297,3 +297,42 @@ def test_a_full_disk_in_the_last_background_write_ends_the_run_with_the_usual_me
     assert "Traceback" not in err and "global_step_1 is intact" in err
     assert sorted(p.name for p in run_dir.glob("global_step_*")) == ["global_step_1"]
     assert read_latest_step(run_dir) == 1 and not list(run_dir.glob("*.tmp-*"))
+
+
+def test_a_runs_end_waits_for_its_write_or_cancels_it_on_a_second_ctrl_c(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """BackgroundWriter.finish: a normal end waits and says how long the write took, and raises its failure;
+    an end on another error waits and warns of a failure instead; a second Ctrl-C stops the write."""
+    from fulcrum.trainer.checkpoint.background import BackgroundWriter
+
+    writer = BackgroundWriter()
+    writer.submit("global_step_3", lambda: None)
+    line = writer.finish(None)
+    assert line is not None and line.startswith("checkpoint global_step_3 written in ")
+
+    def full_disk() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    writer.submit("global_step_4", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        writer.finish(None)
+    writer.submit("global_step_5", full_disk)
+    assert writer.finish(RuntimeError("the step failed")) is None  # the run's own error stays the one raised
+    assert "the background checkpoint write failed too: [Errno 28]" in capsys.readouterr().err
+
+    files_written = []
+    started = threading.Event()
+
+    def many_files() -> None:
+        for index in range(1000):
+            started.set()
+            writer.check_cancelled()  # between files, as CheckpointManager's writes call it
+            files_written.append(index)
+            threading.Event().wait(0.01)
+
+    writer.submit("global_step_6", many_files)
+    assert started.wait(10)
+    assert writer.finish(KeyboardInterrupt()) is None
+    assert not writer.busy and len(files_written) < 1000
+    assert capsys.readouterr().err == ""  # a cancelled write is no failure

@@ -21,7 +21,6 @@ import contextlib
 import gc
 import logging
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -211,37 +210,16 @@ class PPOTrainer:
         )
         self.saved_step = self.global_step
 
-    def checkpoint_metrics(self, saved: bool) -> dict[str, float]:
-        """`perf/checkpoint_wait_s` on a step that saved (of its stall, the wait for the previous write)
-        and `perf/checkpoint_write_s` on the first step after a background write ended (its seconds)."""
-        out = {"perf/checkpoint_wait_s": self.checkpoints.waited_s} if saved else {}
-        written = self.checkpoints.writer.seconds_of_finished()
-        if written is not None:
-            out["perf/checkpoint_write_s"] = written
-        return out
-
     def end_checkpoint_write(self, stopping: BaseException | None) -> None:
-        """The end of `fit` for a checkpoint still being written in the background. A normal end or an
-        error waits for it, so it is complete; its failure is the run's error, or, when the run already
-        fails for another reason, a warning. A second Ctrl-C (stop at once) cancels it instead: its
-        temporary folder is removed and the previous checkpoint stays the newest."""
-        if stopping is None:
-            on_main(self.checkpoints.wait)
-            seconds = self.checkpoints.writer.seconds_of_finished()
-            if seconds is not None and self.dist.is_main:
-                label = self.checkpoints.writer.label
-                print(f"checkpoint {label} written in {seconds:.1f} s beside training", flush=True)
+        """The end of `fit` for a checkpoint still being written in the background
+        (`BackgroundWriter.finish`): rank 0 waits for it on a normal end; a stop cancels or waits."""
+        writer = self.checkpoints.writer
+        if stopping is not None:
+            writer.finish(stopping)
             return
-        try:
-            if isinstance(stopping, KeyboardInterrupt):
-                failure = self.checkpoints.writer.cancel()
-            else:
-                self.checkpoints.wait()
-                failure = None
-        except Exception as exc:
-            failure = exc
-        if failure is not None:
-            print(f"warning: the background checkpoint write failed too: {failure}", file=sys.stderr)
+        line = on_main(lambda: writer.finish(None))
+        if line and self.dist.is_main:
+            print(line, flush=True)
 
     def _resume(self) -> None:
         if self.resume_choice.path is None:
@@ -493,7 +471,7 @@ class PPOTrainer:
                 peaks,
             )
         )
-        metrics.update(self.checkpoint_metrics("save_checkpoint" in timing))
+        metrics.update(self.checkpoints.step_metrics("save_checkpoint" in timing))
         # Integers, as verl logs them ("training/global_step": 3, not 3.0): scripts grep and compare them.
         metrics["training/global_step"] = self.global_step
         metrics["training/epoch"] = self.epoch

@@ -10,6 +10,7 @@ A killed process leaves that folder behind under its pid: resume never reads it 
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -93,3 +94,29 @@ class BackgroundWriter:
         since then does not hide it), and after it was reported."""
         seconds, self._seconds = self._seconds, None
         return seconds
+
+    def finish(self, stopping: BaseException | None) -> str | None:
+        """The end of a run for a write still running. A normal end (`stopping` None) waits for it and
+        raises its failure; a run ending on an error waits too, its failure then a warning; a second
+        Ctrl-C (stop at once: KeyboardInterrupt) cancels it, its temporary folder removed and the
+        previous checkpoint still the newest. Returns, on a normal end, the line saying how long a
+        finished write took beside training."""
+        if stopping is None:
+            self.wait()
+            seconds = self.seconds_of_finished()
+            return (
+                None
+                if seconds is None
+                else f"checkpoint {self.label} written in {seconds:.1f} s beside training"
+            )
+        try:
+            if isinstance(stopping, KeyboardInterrupt):
+                failure = self.cancel()
+            else:
+                self.wait()
+                failure = None
+        except Exception as exc:
+            failure = exc
+        if failure is not None:
+            print(f"warning: the background checkpoint write failed too: {failure}", file=sys.stderr)
+        return None

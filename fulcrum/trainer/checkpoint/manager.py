@@ -205,6 +205,15 @@ class CheckpointManager:
         finally:
             self.waited_s = time.perf_counter() - started
 
+    def step_metrics(self, saved: bool) -> dict[str, float]:
+        """`perf/checkpoint_wait_s` on a step that saved (of its stall, the wait for the previous write)
+        and `perf/checkpoint_write_s` on the first step after a background write ended (its seconds)."""
+        out = {"perf/checkpoint_wait_s": self.waited_s} if saved else {}
+        written = self.writer.seconds_of_finished()
+        if written is not None:
+            out["perf/checkpoint_write_s"] = written
+        return out
+
     def _prepare(
         self,
         step: int,
