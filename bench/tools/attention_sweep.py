@@ -15,6 +15,13 @@ scattered over the cache as the block manager hands them out. Each configuration
 against the current default (`kernels.DECODE_LAUNCH`) before it is timed (CUDA events, median of 50
 calls after 5). It prints one line per configuration and the best per shape with its speed-up and its
 effective K/V bandwidth (bytes of K and V read / time).
+
+    python bench/tools/attention_sweep.py --tail [--json out.json]
+
+times the tail of a generation instead: 16 sequences (`TAIL_CASES`), SPLITS 1, 2, 4 and 8, each launch
+inside a CUDA graph of 24 calls (`time_graph`: a call of a few microseconds timed alone is the host's
+launch), block tables as wide as an engine's for 1,536 positions, so the default launch splits as the
+engine's would (`default_splits`).
 """
 
 from __future__ import annotations
@@ -34,6 +41,16 @@ from fulcrum.rollout.native import kernels
 SHAPES = [("qwen2.5-0.5b", 512, 14, 2, 64), ("smollm2-135m", 1024, 9, 3, 64), ("qwen3-0.6b", 512, 16, 8, 128)]
 BLOCK = 16
 PROMPT, RESPONSE = (60, 150), 256
+# `--tail`: the last sequences of a generation or a validation, 16 at a time, at the contexts of GSM8K's
+# prompts plus a short and a long answer, in block tables 1,536 positions wide (verl's GSM8K GRPO example:
+# 512-token prompts, 1,024-token responses). (name, sequences, query heads, KV heads, head dim, contexts)
+TAIL_CASES = [
+    ("qwen2.5-0.5b ctx 60-600", 16, 14, 2, 64, (60, 600)),
+    ("qwen2.5-0.5b ctx 600-1500", 16, 14, 2, 64, (600, 1500)),
+    ("qwen3-0.6b ctx 60-600", 16, 16, 8, 128, (60, 600)),
+    ("qwen3-0.6b ctx 600-1500", 16, 16, 8, 128, (600, 1500)),
+]
+TAIL_TABLE_POSITIONS = 1536
 
 
 def decode_batch(
@@ -44,13 +61,16 @@ def decode_batch(
     device: torch.device,
     seed: int = 0,
     context: tuple[int, int] = (PROMPT[0], PROMPT[1] + RESPONSE),
+    table_positions: int = 0,
 ) -> dict:
     """One decode step's inputs: q, the paged caches, block tables and context lengths (drawn uniformly
-    from `context`'s [low, high), the rollout's by default)."""
+    from `context`'s [low, high), the rollout's by default). `table_positions`: the block tables' width
+    in positions, as an engine sizes them for its longest sequence (the default launch's split count
+    reads it); 0: the longest context's."""
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(context[0], context[1], (sequences,), generator=gen)
     blocks_per_seq = (lens + BLOCK - 1) // BLOCK
-    width = int(blocks_per_seq.max())
+    width = max(int(blocks_per_seq.max()), -(-table_positions // BLOCK))
     total = int(blocks_per_seq.sum()) + 1
     order = torch.randperm(total - 1, generator=gen) + 1  # block 0 is the scratch block
     tables = torch.zeros(sequences, width, dtype=torch.int32)
@@ -82,6 +102,23 @@ def time_call(fn, repeats: int = 50, warmup: int = 5) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def time_graph(fn: Callable[[], Any], calls: int = 24, repeats: int = 50, warmup: int = 5) -> float:
+    """Median µs of one `fn()` among `calls` captured back to back in a CUDA graph, as a decode step's
+    layers run (the replay timed by CUDA events, divided by `calls`). For kernels of a few
+    microseconds, where `time_call` of one call alone measures the host's launch."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiled and warm before the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_call(graph.replay, repeats, warmup) / calls
 
 
 def checked_us(
@@ -146,10 +183,35 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--tail",
+        action="store_true",
+        help="16 sequences a case (TAIL_CASES), SPLITS 1-8, each launch timed inside a CUDA graph",
+    )
     args = parser.parse_args()
+    if args.tail:
+        cases = TAIL_CASES
+        grid = itertools.product((32, 64, 128), (1, 2, 4), (2, 4), (1, 2, 4, 8))
+        timer, table_positions = time_graph, TAIL_TABLE_POSITIONS
+    else:
+        cases = [(*shape, (PROMPT[0], PROMPT[1] + RESPONSE)) for shape in SHAPES]
+        grid = itertools.product((32, 64, 128), (1, 2, 4), (2, 3, 4), (1, 2))
+        timer, table_positions = time_call, 0
+    launches = [
+        {"TILE": tile, "SPLITS": splits, "num_warps": warps, "num_stages": stages}
+        for tile, warps, stages, splits in grid
+    ]
     results = []
-    for name, sequences, heads, kv_heads, dim in SHAPES:
-        batch = decode_batch(sequences, heads, kv_heads, dim, torch.device("cuda"))
+    for name, sequences, heads, kv_heads, dim, context in cases:
+        batch = decode_batch(
+            sequences,
+            heads,
+            kv_heads,
+            dim,
+            torch.device("cuda"),
+            context=context,
+            table_positions=table_positions,
+        )
         kv_bytes = batch.pop("kv_bytes")
         scale = dim**-0.5
 
@@ -157,14 +219,14 @@ def main() -> None:
             return kernels.paged_decode_attention(**batch, block_size=BLOCK, scale=scale, launch=launch)
 
         reference = run(None)
-        default_us = time_call(lambda: run(None))
+        default_us = timer(lambda: run(None))
         rows = []
-        for tile, warps, stages, splits in itertools.product((32, 64, 128), (1, 2, 4), (2, 3, 4), (1, 2)):
-            launch = {"TILE": tile, "SPLITS": splits, "num_warps": warps, "num_stages": stages}
+        for launch in launches:
             timed = checked_us(
                 f"{name} {launch}",
                 lambda launch=launch: run(launch),
                 lambda got, ref=reference: torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2),
+                timer,
             )
             if timed is None:
                 continue
@@ -175,6 +237,9 @@ def main() -> None:
         summary = {
             "shape": name,
             "default": kernels.DECODE_LAUNCH,
+            "default_splits": kernels.decode_launch(
+                sequences, kv_heads, batch["block_tables"].shape[1] * BLOCK, torch.device("cuda")
+            )["SPLITS"],
             "default_us": round(default_us, 2),
             "default_tb_s": round(kv_bytes / default_us / 1e6, 3),
             "best": best,
