@@ -15,6 +15,8 @@ That call, alone, at each shape's heads and head dim, under:
 - `fa4`: FlashAttention-4's varlen forward (`varlen_causal_attention(kernel="fa4")`, the fa4 extra; Hopper or
   Blackwell), the engine's call with `engine_kwargs.native.prefill_attention=fa4`; its first call compiles
   the kernel (CUTLASS's DSL, at run time).
+- `fa4_unpacked`: the same kernel with `pack_gqa=False` (each query head its own rows; FA4 packs the query
+  heads of a K/V head into one tile's rows by default, 7 a K/V head at Qwen2.5-0.5B's shape, 2 at Qwen3-0.6B's).
 
 Each: CUDA events, the median of `--repeats` after warm-up, µs, TFLOP/s (causal: QKᵀ and PV are
 2 · c² · q FLOPs each per prompt, q = heads · head dim, half of them under the mask), the largest
@@ -73,6 +75,18 @@ def fa4(
     return varlen_causal_attention(q, k, v, cu, c, scale, kernel="fa4")
 
 
+def fa4_unpacked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, c: int, scale: float
+) -> torch.Tensor:
+    """FlashAttention-4's varlen forward as the engine calls it, with the query heads not packed per K/V head."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=c, max_seqlen_k=c, softmax_scale=scale,
+        causal=True, pack_gqa=False,
+    )[0]  # fmt: skip
+
+
 def cudnn_batches(native_gqa: bool) -> Attend:
     """The engine's cuDNN prefill in the flash call's signature (the lengths read from `cu`)."""
 
@@ -87,6 +101,7 @@ BACKENDS: dict[str, Attend] = {
     "cudnn": cudnn_batches(native_gqa=False),
     "cudnn_gqa": cudnn_batches(native_gqa=True),
     "fa4": fa4,
+    "fa4_unpacked": fa4_unpacked,
 }
 
 
