@@ -371,3 +371,25 @@ def test_partial_rollouts_are_told_what_their_own_costs_take_and_which_keys_remo
     for row in rows:
         del row["training/off_policy/carried_token_share"]  # synchronous steps: not this rule's
     assert "partial_rollout_costs" not in rules(rows)
+
+
+def prefill_rows(prefill_s: float, partial: bool = False) -> list[dict[str, Any]]:
+    """Synchronous steps of 10 s whose engine prefill took `prefill_s` for 2 M tokens (prompts of ~4k)."""
+    rows = long_tailed_rows(0.6, partial=partial)
+    for row in rows:
+        row["timing_s/step"] = 10.0
+        row["rollout/prefill_s"], row["rollout/prefill_tokens"] = prefill_s, 2_000_000.0
+    return rows
+
+
+def test_a_prefill_that_takes_a_share_of_the_step_names_the_faster_prefill_kernels() -> None:
+    findings = [f for f in diagnose(prefill_rows(2.0)) if f.rule == "long_prefill"]
+    assert findings and findings[0].severity == "info"
+    assert "20% of the step (2.0 s of 10.0 s for 2,000,000 tokens, 1,000,000 a second)" in findings[0].message
+    assert "prefill_attention=fa4" in findings[0].fix and "=cudnn" in findings[0].fix
+    assert "long_prefill" not in rules(
+        prefill_rows(1.0)
+    )  # 10 % of the step: what a kernel takes back is small
+    # under partial rollouts the held samples' prefill is partial_rollout_costs' (keep their K/V first)
+    assert "long_prefill" not in rules(prefill_rows(2.0, partial=True))
+    assert "long_prefill" not in rules(healthy_rows())  # no engine counters (the HF engine)

@@ -17,6 +17,7 @@ from fulcrum.config.finding import Finding
 from fulcrum.trainer.diagnosis_resources import (
     bottleneck,
     host_loaded,
+    long_prefill,
     long_tail,
     memory_creep,
     partial_rollout_costs,
@@ -357,6 +358,7 @@ RULES: list[Callable[[Sequence[Row]], list[Finding]]] = [
     host_loaded,
     long_tail,
     partial_rollout_costs,
+    long_prefill,
     groups_without_signal,
 ]
 

@@ -1,6 +1,6 @@
 """The diagnosis rules about where a step's time and memory go: which phase bounds the step, memory that
 grows every step, a host whose CPUs are saturated, a long tail the decode spends at a small batch, what
-partial rollouts cost by themselves. Pure functions over metrics rows (`fulcrum.trainer.metric_rows`);
+partial rollouts cost by themselves, a prefill that takes a share of the step. Pure functions over metrics rows (`fulcrum.trainer.metric_rows`);
 `fulcrum.trainer.diagnosis` runs them with the rules about learning.
 """
 
@@ -55,6 +55,10 @@ TAIL_STEPS = 3  # warm steps the long-tail rule reads (medians)
 # Qwen2.5-0.5B's shape they took 18-20 % and partial rollouts broke even (BENCHMARKS.md).
 PARTIAL_COST_SHARE = 0.1
 PARTIAL_PART_SHARE = 0.03  # a part below this share of the step is not worth its key
+# Synchronous steps whose engine prefill (rollout/prefill_s) takes this share of the step: long prompts, or
+# turns of tool output. FlashAttention-4's prefill ran the 8k prefill 1.27-1.43x flash's (H100, BENCHMARKS.md
+# "Long contexts"), so at this share it takes back 3-5 % of the step.
+PREFILL_STEP_SHARE = 0.15
 
 
 def phase_shares(rows: Sequence[Row]) -> dict[str, float]:
@@ -251,6 +255,36 @@ def partial_rollout_costs(rows: Sequence[Row]) -> list[Finding]:
             fix="; ".join(fixes)
             + ' (bench/long_tail.py --modes partial-kept measures both; docs/levers.md, "Long responses")',
             rule="partial_rollout_costs",
+            step=step_of(recent[-1], len(train)),
+        )
+    ]
+
+
+def long_prefill(rows: Sequence[Row]) -> list[Finding]:
+    """Synchronous steps (partial rollouts' own prefill is `partial_rollout_costs`') whose engine prefill
+    (`rollout/prefill_s`, the native engine's) is PREFILL_STEP_SHARE of the step or more, medians of the last
+    TAIL_STEPS steps after the first: the prefill attention kernels that run long prompts faster."""
+    train = training_rows(rows)[1:]
+    recent = [r for r in train if as_float(r.get("rollout/prefill_s")) is not None][-TAIL_STEPS:]
+    if len(recent) < TAIL_STEPS or any(map(is_partial_step, recent)):
+        return []
+    step_s = statistics.median(as_float(r.get("timing_s/step")) or 0.0 for r in recent)
+    prefill_s = statistics.median(as_float(r["rollout/prefill_s"]) or 0.0 for r in recent)
+    tokens = statistics.median(as_float(r.get("rollout/prefill_tokens")) or 0.0 for r in recent)
+    if step_s <= 0 or prefill_s / step_s < PREFILL_STEP_SHARE:
+        return []
+    return [
+        Finding(
+            (),
+            f"the engine's prefill takes {prefill_s / step_s:.0%} of the step ({prefill_s:.1f} s of {step_s:.1f} s "
+            f"for {tokens:,.0f} tokens, {tokens / max(prefill_s, 1e-9):,.0f} a second): long prompts or tool turns",
+            "info",
+            fix="where the run keeps the default prefill kernel (flash): "
+            "+actor_rollout_ref.rollout.engine_kwargs.native.prefill_attention=fa4 (pip install 'fulcrum[fa4]', "
+            "a Hopper or Blackwell card: an 8k prefill 1.27-1.43x flash's on an H100) or =cudnn (steps of fresh "
+            "prompts: 1.18-1.34x); else a shorter data.max_prompt_length "
+            '(bench/long_context.py times each kernel; docs/levers.md, "Long responses")',
+            rule="long_prefill",
             step=step_of(recent[-1], len(train)),
         )
     ]
