@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from fulcrum.config.finding import Finding
 from fulcrum.trainer.metric_rows import Row, as_float, finite_series, step_of, training_rows
@@ -165,6 +165,24 @@ def is_partial_step(row: Row) -> bool:
     return "training/off_policy/carried_token_share" in row
 
 
+def recent_steps(rows: Sequence[Row], keep: Callable[[Row], bool]) -> tuple[list[Row], list[Row]]:
+    """(the training rows after the first, the last TAIL_STEPS of them that `keep` accepts); the second is
+    empty when fewer than TAIL_STEPS are: the tail rules read medians of that many warm steps."""
+    train = training_rows(rows)[1:]
+    recent = [r for r in train if keep(r)][-TAIL_STEPS:]
+    return train, recent if len(recent) == TAIL_STEPS else []
+
+
+def logs(key: str) -> Callable[[Row], bool]:
+    """A step that logs `key` (a number)."""
+    return lambda row: as_float(row.get(key)) is not None
+
+
+def tail_finding(rule: str, message: str, fix: str, train: list[Row], recent: list[Row]) -> list[Finding]:
+    """One info finding of a tail rule, at the last of its `recent` steps."""
+    return [Finding((), message, "info", fix=fix, rule=rule, step=step_of(recent[-1], len(train)))]
+
+
 def long_tail(rows: Sequence[Row]) -> list[Finding]:
     """Whether carrying the tail over (partial rollouts) can shorten synchronous steps, from the decode's
     memory roofline (`rollout/decode_roofline_share`, logged on a card of known bandwidth), medians of the
@@ -175,9 +193,8 @@ def long_tail(rows: Sequence[Row]) -> list[Finding]:
     (`training/off_policy/carried_token_share` logged): their decode's share is what they made of the tail,
     and says nothing of what a synchronous step would take (0.52-0.61 in a run 1.27x faster than its
     synchronous steps; `partial_rollout_costs` reads what they add)."""
-    train = training_rows(rows)[1:]
-    recent = [r for r in train if as_float(r.get("rollout/decode_roofline_share")) is not None][-TAIL_STEPS:]
-    if len(recent) < TAIL_STEPS or any(map(is_partial_step, recent)):
+    train, recent = recent_steps(rows, logs("rollout/decode_roofline_share"))
+    if not recent or any(map(is_partial_step, recent)):
         return []
     share = statistics.median(as_float(r["rollout/decode_roofline_share"]) or 0.0 for r in recent)
     gen = statistics.median(
@@ -190,23 +207,20 @@ def long_tail(rows: Sequence[Row]) -> list[Finding]:
     )
     if gen < 0.5 or spread < 2.0 or share > DECODE_TAIL_SHARE:
         return []
-    return [
-        Finding(
-            (),
-            f"generation is {gen:.0%} of the step and its decode runs at {share:.0%} of its memory floor "
-            f"(rollout/decode_roofline_share) while the longest response is {spread:.1f}x the mean: the tail "
-            "decodes a few sequences at a time; carrying it over to the next step could take back up to "
-            f"{1 - share / DECODE_REACHABLE_SHARE:.0%} of the generation",
-            "info",
-            fix="partial rollouts: trainer.use_v1=True trainer.v1.trainer_mode=colocate_async, keeping the held "
-            "samples' K/V through training (actor_rollout_ref.rollout.free_cache_engine=False, where doctor's "
-            "estimate fits the cache) and taking the engine's log-probs as the old ones "
-            "(algorithm.rollout_correction.bypass_mode=True; rollout_is=token for the decoupled loss costs an "
-            'old-log-prob pass) (docs/levers.md, "Long responses")',
-            rule="long_tail",
-            step=step_of(recent[-1], len(train)),
-        )
-    ]
+    return tail_finding(
+        "long_tail",
+        f"generation is {gen:.0%} of the step and its decode runs at {share:.0%} of its memory floor "
+        f"(rollout/decode_roofline_share) while the longest response is {spread:.1f}x the mean: the tail "
+        "decodes a few sequences at a time; carrying it over to the next step could take back up to "
+        f"{1 - share / DECODE_REACHABLE_SHARE:.0%} of the generation",
+        "partial rollouts: trainer.use_v1=True trainer.v1.trainer_mode=colocate_async, keeping the held "
+        "samples' K/V through training (actor_rollout_ref.rollout.free_cache_engine=False, where doctor's "
+        "estimate fits the cache) and taking the engine's log-probs as the old ones "
+        "(algorithm.rollout_correction.bypass_mode=True; rollout_is=token for the decoupled loss costs an "
+        'old-log-prob pass) (docs/levers.md, "Long responses")',
+        train,
+        recent,
+    )
 
 
 def partial_rollout_costs(rows: Sequence[Row]) -> list[Finding]:
@@ -216,9 +230,8 @@ def partial_rollout_costs(rows: Sequence[Row]) -> list[Finding]:
     are prefilled again; new prompts are a small part of it) and the old-log-prob pass the decoupled loss
     needs (`timing_s/old_log_prob`). At PARTIAL_COST_SHARE of the step or more, the keys that remove each
     part of at least PARTIAL_PART_SHARE."""
-    train = training_rows(rows)[1:]
-    recent = [r for r in train if is_partial_step(r)][-TAIL_STEPS:]
-    if len(recent) < TAIL_STEPS:
+    train, recent = recent_steps(rows, is_partial_step)
+    if not recent:
         return []
 
     def median(key: str) -> float:
@@ -246,45 +259,38 @@ def partial_rollout_costs(rows: Sequence[Row]) -> list[Finding]:
             "algorithm.rollout_correction.bypass_mode=True drops the pass (the ratio is then taken against the "
             "rollout's own log-probs, clipped)"
         )
-    return [
-        Finding(
-            (),
-            f"partial rollouts spend {(prefill_s + old_s) / step_s:.0%} of the step ({step_s:.1f} s) on their own "
-            f"costs: {' and '.join(parts)}",
-            "info",
-            fix="; ".join(fixes)
-            + ' (bench/long_tail.py --modes partial-kept measures both; docs/levers.md, "Long responses")',
-            rule="partial_rollout_costs",
-            step=step_of(recent[-1], len(train)),
-        )
-    ]
+    return tail_finding(
+        "partial_rollout_costs",
+        f"partial rollouts spend {(prefill_s + old_s) / step_s:.0%} of the step ({step_s:.1f} s) on their own "
+        f"costs: {' and '.join(parts)}",
+        "; ".join(fixes)
+        + ' (bench/long_tail.py --modes partial-kept measures both; docs/levers.md, "Long responses")',
+        train,
+        recent,
+    )
 
 
 def long_prefill(rows: Sequence[Row]) -> list[Finding]:
     """Synchronous steps (partial rollouts' own prefill is `partial_rollout_costs`') whose engine prefill
     (`rollout/prefill_s`, the native engine's) is PREFILL_STEP_SHARE of the step or more, medians of the last
     TAIL_STEPS steps after the first: the prefill attention kernels that run long prompts faster."""
-    train = training_rows(rows)[1:]
-    recent = [r for r in train if as_float(r.get("rollout/prefill_s")) is not None][-TAIL_STEPS:]
-    if len(recent) < TAIL_STEPS or any(map(is_partial_step, recent)):
+    train, recent = recent_steps(rows, logs("rollout/prefill_s"))
+    if not recent or any(map(is_partial_step, recent)):
         return []
     step_s = statistics.median(as_float(r.get("timing_s/step")) or 0.0 for r in recent)
     prefill_s = statistics.median(as_float(r["rollout/prefill_s"]) or 0.0 for r in recent)
     tokens = statistics.median(as_float(r.get("rollout/prefill_tokens")) or 0.0 for r in recent)
     if step_s <= 0 or prefill_s / step_s < PREFILL_STEP_SHARE:
         return []
-    return [
-        Finding(
-            (),
-            f"the engine's prefill takes {prefill_s / step_s:.0%} of the step ({prefill_s:.1f} s of {step_s:.1f} s "
-            f"for {tokens:,.0f} tokens, {tokens / max(prefill_s, 1e-9):,.0f} a second): long prompts or tool turns",
-            "info",
-            fix="where the run keeps the default prefill kernel (flash): "
-            "+actor_rollout_ref.rollout.engine_kwargs.native.prefill_attention=fa4 (pip install 'fulcrum[fa4]', "
-            "a Hopper or Blackwell card: an 8k prefill 1.27-1.43x flash's on an H100) or =cudnn (steps of fresh "
-            "prompts: 1.18-1.34x); else a shorter data.max_prompt_length "
-            '(bench/long_context.py times each kernel; docs/levers.md, "Long responses")',
-            rule="long_prefill",
-            step=step_of(recent[-1], len(train)),
-        )
-    ]
+    return tail_finding(
+        "long_prefill",
+        f"the engine's prefill takes {prefill_s / step_s:.0%} of the step ({prefill_s:.1f} s of {step_s:.1f} s "
+        f"for {tokens:,.0f} tokens, {tokens / max(prefill_s, 1e-9):,.0f} a second): long prompts or tool turns",
+        "where the run keeps the default prefill kernel (flash): "
+        "+actor_rollout_ref.rollout.engine_kwargs.native.prefill_attention=fa4 (pip install 'fulcrum[fa4]', "
+        "a Hopper or Blackwell card: an 8k prefill 1.27-1.43x flash's on an H100) or =cudnn (steps of fresh "
+        "prompts: 1.18-1.34x); else a shorter data.max_prompt_length "
+        '(bench/long_context.py times each kernel; docs/levers.md, "Long responses")',
+        train,
+        recent,
+    )
