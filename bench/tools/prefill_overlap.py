@@ -6,7 +6,7 @@
 
 At Qwen2.5-0.5B's shape an 8k prefill step under FA4 spends ~0.13 s of 0.29 in the projections (at 73 % of the
 bf16 peak), ~0.11 s in attention and ~0.05 s in SiLU·mul, the norms and rotary, which run at the memory's
-bandwidth (BENCHMARKS.md, "Long contexts"): 48.6 % of the peak, where the issue's floor is 50 %. A step's
+bandwidth (BENCHMARKS.md, "Long contexts"): 48.6 % of the peak, where the target is 50 %. A step's
 prompts are independent of each other, so its layers could run as two halves on two streams, and the GPU
 could run one half's memory-bound passes beside the other half's compute-bound kernels. This times the
 decoder layers of one prefill step both ways: the engine's (one stream, every prompt packed) against two
