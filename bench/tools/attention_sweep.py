@@ -142,15 +142,6 @@ def report_common(results: list[dict], common: dict | None, key: str, json_path:
         json_path.write_text(json.dumps({key: results, "best_common": common}, indent=1))
 
 
-def sweep_args(doc: str, argv: list[str] | None) -> argparse.Namespace:
-    """A kernel sweep's command line: `--json PATH` and `--small` (a tiny case, untimed, under
-    TRITON_INTERPRET=1: the script's path without a GPU)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--small", action="store_true", help="a tiny shape, untimed (TRITON_INTERPRET=1)")
-    return parser.parse_args(argv)
-
-
 def best_common(results: list[dict], keys: tuple[str, ...]) -> dict | None:
     """The launch that every shape ran, chosen by its worst speed-up over the shapes' defaults.
 

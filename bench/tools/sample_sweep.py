@@ -20,6 +20,7 @@ its speed-up, and `best_common` over the shapes.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import sys
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_sweep import best_common, checked_us, report_common, sweep_args, time_call
+from attention_sweep import best_common, checked_us, report_common, time_call
 
 from fulcrum.rollout.native import sample_kernels
 
@@ -104,7 +105,12 @@ def sweep_shape(name: str, rows: int, vocab: int, device: torch.device, small: b
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = sweep_args(__doc__, argv)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--small", action="store_true", help="a tiny shape, untimed (TRITON_INTERPRET=1)")
+    args = parser.parse_args(argv)
     device = torch.device("cpu" if args.small else "cuda")
     shapes = SMALL_SHAPES if args.small else SHAPES
     results = [sweep_shape(*shape, device, args.small) for shape in shapes]

@@ -1,7 +1,7 @@
 """The diagnosis rules about where a step's time and memory go: which phase bounds the step, memory that
 grows every step, a host whose CPUs are saturated, a long tail the decode spends at a small batch, what
-partial rollouts cost by themselves, a prefill that takes a share of the step. Pure functions over metrics rows (`fulcrum.trainer.metric_rows`);
-`fulcrum.trainer.diagnosis` runs them with the rules about learning.
+partial rollouts cost by themselves, a prefill that takes a share of the step. Pure functions over metrics
+rows (`fulcrum.trainer.metric_rows`); `fulcrum.trainer.diagnosis` runs them with the rules about learning.
 """
 
 from __future__ import annotations

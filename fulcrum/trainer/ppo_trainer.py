@@ -321,10 +321,7 @@ class PPOTrainer:
         cfg, step = self.cfg.trainer, self.global_step
         validates = cfg.test_freq > 0 and (is_last or step % cfg.test_freq == 0)
         saves = cfg.save_freq > 0 and (is_last or step % cfg.save_freq == 0)
-        return {
-            "validates": validates and self.val_dataset is not None,
-            "saves": saves and self.checkpoints is not None,
-        }
+        return {"validates": validates and self.val_dataset is not None, "saves": saves}
 
     def _data_position(self) -> tuple[dict[str, Any], int]:
         """Where the data stands between steps (the loader's state, the epoch): a dropped step goes back here."""
