@@ -54,8 +54,8 @@ sorts them, the busiest kernels), and one prefill step's attention alone (`prefi
 step of `--max-num-batched-tokens` holds, under aten's flash kernel and SDPA's cuDNN backend, K/V heads
 repeated or grouped, and FlashAttention-4's where the fa4 extra is installed; bench/tools/prefill_attention.py)
 with its TFLOP/s; then the whole prefill again with each other kernel in the engine (`prefill_by_kernel`:
-`engine_kwargs.native.prefill_attention=cudnn`, then `=fa4`, `PREFILL_REPEATS` times, each generating the
-first token only), its fraction of the peak and its speed over the flash prefill (a kernel that cannot run
+`engine_kwargs.native.prefill_attention=cudnn`, then `=fa4` with FlashAttention-4's own `pack_gqa` and with
+`pack_gqa=False`, `PREFILL_REPEATS` times, each generating the first token only), its fraction of the peak and its speed over the flash prefill (a kernel that cannot run
 is reported with its error).
 """
 
@@ -85,6 +85,7 @@ from rollout import add_launch_options, random_prompts, set_launches, timed
 from shapes import shape_of
 
 from fulcrum.device_facts import device_peak_flops, hbm_bandwidth
+from fulcrum.models import packed_attention
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token, matmul_param_count
 from fulcrum.rollout import SamplingParams
@@ -94,7 +95,13 @@ from fulcrum.rollout.testing import random_causal_lm
 SHAPES = ("qwen3-0.6b", "qwen2.5-0.5b")
 CONTEXTS = (8192, 16384, 2048)
 SWEEP_SPLITS = (1, 2, 4, 8, 16)
-OTHER_PREFILL_KERNELS = ("cudnn", "fa4")  # timed beside the engine's default (flash) on CUDA
+# Timed beside the engine's default (flash) on CUDA: each name's `prefill_attention` key and FlashAttention-4's
+# `pack_gqa` (packed_attention.FA4_PACK_GQA; None: FA4's own choice, which packs under grouped-query heads).
+OTHER_PREFILL_KERNELS: dict[str, tuple[str, bool | None]] = {
+    "cudnn": ("cudnn", None),
+    "fa4": ("fa4", None),
+    "fa4_unpacked": ("fa4", False),
+}
 PREFILL_REPEATS = 2  # prefill_under's timed prefills
 PROFILED_PROMPTS = 16  # prefill_split's prompts: steps enough for the split, a trace that loads fast
 
@@ -189,7 +196,8 @@ def run_row(
     split = prefill_split(engine, prompts[:PROFILED_PROMPTS], device)
     flops = prefill_flops(shape, sequences, row.context)
     other_kernels = {
-        k: prefill_under(engine, k, prompts, flops, prefill_s, device) for k in OTHER_PREFILL_KERNELS
+        name: prefill_under(engine, kernel, prompts, flops, prefill_s, device, pack_gqa=pack)
+        for name, (kernel, pack) in OTHER_PREFILL_KERNELS.items()
     }
     release(engine, device)
     result = figures(args, row, shape, sequences, weights, kv, prefill_s, decode_s, device)
@@ -211,12 +219,14 @@ def prefill_under(
     flops: float,
     flash_s: list[float],
     device: torch.device,
+    pack_gqa: bool | None = None,
 ) -> dict[str, Any]:
     """The row's prefill timed again (`PREFILL_REPEATS` times, after one untimed step of two prompts) on the
-    same engine with another prefill attention kernel (`EngineConfig.prefill_attention`); the prompts are
-    dropped once prefilled. Its seconds, TFLOP/s, fraction of the peak and speed over the flash prefill
-    timed before."""
+    same engine with another prefill attention kernel (`EngineConfig.prefill_attention`; under "fa4",
+    FlashAttention-4's `pack_gqa`); the prompts are dropped once prefilled. Its seconds, TFLOP/s, fraction of
+    the peak and speed over the flash prefill timed before."""
     own, engine.config.prefill_attention = engine.config.prefill_attention, kernel
+    own_pack, packed_attention.FA4_PACK_GQA = packed_attention.FA4_PACK_GQA, pack_gqa
     seconds: list[float] = []
     try:
         # round 0, two prompts, untimed: the kernel's one-time work (FlashAttention-4 compiles its kernel,
@@ -234,6 +244,7 @@ def prefill_under(
         return {"failed": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
     finally:
         engine.config.prefill_attention = own
+        packed_attention.FA4_PACK_GQA = own_pack
     median = statistics.median(seconds)
     peak = device_peak_flops(device)
     return {
@@ -381,12 +392,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| shape | context | sequences | decode tok/s | decode ms/step | of memory roofline | prefill tok/s "
         "| prefill TFLOP/s | of bf16 peak | splits chosen / fastest | prefill, cuDNN over flash "
-        "| prefill, FA4 over flash |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| prefill, FA4 over flash | prefill, FA4 unpacked over flash |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['shape']} | {r['context']} | {r['skipped']} |||||||||")
+            lines.append(f"| {r['shape']} | {r['context']} | {r['skipped']} ||||||||||")
             continue
         kernel = r.get("decode_kernel")
         splits = f"{kernel['chosen_splits']} / {kernel['best_splits']}" if kernel else "n/a"

@@ -213,15 +213,21 @@ def test_the_engine_prefills_fresh_prompts_through_cudnn_and_continued_chunks_th
             torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=5e-2, rtol=0)
 
 
+@pytest.mark.parametrize("pack_gqa", [None, False])
 @pytest.mark.parametrize("window", [None, 300])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(14, 2, 64), (16, 8, 128)])
-def test_fa4_prefill_attention_equals_flash(heads: int, kv_heads: int, dim: int, window: int | None) -> None:
+def test_fa4_prefill_attention_equals_flash(
+    heads: int, kv_heads: int, dim: int, window: int | None, pack_gqa: bool | None, monkeypatch
+) -> None:
     """FlashAttention-4's varlen forward (the fa4 extra) = aten's flash kernel at Qwen2.5-0.5B's and
     Qwen3-0.6B's heads in bf16: prompts of mixed lengths read as views of one QKV row, each sequence's
-    queries the last of its keys (a chunk over a cached context), with and without a sliding window."""
+    queries the last of its keys (a chunk over a cached context), with and without a sliding window, with
+    FA4's own `pack_gqa` and with each query head on its own rows."""
     pytest.importorskip("flash_attn.cute", reason="needs the fa4 extra")
+    from fulcrum.models import packed_attention
     from fulcrum.models.packed_attention import varlen_causal_attention
 
+    monkeypatch.setattr(packed_attention, "FA4_PACK_GQA", pack_gqa)
     q_lens, k_lens = [1, 37, 300, 1024, 2100], [1, 37, 812, 1024, 2400]  # the third and last: cached context
     cu_q, cu_k = cumulative(q_lens), cumulative(k_lens)
     generator = torch.Generator(device=CUDA).manual_seed(0)

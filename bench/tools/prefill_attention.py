@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_sweep import time_call
 from shapes import shape_of
 
+from fulcrum.models import packed_attention
 from fulcrum.models.packed_attention import (
     cudnn_causal_attention,
     has_flash_varlen,
@@ -78,13 +79,12 @@ def fa4(
 def fa4_unpacked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, c: int, scale: float
 ) -> torch.Tensor:
-    """FlashAttention-4's varlen forward as the engine calls it, with the query heads not packed per K/V head."""
-    from flash_attn.cute import flash_attn_varlen_func
-
-    return flash_attn_varlen_func(
-        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=c, max_seqlen_k=c, softmax_scale=scale,
-        causal=True, pack_gqa=False,
-    )[0]  # fmt: skip
+    """The engine's FlashAttention-4 call with `pack_gqa=False` (`packed_attention.FA4_PACK_GQA`)."""
+    own, packed_attention.FA4_PACK_GQA = packed_attention.FA4_PACK_GQA, False
+    try:
+        return varlen_causal_attention(q, k, v, cu, c, scale, kernel="fa4")
+    finally:
+        packed_attention.FA4_PACK_GQA = own
 
 
 def cudnn_batches(native_gqa: bool) -> Attend:

@@ -29,6 +29,9 @@ except ImportError:  # pragma: no cover - older torch: CUDA packing falls back t
     _VARLEN_PARAMS = frozenset()
 # aten's flash kernel with its own derivative (varlen when given cumulative sequence offsets).
 _ATEN_FLASH = getattr(torch.ops.aten, "_flash_attention_forward", None)
+# FlashAttention-4's `pack_gqa` under `kernel="fa4"`: None lets FA4 choose (under grouped-query attention it
+# packs a K/V head's query heads into one tile's rows); bench/long_context.py times False beside it.
+FA4_PACK_GQA: bool | None = None
 
 
 def packed_attention(
@@ -167,6 +170,7 @@ def varlen_causal_attention(
             softmax_scale=scale,
             causal=True,
             window_size=window_size,
+            pack_gqa=FA4_PACK_GQA,
         )[0]
     if strided_rows and _ATEN_FLASH is not None:
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
