@@ -1,6 +1,7 @@
 """The paged decode kernel's split count (`kernels.decode_splits`): one program a (sequence, KV head) for
-the rollout's wide batches of short contexts, several for few sequences of long contexts, and the split
-launch it picks computes the same attention (under Triton's interpreter, where triton is installed)."""
+the rollout's wide batches of short contexts, several for few sequences of long contexts and for batches
+too narrow to fill the SMs, and the split launch it picks computes the same attention (under Triton's
+interpreter, where triton is installed)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,17 @@ def test_wide_batches_of_short_contexts_keep_one_program_a_pair() -> None:
     # The rollout benchmark's and the seed's decode: 512 sequences, block tables under 1k positions.
     assert decode_splits(512, 2, 640, H100_SMS) == 1
     assert decode_splits(512, 8, 800, H100_SMS) == 1
-    assert decode_splits(8, 8, 800, H100_SMS) == 1  # a short context never splits, however few rows
+    assert decode_splits(128, 2, 800, H100_SMS) == 1  # 256 pairs: an SM's program at least
+
+
+def test_batches_narrower_than_the_sms_are_split_at_any_context() -> None:
+    # A rollout's tail of 16 sequences: 32 pairs at Qwen2.5-0.5B's 2 KV heads, 128 at Qwen3-0.6B's 8, left
+    # on a quarter or all of an H100's SMs one program each; split to two programs an SM.
+    assert decode_splits(16, 2, 1_024, H100_SMS) == 8
+    assert decode_splits(16, 8, 1_024, H100_SMS) == 4
+    assert decode_splits(8, 8, 800, H100_SMS) == 4  # 800 // 128 = 6 splits at most, a power of two: 4
+    assert decode_splits(16, 2, 100, H100_SMS) == 1  # under two tiles of context: one program a pair
+    assert decode_splits(66, 2, 1_024, H100_SMS) == 1  # 132 pairs fill the SMs
 
 
 def test_few_sequences_of_long_contexts_are_split_over_more_programs() -> None:
@@ -37,7 +48,8 @@ def test_splits_grow_as_the_batch_shrinks_and_stay_within_the_bounds() -> None:
             splits = decode_splits(batch, 2, max_context, H100_SMS)
             assert splits & (splits - 1) == 0  # a power of two: few compiled variants
             assert 1 <= splits <= kernels.MAX_SPLITS
-            assert max_context // splits >= kernels.SPLIT_MIN_POSITIONS
+            least = kernels.SPLIT_MIN_POSITIONS if batch * 2 >= H100_SMS else kernels.TAIL_MIN_POSITIONS
+            assert splits == 1 or max_context // splits >= least
             if previous is not None:
                 assert splits >= previous
             previous = splits
@@ -48,7 +60,20 @@ def test_an_explicit_split_count_wins_and_a_sliding_window_bounds_the_context() 
     cpu = torch.device("cpu")
     assert decode_launch(1, 2, 16_384, cpu)["SPLITS"] == 16
     assert decode_launch(1, 2, 16_384, cpu, {"SPLITS": 1})["SPLITS"] == 1
-    assert decode_launch(1, 2, 1_024, cpu)["SPLITS"] == 1  # e.g. a 1k sliding window over a 16k table
+    assert decode_launch(512, 2, 1_024, cpu)["SPLITS"] == 1  # e.g. a 1k sliding window over a 16k table
+    assert decode_launch(1, 2, 200, cpu)["SPLITS"] == 1  # a 200-position window: under two tiles a split
+
+
+def test_a_narrow_batch_split_by_the_tail_rule_runs_more_warps_a_program() -> None:
+    cpu = torch.device("cpu")
+    tail = decode_launch(16, 2, 1_024, cpu)
+    assert (tail["SPLITS"], tail["num_warps"]) == (8, kernels.TAIL_NUM_WARPS)
+    assert decode_launch(16, 2, 1_024, cpu, {"num_warps": 2})["num_warps"] == 2  # named: kept
+    # Long contexts: the wide rule's 16 splits already; its one-warp programs stay.
+    long = decode_launch(1, 2, 16_384, cpu)
+    assert (long["SPLITS"], long["num_warps"]) == (16, kernels.DECODE_LAUNCH["num_warps"])
+    wide = decode_launch(512, 2, 1_024, cpu)
+    assert (wide["SPLITS"], wide["num_warps"]) == (1, kernels.DECODE_LAUNCH["num_warps"])
 
 
 @pytest.mark.skipif(
@@ -56,12 +81,13 @@ def test_an_explicit_split_count_wins_and_a_sliding_window_bounds_the_context() 
     reason="needs triton and a CUDA device (or TRITON_INTERPRET=1)",
 )
 def test_the_chosen_split_launch_matches_gather_sdpa_over_long_contexts() -> None:
-    """Two sequences of 4k-position block tables: `decode_splits` picks 4 splits, the rows' own lengths
-    (1, 1,500 and 4,000 positions) shared out over them, some splits reading nothing."""
+    """Three sequences of 4k-position block tables: `decode_splits` picks 8 splits (six pairs: the tail
+    rule), the rows' own lengths (1, 1,500 and 4,000 positions) shared out over them, some splits reading
+    nothing; and the 4-warp launch it runs there."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     batch, heads, kv_heads, dim, block, width = 3, 4, 2, 32, 16, 256
-    assert decode_splits(batch, kv_heads, width * block, H100_SMS) == 4
+    assert decode_splits(batch, kv_heads, width * block, H100_SMS) == 8
     k_cache = torch.randn(batch * width * block + block, kv_heads, dim, device=device)
     v_cache = torch.randn_like(k_cache)
     tables = (torch.randperm(batch * width, device=device).view(batch, width) + 1).int()
@@ -77,8 +103,8 @@ def test_the_chosen_split_launch_matches_gather_sdpa_over_long_contexts() -> Non
     reason="the engine's Triton path on the CPU needs triton and TRITON_INTERPRET=1",
 )
 def test_an_engine_with_a_long_max_model_len_decodes_as_the_torch_path() -> None:
-    """max_model_len 2,100 lets a batch of two sequences split (2 programs a pair); the greedy tokens are
-    the torch path's."""
+    """A batch of two sequences splits (8 programs a pair: the tail rule); the greedy tokens are the torch
+    path's."""
     import dataclasses
 
     from fulcrum.rollout import SamplingParams
@@ -99,5 +125,5 @@ def test_an_engine_with_a_long_max_model_len_decodes_as_the_torch_path() -> None
         model, [1], 0, dataclasses.replace(config, triton_kernels=True), torch.device("cpu")
     )
     width = engine.runner.max_blocks_per_seq * engine.runner.block_size
-    assert decode_splits(2, model.config.num_key_value_heads, width, kernels.DEFAULT_SM_COUNT) == 2
+    assert decode_splits(2, model.config.num_key_value_heads, width, kernels.DEFAULT_SM_COUNT) == 8
     assert engine.generate(prompts, params).token_ids == expected.generate(prompts, params).token_ids
