@@ -195,7 +195,9 @@ def test_chunked_prefill_forks_and_preemption_keep_each_state(model: torch.nn.Mo
     preemptions, whose sequences recompute their state from the first token. Every sample is HF's greedy
     continuation, and every slot is free again at the end."""
     prompts = prompts_of([40, 9, 23])
-    config = engine_config(max_num_batched_tokens=16, block_size=8, num_kv_blocks=12, max_model_len=80)
+    config = engine_config(
+        max_num_batched_tokens=16, block_size=8, num_kv_blocks=12, headroom_tokens=0, max_model_len=80
+    )
     engine = NativeEngine(model, [EOS], 0, config, CPU)
     params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)
     out = engine.generate(prompts, params)

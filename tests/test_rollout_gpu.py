@@ -38,7 +38,7 @@ def test_fp32_greedy_with_graphs_and_kernels_matches_hf(arch, indirect, overlap)
     params = SamplingParams(n=2, temperature=0, max_tokens=24, stop_token_ids=[stop])
     expected = hf.generate(prompts, params)
     config = EngineConfig(
-        max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, num_kv_blocks=24, decode_steps=4,
+        max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, num_kv_blocks=24, headroom_tokens=0, decode_steps=4,
         dtype=torch.float32, indirect_kv_cache=indirect, overlap_windows=overlap,
         free_cache_engine=False,  # the cache stays between generates: the test sleeps the engine itself
     )  # fmt: skip

@@ -388,7 +388,7 @@ def chunked_engine_case(vocab: int, num_kv_blocks: int) -> tuple[list[list[int]]
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in [1, 40, 7, 23]]
     config = EngineConfig(
-        max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=num_kv_blocks,
+        max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=num_kv_blocks, headroom_tokens=0,
         decode_steps=4, dtype=torch.float32,
     )  # fmt: skip
     return prompts, config
@@ -474,7 +474,7 @@ def test_the_engine_never_reads_a_kv_slot_before_writing_it():
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in [1, 40, 7, 23, 16, 3]]
     config = EngineConfig(
-        max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=12, decode_steps=4,
+        max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=12, headroom_tokens=0, decode_steps=4,
         dtype=torch.float32,
     )  # fmt: skip
     model = random_causal_lm("qwen2", init_std=0.2).to(DEVICE)

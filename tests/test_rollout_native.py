@@ -58,8 +58,11 @@ def test_greedy_matches_hf_under_preemption_chunked_prefill_and_stop_ids(model, 
     params = SamplingParams(n=2, temperature=0, max_tokens=24, stop_token_ids=[stop])
     expected = hf.generate(prompts, params)
     assert "stop" in expected.finish_reasons and "length" in expected.finish_reasons
-    # 24 blocks of 16 tokens cannot hold 20 sequences of up to 324 tokens: preemption is forced.
-    engine = engine_for(model, num_kv_blocks=24, max_num_batched_tokens=64, overlap_windows=overlap)
+    # 24 blocks of 16 tokens cannot hold 20 sequences of up to 324 tokens: preemption is forced, once
+    # prompts are admitted into whatever blocks are free (no headroom kept for the running ones).
+    engine = engine_for(
+        model, num_kv_blocks=24, max_num_batched_tokens=64, overlap_windows=overlap, headroom_tokens=0
+    )
     out = engine.generate(prompts, params)
     assert not engine.has_unfinished_requests() and engine.counters["blocks_in_use"] == 0
     assert engine.stats["preemptions"] > 0
@@ -482,3 +485,31 @@ def test_every_decode_steps_output_row_starts_16_byte_aligned(model):
     for buffer in (engine.launcher.out_tokens, engine.launcher.out_logprobs):
         assert len(buffer) == engine.config.windows_in_flight == 2
         assert all(buffer[s, k].data_ptr() % 16 == 0 for s in range(2) for k in range(4))
+
+
+@pytest.mark.parametrize(
+    ("headroom", "first_max_tokens", "admitted"),
+    [(64, 1000, False), (0, 1000, True), (64, 2, True)],
+)
+def test_a_prompt_is_admitted_only_where_the_running_sequences_keep_their_headroom(
+    headroom: int, first_max_tokens: int, admitted: bool
+) -> None:
+    """A running sequence of 17 tokens keeps room for its next `headroom_tokens` (64: 81 tokens, 6 blocks
+    of 16, 5 more than it holds) or for the rest of its max_tokens where that is less; a second prompt
+    (1 block) waits while the 5 free blocks cannot hold both, and the running one decodes meanwhile."""
+    blocks = BlockManager(num_blocks=7, block_size=16)  # 6 usable
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, headroom_tokens=headroom)
+    scheduler = Scheduler(config, blocks)
+    first = Sequence(
+        token_ids=list(range(16)), num_prompt_tokens=16, output_index=0, max_tokens=first_max_tokens
+    )
+    scheduler.add(first)
+    work = scheduler.schedule()
+    scheduler.commit_prefill(work)
+    scheduler.postprocess(work, [[7]], [[-1.0]])
+    assert scheduler.running == [first] and blocks.num_free == 5
+    scheduler.add(Sequence(token_ids=list(range(16)), num_prompt_tokens=16, output_index=1, max_tokens=8))
+    work = scheduler.schedule()
+    assert isinstance(work, PrefillWork if admitted else DecodeWork)
+    if not admitted:
+        assert work.seqs == [first] and len(scheduler.waiting) == 1

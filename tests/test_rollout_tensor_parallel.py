@@ -46,7 +46,12 @@ def _generate_tp(rank: int, world: int, arch: str, kv_heads: int) -> dict:
     model = random_causal_lm(arch, init_std=0.2, num_key_value_heads=kv_heads)
     # 12 blocks of 16 tokens cannot hold 12 sequences of up to 110 tokens: preemption is forced.
     config = EngineConfig(
-        max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256, decode_steps=3, num_kv_blocks=12
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        max_model_len=256,
+        decode_steps=3,
+        num_kv_blocks=12,
+        headroom_tokens=0,
     )
     params = SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True)
     engine = NativeEngine(model, [EOS], 0, config, CPU, tp=tensor_parallel_group(world))
@@ -90,7 +95,7 @@ def _generate_tp_cuda(rank: int, world: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     batch = [torch.randint(3, 4096, (n,), generator=generator).tolist() for n in lengths]
     config = EngineConfig(
-        max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, num_kv_blocks=24, decode_steps=4,
+        max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, num_kv_blocks=24, headroom_tokens=0, decode_steps=4,
         dtype=torch.float32,
     )  # fmt: skip
     params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)

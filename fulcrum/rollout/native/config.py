@@ -19,6 +19,7 @@ _DTYPES = dict(bfloat16=torch.bfloat16, bf16=torch.bfloat16, float16=torch.float
 _DTYPES |= dict(float32=torch.float32, fp32=torch.float32)
 SCHEMA = RolloutConfig()  # the defaults of verl's keys, for benchmarks and tests that build EngineConfig
 PREFILL_ATTENTION = ("flash", "cudnn", "fa4")  # engine_kwargs.native.prefill_attention's values
+HEADROOM_TOKENS = 256  # engine_kwargs.native.headroom_tokens' default (bench/tools/partial_schedule.py)
 
 
 def native(default: Any) -> Any:
@@ -42,6 +43,11 @@ class EngineConfig:
     enforce_eager: bool = SCHEMA.enforce_eager  # no CUDA graphs
     cudagraph_capture_sizes: list[int] | None = SCHEMA.cudagraph_capture_sizes  # None: 1,2,4,8,16,32..
     decode_steps: int = native(16)  # decode steps per scheduler round (tokens past a stop are dropped)
+    # Tokens of growth every running sequence keeps room for (at most the rest of its max_tokens) before
+    # a waiting prompt or a preempted sequence is admitted to the cache: over a full cache, admitting into
+    # the blocks that one finished sequence gave back preempts the newcomer again as the others grow.
+    # 0: admit whatever fits now.
+    headroom_tokens: int = native(HEADROOM_TOKENS)
     # Launch the next decode window before reading this one, so the device decodes while the host reads
     # the tokens and schedules instead of idling between windows. The next window runs over the same
     # rows: a row whose sequence stopped in this one decodes for nothing. Prefill steps overlap alike:
@@ -76,6 +82,9 @@ class EngineConfig:
         assert 0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization must be in (0, 1]"
         assert self.decode_steps >= 1, (
             f"engine_kwargs.native.decode_steps must be >= 1, got {self.decode_steps}"
+        )
+        assert self.headroom_tokens >= 0, (
+            f"engine_kwargs.native.headroom_tokens must be >= 0, got {self.headroom_tokens}"
         )
         if self.num_kv_blocks is not None:
             assert self.num_kv_blocks >= 2, "engine_kwargs.native.num_kv_blocks must be >= 2 (one is scratch)"

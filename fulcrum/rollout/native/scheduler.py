@@ -8,7 +8,12 @@ fits (in seats and in blocks), so the decode batch stays as full as `max_num_seq
 A decode window reserves, before it starts, the blocks its sequences will write during it. When
 the cache cannot hold them, the most recently admitted sequences are preempted: their blocks are
 released and they go back to the front of the queue, to be recomputed from their tokens (vLLM's
-"recompute" preemption). A finished sequence's surplus tokens of the window are dropped.
+"recompute" preemption). A finished sequence's surplus tokens of the window are dropped. A prompt (or
+a preempted sequence) is admitted only into the blocks left once every running sequence has room for its
+next `headroom_tokens` tokens (or the rest of its max_tokens): admitted into the blocks a finished
+sequence gave back, it would be the first preempted as the others grow, and recomputed again when the
+next one finishes (partial rollouts over a full cache re-prefilled as many tokens as they sampled so:
+`bench/tools/partial_schedule.py`).
 
 A sequence that finishes with `keep` set is *held*: it keeps its blocks (and a hybrid model's
 recurrent-state slot) so that a next turn (a tool's answer appended, then more sampling) prefills only
@@ -203,6 +208,7 @@ class Scheduler:
         state_reserve = 0  # state slots they take (hybrid models)
         context = 0  # the step's keys: its sequences' cached and new tokens
         reads_cache = False  # whether attention reads every sequence's context back from the cache
+        growth = self._headroom_blocks()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             remaining = seq.num_tokens - seq.num_computed
@@ -220,9 +226,9 @@ class Scheduler:
             # hold blocks it cannot complete.
             need = self.blocks.extra_blocks(seq, seq.num_tokens)
             states = self.blocks.states_needed(seq, seq.num_samples - 1 if completes else 0) + state_reserve
-            while not self.blocks.fits(need + forks + fork_reserve, states) and self.evict_held():
+            while not self.blocks.fits(need + forks + fork_reserve + growth, states) and self.evict_held():
                 pass
-            if not self.blocks.fits(need + forks + fork_reserve, states):
+            if not self.blocks.fits(need + forks + fork_reserve + growth, states):
                 break
             if completes:
                 fork_reserve += forks
@@ -267,6 +273,17 @@ class Scheduler:
                     raise RuntimeError("the KV cache cannot hold a single decoding sequence: raise its size")
         self._grow(self.running, steps - 1)
         return DecodeWork(list(self.running), steps)
+
+    def _headroom_blocks(self) -> int:
+        """Blocks the running sequences lack to grow by `headroom_tokens` each (by what their max_tokens
+        leaves, where that is less): what a prompt's admission must leave free."""
+        room = self.config.headroom_tokens
+        if room == 0:
+            return 0
+        return sum(
+            self.blocks.extra_blocks(seq, seq.num_tokens + min(room, seq.max_tokens - seq.num_generated))
+            for seq in self.running
+        )
 
     def _release_parked(self) -> bool:
         """The last waiting sequence that holds blocks gives them back (its tokens are recomputed)."""
