@@ -393,3 +393,28 @@ def test_a_prefill_that_takes_a_share_of_the_step_names_the_faster_prefill_kerne
     # under partial rollouts the held samples' prefill is partial_rollout_costs' (keep their K/V first)
     assert "long_prefill" not in rules(prefill_rows(2.0, partial=True))
     assert "long_prefill" not in rules(healthy_rows())  # no engine counters (the HF engine)
+
+
+def recompute_rows(prefilled: float, preemptions: float, partial: bool = True) -> list[dict[str, Any]]:
+    """Steps whose engine sampled 1 M tokens and prefilled `prefilled` with `preemptions` preemptions."""
+    rows = long_tailed_rows(0.53, partial=partial)
+    for row in rows:
+        row["rollout/generated_tokens"], row["rollout/prefill_tokens"] = 1_000_000.0, prefilled
+        row["rollout/preemptions"] = preemptions
+    return rows
+
+
+def test_an_engine_recomputing_what_it_preempts_names_the_sequences_in_flight() -> None:
+    # Partial rollouts at Qwen3-0.6B's shape on an H100: 2,523 preemptions, 1.02 M tokens prefilled a step.
+    findings = [f for f in diagnose(recompute_rows(1_020_000.0, 2523.0)) if f.rule == "kv_recompute"]
+    assert findings and findings[0].severity == "info"
+    assert "preempts 2,523 sequences a step and prefills 1,020,000 tokens, 102% of the 1,000,000" in (
+        findings[0].message
+    )
+    assert "max_num_seqs" in findings[0].fix and "num_warmup_batches" in findings[0].fix
+    assert "headroom_tokens" in findings[0].fix
+    assert "kv_recompute" in rules(recompute_rows(300_000.0, 40.0, partial=False))  # any mode
+    # a step's own prompts: prefilled tokens well under its samples, and no preemption
+    assert "kv_recompute" not in rules(recompute_rows(100_000.0, 12.0))
+    assert "kv_recompute" not in rules(recompute_rows(400_000.0, 0.0))
+    assert "kv_recompute" not in rules(healthy_rows())  # no engine counters (the HF engine)

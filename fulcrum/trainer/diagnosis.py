@@ -17,6 +17,7 @@ from fulcrum.config.finding import Finding
 from fulcrum.trainer.diagnosis_resources import (
     bottleneck,
     host_loaded,
+    kv_recompute,
     long_prefill,
     long_tail,
     memory_creep,
@@ -359,6 +360,7 @@ RULES: list[Callable[[Sequence[Row]], list[Finding]]] = [
     long_tail,
     partial_rollout_costs,
     long_prefill,
+    kv_recompute,
     groups_without_signal,
 ]
 

@@ -59,6 +59,11 @@ PARTIAL_PART_SHARE = 0.03  # a part below this share of the step is not worth it
 # turns of tool output. FlashAttention-4's prefill ran the 8k prefill 1.27-1.43x flash's (H100, BENCHMARKS.md
 # "Long contexts"), so at this share it takes back 3-5 % of the step.
 PREFILL_STEP_SHARE = 0.15
+# Tokens the engine prefilled over those it sampled, with preemptions, at which the sequences in flight are
+# outgrowing the KV cache and being recomputed: partial rollouts with two batches over a 434k-token cache
+# prefilled 1.02 M tokens for 1.0 M sampled (BENCHMARKS.md, "Qwen3-0.6B's shape at the least cost"); a
+# step's own prompts are a few percent of its samples at GRPO's n.
+RECOMPUTE_SHARE = 0.25
 
 
 def phase_shares(rows: Sequence[Row]) -> dict[str, float]:
@@ -291,6 +296,39 @@ def long_prefill(rows: Sequence[Row]) -> list[Finding]:
         "a Hopper or Blackwell card: an 8k prefill 1.27-1.43x flash's on an H100) or =cudnn (steps of fresh "
         "prompts: 1.18-1.34x); else a shorter data.max_prompt_length "
         '(bench/long_context.py times each kernel; docs/levers.md, "Long responses")',
+        train,
+        recent,
+    )
+
+
+def kv_recompute(rows: Sequence[Row]) -> list[Finding]:
+    """The native engine preempting and recomputing (`rollout/preemptions` > 0 and `rollout/prefill_tokens`
+    RECOMPUTE_SHARE of `rollout/generated_tokens` or more), medians of the last TAIL_STEPS steps after the
+    first: the sequences in flight outgrow the KV cache, and what it evicts is prefilled again."""
+    train, recent = recent_steps(rows, logs("rollout/preemptions"))
+    if not recent:
+        return []
+
+    def median(key: str) -> float:
+        return statistics.median(as_float(r.get(key)) or 0.0 for r in recent)
+
+    preemptions, prefilled, sampled = (
+        median("rollout/preemptions"),
+        median("rollout/prefill_tokens"),
+        median("rollout/generated_tokens"),
+    )
+    if preemptions <= 0 or sampled <= 0 or prefilled / sampled < RECOMPUTE_SHARE:
+        return []
+    return tail_finding(
+        "kv_recompute",
+        f"the engine preempts {preemptions:,.0f} sequences a step and prefills {prefilled:,.0f} tokens, "
+        f"{prefilled / sampled:.0%} of the {sampled:,.0f} it samples: the sequences in flight outgrow the KV "
+        "cache, and the preempted ones are computed again",
+        "fewer sequences in flight or more cache: a lower actor_rollout_ref.rollout.max_num_seqs, under "
+        "partial rollouts fewer trainer.v1.colocate_async.num_warmup_batches, or a larger "
+        "rollout.gpu_memory_utilization (fulcrum doctor says what fits); "
+        "+actor_rollout_ref.rollout.engine_kwargs.native.headroom_tokens (256) keeps room for the running "
+        'sequences before more are admitted (docs/rollout.md, "Preemption")',
         train,
         recent,
     )
