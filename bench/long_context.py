@@ -44,7 +44,7 @@ The prefill seconds include the host's scheduling between steps and the first to
 
 Then, per row on CUDA, the decode attention alone (one layer's call, bench/tools/attention_sweep.py's
 timing: CUDA events, median of 20 after 3) at the row's batch and contexts (c .. c + n, blocks scattered)
-under SPLITS 1, 2, 4, 8, 16 and the engine's own choice (`kernels.decode_splits`): microseconds and K/V
+under SPLITS 1, 2, 4, 8, 16 and the engine's own choice (`decode_grid.decode_splits`): microseconds and K/V
 bytes read per second, to show whether the split count the engine picks is the fastest at long contexts.
 `--decode-launch '{"SPLITS": 1}'` runs the whole rows with one fixed launch (bench/rollout.py's option).
 
@@ -89,7 +89,7 @@ from fulcrum.models import packed_attention
 from fulcrum.models.arch import model_shape
 from fulcrum.models.arch.spec import kv_bytes_per_token, matmul_param_count
 from fulcrum.rollout import SamplingParams
-from fulcrum.rollout.native import EngineConfig, NativeEngine, kernels
+from fulcrum.rollout.native import EngineConfig, NativeEngine, decode_grid, kernels
 from fulcrum.rollout.testing import random_causal_lm
 
 SHAPES = ("qwen3-0.6b", "qwen2.5-0.5b")
@@ -354,7 +354,7 @@ def kernel_sweep(
     batch = decode_batch(sequences, shape.heads, shape.kv_heads, shape.head_dim, device, context=context)
     kv_bytes = batch.pop("kv_bytes")
     max_context = batch["block_tables"].shape[1] * BLOCK
-    chosen = kernels.decode_splits(sequences, shape.kv_heads, max_context, kernels.sm_count(device))
+    chosen = decode_grid.decode_splits(sequences, shape.kv_heads, max_context, decode_grid.sm_count(device))
 
     def call(splits: int) -> torch.Tensor:
         launch = {"SPLITS": splits}

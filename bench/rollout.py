@@ -264,7 +264,7 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode-launch",
         default=None,
-        help="JSON over kernels.DECODE_LAUNCH, e.g. '{\"SPLITS\": 2}' (bench/tools/attention_sweep.py's best_common)",
+        help="JSON over decode_grid.DECODE_LAUNCH, e.g. '{\"SPLITS\": 2}' (bench/tools/attention_sweep.py's best_common)",
     )
     parser.add_argument(
         "--sample-launch",
@@ -286,11 +286,11 @@ def known_options(launch: dict, known: Iterable[str], flag: str) -> dict:
 def set_launches(decode: str | None, sample: str | None) -> dict:
     """Set the engine's kernel launches for this process from the sweeps' JSON (before the engine
     captures its graphs); returns the launches in force."""
-    from fulcrum.rollout.native import kernels, sample_kernels
+    from fulcrum.rollout.native import decode_grid, sample_kernels
 
     if decode:
-        kernels.DECODE_LAUNCH.update(
-            known_options(json.loads(decode), kernels.DECODE_LAUNCH, "--decode-launch")
+        decode_grid.DECODE_LAUNCH.update(
+            known_options(json.loads(decode), decode_grid.DECODE_LAUNCH, "--decode-launch")
         )
     if sample:
         launch = known_options(
@@ -302,7 +302,7 @@ def set_launches(decode: str | None, sample: str | None) -> dict:
         )
         sample_kernels.SAMPLE_LAUNCH.update(launch)
     return {
-        "decode": dict(kernels.DECODE_LAUNCH),
+        "decode": dict(decode_grid.DECODE_LAUNCH),
         "sample": {
             "BLOCK": sample_kernels.SAMPLE_BLOCK,
             "programs_per_sm": sample_kernels.SAMPLE_PROGRAMS_PER_SM,

@@ -1,4 +1,4 @@
-"""The paged decode kernel's split count (`kernels.decode_splits`): one program a (sequence, KV head) for
+"""The paged decode kernel's split count (`decode_grid.decode_splits`): one program a (sequence, KV head) for
 the rollout's wide batches of short contexts, several for few sequences of long contexts and for batches
 too narrow to fill the SMs, and the split launch it picks computes the same attention (under Triton's
 interpreter, where triton is installed)."""
@@ -10,8 +10,9 @@ import os
 import pytest
 import torch
 
-from fulcrum.rollout.native import kernels, ops
-from fulcrum.rollout.native.kernels import HAVE_TRITON, decode_launch, decode_splits
+from fulcrum.rollout.native import decode_grid, kernels, ops
+from fulcrum.rollout.native.decode_grid import decode_launch, decode_splits
+from fulcrum.rollout.native.kernels import HAVE_TRITON
 
 H100_SMS = 132
 
@@ -47,8 +48,10 @@ def test_splits_grow_as_the_batch_shrinks_and_stay_within_the_bounds() -> None:
         for batch in (512, 256, 128, 64, 32, 16, 8, 4, 2, 1):
             splits = decode_splits(batch, 2, max_context, H100_SMS)
             assert splits & (splits - 1) == 0  # a power of two: few compiled variants
-            assert 1 <= splits <= kernels.MAX_SPLITS
-            least = kernels.SPLIT_MIN_POSITIONS if batch * 2 >= H100_SMS else kernels.TAIL_MIN_POSITIONS
+            assert 1 <= splits <= decode_grid.MAX_SPLITS
+            least = (
+                decode_grid.SPLIT_MIN_POSITIONS if batch * 2 >= H100_SMS else decode_grid.TAIL_MIN_POSITIONS
+            )
             assert splits == 1 or max_context // splits >= least
             if previous is not None:
                 assert splits >= previous
@@ -67,13 +70,13 @@ def test_an_explicit_split_count_wins_and_a_sliding_window_bounds_the_context() 
 def test_a_narrow_batch_split_by_the_tail_rule_runs_more_warps_a_program() -> None:
     cpu = torch.device("cpu")
     tail = decode_launch(16, 2, 1_024, cpu)
-    assert (tail["SPLITS"], tail["num_warps"]) == (8, kernels.TAIL_NUM_WARPS)
+    assert (tail["SPLITS"], tail["num_warps"]) == (8, decode_grid.TAIL_NUM_WARPS)
     assert decode_launch(16, 2, 1_024, cpu, {"num_warps": 2})["num_warps"] == 2  # named: kept
     # Long contexts: the wide rule's 16 splits already; its one-warp programs stay.
     long = decode_launch(1, 2, 16_384, cpu)
-    assert (long["SPLITS"], long["num_warps"]) == (16, kernels.DECODE_LAUNCH["num_warps"])
+    assert (long["SPLITS"], long["num_warps"]) == (16, decode_grid.DECODE_LAUNCH["num_warps"])
     wide = decode_launch(512, 2, 1_024, cpu)
-    assert (wide["SPLITS"], wide["num_warps"]) == (1, kernels.DECODE_LAUNCH["num_warps"])
+    assert (wide["SPLITS"], wide["num_warps"]) == (1, decode_grid.DECODE_LAUNCH["num_warps"])
 
 
 @pytest.mark.skipif(
@@ -125,5 +128,5 @@ def test_an_engine_with_a_long_max_model_len_decodes_as_the_torch_path() -> None
         model, [1], 0, dataclasses.replace(config, triton_kernels=True), torch.device("cpu")
     )
     width = engine.runner.max_blocks_per_seq * engine.runner.block_size
-    assert decode_splits(2, model.config.num_key_value_heads, width, kernels.DEFAULT_SM_COUNT) == 8
+    assert decode_splits(2, model.config.num_key_value_heads, width, decode_grid.DEFAULT_SM_COUNT) == 8
     assert engine.generate(prompts, params).token_ids == expected.generate(prompts, params).token_ids

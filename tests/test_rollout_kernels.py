@@ -60,10 +60,10 @@ def test_paged_decode_attention_matches_gather_sdpa(dtype, window, launch):
 @pytest.mark.parametrize("splits", [1, 3])
 def test_paged_decode_attention_over_an_indirect_cache_matches_gather_sdpa(monkeypatch, splits):
     """The cache's address read on the device (graphs that survive sleep), split or not."""
-    from fulcrum.rollout.native import kernels
+    from fulcrum.rollout.native import decode_grid, kernels
 
-    monkeypatch.setitem(kernels.DECODE_LAUNCH, "SPLITS", splits)
-    monkeypatch.setitem(kernels.DECODE_LAUNCH, "TILE", 16)
+    monkeypatch.setitem(decode_grid.DECODE_LAUNCH, "SPLITS", splits)
+    monkeypatch.setitem(decode_grid.DECODE_LAUNCH, "TILE", 16)
     torch.manual_seed(1)
     batch, heads, kv_heads, dim, block, layers = 3, 14, 2, 64, 16, 2
     cache = torch.randn(layers, 2, 20 * block, kv_heads, dim, device=DEVICE, dtype=torch.float32)

@@ -12,7 +12,7 @@ stages best on the 64-wide heads — on each shape's decode batch, Qwen3-0.6B's 
 heads over 8 KV heads) included, since the default launch was chosen on 64-wide ones:
 contexts drawn between the prompt's length and prompt + 256 (the rollout's 512 × 256), blocks of 16
 scattered over the cache as the block manager hands them out. Each configuration's output is checked
-against the current default (`kernels.DECODE_LAUNCH`) before it is timed (CUDA events, median of 50
+against the current default (`decode_grid.DECODE_LAUNCH`) before it is timed (CUDA events, median of 50
 calls after 5). It prints one line per configuration and the best per shape with its speed-up and its
 effective K/V bandwidth (bytes of K and V read / time).
 
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fulcrum.rollout.native import kernels
+from fulcrum.rollout.native import decode_grid, kernels
 
 # (name, sequences, query heads, KV heads, head dim)
 SHAPES = [("qwen2.5-0.5b", 512, 14, 2, 64), ("smollm2-135m", 1024, 9, 3, 64), ("qwen3-0.6b", 512, 16, 8, 128)]
@@ -227,8 +227,8 @@ def main() -> None:
         best = min(rows, key=lambda r: r["us"])
         summary = {
             "shape": name,
-            "default": kernels.DECODE_LAUNCH,
-            "default_splits": kernels.decode_launch(
+            "default": decode_grid.DECODE_LAUNCH,
+            "default_splits": decode_grid.decode_launch(
                 sequences, kv_heads, batch["block_tables"].shape[1] * BLOCK, torch.device("cuda")
             )["SPLITS"],
             "default_us": round(default_us, 2),

@@ -183,6 +183,11 @@ def logs(key: str) -> Callable[[Row], bool]:
     return lambda row: as_float(row.get(key)) is not None
 
 
+def medians(recent: list[Row], *keys: str) -> list[float]:
+    """Each key's median over `recent` (a step that does not log it counts 0)."""
+    return [statistics.median(as_float(r.get(key)) or 0.0 for r in recent) for key in keys]
+
+
 def tail_finding(rule: str, message: str, fix: str, train: list[Row], recent: list[Row]) -> list[Finding]:
     """One info finding of a tail rule, at the last of its `recent` steps."""
     return [Finding((), message, "info", fix=fix, rule=rule, step=step_of(recent[-1], len(train)))]
@@ -239,20 +244,13 @@ def partial_rollout_costs(rows: Sequence[Row]) -> list[Finding]:
     if not recent:
         return []
 
-    def median(key: str) -> float:
-        return statistics.median(as_float(r.get(key)) or 0.0 for r in recent)
-
-    step_s, prefill_s, old_s = (
-        median("timing_s/step"),
-        median("rollout/prefill_s"),
-        median("timing_s/old_log_prob"),
-    )
+    step_s, prefill_s, old_s = medians(recent, "timing_s/step", "rollout/prefill_s", "timing_s/old_log_prob")
     if step_s <= 0 or (prefill_s + old_s) / step_s < PARTIAL_COST_SHARE:
         return []
     parts, fixes = [], []
     if prefill_s / step_s >= PARTIAL_PART_SHARE:
         parts.append(
-            f"the engine's prefill {prefill_s:.1f} s ({median('rollout/prefill_tokens'):,.0f} tokens)"
+            f"the engine's prefill {prefill_s:.1f} s ({medians(recent, 'rollout/prefill_tokens')[0]:,.0f} tokens)"
         )
         fixes.append(
             "actor_rollout_ref.rollout.free_cache_engine=False keeps the held samples' K/V through training, "
@@ -282,9 +280,9 @@ def long_prefill(rows: Sequence[Row]) -> list[Finding]:
     train, recent = recent_steps(rows, logs("rollout/prefill_s"))
     if not recent or any(map(is_partial_step, recent)):
         return []
-    step_s = statistics.median(as_float(r.get("timing_s/step")) or 0.0 for r in recent)
-    prefill_s = statistics.median(as_float(r["rollout/prefill_s"]) or 0.0 for r in recent)
-    tokens = statistics.median(as_float(r.get("rollout/prefill_tokens")) or 0.0 for r in recent)
+    step_s, prefill_s, tokens = medians(
+        recent, "timing_s/step", "rollout/prefill_s", "rollout/prefill_tokens"
+    )
     if step_s <= 0 or prefill_s / step_s < PREFILL_STEP_SHARE:
         return []
     return tail_finding(
@@ -309,13 +307,8 @@ def kv_recompute(rows: Sequence[Row]) -> list[Finding]:
     if not recent:
         return []
 
-    def median(key: str) -> float:
-        return statistics.median(as_float(r.get(key)) or 0.0 for r in recent)
-
-    preemptions, prefilled, sampled = (
-        median("rollout/preemptions"),
-        median("rollout/prefill_tokens"),
-        median("rollout/generated_tokens"),
+    preemptions, prefilled, sampled = medians(
+        recent, "rollout/preemptions", "rollout/prefill_tokens", "rollout/generated_tokens"
     )
     if preemptions <= 0 or sampled <= 0 or prefilled / sampled < RECOMPUTE_SHARE:
         return []
