@@ -513,3 +513,25 @@ def test_a_prompt_is_admitted_only_where_the_running_sequences_keep_their_headro
     assert isinstance(work, PrefillWork if admitted else DecodeWork)
     if not admitted:
         assert work.seqs == [first] and len(scheduler.waiting) == 1
+
+
+def test_a_turn_over_its_cached_prefix_does_not_wait_for_the_headroom() -> None:
+    """The headroom holds back only sequences with nothing cached: a next turn whose 16 tokens' K/V are
+    kept (1 block held, 1 token to prefill) runs beside a sequence whose 64 tokens of headroom the free
+    blocks do not cover, where a fresh prompt of the same length waits."""
+    blocks = BlockManager(num_blocks=7, block_size=16)  # 6 usable
+    scheduler = Scheduler(
+        EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, headroom_tokens=64), blocks
+    )
+    first = Sequence(token_ids=list(range(16)), num_prompt_tokens=16, output_index=0, max_tokens=1000)
+    scheduler.add(first)
+    work = scheduler.schedule()
+    scheduler.commit_prefill(work)
+    scheduler.postprocess(work, [[7]], [[-1.0]])
+    turn = Sequence(token_ids=list(range(17)), num_prompt_tokens=17, output_index=1, max_tokens=8)
+    blocks.grow(turn, 16)
+    turn.num_computed = 16
+    scheduler.add(turn)
+    assert blocks.num_free == 4  # the 5 blocks of the first one's headroom are not there
+    work = scheduler.schedule()
+    assert isinstance(work, PrefillWork) and work.seqs == [turn] and work.lengths == [1]

@@ -226,9 +226,12 @@ class Scheduler:
             # hold blocks it cannot complete.
             need = self.blocks.extra_blocks(seq, seq.num_tokens)
             states = self.blocks.states_needed(seq, seq.num_samples - 1 if completes else 0) + state_reserve
-            while not self.blocks.fits(need + forks + fork_reserve + growth, states) and self.evict_held():
+            # A sequence with K/V cached (a next turn over its kept prefix, a chunked prompt under way)
+            # already holds most of its blocks: only one with nothing cached waits for the headroom.
+            reserve = growth if seq.num_computed == 0 else 0
+            while not self.blocks.fits(need + forks + fork_reserve + reserve, states) and self.evict_held():
                 pass
-            if not self.blocks.fits(need + forks + fork_reserve + growth, states):
+            if not self.blocks.fits(need + forks + fork_reserve + reserve, states):
                 break
             if completes:
                 fork_reserve += forks
