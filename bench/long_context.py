@@ -55,8 +55,8 @@ step of `--max-num-batched-tokens` holds, under aten's flash kernel and SDPA's c
 repeated or grouped, and FlashAttention-4's where the fa4 extra is installed; bench/tools/prefill_attention.py)
 with its TFLOP/s; then the whole prefill again with each other kernel in the engine (`prefill_by_kernel`:
 `engine_kwargs.native.prefill_attention=cudnn`, then `=fa4` with FlashAttention-4's own `pack_gqa` and with
-`pack_gqa=False`, `PREFILL_REPEATS` times, each generating the first token only), its fraction of the peak and its speed over the flash prefill (a kernel that cannot run
-is reported with its error).
+`pack_gqa=False`, `PREFILL_REPEATS` times, each generating the first token only), its fraction of the peak
+and its speed over the flash prefill (a kernel that cannot run is reported with its error).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from partial_schedule import simulate, summary
 
 def test_the_headroom_keeps_the_scheduler_from_recomputing_what_it_samples() -> None:
     """Admitting whatever fits, the scheduler prefills again about as many tokens as it samples (the GPU
-    run: 1.02 M of 1.0 M); with the default headroom it recomputes under half as many, preempts under
+    run: 1.02 M for 0.92 M); with the default headroom it recomputes under half as many, preempts under
     half as often, and the calls train as many tokens."""
     greedy, kept = simulate(64, 3, headroom=0), simulate(64, 3)
     greedy_figures, kept_figures = summary(greedy), summary(kept)

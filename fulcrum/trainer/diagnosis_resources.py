@@ -61,7 +61,7 @@ PARTIAL_PART_SHARE = 0.03  # a part below this share of the step is not worth it
 PREFILL_STEP_SHARE = 0.15
 # Tokens the engine prefilled over those it sampled, with preemptions, at which the sequences in flight are
 # outgrowing the KV cache and being recomputed: partial rollouts with two batches over a 434k-token cache
-# prefilled 1.02 M tokens for 1.0 M sampled (BENCHMARKS.md, "Qwen3-0.6B's shape at the least cost"); a
+# prefilled 1.02 M tokens for 0.92 M sampled (BENCHMARKS.md, "Qwen3-0.6B's shape at the least cost"); a
 # step's own prompts are a few percent of its samples at GRPO's n.
 RECOMPUTE_SHARE = 0.25
 
