@@ -44,11 +44,16 @@ MEDIAN, SIGMA, CAP, PROMPT = 1536, 0.8, 8192, 52
 
 
 def simulate(
-    scale: float, steps: int, headroom: int = HEADROOM_TOKENS, seed: int = 0
+    scale: float,
+    steps: int,
+    headroom: int = HEADROOM_TOKENS,
+    seed: int = 0,
+    max_num_seqs: int = 2 * GROUPS * SAMPLES,
 ) -> list[dict[str, Any]]:
     """`steps` partial-rollout calls of GROUPS groups each (the first with one more batch in flight, verl's
     one warm-up batch) over the engine's scheduler at 1/`scale` of the run's lengths, `headroom` (the
-    run's `engine_kwargs.native.headroom_tokens`) scaled alike; each call's figures."""
+    run's `engine_kwargs.native.headroom_tokens`) scaled alike, `max_num_seqs` sequences decoding at once
+    (the run's 1,024 holds both batches); each call's figures."""
     cap = max(2, round(CAP / scale))
     prompt = max(1, round(PROMPT / scale))
     model = random_causal_lm(
@@ -57,7 +62,7 @@ def simulate(
     )  # fmt: skip
     block = max(1, round(16 / scale))  # the run's blocks and windows of 16 tokens, scaled
     config = EngineConfig(
-        max_num_seqs=2 * GROUPS * SAMPLES, max_model_len=cap + prompt, block_size=block,
+        max_num_seqs=max_num_seqs, max_model_len=cap + prompt, block_size=block,
         num_kv_blocks=round(CACHE_TOKENS / scale / block), decode_steps=block,
         headroom_tokens=round(headroom / scale), dtype=torch.float32, triton_kernels=False,
     )  # fmt: skip
@@ -118,11 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         default=HEADROOM_TOKENS,
         help="engine_kwargs.native.headroom_tokens (the run's)",
     )
+    parser.add_argument("--max-num-seqs", type=int, default=2 * GROUPS * SAMPLES, help="rollout.max_num_seqs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    rows = simulate(args.scale, args.steps, args.headroom, args.seed)
-    result = {"scale": args.scale, "headroom": args.headroom, "rows": rows, **summary(rows)}
+    rows = simulate(args.scale, args.steps, args.headroom, args.seed, args.max_num_seqs)
+    result = {
+        "scale": args.scale, "headroom": args.headroom, "max_num_seqs": args.max_num_seqs, "rows": rows, **summary(rows)
+    }  # fmt: skip
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
