@@ -16,6 +16,12 @@ carries the rest with their K/V (no prefill again, no old-log-prob pass). Traini
 `--train-us-per-token` a trained response token (the update, its passes included). It prints each mode's
 generation and step time and the trained tokens a second over the steps after the warm-up.
 
+Admission by whole reservations is the model's, not the engine's: the scheduler admits a prompt where the
+running sequences keep `engine_kwargs.native.headroom_tokens` each, so with more sequences in flight than its
+cache holds it preempts and prefills them again, which this model leaves out (at Qwen3-0.6B's shape it gave
+1.02x where the engine, then admitting whatever fit, measured 0.88x with 1.02 M tokens recomputed a step);
+bench/tools/partial_schedule.py replays the scheduler itself.
+
 What it says (H100 constants): at Qwen3-0.6B's shape (112 KiB of K/V a token, ~44 GiB of cache beside the
 training passes) the decode is bound by the K/V reads of the bulk and the cache's capacity, and partial
 rollouts gain at most 1.13x the trained tokens a second for medians of 256-1,536 tokens and sigma 0.8-1.5
