@@ -64,6 +64,9 @@ PREFILL_STEP_SHARE = 0.15
 # prefilled 1.02 M tokens for 0.92 M sampled (BENCHMARKS.md, "Qwen3-0.6B's shape at the least cost"); a
 # step's own prompts are a few percent of its samples at GRPO's n.
 RECOMPUTE_SHARE = 0.25
+# ... and preemptions at least this share of the step's sequences, so that tool outputs prefilled into
+# multi-turn conversations, beside a few preemptions, are not taken for recomputation.
+PREEMPTED_SHARE = 0.05
 
 
 def phase_shares(rows: Sequence[Row]) -> dict[str, float]:
@@ -300,17 +303,24 @@ def long_prefill(rows: Sequence[Row]) -> list[Finding]:
 
 
 def kv_recompute(rows: Sequence[Row]) -> list[Finding]:
-    """The native engine preempting and recomputing (`rollout/preemptions` > 0 and `rollout/prefill_tokens`
-    RECOMPUTE_SHARE of `rollout/generated_tokens` or more), medians of the last TAIL_STEPS steps after the
-    first: the sequences in flight outgrow the KV cache, and what it evicts is prefilled again."""
+    """The native engine preempting and recomputing, medians of the last TAIL_STEPS steps after the first:
+    `rollout/prefill_tokens` RECOMPUTE_SHARE of `rollout/generated_tokens` or more, and `rollout/preemptions`
+    PREEMPTED_SHARE or more of the step's sequences (generated tokens over `response_length/mean`): the
+    sequences in flight outgrow the KV cache, and what it preempts is prefilled again."""
     train, recent = recent_steps(rows, logs("rollout/preemptions"))
     if not recent:
         return []
 
-    preemptions, prefilled, sampled = medians(
-        recent, "rollout/preemptions", "rollout/prefill_tokens", "rollout/generated_tokens"
+    preemptions, prefilled, sampled, length = medians(
+        recent,
+        "rollout/preemptions",
+        "rollout/prefill_tokens",
+        "rollout/generated_tokens",
+        "response_length/mean",
     )
-    if preemptions <= 0 or sampled <= 0 or prefilled / sampled < RECOMPUTE_SHARE:
+    if length <= 0 or sampled <= 0 or prefilled / sampled < RECOMPUTE_SHARE:
+        return []
+    if preemptions < PREEMPTED_SHARE * sampled / length:
         return []
     return tail_finding(
         "kv_recompute",
