@@ -14,14 +14,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "tools
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from prefill_overlap import layer_flops, main
 from shapes import shape_of
+from transformers import AutoConfig
+
+from fulcrum.models.arch import model_shape
 
 
 def test_a_layers_flops_are_the_products_and_causal_attention() -> None:
-    fields = shape_of("qwen2.5-0.5b")[1]
+    model_type, fields = shape_of("qwen2.5-0.5b")
+    shape = model_shape(AutoConfig.for_model(model_type, **fields))
     # the four products: 29.8 MFLOP a token a layer at Qwen2.5-0.5B's shape
-    assert layer_flops(fields, [1]) == pytest.approx(29_818_880 + 2 * 896)  # + one token's attention
+    assert layer_flops(shape, [1]) == pytest.approx(29_818_880 + 2 * 896)  # + one token's attention
     # 16 prompts of 8k over 24 layers: 93.8 TFLOP of products and 46.2 of causal attention
-    total = layer_flops(fields, [8192] * 16) * 24
+    total = layer_flops(shape, [8192] * 16) * 24
     assert total == pytest.approx(93.8e12 + 46.2e12, rel=2e-3)
 
 

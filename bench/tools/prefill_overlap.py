@@ -34,9 +34,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from prefill_attention import attention_flops
 from shapes import shape_of
+from transformers import AutoConfig
 
 from fulcrum.device_facts import device_peak_flops
+from fulcrum.models.arch import model_shape
+from fulcrum.models.arch.spec import ModelShape, matmul_param_count
 from fulcrum.models.packed_attention import varlen_causal_attention
 from fulcrum.rollout.native import kernels, ops
 
@@ -67,15 +71,13 @@ def layer_weights(fields: dict[str, Any], dtype: torch.dtype, device: torch.devi
     }
 
 
-def layer_flops(fields: dict[str, Any], lengths: list[int]) -> float:
-    """One layer's dense FLOPs over prompts of `lengths`: the four products (2 · tokens · in · out each) and
-    causal attention (4 · c² · heads · head_dim / 2 a prompt)."""
-    hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
-    head_dim = fields.get("head_dim") or hidden // heads
-    q_size, kv_size = heads * head_dim, fields["num_key_value_heads"] * head_dim
-    inter = fields["intermediate_size"]
-    per_token = 2 * hidden * (q_size + 2 * kv_size) + 2 * q_size * hidden + 2 * hidden * 3 * inter
-    return sum(lengths) * per_token + sum(2 * c * c * q_size for c in lengths)
+def layer_flops(shape: ModelShape, lengths: list[int]) -> float:
+    """One layer's dense FLOPs over prompts of `lengths`: its products, 2 · tokens · the layer's share of
+    `matmul_param_count` (the embedding left out), and causal attention (`prefill_attention.attention_flops`)."""
+    products = (matmul_param_count(shape, lm_head=False) - shape.vocab * shape.hidden) / shape.layers
+    return 2 * sum(lengths) * products + sum(
+        attention_flops(1, c, shape.heads, shape.head_dim) for c in lengths
+    )
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="a tiny shape on the CPU: the mechanics only")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    fields = shape_of(args.shape, tiny=args.small)[1]
+    model_type, fields = shape_of(args.shape, tiny=args.small)
     if args.small:
         args.context, args.prompts = 24, 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize(device)
         one_ms = timed_ms(lambda: run_streams(layers, packed, count, None), args.repeats)
         two_ms = timed_ms(lambda: run_streams(layers, halves, count, side), args.repeats)
-        flops = layer_flops(fields, lengths) * count
+        flops = layer_flops(model_shape(AutoConfig.for_model(model_type, **fields)), lengths) * count
         peak = device_peak_flops(device)
         one_s, two_s = statistics.median(one_ms) / 1e3, statistics.median(two_ms) / 1e3
         summary |= {

@@ -247,14 +247,14 @@ def partial_rollout_costs(rows: Sequence[Row]) -> list[Finding]:
     if not recent:
         return []
 
-    step_s, prefill_s, old_s = medians(recent, "timing_s/step", "rollout/prefill_s", "timing_s/old_log_prob")
+    step_s, prefill_s, old_s, tokens = medians(
+        recent, "timing_s/step", "rollout/prefill_s", "timing_s/old_log_prob", "rollout/prefill_tokens"
+    )
     if step_s <= 0 or (prefill_s + old_s) / step_s < PARTIAL_COST_SHARE:
         return []
     parts, fixes = [], []
     if prefill_s / step_s >= PARTIAL_PART_SHARE:
-        parts.append(
-            f"the engine's prefill {prefill_s:.1f} s ({medians(recent, 'rollout/prefill_tokens')[0]:,.0f} tokens)"
-        )
+        parts.append(f"the engine's prefill {prefill_s:.1f} s ({tokens:,.0f} tokens)")
         fixes.append(
             "actor_rollout_ref.rollout.free_cache_engine=False keeps the held samples' K/V through training, "
             "where doctor's estimate fits the cache beside the training passes"

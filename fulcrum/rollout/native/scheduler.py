@@ -208,7 +208,7 @@ class Scheduler:
         state_reserve = 0  # state slots they take (hybrid models)
         context = 0  # the step's keys: its sequences' cached and new tokens
         reads_cache = False  # whether attention reads every sequence's context back from the cache
-        growth = self._headroom_blocks()
+        growth: int | None = None  # counted once a sequence with nothing cached asks (most rounds, none does)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             remaining = seq.num_tokens - seq.num_computed
@@ -228,7 +228,10 @@ class Scheduler:
             states = self.blocks.states_needed(seq, seq.num_samples - 1 if completes else 0) + state_reserve
             # A sequence with K/V cached (a next turn over its kept prefix, a chunked prompt under way)
             # already holds most of its blocks: only one with nothing cached waits for the headroom.
-            reserve = growth if seq.num_computed == 0 else 0
+            reserve = 0
+            if seq.num_computed == 0:
+                growth = self._headroom_blocks() if growth is None else growth
+                reserve = growth
             while not self.blocks.fits(need + forks + fork_reserve + reserve, states) and self.evict_held():
                 pass
             if not self.blocks.fits(need + forks + fork_reserve + reserve, states):
