@@ -75,6 +75,7 @@ def test_decode_steps_split_into_kernel_kinds_launch_gaps_and_the_gap_between_wi
         "gpu_wall_s": 0.025,
         "gpu_busy_by_category_s": {"attention": 0.025},
         "top_kernels": {"attention": [["flash_fwd_kernel", 0.025, 1]]},
+        "idle_gaps": {"count": 0, "idle_ms": 0.0, "long_count": 0, "long_idle_ms": 0.0, "largest": []},
     }
 
 
@@ -102,6 +103,26 @@ def test_prefill_counts_each_launch_whether_before_its_read_or_inside_the_step_b
     assert (prefill["steps"], prefill["host_s"], prefill["gpu_busy_s"]) == (3, 0.08, 0.06)
     # Busy 60 ms of a 64 ms span (6-70 ms): the GPU waited 4 ms between steps 1 and 2.
     assert prefill["gpu_wall_s"] == 0.064 and prefill["gpu_busy_by_category_s"] == {"attention": 0.06}
+    # That wait is one gap, long (a host's, not a launch's), between the second and third kernels.
+    gaps = prefill["idle_gaps"]
+    assert (gaps["count"], gaps["idle_ms"], gaps["long_count"], gaps["long_idle_ms"]) == (1, 4.0, 1, 4.0)
+    assert gaps["largest"] == [[4000.0, "flash_fwd_kernel", "flash_fwd_kernel"]]
+
+
+def test_idle_gaps_split_launch_gaps_from_the_host_waits_and_name_the_kernels_around_the_longest() -> None:
+    from decode_profile import DeviceEvent, idle_gaps
+
+    events = [
+        DeviceEvent("gemm_a", 0, 100, "gemm"),
+        DeviceEvent("side_stream", 50, 120, "other"),  # overlaps: the union reaches 120
+        DeviceEvent("rms_norm", 123, 130, "norm_rope_act"),  # a 3 µs launch gap
+        DeviceEvent("flash_fwd", 330, 400, "attention"),  # the host kept the device waiting 200 µs
+        DeviceEvent("silu_mul", 402, 410, "norm_rope_act"),  # 2 µs
+    ]
+    gaps = idle_gaps(events, largest=2)
+    assert (gaps["count"], gaps["long_count"]) == (3, 1)
+    assert (gaps["idle_ms"], gaps["long_idle_ms"]) == (0.205, 0.2)
+    assert gaps["largest"] == [[200.0, "rms_norm", "flash_fwd"], [3.0, "side_stream", "rms_norm"]]
 
 
 def test_a_cpu_run_annotates_the_engine_prefill_windows_and_steps(tmp_path: Path) -> None:

@@ -24,7 +24,9 @@ the GPU waiting for launches), `busy` split by `KERNEL_CATEGORIES`, and `host` (
 step). Medians over steps, and totals over the decode phase: its wall (first to last decode event),
 busy, idle within windows, and the GPU idle between consecutive windows (the host reading the
 window's tokens, the scheduler, the next window's block tables). The prefill phase: steps, host
-seconds, GPU busy and wall, busy per kernel category and each category's busiest kernels. Printed as a
+seconds, GPU busy and wall, busy per kernel category and each category's busiest kernels, and its GPU
+idle time as gaps (`idle_gaps`: launch gaps apart from the host's longer waits, the largest named by the
+kernels around them). Printed as a
 table, written as JSON with `--json`; `--trace FILE` keeps the Chrome trace (.json or .json.gz; Perfetto
 opens it).
 
@@ -222,7 +224,36 @@ def prefill_figures(trace: list[dict[str, Any]], on_device: bool) -> dict[str, A
                 category: [[name, round(us / 1e6, 4), count] for name, us, count in rows]
                 for category, rows in busiest_names(events, count=3).items()
             }
+            figures["idle_gaps"] = idle_gaps(events)
     return figures
+
+
+LONG_GAP_US = 50.0  # a launch gap is a few µs; a longer wait is the host (a sync, the scheduler, a copy)
+
+
+def idle_gaps(events: list[DeviceEvent], largest: int = 5) -> dict[str, Any]:
+    """Where the device waits between `events`: the gaps in the union of their spans, as their count and
+    milliseconds, split at `LONG_GAP_US` (launch gaps below, the host's waits above), and the `largest` gaps
+    as [µs, the event before, the event after] (names cut to 80 characters)."""
+    gaps: list[tuple[float, str, str]] = []
+    ordered = sorted(events, key=lambda e: (e.start, e.end))
+    reach, last = (ordered[0].end, ordered[0].name) if ordered else (0.0, "")
+    for event in ordered[1:]:
+        if event.start > reach:
+            gaps.append((event.start - reach, last, event.name))
+        if event.end > reach:
+            reach, last = event.end, event.name
+    long = [gap for gap in gaps if gap[0] > LONG_GAP_US]
+    return {
+        "count": len(gaps),
+        "idle_ms": round(sum(g[0] for g in gaps) / 1e3, 3),
+        "long_count": len(long),
+        "long_idle_ms": round(sum(g[0] for g in long) / 1e3, 3),
+        "largest": [
+            [round(us, 1), before[:80], after[:80]]
+            for us, before, after in sorted(gaps, reverse=True)[:largest]
+        ],
+    }
 
 
 def busy_by_category(events: Iterable[DeviceEvent]) -> dict[str, float]:
@@ -382,6 +413,11 @@ def print_table(summary: dict[str, Any]) -> None:
     busy = f", GPU busy {prefill['gpu_busy_s']:.4f} s" if "gpu_busy_s" in prefill else ""
     print(f"\ndecode: {decode['windows']} windows, {decode['steps']} steps, {decode['wall_s']:.4f} s; "
           f"prefill: {prefill['steps']} steps, host {prefill['host_s']:.4f} s{busy}")  # fmt: skip
+    if gaps := prefill.get("idle_gaps"):
+        print(f"prefill GPU idle: {gaps['idle_ms']:.3f} ms in {gaps['count']} gaps, of which "
+              f"{gaps['long_idle_ms']:.3f} ms in {gaps['long_count']} over {LONG_GAP_US:.0f} µs")  # fmt: skip
+        for us, before, after in gaps["largest"]:
+            print(f"  gap {us:>9.1f} µs after {before[:50]} before {after[:50]}")
     print(f"{'per decode step (µs)':<28}{'median':>10}{'mean':>10}")
     keys = ["wall", "host", "busy", "idle", *KERNEL_CATEGORIES, OTHER]
     for key in (k for k in keys if k in step):
