@@ -368,7 +368,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Workload]:
     )
     parser.add_argument("--tool-latency-ms", type=float, default=1.0)
     parser.add_argument("--slow-latency-ms", type=float, default=200.0)
-    parser.add_argument("--lengths", default=None, help="JSON list of prompt lengths")
+    parser.add_argument(
+        "--lengths", default=None, help="a JSON file: a list of prompt lengths, repeated to the conversations"
+    )
     for flag, default in ENGINE_FLAGS.items():
         parser.add_argument(flag, type=type(default), default=default)
     parser.add_argument("--enforce-eager", action="store_true")

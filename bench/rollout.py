@@ -320,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="qwen2.5-0.5b", help="qwen2.5-0.5b, qwen3-0.6b or qwen3-moe-small")
     parser.add_argument("--prompts", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--lengths", default=None, help="JSON list of prompt lengths")
+    parser.add_argument(
+        "--lengths", default=None, help="a JSON file: a list of prompt lengths, repeated to --prompts"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--decode-steps", type=int, default=16)

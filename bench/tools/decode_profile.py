@@ -467,7 +467,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="a tiny model (smoke test of the script)")
     parser.add_argument("--shape", default="qwen2.5-0.5b", help="a bench/shapes.py shape (random weights)")
     parser.add_argument("--model", default=None, help="a Hugging Face checkpoint folder instead of --shape")
-    parser.add_argument("--lengths", default=None, help="JSON list of prompt lengths")
+    parser.add_argument(
+        "--lengths", default=None, help="a JSON file: a list of prompt lengths, repeated to --prompts"
+    )
     for option, (kind, default) in WORKLOAD_OPTIONS.items():
         parser.add_argument(option, type=kind, default=default)
     for flag in ("--enforce-eager", "--indirect-kv-cache", "--sequential-windows"):
