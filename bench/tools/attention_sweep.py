@@ -22,6 +22,15 @@ times the tail of a generation instead: 16 sequences (`TAIL_CASES`), SPLITS 1, 2
 inside a CUDA graph of 24 calls (`time_graph`: a call of a few microseconds timed alone is the host's
 launch), block tables as wide as an engine's for 1,536 positions, so the default launch splits as the
 engine's would (`default_splits`).
+
+    python bench/tools/attention_sweep.py --mixed [--json out.json]
+
+times wide batches of long, uneven contexts instead (`MIXED_CASES`): partial rollouts keep sequences
+thousands of tokens long beside ones just begun, where a synchronous step's sequences grow together. Each
+shape at contexts drawn log-uniformly over 64-8,192 and, as the control, evenly over 1,536-1,792, the
+block tables 8,448 positions wide (an engine for 8k responses); SPLITS 1-8, one layer's call timed alone.
+Where one program a (sequence, KV head) pair is the default (`decode_grid.wide_splits` at these widths),
+the longest pair's program may outlast the rest of the launch.
 """
 
 from __future__ import annotations
@@ -51,6 +60,15 @@ TAIL_CASES = [
     ("qwen3-0.6b ctx 600-1500", 16, 16, 8, 128, (600, 1500)),
 ]
 TAIL_TABLE_POSITIONS = 1536
+# `--mixed`: wide batches at long, uneven contexts (log-uniform) against even ones, in tables sized for 8k
+# responses. (name, sequences, query heads, KV heads, head dim, contexts, log-uniform)
+MIXED_CASES = [
+    ("qwen3-0.6b 192 seqs ctx 64-8192 log-uniform", 192, 16, 8, 128, (64, 8192), True),
+    ("qwen3-0.6b 192 seqs ctx 1536-1792", 192, 16, 8, 128, (1536, 1792), False),
+    ("qwen2.5-0.5b 512 seqs ctx 64-8192 log-uniform", 512, 14, 2, 64, (64, 8192), True),
+    ("qwen2.5-0.5b 512 seqs ctx 1536-1792", 512, 14, 2, 64, (1536, 1792), False),
+]
+MIXED_TABLE_POSITIONS = 8448
 
 
 def decode_batch(
@@ -62,13 +80,20 @@ def decode_batch(
     seed: int = 0,
     context: tuple[int, int] = (PROMPT[0], PROMPT[1] + RESPONSE),
     table_positions: int = 0,
+    log_uniform: bool = False,
 ) -> dict:
     """One decode step's inputs: q, the paged caches, block tables and context lengths (drawn uniformly
-    from `context`'s [low, high), the rollout's by default). `table_positions`: the block tables' width
-    in positions, as an engine sizes them for its longest sequence (the default launch's split count
-    reads it); 0: the longest context's."""
+    from `context`'s [low, high), the rollout's by default; with `log_uniform`, exp(U(ln low, ln high)),
+    as many short contexts as long ones a decade). `table_positions`: the block tables' width in
+    positions, as an engine sizes them for its longest sequence (the default launch's split count reads
+    it); 0: the longest context's."""
     gen = torch.Generator().manual_seed(seed)
-    lens = torch.randint(context[0], context[1], (sequences,), generator=gen)
+    if log_uniform:
+        low, high = torch.tensor(float(context[0])).log(), torch.tensor(float(context[1])).log()
+        draw = torch.rand(sequences, generator=gen, dtype=torch.float64)
+        lens = (low + (high - low) * draw).exp().long().clamp(context[0], context[1] - 1)
+    else:
+        lens = torch.randint(context[0], context[1], (sequences,), generator=gen)
     blocks_per_seq = (lens + BLOCK - 1) // BLOCK
     width = max(int(blocks_per_seq.max()), -(-table_positions // BLOCK))
     total = int(blocks_per_seq.sum()) + 1
@@ -86,6 +111,17 @@ def decode_batch(
         "block_tables": tables.to(device),
         "context_lens": lens.to(device=device, dtype=torch.int32),
         "kv_bytes": int(lens.sum()) * kv_heads * dim * 2 * 2,
+    }
+
+
+def context_summary(context_lens: torch.Tensor) -> dict[str, int]:
+    """The batch's shortest, median and longest context and its mean (positions)."""
+    lens = sorted(int(x) for x in context_lens.tolist())
+    return {
+        "min": lens[0],
+        "median": lens[len(lens) // 2],
+        "max": lens[-1],
+        "mean": round(sum(lens) / len(lens)),
     }
 
 
@@ -179,13 +215,22 @@ def main() -> None:
         action="store_true",
         help="16 sequences a case (TAIL_CASES), SPLITS 1-8, each launch timed inside a CUDA graph",
     )
+    parser.add_argument(
+        "--mixed",
+        action="store_true",
+        help="wide batches at uneven long contexts and at even ones (MIXED_CASES), SPLITS 1-8",
+    )
     args = parser.parse_args()
     if args.tail:
-        cases = TAIL_CASES
+        cases = [(*case, False) for case in TAIL_CASES]
         grid = itertools.product((32, 64, 128), (1, 2, 4), (2, 4), (1, 2, 4, 8))
         timer, table_positions = time_graph, TAIL_TABLE_POSITIONS
+    elif args.mixed:
+        cases = MIXED_CASES
+        grid = itertools.product((64,), (1, 2, 4), (4,), (1, 2, 4, 8))
+        timer, table_positions = time_call, MIXED_TABLE_POSITIONS
     else:
-        cases = [(*shape, (PROMPT[0], PROMPT[1] + RESPONSE)) for shape in SHAPES]
+        cases = [(*shape, (PROMPT[0], PROMPT[1] + RESPONSE), False) for shape in SHAPES]
         grid = itertools.product((32, 64, 128), (1, 2, 4), (2, 3, 4), (1, 2))
         timer, table_positions = time_call, 0
     launches = [
@@ -193,7 +238,7 @@ def main() -> None:
         for tile, warps, stages, splits in grid
     ]
     results = []
-    for name, sequences, heads, kv_heads, dim, context in cases:
+    for name, sequences, heads, kv_heads, dim, context, log_uniform in cases:
         batch = decode_batch(
             sequences,
             heads,
@@ -202,6 +247,7 @@ def main() -> None:
             torch.device("cuda"),
             context=context,
             table_positions=table_positions,
+            log_uniform=log_uniform,
         )
         kv_bytes = batch.pop("kv_bytes")
         scale = dim**-0.5
@@ -231,6 +277,7 @@ def main() -> None:
             "default_splits": decode_grid.decode_launch(
                 sequences, kv_heads, batch["block_tables"].shape[1] * BLOCK, torch.device("cuda")
             )["SPLITS"],
+            "contexts": context_summary(batch["context_lens"]),
             "default_us": round(default_us, 2),
             "default_tb_s": round(kv_bytes / default_us / 1e6, 3),
             "best": best,
