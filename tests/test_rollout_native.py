@@ -515,6 +515,26 @@ def test_a_prompt_is_admitted_only_where_the_running_sequences_keep_their_headro
         assert work.seqs == [first] and len(scheduler.waiting) == 1
 
 
+@pytest.mark.parametrize(("headroom", "admitted"), [(64, 1), (0, 2)])
+def test_the_headroom_counts_the_prompts_admitted_in_the_same_step(headroom: int, admitted: int) -> None:
+    """Nothing runs yet: a first prompt of 16 tokens takes 1 of the 6 free blocks and, once admitted, runs
+    beside whatever comes after it, so it keeps room for its next 64 tokens (4 more blocks); a second of
+    32 tokens (2 blocks) then waits for a later step, where without the headroom both start at once."""
+    blocks = BlockManager(num_blocks=7, block_size=16)  # 6 usable
+    scheduler = Scheduler(
+        EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, headroom_tokens=headroom), blocks
+    )
+    for index, length in enumerate((16, 32)):
+        scheduler.add(
+            Sequence(
+                token_ids=list(range(length)), num_prompt_tokens=length, output_index=index, max_tokens=1000
+            )
+        )
+    work = scheduler.schedule()
+    assert isinstance(work, PrefillWork) and work.lengths == [16, 32][:admitted]
+    assert len(scheduler.waiting) == 2 - admitted
+
+
 def test_a_turn_over_its_cached_prefix_does_not_wait_for_the_headroom() -> None:
     """The headroom holds back only sequences with nothing cached: a next turn whose 16 tokens' K/V are
     kept (1 block held, 1 token to prefill) runs beside a sequence whose 64 tokens of headroom the free

@@ -208,7 +208,10 @@ class Scheduler:
         state_reserve = 0  # state slots they take (hybrid models)
         context = 0  # the step's keys: its sequences' cached and new tokens
         reads_cache = False  # whether attention reads every sequence's context back from the cache
-        growth: int | None = None  # counted once a sequence with nothing cached asks (most rounds, none does)
+        # Headroom blocks: the running sequences' (counted once a sequence with nothing cached asks; most
+        # rounds none does) and those this step admits, which run beside them once it is read.
+        running_growth: int | None = None
+        admitted_growth = 0
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             remaining = seq.num_tokens - seq.num_computed
@@ -230,8 +233,9 @@ class Scheduler:
             # already holds most of its blocks: only one with nothing cached waits for the headroom.
             reserve = 0
             if seq.num_computed == 0:
-                growth = self._headroom_blocks() if growth is None else growth
-                reserve = growth
+                if running_growth is None:
+                    running_growth = sum(self._headroom_blocks(s) for s in self.running)
+                reserve = running_growth + admitted_growth
             while not self.blocks.fits(need + forks + fork_reserve + reserve, states) and self.evict_held():
                 pass
             if not self.blocks.fits(need + forks + fork_reserve + reserve, states):
@@ -240,6 +244,8 @@ class Scheduler:
                 fork_reserve += forks
                 state_reserve += seq.num_samples - 1 if self.blocks.has_states else 0
             self.blocks.grow(seq, seq.num_computed + chunk)
+            if completes:  # each of its samples grows from its prompt's blocks
+                admitted_growth += seq.num_samples * self._headroom_blocks(seq)
             work.seqs.append(seq)
             work.starts.append(seq.num_computed)
             work.lengths.append(chunk)
@@ -280,16 +286,12 @@ class Scheduler:
         self._grow(self.running, steps - 1)
         return DecodeWork(list(self.running), steps)
 
-    def _headroom_blocks(self) -> int:
-        """Blocks the running sequences lack to grow by `headroom_tokens` each (by what their max_tokens
-        leaves, where that is less): what a prompt's admission must leave free."""
-        room = self.config.headroom_tokens
-        if room == 0:
-            return 0
-        return sum(
-            self.blocks.extra_blocks(seq, seq.num_tokens + min(room, seq.max_tokens - seq.num_generated))
-            for seq in self.running
-        )
+    def _headroom_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq` lacks to grow by `headroom_tokens` (by what its max_tokens leaves, where that is
+        less): summed over the running sequences and those admitted beside them, what a prompt's admission
+        must leave free."""
+        room = min(self.config.headroom_tokens, seq.max_tokens - seq.num_generated)
+        return self.blocks.extra_blocks(seq, seq.num_tokens + room) if room > 0 else 0
 
     def _release_parked(self) -> bool:
         """The last waiting sequence that holds blocks gives them back (its tokens are recomputed)."""
