@@ -255,7 +255,7 @@ class PPOTrainer:
         # Ctrl-C / SIGTERM: finish the step, save, exit (trainer.save_on_interrupt); else they stop at once.
         interrupt = GracefulInterrupt()
         self._interrupt = interrupt
-        if cfg.save_on_interrupt and self.checkpoints is not None:
+        if cfg.save_on_interrupt:
             interrupt.install()
         start_step = self.global_step
         # Each full pass of the cycle collector walks every long-lived object (0.2 s for the 370k that models,
@@ -293,7 +293,7 @@ class PPOTrainer:
                     raise self.nan_guard.error()
                 if self.interrupt_requested():
                     # The signal may land after this step's save check (e.g. while it was being logged).
-                    if self.checkpoints is not None and self.saved_step != self.global_step:
+                    if self.saved_step != self.global_step:
                         self.save_checkpoint()
                     print(f"stopped after step {self.global_step} (checkpoint saved)", flush=True)
                     self.exit_code = interrupt.exit_code if interrupt.requested else 128 + signal.SIGTERM
@@ -336,11 +336,7 @@ class PPOTrainer:
         self.global_step -= 1
         self.train_loader.load_state_dict(position[0])
         self.epoch = position[1]
-        if (
-            self.checkpoints is not None
-            and self.global_step > start_step
-            and self.saved_step != self.global_step
-        ):
+        if self.global_step > start_step and self.saved_step != self.global_step:
             self.save_checkpoint()
         # The words of the usual stop ("stopped after step N (checkpoint saved)"), which scripts look for.
         if self.global_step > 0:
@@ -449,11 +445,11 @@ class PPOTrainer:
                 with M.timer("testing", timing):
                     metrics.update(self.sampler.validate(self.val_dataset, self.global_step))
             interrupted = self.interrupt_requested()
-            if self.checkpoints is not None and not self.nan_guard.exceeded and (due["saves"] or interrupted):
+            if not self.nan_guard.exceeded and (due["saves"] or interrupted):
                 # timed: the stall (the host snapshot, and any wait for the write before)
                 with M.timer("save_checkpoint", timing):
                     self.save_checkpoint()
-            elif self.checkpoints is not None and trainer_cfg.save_freq > 0 and not self.dist.distributed:
+            elif trainer_cfg.save_freq > 0 and not self.dist.distributed:
                 self.checkpoints.prepare_host_buffers(self.roles())  # once: the first save's memory, mapped
         # 8. metrics
         critic = (self.critic.model.config, self.critic.ppo_epochs) if self.critic is not None else None
