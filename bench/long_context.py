@@ -80,6 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
 
 from attention_sweep import BLOCK, decode_batch, time_call
 from decode_profile import annotate_engine, prefill_figures, profiled_generate
+from prefill_attention import attention_flops
 from prefill_attention import sweep as prefill_attention_sweep
 from rollout import add_launch_options, random_prompts, set_launches, timed
 from shapes import shape_of
@@ -87,7 +88,7 @@ from shapes import shape_of
 from fulcrum.device_facts import device_peak_flops, hbm_bandwidth
 from fulcrum.models import packed_attention
 from fulcrum.models.arch import model_shape
-from fulcrum.models.arch.spec import kv_bytes_per_token, matmul_param_count
+from fulcrum.models.arch.spec import decoder_matmul_params, kv_bytes_per_token
 from fulcrum.rollout import SamplingParams
 from fulcrum.rollout.native import EngineConfig, NativeEngine, decode_grid, kernels
 from fulcrum.rollout.testing import random_causal_lm
@@ -120,11 +121,8 @@ def decode_bytes_per_step(weight_bytes: int, sequences: int, kv_per_token: int, 
 def prefill_flops(shape: Any, prompts: int, context: int) -> float:
     """Dense FLOPs of prefilling `prompts` prompts of `context` tokens: 2 · P_l · N·c + 2 · V · h · N +
     L · 4 · c² · q / 2 · N (the module docstring)."""
-    layers = (
-        matmul_param_count(shape, lm_head=False) - shape.vocab * shape.hidden
-    )  # the embedding is a lookup
-    q = shape.heads * shape.head_dim
-    attention = shape.attention_layers * 4 * context * context * q / 2
+    attention = shape.attention_layers * attention_flops(1, context, shape.heads, shape.head_dim)
+    layers = decoder_matmul_params(shape)  # the embedding is a lookup
     return prompts * (2 * layers * context + 2 * shape.vocab * shape.hidden + attention)
 
 

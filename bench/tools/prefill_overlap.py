@@ -40,7 +40,7 @@ from transformers import AutoConfig
 
 from fulcrum.device_facts import device_peak_flops
 from fulcrum.models.arch import model_shape
-from fulcrum.models.arch.spec import ModelShape, matmul_param_count
+from fulcrum.models.arch.spec import ModelShape, decoder_matmul_params
 from fulcrum.models.packed_attention import varlen_causal_attention
 from fulcrum.rollout.native import kernels, ops
 
@@ -73,8 +73,8 @@ def layer_weights(fields: dict[str, Any], dtype: torch.dtype, device: torch.devi
 
 def layer_flops(shape: ModelShape, lengths: list[int]) -> float:
     """One layer's dense FLOPs over prompts of `lengths`: its products, 2 · tokens · the layer's share of
-    `matmul_param_count` (the embedding left out), and causal attention (`prefill_attention.attention_flops`)."""
-    products = (matmul_param_count(shape, lm_head=False) - shape.vocab * shape.hidden) / shape.layers
+    `decoder_matmul_params`, and causal attention (`prefill_attention.attention_flops`)."""
+    products = decoder_matmul_params(shape) / shape.layers
     return 2 * sum(lengths) * products + sum(
         attention_flops(1, c, shape.heads, shape.head_dim) for c in lengths
     )

@@ -289,17 +289,22 @@ def param_count(shape: ModelShape, lm_head: bool = True) -> int:
     return shape.vocab * h + mixers + norms + _mlp_params(shape, False) + h + head
 
 
-def matmul_param_count(shape: ModelShape, lm_head: bool = True) -> int:
-    """verl's N for the MFU: per-layer attention and MLP linears, plus the embedding and the LM head
-    (`lm_head=False`, the critic with its scalar value head: the embedding once); biases and norms not
-    counted, a tied head counted twice, as verl; of a mixture of experts only the router and the
-    experts a token runs (its FLOPs)."""
+def decoder_matmul_params(shape: ModelShape) -> int:
+    """The decoder layers' linears: every layer's attention (or linear-attention) projections and MLP;
+    of a mixture of experts the router and the experts a token runs. A token's forward through the layers
+    is 2 · this many FLOPs, besides attention's own."""
     h, d = shape.hidden, shape.head_dim
     q = shape.heads * d * (2 if shape.attention_output_gate else 1)
     attention = h * (q + shape.heads * d + 2 * shape.kv_heads * d)
     linear = _linear_mixer_params(shape)[0] * shape.linear_layers if shape.linear_layers else 0
-    mixers = attention * shape.attention_layers + linear
-    return mixers + _mlp_params(shape, True) + (2 if lm_head else 1) * shape.vocab * h
+    return attention * shape.attention_layers + linear + _mlp_params(shape, True)
+
+
+def matmul_param_count(shape: ModelShape, lm_head: bool = True) -> int:
+    """verl's N for the MFU: `decoder_matmul_params`, plus the embedding and the LM head (`lm_head=False`,
+    the critic with its scalar value head: the embedding once); biases and norms not counted, a tied
+    head counted twice, as verl."""
+    return decoder_matmul_params(shape) + (2 if lm_head else 1) * shape.vocab * shape.hidden
 
 
 def train_flops(shape: ModelShape, seq_lengths: list[int], lm_head: bool = True) -> float:
