@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,7 @@ def decode_batch(
     it); 0: the longest context's."""
     gen = torch.Generator().manual_seed(seed)
     if log_uniform:
-        low, high = torch.tensor(float(context[0])).log(), torch.tensor(float(context[1])).log()
+        low, high = math.log(context[0]), math.log(context[1])
         draw = torch.rand(sequences, generator=gen, dtype=torch.float64)
         lens = (low + (high - low) * draw).exp().long().clamp(context[0], context[1] - 1)
     else:
