@@ -63,3 +63,33 @@ def test_a_cache_no_share_can_grow_enough_gets_max_num_seqs_not_a_share_above_on
     assert "actor_rollout_ref.rollout.max_num_seqs=" in out and "rules it out" in out
     fix = next(line for line in out.splitlines() if "fix:" in line and "max_num_seqs" in line)
     assert "gpu_memory_utilization=" not in fix  # the share is said as what it would need, not as a fix
+
+
+def test_partial_rollouts_count_every_batch_in_flight(qwen25: Path, capsys) -> None:
+    """Partial rollouts hold the step's prompt batch and `num_warmup_batches` more at once: GRPO 64 x 8 of
+    16k responses needs 64 x 512 + 512 x 16,384 tokens synchronously, and with one warm-up batch twice the
+    prompts and sequences (1,024, under the command's max_num_seqs of 1,896)."""
+    keys = [
+        *seed_command(qwen25),
+        "trainer.device=cpu",
+        "data.train_batch_size=64",
+        "actor_rollout_ref.rollout.n=8",
+        "data.max_response_length=16384",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+        "critic.ppo_mini_batch_size=64",
+        "algorithm.adv_estimator=grpo",
+    ]
+    doctor.main([*keys, "--device-memory-gib", "80"])
+    sync = capsys.readouterr().out
+    assert f"a step's sequences at their longest need {64 * 512 + 512 * 16384:,}" in sync
+    assert "num_warmup_batches" not in sync
+    partial = [*keys, "trainer.use_v1=True", "trainer.v1.trainer_mode=colocate_async"]
+    doctor.main([*partial, "--device-memory-gib", "80"])
+    out = capsys.readouterr().out
+    assert (
+        f"the 2 prompt batches in flight (partial rollouts) at their longest need {128 * 512 + 1024 * 16384:,}"
+        in out
+    )
+    assert "fewer trainer.v1.colocate_async.num_warmup_batches" in out
+    doctor.main([*partial, "trainer.v1.colocate_async.num_warmup_batches=0", "--device-memory-gib", "80"])
+    assert f"a step's sequences at their longest need {64 * 512 + 512 * 16384:,}" in capsys.readouterr().out

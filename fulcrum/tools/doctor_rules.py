@@ -372,13 +372,24 @@ def sequences_that_fit(kv_tokens: int, n: int, prompt_len: int, response_len: in
     return s
 
 
+def batches_in_flight(trainer: Any) -> int:
+    """Prompt batches the engine holds at once: 1, or under partial rollouts the step's own and
+    `trainer.v1.colocate_async.num_warmup_batches` more (the groups carried to the next step keep
+    decoding beside the new batch)."""
+    if not partial_rollouts_on(trainer):
+        return 1
+    return 1 + int(trainer.v1.colocate_async.num_warmup_batches)
+
+
 def check_kv_preemption(ctx: DoctorContext) -> list[Finding]:
-    """The native engine's KV cache below what a step's sequences need at their longest: it preempts."""
+    """The native engine's KV cache below what the sequences in flight need at their longest: it preempts.
+    Under partial rollouts every batch in flight counts (`batches_in_flight`)."""
     rollout = ctx.cfg.actor_rollout_ref.rollout
     est = memory_estimate(ctx) if rollout.name == "native" else None
     if est is None or est.kv_tokens <= 0:  # no cache at all is check_memory's error
         return []
-    prompts = ctx.cfg.data.train_batch_size // max(world_size(ctx.cfg), 1)
+    batches = batches_in_flight(ctx.cfg.trainer)
+    prompts = batches * (ctx.cfg.data.train_batch_size // max(world_size(ctx.cfg), 1))
     response_len = rollout.response_length or ctx.cfg.data.max_response_length
     needed = kv_tokens_needed(
         prompts, rollout.n, rollout.max_num_seqs, ctx.cfg.data.max_prompt_length, response_len
@@ -392,24 +403,33 @@ def check_kv_preemption(ctx: DoctorContext) -> list[Finding]:
     key = rollout.key("gpu_memory_utilization")
     generation = next(p for p in est.phases if p.name == "generation")
     most = rollout.gpu_memory_utilization + (est.device_bytes - generation.total) / est.device_bytes
+    warmup_key = "trainer.v1.colocate_async.num_warmup_batches"
+    fewer = f", or fewer {warmup_key}" if batches > 1 else ""
     if share <= min(most, 1.0):
-        fix = f"{key}={math.ceil(share * 100) / 100:.2f} or more, or a smaller max_num_seqs (fewer sequences at once)"
+        fix = (
+            f"{key}={math.ceil(share * 100) / 100:.2f} or more, or a smaller max_num_seqs (fewer sequences "
+            f"at once){fewer}"
+        )
     else:  # no share of this device holds them: only fewer sequences at once rule preemption out
         fits = sequences_that_fit(est.kv_tokens, rollout.n, ctx.cfg.data.max_prompt_length, response_len)
         fix = (
             f"{rollout.key('max_num_seqs')}={fits} rules it out (that many sequences at their longest fit; "
-            f"{key} would need {share:.2f} of the device), at the cost of decoding fewer at once: where few "
-            "responses reach the longest together, keep the batch and watch rollout/preemptions"
+            f"{key} would need {share:.2f} of the device){fewer}, at the cost of decoding fewer at once: "
+            "where few responses reach the longest together, keep the batch and watch rollout/preemptions"
         )
+    sequences = (
+        "a step's sequences" if batches == 1 else f"the {batches} prompt batches in flight (partial rollouts)"
+    )
+    keys = (
+        key,
+        rollout.key("max_num_seqs"),
+        ctx.cfg.data.key("max_prompt_length"),
+        rollout.key("response_length"),
+    )
     return [
         Finding(
-            (
-                key,
-                rollout.key("max_num_seqs"),
-                ctx.cfg.data.key("max_prompt_length"),
-                rollout.key("response_length"),
-            ),
-            f"the KV cache holds {est.kv_tokens:,} tokens; a step's sequences at their longest need "
+            keys + ((warmup_key,) if batches > 1 else ()),
+            f"the KV cache holds {est.kv_tokens:,} tokens; {sequences} at their longest need "
             f"{needed:,}: the rollout preempts (frees and later recomputes sequences) when they run long",
             "warning",
             why="a preempted sequence's prefill and decode are done again, so generation slows as the cache "
