@@ -130,3 +130,12 @@ def test_an_engine_with_a_long_max_model_len_decodes_as_the_torch_path() -> None
     width = engine.runner.max_blocks_per_seq * engine.runner.block_size
     assert decode_splits(2, model.config.num_key_value_heads, width, decode_grid.DEFAULT_SM_COUNT) == 8
     assert engine.generate(prompts, params).token_ids == expected.generate(prompts, params).token_ids
+
+
+def test_the_decode_order_takes_the_rows_longest_context_first() -> None:
+    context_lens = torch.tensor([70, 1, 8_192, 300, 8_192, 64], dtype=torch.int32)
+    order = decode_grid.decode_order(context_lens)
+    assert order.dtype == torch.int32
+    assert sorted(order.tolist()) == list(range(6))  # every row once
+    assert context_lens[order].tolist() == [8_192, 8_192, 300, 70, 64, 1]
+    assert not decode_grid.orders_rows() and decode_grid.orders_rows({"ORDER": 1})  # off unless launched so

@@ -31,16 +31,24 @@ def tol(dtype: torch.dtype) -> dict[str, float]:
     return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
 
 
-SPLIT_LAUNCHES = [None, {"TILE": 16, "SPLITS": 3}, {"TILE": 64, "SPLITS": 4}]
+SPLIT_LAUNCHES = [
+    None,
+    {"TILE": 16, "SPLITS": 3},
+    {"TILE": 64, "SPLITS": 4},
+    {"TILE": 16, "SPLITS": 1, "ORDER": 1},
+    {"TILE": 16, "SPLITS": 3, "ORDER": 1},
+]
+SPLIT_IDS = ["one-program", "splits-3-of-16", "splits-4-of-64", "longest-first", "longest-first-splits-3"]
 
 
-@pytest.mark.parametrize("launch", SPLIT_LAUNCHES, ids=["one-program", "splits-3-of-16", "splits-4-of-64"])
+@pytest.mark.parametrize("launch", SPLIT_LAUNCHES, ids=SPLIT_IDS)
 @pytest.mark.parametrize("window", [None, 20], ids=["full", "sliding-window"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_decode_attention_matches_gather_sdpa(dtype, window, launch):
     """With a window of 20 the contexts of 70 and 112 tokens start inside a tile and a block. Split
     over several programs a context's tiles are shared out unevenly, and some splits read nothing (a
-    one-token context, four splits of one 64-token tile)."""
+    one-token context, four splits of one 64-token tile). Longest first (ORDER), the programs take the
+    rows in the reverse of the batch's order, and each row's output still lands in its own row."""
     from fulcrum.rollout.native.kernels import paged_decode_attention
 
     torch.manual_seed(0)
@@ -57,13 +65,16 @@ def test_paged_decode_attention_matches_gather_sdpa(dtype, window, launch):
     torch.testing.assert_close(got, expected, **tol(dtype))
 
 
+@pytest.mark.parametrize("order", [0, 1], ids=["batch-order", "longest-first"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_paged_decode_attention_over_an_indirect_cache_matches_gather_sdpa(monkeypatch, splits):
-    """The cache's address read on the device (graphs that survive sleep), split or not."""
+def test_paged_decode_attention_over_an_indirect_cache_matches_gather_sdpa(monkeypatch, splits, order):
+    """The cache's address read on the device (graphs that survive sleep), split or not, the rows taken
+    in the batch's order or longest first."""
     from fulcrum.rollout.native import decode_grid, kernels
 
     monkeypatch.setitem(decode_grid.DECODE_LAUNCH, "SPLITS", splits)
     monkeypatch.setitem(decode_grid.DECODE_LAUNCH, "TILE", 16)
+    monkeypatch.setitem(decode_grid.DECODE_LAUNCH, "ORDER", order)
     torch.manual_seed(1)
     batch, heads, kv_heads, dim, block, layers = 3, 14, 2, 64, 16, 2
     cache = torch.randn(layers, 2, 20 * block, kv_heads, dim, device=DEVICE, dtype=torch.float32)
@@ -491,6 +502,35 @@ def test_the_engine_never_reads_a_kv_slot_before_writing_it():
     assert engine.stats["preemptions"] > 0
     assert poisoned.token_ids == expected
     assert all(torch.isfinite(torch.tensor(lp)).all() for lp in poisoned.logprobs)
+
+
+def test_an_engine_taking_its_decode_rows_longest_first_samples_the_torch_paths_tokens(monkeypatch):
+    """With the decode launch's ORDER the engine's decode steps hand the kernel the rows longest context
+    first (AttentionMetadata.decode_order, once a step): prompts of 1 to 40 tokens decode side by side,
+    through chunked prefill and preemption, and the greedy tokens and log-probs are the torch path's."""
+    from fulcrum.rollout import SamplingParams
+    from fulcrum.rollout.native import NativeEngine, decode_grid
+    from fulcrum.rollout.testing import random_causal_lm
+
+    monkeypatch.setitem(decode_grid.DECODE_LAUNCH, "ORDER", 1)
+    orders = []
+    monkeypatch.setattr(
+        "fulcrum.rollout.native.model_runner.decode_order",
+        lambda lens: orders.append(lens.clone()) or decode_grid.decode_order(lens),
+    )
+    model = random_causal_lm("qwen2", init_std=0.2).to(DEVICE)
+    prompts, config = chunked_engine_case(vocab=256, num_kv_blocks=12)
+    params = SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True)
+    reference = NativeEngine(model, [1], 0, dataclasses.replace(config, triton_kernels=False), DEVICE)
+    expected = reference.generate(prompts, params)
+    assert not orders  # the torch path has no kernel to order
+    engine = NativeEngine(model, [1], 0, dataclasses.replace(config, triton_kernels=True), DEVICE)
+    out = engine.generate(prompts, params)
+    assert orders and any(len(set(lens.tolist())) > 1 for lens in orders)  # uneven contexts were ordered
+    assert engine.stats["preemptions"] > 0
+    assert out.token_ids == expected.token_ids
+    for ours, theirs in zip(out.logprobs, expected.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])

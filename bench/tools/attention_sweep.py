@@ -28,9 +28,11 @@ engine's would (`default_splits`).
 times wide batches of long, uneven contexts instead (`MIXED_CASES`): partial rollouts keep sequences
 thousands of tokens long beside ones just begun, where a synchronous step's sequences grow together. Each
 shape at contexts drawn log-uniformly over 64-8,192 and, as the control, evenly over 1,536-1,792, the
-block tables 8,448 positions wide (an engine for 8k responses); SPLITS 1-8, one layer's call timed alone.
-Where one program a (sequence, KV head) pair is the default (`decode_grid.wide_splits` at these widths),
-the longest pair's program may outlast the rest of the launch.
+block tables 8,448 positions wide (an engine for 8k responses); SPLITS 1-8 and ORDER 0 and 1 (the rows in
+the batch's order or longest context first, `decode_grid.decode_order`, given to the kernel as the engine
+gives it once a step; `order_us`: the ordering's own time), one layer's call timed alone. Where one
+program a (sequence, KV head) pair is the default (`decode_grid.wide_splits` at these widths), the longest
+pair's program may outlast the rest of the launch.
 """
 
 from __future__ import annotations
@@ -224,19 +226,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.tail:
         cases = [(*case, False) for case in TAIL_CASES]
-        grid = itertools.product((32, 64, 128), (1, 2, 4), (2, 4), (1, 2, 4, 8))
+        grid = itertools.product((32, 64, 128), (1, 2, 4), (2, 4), (1, 2, 4, 8), (0,))
         timer, table_positions = time_graph, TAIL_TABLE_POSITIONS
     elif args.mixed:
         cases = MIXED_CASES
-        grid = itertools.product((64,), (1, 2, 4), (4,), (1, 2, 4, 8))
+        grid = itertools.product((64,), (1, 2, 4), (4,), (1, 2, 4, 8), (0, 1))
         timer, table_positions = time_call, MIXED_TABLE_POSITIONS
     else:
         cases = [(*shape, (PROMPT[0], PROMPT[1] + RESPONSE), False) for shape in SHAPES]
-        grid = itertools.product((32, 64, 128), (1, 2, 4), (2, 3, 4), (1, 2))
+        grid = itertools.product((32, 64, 128), (1, 2, 4), (2, 3, 4), (1, 2), (0,))
         timer, table_positions = time_call, 0
     launches = [
-        {"TILE": tile, "SPLITS": splits, "num_warps": warps, "num_stages": stages}
-        for tile, warps, stages, splits in grid
+        {"TILE": tile, "SPLITS": splits, "num_warps": warps, "num_stages": stages, "ORDER": order}
+        for tile, warps, stages, splits, order in grid
     ]
     results = []
     for name, sequences, heads, kv_heads, dim, context, log_uniform in cases:
@@ -252,9 +254,17 @@ def main() -> None:
         )
         kv_bytes = batch.pop("kv_bytes")
         scale = dim**-0.5
+        # The engine orders the rows once a decode step for all its layers: the kernel is timed with
+        # the order given, and the ordering itself apart.
+        order = decode_grid.decode_order(batch["context_lens"])
+        order_us = time_call(lambda lens=batch["context_lens"]: decode_grid.decode_order(lens))
 
-        def run(launch: dict[str, int] | None, batch: dict = batch, scale: float = scale) -> torch.Tensor:
-            return kernels.paged_decode_attention(**batch, block_size=BLOCK, scale=scale, launch=launch)
+        def run(
+            launch: dict[str, int] | None, batch: dict = batch, scale: float = scale, order=order
+        ) -> torch.Tensor:
+            return kernels.paged_decode_attention(
+                **batch, block_size=BLOCK, scale=scale, launch=launch, order=order
+            )
 
         reference = run(None)
         default_us = timer(lambda: run(None))
@@ -280,13 +290,14 @@ def main() -> None:
             )["SPLITS"],
             "contexts": context_summary(batch["context_lens"]),
             "default_us": round(default_us, 2),
+            "order_us": round(order_us, 2),
             "default_tb_s": round(kv_bytes / default_us / 1e6, 3),
             "best": best,
             "speedup": round(default_us / best["us"], 3),
         }
         print(json.dumps(summary), flush=True)
         results.append({"summary": summary, "rows": rows})
-    common = best_common(results, ("TILE", "SPLITS", "num_warps", "num_stages"))
+    common = best_common(results, ("TILE", "SPLITS", "num_warps", "num_stages", "ORDER"))
     report_common(results, common, "shapes", args.json)
 
 

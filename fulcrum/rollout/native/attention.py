@@ -50,6 +50,9 @@ class AttentionMetadata:
     # decode
     block_tables: torch.Tensor | None = None  # (B, max_blocks) int32
     context_lens: torch.Tensor | None = None  # (B,) int32, the current token included
+    # The rows longest context first (decode_grid.decode_order), once a step for every layer's decode
+    # kernel, when its launch takes them in that order (decode_grid.orders_rows); else None.
+    decode_order: torch.Tensor | None = None
     max_context: int = 0  # the CPU gather path's width
     use_triton: bool = False
     # CUDA decode: the cache seen through its device-held address (kernels.IndirectCache), so that
@@ -122,6 +125,7 @@ def paged_attention(
             meta.block_size,
             scale,
             window,
+            order=meta.decode_order,
         )
     k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
     if not meta.is_prefill:
@@ -137,6 +141,7 @@ def paged_attention(
                 meta.block_size,
                 scale,
                 window=window,
+                order=meta.decode_order,
             )
         return ops.decode_attention_gather(
             q,

@@ -10,8 +10,9 @@ import torch
 # The paged decode kernel's launch: TILE positions a loop iteration, SPLITS programs a (sequence, KV head)
 # (flash-decoding; 1: the kernel writes the output itself; 0: chosen per launch by `decode_splits`), and
 # Triton's num_warps and num_stages (absent: Triton's defaults). A tuned value, one launch for every model
-# shape: `bench/tools/attention_sweep.py` times the alternatives on a GPU.
-DECODE_LAUNCH: dict[str, int] = {"TILE": 64, "SPLITS": 0, "num_warps": 1, "num_stages": 4}
+# shape: `bench/tools/attention_sweep.py` times the alternatives on a GPU. ORDER 1: the programs take the
+# rows longest context first (`decode_order`); 0: in the batch's order.
+DECODE_LAUNCH: dict[str, int] = {"TILE": 64, "SPLITS": 0, "num_warps": 1, "num_stages": 4, "ORDER": 0}
 # `decode_splits`' rule. Programs wanted in a launch, per SM: a one-warp program holding a few K/V tiles in
 # flight (num_stages) leaves room for one or two such programs on an SM, and a launch of a few waves of
 # long programs idles every SM but a few in its last wave, so the grid is made several waves deep.
@@ -81,6 +82,21 @@ def decode_splits(batch: int, kv_heads: int, max_context: int, sm_count: int) ->
         wide_splits(batch, kv_heads, max_context, sm_count),
         tail_splits(batch, kv_heads, max_context, sm_count),
     )
+
+
+def decode_order(context_lens: torch.Tensor) -> torch.Tensor:
+    """The rows by context length, longest first (int32): the order in which the paged decode kernel's
+    programs take them under the launch's ORDER. A GPU starts a launch's programs in grid order and a
+    program's time grows with its row's context, so a batch of uneven contexts taken in its own order can
+    end on a few long programs with the other SMs idle; longest first, the last programs to start are the
+    shortest (longest-processing-time-first scheduling)."""
+    return torch.argsort(context_lens, descending=True).to(torch.int32)
+
+
+def orders_rows(launch: dict[str, int] | None = None) -> bool:
+    """Whether the paged decode kernel takes the rows in `decode_order`: DECODE_LAUNCH's ORDER, or
+    `launch`'s over it."""
+    return bool({**DECODE_LAUNCH, **(launch or {})}["ORDER"])
 
 
 _SM_COUNTS: dict[int, int] = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fulcrum.rollout.native.decode_grid import decode_launch
+from fulcrum.rollout.native.decode_grid import decode_launch, decode_order
 
 try:
     import triton
@@ -27,10 +27,10 @@ if HAVE_TRITON:
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
         scale, window,
         stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_bt, stride_o_tok, stride_o_head,
-        cache_addr_ptr, k_offset, v_offset, part_out_ptr, part_lse_ptr,
+        cache_addr_ptr, k_offset, v_offset, part_out_ptr, part_lse_ptr, order_ptr,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         TILE: tl.constexpr, PRECISION: tl.constexpr, INDIRECT: tl.constexpr, CACHE_DTYPE: tl.constexpr,
-        SLIDING: tl.constexpr, SPLITS: tl.constexpr,
+        SLIDING: tl.constexpr, SPLITS: tl.constexpr, ORDERED: tl.constexpr,
     ):  # fmt: skip
         # One program per (sequence, KV head): the GROUP query heads that share the KV head are
         # processed together, so each K/V tile is read once. Online softmax over TILE-token tiles.
@@ -42,13 +42,22 @@ if HAVE_TRITON:
         # tiles and writes its heads' normalised partial output and log-sum-exp to part_out / part_lse
         # (B, Hq, SPLITS, D) and (B, Hq, SPLITS); _decode_combine_kernel merges them. More programs
         # for a batch whose (sequence, KV head) pairs leave the GPU's warps short of memory requests.
+        # ORDERED: the grid is (KV head, rank, split) and the rank-th program row takes sequence
+        # order[rank] (`decode_order`: longest context first), so that the GPU, which starts programs
+        # in grid order, starts the longest first and a launch does not end on one long program.
         if INDIRECT:
             # The alignment hint restores the vectorised loads that a pointer argument gets for free.
             base = tl.multiple_of(tl.load(cache_addr_ptr), 16).to(tl.pointer_type(CACHE_DTYPE))
             k_cache_ptr = base + k_offset
             v_cache_ptr = base + v_offset
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        if ORDERED:
+            seq = tl.load(order_ptr + tl.program_id(1))
+            kv_head = tl.program_id(0)
+            kv_heads = tl.num_programs(0)
+        else:
+            seq = tl.program_id(0)
+            kv_head = tl.program_id(1)
+            kv_heads = tl.num_programs(1)
         context_len = tl.load(context_lens_ptr + seq)
         group = tl.arange(0, GROUP_PAD)
         head = kv_head * GROUP + group
@@ -97,7 +106,7 @@ if HAVE_TRITON:
             read = l_i > 0
             part = tl.where(read[:, None], acc / tl.where(read, l_i, 1.0)[:, None], 0.0)
             lse = tl.where(read, m_i + tl.log(tl.where(read, l_i, 1.0)), float("-inf"))
-            row = (seq * GROUP * tl.num_programs(1) + head) * SPLITS + tl.program_id(2)  # (b, h, split)
+            row = (seq * GROUP * kv_heads + head) * SPLITS + tl.program_id(2)  # (b, h, split)
             tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dim[None, :], part, mask=head_ok[:, None])
             tl.store(part_lse_ptr + row, lse, mask=head_ok)
         else:
@@ -281,12 +290,18 @@ def _decode(
     cache_dtype: torch.dtype,
     num_kv_heads: int,
     launch: dict[str, int] | None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch _paged_decode_kernel (and, with SPLITS > 1, _decode_combine_kernel) into `out`."""
+    """Launch _paged_decode_kernel (and, with SPLITS > 1, _decode_combine_kernel) into `out`. With the
+    launch's ORDER, the programs take the rows in `order` (`decode_grid.decode_order` of the context
+    lengths, computed here when not given)."""
     batch, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
     params = decode_launch(batch, num_kv_heads, min(max_context, window or max_context), q.device, launch)
+    ordered = bool(params.pop("ORDER"))
+    if ordered and order is None:
+        order = decode_order(context_lens)
     splits = params["SPLITS"]
     if splits > 1:
         part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -294,13 +309,15 @@ def _decode(
     else:
         part_out = part_lse = out  # not written
     address, k_offset, v_offset = indirect if indirect is not None else (context_lens, 0, 0)
-    _paged_decode_kernel[(batch, num_kv_heads, splits)](
+    grid = (num_kv_heads, batch, splits) if ordered else (batch, num_kv_heads, splits)
+    _paged_decode_kernel[grid](
         q, caches[0], caches[1], block_tables, context_lens, out, scale, window or 0,
         q.stride(0), q.stride(1), cache_strides[0], cache_strides[1], block_tables.stride(0),
         out.stride(0), out.stride(1), address, k_offset, v_offset, part_out, part_lse,
+        order if ordered else context_lens,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INDIRECT=indirect is not None,
-        CACHE_DTYPE=_TL_DTYPES[cache_dtype], SLIDING=bool(window), **params,
+        CACHE_DTYPE=_TL_DTYPES[cache_dtype], SLIDING=bool(window), ORDERED=ordered, **params,
     )  # fmt: skip
     if splits > 1:
         _decode_combine_kernel[(batch, num_heads)](
@@ -321,13 +338,15 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     window: int | None = None,
     launch: dict[str, int] | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ops.decode_attention_gather. q: (B, Hq, D); caches (slots, Hkv, D) -> (B, Hq, D).
-    `launch` overrides DECODE_LAUNCH's keys (TILE, SPLITS, num_warps, num_stages; `decode_launch`)."""
+    `launch` overrides DECODE_LAUNCH's keys (TILE, SPLITS, num_warps, num_stages, ORDER; `decode_launch`);
+    `order`: the rows' `decode_grid.decode_order` where the caller has it (ORDER only)."""
     return _decode(
         q, (k_cache, v_cache), (k_cache.stride(0), k_cache.stride(1)), None, block_tables, context_lens,
         block_size, scale, torch.empty_like(q) if out is None else out, window, q.dtype, k_cache.shape[1],
-        launch,
+        launch, order,
     )  # fmt: skip
 
 
@@ -340,13 +359,14 @@ def paged_decode_attention_indirect(
     block_size: int,
     scale: float,
     window: int | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_decode_attention over layer `layer` of an IndirectCache (address read on the device)."""
     head_dim = q.shape[2]
     return _decode(
         q, (q, q), (cache.num_kv_heads * head_dim, head_dim), (cache.address, *cache.offsets(layer)),
         block_tables, context_lens, block_size, scale, torch.empty_like(q), window, cache.dtype,
-        cache.num_kv_heads, None,
+        cache.num_kv_heads, None, order,
     )  # fmt: skip
 
 

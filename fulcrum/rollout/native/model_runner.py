@@ -21,6 +21,7 @@ from fulcrum.config.keys import ConfigError
 from fulcrum.rollout.native import ops
 from fulcrum.rollout.native.attention import AttentionMetadata
 from fulcrum.rollout.native.config import EngineConfig
+from fulcrum.rollout.native.decode_grid import decode_order, orders_rows
 from fulcrum.rollout.native.kernels import HAVE_TRITON, IndirectCache
 from fulcrum.rollout.native.memory import engine_workspace_bytes, kv_cache_budget
 from fulcrum.rollout.native.models import moe
@@ -261,12 +262,14 @@ class ModelRunner:
             self.block_tables, self.row_index[:batch], self.positions[:batch], self.block_size
         )
         self.slot_mapping[:batch] = slots
+        context_lens = self.context_lens[:batch]
         meta = AttentionMetadata(
             is_prefill=False,
             slot_mapping=self.slot_mapping[:batch],
             block_size=self.block_size,
             block_tables=self.block_tables[:batch],
-            context_lens=self.context_lens[:batch],
+            context_lens=context_lens,
+            decode_order=decode_order(context_lens) if self.use_triton and orders_rows() else None,
             max_context=max_context,
             use_triton=self.use_triton,
             indirect_cache=self.indirect,
