@@ -139,6 +139,7 @@ def engine_config(
         free_cache_engine=False,  # the timed repeats run back to back over one cache
         cudagraph_capture_sizes=[sequences],
         num_kv_blocks=args.num_kv_blocks,
+        decode_order=args.decode_order,
     )
 
 

@@ -97,6 +97,7 @@ def bench_native(args, model, prompts, device, summary: dict) -> NativeEngine:
         indirect_kv_cache=args.indirect_kv_cache,
         overlap_windows=not getattr(args, "sequential_windows", False),
         num_kv_blocks=getattr(args, "num_kv_blocks", None),
+        decode_order=getattr(args, "decode_order", "batch"),
     )
     tick = time.perf_counter()
     engine = NativeEngine(model, [1], 0, config, device)
@@ -260,11 +261,18 @@ def bench_hf(args, model, prompts, device, summary: dict) -> None:
 
 
 def add_launch_options(parser: argparse.ArgumentParser) -> None:
-    """--decode-launch and --sample-launch: the kernel launches to run with (set_launches)."""
+    """--decode-launch and --sample-launch: the kernel launches to run with (set_launches); --decode-order:
+    the engine's engine_kwargs.native.decode_order."""
     parser.add_argument(
         "--decode-launch",
         default=None,
         help="JSON over decode_grid.DECODE_LAUNCH, e.g. '{\"SPLITS\": 2}' (bench/tools/attention_sweep.py's best_common)",
+    )
+    parser.add_argument(
+        "--decode-order",
+        default="batch",
+        choices=("batch", "longest_first"),
+        help="the order the decode kernel takes a step's rows in (engine_kwargs.native.decode_order)",
     )
     parser.add_argument(
         "--sample-launch",

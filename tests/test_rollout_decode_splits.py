@@ -138,4 +138,3 @@ def test_the_decode_order_takes_the_rows_longest_context_first() -> None:
     assert order.dtype == torch.int32
     assert sorted(order.tolist()) == list(range(6))  # every row once
     assert context_lens[order].tolist() == [8_192, 8_192, 300, 70, 64, 1]
-    assert not decode_grid.orders_rows() and decode_grid.orders_rows({"ORDER": 1})  # off unless launched so

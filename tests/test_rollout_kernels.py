@@ -505,14 +505,14 @@ def test_the_engine_never_reads_a_kv_slot_before_writing_it():
 
 
 def test_an_engine_taking_its_decode_rows_longest_first_samples_the_torch_paths_tokens(monkeypatch):
-    """With the decode launch's ORDER the engine's decode steps hand the kernel the rows longest context
-    first (AttentionMetadata.decode_order, once a step): prompts of 1 to 40 tokens decode side by side,
-    through chunked prefill and preemption, and the greedy tokens and log-probs are the torch path's."""
+    """`engine_kwargs.native.decode_order=longest_first`: the engine's decode steps hand the kernel the rows
+    longest context first (AttentionMetadata.decode_order, once a step): prompts of 1 to 40 tokens decode
+    side by side, through chunked prefill and preemption, and the greedy tokens and log-probs are the
+    torch path's."""
     from fulcrum.rollout import SamplingParams
     from fulcrum.rollout.native import NativeEngine, decode_grid
     from fulcrum.rollout.testing import random_causal_lm
 
-    monkeypatch.setitem(decode_grid.DECODE_LAUNCH, "ORDER", 1)
     orders = []
     monkeypatch.setattr(
         "fulcrum.rollout.native.model_runner.decode_order",
@@ -520,10 +520,15 @@ def test_an_engine_taking_its_decode_rows_longest_first_samples_the_torch_paths_
     )
     model = random_causal_lm("qwen2", init_std=0.2).to(DEVICE)
     prompts, config = chunked_engine_case(vocab=256, num_kv_blocks=12)
+    config = dataclasses.replace(config, decode_order="longest_first")
     params = SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True)
     reference = NativeEngine(model, [1], 0, dataclasses.replace(config, triton_kernels=False), DEVICE)
     expected = reference.generate(prompts, params)
     assert not orders  # the torch path has no kernel to order
+    batch_order = NativeEngine(
+        model, [1], 0, dataclasses.replace(config, decode_order="batch", triton_kernels=True), DEVICE
+    )
+    assert batch_order.generate(prompts, params).token_ids == expected.token_ids and not orders
     engine = NativeEngine(model, [1], 0, dataclasses.replace(config, triton_kernels=True), DEVICE)
     out = engine.generate(prompts, params)
     assert orders and any(len(set(lens.tolist())) > 1 for lens in orders)  # uneven contexts were ordered

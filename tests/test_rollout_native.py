@@ -294,6 +294,22 @@ def test_the_prefill_attention_key_is_read_and_a_wrong_value_named() -> None:
         engine_config_from(load_config([f"{key}=fa3"]).actor_rollout_ref.rollout, 4096)
 
 
+def test_the_decode_order_key_is_read_and_a_wrong_value_named() -> None:
+    """engine_kwargs.native.decode_order: the batch's order by default, longest_first when asked, anything
+    else refused naming the key and the values it takes."""
+    from fulcrum.config import load_config
+    from fulcrum.rollout.native.config import engine_config_from
+
+    key = "+actor_rollout_ref.rollout.engine_kwargs.native.decode_order"
+    assert engine_config_from(load_config([]).actor_rollout_ref.rollout, 4096).decode_order == "batch"
+    rollout = load_config([f"{key}=longest_first"]).actor_rollout_ref.rollout
+    assert engine_config_from(rollout, 4096).decode_order == "longest_first"
+    with pytest.raises(
+        ValueError, match=r"native\.decode_order: expected one of batch, longest_first, got 'shortest'"
+    ):
+        engine_config_from(load_config([f"{key}=shortest"]).actor_rollout_ref.rollout, 4096)
+
+
 def test_fa4_prefill_says_why_it_cannot_run() -> None:
     """FlashAttention-4 needs CUDA, the fa4 extra and a Hopper or Blackwell card: each reason names what is
     missing (this machine has no flash-attn-4 installed, and the CPU is checked first)."""

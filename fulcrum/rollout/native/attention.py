@@ -51,7 +51,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # (B, max_blocks) int32
     context_lens: torch.Tensor | None = None  # (B,) int32, the current token included
     # The rows longest context first (decode_grid.decode_order), once a step for every layer's decode
-    # kernel, when its launch takes them in that order (decode_grid.orders_rows); else None.
+    # kernel, under engine_kwargs.native.decode_order=longest_first; None: the batch's order.
     decode_order: torch.Tensor | None = None
     max_context: int = 0  # the CPU gather path's width
     use_triton: bool = False

@@ -20,6 +20,7 @@ _DTYPES |= dict(float32=torch.float32, fp32=torch.float32)
 SCHEMA = RolloutConfig()  # the defaults of verl's keys, for benchmarks and tests that build EngineConfig
 PREFILL_ATTENTION = ("flash", "cudnn", "fa4")  # engine_kwargs.native.prefill_attention's values
 HEADROOM_TOKENS = 256  # engine_kwargs.native.headroom_tokens' default (bench/tools/partial_schedule.py)
+DECODE_ORDERS = ("batch", "longest_first")  # engine_kwargs.native.decode_order's values
 
 
 def native(default: Any) -> Any:
@@ -74,6 +75,11 @@ class EngineConfig:
     # flash / SDPA) or "fa4" (FlashAttention-4's varlen forward for every prefill step, the `fa4` extra, a
     # Hopper or Blackwell card; the CPU keeps SDPA). bench/long_context.py times each.
     prefill_attention: str = native("flash")
+    # The order in which the Triton decode kernel's programs take a step's rows: "batch" (the batch's) or
+    # "longest_first" (by context length, sorted once a step on the device: a batch of uneven contexts,
+    # as partial rollouts keep, then does not end each launch on a few long programs; `decode_grid.
+    # decode_order`). bench/tools/attention_sweep.py --mixed times both.
+    decode_order: str = native("batch")
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1, f"rollout.max_num_seqs must be >= 1, got {self.max_num_seqs}"
@@ -92,6 +98,11 @@ class EngineConfig:
             raise ValueError(
                 "actor_rollout_ref.rollout.engine_kwargs.native.prefill_attention: expected one of "
                 f"{', '.join(PREFILL_ATTENTION)}, got {self.prefill_attention!r}"
+            )
+        if self.decode_order not in DECODE_ORDERS:
+            raise ValueError(
+                "actor_rollout_ref.rollout.engine_kwargs.native.decode_order: expected one of "
+                f"{', '.join(DECODE_ORDERS)}, got {self.decode_order!r}"
             )
         if self.triton_kernels not in (None, True, False):
             raise ValueError(

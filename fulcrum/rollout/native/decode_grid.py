@@ -11,7 +11,8 @@ import torch
 # (flash-decoding; 1: the kernel writes the output itself; 0: chosen per launch by `decode_splits`), and
 # Triton's num_warps and num_stages (absent: Triton's defaults). A tuned value, one launch for every model
 # shape: `bench/tools/attention_sweep.py` times the alternatives on a GPU. ORDER 1: the programs take the
-# rows longest context first (`decode_order`); 0: in the batch's order.
+# rows longest context first (`decode_order`, computed by the kernel's call unless given one: the engine
+# gives it, once a step, under `engine_kwargs.native.decode_order=longest_first`); 0: the batch's order.
 DECODE_LAUNCH: dict[str, int] = {"TILE": 64, "SPLITS": 0, "num_warps": 1, "num_stages": 4, "ORDER": 0}
 # `decode_splits`' rule. Programs wanted in a launch, per SM: a one-warp program holding a few K/V tiles in
 # flight (num_stages) leaves room for one or two such programs on an SM, and a launch of a few waves of
@@ -91,12 +92,6 @@ def decode_order(context_lens: torch.Tensor) -> torch.Tensor:
     end on a few long programs with the other SMs idle; longest first, the last programs to start are the
     shortest (longest-processing-time-first scheduling)."""
     return torch.argsort(context_lens, descending=True).to(torch.int32)
-
-
-def orders_rows(launch: dict[str, int] | None = None) -> bool:
-    """Whether the paged decode kernel takes the rows in `decode_order`: DECODE_LAUNCH's ORDER, or
-    `launch`'s over it."""
-    return bool({**DECODE_LAUNCH, **(launch or {})}["ORDER"])
 
 
 _SM_COUNTS: dict[int, int] = {}

@@ -21,7 +21,7 @@ from fulcrum.config.keys import ConfigError
 from fulcrum.rollout.native import ops
 from fulcrum.rollout.native.attention import AttentionMetadata
 from fulcrum.rollout.native.config import EngineConfig
-from fulcrum.rollout.native.decode_grid import decode_order, orders_rows
+from fulcrum.rollout.native.decode_grid import decode_order
 from fulcrum.rollout.native.kernels import HAVE_TRITON, IndirectCache
 from fulcrum.rollout.native.memory import engine_workspace_bytes, kv_cache_budget
 from fulcrum.rollout.native.models import moe
@@ -74,6 +74,9 @@ class ModelRunner:
         self.block_size = config.block_size
         hybrid = model.linear_shape is not None
         self.use_triton = use_triton_on(device, config.triton_kernels)
+        self.longest_first = (
+            config.decode_order == "longest_first"
+        )  # decode rows: AttentionMetadata.decode_order
         model.use_triton = self.use_triton
         model.fp32_logits = config.lm_head_fp32
         # A hybrid model's decode graphs also hold the recurrent states' address: recaptured after a
@@ -269,7 +272,7 @@ class ModelRunner:
             block_size=self.block_size,
             block_tables=self.block_tables[:batch],
             context_lens=context_lens,
-            decode_order=decode_order(context_lens) if self.use_triton and orders_rows() else None,
+            decode_order=decode_order(context_lens) if self.use_triton and self.longest_first else None,
             max_context=max_context,
             use_triton=self.use_triton,
             indirect_cache=self.indirect,
