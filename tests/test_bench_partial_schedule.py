@@ -22,3 +22,27 @@ def test_the_headroom_keeps_the_scheduler_from_recomputing_what_it_samples() -> 
     assert kept_figures["preemptions"] < 0.5 * greedy_figures["preemptions"]
     for a, b in zip(greedy[1:], kept[1:], strict=True):
         assert abs(a["trained_tokens"] - b["trained_tokens"]) < 0.15 * a["trained_tokens"]
+
+
+def test_a_launch_of_uneven_programs_ends_later_in_the_batch_order_than_longest_first() -> None:
+    """264 slots (132 SMs, 2 programs each), 8 KV heads: 40 sequences of 64 positions then one of 8,192.
+    In the batch's order the long one's 8 programs start last, after the 320 short ones, and end at
+    1.5 + 128.5 tiles; longest first they start at once and the short ones fill the other slots beside them."""
+    from partial_schedule import launch_balance, launch_end
+
+    assert launch_end([1, 1, 1, 5], 2) == 6 and launch_end([5, 1, 1, 1], 2) == 5
+    batch_order, longest_first, balanced = launch_balance([64] * 40 + [8192])
+    assert batch_order == 1.5 + 128.5
+    assert longest_first == 128.5
+    assert balanced == (40 * 1.5 + 128.5) * 8 / 264
+    even = launch_balance([1600 + i for i in range(300)])  # even contexts: the order changes nothing
+    assert abs(even[0] - even[1]) <= 1.0
+
+
+def test_synchronous_steps_replay_and_cost_their_launches() -> None:
+    """--batches-in-flight 1: every call trains the one batch it was given, run to its end (nothing
+    carried or preempted beside it), and its launches are costed as the partial calls' are."""
+    sync = simulate(64, 2, batches_in_flight=1)
+    assert all(row["trained_tokens"] == row["sampled_tokens"] for row in sync[1:])
+    figures = summary(sync)
+    assert figures["launch_batch_order_over_balanced"] >= figures["launch_longest_first_over_balanced"] >= 1.0
