@@ -31,7 +31,7 @@ def test_a_launch_of_uneven_programs_ends_later_in_the_batch_order_than_longest_
     from partial_schedule import launch_balance, launch_end
 
     assert launch_end([1, 1, 1, 5], 2) == 6 and launch_end([5, 1, 1, 1], 2) == 5
-    batch_order, longest_first, balanced = launch_balance([64] * 40 + [8192])
+    batch_order, longest_first, balanced = launch_balance([64] * 40 + [8192])  # one program a pair
     assert batch_order == 1.5 + 128.5
     assert longest_first == 128.5
     assert balanced == (40 * 1.5 + 128.5) * 8 / 264
@@ -46,3 +46,13 @@ def test_synchronous_steps_replay_and_cost_their_launches() -> None:
     assert all(row["trained_tokens"] == row["sampled_tokens"] for row in sync[1:])
     figures = summary(sync)
     assert figures["launch_batch_order_over_balanced"] >= figures["launch_longest_first_over_balanced"] >= 1.0
+
+
+def test_a_split_launch_shares_each_context_out_over_its_programs() -> None:
+    """Two splits: a 8,192-position context's 128 tiles are two programs of 64 (+ half a tile), a 70-position
+    context's 2 tiles one of 1 each; 16 programs a sequence of 8 KV heads, every one on its own slot."""
+    from partial_schedule import launch_balance
+
+    batch_order, longest_first, balanced = launch_balance([8192, 70], splits=2)
+    assert batch_order == longest_first == 64.5
+    assert balanced == (2 * 64.5 + 2 * 1.5) * 8 / 264

@@ -18,10 +18,10 @@ sequences preempted then recomputed), tokens sampled, preemptions, evictions of 
     python bench/tools/partial_schedule.py --batches-in-flight 1 ...  # synchronous steps, for comparison
 
 Each call also costs its decode steps' attention launches in a model of the paged decode kernel at
-Qwen3-0.6B's shape on an H100 (`launch_balance`: one program a (sequence, KV head) pair, its cost its
-context's tiles, the programs started in grid order on a fixed number of slots), in the batch's order and
-longest context first (`engine_kwargs.native.decode_order`), against the balanced bound. The contexts are
-the replay's, times `--scale`; steps narrower than the SMs are left out (the engine splits those).
+Qwen3-0.6B's shape on an H100 (`launch_balance`: the engine's split count a (sequence, KV head) pair,
+each program's cost its share of the context's tiles, the programs started in grid order on a fixed number
+of slots), in the batch's order and longest context first (`engine_kwargs.native.decode_order`), against
+the balanced bound. The contexts and the block tables' width are the replay's, times `--scale`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from long_tail import lognormal_budgets
 from fulcrum.rollout import SamplingParams
 from fulcrum.rollout.native import EngineConfig, NativeEngine
 from fulcrum.rollout.native.config import HEADROOM_TOKENS
+from fulcrum.rollout.native.decode_grid import decode_splits
 from fulcrum.rollout.partial import PartialRollout
 from fulcrum.rollout.testing import random_causal_lm
 
@@ -66,15 +67,25 @@ def launch_end(costs: Sequence[float], slots: int) -> float:
     return max(ends)
 
 
-def launch_balance(contexts: Sequence[int], kv_heads: int = KV_HEADS) -> tuple[float, float, float]:
-    """One decode step's attention launch, a program a (sequence, KV head) costing ⌈context / TILE⌉ +
-    PROGRAM_TILES tiles, on SMS · PROGRAMS_PER_SM slots: (its end in the batch's order, grid (sequence, KV
-    head): every sequence of a KV head before the next head's; its end longest context first, grid (KV head,
-    rank); the balanced bound Σ cost / slots)."""
+def launch_balance(
+    contexts: Sequence[int], splits: int = 1, kv_heads: int = KV_HEADS
+) -> tuple[float, float, float]:
+    """One decode step's attention launch on SMS · PROGRAMS_PER_SM slots, `splits` programs a (sequence, KV
+    head) pair (`decode_grid.decode_splits`), each reading its share of the context's tiles, t = ⌈⌈context
+    / TILE⌉ / splits⌉ (the last split the rest), and costing its tiles + PROGRAM_TILES: (the launch's end in
+    the batch's order, grid (sequence, KV head, split): every sequence of a KV head before the next head's,
+    a split's programs before the next split's; its end longest context first, grid (KV head, rank, split);
+    the balanced bound Σ cost / slots). The split outputs' merge is left out: both orders pay it alike."""
     slots = SMS * PROGRAMS_PER_SM
-    costs = [-(-int(c) // TILE) + PROGRAM_TILES for c in contexts]
-    batch_order = [c for _ in range(kv_heads) for c in costs]
-    longest_first = [c for c in sorted(costs, reverse=True) for _ in range(kv_heads)]
+    tiles = [-(-int(c) // TILE) for c in contexts]
+
+    def cost(n: int, split: int) -> float:
+        share = -(-n // splits)
+        return max(0, min(share, n - split * share)) + PROGRAM_TILES
+
+    batch_order = [cost(n, s) for s in range(splits) for _ in range(kv_heads) for n in tiles]
+    longest = sorted(tiles, reverse=True)
+    longest_first = [cost(n, s) for s in range(splits) for n in longest for _ in range(kv_heads)]
     return launch_end(batch_order, slots), launch_end(longest_first, slots), sum(batch_order) / slots
 
 
@@ -107,12 +118,13 @@ def simulate(
     engine = NativeEngine(model, [0], 0, config, torch.device("cpu"))
     launches = [0.0, 0.0, 0.0]
     decode_logits = engine.runner.decode_logits
+    table_positions = round(engine.runner.max_blocks_per_seq * engine.runner.block_size * scale)  # the run's
 
     def costed_decode_logits(batch: int, max_context: int) -> torch.Tensor:
-        if batch * KV_HEADS >= SMS:  # narrower steps are split (decode_grid.tail_splits), not modelled
-            contexts = (engine.runner.context_lens[:batch] * scale).tolist()
-            for i, figure in enumerate(launch_balance(contexts)):
-                launches[i] += figure
+        contexts = (engine.runner.context_lens[:batch] * scale).tolist()
+        splits = decode_splits(batch, KV_HEADS, table_positions, SMS)
+        for i, figure in enumerate(launch_balance(contexts, splits)):
+            launches[i] += figure
         return decode_logits(batch, max_context)
 
     engine.runner.decode_logits = costed_decode_logits  # type: ignore[method-assign]
