@@ -74,9 +74,8 @@ class ModelRunner:
         self.block_size = config.block_size
         hybrid = model.linear_shape is not None
         self.use_triton = use_triton_on(device, config.triton_kernels)
-        self.longest_first = (
-            config.decode_order == "longest_first"
-        )  # decode rows: AttentionMetadata.decode_order
+        # Each decode step orders its rows for the decode kernel (AttentionMetadata.decode_order).
+        self.longest_first = config.decode_order == "longest_first"
         model.use_triton = self.use_triton
         model.fp32_logits = config.lm_head_fp32
         # A hybrid model's decode graphs also hold the recurrent states' address: recaptured after a
