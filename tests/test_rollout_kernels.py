@@ -2,6 +2,8 @@
 
 Runs on a CUDA device, or on the CPU under Triton's interpreter (`TRITON_INTERPRET=1` with triton
 installed); skipped otherwise (CI has no triton: the CPU engine uses the torch twins, tested elsewhere).
+Triton 3.6's interpreter takes a one-element array's index with int(), which NumPy 2.4 refuses ("only
+0-dimensional arrays can be converted to Python scalars"): under the interpreter, NumPy below 2.4.
 """
 
 from __future__ import annotations
