@@ -540,12 +540,15 @@ def test_an_engine_taking_its_decode_rows_longest_first_samples_the_torch_paths_
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("decode_order", ["batch", "longest_first"])
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
-def test_a_hybrid_engine_on_its_triton_kernels_samples_the_torch_paths_tokens(arch):
+def test_a_hybrid_engine_on_its_triton_kernels_samples_the_torch_paths_tokens(arch, decode_order):
     """Qwen3.5 and Qwen3-Next run the engine's Triton kernels in their attention layers (RoPE on a
     quarter of each head, the rest passed through into the cache), their (1 + w) norms and the sampler,
     beside the Gated DeltaNet layers; the greedy tokens are the torch path's, through chunked prefill,
-    forks, preemption and re-prefill, with the KV cache poisoned with NaN (never zero-filled there)."""
+    forks, preemption and re-prefill, with the KV cache poisoned with NaN (never zero-filled there), the
+    attention layers' decode rows in the batch's order or longest first (the recurrent states' rows stay
+    the batch's)."""
     from arch_checks import GATED_DELTANET_SHAPE, arch_model, require_model_type
 
     from fulcrum.rollout import SamplingParams
@@ -559,6 +562,7 @@ def test_a_hybrid_engine_on_its_triton_kernels_samples_the_torch_paths_tokens(ar
     model = arch_model(arch, shape, seed=1, init_std=0.1).to(DEVICE)
     assert model.config.rope_parameters["partial_rotary_factor"] < 1
     prompts, config = chunked_engine_case(vocab=1000, num_kv_blocks=10)
+    config = dataclasses.replace(config, decode_order=decode_order)
     params = SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True)
     reference = NativeEngine(model, [1], 0, dataclasses.replace(config, triton_kernels=False), DEVICE)
     expected = reference.generate(prompts, params).token_ids
