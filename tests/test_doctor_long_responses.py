@@ -18,6 +18,19 @@ def qwen25(tmp_path: Path, tiny_model: Path) -> Path:
     return tmp_path
 
 
+def grpo_64x8_of_16k(folder: Path) -> list[str]:
+    """The seed command on the CPU as a step of 64 prompts x 8 responses of up to 16,384 tokens."""
+    return [
+        *seed_command(folder),
+        "trainer.device=cpu",
+        "data.train_batch_size=64",
+        "actor_rollout_ref.rollout.n=8",
+        "data.max_response_length=16384",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+        "critic.ppo_mini_batch_size=64",
+    ]
+
+
 def test_doctor_says_the_seed_commands_decode_floor(qwen25: Path, capsys) -> None:
     """The seed command on Qwen2.5-0.5B's shape, no card visible (an H200's 4.8 TB/s assumed): 512
     responses of 256 tokens after 512 read the bf16 weights 255 times (attention 896 x 2,048 and MLP
@@ -48,15 +61,7 @@ def test_a_cache_no_share_can_grow_enough_gets_max_num_seqs_not_a_share_above_on
     """GRPO 64 x 8 of 16k responses on a 40 GiB card: 8.4M tokens at their longest, 103 GB of K/V at
     Qwen2.5-0.5B's 12,288 B a token; the fix names the sequences that fit, never a share of the device
     above what it has."""
-    keys = [
-        *seed_command(qwen25),
-        "trainer.device=cpu",
-        "data.train_batch_size=64",
-        "actor_rollout_ref.rollout.n=8",
-        "data.max_response_length=16384",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=64",
-        "critic.ppo_mini_batch_size=64",
-    ]
+    keys = grpo_64x8_of_16k(qwen25)
     doctor.main([*keys, "--device-memory-gib", "40"])
     out = capsys.readouterr().out
     assert "the rollout preempts" in out
@@ -69,16 +74,7 @@ def test_partial_rollouts_count_every_batch_in_flight(qwen25: Path, capsys) -> N
     """Partial rollouts hold the step's prompt batch and `num_warmup_batches` more at once: GRPO 64 x 8 of
     16k responses needs 64 x 512 + 512 x 16,384 tokens synchronously, and with one warm-up batch twice the
     prompts and sequences (1,024, under the command's max_num_seqs of 1,896)."""
-    keys = [
-        *seed_command(qwen25),
-        "trainer.device=cpu",
-        "data.train_batch_size=64",
-        "actor_rollout_ref.rollout.n=8",
-        "data.max_response_length=16384",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=64",
-        "critic.ppo_mini_batch_size=64",
-        "algorithm.adv_estimator=grpo",
-    ]
+    keys = [*grpo_64x8_of_16k(qwen25), "algorithm.adv_estimator=grpo"]
     doctor.main([*keys, "--device-memory-gib", "80"])
     sync = capsys.readouterr().out
     assert f"a step's sequences at their longest need {64 * 512 + 512 * 16384:,}" in sync
