@@ -253,8 +253,8 @@ def overrides(args: argparse.Namespace, data: Path, model: Path, run: Path, budg
 
 
 def run_mode(args: argparse.Namespace, data: Path, model: Path, name: str, budget_s: float) -> dict[str, Any]:
-    """One training run of mode `name` (MODE_KEYS) of at most `budget_s` seconds; its step figures and the
-    GPU's utilisation over its last step."""
+    """One training run of mode `name` (MODE_KEYS) of at most `budget_s` seconds; its step figures, the
+    GPU's utilisation over its last step and the call's own overrides."""
     run = args.out / args.shape / f"run_{name}"
     keys = [*overrides(args, data, model, run, budget_s), *MODE_KEYS[name], *args.overrides]
     with UtilisationPoller() as poller:
@@ -266,7 +266,10 @@ def run_mode(args: argparse.Namespace, data: Path, model: Path, name: str, budge
     groups, samples = int(_key(keys, "data.train_batch_size")), int(_key(keys, "actor_rollout_ref.rollout.n"))
     figures = step_figures(steps, groups * samples)
     figures.update(utilisation_figures(poller.window(end - steps[-1]["timing_s/step"], end)))
-    return {"mode": name, "steps": len(steps), "groups": groups, "samples": samples, **figures}
+    return {
+        "mode": name, "steps": len(steps), "groups": groups, "samples": samples, **figures,
+        "overrides": list(args.overrides),
+    }  # fmt: skip
 
 
 def share_of_deadline(args: argparse.Namespace, started: float, runs_left: int) -> float:
@@ -365,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{', '.join(modes)} measured; the comparison once sync and a partial mode are in {args.out}")
         return 0
     sync = runs["sync"]
+    overrides = {mode: run.get("overrides", []) for mode, run in runs.items()}
+    if len({tuple(keys) for keys in overrides.values()}) > 1:  # modes measured in calls of other settings
+        print(
+            "the modes ran with different overrides: "
+            + "; ".join(f"{m}: {' '.join(k) or '(none)'}" for m, k in overrides.items())
+        )
     bandwidth = hbm_bandwidth(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     floor_s = (
         kv_read_floor_s(
@@ -381,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "shape": args.shape,
         "kv_read_floor_s": floor_s,
+        "overrides": overrides,
         "budgets": {
             "distribution": "log-normal",
             "median": args.median,

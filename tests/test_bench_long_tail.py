@@ -56,6 +56,7 @@ def test_the_smoke_run_compares_both_modes(tmp_path: Path, capsys: pytest.Captur
     assert "| **trained response tok/s** |" in out.split("|---|")[1].splitlines()[1]  # the first row
     assert "| engine's sampled tok/s while generating |" in out
     assert "| the same, all tokens over all the time |" in out
+    assert summary["overrides"] == {"sync": [], "partial": []} and "different overrides" not in out
 
 
 def test_the_kv_read_floor_is_the_k_v_each_response_reads_over_its_decode_steps() -> None:
@@ -87,11 +88,15 @@ def test_the_modes_can_run_in_two_calls_over_one_folder(
     sync_path = out / "qwen3-0.6b/sync.json"
     older = {k: v for k, v in json.loads(sync_path.read_text()).items() if k != "tok_per_s_total"}
     sync_path.write_text(json.dumps(older))
-    assert main(["--smoke", "--out", str(out), "--modes", "partial", "--json", str(summary_path)]) == 0
+    order = "+actor_rollout_ref.rollout.engine_kwargs.native.decode_order=longest_first"
+    assert main(["--smoke", "--out", str(out), "--modes", "partial", "--json", str(summary_path), order]) == 0
     summary = json.loads(summary_path.read_text())
+    assert summary["overrides"] == {"sync": [], "partial": [order]}  # each mode's call, said when they differ
     assert summary["over_sync"]["partial"]["tok_per_s_total_ratio"] is None
     assert summary["over_sync"]["partial"]["tok_per_s_ratio"] > 0
-    assert "| the same, all tokens over all the time | n/a |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| the same, all tokens over all the time | n/a |" in printed
+    assert f"the modes ran with different overrides: sync: (none); partial: {order}" in printed
     assert summary["sync"] == json.loads((out / "qwen3-0.6b/sync.json").read_text())
     assert summary["sync"]["carried_token_share"] == 0 and summary["partial"]["carried_token_share"] > 0
     with pytest.raises(SystemExit):
