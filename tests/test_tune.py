@@ -50,10 +50,34 @@ def test_levers_of_the_seed_command() -> None:
     assert levers["gpu_memory_utilization"] == [{"actor_rollout_ref.rollout.gpu_memory_utilization": "0.8"}]
     on_cpu = {lever.name for lever in tune.levers_for(cfg, on_cuda=False)}
     assert "gpu_memory_utilization" not in on_cpu  # the CPU's KV cache is not sized from it
+    assert "decode_order" not in levers  # 256-token responses grow together
     waves = load_config([*seed_command(), "actor_rollout_ref.rollout.max_num_seqs=256"])
     assert {"actor_rollout_ref.rollout.max_num_seqs": "512"} in next(
         lever.candidates for lever in tune.levers_for(waves, on_cuda=True) if lever.name == "max_num_seqs"
     )
+
+
+def test_long_or_partial_rollouts_probe_the_decode_order() -> None:
+    """The decode kernel's row order is probed where a decode batch's contexts are uneven: responses of
+    LONG_RESPONSE tokens or more, or partial rollouts; on CUDA only, and not when already longest first."""
+    key = "actor_rollout_ref.rollout.engine_kwargs.native.decode_order"
+
+    def levers(*extra: str, on_cuda: bool = True) -> dict:
+        cfg = load_config([*seed_command(), *extra])
+        return {lever.name: lever.candidates for lever in tune.levers_for(cfg, on_cuda=on_cuda)}
+
+    long = f"data.max_response_length={tune.LONG_RESPONSE}"
+    assert levers(long)["decode_order"] == [{key: "longest_first"}]
+    partial = [
+        "trainer.use_v1=True",
+        "trainer.v1.trainer_mode=colocate_async",
+        "algorithm.adv_estimator=grpo",
+    ]
+    assert levers(*partial)["decode_order"] == [{key: "longest_first"}]
+    assert "decode_order" not in levers(long, on_cuda=False)
+    assert "decode_order" not in levers(long, f"+{key}=longest_first")
+    cfg = load_config([*seed_command(), long, f"{key}=longest_first"])
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs["native"]["decode_order"] == "longest_first"
 
 
 def test_outcome_of_a_trial() -> None:

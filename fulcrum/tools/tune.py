@@ -20,7 +20,8 @@ to its `trials.json`.
 
 Levers (docs/levers.md): micro (every micro-batch size together), checkpointing, dynamic (dynamic batches
 with token budgets of 2-8 longest sequences), max_num_seqs, max_num_batched_tokens and
-gpu_memory_utilization (the native engine on CUDA only).
+gpu_memory_utilization (the native engine on CUDA only), and decode_order (the native engine on CUDA, under
+partial rollouts or responses of LONG_RESPONSE tokens or more).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fulcrum.config import ConfigError, FulcrumConfig, load_config, uses_critic, uses_reference, world_size
+from fulcrum.config.schema_v1 import partial_rollouts_on
 from fulcrum.tools.tune_trial import (
     STOPPED,
     TRIALS_FILE,
@@ -53,6 +55,11 @@ USAGE = (
     "fulcrum tune [--steps N] [--levers L1,L2] [--max-trials N] [--trial-timeout S] [--time-budget S] "
     "[--work-dir DIR] [KEY=VALUE ...]"
 )
+
+
+# Responses this long (tokens) leave a decode batch's contexts uneven enough for the decode kernel's row
+# order to matter (`engine_kwargs.native.decode_order`); shorter ones grow together.
+LONG_RESPONSE = 2048
 
 
 @dataclass
@@ -133,6 +140,11 @@ def levers_for(cfg: FulcrumConfig, on_cuda: bool) -> list[Lever]:
                     [{rollout.key("gpu_memory_utilization"): str(f)} for f in fractions],
                 )
             )
+            uneven = partial_rollouts_on(cfg.trainer) or rollout.response_length >= LONG_RESPONSE
+            order = (rollout.engine_kwargs.get("native") or {}).get("decode_order", "batch")
+            if uneven and order != "longest_first":
+                key = f"{rollout.key('engine_kwargs')}.native.decode_order"
+                levers.append(Lever("decode_order", [{key: "longest_first"}]))
     return [lever for lever in levers if lever.candidates]
 
 
