@@ -33,24 +33,27 @@ def tol(dtype: torch.dtype) -> dict[str, float]:
     return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
 
 
+# (launch, rows longest first)
 SPLIT_LAUNCHES = [
-    None,
-    {"TILE": 16, "SPLITS": 3},
-    {"TILE": 64, "SPLITS": 4},
-    {"TILE": 16, "SPLITS": 1, "ORDER": 1},
-    {"TILE": 16, "SPLITS": 3, "ORDER": 1},
+    (None, False),
+    ({"TILE": 16, "SPLITS": 3}, False),
+    ({"TILE": 64, "SPLITS": 4}, False),
+    ({"TILE": 16, "SPLITS": 1}, True),
+    ({"TILE": 16, "SPLITS": 3}, True),
 ]
 SPLIT_IDS = ["one-program", "splits-3-of-16", "splits-4-of-64", "longest-first", "longest-first-splits-3"]
 
 
-@pytest.mark.parametrize("launch", SPLIT_LAUNCHES, ids=SPLIT_IDS)
+@pytest.mark.parametrize(("launch", "longest_first"), SPLIT_LAUNCHES, ids=SPLIT_IDS)
 @pytest.mark.parametrize("window", [None, 20], ids=["full", "sliding-window"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_decode_attention_matches_gather_sdpa(dtype, window, launch):
+def test_paged_decode_attention_matches_gather_sdpa(dtype, window, launch, longest_first):
     """With a window of 20 the contexts of 70 and 112 tokens start inside a tile and a block. Split
     over several programs a context's tiles are shared out unevenly, and some splits read nothing (a
-    one-token context, four splits of one 64-token tile). Longest first (ORDER), the programs take the
-    rows in the reverse of the batch's order, and each row's output still lands in its own row."""
+    one-token context, four splits of one 64-token tile). Longest first (`decode_order` given), the
+    programs take the rows in the reverse of the batch's order, and each row's output still lands in its
+    own row."""
+    from fulcrum.rollout.native.decode_grid import decode_order
     from fulcrum.rollout.native.kernels import paged_decode_attention
 
     torch.manual_seed(0)
@@ -61,8 +64,9 @@ def test_paged_decode_attention_matches_gather_sdpa(dtype, window, launch):
     context = torch.tensor([1, 15, 16, 70, 112], device=DEVICE, dtype=torch.int32)
     q = torch.randn(batch, heads, dim, device=DEVICE, dtype=dtype)
     expected = ops.decode_attention_gather(q, k_cache, v_cache, tables, context, 112, block, 0.125, window)
+    order = decode_order(context) if longest_first else None
     got = paged_decode_attention(
-        q, k_cache, v_cache, tables, context, block, 0.125, window=window, launch=launch
+        q, k_cache, v_cache, tables, context, block, 0.125, window=window, launch=launch, order=order
     )
     torch.testing.assert_close(got, expected, **tol(dtype))
 
@@ -76,7 +80,6 @@ def test_paged_decode_attention_over_an_indirect_cache_matches_gather_sdpa(monke
 
     monkeypatch.setitem(decode_grid.DECODE_LAUNCH, "SPLITS", splits)
     monkeypatch.setitem(decode_grid.DECODE_LAUNCH, "TILE", 16)
-    monkeypatch.setitem(decode_grid.DECODE_LAUNCH, "ORDER", order)
     torch.manual_seed(1)
     batch, heads, kv_heads, dim, block, layers = 3, 14, 2, 64, 16, 2
     cache = torch.randn(layers, 2, 20 * block, kv_heads, dim, device=DEVICE, dtype=torch.float32)
@@ -86,7 +89,8 @@ def test_paged_decode_attention_over_an_indirect_cache_matches_gather_sdpa(monke
     context = torch.tensor([3, 40, 77], device=DEVICE, dtype=torch.int32)
     q = torch.randn(batch, heads, dim, device=DEVICE)
     expected = ops.decode_attention_gather(q, cache[1, 0], cache[1, 1], tables, context, 80, block, 0.125)
-    got = kernels.paged_decode_attention_indirect(q, indirect, 1, tables, context, block, 0.125)
+    rows = decode_grid.decode_order(context) if order else None
+    got = kernels.paged_decode_attention_indirect(q, indirect, 1, tables, context, block, 0.125, order=rows)
     torch.testing.assert_close(got, expected, **tol(torch.float32))
 
 

@@ -28,9 +28,9 @@ engine's would (`default_splits`).
 times wide batches of long, uneven contexts instead (`MIXED_CASES`): partial rollouts keep sequences
 thousands of tokens long beside ones just begun, where a synchronous step's sequences grow together. Each
 shape at contexts drawn log-uniformly over 64-8,192 and, as the control, evenly over 1,536-1,792, the
-block tables 8,448 positions wide (an engine for 8k responses); SPLITS 1-8 and ORDER 0 and 1 (the rows in
-the batch's order or longest context first, `decode_grid.decode_order`, given to the kernel as the engine
-gives it once a step; `order_us`: the ordering's own time), one layer's call timed alone. Where one
+block tables 8,448 positions wide (an engine for 8k responses); SPLITS 1-8, each with the rows in the
+batch's order and longest context first (`order` 0 and 1: `decode_grid.decode_order`, given to the kernel
+as the engine gives it once a step; `order_us`: the ordering's own time), one layer's call timed alone. Where one
 program a (sequence, KV head) pair is the default (`decode_grid.wide_splits` at these widths), the longest
 pair's program may outlast the rest of the launch.
 """
@@ -226,7 +226,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.tail:
         cases = [(*case, False) for case in TAIL_CASES]
-        grid = itertools.product((32, 64, 128), (1, 2, 4), (2, 4), (1, 2, 4, 8), (0,))
+        grid = itertools.product((32, 64, 128), (1, 2, 4), (2, 4), (1, 2, 4, 8), (0,))  # batch's order
         timer, table_positions = time_graph, TAIL_TABLE_POSITIONS
     elif args.mixed:
         cases = MIXED_CASES
@@ -236,8 +236,8 @@ def main() -> None:
         cases = [(*shape, (PROMPT[0], PROMPT[1] + RESPONSE), False) for shape in SHAPES]
         grid = itertools.product((32, 64, 128), (1, 2, 4), (2, 3, 4), (1, 2), (0,))
         timer, table_positions = time_call, 0
-    launches = [
-        {"TILE": tile, "SPLITS": splits, "num_warps": warps, "num_stages": stages, "ORDER": order}
+    launches = [  # a kernel launch, and 1 where its rows go longest first
+        ({"TILE": tile, "SPLITS": splits, "num_warps": warps, "num_stages": stages}, order)
         for tile, warps, stages, splits, order in grid
     ]
     results = []
@@ -254,33 +254,45 @@ def main() -> None:
         )
         kv_bytes = batch.pop("kv_bytes")
         scale = dim**-0.5
-        # The engine orders the rows once a decode step for all its layers: an ORDER launch is timed
-        # with the order given (a given order is taken whatever the launch says), the ordering apart.
-        order = decode_grid.decode_order(batch["context_lens"])
+        # The engine orders the rows once a decode step for all its layers: an ordered launch is timed
+        # with the order given, the ordering apart.
+        longest_first = decode_grid.decode_order(batch["context_lens"])
         order_us = time_call(lambda lens=batch["context_lens"]: decode_grid.decode_order(lens))
 
         def run(
-            launch: dict[str, int] | None, batch: dict = batch, scale: float = scale, order=order
+            launch: dict[str, int] | None,
+            ordered: int = 0,
+            batch: dict = batch,
+            scale: float = scale,
+            longest_first: torch.Tensor = longest_first,
         ) -> torch.Tensor:
-            ordered = bool(launch and launch.get("ORDER"))
+            order = longest_first if ordered else None
             return kernels.paged_decode_attention(
-                **batch, block_size=BLOCK, scale=scale, launch=launch, order=order if ordered else None
+                **batch, block_size=BLOCK, scale=scale, launch=launch, order=order
             )
 
         reference = run(None)
         default_us = timer(lambda: run(None))
         rows = []
-        for launch in launches:
+        for launch, ordered in launches:
             timed = checked_us(
-                f"{name} {launch}",
-                lambda launch=launch: run(launch),
+                f"{name} {launch} order {ordered}",
+                lambda launch=launch, ordered=ordered: run(launch, ordered),
                 lambda got, ref=reference: torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2),
                 timer,
             )
             if timed is None:
                 continue
             us = timed[0]
-            rows.append({"shape": name, **launch, "us": round(us, 2), "tb_s": round(kv_bytes / us / 1e6, 3)})
+            rows.append(
+                {
+                    "shape": name,
+                    **launch,
+                    "order": ordered,
+                    "us": round(us, 2),
+                    "tb_s": round(kv_bytes / us / 1e6, 3),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
         best = min(rows, key=lambda r: r["us"])
         summary = {
@@ -298,7 +310,7 @@ def main() -> None:
         }
         print(json.dumps(summary), flush=True)
         results.append({"summary": summary, "rows": rows})
-    common = best_common(results, ("TILE", "SPLITS", "num_warps", "num_stages", "ORDER"))
+    common = best_common(results, ("TILE", "SPLITS", "num_warps", "num_stages", "order"))
     report_common(results, common, "shapes", args.json)
 
 

@@ -10,10 +10,8 @@ import torch
 # The paged decode kernel's launch: TILE positions a loop iteration, SPLITS programs a (sequence, KV head)
 # (flash-decoding; 1: the kernel writes the output itself; 0: chosen per launch by `decode_splits`), and
 # Triton's num_warps and num_stages (absent: Triton's defaults). A tuned value, one launch for every model
-# shape: `bench/tools/attention_sweep.py` times the alternatives on a GPU. ORDER 1: the programs take the
-# rows longest context first (`decode_order`, computed by the kernel's call unless given one: the engine
-# gives it, once a step, under `engine_kwargs.native.decode_order=longest_first`); 0: the batch's order.
-DECODE_LAUNCH: dict[str, int] = {"TILE": 64, "SPLITS": 0, "num_warps": 1, "num_stages": 4, "ORDER": 0}
+# shape: `bench/tools/attention_sweep.py` times the alternatives on a GPU.
+DECODE_LAUNCH: dict[str, int] = {"TILE": 64, "SPLITS": 0, "num_warps": 1, "num_stages": 4}
 # `decode_splits`' rule. Programs wanted in a launch, per SM: a one-warp program holding a few K/V tiles in
 # flight (num_stages) leaves room for one or two such programs on an SM, and a launch of a few waves of
 # long programs idles every SM but a few in its last wave, so the grid is made several waves deep.
@@ -86,8 +84,8 @@ def decode_splits(batch: int, kv_heads: int, max_context: int, sm_count: int) ->
 
 
 def decode_order(context_lens: torch.Tensor) -> torch.Tensor:
-    """The rows by context length, longest first (int32): the order in which the paged decode kernel's
-    programs take them under the launch's ORDER. A GPU starts a launch's programs in grid order and a
+    """The rows by context length, longest first (int32): the order the paged decode kernel's programs
+    take them in when given it (`engine_kwargs.native.decode_order=longest_first`). A GPU starts a launch's programs in grid order and a
     program's time grows with its row's context, so a batch of uneven contexts taken in its own order can
     end on a few long programs with the other SMs idle; longest first, the last programs to start are the
     shortest (longest-processing-time-first scheduling)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fulcrum.rollout.native.decode_grid import decode_launch, decode_order
+from fulcrum.rollout.native.decode_grid import decode_launch
 
 try:
     import triton
@@ -293,15 +293,12 @@ def _decode(
     order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch _paged_decode_kernel (and, with SPLITS > 1, _decode_combine_kernel) into `out`. Given an
-    `order`, or with the launch's ORDER, the programs take the rows in that order (`decode_grid.
-    decode_order` of the context lengths, computed here when not given)."""
+    `order` (`decode_grid.decode_order`), the programs take the rows in that order."""
     batch, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
     params = decode_launch(batch, num_kv_heads, min(max_context, window or max_context), q.device, launch)
-    ordered = bool(params.pop("ORDER")) or order is not None
-    if ordered and order is None:
-        order = decode_order(context_lens)
+    ordered = order is not None
     splits = params["SPLITS"]
     if splits > 1:
         part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -341,9 +338,8 @@ def paged_decode_attention(
     order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ops.decode_attention_gather. q: (B, Hq, D); caches (slots, Hkv, D) -> (B, Hq, D).
-    `launch` overrides DECODE_LAUNCH's keys (TILE, SPLITS, num_warps, num_stages, ORDER; `decode_launch`);
-    `order`: the order the programs take the rows in (`decode_grid.decode_order`), None for the batch's
-    (or, with ORDER, computed here)."""
+    `launch` overrides DECODE_LAUNCH's keys (TILE, SPLITS, num_warps, num_stages; `decode_launch`);
+    `order`: the order the programs take the rows in (`decode_grid.decode_order`), None for the batch's."""
     return _decode(
         q, (k_cache, v_cache), (k_cache.stride(0), k_cache.stride(1)), None, block_tables, context_lens,
         block_size, scale, torch.empty_like(q) if out is None else out, window, q.dtype, k_cache.shape[1],

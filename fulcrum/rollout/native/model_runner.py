@@ -74,8 +74,8 @@ class ModelRunner:
         self.block_size = config.block_size
         hybrid = model.linear_shape is not None
         self.use_triton = use_triton_on(device, config.triton_kernels)
-        # Each decode step orders its rows for the decode kernel (AttentionMetadata.decode_order).
-        self.longest_first = config.decode_order == "longest_first"
+        # Each decode step orders its rows for the Triton decode kernel (AttentionMetadata.decode_order).
+        self.order_rows = self.use_triton and config.decode_order == "longest_first"
         model.use_triton = self.use_triton
         model.fp32_logits = config.lm_head_fp32
         # A hybrid model's decode graphs also hold the recurrent states' address: recaptured after a
@@ -271,7 +271,7 @@ class ModelRunner:
             block_size=self.block_size,
             block_tables=self.block_tables[:batch],
             context_lens=context_lens,
-            decode_order=decode_order(context_lens) if self.use_triton and self.longest_first else None,
+            decode_order=decode_order(context_lens) if self.order_rows else None,
             max_context=max_context,
             use_triton=self.use_triton,
             indirect_cache=self.indirect,

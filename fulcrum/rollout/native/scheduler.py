@@ -10,7 +10,8 @@ the cache cannot hold them, the most recently admitted sequences are preempted: 
 released and they go back to the front of the queue, to be recomputed from their tokens (vLLM's
 "recompute" preemption). A finished sequence's surplus tokens of the window are dropped. A prompt (or
 a preempted sequence) is admitted only into the blocks left once every running sequence, and every one
-the same prefill step admitted before it, has room for its next `headroom_tokens` tokens (or the rest of its max_tokens): admitted into the blocks a finished
+the same prefill step admitted before it, has room for its next `headroom_tokens` tokens (or the rest of
+its max_tokens): admitted into the blocks a finished
 sequence gave back, it would be the first preempted as the others grow, and recomputed again when the
 next one finishes (partial rollouts over a full cache re-prefilled as many tokens as they sampled so:
 `bench/tools/partial_schedule.py`).
